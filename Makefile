@@ -1,0 +1,29 @@
+# Two commands are all a learner needs:
+#   make lab    install into .venv (created if missing) and open the course in JupyterLab
+#   make test   install the same way and run the whole suite: unit tests, then every notebook
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: lab test install strip learner bench
+
+lab: $(STAMP)
+	$(BIN)/jupyter lab notebooks/
+
+test: $(STAMP)
+	$(BIN)/pytest
+
+install: $(STAMP)
+
+# Reinstall only when the dependency list changes.
+$(STAMP): requirements.txt
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "Python 3.11 or newer is needed (found %s)" % sys.version.split()[0])'
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --upgrade pip
+	$(BIN)/python -m pip install -r requirements.txt
+	touch $(STAMP)
+
+# Notebooks are committed without outputs (tests/test_repo.py checks).
+strip: $(STAMP)
+	$(BIN)/nbstripout notebooks/*.ipynb

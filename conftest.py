@@ -1,0 +1,32 @@
+"""pytest set-up shared by the unit tests and the notebooks (run through nbval).
+
+- Without a CUDA GPU, TRITON_INTERPRET=1 is set here, before any test module defines a Triton kernel.
+- Notebook cells that start with `%%gpu`, and tests marked `@pytest.mark.gpu`, are reported as skipped on a
+  machine without a CUDA GPU (in Jupyter the `%%gpu` magic skips them with a message).
+"""
+import os
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU; skipped without one")
+
+
+def is_gpu_cell(item) -> bool:
+    cell = getattr(item, "cell", None)  # nbval's notebook-cell items carry their cell
+    return cell is not None and cell.get("source", "").lstrip().startswith("%%gpu")
+
+
+def pytest_collection_modifyitems(config, items):
+    if CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords or is_gpu_cell(item):
+            item.add_marker(skip)

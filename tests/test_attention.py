@@ -1,0 +1,106 @@
+"""Every implementation in the registry against the float64 reference, on the shapes this device can afford.
+
+On a CPU the shapes are small (Triton kernels run in the interpreter); on a GPU larger ones join them.
+"""
+import pytest
+import torch
+
+from utils.attention import REGISTRY, implementations
+from utils.testing import assert_attention_matches_reference, random_qkv
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+IMPLS = implementations(DEVICE)
+
+# (batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim): seqlen 1, lengths that are not a multiple of any
+# block, Nq != Nk both ways (Nq > Nk leaves fully masked rows when causal), GQA and MQA, head dims 80 and 96.
+SHAPES = [
+    (1, 1, 1, 1, 1, 16),
+    (2, 2, 2, 17, 17, 32),
+    (1, 4, 2, 64, 64, 64),
+    (1, 2, 1, 33, 70, 80),
+    (1, 2, 2, 70, 33, 96),
+    (1, 2, 2, 128, 128, 128),
+]
+if CUDA:
+    SHAPES += [
+        (2, 8, 8, 1000, 1000, 64),
+        (2, 8, 2, 128, 1000, 128),
+        (1, 4, 4, 1000, 128, 256),
+        (4, 16, 16, 1024, 1024, 64),
+        (1, 8, 1, 4096, 4096, 128),
+    ]
+
+
+def cases():
+    for name in IMPLS:
+        impl = REGISTRY[name]
+        for b, h, hk, nq, nk, d in SHAPES:
+            if impl.head_dims is not None and d not in impl.head_dims or (hk != h and not impl.gqa):
+                continue
+            for causal in (False, True) if impl.causal else (False,):
+                for dtype in impl.dtypes:
+                    for layout in ("bhnd", "bnhd"):
+                        tag = f"{name}-{b}x{h}/{hk}x{nq}x{nk}x{d}-{'causal' if causal else 'full'}-" \
+                              f"{str(dtype)[6:]}-{layout}"
+                        yield pytest.param(name, (b, h, hk, nq, nk, d), causal, dtype, layout, id=tag)
+
+
+def make_inputs(shape, dtype, layout, seed=0):
+    b, h, hk, nq, nk, d = shape
+    q, k, v = random_qkv(b, h, nq, nk, d, kv_heads=hk, dtype=dtype, device=DEVICE, seed=seed)
+    if layout == "bnhd":  # views of a (batch, seq, heads, head_dim) buffer: not contiguous
+        q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    return q, k, v
+
+
+@pytest.mark.parametrize("name,shape,causal,dtype,layout", list(cases()))
+def test_matches_reference(name, shape, causal, dtype, layout):
+    q, k, v = make_inputs(shape, dtype, layout)
+    out = assert_attention_matches_reference(IMPLS[name], q, k, v, causal=causal)
+    assert out.dtype == dtype and out.device == q.device
+
+
+@pytest.mark.parametrize("name", list(IMPLS))
+def test_custom_scale(name):
+    q, k, v = make_inputs((1, 2, 2, 16, 16, 64), torch.float32, "bhnd")
+    assert_attention_matches_reference(IMPLS[name], q, k, v, sm_scale=0.05)
+
+
+@pytest.mark.parametrize("name", list(IMPLS))
+def test_large_logits_stay_finite(name):
+    """Scores far beyond exp's range: a correct softmax subtracts the row maximum first."""
+    q, k, v = make_inputs((1, 2, 2, 32, 32, 64), torch.float32, "bhnd")
+    q = q * 30  # scores of order 1e3-1e4 after the 1/8 scale
+    out = assert_attention_matches_reference(IMPLS[name], q, k, v, causal=True)
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("name", list(IMPLS))
+def test_bad_inputs_raise_clear_errors(name):
+    fn = IMPLS[name]
+    q, k, v = make_inputs((1, 4, 4, 8, 8, 64), torch.float32, "bhnd")
+    with pytest.raises(ValueError, match="q must have 4 dims"):
+        fn(q[0], k, v)
+    with pytest.raises(TypeError, match="k has dtype"):
+        fn(q, k.double() if q.dtype != torch.float64 else k.float(), v)
+    with pytest.raises(ValueError, match="not a multiple"):
+        fn(q, k[:, :3], v[:, :3])
+    with pytest.raises(ValueError, match="empty"):
+        fn(q[:, :, :0], k, v)
+    with pytest.raises(TypeError, match="q must be a torch.Tensor"):
+        fn(q.tolist(), k, v)
+    head_dims = REGISTRY[name].head_dims
+    if head_dims is not None:
+        d = next(d for d in range(8, 512, 8) if d not in head_dims)
+        q, k, v = make_inputs((1, 1, 1, 8, 8, d), torch.float32, "bhnd")
+        with pytest.raises(ValueError, match="head_dim"):
+            fn(q, k, v)
+
+
+def test_registry_entries_are_well_formed():
+    for name, impl in REGISTRY.items():
+        assert impl.name == name and ":" in impl.target and impl.runs_on in ("any", "triton", "cuda")
+    assert {"sdpa", "naive"} <= set(implementations("cpu"))
+    with pytest.raises(TypeError):
+        implementations(0)

@@ -1,0 +1,67 @@
+import os
+
+import pytest
+import torch
+
+from utils import bootstrap
+from utils.bootstrap import Env, default_dtype, misspelt_interpret_vars, run_gpu_cell
+
+
+@pytest.mark.parametrize("capability,dtype", [(None, torch.float32), ((7, 5), torch.float16),
+                                              ((8, 0), torch.bfloat16), ((9, 0), torch.bfloat16)])
+def test_default_dtype(capability, dtype):
+    assert default_dtype(capability) is dtype
+
+
+def test_misspelt_interpret_vars():
+    env = {"TRITON_INTERPRETED": "1", "TRITON_INTERPRET": "1", "TRITON_INTERPETER": "1", "TRITON_CACHE_DIR": "x"}
+    assert misspelt_interpret_vars(env) == ["TRITON_INTERPETER", "TRITON_INTERPRETED"]
+
+
+def test_setup_on_this_machine(capsys):
+    env = bootstrap.setup()
+    line = capsys.readouterr().out
+    assert line.count("\n") == 1 and f"device={env.device}" in line
+    assert env.on_gpu == torch.cuda.is_available()
+    if not env.on_gpu:
+        assert os.environ["TRITON_INTERPRET"] == "1" and env.interpret
+        assert env.dtype is torch.float32
+    assert env.pick(cpu=1, gpu=2) == (2 if env.on_gpu else 1)
+
+
+def test_pick():
+    cpu = Env(torch.device("cpu"), torch.float32, None, None, True, False)
+    gpu = Env(torch.device("cuda"), torch.bfloat16, "H200", (9, 0), False, False)
+    assert cpu.pick(cpu=64, gpu=4096) == 64 and gpu.pick(cpu=64, gpu=4096) == 4096
+
+
+def test_colab_installs_only_missing_extras(monkeypatch):
+    """With Colab detected, setup() pip-installs only the extras that cannot be imported, never torch."""
+    calls = []
+    monkeypatch.setattr(bootstrap, "in_colab", lambda: True)
+    monkeypatch.setattr(bootstrap, "COLAB_EXTRAS", {"einops": "einops", "surely_not_installed_xyz": "xyz-pkg"})
+    monkeypatch.setattr(bootstrap.subprocess, "run", lambda cmd, check: calls.append(cmd))
+    env = bootstrap.setup(quiet=True)
+    assert env.colab
+    assert len(calls) == 1 and calls[0][-1] == "xyz-pkg" and "torch" not in calls[0]
+
+
+def test_run_gpu_cell_skips_without_gpu(capsys):
+    ns = {}
+    assert run_gpu_cell("x = 1\nx + 1", ns, gpu=False) is None
+    assert "x" not in ns and "skipped" in capsys.readouterr().out
+
+
+def test_run_gpu_cell_runs_and_returns_last_expression():
+    ns = {}
+    assert run_gpu_cell("x = 20\nx + 1", ns, gpu=True) == 21 and ns["x"] == 20
+    assert run_gpu_cell("y = 3", ns, gpu=True) is None and ns["y"] == 3
+
+
+def test_run_gpu_cell_raises_errors():
+    with pytest.raises(ZeroDivisionError):
+        run_gpu_cell("1 / 0", {}, gpu=True)
+
+
+def test_gpu_magic_outside_ipython():
+    assert bootstrap.register_gpu_magic() is False

@@ -1,0 +1,99 @@
+import pytest
+import torch
+
+from utils.bench import attention_flops, benchmark, tflops
+from utils.exercises import check
+from utils.plotting import save_figure, use_course_style
+from utils.testing import assert_attention_matches_reference, assert_close, random_qkv, tolerances
+from utils.reference import naive_attention
+
+
+def test_attention_flops():
+    assert attention_flops(1, 1, 2, 3, 4) == 4 * 2 * 3 * 4
+    assert attention_flops(2, 3, 8, 8, 16, causal=True) == 4 * 2 * 3 * 8 * 8 * 16 / 2
+    assert attention_flops(1, 1, 8, 8, 8, mode="bwd") == 2.5 * attention_flops(1, 1, 8, 8, 8)
+    assert attention_flops(1, 1, 8, 8, 8, mode="fwd_bwd") == 3.5 * attention_flops(1, 1, 8, 8, 8)
+
+
+@pytest.mark.parametrize("args,kwargs,error", [((0, 1, 1, 1, 1), {}, ValueError), ((1.0, 1, 1, 1, 1), {}, TypeError),
+                                               ((1, 1, 1, 1, 1), {"mode": "back"}, ValueError)])
+def test_attention_flops_rejects_bad_input(args, kwargs, error):
+    with pytest.raises(error):
+        attention_flops(*args, **kwargs)
+
+
+def test_benchmark_on_cpu():
+    x = torch.randn(64, 64)
+    ms = benchmark(torch.matmul, x, x, rep=20)
+    assert 0 < ms < 1000
+    with pytest.raises(TypeError):
+        benchmark("not callable")
+
+
+@pytest.mark.gpu
+def test_benchmark_on_gpu():
+    x = torch.randn(256, 256, device="cuda")
+    assert 0 < benchmark(torch.matmul, x, x) < 100
+
+
+def test_tflops():
+    assert tflops(2e12, 1000.0) == pytest.approx(2.0)
+    with pytest.raises(ValueError):
+        tflops(1.0, 0.0)
+
+
+def test_tolerances_and_assert_close():
+    assert tolerances(torch.bfloat16)["atol"] > tolerances(torch.float16)["atol"] > tolerances(torch.float32)["atol"]
+    with pytest.raises(TypeError):
+        tolerances(torch.int8)
+    a = torch.ones(4)
+    assert_close(a + 1e-4, a, dtype=torch.float32)
+    with pytest.raises(AssertionError):
+        assert_close(a + 1e-1, a, dtype=torch.float32)
+
+
+def test_random_qkv_shapes_and_seed():
+    q, k, v = random_qkv(2, 8, 5, 7, 16, kv_heads=2, dtype=torch.float16)
+    assert q.shape == (2, 8, 5, 16) and k.shape == v.shape == (2, 2, 7, 16) and q.dtype == torch.float16
+    assert torch.equal(random_qkv(seed=3)[0], random_qkv(seed=3)[0])
+
+
+def test_assert_attention_matches_reference_catches_wrong_results():
+    q, k, v = random_qkv(1, 2, 8, 8, 16)
+    assert_attention_matches_reference(naive_attention, q, k, v, causal=True)
+    with pytest.raises(AssertionError):
+        assert_attention_matches_reference(lambda q, k, v, **kw: naive_attention(q, k, v) * 1.1, q, k, v)
+
+
+def test_check_reports_three_outcomes(capsys):
+    def right():
+        assert 1 + 1 == 2
+
+    def not_yet():
+        raise NotImplementedError
+
+    def wrong():
+        assert 1 + 1 == 3, "1 + 1 is 2"
+
+    assert check("a", hint="h")(right) == "right"
+    assert check("b", hint="think")(not_yet) == "not yet"
+    with pytest.raises(AssertionError):
+        check("c", hint="add")(wrong)
+    out = capsys.readouterr().out
+    assert "✓ a" in out and "b: not yet. Hint: think" in out and "✗ c: 1 + 1 is 2" in out and "Hint: add" in out
+
+
+def test_plot_style_and_save(tmp_path, monkeypatch):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    use_course_style()
+    assert plt.rcParams["axes.grid"] is True
+    monkeypatch.setattr("utils.plotting.IMAGES", tmp_path)
+    fig, ax = plt.subplots()
+    ax.plot([1, 2], [3, 4])
+    assert save_figure(fig, "demo") == tmp_path / "demo.png" and (tmp_path / "demo.png").stat().st_size > 0
+    with pytest.raises(ValueError):
+        save_figure(fig, "demo.png")

@@ -1,0 +1,55 @@
+"""The repository's own promises: one dependency list, stripped notebooks, a bootstrap cell, an up-to-date map."""
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+
+
+def requirement_lines(text):
+    return sorted(line.split("#")[0].strip() for line in text.splitlines() if line.split("#")[0].strip())
+
+
+def test_environment_yml_mirrors_requirements():
+    env = (ROOT / "environment.yml").read_text()
+    pip_section = env.split("- pip:", 1)[1]
+    from_env = requirement_lines("\n".join(re.sub(r"^\s*-\s*", "", line) for line in pip_section.splitlines()))
+    assert from_env == requirement_lines((ROOT / "requirements.txt").read_text())
+
+
+def test_torch_and_triton_are_pinned_together():
+    reqs = requirement_lines((ROOT / "requirements.txt").read_text())
+    assert "torch==2.13.0" in reqs and "triton==3.7.1" in reqs
+
+
+def test_ci_runs_the_readme_test_command():
+    assert "make test" in (ROOT / ".ci" / "run").read_text()
+    assert "make test" in (ROOT / "README.md").read_text()
+
+
+def test_notebooks_exist_and_are_numbered_in_order():
+    numbers = [p.name[:2] for p in NOTEBOOKS]
+    assert numbers and all(n.isdigit() for n in numbers) and len(set(numbers)) == len(numbers)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_is_stripped(path):
+    nb = json.loads(path.read_text())
+    for cell in nb["cells"]:
+        if cell["cell_type"] == "code":
+            assert cell["outputs"] == [] and cell["execution_count"] is None, f"run `make strip` ({path.name})"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_starts_with_the_bootstrap(path):
+    nb = json.loads(path.read_text())
+    first_code = next(c for c in nb["cells"] if c["cell_type"] == "code")
+    assert "from utils.bootstrap import setup" in "".join(first_code["source"])
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_readme_maps_every_notebook(path):
+    assert f"notebooks/{path.name}" in (ROOT / "README.md").read_text()

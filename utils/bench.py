@@ -1,0 +1,49 @@
+"""Benchmark helpers: FLOP counts and timings (triton.testing.do_bench on a GPU, torch.utils.benchmark on a CPU)."""
+from __future__ import annotations
+
+import numbers
+
+import torch
+import torch.utils.benchmark
+
+_MODES = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}
+
+
+def attention_flops(batch, heads, seqlen_q, seqlen_k, head_dim, *, causal=False, mode="fwd") -> float:
+    """FLOPs of attention: 4·B·H·Nq·Nk·D for the two matmuls, half that when causal, ×2.5 for the backward."""
+    for name, x in (("batch", batch), ("heads", heads), ("seqlen_q", seqlen_q), ("seqlen_k", seqlen_k),
+                    ("head_dim", head_dim)):
+        if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+            raise TypeError(f"{name} must be an int, got {type(x).__name__}")
+        if x <= 0:
+            raise ValueError(f"{name} must be positive, got {x}")
+    if mode not in _MODES:
+        raise ValueError(f"mode must be one of {sorted(_MODES)}, got {mode!r}")
+    flops = 4.0 * batch * heads * seqlen_q * seqlen_k * head_dim
+    return flops * (0.5 if causal else 1.0) * _MODES[mode]
+
+
+def benchmark(fn, *args, warmup=25, rep=100, **kwargs) -> float:
+    """Median time of `fn(*args, **kwargs)` in milliseconds.
+
+    On a GPU (any CUDA tensor among args) this is `triton.testing.do_bench` (warmup/rep in ms, L2 flushed);
+    otherwise `torch.utils.benchmark.Timer`, which has no GPU or driver needs.
+    """
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+    on_gpu = any(isinstance(a, torch.Tensor) and a.is_cuda for a in (*args, *kwargs.values()))
+    if on_gpu:
+        import triton.testing
+
+        return float(triton.testing.do_bench(lambda: fn(*args, **kwargs), warmup=warmup, rep=rep,
+                                             return_mode="median"))
+    timer = torch.utils.benchmark.Timer(stmt="fn(*args, **kwargs)",
+                                        globals=dict(fn=fn, args=args, kwargs=kwargs))
+    return timer.blocked_autorange(min_run_time=rep / 1000).median * 1e3
+
+
+def tflops(flops: float, ms: float) -> float:
+    """TFLOP/s of `flops` done in `ms` milliseconds."""
+    if ms <= 0:
+        raise ValueError(f"ms must be positive, got {ms}")
+    return flops / (ms * 1e-3) / 1e12

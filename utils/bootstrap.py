@@ -1,0 +1,151 @@
+"""The first cell of every notebook calls `setup()`.
+
+It makes the course importable, turns on the Triton interpreter where there is no CUDA GPU (before any
+kernel is defined, since Triton reads TRITON_INTERPRET when `@triton.jit` runs), picks a device, a dtype and
+problem sizes, registers the `%%gpu` cell magic and prints one line about the environment.
+"""
+from __future__ import annotations
+
+import ast
+import importlib.util
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+COURSE_URL = "https://github.com/flash-attention-from-scratch/course"
+# What a fresh Colab runtime may lack. Never torch or triton: Colab ships a matched pair.
+COLAB_EXTRAS = {"einops": "einops", "tqdm": "tqdm", "ninja": "ninja", "matplotlib": "matplotlib"}
+
+
+@dataclass(frozen=True)
+class Env:
+    """What a notebook needs to know about where it runs."""
+
+    device: "torch.device"
+    dtype: "torch.dtype"
+    gpu_name: str | None
+    capability: tuple[int, int] | None
+    interpret: bool
+    colab: bool
+    root: Path = ROOT
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device.type == "cuda"
+
+    def pick(self, cpu, gpu):
+        """`cpu` on a machine without a CUDA GPU, else `gpu`: keeps CPU runs short, GPU runs meaningful."""
+        return gpu if self.on_gpu else cpu
+
+    def describe(self) -> str:
+        import torch
+        import triton
+
+        where = f"{self.gpu_name} (sm_{self.capability[0]}{self.capability[1]})" if self.on_gpu else "CPU"
+        mode = "Triton interpreter" if self.interpret else "compiled Triton"
+        colab = ", Colab" if self.colab else ""
+        return (f"device={self.device} [{where}{colab}] dtype={str(self.dtype).removeprefix('torch.')} "
+                f"{mode} | torch {torch.__version__}, triton {triton.__version__}")
+
+
+def in_colab() -> bool:
+    return "google.colab" in sys.modules
+
+
+def default_dtype(capability: tuple[int, int] | None):
+    """bf16 where tensor cores support it (sm80+), fp16 on older GPUs (Colab's T4 is sm75), fp32 on the CPU,
+    where the Triton interpreter has no bf16 arithmetic (it gives wrong numbers without an error)."""
+    import torch
+
+    if capability is None:
+        return torch.float32
+    return torch.bfloat16 if capability >= (8, 0) else torch.float16
+
+
+def misspelt_interpret_vars(environ=os.environ) -> list[str]:
+    """Names like TRITON_INTERPRETED or TRITON_INTERPETER: Triton silently ignores them."""
+    return sorted(k for k in environ if k.startswith("TRITON_INT") and k != "TRITON_INTERPRET")
+
+
+def missing_modules(modules: dict[str, str]) -> list[str]:
+    """The pip names of the modules in {module: pip name} that cannot be imported."""
+    return [pip for mod, pip in modules.items() if importlib.util.find_spec(mod) is None]
+
+
+def install_colab_extras() -> list[str]:
+    missing = missing_modules(COLAB_EXTRAS)
+    if missing:
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", *missing], check=True)
+    return missing
+
+
+def setup(*, quiet: bool = False) -> Env:
+    """Prepare the notebook's process; call it before importing anything that defines Triton kernels."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    colab = in_colab()
+    if colab:
+        install_colab_extras()
+    for name in misspelt_interpret_vars():
+        print(f"warning: {name} is set but Triton only reads TRITON_INTERPRET (misspelt?)", file=sys.stderr)
+
+    import torch
+
+    gpu = torch.cuda.is_available()
+    if not gpu:
+        os.environ["TRITON_INTERPRET"] = "1"
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    capability = torch.cuda.get_device_capability() if gpu else None
+    env = Env(
+        device=torch.device("cuda" if gpu else "cpu"),
+        dtype=default_dtype(capability),
+        gpu_name=torch.cuda.get_device_name() if gpu else None,
+        capability=capability,
+        interpret=interpret,
+        colab=colab,
+    )
+    register_gpu_magic()
+    if not quiet:
+        print(env.describe())
+    return env
+
+
+def run_gpu_cell(cell: str, namespace: dict, *, gpu: bool | None = None):
+    """Body of the `%%gpu` cell magic: run `cell` in `namespace` only where CUDA is available.
+
+    The value of a final expression is returned, so Jupyter displays it as it would for a plain cell.
+    On a CPU the cell is skipped with a message (the test suite reports such cells as skipped).
+    """
+    if gpu is None:
+        import torch
+
+        gpu = torch.cuda.is_available()
+    if not gpu:
+        print("skipped: this cell needs a CUDA GPU")
+        return None
+    tree = ast.parse(cell)
+    last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+    exec(compile(tree, "<gpu cell>", "exec"), namespace)
+    if last is not None:
+        return eval(compile(ast.Expression(last.value), "<gpu cell>", "eval"), namespace)
+    return None
+
+
+def register_gpu_magic() -> bool:
+    """Register `%%gpu` in the running IPython, if any. Returns whether it was registered."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    shell = get_ipython()
+    if shell is None:
+        return False
+
+    def gpu(line, cell):
+        return run_gpu_cell(shell.transform_cell(cell), shell.user_ns)
+
+    shell.register_magic_function(gpu, magic_kind="cell", magic_name="gpu")
+    return True

@@ -1,0 +1,68 @@
+"""Input validation shared by every attention implementation: a bad argument gets a clear error naming it."""
+from __future__ import annotations
+
+import math
+import numbers
+from typing import NamedTuple
+
+import torch
+
+
+class AttentionShape(NamedTuple):
+    batch: int
+    heads: int
+    kv_heads: int
+    seqlen_q: int
+    seqlen_k: int
+    head_dim: int
+
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_attention_inputs(q, k, v, *, causal=False, head_dims=None, dtypes=FLOAT_DTYPES) -> AttentionShape:
+    """Validate `(batch, heads, seq, head_dim)` tensors q, k, v and return their sizes.
+
+    K and V may have fewer heads than Q (grouped-query / multi-query attention) if that number divides Q's.
+    `head_dims` is a collection of supported head dims (None: any); `dtypes` the supported dtypes.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have 4 dims (batch, heads, seq, head_dim), got shape {tuple(t.shape)}")
+        if t.numel() == 0:
+            raise ValueError(f"{name} is empty (shape {tuple(t.shape)})")
+        if t.dtype not in dtypes:
+            names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+            raise TypeError(f"{name} has dtype {t.dtype}; supported: {names}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but q has {q.dtype}; they must match")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}; they must match")
+    (b, h, nq, d), (bk, hk, nk, dk) = q.shape, k.shape
+    if v.shape != k.shape:
+        raise ValueError(f"v has shape {tuple(v.shape)} but k has {tuple(k.shape)}; they must match")
+    if bk != b:
+        raise ValueError(f"k has batch {bk} but q has {b}; they must match")
+    if dk != d:
+        raise ValueError(f"k has head_dim {dk} but q has {d}; they must match")
+    if h % hk != 0:
+        raise ValueError(f"q has {h} heads, not a multiple of the {hk} heads of k and v")
+    if head_dims is not None and d not in head_dims:
+        raise ValueError(f"head_dim {d} is not supported here; supported: {sorted(head_dims)}")
+    return AttentionShape(b, h, hk, nq, nk, d)
+
+
+def resolve_scale(sm_scale, head_dim: int) -> float:
+    """`sm_scale`, or 1/sqrt(head_dim) when it is None."""
+    if sm_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real):
+        raise TypeError(f"sm_scale must be a real number or None, got {type(sm_scale).__name__}")
+    if not math.isfinite(sm_scale) or sm_scale <= 0:
+        raise ValueError(f"sm_scale must be finite and positive, got {sm_scale}")
+    return float(sm_scale)

@@ -1,0 +1,35 @@
+"""One matplotlib style for every figure of the course."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib as mpl
+
+IMAGES = Path(__file__).resolve().parents[1] / "images"
+
+STYLE = {
+    "figure.figsize": (7.0, 4.0),
+    "figure.dpi": 110,
+    "axes.grid": True,
+    "grid.alpha": 0.3,
+    "axes.spines.top": False,
+    "axes.spines.right": False,
+    "axes.titleweight": "bold",
+    "legend.frameon": False,
+    "lines.linewidth": 2.0,
+    "lines.markersize": 5,
+}
+
+
+def use_course_style() -> None:
+    """Apply the course's plot style to matplotlib's global settings."""
+    mpl.rcParams.update(STYLE)
+
+
+def save_figure(fig, name: str) -> Path:
+    """Save `fig` as images/<name>.png (name without extension) and return the path."""
+    if not name or "/" in name or name.endswith(".png"):
+        raise ValueError(f"name must be a bare file name without extension, got {name!r}")
+    path = IMAGES / f"{name}.png"
+    fig.savefig(path, bbox_inches="tight")
+    return path

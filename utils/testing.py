@@ -1,0 +1,51 @@
+"""Test helpers: random inputs and closeness checks with dtype-aware tolerances (torch.testing.assert_close)."""
+from __future__ import annotations
+
+import torch
+
+from utils.reference import reference_attention
+
+# Attention outputs are averages of V rows, of order 1 for standard-normal inputs. fp32 allows for TF32 dots
+# on GPUs (10-bit mantissa); fp16 and bf16 for rounding of P before the P·V product.
+TOLERANCES = {
+    torch.float64: dict(atol=1e-7, rtol=1e-7),
+    torch.float32: dict(atol=3e-3, rtol=3e-3),
+    torch.float16: dict(atol=1e-2, rtol=1e-2),
+    torch.bfloat16: dict(atol=3e-2, rtol=3e-2),
+}
+
+
+def tolerances(dtype: torch.dtype) -> dict:
+    """{'atol': ..., 'rtol': ...} for comparing attention outputs computed in `dtype`."""
+    if dtype not in TOLERANCES:
+        raise TypeError(f"no tolerances for dtype {dtype}; known: {', '.join(map(str, TOLERANCES))}")
+    return dict(TOLERANCES[dtype])
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, dtype: torch.dtype | None = None, msg=None):
+    """assert_close in float64 with the tolerances of `dtype` (default: actual's dtype)."""
+    tol = tolerances(dtype or actual.dtype)
+    torch.testing.assert_close(actual.double(), expected.double(), **tol, equal_nan=False, msg=msg)
+
+
+def random_qkv(batch=2, heads=4, seqlen_q=128, seqlen_k=None, head_dim=64, *, kv_heads=None,
+               dtype=torch.float32, device="cpu", seed=0):
+    """Standard-normal q, k, v of shape (batch, heads, seq, head_dim); k and v get `kv_heads` heads."""
+    seqlen_k = seqlen_q if seqlen_k is None else seqlen_k
+    kv_heads = heads if kv_heads is None else kv_heads
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    def rand(h, n):
+        return torch.randn(batch, h, n, head_dim, generator=gen).to(device=device, dtype=dtype)
+
+    return rand(heads, seqlen_q), rand(kv_heads, seqlen_k), rand(kv_heads, seqlen_k)
+
+
+def assert_attention_matches_reference(fn, q, k, v, *, causal=False, sm_scale=None):
+    """Run `fn(q, k, v, causal=..., sm_scale=...)` and compare it with the float64 reference."""
+    out = fn(q, k, v, causal=causal, sm_scale=sm_scale)
+    if out.shape != q.shape:
+        raise AssertionError(f"output shape {tuple(out.shape)} != q's shape {tuple(q.shape)}")
+    expected = reference_attention(q, k, v, causal=causal, sm_scale=sm_scale)
+    assert_close(out, expected, dtype=q.dtype)
+    return out

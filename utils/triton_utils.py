@@ -1,0 +1,146 @@
+"""Triton debug helpers the notebooks build on.
+
+Host-side helpers (`cdiv`, `test_pid_conds`, `print_if`, `breakpoint_if`, `check_tensors_gpu_ready`) are plain
+Python. In the interpreter (TRITON_INTERPRET=1) a kernel body is plain Python too, so `print_if` and
+`breakpoint_if` can be called from inside a kernel with `tl.program_id(...)` values to debug one program.
+
+The offset and mask helpers at the bottom are `@triton.jit` functions: import this module after
+TRITON_INTERPRET is decided (the notebooks' bootstrap cell does that).
+"""
+from __future__ import annotations
+
+import numbers
+import os
+import re
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+_OPS = {
+    "=": lambda a, b: a == b,
+    "==": lambda a, b: a == b,
+    "!=": lambda a, b: a != b,
+    "<": lambda a, b: a < b,
+    "<=": lambda a, b: a <= b,
+    ">": lambda a, b: a > b,
+    ">=": lambda a, b: a >= b,
+}
+_COND = re.compile(r"^\s*(==|!=|<=|>=|=|<|>)\s*(-?\d+)\s*$")
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division, e.g. how many blocks of size `b` cover `a` elements."""
+    for name, x in (("a", a), ("b", b)):
+        if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+            raise TypeError(f"cdiv: {name} must be an int, got {type(x).__name__}")
+    if b == 0:
+        raise ValueError("cdiv: b must not be zero")
+    return -(-int(a) // int(b))
+
+
+def interpreting() -> bool:
+    """Whether Triton kernels defined from now on run in the interpreter."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _pid_value(pid, name: str) -> int:
+    """A program id as an int: ints, one-element tensors (the interpreter's `tl.program_id`) and lists."""
+    value = pid
+    if isinstance(value, (list, tuple)):
+        if len(value) != 1:
+            raise ValueError(f"{name} must have exactly one element, got {len(value)}")
+        value = value[0]
+    handle = getattr(value, "handle", None)  # a tl.tensor in the interpreter wraps a numpy array
+    if handle is not None and hasattr(handle, "data"):
+        value = handle.data
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        count = value.size if isinstance(value, np.ndarray) else value.numel()
+        if count != 1:
+            raise ValueError(f"{name} must have exactly one element, got shape {tuple(value.shape)}")
+        value = value.reshape(-1)[0].item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, a one-element tensor or a one-element list, got {pid!r}")
+    return int(value)
+
+
+def test_pid_conds(conds: str, pid_0=0, pid_1=0, pid_2=0) -> bool:
+    """Whether program ids satisfy `conds`, e.g. "=0,>1" or ">=2,,!=3".
+
+    Entry i (comma-separated) applies to pid_i; an empty entry always holds; all entries must hold.
+    Operators: = == != < <= > >=.
+    """
+    if not isinstance(conds, str):
+        raise TypeError(f"conds must be a string such as '=0,>1', got {type(conds).__name__}")
+    entries = conds.split(",")
+    if len(entries) > 3:
+        raise ValueError(f"conds {conds!r} has {len(entries)} entries; at most 3 (one per program axis)")
+    pids = [_pid_value(p, f"pid_{i}") for i, p in enumerate((pid_0, pid_1, pid_2))]
+    for entry, pid in zip(entries, pids):
+        if entry.strip() == "":
+            continue
+        match = _COND.match(entry)
+        if match is None:
+            raise ValueError(
+                f"condition {entry!r} in {conds!r} is not an operator ({' '.join(_OPS)}) followed by an integer")
+        op, value = match.groups()
+        if not _OPS[op](pid, int(value)):
+            return False
+    return True
+
+
+test_pid_conds.__test__ = False  # a debug helper, not a pytest test, despite its (conventional) name
+
+
+def print_if(txt, conds: str, pid_0=0, pid_1=0, pid_2=0) -> None:
+    """Print `txt` only in the programs whose ids satisfy `conds` (see `test_pid_conds`)."""
+    if test_pid_conds(conds, pid_0, pid_1, pid_2):
+        print(txt)
+
+
+def breakpoint_if(conds: str, pid_0=0, pid_1=0, pid_2=0) -> None:
+    """Drop into the debugger only in the programs whose ids satisfy `conds` (interpreter only).
+
+    Uses the builtin `breakpoint()`, so PYTHONBREAKPOINT=0 turns every such call off.
+    """
+    if test_pid_conds(conds, pid_0, pid_1, pid_2):
+        breakpoint()
+
+
+def check_tensors_gpu_ready(*tensors) -> None:
+    """Raise unless every tensor is contiguous and on a CUDA device (CPU tensors are fine in the interpreter)."""
+    allow_cpu = interpreting()
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"argument {i} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_contiguous():
+            raise ValueError(f"argument {i} (shape {tuple(t.shape)}, strides {t.stride()}) is not contiguous; "
+                             "call .contiguous() first")
+        if t.device.type != "cuda" and not (allow_cpu and t.device.type == "cpu"):
+            hint = "" if allow_cpu else " (set TRITON_INTERPRET=1 before defining kernels to run them on the CPU)"
+            raise ValueError(f"argument {i} is on {t.device}, not on a CUDA device{hint}")
+
+
+# --- Offsets and masks for 1-D and 2-D tiles, used inside kernels ---------------------------------------
+
+@triton.jit
+def offsets_1d(size: tl.constexpr, block_index):
+    """Offsets of block `block_index` of `size` elements: block_index*size + [0, size)."""
+    return block_index * size + tl.arange(0, size)
+
+
+@triton.jit
+def offsets_2d(offs_0, offs_1, stride_0, stride_1=1):
+    """Element offsets of the tile with rows `offs_0` and columns `offs_1`, for the given strides."""
+    return tl.expand_dims(offs_0, 1) * stride_0 + tl.expand_dims(offs_1, 0) * stride_1
+
+
+@triton.jit
+def mask_1d(offs, limit):
+    return offs < limit
+
+
+@triton.jit
+def mask_2d(offs_0, offs_1, limit_0, limit_1):
+    return (tl.expand_dims(offs_0, 1) < limit_0) & (tl.expand_dims(offs_1, 0) < limit_1)
