@@ -6,7 +6,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: lab test install strip learner bench
+.PHONY: lab test install strip learner
 
 lab: $(STAMP)
 	$(BIN)/jupyter lab notebooks/
@@ -27,3 +27,7 @@ $(STAMP): requirements.txt
 # Notebooks are committed without outputs (tests/test_repo.py checks).
 strip: $(STAMP)
 	$(BIN)/nbstripout notebooks/*.ipynb
+
+# Learner versions of the notebooks (solutions replaced by stubs) in learner/; your edits there are kept.
+learner: $(STAMP)
+	$(BIN)/python -m utils.learner

@@ -31,8 +31,10 @@ def test_ci_runs_the_readme_test_command():
 
 
 def test_notebooks_exist_and_are_numbered_in_order():
-    numbers = [p.name[:2] for p in NOTEBOOKS]
-    assert numbers and all(n.isdigit() for n in numbers) and len(set(numbers)) == len(numbers)
+    """Names start with a two-digit lesson number, optionally a letter for a follow-up lesson (05b_...)."""
+    numbers = [p.name.split("_")[0] for p in NOTEBOOKS]
+    assert numbers and all(re.fullmatch(r"\d\d[a-z]?", n) for n in numbers), numbers
+    assert len(set(numbers)) == len(numbers)
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)

@@ -1,0 +1,84 @@
+import json
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+from utils.learner import STUB, generate, learner_version, strip_solutions, was_edited
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+
+
+def test_strip_solutions_keeps_indentation_and_counts_blocks():
+    src = ("def f(x):\n    # BEGIN SOLUTION\n    y = x + 1\n    return y\n    # END SOLUTION\n\n"
+           "# BEGIN SOLUTION\nz = 3\n# END SOLUTION\nprint(z)\n")
+    out, count = strip_solutions(src)
+    assert count == 2
+    assert out == f"def f(x):\n    {STUB}\n\n{STUB}\nprint(z)\n"
+
+
+@pytest.mark.parametrize("src", ["# BEGIN SOLUTION\nx = 1\n", "x = 1\n# END SOLUTION\n"])
+def test_strip_solutions_rejects_unbalanced_markers(src):
+    with pytest.raises(ValueError, match="SOLUTION"):
+        strip_solutions(src)
+
+
+def _notebook(*sources):
+    return nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(s) for s in sources])
+
+
+def test_learner_version_clears_outputs_and_records_a_fingerprint():
+    nb = _notebook("# BEGIN SOLUTION\nx = 1\n# END SOLUTION")
+    nb.cells[0].outputs = [nbformat.v4.new_output("stream", text="1")]
+    nb.cells[0].execution_count = 3
+    learner, count = learner_version(nb)
+    assert count == 1 and learner["cells"][0]["outputs"] == [] and learner["cells"][0]["execution_count"] is None
+    assert learner["metadata"]["course"]["learner_fingerprint"]
+
+
+def test_generate_never_overwrites_a_learners_edits(tmp_path):
+    src = tmp_path / "01_demo.ipynb"
+    src.write_text(json.dumps(_notebook("def f():\n    # BEGIN SOLUTION\n    return 1\n    # END SOLUTION")))
+    out = tmp_path / "learner"
+    [first] = generate([src], out)
+    assert first == out / "01_demo.ipynb" and not was_edited(first)
+    assert generate([src], out) == [first]           # untouched: regenerated in place
+    nb = json.loads(first.read_text())
+    nb["cells"][0]["source"] = "def f():\n    return 1  # my answer"
+    first.write_text(json.dumps(nb))
+    [second] = generate([src], out)
+    assert second == out / "01_demo.new.ipynb"
+    assert "my answer" in first.read_text()          # the learner's work is intact
+    with pytest.raises(ValueError, match="not a notebook"):
+        generate([tmp_path / "missing.ipynb"], out)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_each_notebook_has_at_least_three_exercises(path):
+    _, count = learner_version(json.loads(path.read_text()))
+    assert count >= 3, f"{path.name} has {count} solution blocks"
+
+
+def cells_up_to_first_check(nb):
+    """The cells up to and including the first check cell after the first stub."""
+    seen_stub = False
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type != "code":
+            continue
+        seen_stub = seen_stub or STUB in cell.source
+        if seen_stub and "@check(" in cell.source:
+            return nb.cells[: i + 1]
+    raise AssertionError("no check cell after the first stub")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_learner_version_runs_to_its_first_stub_and_says_not_yet(path):
+    learner, _ = learner_version(json.loads(path.read_text()))
+    nb = nbformat.from_dict(learner)
+    nb.cells = cells_up_to_first_check(nb)
+    NotebookClient(nb, timeout=600, kernel_name="python3",
+                   resources={"metadata": {"path": str(path.parent)}}).execute()
+    last = "".join(o.get("text", "") for o in nb.cells[-1].outputs if o.output_type == "stream")
+    assert "not yet" in last, last

@@ -1,0 +1,101 @@
+"""Generate learner versions of the notebooks: solution blocks replaced by stubs.
+
+    python -m utils.learner [--out learner] [notebooks ...]      (or: make learner)
+
+In the committed notebooks each exercise's solution sits between a `# BEGIN SOLUTION` line and a
+`# END SOLUTION` line; the learner version has, in their place, `raise NotImplementedError(...)` at the same
+indentation, so the exercise's check cell reports "not yet". Outputs are cleared.
+
+A learner's work is never overwritten: each generated file records a fingerprint of its cells, and a file whose
+cells no longer match it (the learner edited it) is left alone; the new version is written beside it as
+`<name>.new.ipynb`.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BEGIN = re.compile(r"^(\s*)# BEGIN SOLUTION\s*$")
+END = re.compile(r"^\s*# END SOLUTION\s*$")
+STUB = 'raise NotImplementedError("exercise: replace this line with your code")'
+
+
+def strip_solutions(source: str) -> tuple[str, int]:
+    """`source` with each solution block replaced by a stub, and how many blocks were replaced."""
+    out, indent, count = [], None, 0
+    for number, line in enumerate(source.splitlines(keepends=True), 1):
+        if indent is None:
+            match = BEGIN.match(line)
+            if match:
+                indent, count = match.group(1), count + 1
+                out.append(f"{indent}{STUB}\n")
+            else:
+                if END.match(line):
+                    raise ValueError(f"line {number}: '# END SOLUTION' without '# BEGIN SOLUTION'")
+                out.append(line)
+        elif END.match(line):
+            indent = None
+    if indent is not None:
+        raise ValueError("'# BEGIN SOLUTION' without '# END SOLUTION'")
+    return "".join(out), count
+
+
+def fingerprint(cells: list) -> str:
+    """Hash of the cells' types and sources: what a learner's edits change."""
+    text = json.dumps([(c["cell_type"], "".join(c["source"])) for c in cells])
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def learner_version(notebook: dict) -> tuple[dict, int]:
+    """A copy of `notebook` (nbformat JSON) with solutions stubbed and outputs cleared."""
+    nb = json.loads(json.dumps(notebook))
+    total = 0
+    for cell in nb["cells"]:
+        if cell["cell_type"] != "code":
+            continue
+        cell["source"], count = strip_solutions("".join(cell["source"]))
+        cell["outputs"], cell["execution_count"] = [], None
+        total += count
+    nb["metadata"]["course"] = {"learner_fingerprint": fingerprint(nb["cells"])}
+    return nb, total
+
+
+def was_edited(path: Path) -> bool:
+    """Whether a generated learner notebook no longer matches the fingerprint it was written with."""
+    nb = json.loads(path.read_text())
+    recorded = nb.get("metadata", {}).get("course", {}).get("learner_fingerprint")
+    return recorded != fingerprint(nb["cells"])
+
+
+def generate(notebooks, out_dir: Path) -> list[Path]:
+    """Write learner versions of `notebooks` into `out_dir`; returns the paths written."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for src in map(Path, notebooks):
+        if src.suffix != ".ipynb" or not src.is_file():
+            raise ValueError(f"not a notebook file: {src}")
+        nb, count = learner_version(json.loads(src.read_text()))
+        target = out_dir / src.name
+        if target.exists() and was_edited(target):
+            target = target.with_suffix(".new.ipynb")
+            print(f"{out_dir / src.name} has your edits: left alone, new version written to {target.name}")
+        target.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n")
+        written.append(target)
+        print(f"{target}: {count} exercise(s) stubbed")
+    return written
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("notebooks", nargs="*", help="default: every notebook in notebooks/")
+    parser.add_argument("--out", default=str(ROOT / "learner"), help="output folder (default: learner/)")
+    args = parser.parse_args(argv)
+    generate(args.notebooks or sorted((ROOT / "notebooks").glob("*.ipynb")), Path(args.out))
+
+
+if __name__ == "__main__":
+    main()
