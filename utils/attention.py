@@ -42,6 +42,23 @@ REGISTRY = {impl.name: impl for impl in [
                    "torch.nn.functional.scaled_dot_product_attention (PyTorch picks the backend)", "01"),
     Implementation("naive", "utils.reference:naive_attention", "any",
                    "matmul, explicit mask, softmax, matmul: the N×N matrices in memory", "01"),
+    Implementation("flash1_pytorch", "utils.flash_pytorch:flash1_attention", "any",
+                   "FlashAttention Algorithm 1: outer loop over K/V blocks, O, l, m updated in HBM per block", "03"),
+    Implementation("flash2_pytorch", "utils.flash_pytorch:flash2_attention", "any",
+                   "FlashAttention-2 order: one program per Q block, delayed normalisation, log-sum-exp", "04"),
+    Implementation("flash_decoding", "utils.flash_decoding:flash_decoding_attention", "triton",
+                   "split-KV flash-decoding: partial outputs per slice of the keys, merged by log-sum-exp", "08"),
+    Implementation("triton", "utils.flash_triton:flash_attention", "triton",
+                   "FlashAttention-2 forward in Triton (interpreted on a CPU; bf16 there computed in fp32)", "05",
+                   head_dims=tuple(range(16, 257))),
+    Implementation("cuda_naive", "utils.cuda_ext:flash_naive", "cuda",
+                   "CUDA via load_inline, one thread per query row, K/V tiles in shared memory", "06",
+                   head_dims=tuple(range(8, 129, 8))),
+    Implementation("cuda_tiled", "utils.cuda_ext:flash_tiled", "cuda",
+                   "CUDA via load_inline, FlashAttention-2 tiling on CUDA cores (fp32 accumulation)", "06",
+                   head_dims=tuple(range(8, 257, 8))),
+    Implementation("flash2_pytorch_autograd", "utils.flash_backward_pytorch:flash_attention_pytorch", "any",
+                   "differentiable tiled PyTorch: online-softmax forward, FA2-order tiled backward", "07"),
 ]}
 
 

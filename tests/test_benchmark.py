@@ -1,0 +1,91 @@
+"""The pure parts of utils.benchmark: arguments, the records, the JSON, the table and the plot (fake timings)."""
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from utils import benchmark as bm
+from utils.bench import attention_flops
+
+
+def test_defaults_are_the_course_benchmark():
+    args = bm.parse_args([])
+    assert args.impls == ["triton"] and args.sdpa == ["flash", "cudnn", "efficient"]
+    assert (args.batch, args.heads, args.dtype) == (4, 16, "bf16") and args.head_dims == [64, 128]
+    assert args.seqlens == [1024, 2048, 4096, 8192, 16384] and args.causal == "both"
+    assert len(bm.configurations(args)) == 2 * 2 * 5
+
+
+def test_parse_args_options():
+    args = bm.parse_args(["--impls", "triton", "naive", "--sdpa", "flash", "--seqlens", "128", "256",
+                          "--head-dims", "64", "--causal", "yes", "--name", "quick"])
+    assert args.impls == ["triton", "naive"] and args.sdpa == ["flash"] and args.name == "quick"
+    assert bm.configurations(args) == [(64, True, 128), (64, True, 256)]
+
+
+@pytest.mark.parametrize("argv", [["--batch", "0"], ["--seqlens", "-1"], ["--sdpa", "math"], ["--impls", "--sdpa"],
+                                  ["--name", "a/b"], ["--dtype", "int8"]])
+def test_parse_args_rejects_bad_values(argv):
+    with pytest.raises(SystemExit):
+        bm.parse_args(argv)
+
+
+def test_candidates_names_unknown_implementations():
+    with pytest.raises(ValueError, match="unknown implementation 'nope'"):
+        bm.candidates(SimpleNamespace(impls=["nope"], sdpa=[]))
+    fns = bm.candidates(SimpleNamespace(impls=["naive"], sdpa=["flash", "cudnn"]))
+    assert list(fns) == ["naive", "sdpa-flash", "sdpa-cudnn"] and all(map(callable, fns.values()))
+
+
+def fake_records(tmp_path=None):
+    args = bm.parse_args(["--seqlens", "64", "128", "--head-dims", "16", "--batch", "1", "--heads", "2",
+                          "--sdpa", "flash", "--impls", "naive", "--dtype", "fp32"])
+    speed = {"naive": 2.0, "sdpa-flash": 1.0}          # naive pretends to be twice as fast
+    fail = {"naive": False, "sdpa-flash": True}
+
+    def time_ms(fn, q, k, v, causal):
+        assert q.shape == (1, 2, q.shape[2], 16) and q.dtype == torch.float32
+        if fail[fn.label] and q.shape[2] == 128 and causal:
+            raise RuntimeError("No available kernel.\nmore")
+        return attention_flops(1, 2, q.shape[2], q.shape[2], 16, causal=causal) / speed[fn.label] / 1e9
+
+    fns = {name: SimpleNamespace(label=name) for name in speed}
+    return args, bm.run(args, fns, time_ms=time_ms, device="cpu", progress=False)
+
+
+def test_run_records_tflops_and_failures():
+    args, records = fake_records()
+    assert len(records) == 2 * 2 * 2
+    ok = [r for r in records if r["error"] is None]
+    assert {round(r["tflops"], 6) for r in ok if r["impl"] == "naive"} == {2.0}
+    (failed,) = [r for r in records if r["error"]]
+    assert failed["impl"] == "sdpa-flash" and failed["tflops"] is None
+    assert failed["error"] == "RuntimeError: No available kernel."
+
+
+def test_ratio_table_and_format():
+    _, records = fake_records()
+    rows = bm.ratio_table(records, "naive", ["sdpa-flash"])
+    assert len(rows) == 4
+    assert all(r["vs sdpa-flash"] == pytest.approx(2.0) for r in rows if not (r["seqlen"] == 128 and r["causal"]))
+    assert [r["vs sdpa-flash"] for r in rows if r["seqlen"] == 128 and r["causal"]] == [None]
+    text = bm.format_table(records)
+    assert "naive/sdpa-flash" in text and "2.00" in text and "—" in text and len(text.splitlines()) == 5
+
+
+def test_json_and_plot_are_written(tmp_path):
+    args, records = fake_records()
+    path = bm.write_json(records, args, tmp_path / "b.json")
+    data = json.loads(path.read_text())
+    assert data["settings"]["batch"] == 1 and data["results"] == records and "torch" in data["environment"]
+    png = bm.plot(records, tmp_path / "b.png", title="fake")
+    assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.gpu
+def test_small_run_on_gpu(tmp_path):
+    records = bm.main(["--seqlens", "256", "--head-dims", "64", "--causal", "no", "--out-dir", str(tmp_path),
+                       "--name", "t", "--rep", "5", "--warmup", "2"])
+    assert all(r["tflops"] for r in records if r["impl"] in ("triton", "sdpa-flash"))
+    assert (tmp_path / "t.json").exists() and (tmp_path / "t.png").exists()

@@ -1,0 +1,322 @@
+"""utils.cuda_ext: compile-only checks of every .cu file (needs nvcc, not a GPU), the pure-Python parts (names,
+ptxas parsing, validation), and on a GPU the softmax kernels and the TORCH_CHECKs of the C++ wrappers.
+The attention kernels' correctness is tested through the registry, in tests/test_attention.py."""
+import json
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from utils import cuda_ext
+from utils.cuda_ext import (KERNELS, KernelResources, compile_check, extension_name, find_nvcc, gencode_flags,
+                            parse_ptxas, short_kernel_name, source_hash)
+
+CUDA = torch.cuda.is_available()
+needs_nvcc = pytest.mark.skipif(find_nvcc() is None, reason="nvcc not found: the compile checks need it")
+DTYPES = ("float", "__nv_bfloat16", "__half")
+
+# What each file must contain once compiled: a kernel missing here means the launcher no longer instantiates it.
+EXPECTED = {
+    "softmax": {"softmax_smem", "softmax_warp", "softmax_float4", "softmax_row_per_warp"},
+    "flash_naive": {f"flash_naive_kernel<{t}, {d}>" for t in DTYPES for d in (32, 64, 128)},
+    "flash_tiled": {f"flash_tiled_kernel<{t}, {d}>" for t in DTYPES for d in (32, 64, 128, 256)},
+}
+
+
+# ---- compile-only checks ----------------------------------------------------------------------------------
+
+@needs_nvcc
+@pytest.mark.parametrize("name", list(KERNELS))
+def test_compile_check_builds_every_kernel_for_sm80_and_sm90(name):
+    results = compile_check(name, ("sm_80", "sm_90"))
+    for arch in ("sm_80", "sm_90"):
+        kernels = {r.kernel for r in results if r.arch == arch}
+        assert kernels == EXPECTED[name], f"{name}.cu for {arch}: {sorted(kernels)}"
+    for r in results:
+        assert r.file == f"{name}.cu" and 0 < r.registers <= 255
+    if name in ("softmax", "flash_tiled"):  # these are designed to fit in registers: a spill is a regression
+        spilled = [r for r in results if r.spill_stores or r.spill_loads]
+        assert not spilled, f"unexpected spills: {spilled}"
+    if name == "flash_tiled":  # its tiles are dynamic shared memory: nothing static
+        assert all(r.smem_bytes == 0 for r in results)
+
+
+@needs_nvcc
+def test_compile_check_is_cached_within_the_process():
+    first = compile_check("softmax", "sm_90")
+    assert compile_check("softmax", "sm_90") is not first  # a new list ...
+    assert compile_check("softmax", "sm_90") == first      # ... of the same results
+
+
+@needs_nvcc
+def test_compile_check_reports_nvcc_errors(tmp_path, monkeypatch):
+    broken = tmp_path / "cuda"
+    shutil.copytree(cuda_ext.CUDA_DIR, broken)
+    (broken / "softmax.cu").write_text((broken / "softmax.cu").read_text() + "\nthis is not C++;\n")
+    monkeypatch.setattr(cuda_ext, "CUDA_DIR", broken)
+    monkeypatch.setattr(cuda_ext, "BUILD_DIR", tmp_path / "build")
+    with pytest.raises(RuntimeError, match="nvcc failed on softmax.cu"):
+        compile_check("softmax", "sm_80")
+
+
+def test_compile_check_validates_arguments():
+    with pytest.raises(ValueError, match="unknown kernel file"):
+        compile_check("nope")
+    with pytest.raises(ValueError, match="arch must look like"):
+        compile_check("softmax", ("compute_90",))
+    with pytest.raises(TypeError, match="name must be a str"):
+        compile_check([3])
+
+
+def test_compile_check_without_nvcc_says_so(monkeypatch):
+    monkeypatch.setattr(cuda_ext, "find_nvcc", lambda: None)
+    with pytest.raises(RuntimeError, match="nvcc not found"):
+        compile_check("softmax")
+
+
+# ---- ptxas output ------------------------------------------------------------------------------------------
+
+PTXAS = """\
+ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function '_ZN14course_softmax12softmax_smemEPKfPfii' for 'sm_90'
+ptxas info    : Function properties for _ZN14course_softmax12softmax_smemEPKfPfii
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 40 registers, used 1 barriers, 1024 bytes smem, 400 bytes cmem[0]
+ptxas info    : Compile time = 52.440 ms
+ptxas info    : Compiling entry function '_ZN12course_flash18flash_naive_kernelIfLi128EEEvNS_6ParamsE' for 'sm_80'
+ptxas info    : Function properties for _ZN12course_flash18flash_naive_kernelIfLi128EEEvNS_6ParamsE
+    168 bytes stack frame, 176 bytes spill stores, 160 bytes spill loads
+ptxas info    : Used 255 registers, 168 bytes cumulative stack size, 32768 bytes smem, 448 bytes cmem[0]
+ptxas info    : Compiling entry function 'plain_kernel' for 'sm_75'
+ptxas info    : Used 8 registers, 352 bytes cmem[0]
+"""
+
+
+def test_parse_ptxas_reads_registers_smem_and_spills():
+    smem, naive, plain = parse_ptxas(PTXAS, file="x.cu")
+    assert smem == KernelResources("x.cu", "sm_90", "softmax_smem", 40, 1024, 0, 0, 0)
+    assert naive.arch == "sm_80" and naive.registers == 255 and naive.smem_bytes == 32768
+    assert (naive.stack_bytes, naive.spill_stores, naive.spill_loads) == (168, 176, 160)
+    assert naive.kernel in ("flash_naive_kernel<float, 128>", "_ZN12course_flash18flash_naive_kernelIfLi128EEEvNS_6ParamsE")
+    assert plain == KernelResources("x.cu", "sm_75", "plain_kernel", 8, 0, 0, 0, 0)  # no frame line, no smem
+
+
+def test_parse_ptxas_of_nothing_is_empty_and_checks_its_argument():
+    assert parse_ptxas("") == [] and parse_ptxas("nvcc warning: something\n") == []
+    with pytest.raises(TypeError):
+        parse_ptxas(None)
+
+
+def test_short_kernel_name():
+    assert short_kernel_name("void course_flash::flash_tiled_kernel<__half, 64>(course_flash::Params)") == \
+        "flash_tiled_kernel<__half, 64>"
+    assert short_kernel_name("course_softmax::softmax_warp(float const*, float*, int, int)") == "softmax_warp"
+    assert short_kernel_name("plain") == "plain"
+    with pytest.raises(TypeError):
+        short_kernel_name(3)
+
+
+# ---- names and flags ---------------------------------------------------------------------------------------
+
+def test_extension_name_is_stable_and_follows_the_sources(tmp_path, monkeypatch):
+    name = extension_name("flash_tiled")
+    assert name == extension_name("flash_tiled") and name.startswith("course_flash_tiled_")
+    assert extension_name("flash_tiled", flags=("-O2",)) != name  # flags are part of the build
+    assert source_hash("flash_naive") != source_hash("flash_tiled")
+    copy = tmp_path / "cuda"
+    shutil.copytree(cuda_ext.CUDA_DIR, copy)
+    monkeypatch.setattr(cuda_ext, "CUDA_DIR", copy)
+    assert extension_name("flash_tiled") == name  # same text elsewhere: same name
+    (copy / "flash_common.cuh").write_text((copy / "flash_common.cuh").read_text() + "\n// edited\n")
+    assert extension_name("flash_tiled") != name  # an edited header is a new build, not a stale cache hit
+    with pytest.raises(ValueError, match="unknown kernel file"):
+        extension_name("flash")
+
+
+def test_gencode_flags():
+    assert gencode_flags((9, 0)) == ["-gencode=arch=compute_90,code=sm_90"]
+    assert gencode_flags((7, 5)) == ["-gencode=arch=compute_75,code=sm_75"]
+    for bad in ("sm_90", (9,), (9, "0"), [9, 0], (True, 0)):
+        with pytest.raises(TypeError):
+            gencode_flags(bad)
+
+
+def test_kernels_and_torch_wrappers_are_separate():
+    """nvcc must never see torch: the kernels come before `#else`, the wrapper after (host compiler only)."""
+    for name in KERNELS:
+        text = cuda_ext.kernel_source(name)
+        assert text.count("#ifndef COURSE_TORCH_WRAPPER") == 1 and "#else  // COURSE_TORCH_WRAPPER" in text, name
+        kernels_part, wrapper_part = text.split("#ifndef COURSE_TORCH_WRAPPER")[1].split("#else  // COURSE_TORCH")
+        for header in ("#include <torch", "#include <ATen", "#include <c10", '#include "flash_torch.h"'):
+            assert header not in kernels_part, f"{name}.cu includes {header} where nvcc compiles"
+        assert "TORCH_CHECK" in wrapper_part and "__global__" not in wrapper_part, name
+    for header in ("flash_params.h", "flash_common.cuh"):
+        text = (cuda_ext.CUDA_DIR / header).read_text()
+        assert not any(f"#include <{lib}" in text for lib in ("torch", "ATen", "c10")), header
+
+
+# ---- Python-side validation (runs before any build) --------------------------------------------------------
+
+def test_importing_the_registry_compiles_nothing():
+    from utils.attention import REGISTRY, implementations
+
+    built = dict(cuda_ext._LOADED)
+    assert REGISTRY["cuda_tiled"].load() is cuda_ext.flash_tiled and REGISTRY["cuda_naive"].load() is cuda_ext.flash_naive
+    assert cuda_ext._LOADED == built  # looking the functions up built nothing
+    assert REGISTRY["cuda_tiled"].runs_on == "cuda" and REGISTRY["cuda_tiled"].notebook == "06"
+    if not CUDA:
+        assert "cuda_tiled" not in implementations("cpu") and "cuda_naive" not in implementations("cpu")
+
+
+def test_flash_wrappers_validate_before_building():
+    q = torch.randn(1, 2, 8, 64)
+    for fn in (cuda_ext.flash_naive, cuda_ext.flash_tiled):
+        with pytest.raises(ValueError, match="need CUDA tensors"):
+            fn(q, q, q)
+        with pytest.raises(TypeError, match="k has dtype"):
+            fn(q, q.double(), q)
+        with pytest.raises(TypeError, match="dtype torch.float64"):
+            fn(q.double(), q.double(), q.double())
+        with pytest.raises(TypeError, match="sm_scale"):
+            fn(q, q, q, sm_scale="1")
+        with pytest.raises(TypeError, match="causal must be a bool"):
+            fn(q, q, q, causal=1)
+    wide = torch.randn(1, 1, 4, 136)
+    with pytest.raises(ValueError, match="head_dim 136"):
+        cuda_ext.flash_naive(wide, wide, wide)
+    wider = torch.randn(1, 1, 4, 264)
+    with pytest.raises(ValueError, match="head_dim 264"):
+        cuda_ext.flash_tiled(wider, wider, wider)
+    odd = torch.randn(1, 1, 4, 60)
+    with pytest.raises(ValueError, match="head_dim 60"):
+        cuda_ext.flash_tiled(odd, odd, odd)
+
+
+def test_softmax_wrapper_validates_before_building():
+    x = torch.randn(4, 8)
+    with pytest.raises(TypeError, match="must be a torch.Tensor"):
+        cuda_ext.softmax([1.0, 2.0])
+    with pytest.raises(ValueError, match="variant must be one of"):
+        cuda_ext.softmax(x, "fast")
+    with pytest.raises(TypeError, match="float32"):
+        cuda_ext.softmax(x.half())
+    with pytest.raises(ValueError, match="at least one"):
+        cuda_ext.softmax(torch.randn(0, 3))
+    with pytest.raises(ValueError, match="CUDA tensor"):
+        cuda_ext.softmax(x)
+
+
+@pytest.mark.skipif(CUDA, reason="on a GPU the extension builds")
+def test_load_without_a_gpu_explains():
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+        cuda_ext.load("softmax")
+
+
+# ---- on a GPU -----------------------------------------------------------------------------------------------
+
+SOFTMAX_SHAPES = [(1, 1), (3, 7), (5, 1000), (7, 1023), (33, 4096), (2, 5000), (300, 128), (1000, 33),
+                  (2, 3, 257)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", cuda_ext.SOFTMAX_VARIANTS)
+@pytest.mark.parametrize("shape", SOFTMAX_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_softmax_matches_torch(variant, shape):
+    x = torch.randn(*shape, device="cuda") * 5
+    torch.testing.assert_close(cuda_ext.softmax(x, variant), torch.softmax(x, -1), atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", cuda_ext.SOFTMAX_VARIANTS)
+def test_softmax_on_views_and_misaligned_rows(variant):
+    x = torch.randn(64, 96, device="cuda")
+    torch.testing.assert_close(cuda_ext.softmax(x.t(), variant), torch.softmax(x.t(), -1), atol=1e-6, rtol=1e-4)
+    flat = torch.randn(16 * 256 + 1, device="cuda")
+    shifted = flat[1:].view(16, 256)  # contiguous but 4 bytes off a 16-byte boundary: float4 must not be used
+    assert shifted.data_ptr() % 16 != 0
+    torch.testing.assert_close(cuda_ext.softmax(shifted, variant), torch.softmax(shifted, -1), atol=1e-6,
+                               rtol=1e-4)
+    big = torch.full((2, 300), -1e30, device="cuda")
+    big[:, 7] = 1e30  # extreme logits: the max subtraction keeps them finite
+    out = cuda_ext.softmax(big, variant)
+    assert torch.isfinite(out).all() and torch.equal(out[:, 7], torch.ones(2, device="cuda"))
+
+
+def torch_check_messages(setup: str, calls: str) -> list:
+    """Run `calls` (Python expressions, one per line) in a fresh process after `setup`; return, per call, the
+    first line of the RuntimeError it raised (None if it raised nothing). A fresh process, because a C++ error
+    that crashes instead of raising must fail this test, not end the test session."""
+    code = "\n".join([
+        "import json, torch", "from utils import cuda_ext", setup, "out = []",
+        *[f"try:\n    {call}\n    out.append(None)\nexcept RuntimeError as err:\n"
+          f"    out.append(str(err).splitlines()[0])" for call in calls.strip().splitlines()],
+        "print(json.dumps(out))"])
+    proc = subprocess.run([sys.executable, "-c", code], cwd=cuda_ext.ROOT, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, f"the process died (returncode {proc.returncode}):\n{proc.stderr[-3000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_torch_check_messages_reports_errors_and_crashes():
+    assert torch_check_messages("t = torch.zeros(2)", "t.view(3)\nt.view(2)") == [
+        "shape '[3]' is invalid for input of size 2", None]
+    with pytest.raises(AssertionError, match="the process died"):
+        torch_check_messages("import os", "os.abort()")
+
+
+@pytest.mark.gpu
+def test_softmax_torch_checks():
+    messages = torch_check_messages(
+        'ext = cuda_ext.load("softmax"); x = torch.randn(8, 32, device="cuda")', """
+ext.softmax_forward(x.cpu(), 1)
+ext.softmax_forward(x.double(), 1)
+ext.softmax_forward(x[None], 1)
+ext.softmax_forward(x.t(), 1)
+ext.softmax_forward(x[:0], 1)
+ext.softmax_forward(x, 7)
+""")
+    expected = ["must be a CUDA tensor", "must be float32", "must have 2 dims", "must be contiguous", "is empty",
+                "variant must be"]
+    for message, pattern in zip(messages, expected, strict=True):
+        assert message is not None and pattern in message, (pattern, message)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["flash_naive", "flash_tiled"])
+def test_flash_torch_checks(name):
+    setup = (f'f = cuda_ext.load("{name}").{name}_forward\n'
+             'q = torch.randn(1, 4, 16, 64, device="cuda", dtype=torch.float16)\n'
+             'z = lambda d: torch.zeros(1, 1, 4, d, device="cuda", dtype=torch.half)')
+    cases = [
+        ("f(q.cpu(), q, q, False, 0.125)", "q must be a CUDA tensor"),
+        ("f(q, q.float(), q, False, 0.125)", "k has dtype"),
+        ("f(q.double(), q.double(), q.double(), False, 0.125)", "dtype must be float16, bfloat16 or float32"),
+        ("f(q[0], q, q, False, 0.125)", "must have 4 dims"),
+        ("f(q, q[:, :3], q[:, :3], False, 0.125)", "not a multiple"),
+        ("f(q, q, q[:, :, :8], False, 0.125)", "same shape"),
+        ("f(q, q[..., :32], q[..., :32], False, 0.125)", "head_dim"),
+        ("f(q[..., ::2], q[..., ::2], q[..., ::2], False, 0.125)", "contiguous in head_dim"),
+        ("f(q[:, :, :0], q, q, False, 0.125)", "is empty"),
+        ("f(z(264), z(264), z(264), False, 0.125)", "head_dim 264 is not supported"),
+        ("f(z(60), z(60), z(60), False, 0.125)", "head_dim 60 is not supported"),
+        ("f(q, q, q, False, -1.0)", "scale must be finite and positive"),
+    ]
+    if name == "flash_naive":
+        cases.append(("f(z(256), z(256), z(256), False, 0.125)", "head_dim 256"))
+    messages = torch_check_messages(setup, "\n".join(call for call, _ in cases))
+    for message, (call, pattern) in zip(messages, cases, strict=True):
+        assert message is not None and pattern in message, (call, pattern, message)
+
+
+@pytest.mark.gpu
+def test_load_is_cached_and_rows_without_keys_are_zero():
+    assert cuda_ext.load("flash_tiled") is cuda_ext.load("flash_tiled")
+    q = torch.randn(1, 2, 70, 64, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, 2, 20, 64, device="cuda", dtype=torch.bfloat16)
+    for fn in (cuda_ext.flash_naive, cuda_ext.flash_tiled):
+        out = fn(q, k, k, causal=True)
+        assert torch.equal(out[:, :, :50], torch.zeros_like(out[:, :, :50]))  # queries 0..49 see no key
+        assert out[:, :, 50:].abs().sum() > 0

@@ -1,0 +1,306 @@
+"""The backward pass (notebook 07): formulas, the tiled PyTorch backward and the Triton kernels against autograd.
+
+On a CPU the Triton kernels run in the interpreter on small shapes; on a GPU larger shapes and fp16/bf16 join.
+"""
+import importlib.util
+import math
+
+import pytest
+import torch
+
+from utils.flash_backward_pytorch import (FlashAttentionPyTorch, attention_gradients, flash_attention_pytorch,
+                                          flash_backward_pytorch, flash_forward_pytorch, saved_tensor_bytes)
+from utils.reference import naive_attention, reference_attention
+from utils.testing import random_qkv
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+
+# (batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim): one row, lengths off every block size, Nq != Nk both
+# ways (Nq > Nk leaves rows that see no key when causal), GQA and MQA, padded head dims.
+SHAPES = [
+    (1, 1, 1, 1, 1, 16),
+    (2, 2, 2, 17, 17, 32),
+    (1, 4, 2, 64, 64, 64),
+    (1, 2, 1, 33, 70, 80),
+    (1, 2, 2, 70, 33, 96),
+    (1, 2, 2, 40, 40, 128),
+]
+if CUDA:
+    SHAPES += [(2, 8, 2, 1000, 1000, 64), (1, 4, 4, 300, 1100, 128), (1, 4, 1, 1100, 300, 64),
+               (2, 4, 4, 1024, 1024, 128), (1, 2, 2, 200, 200, 256)]
+
+
+def ids(shape):
+    return "x".join(map(str, shape))
+
+
+def reference_grads(q, k, v, do, causal, sm_scale=None):
+    """Autograd through the naive formula in float64: the ground truth."""
+    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
+    out = naive_attention(q, k, v, causal=causal, sm_scale=sm_scale)
+    return torch.autograd.grad(out, (q, k, v), do.double())
+
+
+def forward_lse(q, k, v, causal, sm_scale=None):
+    """(o, lse) in float64 by the formula: the saved state a forward kernel hands to the backward."""
+    o = reference_attention(q, k, v, causal=causal, sm_scale=sm_scale)
+    scale = sm_scale or 1 / math.sqrt(q.shape[-1])
+    group = q.shape[1] // k.shape[1]
+    s = scale * q.double() @ k.double().repeat_interleave(group, 1).transpose(-2, -1)
+    if causal:
+        from utils.reference import causal_mask
+        s = s.masked_fill(~causal_mask(q.shape[2], k.shape[2], q.device), -math.inf)
+    return o, torch.logsumexp(s, dim=-1)
+
+
+def grad_tol(dtype):
+    # Gradients sum over N terms and pass through two rounded products (P, dS): looser than outputs.
+    return {torch.float64: (1e-9, 1e-7), torch.float32: (2e-4, 2e-4), torch.float16: (2e-2, 2e-2),
+            torch.bfloat16: (6e-2, 6e-2)}[dtype]
+
+
+def assert_grads_close(actual, expected, dtype):
+    atol, rtol = grad_tol(dtype)
+    for name, a, e in zip(("dq", "dk", "dv"), actual, expected):
+        assert a.shape == e.shape, f"{name}: shape {tuple(a.shape)} != {tuple(e.shape)}"
+        scale = max(1.0, e.abs().max().item())   # relative to the gradient's size
+        torch.testing.assert_close(a.double(), e, atol=atol * scale, rtol=rtol, msg=lambda m: f"{name}: {m}")
+
+
+# --- the formulas --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", SHAPES[:6], ids=ids)
+def test_formulas_match_autograd(shape, causal):
+    b, h, hk, nq, nk, d = shape
+    q, k, v = random_qkv(b, h, nq, nk, d, kv_heads=hk, dtype=torch.float64, seed=1)
+    do = torch.randn(q.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    o, lse = forward_lse(q, k, v, causal)
+    grads = attention_gradients(do, q, k, v, o, lse, causal=causal)
+    assert_grads_close(grads, reference_grads(q, k, v, do, causal), torch.float64)
+
+
+def test_rows_without_keys_get_zero_gradients():
+    q, k, v = random_qkv(1, 2, 9, 4, 16, dtype=torch.float64)   # causal, Nq > Nk: rows 0..4 see no key
+    do = torch.randn_like(q)
+    o, lse = forward_lse(q, k, v, True)
+    assert torch.isneginf(lse[:, :, :5]).all()
+    for fn in (attention_gradients, flash_backward_pytorch):
+        dq, dk, dv = fn(do, q, k, v, o, lse, causal=True)
+        assert torch.isfinite(dq).all() and (dq[:, :, :5] == 0).all()
+        assert_grads_close((dq, dk, dv), reference_grads(q, k, v, do, True), torch.float64)
+
+
+# --- the tiled PyTorch backward ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("blocks", [(16, 16), (8, 32), (64, 7)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", SHAPES[:6], ids=ids)
+def test_tiled_pytorch_backward(shape, causal, blocks):
+    b, h, hk, nq, nk, d = shape
+    q, k, v = random_qkv(b, h, nq, nk, d, kv_heads=hk, dtype=torch.float64, seed=3)
+    do = torch.randn_like(q)
+    o, lse = flash_forward_pytorch(q, k, v, causal=causal, block_q=blocks[0], block_k=blocks[1])
+    o_ref, lse_ref = forward_lse(q, k, v, causal)
+    torch.testing.assert_close(o, o_ref)
+    torch.testing.assert_close(lse, lse_ref)
+    grads = flash_backward_pytorch(do, q, k, v, o, lse, causal=causal, block_q=blocks[0], block_k=blocks[1])
+    assert_grads_close(grads, reference_grads(q, k, v, do, causal), torch.float64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_tiled_pytorch_low_precision(dtype):
+    q, k, v = random_qkv(1, 4, 50, 70, 32, kv_heads=2, dtype=dtype)
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(5)).to(dtype)
+    out = flash_attention_pytorch(*(t.requires_grad_() for t in (q, k, v)), causal=True, sm_scale=0.3)
+    assert out.dtype == dtype
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    assert all(g.dtype == dtype for g in grads)
+    assert_grads_close(grads, reference_grads(q, k, v, do, True, sm_scale=0.3), dtype)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_tiled_pytorch_gradcheck(causal):
+    q, k, v = random_qkv(1, 2, 6, 5, 4, kv_heads=1, dtype=torch.float64)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: flash_attention_pytorch(q, k, v, causal=causal, block_q=4, block_k=2), (q, k, v))
+
+
+def test_tiled_backward_saves_no_score_matrix():
+    q, k, v = random_qkv(1, 2, 256, 256, 32)
+    q.requires_grad_()
+    naive = saved_tensor_bytes(naive_attention, q, k, v, causal=True)
+    tiled = saved_tensor_bytes(flash_attention_pytorch, q, k, v, causal=True)
+    # Tiled: o (B·H·N·D floats) and lse (B·H·N): O(N·D). Naive: at least one B·H·N·N matrix.
+    assert tiled == (2 * 256 * 32 + 2 * 256) * 4
+    assert naive >= 2 * 256 * 256 * 4 > 4 * tiled
+
+
+def test_saved_tensor_bytes_rejects_non_callables():
+    with pytest.raises(TypeError, match="callable"):
+        saved_tensor_bytes(42)
+
+
+def test_pytorch_backward_validates_inputs():
+    q, k, v = random_qkv(1, 2, 8, 8, 16)
+    o, lse = flash_forward_pytorch(q, k, v)
+    do = torch.randn_like(q)
+    with pytest.raises(ValueError, match="do has shape"):
+        flash_backward_pytorch(do[:, :1], q, k, v, o, lse)
+    with pytest.raises(TypeError, match="o has dtype"):
+        flash_backward_pytorch(do, q, k, v, o.double(), lse)
+    with pytest.raises(ValueError, match="lse must have shape"):
+        flash_backward_pytorch(do, q, k, v, o, lse[..., :3])
+    with pytest.raises(TypeError, match="lse must be a floating"):
+        flash_backward_pytorch(do, q, k, v, o, lse.long())
+    with pytest.raises(TypeError, match="block_q must be an int"):
+        flash_backward_pytorch(do, q, k, v, o, lse, block_q=1.5)
+    with pytest.raises(ValueError, match="block_k must be positive"):
+        flash_attention_pytorch(q, k, v, block_k=0)
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        attention_gradients(do, q, k, v, o, lse, causal=1)
+    with pytest.raises(ValueError, match="sm_scale"):
+        flash_backward_pytorch(do, q, k, v, o, lse, sm_scale=-1.0)
+
+
+def test_autograd_function_is_exposed():
+    assert issubclass(FlashAttentionPyTorch, torch.autograd.Function)
+
+
+# --- the Triton kernels --------------------------------------------------------------------------------------
+
+from utils.flash_triton_bwd import BackwardConfig, default_config, flash_attention_backward  # noqa: E402
+
+# Small tiles in the interpreter so that every shape crosses several blocks and both loop kinds run.
+SMALL = BackwardConfig(16, 16, 4, 1, 16, 16, 4, 1)
+CONFIGS = [None] if CUDA else [SMALL, None]
+
+
+def triton_dtypes():
+    return (torch.float32, torch.float16, torch.bfloat16) if CUDA else (torch.float32,)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "default" if c is None else "small")
+@pytest.mark.parametrize("dtype", triton_dtypes(), ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", SHAPES, ids=ids)
+def test_triton_backward_matches_autograd(shape, causal, dtype, config):
+    b, h, hk, nq, nk, d = shape
+    q, k, v = random_qkv(b, h, nq, nk, d, kv_heads=hk, dtype=dtype, device=DEVICE, seed=7)
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(8)).to(DEVICE, dtype)
+    o, lse = forward_lse(q, k, v, causal)
+    grads = flash_attention_backward(do, q, k, v, o.to(dtype), lse.float(), causal=causal, config=config)
+    assert all(g.dtype == dtype and g.device == q.device for g in grads)
+    assert_grads_close(grads, reference_grads(q, k, v, do, causal), dtype)
+
+
+def test_triton_backward_non_contiguous_and_scale():
+    """Views of (batch, seq, heads, dim) buffers, as a model's reshaped projections are."""
+    q, k, v = random_qkv(1, 4, 37, 45, 32, kv_heads=2, device=DEVICE)
+    q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    do = torch.randn(1, 37, 4, 32, device=DEVICE).transpose(1, 2)
+    o, lse = forward_lse(q, k, v, True, sm_scale=0.2)
+    grads = flash_attention_backward(do, q, k, v, o.float(), lse.float(), causal=True, sm_scale=0.2, config=SMALL)
+    assert_grads_close(grads, reference_grads(q, k, v, do, True, sm_scale=0.2), torch.float32)
+
+
+def test_triton_backward_bf16_in_interpreter_or_gpu():
+    q, k, v = random_qkv(1, 2, 20, 20, 16, dtype=torch.bfloat16, device=DEVICE)
+    do = torch.randn_like(q)
+    o, lse = forward_lse(q, k, v, True)
+    grads = flash_attention_backward(do, q, k, v, o.to(q.dtype), lse.float(), causal=True)
+    assert all(g.dtype == torch.bfloat16 for g in grads)
+    assert_grads_close(grads, reference_grads(q, k, v, do, True), torch.bfloat16)
+
+
+@pytest.mark.skipif(CUDA, reason="fp64 dots: checked in the interpreter (NumPy); slow and uncommon on GPUs")
+@pytest.mark.parametrize("causal", [False, True])
+def test_triton_gradcheck_float64(causal):
+    q, k, v = random_qkv(1, 2, 5, 9, 16, kv_heads=1, dtype=torch.float64)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+
+    class Attention(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v):
+            o, lse = flash_forward_pytorch(q, k, v, causal=causal)
+            ctx.save_for_backward(q, k, v, o, lse)
+            return o
+
+        @staticmethod
+        def backward(ctx, do):
+            return flash_attention_backward(do, *ctx.saved_tensors, causal=causal, config=SMALL)
+
+    assert torch.autograd.gradcheck(Attention.apply, (q, k, v), fast_mode=True)
+
+
+def test_triton_backward_validates_inputs():
+    q, k, v = random_qkv(1, 2, 8, 8, 16, device=DEVICE)
+    do = torch.randn_like(q)
+    o, lse = forward_lse(q, k, v, False)
+    o, lse = o.float(), lse.float()
+    with pytest.raises(ValueError, match="head_dim 8 is not supported"):
+        q8, k8, v8 = random_qkv(1, 2, 8, 8, 8, device=DEVICE)
+        flash_attention_backward(torch.randn_like(q8), q8, k8, v8, torch.randn_like(q8), lse)
+    with pytest.raises(ValueError, match="lse must have shape"):
+        flash_attention_backward(do, q, k, v, o, lse[:, :1])
+    with pytest.raises(TypeError, match="do has dtype"):
+        flash_attention_backward(do.half(), q, k, v, o, lse)
+    with pytest.raises(TypeError, match="config must be a BackwardConfig"):
+        flash_attention_backward(do, q, k, v, o, lse, config=(16, 16))
+    with pytest.raises(ValueError, match="not a multiple"):
+        flash_attention_backward(do, q, k[:, :1].expand(1, 3, 8, 16), v[:, :1].expand(1, 3, 8, 16), o, lse)
+    with pytest.raises(TypeError, match="sm_scale"):
+        flash_attention_backward(do, q, k, v, o, lse, sm_scale="0.1")
+    with pytest.raises(ValueError, match="block_m1 must be a power of two"):
+        BackwardConfig(block_m1=24)
+    with pytest.raises(ValueError, match="warps2 must be a positive int"):
+        BackwardConfig(warps2=0)
+
+
+def test_default_config_is_valid_for_every_case():
+    for d in (16, 64, 80, 128, 256):
+        for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+            for causal in (False, True):
+                assert isinstance(default_config(d, dtype, causal), BackwardConfig)
+
+
+# --- end to end: the differentiable Triton attention (forward of notebook 05, backward of notebook 07) --------
+
+HAVE_FORWARD = importlib.util.find_spec("utils.flash_triton") is not None
+needs_forward = pytest.mark.skipif(not HAVE_FORWARD, reason="utils/flash_triton.py (the forward) is not there yet")
+
+
+@needs_forward
+@pytest.mark.parametrize("dtype", triton_dtypes(), ids=str)
+@pytest.mark.parametrize("shape,causal", [((1, 4, 2, 45, 45, 64), True), ((1, 2, 1, 33, 70, 96), False),
+                                          ((1, 2, 2, 70, 33, 32), True)], ids=str)
+def test_flash_attention_end_to_end(shape, causal, dtype):
+    from utils.flash_triton import flash_attention
+
+    b, h, hk, nq, nk, d = shape
+    q, k, v = random_qkv(b, h, nq, nk, d, kv_heads=hk, dtype=dtype, device=DEVICE, seed=11)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(12)).to(DEVICE, dtype)
+    flash_attention(q, k, v, causal=causal).backward(do)
+    assert_grads_close((q.grad, k.grad, v.grad), reference_grads(q, k, v, do, causal), dtype)
+
+
+@pytest.mark.gpu
+@needs_forward
+def test_flash_attention_matches_sdpa_gradients_on_gpu():
+    """bf16 on a GPU: our gradients are as close to float64 truth as SDPA's own are (within 2x)."""
+    from utils.flash_triton import flash_attention
+    from utils.reference import sdpa_attention
+
+    q, k, v = random_qkv(2, 8, 2048, 2048, 128, kv_heads=2, dtype=torch.bfloat16, device="cuda", seed=13)
+    do = torch.randn_like(q)
+    truth = reference_grads(q, k, v, do, True)
+    errors = {}
+    for name, fn in (("ours", flash_attention), ("sdpa", sdpa_attention)):
+        qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        fn(qq, kk, vv, causal=True).backward(do)
+        errors[name] = [(g.double() - t).abs().max().item() for g, t in zip((qq.grad, kk.grad, vv.grad), truth)]
+    for ours, sdpa in zip(errors["ours"], errors["sdpa"]):
+        assert ours <= 2 * sdpa + 1e-3, errors

@@ -1,0 +1,230 @@
+"""What is specific to the Triton FlashAttention-2 forward (utils.flash_triton); tests/test_attention.py covers
+the shared correctness grid through the registry's "triton" entry."""
+import importlib.util
+import math
+import sys
+import types
+
+import pytest
+import torch
+
+from utils import flash_triton
+from utils.flash_triton import Config, flash_attention, flash_attention_forward, pick_config
+from utils.reference import causal_mask, reference_attention
+from utils.testing import assert_close, random_qkv
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+HAS_BWD = importlib.util.find_spec("utils.flash_triton_bwd") is not None
+
+
+def qkv(b=1, h=2, nq=40, nk=None, d=32, hk=None, dtype=torch.float32, seed=0):
+    return random_qkv(b, h, nq, nk, d, kv_heads=hk, dtype=dtype, device=DEVICE, seed=seed)
+
+
+def reference_lse(q, k, causal, scale):
+    group = q.shape[1] // k.shape[1]
+    k = k.double().repeat_interleave(group, dim=1)
+    scores = q.double() @ k.transpose(-1, -2) * scale
+    if causal:
+        scores = scores.masked_fill(~causal_mask(q.shape[2], k.shape[2], q.device), float("-inf"))
+    return torch.logsumexp(scores, dim=-1)
+
+
+@pytest.mark.parametrize("nq,nk,causal", [(40, 40, False), (40, 40, True), (19, 70, True), (70, 19, True),
+                                          (70, 19, False), (1, 33, True)])
+def test_lse_matches_torch_logsumexp(nq, nk, causal):
+    q, k, v = qkv(nq=nq, nk=nk, hk=1)
+    o, lse = flash_attention(q, k, v, causal=causal, return_lse=True)
+    expected = reference_lse(q, k, causal, 1 / math.sqrt(q.shape[-1]))
+    assert lse.dtype == torch.float32 and lse.shape == q.shape[:3]
+    assert torch.equal(torch.isinf(lse), torch.isinf(expected))  # -inf exactly where a query sees no key
+    finite = torch.isfinite(expected)
+    torch.testing.assert_close(lse[finite].double(), expected[finite], atol=1e-4, rtol=1e-4)
+    o2, lse2 = flash_attention_forward(q, k, v, causal=causal)
+    assert torch.equal(o, o2) and torch.equal(lse, lse2)
+
+
+@pytest.mark.parametrize("nq,nk", [(5, 12), (12, 5), (37, 64), (64, 37)])
+def test_causal_is_bottom_right_against_an_explicit_mask(nq, nk):
+    """Build the mask by hand (query i sees key j iff j - i <= nk - nq) and attend with it in float64."""
+    q, k, v = qkv(nq=nq, nk=nk, dtype=torch.float32)
+    mask = torch.ones(nq, nk, dtype=torch.bool, device=DEVICE).tril(diagonal=nk - nq)
+    scores = (q.double() @ k.double().transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(~mask, -math.inf)
+    expected = torch.softmax(scores, -1).nan_to_num(0.0) @ v.double()
+    out = flash_attention(q, k, v, causal=True)
+    assert_close(out, expected)
+    if nq > nk:
+        assert out[:, :, : nq - nk].abs().max() == 0  # queries that see no key give exactly 0
+    # A key no query may see cannot change the output: perturb the last key, recompute, compare the rows.
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, -1] += 100
+    v2[:, :, -1] -= 100
+    out2 = flash_attention(q, k2, v2, causal=True)
+    blind = ~mask[:, -1]
+    assert torch.equal(out[:, :, blind], out2[:, :, blind])
+
+
+@pytest.mark.parametrize("config", [Config(16, 16, 4, 1), Config(16, 32, 4, 1), Config(32, 16, 4, 1),
+                                    Config(64, 16, 4, 1)])
+@pytest.mark.parametrize("nq,nk", [(50, 50), (23, 81), (81, 23), (1, 100)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_block_sizes_and_the_causal_split(config, nq, nk, causal):
+    """Several key blocks on each side of the diagonal, ragged last blocks, BLOCK_M smaller and larger than
+    BLOCK_N: the split into unmasked and masked blocks must not change the result."""
+    q, k, v = qkv(nq=nq, nk=nk, d=48)
+    o, lse = flash_triton._launch(q, k, v, causal, 0.2, config)
+    assert_close(o, reference_attention(q, k, v, causal=causal, sm_scale=0.2))
+
+
+def _strided_views(q, k, v, kind):
+    if kind == "bnhd":      # views of (batch, seq, heads, head_dim) buffers
+        return [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v)]
+    if kind == "every_other_dim":  # last-dim stride 2
+        return [torch.stack([t, torch.zeros_like(t)], dim=-1).flatten(-2)[..., ::2] for t in (q, k, v)]
+    if kind == "head_slice":  # every other head of a bigger tensor
+        return [torch.cat([t, t], dim=1)[:, ::2] for t in (q, k, v)]
+    if kind == "expanded_batch":  # stride 0 over the batch
+        return [t[:1].expand(3, -1, -1, -1) for t in (q, k, v)]
+    raise ValueError(kind)
+
+
+@pytest.mark.parametrize("kind", ["bnhd", "every_other_dim", "head_slice", "expanded_batch"])
+def test_arbitrary_strides(kind):
+    q, k, v = _strided_views(*qkv(b=3, nq=33, nk=45, d=64, hk=1), kind)
+    assert not q.is_contiguous()
+    out = flash_attention(q, k, v, causal=True)
+    assert_close(out, reference_attention(q, k, v, causal=True))
+
+
+def test_gqa_reads_kv_in_place(monkeypatch):
+    """K/V reach the kernel as they are: the same storage, with fewer heads than Q (no repeat_interleave)."""
+    seen = []
+    launch = flash_triton._launch
+    monkeypatch.setattr(flash_triton, "_launch", lambda q, k, v, *a: seen.append((k, v)) or launch(q, k, v, *a))
+    q, k, v = qkv(h=8, hk=2, nq=20, d=32)
+    out = flash_attention(q, k, v)
+    assert_close(out, reference_attention(q, k, v))
+    (k_seen, v_seen), = seen
+    assert k_seen.data_ptr() == k.data_ptr() and v_seen.data_ptr() == v.data_ptr() and k_seen.shape[1] == 2
+
+
+@pytest.mark.skipif(CUDA, reason="the CPU (interpreter) path for bf16")
+def test_bf16_on_cpu_is_computed_in_fp32():
+    q, k, v = qkv(nq=30, nk=50, dtype=torch.bfloat16)
+    out, lse = flash_attention(q, k, v, causal=True, return_lse=True)
+    o32, lse32 = flash_attention_forward(q.float(), k.float(), v.float(), causal=True)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    assert torch.equal(out, o32.to(torch.bfloat16)) and torch.equal(lse, lse32)
+    assert_close(out, reference_attention(q, k, v, causal=True))
+
+
+@pytest.mark.parametrize("dtype,q_scale,k_scale", [(torch.float16, 20.0, 40.0), (torch.float32, 60.0, 8.0)])
+def test_huge_logits_are_finite_and_right(dtype, q_scale, k_scale):
+    """Logits of order 1e4 (fp16 inputs up to ~1e3, products summed in fp32): the online softmax must subtract
+    the running maximum, never exponentiate a raw score."""
+    q, k, v = qkv(nq=48, nk=48, d=64, dtype=dtype)
+    q = (q.float() * q_scale).to(dtype)
+    k = (k.float() * k_scale).to(dtype)
+    assert torch.isfinite(q).all() and torch.isfinite(k).all()
+    logits = reference_lse(q, k, False, 1.0)
+    assert logits.abs().max() > 1e4
+    for causal in (False, True):
+        out, lse = flash_attention(q, k, v, causal=causal, sm_scale=1.0, return_lse=True)
+        assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+        assert_close(out, reference_attention(q, k, v, causal=causal, sm_scale=1.0))
+
+
+@pytest.mark.parametrize("d", [16, 24, 80, 96, 160, 256])
+def test_head_dims_padded_to_a_power_of_two(d):
+    q, k, v = qkv(nq=20, nk=20, d=d)
+    assert_close(flash_attention(q, k, v, causal=True), reference_attention(q, k, v, causal=True))
+
+
+@pytest.mark.parametrize("change,error,match", [
+    (dict(d=8), ValueError, "head_dim 8 is not supported by the Triton kernel; supported: 16 to 256"),
+    (dict(d=264), ValueError, "head_dim 264 is not supported"),
+    (dict(dtype=torch.float64), TypeError, "q has dtype torch.float64; supported: float16, bfloat16, float32"),
+])
+def test_unsupported_inputs_raise(change, error, match):
+    q, k, v = qkv(**{"nq": 8, "nk": 8, **change})
+    with pytest.raises(error, match=match):
+        flash_attention(q, k, v)
+
+
+def test_bad_arguments_raise():
+    q, k, v = qkv(nq=8, nk=8)
+    with pytest.raises(TypeError, match="return_lse must be a bool"):
+        flash_attention(q, k, v, return_lse=1)
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        flash_attention(q, k, v, causal=1)
+    with pytest.raises(ValueError, match="sm_scale must be finite and positive"):
+        flash_attention(q, k, v, sm_scale=-1.0)
+    with pytest.raises(ValueError, match="v has shape"):
+        flash_attention_forward(q, k, v[:, :, :4])
+
+
+def test_pick_config():
+    cpu = torch.device("cpu")
+    assert pick_config(64, torch.float32, cpu).block_m >= 16
+    for d in (16, 64, 80, 128, 256):
+        for dtype in (torch.float16, torch.bfloat16, torch.float32):
+            c = pick_config(d, dtype, torch.device("cuda"))
+            assert c.block_m >= 16 and c.block_n >= 16 and c.num_warps in (4, 8) and c.num_stages >= 1
+
+
+def test_backward_calls_the_notebook_07_module_with_the_saved_tensors(monkeypatch):
+    calls = []
+
+    def fake_backward(do, q, k, v, o, lse, *, causal, sm_scale):
+        calls.append(dict(do=do, q=q, o=o, lse=lse, causal=causal, sm_scale=sm_scale))
+        return 2 * q, 3 * k, 4 * v
+
+    monkeypatch.setitem(sys.modules, "utils.flash_triton_bwd",
+                        types.SimpleNamespace(flash_attention_backward=fake_backward))
+    q, k, v = (t.requires_grad_() for t in qkv(nq=16, nk=24, hk=1))
+    o, lse = flash_attention(q, k, v, causal=True, sm_scale=0.3, return_lse=True)
+    o.sum().backward()
+    (call,) = calls
+    assert call["causal"] is True and call["sm_scale"] == 0.3 and torch.equal(call["lse"], lse)
+    assert torch.equal(call["o"], o.detach()) and torch.equal(call["do"], torch.ones_like(o))
+    assert torch.equal(q.grad, 2 * q.detach()) and torch.equal(k.grad, 3 * k.detach())
+
+
+@pytest.mark.skipif(HAS_BWD, reason="utils/flash_triton_bwd.py exists: the real backward is tested there")
+def test_backward_without_the_module_says_so():
+    q, k, v = (t.requires_grad_() for t in qkv(nq=8, nk=8))
+    with pytest.raises(NotImplementedError, match="flash_triton_bwd"):
+        flash_attention(q, k, v).sum().backward()
+
+
+@pytest.mark.skipif(not HAS_BWD, reason="needs utils/flash_triton_bwd.py (notebook 07)")
+def test_gradients_match_the_reference():
+    q, k, v = (t.requires_grad_() for t in qkv(nq=24, nk=40, hk=1))
+    flash_attention(q, k, v, causal=True).sum().backward()
+    grads = [t.grad for t in (q, k, v)]
+    q2, k2, v2 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    reference_attention(q2, k2, v2, causal=True).sum().backward()
+    for g, g2 in zip(grads, (q2.grad, k2.grad, v2.grad)):
+        assert_close(g, g2, dtype=torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(2, 16, 4, 2048, 2048, 128), (1, 8, 8, 3000, 1777, 64), (1, 4, 1, 517, 4096, 80)])
+def test_large_shapes_on_gpu(dtype, shape):
+    b, h, hk, nq, nk, d = shape
+    q, k, v = random_qkv(b, h, nq, nk, d, kv_heads=hk, dtype=dtype, device="cuda")
+    for causal in (False, True):
+        out, lse = flash_attention(q, k, v, causal=causal, return_lse=True)
+        assert_close(out, reference_attention(q, k, v, causal=causal))
+        expected = reference_lse(q, k, causal, 1 / math.sqrt(d))
+        finite = torch.isfinite(expected)
+        torch.testing.assert_close(lse[finite].double(), expected[finite], atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.gpu
+def test_mismatched_devices_on_gpu():
+    q, k, v = random_qkv(1, 2, 8, 8, 32, device="cuda")
+    with pytest.raises(ValueError, match="k is on cpu"):
+        flash_attention(q, k.cpu(), v)

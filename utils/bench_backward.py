@@ -1,0 +1,149 @@
+"""Backward-pass benchmark (notebook 07): the course's Triton backward against PyTorch SDPA's backends.
+
+FLOPs are counted as 2.5× the forward's (`utils.bench.attention_flops(mode="bwd")`: five N×N matmuls instead of
+two), halved when causal, as in the FlashAttention-2 paper. Every number of a table is measured in one run.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from utils.bench import attention_flops, benchmark, tflops
+
+BACKENDS = ("triton", "sdpa_flash", "sdpa_cudnn")
+
+
+def _sdpa_backward(backend_name):
+    """A function (q, k, v, do, causal) -> timing closure for SDPA with `backend_name` pinned."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}[backend_name]
+
+    def prepare(q, k, v, do, causal):
+        q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+        with sdpa_kernel(backend):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+        def run():  # the backward the forward's backend recorded: that backend's backward kernel
+            return torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
+        return run
+    return prepare
+
+
+def _triton_backward(config=None):
+    def prepare(q, k, v, do, causal):
+        from utils.flash_triton import flash_attention_forward
+        from utils.flash_triton_bwd import flash_attention_backward
+
+        o, lse = flash_attention_forward(q, k, v, causal=causal)
+        return lambda: flash_attention_backward(do, q, k, v, o, lse, causal=causal, config=config)
+    return prepare
+
+
+def run_backward_benchmark(seqlens=(2048, 4096, 8192, 16384), head_dims=(64, 128), causal=(False, True), *,
+                           batch=4, heads=16, dtype=torch.bfloat16, backends=BACKENDS, config=None) -> list[dict]:
+    """Time the backward of each backend on each shape; returns rows {backend, seqlen, head_dim, causal, ms,
+    tflops, error}. A backend that cannot run a shape gets ms=None and the error's message. Needs a CUDA GPU."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("run_backward_benchmark needs a CUDA GPU")
+    unknown = [b for b in backends if b not in BACKENDS]
+    if unknown:
+        raise ValueError(f"unknown backends {unknown}; known: {', '.join(BACKENDS)}")
+    makers = {b: _triton_backward(config) if b == "triton" else _sdpa_backward(b) for b in backends}
+    rows = []
+    for d in head_dims:
+        for n in seqlens:
+            gen = torch.Generator(device="cuda").manual_seed(0)
+            q, k, v, do = (torch.randn(batch, heads, n, d, device="cuda", dtype=dtype, generator=gen)
+                           for _ in range(4))
+            for c in causal:
+                flops = attention_flops(batch, heads, n, n, d, causal=c, mode="bwd")
+                for name, prepare in makers.items():
+                    row = dict(backend=name, seqlen=n, head_dim=d, causal=c, ms=None, tflops=None, error=None)
+                    try:
+                        ms = benchmark(prepare(q, k, v, do, c))
+                        row.update(ms=ms, tflops=tflops(flops, ms))
+                    except Exception as err:  # noqa: BLE001 - a backend missing on this GPU is a result too
+                        row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+                    rows.append(row)
+            del q, k, v, do
+            torch.cuda.empty_cache()
+    return rows
+
+
+def ratios(rows: list[dict], numerator="triton", denominator="sdpa_flash") -> dict:
+    """{(seqlen, head_dim, causal): tflops[numerator] / tflops[denominator]} where both were measured."""
+    for name in (numerator, denominator):
+        if name not in BACKENDS:
+            raise ValueError(f"unknown backend {name!r}; known: {', '.join(BACKENDS)}")
+    table = {(r["seqlen"], r["head_dim"], r["causal"], r["backend"]): r["tflops"] for r in rows}
+    out = {}
+    for (n, d, c, b), value in table.items():
+        other = table.get((n, d, c, denominator))
+        if b == numerator and value and other:
+            out[(n, d, c)] = value / other
+    return out
+
+
+def format_table(rows: list[dict]) -> str:
+    """A plain-text table: one line per shape, TFLOP/s per backend and the triton / sdpa_flash ratio."""
+    backends = [b for b in BACKENDS if any(r["backend"] == b for r in rows)]
+    ratio = ratios(rows) if {"triton", "sdpa_flash"} <= set(backends) else {}
+    lines = [f"{'N':>6} {'D':>4} {'causal':>6} " + " ".join(f"{b:>11}" for b in backends) + "  triton/flash"]
+    shapes = sorted({(r["seqlen"], r["head_dim"], r["causal"]) for r in rows}, key=lambda s: (s[1], s[2], s[0]))
+    for n, d, c in shapes:
+        cells = []
+        for b in backends:
+            t = next((r["tflops"] for r in rows if (r["seqlen"], r["head_dim"], r["causal"], r["backend"]) ==
+                      (n, d, c, b)), None)
+            cells.append(f"{t:11.1f}" if t else f"{'-':>11}")
+        r = ratio.get((n, d, c))
+        lines.append(f"{n:>6} {d:>4} {str(c):>6} " + " ".join(cells) + (f"  {r:11.2f}x" if r else ""))
+    return "\n".join(lines)
+
+
+def save_results(rows: list[dict], path, **meta) -> Path:
+    """Write {"meta": meta, "rows": rows} as JSON (meta: GPU name, versions...)."""
+    path = Path(path)
+    path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    return path
+
+
+def load_results(path) -> tuple[dict, list[dict]]:
+    data = json.loads(Path(path).read_text())
+    return data["meta"], data["rows"]
+
+
+def plot_backward_benchmark(rows: list[dict], title: str = ""):
+    """One panel per head dim: backward TFLOP/s against sequence length, a line per backend and masking."""
+    import matplotlib.pyplot as plt
+
+    from utils.plotting import use_course_style
+
+    use_course_style()
+    head_dims = sorted({r["head_dim"] for r in rows})
+    if not head_dims:
+        raise ValueError("no rows to plot")
+    fig, axes = plt.subplots(1, len(head_dims), figsize=(6 * len(head_dims), 4), sharey=True, squeeze=False)
+    colors = {"triton": "C0", "sdpa_flash": "C1", "sdpa_cudnn": "C2"}
+    for ax, d in zip(axes[0], head_dims):
+        for b in BACKENDS:
+            for c, style in ((False, "-"), (True, "--")):
+                pts = sorted((r["seqlen"], r["tflops"]) for r in rows
+                             if r["backend"] == b and r["head_dim"] == d and r["causal"] == c and r["tflops"])
+                if pts:
+                    ax.plot(*zip(*pts), style, marker="o", color=colors[b],
+                            label=f"{b} {'causal' if c else 'full'}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequence length N")
+        ax.set_title(f"head dim {d}")
+    axes[0][0].set_ylabel("backward TFLOP/s")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
+    return fig

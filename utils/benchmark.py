@@ -1,0 +1,228 @@
+"""Forward-attention benchmark: registry implementations beside PyTorch SDPA with each backend pinned.
+
+    python -m utils.benchmark                                  # triton vs SDPA flash/cudnn/efficient, the full grid
+    python -m utils.benchmark --impls triton --seqlens 1024 2048 --head-dims 64 --name quick
+
+Every configuration is timed in the same run with `utils.bench.benchmark` (triton.testing.do_bench: median,
+L2 flushed) and reported as TFLOP/s (utils.bench.attention_flops: 4·B·H·N²·D, halved when causal) and as
+ratios to each SDPA backend. Results go to images/<name>.json and a plot images/<name>.png (TFLOP/s against N,
+one line per implementation, one panel per head dim and causal setting). Needs a CUDA GPU; the pure parts
+(argument parsing, the JSON, the plot and the ratio table) take a timing function and run anywhere.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+from pathlib import Path
+
+import torch
+
+from utils.bench import attention_flops, tflops
+
+SDPA_BACKENDS = ("flash", "cudnn", "efficient")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+IMAGES = Path(__file__).resolve().parents[1] / "images"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m utils.benchmark", description=__doc__.split("\n\n")[0])
+    p.add_argument("--impls", nargs="*", default=["triton"], help="registry names (utils.attention.REGISTRY)")
+    p.add_argument("--sdpa", nargs="*", default=list(SDPA_BACKENDS), choices=SDPA_BACKENDS,
+                   help="SDPA backends to pin, each measured as sdpa-<backend>")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--seqlens", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
+    p.add_argument("--causal", choices=["both", "yes", "no"], default="both")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
+    p.add_argument("--rep", type=int, default=100, help="do_bench repetitions, ms")
+    p.add_argument("--name", default="bench_fwd", help="output files images/<name>.json and .png")
+    p.add_argument("--out-dir", type=Path, default=IMAGES)
+    args = p.parse_args(argv)
+    for flag in ("batch", "heads", "warmup", "rep"):
+        if getattr(args, flag) <= 0:
+            p.error(f"--{flag} must be positive")
+    if any(n <= 0 for n in args.seqlens) or any(d <= 0 for d in args.head_dims):
+        p.error("--seqlens and --head-dims must be positive")
+    if not args.impls and not args.sdpa:
+        p.error("nothing to measure: give --impls or --sdpa")
+    if "/" in args.name or not args.name:
+        p.error("--name must be a bare file name")
+    return args
+
+
+def sdpa_pinned(backend: str):
+    """SDPA forced onto one backend (PyTorch raises if that backend cannot run the inputs)."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    which = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+             "efficient": SDPBackend.EFFICIENT_ATTENTION}[backend]
+
+    def attention(q, k, v, *, causal=False, sm_scale=None):
+        with sdpa_kernel(which):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=sm_scale)
+
+    return attention
+
+
+def candidates(args) -> dict:
+    """{label: fn(q, k, v, causal=...)} for the registry names and pinned SDPA backends asked for."""
+    from utils.attention import REGISTRY
+
+    out = {}
+    for name in args.impls:
+        if name not in REGISTRY:
+            raise ValueError(f"unknown implementation {name!r}; registered: {', '.join(REGISTRY)}")
+        out[name] = REGISTRY[name].load()
+    for backend in args.sdpa:
+        out[f"sdpa-{backend}"] = sdpa_pinned(backend)
+    return out
+
+
+def configurations(args):
+    causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+    return [(d, causal, n) for d in args.head_dims for causal in causals for n in args.seqlens]
+
+
+def run(args, fns: dict, time_ms=None, device="cuda", progress=True) -> list[dict]:
+    """Time every fn on every configuration; one record per (impl, head_dim, causal, seqlen).
+
+    `time_ms(fn, q, k, v, causal)` returns milliseconds (default: utils.bench.benchmark). A failure (an SDPA
+    backend that refuses a shape, out of memory) is recorded with tflops None and its error, not raised.
+    """
+    from tqdm.auto import tqdm
+
+    from utils.bench import benchmark
+
+    if time_ms is None:
+        def time_ms(fn, q, k, v, causal):
+            return benchmark(fn, q, k, v, causal=causal, warmup=args.warmup, rep=args.rep)
+
+    dtype = DTYPES[args.dtype]
+    records = []
+    configs = configurations(args)
+    bar = tqdm(total=len(configs) * len(fns), desc="benchmark", disable=not progress)
+    for d, causal, n in configs:
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        q, k, v = (torch.randn(args.batch, args.heads, n, d, generator=gen).to(device=device, dtype=dtype)
+                   for _ in range(3))
+        flops = attention_flops(args.batch, args.heads, n, n, d, causal=causal)
+        for label, fn in fns.items():
+            bar.set_postfix_str(f"{label} D={d} N={n}{' causal' if causal else ''}")
+            record = dict(impl=label, head_dim=d, causal=causal, seqlen=n, ms=None, tflops=None, error=None)
+            try:
+                ms = time_ms(fn, q, k, v, causal)
+                record.update(ms=ms, tflops=tflops(flops, ms))
+            except (RuntimeError, ValueError) as err:  # e.g. "No available kernel", torch.OutOfMemoryError
+                record["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+            records.append(record)
+            bar.update()
+        del q, k, v
+    bar.close()
+    return records
+
+
+def ratio_table(records: list[dict], impl: str, baselines) -> list[dict]:
+    """Per configuration: impl's TFLOP/s and its ratio to each baseline (None where either is missing)."""
+    by_key = {(r["impl"], r["head_dim"], r["causal"], r["seqlen"]): r["tflops"] for r in records}
+    rows = []
+    for (name, d, causal, n), value in by_key.items():
+        if name != impl:
+            continue
+        row = dict(head_dim=d, causal=causal, seqlen=n, tflops=value)
+        for base in baselines:
+            other = by_key.get((base, d, causal, n))
+            row[f"vs {base}"] = value / other if value and other else None
+        rows.append(row)
+    return rows
+
+
+def format_table(records: list[dict]) -> str:
+    """TFLOP/s of every implementation per configuration, then the first implementation's ratios."""
+    impls = list(dict.fromkeys(r["impl"] for r in records))
+    keys = list(dict.fromkeys((r["head_dim"], r["causal"], r["seqlen"]) for r in records))
+    value = {(r["impl"], r["head_dim"], r["causal"], r["seqlen"]): r["tflops"] for r in records}
+    lines = ["  D causal      N " + "".join(f"{name:>16s}" for name in impls)
+             + "".join(f"{impls[0] + '/' + b:>24s}" for b in impls[1:])]
+    for d, causal, n in keys:
+        vals = [value.get((name, d, causal, n)) for name in impls]
+        cells = "".join(f"{x:16.1f}" if x else f"{'—':>16s}" for x in vals)
+        ratios = "".join(f"{vals[0] / x:24.2f}" if vals[0] and x else f"{'—':>24s}" for x in vals[1:])
+        lines.append(f"{d:3d} {str(causal):>6s} {n:6d} {cells}{ratios}")
+    return "\n".join(lines)
+
+
+def environment() -> dict:
+    import triton
+
+    info = dict(torch=torch.__version__, triton=triton.__version__, python=platform.python_version())
+    if torch.cuda.is_available():
+        info.update(gpu=torch.cuda.get_device_name(), capability=list(torch.cuda.get_device_capability()))
+    return info
+
+
+def write_json(records: list[dict], args, path: Path) -> Path:
+    settings = dict(batch=args.batch, heads=args.heads, dtype=args.dtype, warmup_ms=args.warmup, rep_ms=args.rep)
+    path = Path(path)
+    path.write_text(json.dumps(dict(environment=environment(), settings=settings, results=records), indent=1))
+    return path
+
+
+def plot(records: list[dict], path: Path, title: str = "") -> Path:
+    """TFLOP/s against N, one line per implementation, one panel per (head dim, causal)."""
+    import matplotlib
+
+    if matplotlib.get_backend().lower() not in ("agg", "module://matplotlib_inline.backend_inline"):
+        matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from utils.plotting import use_course_style
+
+    use_course_style()
+    panels = list(dict.fromkeys((r["head_dim"], r["causal"]) for r in records))
+    impls = list(dict.fromkeys(r["impl"] for r in records))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8), squeeze=False, sharey=True)
+    for ax, (d, causal) in zip(axes[0], panels):
+        for name in impls:
+            pts = sorted((r["seqlen"], r["tflops"]) for r in records
+                         if r["impl"] == name and r["head_dim"] == d and r["causal"] == causal and r["tflops"])
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        seqlens = sorted({r["seqlen"] for r in records})
+        ax.set_xticks(seqlens, [f"{n // 1024}k" if n % 1024 == 0 else str(n) for n in seqlens])
+        ax.minorticks_off()
+        ax.set_title(f"D={d}, {'causal' if causal else 'not causal'}")
+        ax.set_xlabel("sequence length N")
+    axes[0][0].set_ylabel("TFLOP/s")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), bbox_to_anchor=(0.5, -0.02))
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    path = Path(path)
+    fig.savefig(path, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("python -m utils.benchmark needs a CUDA GPU")
+    records = run(args, candidates(args))
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    env = environment()
+    json_path = write_json(records, args, args.out_dir / f"{args.name}.json")
+    png_path = plot(records, args.out_dir / f"{args.name}.png",
+                    title=f"{env.get('gpu', '')}, {args.dtype}, B={args.batch}, H={args.heads}")
+    print(format_table(records))
+    print(f"wrote {json_path} and {png_path}")
+    return records
+
+
+if __name__ == "__main__":
+    main()

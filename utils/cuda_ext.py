@@ -1,0 +1,367 @@
+"""The course's CUDA kernels (utils/cuda/*.cu), built with torch.utils.cpp_extension.load_inline on first use.
+
+- `load(name)` builds one .cu file into an extension for the GPU at hand and imports it; nothing is compiled
+  at import time, and each build is cached (in this process, and on disk under build/torch_extensions/).
+- The extension's name carries a hash of everything that goes into the build (the .cu file, the headers it
+  includes, the C++ declarations, the compiler flags), so a changed source can never pick up a stale build.
+- `compile_check()` compiles the kernels alone with nvcc (no GPU, no CUDA build of torch needed) and returns
+  the registers, shared memory and spills ptxas reports for every kernel. That works because each .cu file
+  keeps its torch-facing wrapper behind `#ifdef COURSE_TORCH_WRAPPER`, compiled by the host compiler.
+- `flash_naive`, `flash_tiled` and `softmax` are the Python entry points; they validate their inputs before
+  any compile or launch (the TORCH_CHECKs in the .cu files are the second line of defence).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from utils.checks import check_attention_inputs, resolve_scale
+
+ROOT = Path(__file__).resolve().parents[1]
+CUDA_DIR = ROOT / "utils" / "cuda"
+BUILD_DIR = ROOT / "build"
+
+# name -> (the function Python calls, the headers the .cu file includes). Each .cu file is passed twice to
+# load_inline: as cuda_sources (nvcc compiles the kernels and their plain launcher) and, with
+# COURSE_TORCH_WRAPPER defined, as cpp_sources (the host compiler compiles the torch wrapper and its bindings).
+KERNELS = {
+    "softmax": ("softmax_forward", ()),
+    "flash_naive": ("flash_naive_forward", ("flash_params.h", "flash_common.cuh", "flash_torch.h")),
+    "flash_tiled": ("flash_tiled_forward", ("flash_params.h", "flash_common.cuh", "flash_torch.h")),
+}
+WRAPPER_DEFINE = "#define COURSE_TORCH_WRAPPER\n"
+# -lineinfo maps SASS back to source lines in Nsight Compute and costs nothing at run time.
+CUDA_FLAGS = ("-O3", "-std=c++17", "-lineinfo")
+ARCHS = ("sm_80", "sm_90")
+SOFTMAX_VARIANTS = ("smem", "warp", "float4", "row_per_warp")
+# Multiples of 8; the kernels pad the head dim to 32/64/128(/256) internally. The naive kernel keeps two rows
+# of D floats per thread in registers and stops at 128.
+NAIVE_HEAD_DIMS = tuple(range(8, 129, 8))
+TILED_HEAD_DIMS = tuple(range(8, 257, 8))
+FLASH_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _check_name(name) -> str:
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str, got {type(name).__name__}")
+    if name not in KERNELS:
+        raise ValueError(f"unknown kernel file {name!r}; known: {', '.join(KERNELS)}")
+    return name
+
+
+def kernel_source(name: str) -> str:
+    """The text of utils/cuda/<name>.cu."""
+    return (CUDA_DIR / f"{_check_name(name)}.cu").read_text()
+
+
+def source_hash(name: str, flags=CUDA_FLAGS) -> str:
+    """12 hex digits of SHA-256 over everything that determines the build of `name` with `flags`."""
+    _check_name(name)
+    function, headers = KERNELS[name]
+    digest = hashlib.sha256()
+    for part in (kernel_source(name), *[(CUDA_DIR / h).read_text() for h in headers], function, WRAPPER_DEFINE,
+                 *flags):
+        digest.update(part.encode())
+        digest.update(b"\0")  # separator: ("ab", "c") and ("a", "bc") must differ
+    return digest.hexdigest()[:12]
+
+
+_NAMES: dict = {}
+
+
+def extension_name(name: str, flags=CUDA_FLAGS) -> str:
+    """The load_inline name: `course_<name>_<hash>`, a new name whenever sources or flags change."""
+    _check_name(name)
+    # Hashing reads the files; a stat per call is enough to notice an edit (the hash is then recomputed).
+    files = [CUDA_DIR / f"{name}.cu", *[CUDA_DIR / h for h in KERNELS[name][1]]]
+    key = (name, tuple(flags), tuple(f.stat().st_mtime_ns for f in files))
+    if key not in _NAMES:
+        _NAMES[key] = f"course_{name}_{source_hash(name, flags)}"
+    return _NAMES[key]
+
+
+def gencode_flags(capability) -> list[str]:
+    """`-gencode` for one GPU, e.g. (9, 0) -> ['-gencode=arch=compute_90,code=sm_90'] (H100/H200)."""
+    if (not isinstance(capability, tuple) or len(capability) != 2
+            or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in capability)):
+        raise TypeError(f"capability must be a (major, minor) tuple of ints, got {capability!r}")
+    arch = f"{capability[0]}{capability[1]}"
+    return [f"-gencode=arch=compute_{arch},code=sm_{arch}"]
+
+
+_LOADED: dict = {}
+_FAILED: dict = {}
+
+
+def load(name: str, *, verbose: bool = False):
+    """Build (once) and import the extension of utils/cuda/<name>.cu for the current GPU."""
+    _check_name(name)
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"building {name}.cu needs a CUDA GPU and a CUDA build of torch "
+                           f"(compile_check() compiles the kernels without one)")
+    flags = [*CUDA_FLAGS, *gencode_flags(torch.cuda.get_device_capability())]
+    ext = extension_name(name, flags)
+    if ext in _LOADED:
+        return _LOADED[ext]
+    if ext in _FAILED:  # load_inline would not rebuild the same sources; say so instead of a confusing error
+        raise RuntimeError(f"the build of {ext} failed earlier in this process (fix the source: a changed "
+                           f"source gets a new name and a fresh build):\n{_FAILED[ext]}")
+    from torch.utils.cpp_extension import load_inline, verify_ninja_availability
+
+    verify_ninja_availability()  # a clear error if ninja is missing (pip install ninja)
+    build_directory = BUILD_DIR / "torch_extensions" / ext
+    build_directory.mkdir(parents=True, exist_ok=True)
+    function, _ = KERNELS[name]
+    source = kernel_source(name)
+    try:
+        module = load_inline(
+            name=ext,
+            cpp_sources=WRAPPER_DEFINE + source,  # host compiler: the torch wrapper; bindings are generated here
+            cuda_sources=source,                  # nvcc: the kernels and their launcher
+            functions=[function],
+            extra_cuda_cflags=flags,
+            extra_include_paths=[str(CUDA_DIR)],  # for #include "flash_common.cuh"
+            build_directory=str(build_directory),
+            verbose=verbose,
+        )
+    except Exception as err:
+        _FAILED[ext] = str(err)
+        raise
+    _LOADED[ext] = module
+    return module
+
+
+# ---- compile-only checks -------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class KernelResources:
+    """What ptxas reports for one kernel compiled for one architecture."""
+
+    file: str
+    arch: str
+    kernel: str
+    registers: int
+    smem_bytes: int       # static shared memory; dynamic shared memory is chosen at launch and not shown
+    stack_bytes: int
+    spill_stores: int
+    spill_loads: int
+
+
+def find_nvcc() -> str | None:
+    """Path of nvcc, from PATH or CUDA_HOME; None if there is none."""
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    candidate = Path(home) / "bin" / "nvcc" if home else None
+    return str(candidate) if candidate and candidate.is_file() else None
+
+
+def _demangle(names: list[str]) -> list[str]:
+    cxxfilt = shutil.which("c++filt") or shutil.which("cu++filt")
+    if not cxxfilt or not names:
+        return names
+    out = subprocess.run([cxxfilt], input="\n".join(names), capture_output=True, text=True)
+    lines = out.stdout.splitlines()
+    return lines if out.returncode == 0 and len(lines) == len(names) else names
+
+
+def short_kernel_name(demangled: str) -> str:
+    """'void ns::kernel<float, 64>(ns::Params)' -> 'kernel<float, 64>': template arguments kept, rest dropped."""
+    if not isinstance(demangled, str):
+        raise TypeError(f"demangled must be a str, got {type(demangled).__name__}")
+    name = demangled.removeprefix("void ").split("(")[0]
+    head, _, tail = name.partition("<")
+    head = head.split("::")[-1]
+    return f"{head}<{tail}" if tail else head
+
+
+_ENTRY = re.compile(r"Compiling entry function '([^']+)' for '(sm_\w+)'")
+_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_USED = re.compile(r"Used (\d+) registers")
+_SMEM = re.compile(r"(\d+) bytes smem")
+
+
+def parse_ptxas(text: str, file: str = "") -> list[KernelResources]:
+    """Parse `nvcc -Xptxas -v` output into one KernelResources per (kernel, arch), in order of appearance."""
+    if not isinstance(text, str):
+        raise TypeError(f"text must be a str, got {type(text).__name__}")
+    found, current = [], None
+    for line in text.splitlines():
+        if m := _ENTRY.search(line):
+            current = dict(kernel=m.group(1), arch=m.group(2), stack=0, stores=0, loads=0)
+        elif current is not None and (m := _FRAME.search(line)):
+            current.update(stack=int(m.group(1)), stores=int(m.group(2)), loads=int(m.group(3)))
+        elif current is not None and (m := _USED.search(line)):
+            smem = _SMEM.search(line)
+            found.append((current, int(m.group(1)), int(smem.group(1)) if smem else 0))
+            current = None
+    names = _demangle([c["kernel"] for c, _, _ in found])
+    return [KernelResources(file, c["arch"], short_kernel_name(n), regs, smem, c["stack"], c["stores"], c["loads"])
+            for (c, regs, smem), n in zip(found, names)]
+
+
+_CHECKED: dict = {}
+
+
+def _compile_one(nvcc: str, name: str, arch: str) -> list[KernelResources]:
+    flags = [*CUDA_FLAGS, f"-arch={arch}", "-Xptxas", "-v"]  # COURSE_TORCH_WRAPPER undefined: kernels only
+    key = hashlib.sha256(f"{nvcc}\0{source_hash(name, flags)}".encode()).hexdigest()[:16]
+    if key in _CHECKED:
+        return _CHECKED[key]
+    cache = BUILD_DIR / "compile_check" / f"{name}-{arch}-{key}.json"
+    if cache.is_file():  # same nvcc, same sources, same flags: same answer (kept across processes)
+        result = [KernelResources(**r) for r in json.loads(cache.read_text())]
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            proc = subprocess.run([nvcc, "-c", *flags, f"-I{CUDA_DIR}", str(CUDA_DIR / f"{name}.cu"),
+                                   "-o", str(Path(tmp) / f"{name}.o")], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"nvcc failed on {name}.cu for {arch}:\n{proc.stderr[-4000:]}")
+        result = parse_ptxas(proc.stdout + proc.stderr, file=f"{name}.cu")
+        if not result:
+            raise RuntimeError(f"no ptxas report in the output of nvcc for {name}.cu ({arch})")
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_text(json.dumps([asdict(r) for r in result]))
+    _CHECKED[key] = result
+    return result
+
+
+def compile_check(names=None, archs=ARCHS, *, nvcc: str | None = None) -> list[KernelResources]:
+    """Compile utils/cuda/<name>.cu for each arch with nvcc, kernels only, and return ptxas's report.
+
+    Needs nvcc, not a GPU: the torch-facing wrapper is left out (COURSE_TORCH_WRAPPER is not defined). Compiles run in
+    parallel; results are cached per (nvcc, sources, flags), in this process and under build/compile_check/.
+    """
+    names = list(KERNELS) if names is None else [names] if isinstance(names, str) else list(names)
+    for name in names:
+        _check_name(name)
+    archs = [archs] if isinstance(archs, str) else list(archs)
+    for arch in archs:
+        if not isinstance(arch, str) or not re.fullmatch(r"sm_\d+a?", arch):
+            raise ValueError(f"arch must look like 'sm_90', got {arch!r}")
+    nvcc = nvcc or find_nvcc()
+    if nvcc is None:
+        raise RuntimeError("nvcc not found (install the CUDA toolkit or set CUDA_HOME)")
+    jobs = [(name, arch) for name in names for arch in archs]
+    with ThreadPoolExecutor(max_workers=max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
+        results = list(pool.map(lambda job: _compile_one(nvcc, *job), jobs))
+    return [r for result in results for r in result]
+
+
+# ---- Python entry points ---------------------------------------------------------------------------------
+
+def softmax(x, variant: str = "warp"):
+    """Softmax over the last dim of a float32 CUDA tensor with one of the SOFTMAX_VARIANTS kernels."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if variant not in SOFTMAX_VARIANTS:
+        raise ValueError(f"variant must be one of {SOFTMAX_VARIANTS}, got {variant!r}")
+    if x.dtype != torch.float32:
+        raise TypeError(f"x has dtype {x.dtype}; these kernels take float32")
+    if x.dim() == 0 or x.numel() == 0:
+        raise ValueError(f"x must have at least one dim and one element, got shape {tuple(x.shape)}")
+    if not x.is_cuda:
+        raise ValueError(f"x is on {x.device}; the CUDA kernels need a CUDA tensor")
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    return load("softmax").softmax_forward(rows, SOFTMAX_VARIANTS.index(variant)).view(x.shape)
+
+
+def _flash(name, q, k, v, causal, sm_scale, head_dims):
+    shape = check_attention_inputs(q, k, v, causal=causal, head_dims=head_dims, dtypes=FLASH_DTYPES)
+    scale = resolve_scale(sm_scale, shape.head_dim)
+    if not q.is_cuda:
+        raise ValueError(f"q is on {q.device}; the CUDA kernels need CUDA tensors")
+    # Any strides work except along head_dim, where the kernels read consecutive elements.
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    return getattr(load(name), f"{name}_forward")(q, k, v, causal, scale)
+
+
+def flash_naive(q, k, v, *, causal=False, sm_scale=None):
+    """FlashAttention forward in CUDA, one thread per query row (utils/cuda/flash_naive.cu)."""
+    return _flash("flash_naive", q, k, v, causal, sm_scale, NAIVE_HEAD_DIMS)
+
+
+def flash_tiled(q, k, v, *, causal=False, sm_scale=None):
+    """FlashAttention-2 forward in CUDA, tiled over queries and keys (utils/cuda/flash_tiled.cu)."""
+    return _flash("flash_tiled", q, k, v, causal, sm_scale, TILED_HEAD_DIMS)
+
+
+# ---- measurements (notebook 06 and `python -m utils.cuda_ext softmax --out FILE`) -------------------------------
+
+SOFTMAX_SHAPES = ((1024, 1024), (4096, 4096), (8192, 8192), (65536, 128))
+
+
+def softmax_table(shapes=SOFTMAX_SHAPES, *, seed: int = 0) -> list[dict]:
+    """Each softmax kernel beside torch.softmax on float32 (rows, cols) inputs: ms, GB/s, speed-up over torch.
+
+    Every kernel's output is checked against torch.softmax before it is timed. The kernels are timed through
+    the extension function itself (as torch.softmax is timed through its C++ entry), without the Python-side
+    checks of `softmax()`, which would add microseconds to kernels that take a few of them.
+    """
+    from utils.bench import benchmark
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("softmax_table needs a CUDA GPU")
+    ext = load("softmax")
+    records = []
+    for rows, cols in shapes:
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        x = torch.randn(rows, cols, device="cuda", generator=gen) * 3
+        expected = torch.softmax(x, dim=-1)
+        gigabytes = 2 * x.numel() * x.element_size() / 1e9  # one read, one write
+        base = benchmark(torch.softmax, x, -1)
+        records.append(dict(rows=rows, cols=cols, kernel="torch.softmax", ms=base, gbps=gigabytes / base * 1e3,
+                            vs_torch=1.0))
+        for index, variant in enumerate(SOFTMAX_VARIANTS):
+            torch.testing.assert_close(ext.softmax_forward(x, index), expected, atol=1e-6, rtol=1e-4)
+            ms = benchmark(ext.softmax_forward, x, index)
+            records.append(dict(rows=rows, cols=cols, kernel=variant, ms=ms, gbps=gigabytes / ms * 1e3,
+                                vs_torch=base / ms))
+    return records
+
+
+def format_softmax_table(records) -> str:
+    """A text table of softmax_table's records."""
+    lines = [f"{'rows x cols':>13s} {'kernel':>14s} {'µs':>9s} {'GB/s':>7s} {'vs torch':>9s}"]
+    for r in records:
+        lines.append(f"{r['rows']:>6d}x{r['cols']:<6d} {r['kernel']:>14s} {r['ms'] * 1e3:9.1f} {r['gbps']:7.0f} "
+                     f"{r['vs_torch']:8.2f}x")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m utils.cuda_ext")
+    parser.add_argument("what", choices=["softmax", "compile-check"])
+    parser.add_argument("--out", type=Path, help="write the records as JSON here")
+    args = parser.parse_args(argv)
+    if args.what == "softmax":
+        from utils.benchmark import environment
+
+        records = softmax_table()
+        print(format_softmax_table(records))
+        payload = dict(environment=environment(), results=records)
+    else:
+        records = [asdict(r) for r in compile_check()]
+        for r in records:
+            print(r)
+        payload = dict(results=records)
+    if args.out:
+        args.out.write_text(json.dumps(payload, indent=1))
+    return records
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,299 @@
+"""FlashAttention-2 backward kernels in Triton.
+
+Three launches, in the order of FlashAttention-2 (Dao, 2023, Algorithm 2), with the dQ pass split off so that no
+atomics are needed (as in the paper's Triton implementation):
+
+1. `_bwd_preprocess`: D = rowsum(dO ∘ O) per query row, and the log-sum-exp in base 2 (rows that see no key get
+   +inf, so that P = 2^(S·log2e − lse₂) is exactly 0 there);
+2. `_bwd_dkdv`: one program per (K/V block, K/V head) keeps K_j, V_j, dK_j, dV_j on chip and loops over the Q
+   blocks (of every query head of its GQA group) that see it, recomputing Pᵀ = exp(K Qᵀ·scale − lse);
+3. `_bwd_dq`: one program per (Q block, query head) keeps Q_i, dO_i, dQ_i on chip and loops over the K/V blocks
+   it sees.
+
+Causal masking is aligned bottom-right (query i sees key j <= i + Nk − Nq). Tiles entirely above the diagonal are
+skipped; only tiles that cross it, or the ragged end of the sequence, pay for a mask (a constexpr flag compiles
+two versions of the inner loop). Plain pointer arithmetic with masks, any strides.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from utils.flash_backward_pytorch import check_backward_inputs
+
+__all__ = ["flash_attention_backward", "BackwardConfig", "default_config", "HEAD_DIMS", "DTYPES"]
+
+HEAD_DIMS = tuple(range(16, 257))   # as the forward (utils.flash_triton): padded to a power of two
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class BackwardConfig:
+    """Launch parameters of the two main kernels. dK/dV pass: tiles of block_n1 keys (kept on chip) by block_m1
+    queries (looped over); dQ pass: block_m2 queries (kept) by block_n2 keys (looped over)."""
+    block_m1: int = 32
+    block_n1: int = 128
+    warps1: int = 4
+    stages1: int = 3
+    block_m2: int = 128
+    block_n2: int = 32
+    warps2: int = 4
+    stages2: int = 3
+
+    def __post_init__(self):
+        for name, value in vars(self).items():
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            if name.startswith("block") and value & (value - 1):
+                raise ValueError(f"{name} must be a power of two, got {value}")
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def default_config(head_dim: int, dtype: torch.dtype, causal: bool = False) -> BackwardConfig:
+    """Launch parameters. 16-bit, head dims up to 128: the fastest of a sweep on an H200 (bf16, B=4, H=16,
+    N=8192; 6 dK/dV and 5 dQ candidates each, see notebook 07). Smaller tiles for fp32/fp64 (exact dots, twice
+    the bytes) and head dims above 128 (registers); mid-sized tiles in the interpreter, where each program is
+    NumPy work and fewer, larger tiles run fastest."""
+    if _interpreting():
+        return BackwardConfig(32, 32, 4, 1, 32, 32, 4, 1)
+    if head_dim > 128:
+        return BackwardConfig(16, 32, 4, 1, 32, 16, 4, 1)
+    if dtype in (torch.float32, torch.float64):
+        return BackwardConfig(32, 64, 4, 2, 64, 32, 4, 2)
+    if head_dim <= 64:
+        return BackwardConfig(32, 128, 4, 3, 128, 64, 8, 3)
+    if causal:
+        return BackwardConfig(64, 128, 8, 3, 128, 64, 8, 3)
+    return BackwardConfig(32, 64, 4, 3, 128, 64, 8, 3)
+
+
+# --- kernels -------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _bwd_preprocess(O, DO, LSE, DELTA, LSE2,
+                    s_ob, s_oh, s_om, s_od, s_dob, s_doh, s_dom, s_dod,
+                    H, N_Q, HEAD_DIM,
+                    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_m = offs_m < N_Q
+    mask = mask_m[:, None] & (offs_d[None, :] < HEAD_DIM)
+    o = tl.load(O + b * s_ob + h * s_oh + offs_m[:, None] * s_om + offs_d[None, :] * s_od, mask=mask, other=0.0)
+    do = tl.load(DO + b * s_dob + h * s_doh + offs_m[:, None] * s_dom + offs_d[None, :] * s_dod, mask=mask,
+                 other=0.0)
+    delta = tl.sum(o.to(ACC) * do.to(ACC), axis=1)
+    row = bh.to(tl.int64) * N_Q + offs_m
+    lse = tl.load(LSE + row, mask=mask_m, other=0.0).to(ACC)
+    # Base-2 lse; +inf where no key is visible (lse = -inf) so that exp2(s - lse2) = 0 rather than NaN.
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    tl.store(DELTA + row, delta, mask=mask_m)
+    tl.store(LSE2 + row, lse2, mask=mask_m)
+
+
+@triton.jit
+def _dkdv_inner(dk, dv, k, v, Q, DO, LSE2, DELTA, s_qm, s_qd, s_dom, s_dod,
+                offs_n, offs_d, mask_d, N_Q, offset, qk_scale, start, end,
+                BLOCK_M: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr):
+    """Accumulate dK_j, dV_j over the Q blocks [start, end): the tiles are transposed (keys × queries) so that
+    Pᵀ and dSᵀ come out of the dots directly."""
+    for m0 in range(start, end, BLOCK_M):
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < N_Q
+        q_t = tl.load(Q + offs_m[None, :] * s_qm + offs_d[:, None] * s_qd,
+                      mask=mask_m[None, :] & mask_d[:, None], other=0.0)                 # (D, M)
+        lse2 = tl.load(LSE2 + offs_m, mask=mask_m, other=float("inf"))                 # rows past the end: P = 0
+        s_t = tl.dot(k, q_t, input_precision=PRECISION)                                  # (N, M) = (S_ij)ᵀ
+        p_t = tl.exp2(s_t * qk_scale - lse2[None, :])
+        if MASKED:  # causal: key j visible to query i iff j <= i + offset
+            p_t = tl.where(offs_n[:, None] <= offs_m[None, :] + offset, p_t, 0.0)
+        do = tl.load(DO + offs_m[:, None] * s_dom + offs_d[None, :] * s_dod,
+                     mask=mask_m[:, None] & mask_d[None, :], other=0.0)                  # (M, D)
+        dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)                    # dV += Pᵀ dO
+        delta = tl.load(DELTA + offs_m, mask=mask_m, other=0.0)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)                        # dPᵀ = V dOᵀ
+        ds_t = p_t * (dp_t - delta[None, :])                                             # dSᵀ = Pᵀ ∘ (dPᵀ − D)
+        dk += tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t), input_precision=PRECISION)       # dK += dSᵀ Q
+    return dk, dv
+
+
+@triton.jit
+def _bwd_dkdv(Q, K, V, DO, LSE2, DELTA, DK, DV,
+              s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
+              s_dob, s_doh, s_dom, s_dod, s_dkb, s_dkh, s_dkn, s_dkd, s_dvb, s_dvh, s_dvn, s_dvd,
+              H_KV, N_Q, N_K, HEAD_DIM, qk_scale, sm_scale,
+              GROUP: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr):
+    pid_n = tl.program_id(0)
+    bhk = tl.program_id(1)
+    b = (bhk // H_KV).to(tl.int64)
+    hk = (bhk % H_KV).to(tl.int64)
+    n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    mask_nd = (offs_n[:, None] < N_K) & mask_d[None, :]
+    k = tl.load(K + b * s_kb + hk * s_kh + offs_n[:, None] * s_kn + offs_d[None, :] * s_kd, mask=mask_nd, other=0.0)
+    v = tl.load(V + b * s_vb + hk * s_vh + offs_n[:, None] * s_vn + offs_d[None, :] * s_vd, mask=mask_nd, other=0.0)
+    dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=ACC)
+    dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=ACC)
+    offset = N_K - N_Q
+    if CAUSAL:
+        # Queries before n0 - offset see none of these keys: start at the Q block holding that row. Blocks
+        # starting before n0 + BLOCK_N - 1 - offset cross the diagonal and need the mask; the rest do not.
+        start = tl.maximum(n0 - offset, 0) // BLOCK_M * BLOCK_M
+        n_masked = tl.maximum(n0 + BLOCK_N - 1 - offset - start + BLOCK_M - 1, 0) // BLOCK_M
+        split = tl.minimum(start + n_masked * BLOCK_M, N_Q)
+    else:
+        start = 0
+        split = 0
+    for g in range(GROUP):  # the query heads sharing this K/V head: their gradients add up here
+        h = hk * GROUP + g
+        q_ptr = Q + b * s_qb + h * s_qh
+        do_ptr = DO + b * s_dob + h * s_doh
+        row = (b * H_KV * GROUP + h) * N_Q
+        if CAUSAL:
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, LSE2 + row, DELTA + row, s_qm, s_qd, s_dom, s_dod,
+                                 offs_n, offs_d, mask_d, N_Q, offset, qk_scale, start, split,
+                                 BLOCK_M, True, PRECISION)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, LSE2 + row, DELTA + row, s_qm, s_qd, s_dom, s_dod,
+                             offs_n, offs_d, mask_d, N_Q, offset, qk_scale, split, N_Q,
+                             BLOCK_M, False, PRECISION)
+    dk *= sm_scale
+    tl.store(DK + b * s_dkb + hk * s_dkh + offs_n[:, None] * s_dkn + offs_d[None, :] * s_dkd, dk, mask=mask_nd)
+    tl.store(DV + b * s_dvb + hk * s_dvh + offs_n[:, None] * s_dvn + offs_d[None, :] * s_dvd, dv, mask=mask_nd)
+
+
+@triton.jit
+def _dq_inner(dq, q, do, lse2, delta, K, V, s_kn, s_kd, s_vn, s_vd,
+              offs_m, offs_d, mask_d, N_K, offset, qk_scale, start, end,
+              BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
+    """Accumulate dQ_i over the K/V blocks [start, end)."""
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_kv = (offs_n[None, :] < N_K) & mask_d[:, None]
+        k_t = tl.load(K + offs_n[None, :] * s_kn + offs_d[:, None] * s_kd, mask=mask_kv, other=0.0)   # (D, N)
+        v_t = tl.load(V + offs_n[None, :] * s_vn + offs_d[:, None] * s_vd, mask=mask_kv, other=0.0)   # (D, N)
+        s = tl.dot(q, k_t, input_precision=PRECISION)                                    # (M, N)
+        p = tl.exp2(s * qk_scale - lse2[:, None])
+        if MASKED:  # the ragged last block, and (causal) blocks crossing the diagonal
+            visible = offs_n[None, :] < N_K
+            if CAUSAL:
+                visible = visible & (offs_n[None, :] <= offs_m[:, None] + offset)
+            p = tl.where(visible, p, 0.0)
+        dp = tl.dot(do, v_t, input_precision=PRECISION)                                  # dP = dO Vᵀ
+        ds = p * (dp - delta[:, None])                                                   # dS = P ∘ (dP − D)
+        dq += tl.dot(ds.to(k_t.dtype), tl.trans(k_t), input_precision=PRECISION)         # dQ += dS K
+    return dq
+
+
+@triton.jit
+def _bwd_dq(Q, K, V, DO, LSE2, DELTA, DQ,
+            s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
+            s_dob, s_doh, s_dom, s_dod, s_dqb, s_dqh, s_dqm, s_dqd,
+            H, N_Q, N_K, HEAD_DIM, qk_scale, sm_scale,
+            GROUP: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+            BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    hk = h // GROUP
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_m = offs_m < N_Q
+    mask_d = offs_d < HEAD_DIM
+    mask_md = mask_m[:, None] & mask_d[None, :]
+    q = tl.load(Q + b * s_qb + h * s_qh + offs_m[:, None] * s_qm + offs_d[None, :] * s_qd, mask=mask_md, other=0.0)
+    do = tl.load(DO + b * s_dob + h * s_doh + offs_m[:, None] * s_dom + offs_d[None, :] * s_dod, mask=mask_md,
+                 other=0.0)
+    row = bh.to(tl.int64) * N_Q
+    lse2 = tl.load(LSE2 + row + offs_m, mask=mask_m, other=float("inf"))
+    delta = tl.load(DELTA + row + offs_m, mask=mask_m, other=0.0)
+    dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=ACC)
+    offset = N_K - N_Q
+    if CAUSAL:
+        # Keys past m0 + BLOCK_M - 1 + offset are invisible to the whole block; blocks ending at or before
+        # m0 + offset + 1 are visible to every row of it and need no mask.
+        end = tl.minimum(tl.maximum(m0 + BLOCK_M + offset, 0), N_K)
+        split = tl.minimum(tl.maximum(m0 + offset + 1, 0) // BLOCK_N, N_K // BLOCK_N) * BLOCK_N
+    else:
+        end = N_K
+        split = N_K // BLOCK_N * BLOCK_N
+    k_ptr = K + b * s_kb + hk * s_kh
+    v_ptr = V + b * s_vb + hk * s_vh
+    dq = _dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, s_kn, s_kd, s_vn, s_vd, offs_m, offs_d, mask_d, N_K,
+                   offset, qk_scale, 0, split, BLOCK_N, False, CAUSAL, PRECISION)
+    dq = _dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, s_kn, s_kd, s_vn, s_vd, offs_m, offs_d, mask_d, N_K,
+                   offset, qk_scale, split, end, BLOCK_N, True, CAUSAL, PRECISION)
+    dq *= sm_scale
+    tl.store(DQ + b * s_dqb + h * s_dqh + offs_m[:, None] * s_dqm + offs_d[None, :] * s_dqd, dq, mask=mask_md)
+
+
+# --- host side -----------------------------------------------------------------------------------------------
+
+def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, sm_scale=None, config=None):
+    """Gradients (dq, dk, dv) of attention from the forward's output `o` and log-sum-exp `lse`.
+
+    q (B, H, Nq, D), k and v (B, Hkv, Nk, D) with Hkv dividing H (GQA: dk, dv come back with Hkv heads, the
+    gradients of the query heads of a group summed); do and o like q; lse float (B, H, Nq), natural log, -inf for
+    rows that see no key (their gradients are 0). Head dims 16 to 256 (padded to a power of two). dtypes: fp16, bf16, fp32,
+    fp64; in the interpreter bf16 is computed in fp32 (NumPy has no bf16 arithmetic). Any strides.
+    `config`: a BackwardConfig (default: `default_config`).
+    """
+    shape, scale = check_backward_inputs(do, q, k, v, o, lse, causal=causal, sm_scale=sm_scale, dtypes=DTYPES)
+    if shape.head_dim not in HEAD_DIMS:
+        raise ValueError(f"head_dim {shape.head_dim} is not supported by the Triton backward; supported: "
+                         f"{HEAD_DIMS[0]} to {HEAD_DIMS[-1]}")
+    if config is None:
+        config = default_config(shape.head_dim, q.dtype, causal)
+    elif not isinstance(config, BackwardConfig):
+        raise TypeError(f"config must be a BackwardConfig or None, got {type(config).__name__}")
+    interpret = _interpreting()
+    if q.device.type != "cuda" and not (interpret and q.device.type == "cpu"):
+        raise ValueError(f"q is on {q.device}: the kernels need a CUDA device, or CPU tensors with "
+                         "TRITON_INTERPRET=1 set before this module was imported")
+    if interpret and q.dtype == torch.bfloat16:
+        grads = flash_attention_backward(*(t.float() for t in (do, q, k, v, o)), lse, causal=causal,
+                                         sm_scale=sm_scale, config=config)
+        return tuple(g.to(torch.bfloat16) for g in grads)
+
+    b, h, hk, nq, nk, d = shape
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32   # accumulators, D and lse
+    acc = tl.float64 if q.dtype == torch.float64 else tl.float32
+    lse = lse.to(acc_dtype).contiguous()
+    delta = torch.empty((b, h, nq), dtype=acc_dtype, device=q.device)
+    lse2 = torch.empty_like(delta)
+    block_d = max(16, triton.next_power_of_2(d))
+    # fp32 dots would use TF32 (10-bit mantissa) on tensor cores; gradients in fp32 are expected to be exact-ish.
+    precision = "ieee" if q.dtype in (torch.float32, torch.float64) else "tf32"
+
+    _bwd_preprocess[(triton.cdiv(nq, 64), b * h)](
+        o, do, lse, delta, lse2, *o.stride(), *do.stride(), h, nq, d, BLOCK_M=64, BLOCK_D=block_d, ACC=acc)
+    _bwd_dkdv[(triton.cdiv(nk, config.block_n1), b * hk)](
+        q, k, v, do, lse2, delta, dk, dv, *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(),
+        *dv.stride(), hk, nq, nk, d, scale * LOG2E, scale,
+        GROUP=h // hk, CAUSAL=causal, BLOCK_M=config.block_m1, BLOCK_N=config.block_n1, BLOCK_D=block_d,
+        PRECISION=precision, ACC=acc, num_warps=config.warps1, num_stages=config.stages1)
+    _bwd_dq[(triton.cdiv(nq, config.block_m2), b * h)](
+        q, k, v, do, lse2, delta, dq, *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
+        h, nq, nk, d, scale * LOG2E, scale,
+        GROUP=h // hk, CAUSAL=causal, BLOCK_M=config.block_m2, BLOCK_N=config.block_n2, BLOCK_D=block_d,
+        PRECISION=precision, ACC=acc, num_warps=config.warps2, num_stages=config.stages2)
+    return dq, dk, dv
