@@ -75,6 +75,18 @@ def test_check_reports_three_outcomes(capsys):
     def wrong():
         assert 1 + 1 == 3, "1 + 1 is 2"
 
+    def wrapped_stub():  # what the Triton interpreter makes of a stub inside a kernel
+        try:
+            raise NotImplementedError("exercise: replace this line with your code")
+        except NotImplementedError as err:
+            raise RuntimeError("InterpreterError") from err
+
+    def crash():
+        raise KeyError("bug")
+
+    assert check("d", hint="h")(wrapped_stub) == "not yet"
+    with pytest.raises(KeyError):
+        check("e", hint="h")(crash)
     assert check("a", hint="h")(right) == "right"
     assert check("b", hint="think")(not_yet) == "not yet"
     with pytest.raises(AssertionError):

@@ -18,10 +18,12 @@ import json
 import re
 from pathlib import Path
 
+from utils.exercises import STUB_MESSAGE
+
 ROOT = Path(__file__).resolve().parents[1]
 BEGIN = re.compile(r"^(\s*)# BEGIN SOLUTION\s*$")
 END = re.compile(r"^\s*# END SOLUTION\s*$")
-STUB = 'raise NotImplementedError("exercise: replace this line with your code")'
+STUB = f"raise NotImplementedError({STUB_MESSAGE!r})"
 
 
 def strip_solutions(source: str) -> tuple[str, int]:
