@@ -185,7 +185,9 @@ def plot(records: list[dict], path: Path, title: str = "") -> Path:
     panels = list(dict.fromkeys((r["head_dim"], r["causal"]) for r in records))
     impls = list(dict.fromkeys(r["impl"] for r in records))
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8), squeeze=False, sharey=True)
+    colors = plt.get_cmap("tab20" if len(impls) > 10 else "tab10").colors
     for ax, (d, causal) in zip(axes[0], panels):
+        ax.set_prop_cycle(color=colors[:len(impls)])
         for name in impls:
             pts = sorted((r["seqlen"], r["tflops"]) for r in records
                          if r["impl"] == name and r["head_dim"] == d and r["causal"] == causal and r["tflops"])
@@ -198,11 +200,18 @@ def plot(records: list[dict], path: Path, title: str = "") -> Path:
         ax.set_title(f"D={d}, {'causal' if causal else 'not causal'}")
         ax.set_xlabel("sequence length N")
     axes[0][0].set_ylabel("TFLOP/s")
+    values = [r["tflops"] for r in records if r["tflops"]]
+    if values and max(values) > 20 * min(values):  # PyTorch models and kernels on one plot: log scale
+        axes[0][0].set_yscale("log")
     handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=len(labels), bbox_to_anchor=(0.5, -0.02))
     if title:
         fig.suptitle(title)
-    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    if len(labels) <= 5:  # a few lines: one row below the panels; many: a column on the right
+        fig.legend(handles, labels, loc="lower center", ncol=len(labels), bbox_to_anchor=(0.5, -0.02))
+        fig.tight_layout(rect=(0, 0.08, 1, 1))
+    else:
+        fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5))
+        fig.tight_layout()
     path = Path(path)
     fig.savefig(path, bbox_inches="tight")
     plt.close(fig)

@@ -116,16 +116,21 @@ def plot_memory(records: list[dict], title: str = ""):
 
     use_course_style()
     fig, ax = plt.subplots()
-    for name in dict.fromkeys(r["impl"] for r in records):
+    impls = list(dict.fromkeys(r["impl"] for r in records))
+    ax.set_prop_cycle(color=plt.get_cmap("tab20" if len(impls) > 10 else "tab10").colors[:len(impls)])
+    for name in impls:
         pts = sorted((r["seqlen"], r["bytes"] / 2**20) for r in records if r["impl"] == name and r["bytes"])
         if pts:
             ax.plot(*zip(*pts), marker="o", label=name)
     ax.set_xscale("log", base=2)
+    seqlens = sorted({r["seqlen"] for r in records})
+    ax.set_xticks(seqlens, [f"{n // 1024}k" if n % 1024 == 0 else str(n) for n in seqlens])
+    ax.minorticks_off()
     ax.set_yscale("log")
     ax.set_xlabel("sequence length N")
     ax.set_ylabel("peak memory beyond the inputs (MiB)")
     ax.set_title(title or "peak memory of the forward pass")
-    ax.legend(fontsize=8)
+    ax.legend(loc="center left", bbox_to_anchor=(1.0, 0.5))
     return fig
 
 
