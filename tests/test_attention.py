@@ -6,22 +6,13 @@ import pytest
 import torch
 
 from utils.attention import REGISTRY, implementations
-from utils.testing import assert_attention_matches_reference, random_qkv
+from utils.testing import ATTENTION_SHAPES, assert_attention_matches_reference, random_qkv
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 IMPLS = implementations(DEVICE)
 
-# (batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim): seqlen 1, lengths that are not a multiple of any
-# block, Nq != Nk both ways (Nq > Nk leaves fully masked rows when causal), GQA and MQA, head dims 80 and 96.
-SHAPES = [
-    (1, 1, 1, 1, 1, 16),
-    (2, 2, 2, 17, 17, 32),
-    (1, 4, 2, 64, 64, 64),
-    (1, 2, 1, 33, 70, 80),
-    (1, 2, 2, 70, 33, 96),
-    (1, 2, 2, 128, 128, 128),
-]
+SHAPES = list(ATTENTION_SHAPES)
 if CUDA:
     SHAPES += [
         (2, 8, 8, 1000, 1000, 64),

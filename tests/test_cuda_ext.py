@@ -2,7 +2,6 @@
 ptxas parsing, validation), and on a GPU the softmax kernels and the TORCH_CHECKs of the C++ wrappers.
 The attention kernels' correctness is tested through the registry, in tests/test_attention.py."""
 import json
-import re
 import shutil
 import subprocess
 import sys

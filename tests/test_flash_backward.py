@@ -11,21 +11,12 @@ import torch
 from utils.flash_backward_pytorch import (FlashAttentionPyTorch, attention_gradients, flash_attention_pytorch,
                                           flash_backward_pytorch, flash_forward_pytorch, saved_tensor_bytes)
 from utils.reference import naive_attention, reference_attention
-from utils.testing import random_qkv
+from utils.testing import ATTENTION_SHAPES, random_qkv
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 
-# (batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim): one row, lengths off every block size, Nq != Nk both
-# ways (Nq > Nk leaves rows that see no key when causal), GQA and MQA, padded head dims.
-SHAPES = [
-    (1, 1, 1, 1, 1, 16),
-    (2, 2, 2, 17, 17, 32),
-    (1, 4, 2, 64, 64, 64),
-    (1, 2, 1, 33, 70, 80),
-    (1, 2, 2, 70, 33, 96),
-    (1, 2, 2, 40, 40, 128),
-]
+SHAPES = list(ATTENTION_SHAPES)  # the registry's shapes (utils.testing); larger ones on a GPU
 if CUDA:
     SHAPES += [(2, 8, 2, 1000, 1000, 64), (1, 4, 4, 300, 1100, 128), (1, 4, 1, 1100, 300, 64),
                (2, 4, 4, 1024, 1024, 128), (1, 2, 2, 200, 200, 256)]

@@ -109,3 +109,26 @@ def test_plot_style_and_save(tmp_path, monkeypatch):
     assert save_figure(fig, "demo") == tmp_path / "demo.png" and (tmp_path / "demo.png").stat().st_size > 0
     with pytest.raises(ValueError):
         save_figure(fig, "demo.png")
+
+
+def test_seqlen_axis_labels():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from utils.plotting import seqlen_axis
+
+    fig, ax = plt.subplots()
+    seqlen_axis(ax, [512, 1024, 16384])
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["512", "1k", "16k"] and ax.get_xscale() == "log"
+    plt.close(fig)
+
+
+def test_positive_int():
+    from utils.checks import positive_int
+
+    assert positive_int("n", 3) == 3
+    for bad, error in ((0, ValueError), (-1, ValueError), (1.0, TypeError), (True, TypeError)):
+        with pytest.raises(error, match="n must"):
+            positive_int("n", bad)

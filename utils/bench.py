@@ -1,9 +1,10 @@
 """Benchmark helpers: FLOP counts and timings (triton.testing.do_bench on a GPU, torch.utils.benchmark on a CPU)."""
 from __future__ import annotations
 
-import numbers
 
 import torch
+
+from utils.checks import positive_int
 import torch.utils.benchmark
 
 _MODES = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}
@@ -13,10 +14,7 @@ def attention_flops(batch, heads, seqlen_q, seqlen_k, head_dim, *, causal=False,
     """FLOPs of attention: 4·B·H·Nq·Nk·D for the two matmuls, half that when causal, ×2.5 for the backward."""
     for name, x in (("batch", batch), ("heads", heads), ("seqlen_q", seqlen_q), ("seqlen_k", seqlen_k),
                     ("head_dim", head_dim)):
-        if isinstance(x, bool) or not isinstance(x, numbers.Integral):
-            raise TypeError(f"{name} must be an int, got {type(x).__name__}")
-        if x <= 0:
-            raise ValueError(f"{name} must be positive, got {x}")
+        positive_int(name, x)
     if mode not in _MODES:
         raise ValueError(f"mode must be one of {sorted(_MODES)}, got {mode!r}")
     flops = 4.0 * batch * heads * seqlen_q * seqlen_k * head_dim

@@ -179,7 +179,7 @@ def plot(records: list[dict], path: Path, title: str = "") -> Path:
         matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from utils.plotting import use_course_style
+    from utils.plotting import seqlen_axis, use_course_style
 
     use_course_style()
     panels = list(dict.fromkeys((r["head_dim"], r["causal"]) for r in records))
@@ -193,12 +193,8 @@ def plot(records: list[dict], path: Path, title: str = "") -> Path:
                          if r["impl"] == name and r["head_dim"] == d and r["causal"] == causal and r["tflops"])
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=name)
-        ax.set_xscale("log", base=2)
-        seqlens = sorted({r["seqlen"] for r in records})
-        ax.set_xticks(seqlens, [f"{n // 1024}k" if n % 1024 == 0 else str(n) for n in seqlens])
-        ax.minorticks_off()
+        seqlen_axis(ax, sorted({r["seqlen"] for r in records}))
         ax.set_title(f"D={d}, {'causal' if causal else 'not causal'}")
-        ax.set_xlabel("sequence length N")
     axes[0][0].set_ylabel("TFLOP/s")
     values = [r["tflops"] for r in records if r["tflops"]]
     if values and max(values) > 20 * min(values):  # PyTorch models and kernels on one plot: log scale

@@ -6,10 +6,11 @@ The corpus is the course's own README and `utils/*.py` sources, so training runs
 """
 from __future__ import annotations
 
-import numbers
 from pathlib import Path
 
 import torch
+
+from utils.checks import positive_int
 from torch import nn
 
 from utils.mha import MultiHeadAttention
@@ -17,19 +18,13 @@ from utils.mha import MultiHeadAttention
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _positive_int(name, x) -> int:
-    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(x).__name__}")
-    if x <= 0:
-        raise ValueError(f"{name} must be positive, got {x}")
-    return int(x)
 
 
 def load_corpus(max_chars: int | None = None) -> str:
     """The course's README.md and utils/*.py sources, concatenated in a fixed (sorted) order."""
     files = [ROOT / "README.md", *sorted((ROOT / "utils").glob("*.py"))]
     text = "\n".join(p.read_text(encoding="utf-8") for p in files)
-    return text if max_chars is None else text[:_positive_int("max_chars", max_chars)]
+    return text if max_chars is None else text[:positive_int("max_chars", max_chars)]
 
 
 class CharTokenizer:
@@ -74,7 +69,7 @@ class CharTransformer(nn.Module):
 
     def __init__(self, vocab_size: int, *, dim=64, heads=2, layers=2, max_len=128, attention="sdpa"):
         super().__init__()
-        vocab_size, dim, heads, layers, max_len = (_positive_int(n, x) for n, x in (
+        vocab_size, dim, heads, layers, max_len = (positive_int(n, x) for n, x in (
             ("vocab_size", vocab_size), ("dim", dim), ("heads", heads), ("layers", layers), ("max_len", max_len)))
         self.max_len = max_len
         self.tok = nn.Embedding(vocab_size, dim)
@@ -95,7 +90,7 @@ class CharTransformer(nn.Module):
 
 def get_batch(data: torch.Tensor, batch: int, seq: int, generator: torch.Generator):
     """Random windows of `seq` + 1 characters: inputs (batch, seq) and next-character targets (batch, seq)."""
-    batch, seq = _positive_int("batch", batch), _positive_int("seq", seq)
+    batch, seq = positive_int("batch", batch), positive_int("seq", seq)
     if data.dim() != 1 or data.numel() <= seq:
         raise ValueError(f"data must be a 1-D tensor longer than seq={seq}, got shape {tuple(data.shape)}")
     starts = torch.randint(0, data.numel() - seq, (batch,), generator=generator)
@@ -111,7 +106,7 @@ def train_char_model(attention, *, steps=100, batch=8, seq=64, dim=64, heads=2, 
     compute the same function, forwards and backwards, give the same curve up to rounding. Mixed precision:
     the weights stay fp32 and the forward runs under autocast to `dtype` on a GPU (attention sees `dtype`).
     """
-    steps = _positive_int("steps", steps)
+    steps = positive_int("steps", steps)
     text = load_corpus() if text is None else text
     tok = CharTokenizer(text)
     data = tok.encode(text)

@@ -57,6 +57,15 @@ def check_attention_inputs(q, k, v, *, causal=False, head_dims=None, dtypes=FLOA
     return AttentionShape(b, h, hk, nq, nk, d)
 
 
+def positive_int(name: str, x) -> int:
+    """`x` as an int, or a TypeError/ValueError naming `name` unless it is a positive integer (not a bool)."""
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(x).__name__}")
+    if x <= 0:
+        raise ValueError(f"{name} must be positive, got {x}")
+    return int(x)
+
+
 def resolve_scale(sm_scale, head_dim: int) -> float:
     """`sm_scale`, or 1/sqrt(head_dim) when it is None."""
     if sm_scale is None:

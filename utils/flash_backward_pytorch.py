@@ -16,11 +16,10 @@ Every tile is (block_q × block_k): memory beyond the inputs and gradients is O(
 from __future__ import annotations
 
 import math
-import numbers
 
 import torch
 
-from utils.checks import check_attention_inputs, resolve_scale
+from utils.checks import check_attention_inputs, positive_int, resolve_scale
 
 __all__ = ["attention_gradients", "flash_forward_pytorch", "flash_backward_pytorch", "FlashAttentionPyTorch",
            "flash_attention_pytorch", "saved_tensor_bytes", "check_backward_inputs"]
@@ -30,12 +29,6 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _check_block(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value <= 0:
-        raise ValueError(f"{name} must be positive, got {value}")
-    return int(value)
 
 
 def check_backward_inputs(do, q, k, v, o, lse, *, causal, sm_scale, head_dims=None, dtypes=None):
@@ -127,7 +120,7 @@ def flash_forward_pytorch(q, k, v, *, causal=False, sm_scale=None, block_q=64, b
     """
     shape = check_attention_inputs(q, k, v, causal=causal)
     scale = resolve_scale(sm_scale, shape.head_dim)
-    block_q, block_k = _check_block("block_q", block_q), _check_block("block_k", block_k)
+    block_q, block_k = positive_int("block_q", block_q), positive_int("block_k", block_k)
     ct = _compute_dtype(q.dtype)
     k, v = _expand_kv(k, v, shape.heads)
     nq, nk, offset = shape.seqlen_q, shape.seqlen_k, shape.seqlen_k - shape.seqlen_q
@@ -168,7 +161,7 @@ def flash_backward_pytorch(do, q, k, v, o, lse, *, causal=False, sm_scale=None, 
     get zero gradients.
     """
     shape, scale = check_backward_inputs(do, q, k, v, o, lse, causal=causal, sm_scale=sm_scale)
-    block_q, block_k = _check_block("block_q", block_q), _check_block("block_k", block_k)
+    block_q, block_k = positive_int("block_q", block_q), positive_int("block_k", block_k)
     ct = _compute_dtype(q.dtype)
     nq, nk, offset = shape.seqlen_q, shape.seqlen_k, shape.seqlen_k - shape.seqlen_q
     kx, vx = _expand_kv(k, v, shape.heads)
@@ -239,8 +232,8 @@ def flash_attention_pytorch(q, k, v, *, causal=False, sm_scale=None, block_q=64,
     """Differentiable tiled attention in PyTorch (registry signature): forward and backward in tiles."""
     check_attention_inputs(q, k, v, causal=causal)
     resolve_scale(sm_scale, q.shape[-1])
-    return FlashAttentionPyTorch.apply(q, k, v, causal, sm_scale, _check_block("block_q", block_q),
-                                       _check_block("block_k", block_k))
+    return FlashAttentionPyTorch.apply(q, k, v, causal, sm_scale, positive_int("block_q", block_q),
+                                       positive_int("block_k", block_k))
 
 
 def saved_tensor_bytes(fn, *args, **kwargs) -> int:

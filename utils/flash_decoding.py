@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from utils.checks import check_attention_inputs, resolve_scale
+from utils.checks import check_attention_inputs, positive_int, resolve_scale
 from utils.triton_utils import cdiv, interpreting
 
 LOG2E = 1.4426950408889634  # inside the kernels scores are in base 2: exp2 is the cheap instruction
@@ -155,10 +155,7 @@ def choose_num_splits(programs: int, seqlen_k: int, block_n: int, num_sms: int) 
     Never more splits than cache tiles of `block_n` keys, nor more than MAX_SPLITS.
     """
     for name, x in (("programs", programs), ("seqlen_k", seqlen_k), ("block_n", block_n), ("num_sms", num_sms)):
-        if isinstance(x, bool) or not isinstance(x, numbers.Integral):
-            raise TypeError(f"{name} must be an int, got {type(x).__name__}")
-        if x <= 0:
-            raise ValueError(f"{name} must be positive, got {x}")
+        positive_int(name, x)
     if programs >= num_sms:
         return 1
     return max(1, min(cdiv(2 * num_sms, programs), cdiv(seqlen_k, block_n), MAX_SPLITS))

@@ -17,8 +17,6 @@ key give 0 (lse = -inf). 16-bit inputs are computed in fp32 (fp64 in fp64) and r
 """
 from __future__ import annotations
 
-import math
-import numbers
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -26,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from utils.checks import check_attention_inputs, resolve_scale
+from utils.checks import check_attention_inputs, positive_int, resolve_scale
 
 LOG2E = 1.4426950408889634   # log2(e): exp(x) = exp2(x * log2(e))
 LN2 = 0.6931471805599453     # ln(2): back from base-2 to natural logs for the lse
@@ -86,12 +84,6 @@ class HBMCounter:
 
 # --- validation and small helpers -----------------------------------------------------------------------------
 
-def _check_positive_int(name, x):
-    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(x).__name__}")
-    if x <= 0:
-        raise ValueError(f"{name} must be positive, got {x}")
-    return int(x)
 
 
 def _check_counter(counter):
@@ -140,7 +132,7 @@ def flash1_block_sizes(M: int, d: int) -> tuple[int, int]:
     B_c = ceil(M/4d) lets the four B x d blocks Q_i, K_j, V_j, O_i fit in M; B_r <= d keeps the B_r x B_c score
     block S_ij no larger than M/4 as well.
     """
-    M, d = _check_positive_int("M", M), _check_positive_int("d", d)
+    M, d = positive_int("M", M), positive_int("d", d)
     B_c = _cdiv(M, 4 * d)
     return min(B_c, d), B_c
 
@@ -156,7 +148,7 @@ def flash1_attention(q, k, v, *, causal=False, sm_scale=None, sram_bytes=SRAM_BY
     """
     shape = check_attention_inputs(q, k, v, causal=causal)
     scale = resolve_scale(sm_scale, shape.head_dim)
-    sram_bytes = _check_positive_int("sram_bytes", sram_bytes)
+    sram_bytes = positive_int("sram_bytes", sram_bytes)
     hbm = _check_counter(counter)
     b, h, h_kv, n_q, n_k, d = shape
     g = h // h_kv
@@ -216,8 +208,8 @@ def flash1_hbm_accesses(seqlen_q: int, seqlen_k: int, d: int, M: int, *, causal:
     to read Q_i, O_i, l_i, m_i and B_r·(d+2) to write O_i, l_i, m_i back. Without masking that is
     2·Nk·d + Nq·(d+2) + T_c·Nq·(3d+4), T_c = ceil(Nk/B_c) ≈ 4·Nk·d/M: Θ(N²d²/M) (Theorem 2).
     """
-    n_q, n_k = _check_positive_int("seqlen_q", seqlen_q), _check_positive_int("seqlen_k", seqlen_k)
-    d, M = _check_positive_int("d", d), _check_positive_int("M", M)
+    n_q, n_k = positive_int("seqlen_q", seqlen_q), positive_int("seqlen_k", seqlen_k)
+    d, M = positive_int("d", d), positive_int("M", M)
     _check_bool("causal", causal)
     B_r, B_c = flash1_block_sizes(M, d)
     T_c = _cdiv(n_k, B_c)
@@ -235,8 +227,8 @@ def standard_hbm_accesses(seqlen_q: int, seqlen_k: int, d: int) -> int:
     Read Q, K (Nq·d + Nk·d); write S and read it back (2·Nq·Nk); write P and read it back (2·Nq·Nk); read V
     (Nk·d); write O (Nq·d). Θ(Nd + N²).
     """
-    n_q, n_k = _check_positive_int("seqlen_q", seqlen_q), _check_positive_int("seqlen_k", seqlen_k)
-    d = _check_positive_int("d", d)
+    n_q, n_k = positive_int("seqlen_q", seqlen_q), positive_int("seqlen_k", seqlen_k)
+    d = positive_int("d", d)
     return 4 * n_q * n_k + 2 * n_q * d + 2 * n_k * d
 
 
@@ -274,7 +266,7 @@ def flash2_program(pid_m, pid_bh, Q, K, V, O, LSE, *, sm_scale, causal, BLOCK_M,
     """
     batch, heads, seqlen_q, head_dim = Q.shape
     kv_heads, seqlen_k = K.shape[1], K.shape[2]
-    BLOCK_M, BLOCK_N = _check_positive_int("BLOCK_M", BLOCK_M), _check_positive_int("BLOCK_N", BLOCK_N)
+    BLOCK_M, BLOCK_N = positive_int("BLOCK_M", BLOCK_M), positive_int("BLOCK_N", BLOCK_N)
     if not (0 <= pid_m < _cdiv(seqlen_q, BLOCK_M) and 0 <= pid_bh < batch * heads):
         raise ValueError(f"program ({pid_m}, {pid_bh}) is outside the grid "
                          f"({_cdiv(seqlen_q, BLOCK_M)}, {batch * heads})")
@@ -392,7 +384,7 @@ def flash2_attention(q, k, v, *, causal=False, sm_scale=None, block_m=64, block_
     """
     shape = check_attention_inputs(q, k, v, causal=causal)
     scale = resolve_scale(sm_scale, shape.head_dim)
-    block_m, block_n = _check_positive_int("block_m", block_m), _check_positive_int("block_n", block_n)
+    block_m, block_n = positive_int("block_m", block_m), positive_int("block_n", block_n)
     _check_bool("return_lse", return_lse)
     _check_bool("per_program", per_program)
     counter = _check_counter(counter)
@@ -418,9 +410,9 @@ def flash2_hbm_accesses(seqlen_q: int, seqlen_k: int, d: int, block_m: int, bloc
     it visits (2·d per key; masked-off rows past the end are not read). Without masking: Nq·d·2 + Nq +
     T_m·2·Nk·d, T_m = ceil(Nq/block_m): Θ(N²d/block_m).
     """
-    n_q, n_k = _check_positive_int("seqlen_q", seqlen_q), _check_positive_int("seqlen_k", seqlen_k)
-    d = _check_positive_int("d", d)
-    block_m, block_n = _check_positive_int("block_m", block_m), _check_positive_int("block_n", block_n)
+    n_q, n_k = positive_int("seqlen_q", seqlen_q), positive_int("seqlen_k", seqlen_k)
+    d = positive_int("d", d)
+    block_m, block_n = positive_int("block_m", block_m), positive_int("block_n", block_n)
     _check_bool("causal", causal)
     keys = 0
     for pid_m in range(_cdiv(n_q, block_m)):

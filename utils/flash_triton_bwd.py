@@ -16,7 +16,6 @@ two versions of the inner loop). Plain pointer arithmetic with masks, any stride
 """
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 

@@ -63,11 +63,9 @@ def peak_memory(fn, *args, **kwargs) -> int:
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         with torch.no_grad():
-            out = fn(*args, **kwargs)
+            fn(*args, **kwargs)
         torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - base
-        del out
-        return peak
+        return torch.cuda.max_memory_allocated() - base
     with torch.no_grad(), AllocationTracker() as tracker:
         fn(*args, **kwargs)
     return tracker.peak

@@ -7,21 +7,16 @@ on PyTorch's SDPA; later notebooks pass their own kernels (notebook 07 trains a 
 from __future__ import annotations
 
 import math
-import numbers
 
 import torch
+
+from utils.checks import positive_int
 from einops import rearrange
 from torch import nn
 
 from utils.reference import sdpa_attention
 
 
-def _positive_int(name: str, x) -> int:
-    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(x).__name__}")
-    if x <= 0:
-        raise ValueError(f"{name} must be positive, got {x}")
-    return int(x)
 
 
 def _resolve_attention(attention):
@@ -51,8 +46,8 @@ class MultiHeadAttention(nn.Module):
     def __init__(self, embed_dim: int, num_heads: int, *, causal: bool = False, bias: bool = True,
                  attention=sdpa_attention, device=None, dtype=None):
         super().__init__()
-        embed_dim = _positive_int("embed_dim", embed_dim)
-        num_heads = _positive_int("num_heads", num_heads)
+        embed_dim = positive_int("embed_dim", embed_dim)
+        num_heads = positive_int("num_heads", num_heads)
         if embed_dim % num_heads:
             raise ValueError(f"embed_dim {embed_dim} is not divisible by num_heads {num_heads}")
         for name, flag in (("causal", causal), ("bias", bias)):

@@ -26,6 +26,14 @@ def use_course_style() -> None:
     mpl.rcParams.update(STYLE)
 
 
+def seqlen_axis(ax, seqlens) -> None:
+    """A log2 x-axis ticked at the sequence lengths, labelled 512, 1k, 2k, ..."""
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(seqlens, [f"{n // 1024}k" if n % 1024 == 0 else str(n) for n in seqlens])
+    ax.minorticks_off()
+    ax.set_xlabel("sequence length N")
+
+
 def save_figure(fig, name: str) -> Path:
     """Save `fig` as images/<name>.png (name without extension) and return the path."""
     if not name or "/" in name or name.endswith(".png"):

@@ -21,7 +21,6 @@ import argparse
 import json
 import math
 import numbers
-import os
 import socket
 import time
 from dataclasses import asdict, dataclass

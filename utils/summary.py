@@ -112,7 +112,7 @@ def plot_memory(records: list[dict], title: str = ""):
     """Peak memory against N on log-log axes, with N and N² guides through the first points."""
     import matplotlib.pyplot as plt
 
-    from utils.plotting import use_course_style
+    from utils.plotting import seqlen_axis, use_course_style
 
     use_course_style()
     fig, ax = plt.subplots()
@@ -122,12 +122,8 @@ def plot_memory(records: list[dict], title: str = ""):
         pts = sorted((r["seqlen"], r["bytes"] / 2**20) for r in records if r["impl"] == name and r["bytes"])
         if pts:
             ax.plot(*zip(*pts), marker="o", label=name)
-    ax.set_xscale("log", base=2)
-    seqlens = sorted({r["seqlen"] for r in records})
-    ax.set_xticks(seqlens, [f"{n // 1024}k" if n % 1024 == 0 else str(n) for n in seqlens])
-    ax.minorticks_off()
+    seqlen_axis(ax, sorted({r["seqlen"] for r in records}))
     ax.set_yscale("log")
-    ax.set_xlabel("sequence length N")
     ax.set_ylabel("peak memory beyond the inputs (MiB)")
     ax.set_title(title or "peak memory of the forward pass")
     ax.legend(loc="center left", bbox_to_anchor=(1.0, 0.5))

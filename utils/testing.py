@@ -15,6 +15,19 @@ TOLERANCES = {
 }
 
 
+# (batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim) that every implementation is checked on, small enough
+# for the Triton interpreter: seqlen 1, lengths that are not a multiple of any block, Nq != Nk both ways (Nq > Nk
+# leaves rows that see no key when causal), GQA and MQA, head dims 80 and 96 that are not powers of two.
+ATTENTION_SHAPES = [
+    (1, 1, 1, 1, 1, 16),
+    (2, 2, 2, 17, 17, 32),
+    (1, 4, 2, 64, 64, 64),
+    (1, 2, 1, 33, 70, 80),
+    (1, 2, 2, 70, 33, 96),
+    (1, 2, 2, 128, 128, 128),
+]
+
+
 def tolerances(dtype: torch.dtype) -> dict:
     """{'atol': ..., 'rtol': ...} for comparing attention outputs computed in `dtype`."""
     if dtype not in TOLERANCES:
