@@ -8,8 +8,11 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: lab test install strip learner
 
+# Jupyter refuses to run as root (containers, some cloud machines) unless told to.
+LAB_ARGS ?= $(if $(filter 0,$(shell id -u)),--allow-root)
+
 lab: $(STAMP)
-	$(BIN)/jupyter lab notebooks/
+	$(BIN)/jupyter lab $(LAB_ARGS) notebooks/
 
 test: $(STAMP)
 	$(BIN)/pytest

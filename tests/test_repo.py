@@ -55,3 +55,12 @@ def test_notebook_starts_with_the_bootstrap(path):
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_readme_maps_every_notebook(path):
     assert f"notebooks/{path.name}" in (ROOT / "README.md").read_text()
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_has_badge_objectives_and_recap(path):
+    nb = json.loads(path.read_text())
+    markdown = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown"]
+    assert "colab-badge" in markdown[0] and f"notebooks/{path.name}" in markdown[0], "Colab badge for this notebook"
+    assert "By the end you will be able to" in markdown[0], "learning objectives at the top"
+    assert any(m.lstrip().startswith("## Recap") for m in markdown), "a recap at the end"
