@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from utils.flash_backward_pytorch import (FlashAttentionPyTorch, attention_gradients, flash_attention_pytorch,
-                                          flash_backward_pytorch, flash_forward_pytorch, saved_tensor_bytes)
+                                          flash_backward_pytorch, saved_tensor_bytes)
+from utils.flash_pytorch import flash2_attention
 from utils.reference import naive_attention, reference_attention
 from utils.testing import ATTENTION_SHAPES, random_qkv
 
@@ -92,7 +93,7 @@ def test_tiled_pytorch_backward(shape, causal, blocks):
     b, h, hk, nq, nk, d = shape
     q, k, v = random_qkv(b, h, nq, nk, d, kv_heads=hk, dtype=torch.float64, seed=3)
     do = torch.randn_like(q)
-    o, lse = flash_forward_pytorch(q, k, v, causal=causal, block_q=blocks[0], block_k=blocks[1])
+    o, lse = flash2_attention(q, k, v, causal=causal, block_m=blocks[0], block_n=blocks[1], return_lse=True)
     o_ref, lse_ref = forward_lse(q, k, v, causal)
     torch.testing.assert_close(o, o_ref)
     torch.testing.assert_close(lse, lse_ref)
@@ -136,7 +137,7 @@ def test_saved_tensor_bytes_rejects_non_callables():
 
 def test_pytorch_backward_validates_inputs():
     q, k, v = random_qkv(1, 2, 8, 8, 16)
-    o, lse = flash_forward_pytorch(q, k, v)
+    o, lse = flash2_attention(q, k, v, return_lse=True)
     do = torch.randn_like(q)
     with pytest.raises(ValueError, match="do has shape"):
         flash_backward_pytorch(do[:, :1], q, k, v, o, lse)
@@ -215,7 +216,7 @@ def test_triton_gradcheck_float64(causal):
     class Attention(torch.autograd.Function):
         @staticmethod
         def forward(ctx, q, k, v):
-            o, lse = flash_forward_pytorch(q, k, v, causal=causal)
+            o, lse = flash2_attention(q, k, v, causal=causal, return_lse=True)
             ctx.save_for_backward(q, k, v, o, lse)
             return o
 

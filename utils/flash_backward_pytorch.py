@@ -19,9 +19,10 @@ import math
 
 import torch
 
+from utils.flash_pytorch import flash2_attention
 from utils.checks import check_attention_inputs, positive_int, resolve_scale
 
-__all__ = ["attention_gradients", "flash_forward_pytorch", "flash_backward_pytorch", "FlashAttentionPyTorch",
+__all__ = ["attention_gradients", "flash_backward_pytorch", "FlashAttentionPyTorch",
            "flash_attention_pytorch", "saved_tensor_bytes", "check_backward_inputs"]
 
 
@@ -112,48 +113,6 @@ def _visible(rows, cols, offset, causal):
     return not causal or cols.start <= rows.stop - 1 + offset
 
 
-def flash_forward_pytorch(q, k, v, *, causal=False, sm_scale=None, block_q=64, block_k=64):
-    """Tiled forward with the online softmax (FlashAttention-2 order): returns (o, lse).
-
-    o has q's dtype; lse is float32 (batch, heads, seqlen_q), natural log, -inf for rows that see no key
-    (their output is 0). fp64 inputs are computed, and lse returned, in fp64.
-    """
-    shape = check_attention_inputs(q, k, v, causal=causal)
-    scale = resolve_scale(sm_scale, shape.head_dim)
-    block_q, block_k = positive_int("block_q", block_q), positive_int("block_k", block_k)
-    ct = _compute_dtype(q.dtype)
-    k, v = _expand_kv(k, v, shape.heads)
-    nq, nk, offset = shape.seqlen_q, shape.seqlen_k, shape.seqlen_k - shape.seqlen_q
-    o = torch.empty(q.shape, dtype=ct, device=q.device)
-    lse = torch.empty(q.shape[:-1], dtype=ct, device=q.device)
-    for i0 in range(0, nq, block_q):
-        rows = range(i0, min(i0 + block_q, nq))
-        qi = q[:, :, rows.start:rows.stop].to(ct)
-        m = torch.full(qi.shape[:-1], -math.inf, dtype=ct, device=q.device)   # running row max
-        l = torch.zeros_like(m)                                               # running row sum of exp
-        acc = torch.zeros(qi.shape, dtype=ct, device=q.device)
-        for j0 in range(0, nk, block_k):
-            cols = range(j0, min(j0 + block_k, nk))
-            if not _visible(rows, cols, offset, causal):
-                break   # later blocks are further right of the diagonal
-            s = scale * qi @ k[:, :, cols.start:cols.stop].to(ct).transpose(-2, -1)
-            mask = _tile_mask(rows, cols, offset, causal, q.device)
-            if mask is not None:
-                s = s.masked_fill(~mask, -math.inf)
-            m_new = torch.maximum(m, s.amax(-1))
-            m_safe = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)  # all masked so far
-            p = torch.exp(s - m_safe[..., None])
-            alpha = torch.exp(m - m_safe)
-            l = alpha * l + p.sum(-1)
-            acc = alpha[..., None] * acc + p @ v[:, :, cols.start:cols.stop].to(ct)
-            m = m_new
-        seen = l > 0
-        o[:, :, rows.start:rows.stop] = torch.where(seen[..., None], acc / torch.where(seen, l, 1)[..., None], 0)
-        lse[:, :, rows.start:rows.stop] = torch.where(seen, m + torch.log(torch.where(seen, l, 1)), -math.inf)
-    lse_dtype = torch.float64 if ct == torch.float64 else torch.float32
-    return o.to(q.dtype), lse.to(lse_dtype)
-
-
 def flash_backward_pytorch(do, q, k, v, o, lse, *, causal=False, sm_scale=None, block_q=64, block_k=64):
     """Tiled backward in FlashAttention-2 order; returns (dq, dk, dv) in q's dtype (dk, dv with K/V's heads).
 
@@ -216,7 +175,8 @@ class FlashAttentionPyTorch(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal, sm_scale, block_q, block_k):
-        o, lse = flash_forward_pytorch(q, k, v, causal=causal, sm_scale=sm_scale, block_q=block_q, block_k=block_k)
+        o, lse = flash2_attention(q, k, v, causal=causal, sm_scale=sm_scale, block_m=block_q, block_n=block_k,
+                                  return_lse=True)  # notebook 04's forward
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.args = dict(causal=causal, sm_scale=sm_scale, block_q=block_q, block_k=block_k)
         return o
