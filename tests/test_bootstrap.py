@@ -14,8 +14,8 @@ def test_default_dtype(capability, dtype):
 
 
 def test_misspelt_interpret_vars():
-    env = {"TRITON_INTERPRETED": "1", "TRITON_INTERPRET": "1", "TRITON_INTERPETER": "1", "TRITON_CACHE_DIR": "x"}
-    assert misspelt_interpret_vars(env) == ["TRITON_INTERPETER", "TRITON_INTERPRETED"]
+    env = {"TRITON_INTERPRETER": "1", "TRITON_INTERPRET": "1", "TRITON_INTERPETER": "1", "TRITON_CACHE_DIR": "x"}
+    assert misspelt_interpret_vars(env) == ["TRITON_INTERPETER", "TRITON_INTERPRETER"]
 
 
 def test_setup_on_this_machine(capsys):

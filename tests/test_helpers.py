@@ -132,3 +132,12 @@ def test_positive_int():
     for bad, error in ((0, ValueError), (-1, ValueError), (1.0, TypeError), (True, TypeError)):
         with pytest.raises(error, match="n must"):
             positive_int("n", bad)
+
+
+def test_check_bool():
+    from utils.checks import check_bool
+
+    assert check_bool("flag", True) is True
+    for bad in (1, "yes", None):
+        with pytest.raises(TypeError, match="flag must be a bool"):
+            check_bool("flag", bad)

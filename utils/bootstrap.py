@@ -70,7 +70,7 @@ def default_dtype(capability: tuple[int, int] | None):
 
 
 def misspelt_interpret_vars(environ=os.environ) -> list[str]:
-    """Names like TRITON_INTERPRETED or TRITON_INTERPETER: Triton silently ignores them."""
+    """Names like TRITON_INTERPRETER or TRITON_INTERPETER: Triton silently ignores them."""
     return sorted(k for k in environ if k.startswith("TRITON_INT") and k != "TRITON_INTERPRET")
 
 

@@ -36,8 +36,7 @@ def check_attention_inputs(q, k, v, *, causal=False, head_dims=None, dtypes=FLOA
         if t.dtype not in dtypes:
             names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
             raise TypeError(f"{name} has dtype {t.dtype}; supported: {names}")
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    check_bool("causal", causal)
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
             raise TypeError(f"{name} has dtype {t.dtype} but q has {q.dtype}; they must match")
@@ -55,6 +54,13 @@ def check_attention_inputs(q, k, v, *, causal=False, head_dims=None, dtypes=FLOA
     if head_dims is not None and d not in head_dims:
         raise ValueError(f"head_dim {d} is not supported here; supported: {sorted(head_dims)}")
     return AttentionShape(b, h, hk, nq, nk, d)
+
+
+def check_bool(name: str, x) -> bool:
+    """`x`, or a TypeError naming `name` unless it is a bool."""
+    if not isinstance(x, bool):
+        raise TypeError(f"{name} must be a bool, got {type(x).__name__}")
+    return x
 
 
 def positive_int(name: str, x) -> int:

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from utils.checks import check_attention_inputs, positive_int, resolve_scale
+from utils.checks import check_attention_inputs, check_bool, positive_int, resolve_scale
 from utils.triton_utils import cdiv, interpreting
 
 LOG2E = 1.4426950408889634  # inside the kernels scores are in base 2: exp2 is the cheap instruction
@@ -229,8 +229,7 @@ def flash_decode(q, k_cache, v_cache, *, sm_scale=None, num_splits=None, cache_s
     scale = resolve_scale(sm_scale, shape.head_dim)
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         _check_launchable(t, name)
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    check_bool("return_lse", return_lse)
     seqlens = _check_seqlens(cache_seqlens, shape.batch, shape.seqlen_k, q.device)
     out_dtype = q.dtype
     if q.dtype == torch.bfloat16 and q.device.type == "cpu":

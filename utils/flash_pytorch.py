@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from utils.checks import check_attention_inputs, positive_int, resolve_scale
+from utils.checks import check_attention_inputs, check_bool, positive_int, resolve_scale
 
 LOG2E = 1.4426950408889634   # log2(e): exp(x) = exp2(x * log2(e))
 LN2 = 0.6931471805599453     # ln(2): back from base-2 to natural logs for the lse
@@ -90,11 +90,6 @@ def _check_counter(counter):
     if counter is not None and not isinstance(counter, HBMCounter):
         raise TypeError(f"counter must be an HBMCounter or None, got {type(counter).__name__}")
     return counter if counter is not None else HBMCounter()
-
-
-def _check_bool(name, x):
-    if not isinstance(x, bool):
-        raise TypeError(f"{name} must be a bool, got {type(x).__name__}")
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -210,7 +205,7 @@ def flash1_hbm_accesses(seqlen_q: int, seqlen_k: int, d: int, M: int, *, causal:
     """
     n_q, n_k = positive_int("seqlen_q", seqlen_q), positive_int("seqlen_k", seqlen_k)
     d, M = positive_int("d", d), positive_int("M", M)
-    _check_bool("causal", causal)
+    check_bool("causal", causal)
     B_r, B_c = flash1_block_sizes(M, d)
     T_c = _cdiv(n_k, B_c)
     if not causal:
@@ -385,8 +380,8 @@ def flash2_attention(q, k, v, *, causal=False, sm_scale=None, block_m=64, block_
     shape = check_attention_inputs(q, k, v, causal=causal)
     scale = resolve_scale(sm_scale, shape.head_dim)
     block_m, block_n = positive_int("block_m", block_m), positive_int("block_n", block_n)
-    _check_bool("return_lse", return_lse)
-    _check_bool("per_program", per_program)
+    check_bool("return_lse", return_lse)
+    check_bool("per_program", per_program)
     counter = _check_counter(counter)
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:-1], dtype=accumulator_dtype(q.dtype), device=q.device)
@@ -413,7 +408,7 @@ def flash2_hbm_accesses(seqlen_q: int, seqlen_k: int, d: int, block_m: int, bloc
     n_q, n_k = positive_int("seqlen_q", seqlen_q), positive_int("seqlen_k", seqlen_k)
     d = positive_int("d", d)
     block_m, block_n = positive_int("block_m", block_m), positive_int("block_n", block_n)
-    _check_bool("causal", causal)
+    check_bool("causal", causal)
     keys = 0
     for pid_m in range(_cdiv(n_q, block_m)):
         n_end = flash2_kv_end(pid_m, block_m, n_q, n_k, causal)

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from utils.checks import check_attention_inputs, resolve_scale
+from utils.checks import check_attention_inputs, check_bool, resolve_scale
 
 HEAD_DIMS = tuple(range(16, 257))           # any head dim from 16 to 256
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -251,8 +251,7 @@ def flash_attention(q, k, v, *, causal=False, sm_scale=None, return_lse=False):
     Returns O, shaped and typed like q (contiguous), or (O, lse) with return_lse=True (lse: fp32,
     (batch, heads, seqlen_q), natural log, -inf for a query that sees no key).
     """
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    check_bool("return_lse", return_lse)
     _validate(q, k, v, causal, sm_scale)  # before autograd, so errors point at the call
     o, lse = FlashAttentionFunction.apply(q, k, v, causal, sm_scale)
     return (o, lse) if return_lse else o

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from utils.checks import positive_int
+from utils.checks import check_bool, positive_int
 from einops import rearrange
 from torch import nn
 
@@ -50,9 +50,7 @@ class MultiHeadAttention(nn.Module):
         num_heads = positive_int("num_heads", num_heads)
         if embed_dim % num_heads:
             raise ValueError(f"embed_dim {embed_dim} is not divisible by num_heads {num_heads}")
-        for name, flag in (("causal", causal), ("bias", bias)):
-            if not isinstance(flag, bool):
-                raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+        check_bool("causal", causal), check_bool("bias", bias)
         self.embed_dim, self.num_heads, self.head_dim = embed_dim, num_heads, embed_dim // num_heads
         self.causal = causal
         self.scale = 1.0 / math.sqrt(self.head_dim)
