@@ -23,6 +23,11 @@ EXPECTED = {
     "flash_naive": {f"flash_naive_kernel<{t}, {d}>" for t in DTYPES for d in (32, 64, 128)},
     "flash_tiled": {f"flash_tiled_kernel<{t}, {d}>" for t in DTYPES for d in (32, 64, 128, 256)},
 }
+MMA_STRUCTS = ("Step1Mma", "Step2Ldmatrix", "Step3Swizzle", "Step4CpAsync", "Step5Tiles", "Step6Exp2",
+               "Step7CausalSkip")
+for _step, _struct in zip(cuda_ext.MMA_STEPS, MMA_STRUCTS, strict=True):
+    EXPECTED[cuda_ext.mma_kernel_name(_step)] = {f"flash_mma_kernel<course_flash::{_struct}, {t}, {d}>"
+                                                 for t in DTYPES[1:] for d in (64, 128)}
 
 
 # ---- compile-only checks ----------------------------------------------------------------------------------
@@ -36,10 +41,10 @@ def test_compile_check_builds_every_kernel_for_sm80_and_sm90(name):
         assert kernels == EXPECTED[name], f"{name}.cu for {arch}: {sorted(kernels)}"
     for r in results:
         assert r.file == f"{name}.cu" and 0 < r.registers <= 255
-    if name in ("softmax", "flash_tiled"):  # these are designed to fit in registers: a spill is a regression
+    if name in ("softmax", "flash_tiled") or name.startswith("flash_mma"):  # designed to fit in registers
         spilled = [r for r in results if r.spill_stores or r.spill_loads]
         assert not spilled, f"unexpected spills: {spilled}"
-    if name == "flash_tiled":  # its tiles are dynamic shared memory: nothing static
+    if name == "flash_tiled" or name.startswith("flash_mma"):  # tiles in dynamic shared memory: nothing static
         assert all(r.smem_bytes == 0 for r in results)
 
 
@@ -151,8 +156,11 @@ def test_kernels_and_torch_wrappers_are_separate():
         kernels_part, wrapper_part = text.split("#ifndef COURSE_TORCH_WRAPPER")[1].split("#else  // COURSE_TORCH")
         for header in ("#include <torch", "#include <ATen", "#include <c10", '#include "flash_torch.h"'):
             assert header not in kernels_part, f"{name}.cu includes {header} where nvcc compiles"
-        assert "TORCH_CHECK" in wrapper_part and "__global__" not in wrapper_part, name
-    for header in ("flash_params.h", "flash_common.cuh"):
+        checks = "TORCH_CHECK" in wrapper_part or '#include "flash_mma_torch.h"' in wrapper_part
+        assert checks and "__global__" not in wrapper_part, name
+    assert "TORCH_CHECK" in (cuda_ext.CUDA_DIR / "flash_mma_torch.h").read_text()
+    for header in ("flash_params.h", "flash_common.cuh", "flash_mma.cuh", "flash_mma_steps.cuh",
+                   "flash_mma_kernel.cuh"):
         text = (cuda_ext.CUDA_DIR / header).read_text()
         assert not any(f"#include <{lib}" in text for lib in ("torch", "ATen", "c10")), header
 
@@ -192,6 +200,57 @@ def test_flash_wrappers_validate_before_building():
     odd = torch.randn(1, 1, 4, 60)
     with pytest.raises(ValueError, match="head_dim 60"):
         cuda_ext.flash_tiled(odd, odd, odd)
+
+
+def test_mma_steps_are_named_and_registered():
+    from utils.attention import REGISTRY
+
+    assert [cuda_ext.mma_kernel_name(s) for s in ("mma", "causal_skip")] == ["flash_mma_s1_mma",
+                                                                            "flash_mma_s7_causal_skip"]
+    for step in cuda_ext.MMA_STEPS:
+        name = cuda_ext.mma_kernel_name(step)
+        assert (cuda_ext.CUDA_DIR / f"{name}.cu").is_file() and KERNELS[name][0] == f"{name}_forward"
+    with pytest.raises(ValueError, match="step must be one of"):
+        cuda_ext.mma_kernel_name("wgmma")
+    impl = REGISTRY["cuda"]
+    assert impl.load() is cuda_ext.flash_attention_cuda and impl.runs_on == "cuda" and impl.notebook == "06b"
+    assert impl.head_dims == cuda_ext.MMA_HEAD_DIMS
+    # Each step's struct derives from the one before: the steps header reads as the worklog.
+    steps = (cuda_ext.CUDA_DIR / "flash_mma_steps.cuh").read_text()
+    for before, after in zip(MMA_STRUCTS, MMA_STRUCTS[1:]):
+        assert f"struct {after} : {before} {{" in steps, after
+
+
+def test_flash_mma_validates_before_building():
+    q = torch.randn(1, 2, 8, 64)
+    for fn in (cuda_ext.flash_mma, cuda_ext.flash_attention_cuda):
+        with pytest.raises(ValueError, match="need CUDA tensors"):
+            fn(q.half(), q.half(), q.half())
+        with pytest.raises(TypeError, match="k has dtype"):
+            fn(q.half(), q.bfloat16(), q.half())
+        with pytest.raises(TypeError, match="causal must be a bool"):
+            fn(q.half(), q.half(), q.half(), causal=None)
+        with pytest.raises(TypeError, match="sm_scale"):
+            fn(q.half(), q.half(), q.half(), sm_scale="1")
+        for d in (32, 96, 256):
+            odd = torch.randn(1, 1, 4, d, dtype=torch.float16)
+            with pytest.raises(ValueError, match=f"head_dim {d} is not supported"):
+                fn(odd, odd, odd)
+    with pytest.raises(TypeError, match="dtype torch.float32"):  # tensor cores: 16-bit inputs only
+        cuda_ext.flash_mma(q, q, q)
+    with pytest.raises(ValueError, match="step must be one of"):
+        cuda_ext.flash_mma(q.half(), q.half(), q.half(), step="fastest")
+    with pytest.raises(ValueError, match="need CUDA tensors"):  # float32 goes to flash_tiled, which says so
+        cuda_ext.flash_attention_cuda(q, q, q)
+
+
+def test_check_mma_capability():
+    for ok in ((8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0)):
+        cuda_ext.check_mma_capability(ok)
+    with pytest.raises(RuntimeError, match="sm_75. flash_tiled runs on it"):
+        cuda_ext.check_mma_capability((7, 5))
+    with pytest.raises(TypeError):
+        cuda_ext.check_mma_capability("sm_90")
 
 
 def test_softmax_wrapper_validates_before_building():
@@ -315,7 +374,74 @@ def test_load_is_cached_and_rows_without_keys_are_zero():
     assert cuda_ext.load("flash_tiled") is cuda_ext.load("flash_tiled")
     q = torch.randn(1, 2, 70, 64, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(1, 2, 20, 64, device="cuda", dtype=torch.bfloat16)
-    for fn in (cuda_ext.flash_naive, cuda_ext.flash_tiled):
+    for fn in (cuda_ext.flash_naive, cuda_ext.flash_tiled, *[
+            lambda *a, step=s, **kw: cuda_ext.flash_mma(*a, step=step, **kw) for s in cuda_ext.MMA_STEPS]):
         out = fn(q, k, k, causal=True)
         assert torch.equal(out[:, :, :50], torch.zeros_like(out[:, :, :50]))  # queries 0..49 see no key
         assert out[:, :, 50:].abs().sum() > 0
+
+
+# ---- the tensor-core steps (notebook 06b) on a GPU -----------------------------------------------------------
+
+# (batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim): a single row, lengths off every tile size, Nq > Nk
+# (causal rows without keys) and Nq < Nk, GQA and MQA, several tiles of keys, both head dims.
+MMA_SHAPES = [(1, 1, 1, 1, 1, 64), (2, 2, 2, 17, 17, 128), (1, 4, 2, 200, 333, 64), (1, 2, 1, 333, 100, 128),
+              (2, 3, 3, 256, 256, 64), (1, 2, 2, 1000, 1000, 128), (1, 2, 2, 129, 1500, 64)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("step", cuda_ext.MMA_STEPS)
+def test_flash_mma_steps_match_reference(step, dtype, causal):
+    from functools import partial
+
+    from utils.testing import assert_attention_matches_reference, random_qkv
+
+    fn = partial(cuda_ext.flash_mma, step=step)
+    for b, h, hk, nq, nk, d in MMA_SHAPES:
+        q, k, v = random_qkv(b, h, nq, nk, d, kv_heads=hk, dtype=dtype, device="cuda", seed=nq + nk)
+        assert_attention_matches_reference(fn, q, k, v, causal=causal)
+    q, k, v = random_qkv(1, 2, 300, 300, 64, dtype=dtype, device="cuda")
+    assert_attention_matches_reference(fn, q * 20, k, v, causal=causal, sm_scale=0.3)  # large logits
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("step", ["mma", "causal_skip"])
+def test_flash_mma_on_views(step):
+    from utils.testing import assert_attention_matches_reference
+
+    buf = torch.randn(2, 300, 3, 3 * 64 + 4, device="cuda", dtype=torch.bfloat16)
+    q, k, v = (buf[..., i * 64 + 4: (i + 1) * 64 + 4].transpose(1, 2) for i in range(3))
+    assert q.stride(-1) == 1 and q.stride(2) % 8 != 0  # rows not on 16 bytes: copied before the launch
+    fn = lambda *a, **kw: cuda_ext.flash_mma(*a, step=step, **kw)  # noqa: E731
+    assert_attention_matches_reference(fn, q, k, v, causal=True)
+    bnhd = torch.randn(2, 500, 4, 128, device="cuda", dtype=torch.float16).transpose(1, 2)  # strides multiple of 8
+    assert_attention_matches_reference(fn, bnhd, bnhd, bnhd)
+
+
+@pytest.mark.gpu
+def test_flash_mma_torch_checks():
+    setup = ('f = cuda_ext.load("flash_mma_s7_causal_skip").flash_mma_s7_causal_skip_forward\n'
+             'q = torch.randn(1, 4, 16, 64, device="cuda", dtype=torch.bfloat16)')
+    cases = [
+        ("f(q.cpu(), q, q, False, 0.125)", "q must be a CUDA tensor"),
+        ("f(q.float(), q.float(), q.float(), False, 0.125)", "dtype must be float16 or bfloat16"),
+        ("f(q[..., :32], q[..., :32], q[..., :32], False, 0.125)", "head_dim must be 64 or 128"),
+        ("f(q, q.half(), q, False, 0.125)", "k has dtype"),
+        ("f(q, q[:, :3], q[:, :3], False, 0.125)", "not a multiple"),
+        ("f(q, q, q, False, 0.0)", "scale must be finite and positive"),
+    ]
+    messages = torch_check_messages(setup, "\n".join(call for call, _ in cases))
+    for message, (call, pattern) in zip(messages, cases, strict=True):
+        assert message is not None and pattern in message, (call, pattern, message)
+
+
+@pytest.mark.gpu
+def test_registry_cuda_runs_the_last_step_and_falls_back_for_float32():
+    from utils.testing import assert_attention_matches_reference, random_qkv
+
+    q, k, v = random_qkv(1, 2, 100, 100, 64, dtype=torch.bfloat16, device="cuda")
+    assert torch.equal(cuda_ext.flash_attention_cuda(q, k, v, causal=True), cuda_ext.flash_mma(q, k, v, causal=True))
+    q, k, v = (t.float() for t in (q, k, v))
+    assert_attention_matches_reference(cuda_ext.flash_attention_cuda, q, k, v, causal=True)

@@ -178,3 +178,18 @@ def test_long_cache_on_gpu(dtype):
     out = flash_decode(q, k, v, cache_seqlens=seqlens)
     ref, _ = reference_with_lengths(q.cpu(), k.cpu(), v.cpu(), seqlens.cpu(), causal=False)
     assert_close(out.cpu(), ref, dtype=dtype)
+
+
+@pytest.mark.gpu
+def test_batch_offsets_past_2_to_the_31_on_gpu():
+    """A cache whose second sequence starts 2**31 elements in: a 32-bit b * stride would wrap around."""
+    n, d = 64, 128
+    stride_b = 2**31 + n * d  # the storage is about 4 GiB of bf16, almost all of it never read
+    storage = torch.zeros(stride_b + n * d, device="cuda", dtype=torch.bfloat16)
+    k = storage.as_strided((2, 1, n, d), (stride_b, n * d, d, 1))
+    k.copy_(torch.randn(2, 1, n, d, device="cuda"))
+    v = k  # the same huge strides for V
+    q = torch.randn(2, 4, 1, d, device="cuda", dtype=torch.bfloat16)
+    out = flash_decode(q, k, v)
+    ref = reference_attention(q.float(), k.float(), v.float())
+    assert_close(out.float(), ref, dtype=torch.bfloat16)

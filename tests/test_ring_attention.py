@@ -139,3 +139,13 @@ def test_ring_with_gloo_processes(world_size):
     for case, result in zip(GLOO_CASES, results):
         assert result["world_size"] == world_size and result["case"]["causal"] == case.causal
         assert result["max_abs_err"] < 1e-5, f"{case}: max error {result['max_abs_err']:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_ring_with_nccl_on_two_gpus():
+    cases = [RingCase(causal=True, layout="zigzag", kv_heads=2, seqlen=1024, head_dim=64, dtype="bfloat16",
+                      iters=2)]
+    (result,) = run_ring_check(cases, world_size=2, backend="nccl")
+    assert result["max_abs_err"] <= result["dtype_tolerance"], result
+    assert result["ring_ms"] > 0

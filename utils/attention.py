@@ -57,6 +57,9 @@ REGISTRY = {impl.name: impl for impl in [
     Implementation("cuda_tiled", "utils.cuda_ext:flash_tiled", "cuda",
                    "CUDA via load_inline, FlashAttention-2 tiling on CUDA cores (fp32 accumulation)", "06",
                    head_dims=tuple(range(8, 257, 8))),
+    Implementation("cuda", "utils.cuda_ext:flash_attention_cuda", "cuda",
+                   "CUDA FlashAttention-2 on tensor cores (mma.sync, ldmatrix, swizzle, cp.async; fp32 inputs and "
+                   "pre-sm_80 GPUs run cuda_tiled)", "06b", head_dims=(64, 128)),
     Implementation("flash2_pytorch_autograd", "utils.flash_backward_pytorch:flash_attention_pytorch", "any",
                    "differentiable tiled PyTorch: online-softmax forward, FA2-order tiled backward", "07"),
 ]}

@@ -7,8 +7,10 @@
 - `compile_check()` compiles the kernels alone with nvcc (no GPU, no CUDA build of torch needed) and returns
   the registers, shared memory and spills ptxas reports for every kernel. That works because each .cu file
   keeps its torch-facing wrapper behind `#ifdef COURSE_TORCH_WRAPPER`, compiled by the host compiler.
-- `flash_naive`, `flash_tiled` and `softmax` are the Python entry points; they validate their inputs before
-  any compile or launch (the TORCH_CHECKs in the .cu files are the second line of defence).
+- `flash_naive`, `flash_tiled`, `flash_mma` (the tensor-core kernel of notebook 06b, one build per step of its
+  worklog), `flash_attention_cuda` (the registry's "cuda") and `softmax` are the Python entry points; they
+  validate their inputs before any compile or launch (the TORCH_CHECKs in the .cu files are the second line of
+  defence).
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -39,6 +42,23 @@ KERNELS = {
     "flash_naive": ("flash_naive_forward", ("flash_params.h", "flash_common.cuh", "flash_torch.h")),
     "flash_tiled": ("flash_tiled_forward", ("flash_params.h", "flash_common.cuh", "flash_torch.h")),
 }
+# Notebook 06b: the tensor-core kernel, one file per step of its worklog (utils/cuda/flash_mma_steps.cuh), so
+# that the final step alone is built for the registry and the steps build in parallel.
+MMA_STEPS = ("mma", "ldmatrix", "swizzle", "cp_async", "tiles", "exp2", "causal_skip")
+MMA_HEADERS = ("flash_params.h", "flash_common.cuh", "flash_torch.h", "flash_mma.cuh", "flash_mma_steps.cuh",
+               "flash_mma_kernel.cuh", "flash_mma_torch.h")
+MMA_HEAD_DIMS = (64, 128)
+MMA_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def mma_kernel_name(step: str) -> str:
+    """'exp2' -> 'flash_mma_s6_exp2', the KERNELS name (and .cu file) of that step."""
+    if step not in MMA_STEPS:
+        raise ValueError(f"step must be one of {MMA_STEPS}, got {step!r}")
+    return f"flash_mma_s{MMA_STEPS.index(step) + 1}_{step}"
+
+
+KERNELS.update({mma_kernel_name(s): (f"{mma_kernel_name(s)}_forward", MMA_HEADERS) for s in MMA_STEPS})
 WRAPPER_DEFINE = "#define COURSE_TORCH_WRAPPER\n"
 # -lineinfo maps SASS back to source lines in Nsight Compute and costs nothing at run time.
 CUDA_FLAGS = ("-O3", "-std=c++17", "-lineinfo")
@@ -295,6 +315,52 @@ def flash_naive(q, k, v, *, causal=False, sm_scale=None):
 def flash_tiled(q, k, v, *, causal=False, sm_scale=None):
     """FlashAttention-2 forward in CUDA, tiled over queries and keys (utils/cuda/flash_tiled.cu)."""
     return _flash("flash_tiled", q, k, v, causal, sm_scale, TILED_HEAD_DIMS)
+
+
+def check_mma_capability(capability) -> None:
+    """Raise a RuntimeError that explains why, unless a GPU of this (major, minor) can run the mma kernels."""
+    gencode_flags(capability)  # validates the tuple
+    if capability < (8, 0):
+        raise RuntimeError(
+            f"the tensor-core kernels need compute capability 8.0 or newer (mma.sync.m16n8k16 with bf16 inputs, "
+            f"ldmatrix, cp.async); this GPU is sm_{capability[0]}{capability[1]}. flash_tiled runs on it (CUDA "
+            f"cores), and so does the registry's \"cuda\" entry, which falls back to it.")
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """`t`, or a contiguous copy unless every row starts on 16 bytes (the kernels copy rows in 16-byte chunks)."""
+    ok = t.stride(-1) == 1 and all(s % 8 == 0 for s in t.stride()[:-1]) and t.data_ptr() % 16 == 0
+    return t if ok else t.contiguous()
+
+
+def flash_mma(q, k, v, *, causal=False, sm_scale=None, step: str = MMA_STEPS[-1]):
+    """FlashAttention-2 forward on tensor cores, as of `step` of notebook 06b's worklog (default: the last).
+
+    fp16 or bf16 inputs with fp32 accumulation, head dims 64 and 128, any lengths, GQA, causal aligned
+    bottom-right. Needs an sm_80+ GPU; on a T4 (sm_75) it refuses with a RuntimeError (flash_tiled runs there).
+    """
+    name = mma_kernel_name(step)
+    shape = check_attention_inputs(q, k, v, causal=causal, head_dims=MMA_HEAD_DIMS, dtypes=MMA_DTYPES)
+    scale = resolve_scale(sm_scale, shape.head_dim)
+    if not q.is_cuda:
+        raise ValueError(f"q is on {q.device}; the CUDA kernels need CUDA tensors")
+    check_mma_capability(torch.cuda.get_device_capability(q.device))
+    return getattr(load(name), f"{name}_forward")(_aligned(q), _aligned(k), _aligned(v), causal, scale)
+
+
+def flash_attention_cuda(q, k, v, *, causal=False, sm_scale=None):
+    """The course's CUDA FlashAttention forward (registry name "cuda"): `flash_mma`'s final step.
+
+    What the tensor cores cannot take runs `flash_tiled` (CUDA cores, fp32 arithmetic) instead: float32 inputs
+    on any GPU, and every input on GPUs older than sm_80 (with a warning there, e.g. Colab's T4).
+    """
+    check_attention_inputs(q, k, v, causal=causal, head_dims=MMA_HEAD_DIMS, dtypes=FLASH_DTYPES)
+    if q.is_cuda and q.dtype != torch.float32:
+        if torch.cuda.get_device_capability(q.device) >= (8, 0):
+            return flash_mma(q, k, v, causal=causal, sm_scale=sm_scale)
+        warnings.warn(f"{torch.cuda.get_device_name(q.device)} has no bf16 mma.sync (sm_80+): running the "
+                      f"CUDA-core kernel flash_tiled instead of the tensor-core one", stacklevel=2)
+    return flash_tiled(q, k, v, causal=causal, sm_scale=sm_scale)
 
 
 # ---- measurements (notebook 06 and `python -m utils.cuda_ext softmax --out FILE`) -------------------------------

@@ -41,8 +41,8 @@ def _split_kv_kernel(Q, K, V, O, LSE, SEQLENS,
     split = tl.program_id(1)
     row_block = tl.program_id(2)
     num_splits = tl.num_programs(1)
-    b = pid_bh // kv_heads
-    hk = pid_bh % kv_heads
+    b = (pid_bh // kv_heads).to(tl.int64)  # int64: b * stride passes 2**31 elements in a large cache
+    hk = (pid_bh % kv_heads).to(tl.int64)
 
     # Rows of the tile are (query head of this KV head's group, query token) pairs, flattened.
     n_rows = group * n_q
@@ -113,7 +113,7 @@ def _merge_kernel(O_PART, LSE_PART, O, LSE, heads, n_q, num_splits,
                   spb, sph, spn, sps, spd, slb, slh, sln, sls, sob, soh, son, sod, sxb, sxh, sxn,
                   HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_S: tl.constexpr):
     row = tl.program_id(0)  # one (batch, head, query) row per program
-    b = row // (heads * n_q)
+    b = (row // (heads * n_q)).to(tl.int64)
     h = (row // n_q) % heads
     i = row % n_q
     s = tl.arange(0, BLOCK_S)
@@ -311,7 +311,7 @@ def benchmark_decoding(batches, seqlens, *, heads=16, kv_heads=16, head_dim=128,
     """
     from utils.bench import attention_flops, benchmark, tflops
 
-    methods = dict(methods or decoding_methods())
+    methods = dict(decoding_methods() if methods is None else methods)  # {} means: only the split sweep
     for s in splits or ():
         methods[f"flash_decode, {s} splits"] = lambda q, k, v, s=s: flash_decode(q, k, v, num_splits=s)
     rows = []
@@ -368,10 +368,11 @@ def plot_decoding_benchmark(rows, *, title="", peak_gbps=None):
         ax.set_title(f"batch {b}")
         ax.set_xlabel("KV cache length")
     axes[0][0].set_ylabel("K/V read bandwidth (TB/s)")
-    axes[0][-1].legend(fontsize=7, loc="lower right")
     if title:
         fig.suptitle(title)
     fig.tight_layout()
+    # one legend beside the panels: inside one it would hide the lines it names
+    fig.legend(*axes[0][0].get_legend_handles_labels(), loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
     return fig
 
 

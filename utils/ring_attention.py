@@ -301,7 +301,7 @@ def _time(fn, device, iters):
     for _ in range(iters):
         fn()
     _sync(device)
-    ms = torch.tensor((time.perf_counter() - start) / iters * 1e3)
+    ms = torch.tensor((time.perf_counter() - start) / iters * 1e3, device=device)  # NCCL reduces GPU tensors only
     dist.all_reduce(ms, op=dist.ReduceOp.MAX)  # the ring is as slow as its slowest rank
     return float(ms)
 

@@ -1,0 +1,300 @@
+// FlashAttention-2 forward on tensor cores (notebook 06b): one kernel template, `Step` (flash_mma_steps.cuh)
+// switches each optimisation on, and every switch is an `if constexpr` branch marked "Step N" below.
+//
+//   grid:     one block per (BR query rows, batch * head); a block has kWarps warps, each owning 16 rows
+//   shared:   Qs [BR][D]                        the query tile, read once into registers (A fragments)
+//             Ks [stages][BC][D], Vs [stages][BC][D]   the current K and V tiles (2 stages from step 4)
+//   registers (per thread, D = 128, BC = 64): Q fragments 32 words, S 32 floats, O 64 floats, m and l for
+//             its two rows g and g + 8
+//
+// Per K/V tile: S = Q K^T (D/16 x BC/8 mma), mask, online softmax on the S fragments (row max over the 4
+// threads of a group by two shuffles), P packed to 16 bits in place as the A operand of O += P V
+// (BC/16 x D/8 mma). Bottom-right causal alignment; rows that see no key output 0.
+#pragma once
+#include "flash_mma.cuh"
+#include "flash_mma_steps.cuh"
+
+namespace course_flash {
+
+template <typename Step, int D> struct MmaTile {
+  static constexpr int kThreads = 32 * Step::kWarps;
+  static constexpr int kRows = 16 * Step::kWarps;  // BR: each warp owns one m16 tile of query rows
+  static constexpr int kCols = Step::template block_cols<D>();  // BC
+  static constexpr int kStages = Step::kCpAsync ? 2 : 1;
+  static constexpr int kSmemBytes = (kRows + 2 * kStages * kCols) * D * 2;  // 16-bit elements
+  static_assert(D == 64 || D == 128, "head dims 64 and 128");
+  static_assert(kCols % 16 == 0, "keys per tile: a multiple of the k of mma");
+};
+
+// Copy `rows` rows of a (seq, D) matrix, from row0, into a tile, 16 bytes (8 elements) per thread and step;
+// rows past `seqlen` become zeros (so partial tiles need no care until the mask).
+template <typename Step, typename T, int D, int kRowsInTile, int kThreads>
+__device__ __forceinline__ void load_tile(T* tile, const T* src, long long row_stride, int row0, int seqlen) {
+  constexpr int kChunks = D / 8;
+#pragma unroll
+  for (int idx = threadIdx.x; idx < kRowsInTile * kChunks; idx += kThreads) {
+    const int r = idx / kChunks, c = (idx % kChunks) * 8, row = row0 + r;
+    const bool valid = row < seqlen;
+    const T* from = src + (valid ? row : 0) * row_stride + c;
+    T* to = tile + smem_offset<D, Step::kSwizzle>(r, c);
+    if constexpr (Step::kCpAsync) {  // Step 4: asynchronous copy, completion awaited later
+      cp_async_16(to, from, valid);
+    } else {
+      *reinterpret_cast<uint4*>(to) = valid ? *reinterpret_cast<const uint4*>(from) : make_uint4(0, 0, 0, 0);
+    }
+  }
+}
+
+// A fragment of the 16x16 block (rows r0.., cols k0..) of a [rows][D] tile (Q in S = Q K^T).
+template <typename Step, int D, typename T>
+__device__ __forceinline__ void load_a(uint32_t (&a)[4], const T* tile, int r0, int k0, int lane) {
+  if constexpr (Step::kLdmatrix) {  // Step 2: lanes 0-7, 8-15, 16-23, 24-31 address matrices a[0..3]
+    const int row = r0 + lane % 8 + (lane / 8 % 2) * 8, col = k0 + lane / 16 * 8;
+    ldmatrix_x4(a, tile + smem_offset<D, Step::kSwizzle>(row, col));
+  } else {
+    const int g = lane / 4, t = lane % 4;
+    const auto word = [&](int row, int col) {
+      return *reinterpret_cast<const uint32_t*>(tile + smem_offset<D, Step::kSwizzle>(row, col));
+    };
+    a[0] = word(r0 + g, k0 + 2 * t);
+    a[1] = word(r0 + g + 8, k0 + 2 * t);
+    a[2] = word(r0 + g, k0 + 2 * t + 8);
+    a[3] = word(r0 + g + 8, k0 + 2 * t + 8);
+  }
+}
+
+// B fragments of two n8 tiles (K rows n0..n0+15) for the k-step k0 of S = Q K^T: B[k][n] = K[n][k], so the
+// two elements of a register are consecutive in a row of K.
+template <typename Step, int D, typename T>
+__device__ __forceinline__ void load_b_k(uint32_t (&b)[2][2], const T* tile, int n0, int k0, int lane) {
+  if constexpr (Step::kLdmatrix) {  // Step 2: matrices (keys n0.., cols k0), (n0.., k0+8), (n0+8.., k0), ...
+    uint32_t r[4];
+    ldmatrix_x4(r, tile + smem_offset<D, Step::kSwizzle>(n0 + lane % 8 + lane / 16 * 8, k0 + lane / 8 % 2 * 8));
+    b[0][0] = r[0], b[0][1] = r[1], b[1][0] = r[2], b[1][1] = r[3];
+  } else {
+    const int g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+      for (int half = 0; half < 2; ++half)
+        b[i][half] = *reinterpret_cast<const uint32_t*>(
+            tile + smem_offset<D, Step::kSwizzle>(n0 + 8 * i + g, k0 + 8 * half + 2 * t));
+  }
+}
+
+// B fragments of two n8 tiles (V columns n0..n0+15) for the k-step k0 (keys k0..k0+15) of O += P V:
+// B[k][n] = V[k][n], so the two elements of a register sit in two different rows of V.
+template <typename Step, int D, typename T>
+__device__ __forceinline__ void load_b_v(uint32_t (&b)[2][2], const T* tile, int n0, int k0, int lane) {
+  if constexpr (Step::kLdmatrix) {  // Step 2: .trans reads rows of V and hands out columns
+    uint32_t r[4];
+    ldmatrix_x4_trans(r, tile + smem_offset<D, Step::kSwizzle>(k0 + lane % 8 + lane / 8 % 2 * 8,
+                                                                n0 + lane / 16 * 8));
+    b[0][0] = r[0], b[0][1] = r[1], b[1][0] = r[2], b[1][1] = r[3];
+  } else {
+    const int g = lane / 4, t = lane % 4;
+    const auto* bits = reinterpret_cast<const uint16_t*>(tile);
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int key = k0 + 8 * half + 2 * t, col = n0 + 8 * i + g;
+        b[i][half] = bits[smem_offset<D, Step::kSwizzle>(key, col)] |
+                     (static_cast<uint32_t>(bits[smem_offset<D, Step::kSwizzle>(key + 1, col)]) << 16);
+      }
+  }
+}
+
+template <typename Step, typename T, int D>
+__global__ void __launch_bounds__(MmaTile<Step, D>::kThreads) flash_mma_kernel(Params p) {
+  using Tile = MmaTile<Step, D>;
+  constexpr int BR = Tile::kRows, BC = Tile::kCols, kThreads = Tile::kThreads;
+  constexpr int kTilesS = BC / 8, kTilesO = D / 8;  // n8 accumulator tiles of S and of O
+  extern __shared__ __align__(128) unsigned char smem[];
+  T* Qs = reinterpret_cast<T*>(smem);
+  T* Ks = Qs + BR * D;
+  T* Vs = Ks + Tile::kStages * BC * D;
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int b = blockIdx.y / p.heads, h = blockIdx.y % p.heads;
+  const int hk = h / (p.heads / p.kv_heads);  // GQA
+  const T* q = static_cast<const T*>(p.q) + b * p.q_stride[0] + h * p.q_stride[1];
+  const T* k = static_cast<const T*>(p.k) + b * p.k_stride[0] + hk * p.k_stride[1];
+  const T* v = static_cast<const T*>(p.v) + b * p.v_stride[0] + hk * p.v_stride[1];
+  T* out = static_cast<T*>(p.o) + b * p.o_stride[0] + h * p.o_stride[1];
+
+  // Step 7: causal blocks near the bottom see the most keys; launched first, they do not trail the grid.
+  const int q_block = Step::kCausalSkip && p.causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+  const int q0 = q_block * BR;
+  const int offset = p.seqlen_k - p.seqlen_q;  // bottom-right alignment: row r sees keys <= r + offset
+  // Step 7: keys past the last one this block's last row can see are never loaded (block skipping).
+  const int kv_end = Step::kCausalSkip ? kv_end_for_block(p, q0, BR) : p.seqlen_k;
+  const int n_tiles = (kv_end + BC - 1) / BC;
+
+  load_tile<Step, T, D, BR, kThreads>(Qs, q, p.q_stride[2], q0, p.seqlen_q);
+  if constexpr (Step::kCpAsync) {  // Step 4: tile 0 of K and V travels with Q
+    if (n_tiles > 0) {
+      load_tile<Step, T, D, BC, kThreads>(Ks, k, p.k_stride[2], 0, p.seqlen_k);
+      load_tile<Step, T, D, BC, kThreads>(Vs, v, p.v_stride[2], 0, p.seqlen_k);
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+  }
+  __syncthreads();
+
+  // This warp's 16 query rows stay in registers as D / 16 A fragments for the whole kernel.
+  uint32_t qa[D / 16][4];
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) load_a<Step, D>(qa[kk], Qs, warp * 16, kk * 16, lane);
+
+  float o[kTilesO][4] = {};
+  float m[2] = {-CUDART_INF_F, -CUDART_INF_F};  // running max of rows g and g + 8, in units of raw scores
+  float l[2] = {0.f, 0.f};                      // this thread's part of their running sums
+  const float scale = p.scale_log2 * 0.6931471805599453f;  // sm_scale (Params carries sm_scale * log2(e))
+  const int row0 = q0 + warp * 16 + g;            // this thread's rows: row0 and row0 + 8
+
+  for (int j = 0; j < n_tiles; ++j) {
+    const int c0 = j * BC;
+    const T* Kt = Ks;
+    const T* Vt = Vs;
+    if constexpr (Step::kCpAsync) {
+      // Step 4: tile j was requested an iteration ago. Wait for it; the barrier also says every warp is done
+      // with tile j - 1, whose buffer now receives tile j + 1 while this tile is computed.
+      if (j > 0) {
+        cp_async_wait<0>();
+        __syncthreads();
+      }
+      if (j + 1 < n_tiles) {
+        const int next = (j + 1) % 2 * BC * D;
+        load_tile<Step, T, D, BC, kThreads>(Ks + next, k, p.k_stride[2], c0 + BC, p.seqlen_k);
+        load_tile<Step, T, D, BC, kThreads>(Vs + next, v, p.v_stride[2], c0 + BC, p.seqlen_k);
+        cp_async_commit();
+      }
+      Kt = Ks + j % 2 * BC * D;
+      Vt = Vs + j % 2 * BC * D;
+    } else {
+      if (j > 0) __syncthreads();  // every warp is done with the previous tile
+      load_tile<Step, T, D, BC, kThreads>(Ks, k, p.k_stride[2], c0, p.seqlen_k);
+      load_tile<Step, T, D, BC, kThreads>(Vs, v, p.v_stride[2], c0, p.seqlen_k);
+      __syncthreads();
+    }
+
+    // S = Q K^T: 16 x BC scores per warp, fp32 accumulators.
+    float s[kTilesS][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+#pragma unroll
+      for (int n = 0; n < kTilesS; n += 2) {
+        uint32_t kb[2][2];
+        load_b_k<Step, D>(kb, Kt, n * 8, kk * 16, lane);
+        mma_16816<T>(s[n], qa[kk], kb[0]);
+        mma_16816<T>(s[n + 1], qa[kk], kb[1]);
+      }
+
+    // Mask keys past the end and, when causal, keys after the diagonal. Step 7 masks only the tiles that
+    // cross the diagonal (tiles past it are not visited at all); before, every causal tile is masked.
+    const bool crosses_diagonal = p.causal && (!Step::kCausalSkip || c0 + BC - 1 > q0 + offset);
+    if (c0 + BC > p.seqlen_k || crosses_diagonal) {
+#pragma unroll
+      for (int n = 0; n < kTilesS; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = c0 + n * 8 + 2 * t + e % 2, row = row0 + e / 2 * 8;
+          if (key >= p.seqlen_k || (p.causal && key > row + offset)) s[n][e] = -CUDART_INF_F;
+        }
+    }
+
+    // Online softmax on the fragments: row r (0: g, 1: g + 8) owns entries 2r, 2r + 1 of every n8 tile.
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float tile_max = -CUDART_INF_F;
+#pragma unroll
+      for (int n = 0; n < kTilesS; ++n) tile_max = fmaxf(tile_max, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
+      // The other 16 columns of the row... are held by the 3 other threads of the group: lanes 4g..4g+3.
+      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+      const float m_new = fmaxf(m[r], tile_max);
+      const float ref = m_new == -CUDART_INF_F ? 0.f : m_new;  // no visible key yet: every exp is 0
+      float alpha, sum = 0.f;
+      if constexpr (Step::kExp2) {  // Step 6: 2^(s * scale * log2 e - ref * scale * log2 e): FFMA + EX2
+        const float ref_log2 = ref * p.scale_log2;
+        alpha = fast_exp2(m[r] * p.scale_log2 - ref_log2);
+#pragma unroll
+        for (int n = 0; n < kTilesS; ++n)
+#pragma unroll
+          for (int e = 2 * r; e < 2 * r + 2; ++e) sum += s[n][e] = fast_exp2(fmaf(s[n][e], p.scale_log2, -ref_log2));
+      } else {
+        alpha = expf((m[r] - ref) * scale);
+#pragma unroll
+        for (int n = 0; n < kTilesS; ++n)
+#pragma unroll
+          for (int e = 2 * r; e < 2 * r + 2; ++e) sum += s[n][e] = expf((s[n][e] - ref) * scale);
+      }
+      l[r] = l[r] * alpha + sum;
+      m[r] = m_new;
+#pragma unroll
+      for (int n = 0; n < kTilesO; ++n) o[n][2 * r] *= alpha, o[n][2 * r + 1] *= alpha;
+    }
+
+    // O += P V. The S accumulators of n8 tiles 2kk and 2kk + 1 are, packed to 16 bits, exactly the A
+    // fragment of keys 16kk..16kk+15: P never leaves the registers.
+#pragma unroll
+    for (int kk = 0; kk < BC / 16; ++kk) {
+      const uint32_t pa[4] = {pack2<T>(s[2 * kk][0], s[2 * kk][1]), pack2<T>(s[2 * kk][2], s[2 * kk][3]),
+                              pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                              pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+      for (int n = 0; n < kTilesO; n += 2) {
+        uint32_t vb[2][2];
+        load_b_v<Step, D>(vb, Vt, n * 8, kk * 16, lane);
+        mma_16816<T>(o[n], pa, vb[0]);
+        mma_16816<T>(o[n + 1], pa, vb[1]);
+      }
+    }
+  }
+
+  // Finish: the 4 threads of a group add their parts of l, then normalise and store their two rows.
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float sum = l[r];
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;  // a row that sees no key outputs 0
+    const int row = row0 + 8 * r;
+    if (row >= p.seqlen_q) continue;
+    T* dst = out + row * p.o_stride[2] + 2 * t;
+#pragma unroll
+    for (int n = 0; n < kTilesO; ++n)
+      *reinterpret_cast<uint32_t*>(dst + n * 8) = pack2<T>(o[n][2 * r] * inv, o[n][2 * r + 1] * inv);
+  }
+}
+
+template <typename Step, typename T, int D>
+cudaError_t launch_mma_d(const Params& p, cudaStream_t stream) {
+  using Tile = MmaTile<Step, D>;
+  auto kernel = flash_mma_kernel<Step, T, D>;
+  if (Tile::kSmemBytes > 48 * 1024) {  // above 48 KB a kernel must opt in to more dynamic shared memory
+    const cudaError_t err =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes);
+    if (err != cudaSuccess) return err;
+  }
+  const dim3 grid((p.seqlen_q + Tile::kRows - 1) / Tile::kRows, p.batch * p.heads);
+  kernel<<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(p);
+  return cudaGetLastError();
+}
+
+// The plain launcher of one step: fp16 or bf16, D = 64 or 128 (the torch wrapper refuses anything else).
+template <typename Step>
+cudaError_t launch_flash_mma(const Params& p, DType dtype, cudaStream_t stream) {
+  const bool wide = p.head_dim == 128;
+  if (p.head_dim != 64 && !wide) return cudaErrorInvalidValue;
+  switch (dtype) {
+    case DType::kFloat16: return wide ? launch_mma_d<Step, __half, 128>(p, stream)
+                                      : launch_mma_d<Step, __half, 64>(p, stream);
+    case DType::kBFloat16: return wide ? launch_mma_d<Step, __nv_bfloat16, 128>(p, stream)
+                                       : launch_mma_d<Step, __nv_bfloat16, 64>(p, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace course_flash

@@ -1,0 +1,51 @@
+// The steps of notebook 06b's worklog. Each step is the step before with one change, so the whole history of
+// the kernel reads top to bottom here; flash_mma_kernel.cuh implements every change as an `if constexpr`
+// branch marked "Step N", and utils/cuda/flash_mma_sN_<name>.cu compiles step N on its own.
+#pragma once
+
+namespace course_flash {
+
+// Step 1: the tiled FlashAttention-2 kernel of notebook 06 on tensor cores. 4 warps, 16 query rows each (one
+// m16 tile); S = Q K^T and O += P V with mma.sync.m16n8k16, fp32 accumulators; the online softmax works on
+// the accumulator fragments in registers, and P goes from the S accumulators straight into the A operand of
+// P V without touching shared memory. Fragments are read from shared memory one 32-bit word (V: one 16-bit
+// element) at a time; tiles are row-major with no padding; loads are synchronous.
+struct Step1Mma {
+  static constexpr bool kLdmatrix = false;    // step 2
+  static constexpr bool kSwizzle = false;     // step 3
+  static constexpr bool kCpAsync = false;     // step 4
+  static constexpr int kWarps = 4;            // step 5: query rows per block = 16 * kWarps
+  template <int D> static constexpr int block_cols() { return 64; }  // step 5: keys per tile
+  static constexpr bool kExp2 = false;        // step 6
+  static constexpr bool kCausalSkip = false;  // step 7
+};
+
+// Step 2: ldmatrix. One instruction loads a whole 16x16 A fragment, or two 8-column B fragments, for the
+// warp: 4 shared-memory instructions instead of 4 (Q, K) or 8 (V, which is read transposed) per fragment.
+struct Step2Ldmatrix : Step1Mma { static constexpr bool kLdmatrix = true; };
+
+// Step 3: swizzled shared memory. ldmatrix reads 8 rows of 16 bytes per phase; with rows of 128 or 256 bytes
+// those 8 chunks fall in the same 4 banks (8-way conflicts). XOR-ing the chunk index with row % 8 spreads
+// them over all 32 banks, at no cost in memory (padding would cost 1/8 of it).
+struct Step3Swizzle : Step2Ldmatrix { static constexpr bool kSwizzle = true; };
+
+// Step 4: cp.async double buffering. Two buffers for K and V: while the warps compute on tile j, the copy
+// engine fills the other buffer with tile j + 1, global -> shared without a detour through registers.
+struct Step4CpAsync : Step3Swizzle { static constexpr bool kCpAsync = true; };
+
+// Step 5: larger tiles. 8 warps, 128 query rows per block: every K/V tile loaded from memory serves twice
+// the rows. D = 64 also takes 128 keys per tile (half the loop iterations, barriers and rescalings).
+struct Step5Tiles : Step4CpAsync {
+  static constexpr int kWarps = 8;
+  template <int D> static constexpr int block_cols() { return D == 64 ? 128 : 64; }
+};
+
+// Step 6: exp2 with the scale folded in. softmax(scale * s) = 2^(scale * log2(e) * s - m'): one FFMA and one
+// MUFU.EX2 per score, instead of a subtraction, a multiplication and expf's range reduction.
+struct Step6Exp2 : Step5Tiles { static constexpr bool kExp2 = true; };
+
+// Step 7: causal block skipping. Tiles above the diagonal are never loaded or computed, only the tiles that
+// cross it are masked, and the query blocks with the most work are launched first.
+struct Step7CausalSkip : Step6Exp2 { static constexpr bool kCausalSkip = true; };
+
+}  // namespace course_flash
