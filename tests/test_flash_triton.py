@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from utils import flash_triton
-from utils.flash_triton import Config, flash_attention, flash_attention_forward, pick_config
+from utils.flash_triton import (Config, Steps, flash_attention, flash_attention_forward, pick_config,
+                                tma_supported)
 from utils.reference import causal_mask, reference_attention
 from utils.testing import assert_close, random_qkv
 
@@ -75,6 +76,114 @@ def test_block_sizes_and_the_causal_split(config, nq, nk, causal):
     q, k, v = qkv(nq=nq, nk=nk, d=48)
     o, lse = flash_triton._launch(q, k, v, causal, 0.2, config)
     assert_close(o, reference_attention(q, k, v, causal=causal, sm_scale=0.2))
+
+
+@pytest.mark.parametrize("nq,nk,hk", [(50, 50, 2), (23, 81, 1), (81, 23, 4)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_tensor_descriptors_keep_the_result(nq, nk, hk, causal):
+    """Notebook 05b's TMA path (tensor descriptors, zero-filled past the last row) gives the reference's answer:
+    ragged last blocks, Nq != Nk, GQA. In the interpreter the descriptors run too (on fp32 data)."""
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    q, k, v = qkv(h=4, hk=hk, nq=nq, nk=nk, d=32, dtype=dtype)
+    if CUDA and not tma_supported(q, k, v):
+        pytest.skip("this GPU has no TMA")
+    config = Config(64, 32, 4, 2) if CUDA else Config(16, 16, 4, 1)
+    o, lse = flash_triton._launch(q, k, v, causal, 0.2, config, Steps(tma=True))
+    o_ref, lse_ref = flash_triton._launch(q, k, v, causal, 0.2, config, Steps(tma=False))
+    assert_close(o, reference_attention(q, k, v, causal=causal, sm_scale=0.2), dtype=dtype)
+    assert torch.equal(o, o_ref) and torch.equal(lse, lse_ref)  # the same arithmetic, only the loads differ
+
+
+def test_fastest_steps_follow_the_inputs():
+    q, k, v = qkv(d=64)
+    if not CUDA:  # the interpreter: nothing to tune, no TMA unit
+        assert Steps.fastest(q, k, v) == Steps() and not tma_supported(q, k, v)
+    assert Steps.fastest(*qkv(nq=100, nk=2047, d=64, dtype=torch.float16)) == Steps()  # short: launch-bound
+    q16, k16, v16 = qkv(d=64, dtype=torch.float16)
+    assert not tma_supported(q16[..., :48], k16[..., :48], v16[..., :48])  # not a power of two
+    assert not tma_supported(q16[..., ::2], k16[..., ::2], v16[..., ::2])  # head dim not contiguous
+    assert not Steps.fastest(q, k, v).autotune  # fp32: fixed tiles
+
+
+def test_worklog_variants_compute_attention_or_refuse_clearly():
+    from utils.flash_triton import WORKLOG, variant, worklog_variant
+    with pytest.raises(ValueError, match="unknown worklog step 'nope'"):
+        worklog_variant("nope")
+    with pytest.raises(TypeError, match="config must be a Config"):
+        variant((128, 64, 8, 3), Steps())
+    with pytest.raises(TypeError, match="steps must be a Steps"):
+        variant(None, True)
+    q, k, v = qkv(nq=40, nk=40, d=32)
+    for name, (config, steps) in WORKLOG.items():
+        fn = worklog_variant(name)
+        if CUDA and not (steps.tma and not tma_supported(*qkv(d=32, dtype=torch.float16))):
+            q16, k16, v16 = (t.half() for t in (q, k, v))
+            assert_close(fn(q16, k16, v16, causal=True), reference_attention(q, k, v, causal=True),
+                         dtype=torch.float16)
+        else:  # the interpreter (fp32) has neither TMA through this path nor an autotuner
+            if steps.tma or steps.autotune:
+                with pytest.raises(ValueError, match="needs TMA|autotunes"):
+                    fn(q, k, v)
+            else:
+                assert_close(fn(q, k, v, causal=True), reference_attention(q, k, v, causal=True))
+        with pytest.raises(TypeError, match="causal must be a bool"):
+            fn(q, k, v, causal=1)
+
+
+def test_autotuned_config_is_asked_once_per_shape_class_then_launched_directly(monkeypatch):
+    """The autotuner runs on the first call of a shape class; its winner is remembered and later calls (other
+    lengths in the same power-of-two bucket) launch the plain kernel with it."""
+    import triton
+
+    calls, launched = [], []
+    plain = flash_triton.flash_fwd_kernel
+
+    class FakeAutotuner:  # stands in for triton.autotune (which needs a GPU): runs the winner, records the call
+        best_config = triton.Config({"BLOCK_M": 16, "BLOCK_N": 32, "TMA": False}, num_warps=4, num_stages=1)
+        configs = [best_config]
+
+        def __getitem__(self, grid):
+            def run(*args, seqlen_bucket, **switches):
+                calls.append(seqlen_bucket)
+                meta = {k: v for k, v in self.best_config.kwargs.items() if k != "TMA"}
+                plain[grid(meta)](*args, **switches, **meta, TMA=False, seqlen_bucket=seqlen_bucket, num_warps=4,
+                                  num_stages=1)
+            return run
+
+    monkeypatch.setattr(flash_triton, "_tuners", {False: FakeAutotuner(), True: FakeAutotuner()})
+    monkeypatch.setattr(flash_triton, "_tuned_configs", {})
+    monkeypatch.setattr(flash_triton, "_progress_total", flash_triton._progress_total)  # restored afterwards
+    monkeypatch.setattr(flash_triton, "flash_fwd_kernel", type("K", (), {
+        "__getitem__": lambda self, grid: (launched.append(grid), plain[grid])[1]})())
+    for nq in (20, 30, 17, 40):  # buckets 32, 32, 32, 64
+        q, k, v = qkv(nq=nq, nk=nq, d=32, dtype=torch.float16)
+        o, _ = flash_triton._launch(q, k, v, True, 0.25, None, Steps(autotune=True))
+        assert_close(o, reference_attention(q, k, v, causal=True, sm_scale=0.25), dtype=torch.float16)
+    assert calls == [32, 64], calls
+    assert len(launched) == 2 and launched[0] == (2, 2)  # nq=30 and 17 went straight to the kernel, 16-row blocks
+    assert flash_triton._tuned_configs[(q.device, torch.float16, 32, True, False, 64)] == (Config(16, 32, 4, 1), False)
+
+
+def test_autotuner_timer_shows_one_progress_bar_per_tuning(monkeypatch):
+    """The autotuner times each of its configs through _time_with_progress: one bar per tuning, closed after
+    the last config; a config that fails (the timer raises) still advances the bar."""
+    import triton.testing
+    calls = []
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: calls.append(kw) or [1.0, 0.9, 1.1])
+    n = 4
+    monkeypatch.setattr(flash_triton, "_progress_total", n)
+    for _ in range(2):
+        for i in range(n):
+            assert flash_triton._time_with_progress(lambda: None, (0.5, 0.2, 0.8)) == [1.0, 0.9, 1.1]
+            bar = flash_triton._progress
+            assert (bar is None) == (i == n - 1) and (bar is None or bar.n == i + 1)
+    assert len(calls) == 2 * n and calls[0]["quantiles"] == (0.5, 0.2, 0.8)
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        flash_triton._time_with_progress(lambda: None, None)
+    assert flash_triton._progress.n == 1
+    flash_triton._progress.close()
+    monkeypatch.setattr(flash_triton, "_progress", None)
 
 
 def _strided_views(q, k, v, kind):

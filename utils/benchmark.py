@@ -2,6 +2,7 @@
 
     python -m utils.benchmark                                  # triton vs SDPA flash/cudnn/efficient, the full grid
     python -m utils.benchmark --impls triton --seqlens 1024 2048 --head-dims 64 --name quick
+    python -m utils.benchmark --worklog --sdpa flash cudnn --name triton_fwd_h200   # notebook 05b's steps too
 
 Every configuration is timed in the same run with `utils.bench.benchmark` (triton.testing.do_bench: median,
 L2 flushed) and reported as TFLOP/s (utils.bench.attention_flops: 4·B·H·N²·D, halved when causal) and as
@@ -38,6 +39,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
     p.add_argument("--rep", type=int, default=100, help="do_bench repetitions, ms")
+    p.add_argument("--worklog", action="store_true",
+                   help="also time notebook 05b's intermediate kernels (utils.flash_triton.WORKLOG)")
+    p.add_argument("--sweep", action="store_true",
+                   help="also time every tile config of utils.flash_triton.SWEEP_CONFIGS, with and without TMA")
     p.add_argument("--name", default="bench_fwd", help="output files images/<name>.json and .png")
     p.add_argument("--out-dir", type=Path, default=IMAGES)
     args = p.parse_args(argv)
@@ -77,6 +82,15 @@ def candidates(args) -> dict:
         if name not in REGISTRY:
             raise ValueError(f"unknown implementation {name!r}; registered: {', '.join(REGISTRY)}")
         out[name] = REGISTRY[name].load()
+    if getattr(args, "worklog", False):
+        from utils.flash_triton import WORKLOG, worklog_variant
+        out.update({name: worklog_variant(name) for name in WORKLOG})
+    if getattr(args, "sweep", False):
+        from utils.flash_triton import SWEEP_CONFIGS, Steps, variant
+        for tma in (False, True):
+            for c in SWEEP_CONFIGS:
+                name = f"tiles {c.block_m}x{c.block_n} w{c.num_warps} s{c.num_stages}{' TMA' if tma else ''}"
+                out[name] = variant(c, Steps(tma=tma), name)
     for backend in args.sdpa:
         out[f"sdpa-{backend}"] = sdpa_pinned(backend)
     return out

@@ -37,14 +37,19 @@ LN2 = 0.6931471805599453                    # ln(2): back from base 2 to natural
 def _attend_blocks(acc, l_i, m_i, q, k_ptrs, v_ptrs, offs_m, offs_n, offs_d, lo, hi,
                    stride_kn, stride_vn, seqlen_k, causal_offset, qk_scale,
                    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                   MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                   MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr):
     """Online softmax of the Q block against the key blocks [lo, hi). MASKED=False: every key of every block is
-    visible to every query of the Q block, so no score is masked (the loop body is pure matmul + softmax)."""
-    k_ptrs += lo * stride_kn
-    v_ptrs += lo * stride_vn
+    visible to every query of the Q block, so no score is masked (the loop body is pure matmul + softmax).
+    TMA=True: k_ptrs and v_ptrs are tensor descriptors (notebook 05b), which zero-fill rows past seqlen_k."""
+    if not TMA:
+        k_ptrs += lo * stride_kn
+        v_ptrs += lo * stride_vn
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
-        if MASKED:  # the last, ragged key block (and, when causal, the blocks crossing the diagonal)
+        if TMA:  # the copy engine fetches the whole tile; no addresses, no masks in the warps
+            k = k_ptrs.load([start_n, 0])
+            v = v_ptrs.load([start_n, 0])
+        elif MASKED:  # the last, ragged key block (and, when causal, the blocks crossing the diagonal)
             kv_mask = cols[:, None] < seqlen_k
             if BLOCK_D != HEAD_DIM:
                 kv_mask = kv_mask & (offs_d[None, :] < HEAD_DIM)
@@ -72,27 +77,31 @@ def _attend_blocks(acc, l_i, m_i, q, k_ptrs, v_ptrs, offs_m, offs_n, offs_d, lo,
         alpha = tl.math.exp2(m_i - m_sub)                                    # rescales what came before
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_ij
-        k_ptrs += BLOCK_N * stride_kn
-        v_ptrs += BLOCK_N * stride_vn
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        if not TMA:
+            k_ptrs += BLOCK_N * stride_kn
+            v_ptrs += BLOCK_N * stride_vn
     return acc, l_i, m_i
 
 
 # Sequence lengths and head counts change from call to call: specializing on them (Triton otherwise compiles a
 # variant per "divisible by 16" / "equal to 1") would only multiply compilations.
-@triton.jit(do_not_specialize=["heads", "group", "seqlen_q", "seqlen_k"])
+@triton.jit(do_not_specialize=["heads", "group", "seqlen_q", "seqlen_k", "seqlen_bucket"])
 def flash_fwd_kernel(Q, K, V, O, LSE,
                      stride_qb, stride_qh, stride_qm, stride_qd,
                      stride_kb, stride_kh, stride_kn, stride_kd,
                      stride_vb, stride_vh, stride_vn, stride_vd,
                      stride_ob, stride_oh, stride_om, stride_od,
-                     heads, group, seqlen_q, seqlen_k, qk_scale,
+                     heads, group, seqlen_q, seqlen_k, qk_scale, seqlen_bucket,
                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                     BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                     TMA: tl.constexpr = False):
     """One program: BLOCK_M queries of one (batch, head) against all the keys they may see.
 
     Grid: (cdiv(seqlen_q, BLOCK_M), batch * heads). Query head h reads K/V head h // group (GQA without copies).
+    `seqlen_bucket` is not read: it is part of the autotuner's key (sequence lengths rounded to a power of two).
+    TMA=True (notebook 05b): Q, K, V and O move through tensor descriptors, Hopper's TMA copy engine.
     """
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -108,14 +117,19 @@ def flash_fwd_kernel(Q, K, V, O, LSE,
     q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
     k_base = K + b.to(tl.int64) * stride_kb + h_kv.to(tl.int64) * stride_kh
     v_base = V + b.to(tl.int64) * stride_vb + h_kv.to(tl.int64) * stride_vh
-    q_ptrs = q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
-    k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
-    v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
-
-    q_mask = offs_m[:, None] < seqlen_q
-    if BLOCK_D != HEAD_DIM:
-        q_mask = q_mask & (offs_d[None, :] < HEAD_DIM)
-    q = tl.load(q_ptrs, mask=q_mask, other=0.0)
+    o_base = O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
+    if TMA:  # one (rows, HEAD_DIM) matrix per head; tiles past its last row read as zeros and are not written
+        q_desc = tl.make_tensor_descriptor(q_base, [seqlen_q, HEAD_DIM], [stride_qm, 1], [BLOCK_M, HEAD_DIM])
+        k_ptrs = tl.make_tensor_descriptor(k_base, [seqlen_k, HEAD_DIM], [stride_kn, 1], [BLOCK_N, HEAD_DIM])
+        v_ptrs = tl.make_tensor_descriptor(v_base, [seqlen_k, HEAD_DIM], [stride_vn, 1], [BLOCK_N, HEAD_DIM])
+        q = q_desc.load([start_m, 0])
+    else:
+        k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
+        v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
+        q_mask = offs_m[:, None] < seqlen_q
+        if BLOCK_D != HEAD_DIM:
+            q_mask = q_mask & (offs_d[None, :] < HEAD_DIM)
+        q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd, mask=q_mask, other=0.0)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -133,22 +147,25 @@ def flash_fwd_kernel(Q, K, V, O, LSE,
     n_full = (n_full // BLOCK_N) * BLOCK_N
     acc, l_i, m_i = _attend_blocks(acc, l_i, m_i, q, k_ptrs, v_ptrs, offs_m, offs_n, offs_d, 0, n_full,
                                    stride_kn, stride_vn, seqlen_k, causal_offset, qk_scale,
-                                   HEAD_DIM, BLOCK_N, BLOCK_D, False, CAUSAL, DOT_PRECISION)
+                                   HEAD_DIM, BLOCK_N, BLOCK_D, False, CAUSAL, DOT_PRECISION, TMA)
     acc, l_i, m_i = _attend_blocks(acc, l_i, m_i, q, k_ptrs, v_ptrs, offs_m, offs_n, offs_d, n_full, n_end,
                                    stride_kn, stride_vn, seqlen_k, causal_offset, qk_scale,
-                                   HEAD_DIM, BLOCK_N, BLOCK_D, True, CAUSAL, DOT_PRECISION)
+                                   HEAD_DIM, BLOCK_N, BLOCK_D, True, CAUSAL, DOT_PRECISION, TMA)
 
     # Rows that saw no key (causal with Nq > Nk) have l = 0: output 0 and lse = -inf, never 0/0.
     seen = l_i > 0.0
     acc = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
     tl.store(LSE + pid_bh.to(tl.int64) * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
-    o_ptrs = O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh \
-        + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od
-    o_mask = offs_m[:, None] < seqlen_q
-    if BLOCK_D != HEAD_DIM:
-        o_mask = o_mask & (offs_d[None, :] < HEAD_DIM)
-    tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=o_mask)
+    if TMA:
+        o_desc = tl.make_tensor_descriptor(o_base, [seqlen_q, HEAD_DIM], [stride_om, 1], [BLOCK_M, HEAD_DIM])
+        o_desc.store([start_m, 0], acc.to(O.dtype.element_ty))
+    else:
+        o_mask = offs_m[:, None] < seqlen_q
+        if BLOCK_D != HEAD_DIM:
+            o_mask = o_mask & (offs_d[None, :] < HEAD_DIM)
+        tl.store(o_base + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od, acc.to(O.dtype.element_ty),
+                 mask=o_mask)
 
 
 class Config(NamedTuple):
@@ -159,9 +176,9 @@ class Config(NamedTuple):
 
 
 def pick_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> Config:
-    """Block sizes, warps and pipeline stages for one launch; chosen per head dim by measurement on an H200.
-
-    In the interpreter the blocks only trade Python overhead against wasted padding, so they are small.
+    """Block sizes, warps and pipeline stages for one launch when nothing is tuned; chosen per head dim by
+    measurement on an H200. In the interpreter the blocks only trade Python overhead against wasted padding,
+    so they are small.
     """
     block_d = max(16, triton.next_power_of_2(head_dim))
     if device.type != "cuda":
@@ -173,22 +190,153 @@ def pick_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> Conf
     return Config(64, 64, 8, 2)
 
 
-def _launch(q, k, v, causal, scale, config: Config | None = None):
-    """Run the kernel on validated inputs; returns (o, lse). `config` overrides the block sizes (tests)."""
+class Steps(NamedTuple):
+    """Notebook 05b's speed-ups, each a switch; `Steps.fastest(...)` turns on those that apply to the inputs."""
+    autotune: bool = False      # tiles, warps and stages measured per shape class (16-bit, D <= 128, sm_80+)
+    tma: bool = False           # TMA loads and stores (Hopper); with autotune: TMA allowed, the tuner decides
+
+    @staticmethod
+    def fastest(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> "Steps":
+        if max(q.shape[2], k.shape[2]) < TUNE_MIN_SEQLEN:  # launch-bound: notebook 05's kernel as it was
+            return Steps()
+        return Steps(autotune=tunable(q), tma=tma_supported(q, k, v))
+
+
+def tunable(q) -> bool:
+    """Whether the autotuner may run: 16-bit inputs, head dim <= 128, an sm_80+ GPU (it times on the GPU)."""
+    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 128
+            and torch.cuda.get_device_capability(q.device) >= (8, 0))
+
+
+def tma_supported(q, k, v) -> bool:
+    """Tensor descriptors need Hopper or newer, 16-bit data, a power-of-two head dim with unit stride, and
+    16-byte aligned base addresses and row strides (the TMA unit's rules)."""
+    if not (q.is_cuda and torch.cuda.get_device_capability(q.device) >= (9, 0)):
+        return False
+    d = q.shape[-1]
+    return (q.dtype in (torch.float16, torch.bfloat16) and d == triton.next_power_of_2(d)
+            and all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+                    and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1]) for t in (q, k, v)))
+
+
+def _descriptor_memory(size: int, alignment: int, stream):
+    """Global scratch where a kernel writes the tensor descriptors it creates (128 bytes per descriptor)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+# The autotuner's search: kept small (each config costs a compile, ~1-3 s), measured once per shape class
+# (head dim, causal, dtype, sequence-length bucket) and cached on disk (Triton's cache directory), so only the
+# first run of a shape class waits. Each of the four tiles was the fastest, or within 1% of it, on some shape of
+# an H200 sweep of eight (notebook 05b); where TMA is allowed each is tried with and without it, since neither
+# wins everywhere. A config that does not fit a GPU's shared memory is skipped by the autotuner.
+TUNE_CONFIGS = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st)
+                for bm, bn, w, st in ((128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3))]
+TUNE_MIN_SEQLEN = 2048      # shorter problems are bound by launch overhead, not tiles: fixed tiles, no TMA
+_progress = None
+_progress_total = len(TUNE_CONFIGS)  # configs in the tuning under way
+_tuned_configs: dict = {}   # (device, dtype, head dim, causal, TMA allowed, bucket) -> (Config, TMA)
+
+
+def _time_with_progress(kernel_call, quantiles):
+    """The autotuner's timer: triton.testing.do_bench, with a progress bar over the configs of one tuning."""
+    global _progress
+    if _progress is None:
+        from tqdm.auto import tqdm
+        _progress = tqdm(total=_progress_total, leave=False,
+                         desc="tuning flash_fwd_kernel (once per shape class, then cached on disk)")
+    try:
+        return triton.testing.do_bench(kernel_call, quantiles=quantiles, warmup=5, rep=25)
+    finally:
+        _progress.update()
+        if _progress.n >= _progress.total:
+            _progress.close()
+            _progress = None
+
+
+def _autotuner(with_tma: bool):
+    configs = [triton.Config({**c.kwargs, "TMA": tma}, num_warps=c.num_warps, num_stages=c.num_stages)
+               for c in TUNE_CONFIGS for tma in ((False, True) if with_tma else (False,))]
+    return triton.autotune(configs, key=["HEAD_DIM", "CAUSAL", "seqlen_bucket"], do_bench=_time_with_progress,
+                           cache_results=True)(flash_fwd_kernel)
+
+
+_tuners = {False: _autotuner(False), True: _autotuner(True)}  # keyed by: may the configs use TMA?
+
+
+def _launch(q, k, v, causal, scale, config: Config | None = None, steps: Steps | None = None):
+    """Run the kernel on validated inputs; returns (o, lse). `config` fixes the block sizes (tests, the
+    worklog); `steps` picks notebook 05b's switches (default: `Steps.fastest`)."""
     b, h, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
-    config = config or pick_config(d, q.dtype, q.device)
+    steps = steps or Steps.fastest(q, k, v)
     block_d = max(16, triton.next_power_of_2(d))
     o = torch.empty(b, h, nq, d, device=q.device, dtype=q.dtype)
     lse = torch.empty(b, h, nq, device=q.device, dtype=torch.float32)
-    grid = (triton.cdiv(nq, config.block_m), b * h)
-    flash_fwd_kernel[grid](
-        q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
-        h, h // hk, nq, nk, scale * LOG2E,
-        HEAD_DIM=d, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=block_d, CAUSAL=causal,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    if steps.tma and q.is_cuda:
+        triton.set_allocator(_descriptor_memory)
+    args = (q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(), h, h // hk, nq, nk, scale * LOG2E)
+    switches = dict(HEAD_DIM=d, BLOCK_D=block_d, CAUSAL=causal, DOT_PRECISION="ieee" if q.dtype == torch.float32
+                    else "tf32", TMA=steps.tma)
+    if config is None and steps.autotune:
+        bucket = min(triton.next_power_of_2(max(nq, nk)), 8192)
+        key = (q.device, q.dtype, d, causal, steps.tma, bucket)
+        if key not in _tuned_configs:  # the first call of a shape class: time the configs (or read the disk cache)
+            global _progress_total
+            tuner = _tuners[steps.tma]
+            _progress_total = len(tuner.configs)
+            grid = lambda meta: (triton.cdiv(nq, meta["BLOCK_M"]), b * h)  # noqa: E731 (the autotuner's grid)
+            tuner[grid](*args, **{k: v for k, v in switches.items() if k != "TMA"}, seqlen_bucket=bucket)
+            best = tuner.best_config
+            _tuned_configs[key] = (Config(best.kwargs["BLOCK_M"], best.kwargs["BLOCK_N"], best.num_warps,
+                                          best.num_stages), best.kwargs["TMA"])
+            return o, lse
+        # Later calls launch directly: the autotuner's own Python costs ~50 µs a call.
+        config, switches["TMA"] = _tuned_configs[key]
+    config = config or pick_config(d, q.dtype, q.device)
+    flash_fwd_kernel[(triton.cdiv(nq, config.block_m), b * h)](
+        *args, **switches, seqlen_bucket=0, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         num_warps=config.num_warps, num_stages=config.num_stages)
     return o, lse
+
+
+# Notebook 05b's worklog: the kernel before each step, timed beside the final one ("triton") and SDPA by
+# `python -m utils.benchmark --worklog`. Fixed tiles are notebook 05's (pick_config for 16-bit, D <= 128).
+WORKLOG = {
+    "triton 05 (fixed tiles)": (Config(128, 64, 8, 3), Steps()),
+    "triton + autotune": (None, Steps(autotune=True)),
+    "triton + TMA (fixed tiles)": (Config(128, 64, 8, 3), Steps(tma=True)),
+}
+# The tile sweep behind TUNE_CONFIGS (`python -m utils.benchmark --sweep`), each with and without TMA.
+SWEEP_CONFIGS = [Config(*c) for c in ((128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 4, 3),
+                                      (64, 64, 4, 3), (128, 32, 4, 4), (64, 128, 4, 3), (128, 64, 8, 4))]
+
+
+def variant(config: Config | None, steps: Steps, name: str = "variant"):
+    """An attention function (course signature, validated inputs) that runs the kernel with fixed block sizes
+    (`config`; None: autotuned or pick_config) and fixed switches (`steps`): the worklog's and the sweep's."""
+    if config is not None and not isinstance(config, Config):
+        raise TypeError(f"config must be a Config or None, got {type(config).__name__}")
+    if not isinstance(steps, Steps):
+        raise TypeError(f"steps must be a Steps, got {type(steps).__name__}")
+
+    def attention(q, k, v, *, causal=False, sm_scale=None):
+        _, scale = _validate(q, k, v, causal, sm_scale)
+        if steps.tma and not tma_supported(q, k, v):
+            raise ValueError(f"{name!r} needs TMA: a Hopper GPU (sm_90+), 16-bit inputs, a power-of-two head dim "
+                             "and 16-byte aligned rows")
+        if steps.autotune and not tunable(q):
+            raise ValueError(f"{name!r} autotunes: it needs 16-bit inputs with head dim <= 128 on an sm_80+ GPU")
+        return _launch(q, k, v, causal, scale, config, steps)[0]
+
+    attention.__name__ = attention.__qualname__ = name
+    return attention
+
+
+def worklog_variant(name: str):
+    """The attention function of one WORKLOG step."""
+    if name not in WORKLOG:
+        raise ValueError(f"unknown worklog step {name!r}; known: {', '.join(WORKLOG)}")
+    return variant(*WORKLOG[name], name=name)
 
 
 def _validate(q, k, v, causal, sm_scale):
