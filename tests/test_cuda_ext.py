@@ -25,9 +25,12 @@ EXPECTED = {
 }
 MMA_STRUCTS = ("Step1Mma", "Step2Ldmatrix", "Step3Swizzle", "Step4CpAsync", "Step5Tiles", "Step6Exp2",
                "Step7CausalSkip")
-for _step, _struct in zip(cuda_ext.MMA_STEPS, MMA_STRUCTS, strict=True):
+for _index, (_step, _struct) in enumerate(zip(cuda_ext.MMA_STEPS, MMA_STRUCTS, strict=True)):
     EXPECTED[cuda_ext.mma_kernel_name(_step)] = {f"flash_mma_kernel<course_flash::{_struct}, {t}, {d}>"
                                                  for t in DTYPES[1:] for d in (64, 128)}
+    if _index >= 4:  # 128 x 128 tiles at D = 128 need 160 KB of shared memory: a half tile for 99 KB GPUs
+        EXPECTED[cuda_ext.mma_kernel_name(_step)] |= {
+            f"flash_mma_kernel<course_flash::HalfTile<course_flash::{_struct}>, {t}, 128>" for t in DTYPES[1:]}
 
 
 # ---- compile-only checks ----------------------------------------------------------------------------------
@@ -43,6 +46,11 @@ def test_compile_check_builds_every_kernel_for_sm80_and_sm90(name):
         assert r.file == f"{name}.cu" and 0 < r.registers <= 255
     if name in ("softmax", "flash_tiled") or name.startswith("flash_mma"):  # designed to fit in registers
         spilled = [r for r in results if r.spill_stores or r.spill_loads]
+        # ... except the 128 x 128 tiles of steps 5-7 at D = 128: 255 registers, and a few bytes spilled on
+        # sm_90, measured faster than 64-key tiles that fit (notebook 06b). More than a few is a regression.
+        if name.startswith("flash_mma"):
+            spilled = [r for r in spilled if not (r.kernel.endswith(", 128>") and r.spill_stores <= 64
+                                                  and r.spill_loads <= 64)]
         assert not spilled, f"unexpected spills: {spilled}"
     if name == "flash_tiled" or name.startswith("flash_mma"):  # tiles in dynamic shared memory: nothing static
         assert all(r.smem_bytes == 0 for r in results)
@@ -318,6 +326,13 @@ def torch_check_messages(setup: str, calls: str) -> list:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def assert_torch_checks(setup: str, cases) -> None:
+    """Each (call, pattern) of `cases` raises a RuntimeError whose first line contains pattern."""
+    messages = torch_check_messages(setup, "\n".join(call for call, _ in cases))
+    for message, (call, pattern) in zip(messages, cases, strict=True):
+        assert message is not None and pattern in message, (call, pattern, message)
+
+
 def test_torch_check_messages_reports_errors_and_crashes():
     assert torch_check_messages("t = torch.zeros(2)", "t.view(3)\nt.view(2)") == [
         "shape '[3]' is invalid for input of size 2", None]
@@ -364,9 +379,7 @@ def test_flash_torch_checks(name):
     ]
     if name == "flash_naive":
         cases.append(("f(z(256), z(256), z(256), False, 0.125)", "head_dim 256"))
-    messages = torch_check_messages(setup, "\n".join(call for call, _ in cases))
-    for message, (call, pattern) in zip(messages, cases, strict=True):
-        assert message is not None and pattern in message, (call, pattern, message)
+    assert_torch_checks(setup, cases)
 
 
 @pytest.mark.gpu
@@ -432,9 +445,7 @@ def test_flash_mma_torch_checks():
         ("f(q, q[:, :3], q[:, :3], False, 0.125)", "not a multiple"),
         ("f(q, q, q, False, 0.0)", "scale must be finite and positive"),
     ]
-    messages = torch_check_messages(setup, "\n".join(call for call, _ in cases))
-    for message, (call, pattern) in zip(messages, cases, strict=True):
-        assert message is not None and pattern in message, (call, pattern, message)
+    assert_torch_checks(setup, cases)
 
 
 @pytest.mark.gpu

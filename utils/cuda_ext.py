@@ -333,6 +333,9 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t if ok else t.contiguous()
 
 
+_MMA_FORWARD: dict = {}
+
+
 def flash_mma(q, k, v, *, causal=False, sm_scale=None, step: str = MMA_STEPS[-1]):
     """FlashAttention-2 forward on tensor cores, as of `step` of notebook 06b's worklog (default: the last).
 
@@ -344,8 +347,11 @@ def flash_mma(q, k, v, *, causal=False, sm_scale=None, step: str = MMA_STEPS[-1]
     scale = resolve_scale(sm_scale, shape.head_dim)
     if not q.is_cuda:
         raise ValueError(f"q is on {q.device}; the CUDA kernels need CUDA tensors")
-    check_mma_capability(torch.cuda.get_device_capability(q.device))
-    return getattr(load(name), f"{name}_forward")(_aligned(q), _aligned(k), _aligned(v), causal, scale)
+    capability = torch.cuda.get_device_capability(q.device)
+    check_mma_capability(capability)
+    if (name, capability) not in _MMA_FORWARD:  # load() once: its check for edited sources costs ~30 µs a call
+        _MMA_FORWARD[name, capability] = getattr(load(name), f"{name}_forward")
+    return _MMA_FORWARD[name, capability](_aligned(q), _aligned(k), _aligned(v), causal, scale)
 
 
 def flash_attention_cuda(q, k, v, *, causal=False, sm_scale=None):

@@ -4,8 +4,8 @@
 //   grid:     one block per (BR query rows, batch * head); a block has kWarps warps, each owning 16 rows
 //   shared:   Qs [BR][D]                        the query tile, read once into registers (A fragments)
 //             Ks [stages][BC][D], Vs [stages][BC][D]   the current K and V tiles (2 stages from step 4)
-//   registers (per thread, D = 128, BC = 64): Q fragments 32 words, S 32 floats, O 64 floats, m and l for
-//             its two rows g and g + 8
+//   registers (per thread, D = 128, BC = 128 from step 5): Q fragments 32 words, S 64 floats, O 64 floats,
+//             m and l for its two rows g and g + 8
 //
 // Per K/V tile: S = Q K^T (D/16 x BC/8 mma), mask, online softmax on the S fragments (row max over the 4
 // threads of a group by two shuffles), P packed to 16 bits in place as the A operand of O += P V
@@ -210,7 +210,7 @@ __global__ void __launch_bounds__(MmaTile<Step, D>::kThreads) flash_mma_kernel(P
       float tile_max = -CUDART_INF_F;
 #pragma unroll
       for (int n = 0; n < kTilesS; ++n) tile_max = fmaxf(tile_max, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
-      // The other 16 columns of the row... are held by the 3 other threads of the group: lanes 4g..4g+3.
+      // The rest of the row is held by the other 3 threads of the group (lanes 4g .. 4g + 3).
       tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
       tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
       const float m_new = fmaxf(m[r], tile_max);
@@ -222,13 +222,19 @@ __global__ void __launch_bounds__(MmaTile<Step, D>::kThreads) flash_mma_kernel(P
 #pragma unroll
         for (int n = 0; n < kTilesS; ++n)
 #pragma unroll
-          for (int e = 2 * r; e < 2 * r + 2; ++e) sum += s[n][e] = fast_exp2(fmaf(s[n][e], p.scale_log2, -ref_log2));
+          for (int e = 2 * r; e < 2 * r + 2; ++e) {
+            s[n][e] = fast_exp2(fmaf(s[n][e], p.scale_log2, -ref_log2));
+            sum += s[n][e];
+          }
       } else {
         alpha = expf((m[r] - ref) * scale);
 #pragma unroll
         for (int n = 0; n < kTilesS; ++n)
 #pragma unroll
-          for (int e = 2 * r; e < 2 * r + 2; ++e) sum += s[n][e] = expf((s[n][e] - ref) * scale);
+          for (int e = 2 * r; e < 2 * r + 2; ++e) {
+            s[n][e] = expf((s[n][e] - ref) * scale);
+            sum += s[n][e];
+          }
       }
       l[r] = l[r] * alpha + sum;
       m[r] = m_new;
@@ -269,9 +275,24 @@ __global__ void __launch_bounds__(MmaTile<Step, D>::kThreads) flash_mma_kernel(P
   }
 }
 
+// Shared memory per block that every sm_80+ GPU grants (sm_86, sm_89, sm_120: 99 KB; A100 163 KB, H100 227 KB).
+constexpr int kSmemEveryGpu = 99 * 1024;
+
+// The same step with half the keys per tile, for GPUs that cannot give a block the shared memory of the full
+// tile (D = 128 from step 5 needs 160 KB).
+template <typename Step> struct HalfTile : Step {
+  template <int D> static constexpr int block_cols() { return Step::template block_cols<D>() / 2; }
+};
+
 template <typename Step, typename T, int D>
 cudaError_t launch_mma_d(const Params& p, cudaStream_t stream) {
   using Tile = MmaTile<Step, D>;
+  if constexpr (Tile::kSmemBytes > kSmemEveryGpu) {
+    int device = 0, limit = 0;
+    cudaGetDevice(&device);
+    cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+    if (Tile::kSmemBytes > limit) return launch_mma_d<HalfTile<Step>, T, D>(p, stream);
+  }
   auto kernel = flash_mma_kernel<Step, T, D>;
   if (Tile::kSmemBytes > 48 * 1024) {  // above 48 KB a kernel must opt in to more dynamic shared memory
     const cudaError_t err =

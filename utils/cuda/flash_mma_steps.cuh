@@ -34,10 +34,10 @@ struct Step3Swizzle : Step2Ldmatrix { static constexpr bool kSwizzle = true; };
 struct Step4CpAsync : Step3Swizzle { static constexpr bool kCpAsync = true; };
 
 // Step 5: larger tiles. 8 warps, 128 query rows per block: every K/V tile loaded from memory serves twice
-// the rows. D = 64 also takes 128 keys per tile (half the loop iterations, barriers and rescalings).
+// the rows. And 128 keys per tile: half the loop iterations, barriers and rescalings of O per key.
 struct Step5Tiles : Step4CpAsync {
   static constexpr int kWarps = 8;
-  template <int D> static constexpr int block_cols() { return D == 64 ? 128 : 64; }
+  template <int D> static constexpr int block_cols() { return 128; }
 };
 
 // Step 6: exp2 with the scale folded in. softmax(scale * s) = 2^(scale * log2(e) * s - m'): one FFMA and one
