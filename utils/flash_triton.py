@@ -175,6 +175,11 @@ class Config(NamedTuple):
     num_stages: int
 
 
+# Notebook 05's tiles for 16-bit inputs with D <= 128, measured on an H200: ahead of (128,64,4,3),
+# (128,128,8,3) and (64,64,4,3) with pointer loads. Notebook 05b's worklog starts from them.
+NOTEBOOK_05_TILES = Config(128, 64, 8, 3)
+
+
 def pick_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> Config:
     """Block sizes, warps and pipeline stages for one launch when nothing is tuned; chosen per head dim by
     measurement on an H200. In the interpreter the blocks only trade Python overhead against wasted padding,
@@ -185,8 +190,8 @@ def pick_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> Conf
         return Config(32, 32, 4, 1)
     if dtype == torch.float32:  # exact fp32 dots run on CUDA cores: small tiles keep registers in check
         return Config(64 if block_d <= 64 else 32, 32, 4, 2)
-    if block_d <= 128:  # measured on an H200, bf16, D=64 and 128: ahead of (128,64,4,3), (128,128,8,3), (64,64,4,3)
-        return Config(128, 64, 8, 3)
+    if block_d <= 128:
+        return NOTEBOOK_05_TILES
     return Config(64, 64, 8, 2)
 
 
@@ -300,11 +305,11 @@ def _launch(q, k, v, causal, scale, config: Config | None = None, steps: Steps |
 
 
 # Notebook 05b's worklog: the kernel before each step, timed beside the final one ("triton") and SDPA by
-# `python -m utils.benchmark --worklog`. Fixed tiles are notebook 05's (pick_config for 16-bit, D <= 128).
+# `python -m utils.benchmark --worklog`.
 WORKLOG = {
-    "triton 05 (fixed tiles)": (Config(128, 64, 8, 3), Steps()),
+    "triton 05 (fixed tiles)": (NOTEBOOK_05_TILES, Steps()),
     "triton + autotune": (None, Steps(autotune=True)),
-    "triton + TMA (fixed tiles)": (Config(128, 64, 8, 3), Steps(tma=True)),
+    "triton + TMA (fixed tiles)": (NOTEBOOK_05_TILES, Steps(tma=True)),
 }
 # The tile sweep behind TUNE_CONFIGS (`python -m utils.benchmark --sweep`), each with and without TMA.
 SWEEP_CONFIGS = [Config(*c) for c in ((128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 4, 3),
