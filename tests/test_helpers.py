@@ -141,3 +141,22 @@ def test_check_bool():
     for bad in (1, "yes", None):
         with pytest.raises(TypeError, match="flag must be a bool"):
             check_bool("flag", bad)
+
+
+def test_assert_rows_close_names_rows_blocks_and_the_worst_element():
+    from utils.exercises import assert_rows_close
+
+    a = torch.randn(2, 3, 130, 16)
+    assert_rows_close(a.clone(), a, atol=0, rtol=0)
+    b = a.clone()
+    b[1, 2, 64:100] += 1
+    b[0, 0, 129, 3] = float("nan")
+    with pytest.raises(AssertionError) as err:
+        assert_rows_close(b, a, atol=1e-3, rtol=1e-3, block_rows=64, name="O")
+    text = str(err.value)
+    assert "batch=1, head=2: rows 64–99 wrong (36 of 130), in block(s) 1 of 64 rows" in text
+    assert "batch=0, head=0: rows 129 wrong" in text and "block(s) 2" in text and "worst at (0, 0, 129, 3)" in text
+    with pytest.raises(AssertionError, match="shape"):
+        assert_rows_close(a[:, :, :5], a, atol=1, rtol=1)
+    with pytest.raises(TypeError):
+        assert_rows_close(a.tolist(), a, atol=1, rtol=1)

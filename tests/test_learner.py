@@ -82,3 +82,17 @@ def test_learner_version_runs_to_its_first_stub_and_says_not_yet(path):
                    resources={"metadata": {"path": str(path.parent)}}).execute()
     last = "".join(o.get("text", "") for o in nb.cells[-1].outputs if o.output_type == "stream")
     assert "not yet" in last, last
+
+
+def test_code_cell_finds_one_cell_and_stubs_it(tmp_path):
+    from utils.learner import code_cell
+
+    path = tmp_path / "demo.ipynb"
+    path.write_text(json.dumps(_notebook("# Exercise 1\n# BEGIN SOLUTION\nx = 1\n# END SOLUTION", "y = 2",
+                                         "# twice\n", "# twice\n")))
+    assert "x = 1" in code_cell(path, "# Exercise 1")
+    assert code_cell(path, "# Exercise 1", learner=True) == f"# Exercise 1\n{STUB}\n"
+    with pytest.raises(ValueError, match="0 code cells"):
+        code_cell(path, "# Exercise 9")
+    with pytest.raises(ValueError, match="2 code cells"):
+        code_cell(path, "# twice")

@@ -101,3 +101,15 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def code_cell(path, marker: str, *, learner: bool = False) -> str:
+    """The source of the one code cell of notebook `path` that contains `marker` (e.g. "# Exercise 5.2"),
+    with solutions stubbed when `learner` is set: tests run an exercise's cell as a learner would see it."""
+    if not isinstance(marker, str) or not marker:
+        raise TypeError("marker must be a non-empty str")
+    cells = [c for c in json.loads(Path(path).read_text())["cells"] if c["cell_type"] == "code"]
+    found = [src for src in ("".join(c["source"]) for c in cells) if marker in src]
+    if len(found) != 1:
+        raise ValueError(f"{marker!r} is in {len(found)} code cells of {Path(path).name}, expected exactly 1")
+    return strip_solutions(found[0])[0] if learner else found[0]
