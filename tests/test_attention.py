@@ -95,3 +95,21 @@ def test_registry_entries_are_well_formed():
     assert {"sdpa", "naive"} <= set(implementations("cpu"))
     with pytest.raises(TypeError):
         implementations(0)
+
+
+@pytest.mark.parametrize("name", list(REGISTRY))
+def test_tensors_on_the_wrong_device_raise_value_errors_naming_them(name):
+    """Every implementation, available here or not: CPU tensors for a GPU-only kernel, or q, k, v on two
+    devices, give a ValueError that names the tensor, never a crash or an error from deep inside a library."""
+    fn, runs_on = REGISTRY[name].load(), REGISTRY[name].runs_on
+    q, k, v = random_qkv(1, 2, 8, 8, 64)
+    other = "cuda" if CUDA else "meta"  # a second device: the GPU if there is one, else PyTorch's meta device
+    with pytest.raises(ValueError, match=f"k is on {other}.* but q is on cpu"):
+        fn(q, k.to(other), v)
+    if CUDA:
+        with pytest.raises(ValueError, match="v is on cpu but q is on cuda"):
+            fn(q.cuda(), k.cuda(), v)
+    gpu_only = runs_on == "cuda" or (runs_on == "triton" and CUDA)  # on a GPU machine the interpreter is off
+    if gpu_only:
+        with pytest.raises(ValueError, match="q is on (cpu|the CPU), but .*CUDA tensors"):
+            fn(q, k, v)

@@ -2,6 +2,7 @@
 ptxas parsing, validation), and on a GPU the softmax kernels and the TORCH_CHECKs of the C++ wrappers.
 The attention kernels' correctness is tested through the registry, in tests/test_attention.py."""
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -151,6 +152,7 @@ def test_extension_name_is_stable_and_follows_the_sources(tmp_path, monkeypatch)
 def test_gencode_flags():
     assert gencode_flags((9, 0)) == ["-gencode=arch=compute_90,code=sm_90"]
     assert gencode_flags((7, 5)) == ["-gencode=arch=compute_75,code=sm_75"]
+    assert gencode_flags((7, 5), ptx=True) == ["-gencode=arch=compute_75,code=compute_75"]  # emulated T4
     for bad in ("sm_90", (9,), (9, "0"), [9, 0], (True, 0)):
         with pytest.raises(TypeError):
             gencode_flags(bad)
@@ -189,7 +191,7 @@ def test_importing_the_registry_compiles_nothing():
 def test_flash_wrappers_validate_before_building():
     q = torch.randn(1, 2, 8, 64)
     for fn in (cuda_ext.flash_naive, cuda_ext.flash_tiled):
-        with pytest.raises(ValueError, match="need CUDA tensors"):
+        with pytest.raises(ValueError, match="needs CUDA tensors"):
             fn(q, q, q)
         with pytest.raises(TypeError, match="k has dtype"):
             fn(q, q.double(), q)
@@ -232,7 +234,7 @@ def test_mma_steps_are_named_and_registered():
 def test_flash_mma_validates_before_building():
     q = torch.randn(1, 2, 8, 64)
     for fn in (cuda_ext.flash_mma, cuda_ext.flash_attention_cuda):
-        with pytest.raises(ValueError, match="need CUDA tensors"):
+        with pytest.raises(ValueError, match="needs CUDA tensors"):
             fn(q.half(), q.half(), q.half())
         with pytest.raises(TypeError, match="k has dtype"):
             fn(q.half(), q.bfloat16(), q.half())
@@ -248,7 +250,7 @@ def test_flash_mma_validates_before_building():
         cuda_ext.flash_mma(q, q, q)
     with pytest.raises(ValueError, match="step must be one of"):
         cuda_ext.flash_mma(q.half(), q.half(), q.half(), step="fastest")
-    with pytest.raises(ValueError, match="need CUDA tensors"):  # float32 goes to flash_tiled, which says so
+    with pytest.raises(ValueError, match="needs CUDA tensors"):  # float32 goes to flash_tiled, which says so
         cuda_ext.flash_attention_cuda(q, q, q)
 
 
@@ -456,3 +458,55 @@ def test_registry_cuda_runs_the_last_step_and_falls_back_for_float32():
     assert torch.equal(cuda_ext.flash_attention_cuda(q, k, v, causal=True), cuda_ext.flash_mma(q, k, v, causal=True))
     q, k, v = (t.float() for t in (q, k, v))
     assert_attention_matches_reference(cuda_ext.flash_attention_cuda, q, k, v, causal=True)
+
+
+def torch_check_message_args(source: str) -> list[str]:
+    """The message arguments (everything after the condition) of every TORCH_CHECK in C++ `source`."""
+    args, pos = [], 0
+    while (start := source.find("TORCH_CHECK(", pos)) != -1:
+        depth, i, parts, current = 0, start + len("TORCH_CHECK("), [], ""
+        in_string = False
+        while True:
+            c = source[i]
+            if in_string:
+                current += c
+                in_string = not (c == '"' and source[i - 1] != "\\")
+            elif c == '"':
+                in_string, current = True, current + c
+            elif c in "([{":
+                depth, current = depth + 1, current + c
+            elif c in ")]}" and depth:
+                depth, current = depth - 1, current + c
+            elif c == ")":
+                parts.append(current.strip())
+                break
+            elif c == "," and depth == 0:
+                parts.append(current.strip())
+                current = ""
+            else:
+                current += c
+            i += 1
+        args += parts[1:]
+        pos = i
+    return args
+
+
+# What may be streamed into a TORCH_CHECK message: string literals, names, devices, dtypes, CUDA error strings,
+# and numbers or shapes formatted by course_str.h (streaming a number crashed an extension: see that header).
+SAFE_MESSAGE_ARG = re.compile(r'^("([^"\\]|\\.)*"\s*)+$|^(name|names\[i\])$|\.device\(\)$|\.scalar_type\(\)$|^dt$'
+                              r'|^cudaGetErrorString\(\w+\)$|^course::(num|shape)\(')
+
+
+def test_torch_check_messages_never_stream_numbers():
+    sources = {p.name: p.read_text() for p in cuda_ext.CUDA_DIR.iterdir() if p.suffix in (".cu", ".h", ".cuh")}
+    found = {name: torch_check_message_args(text) for name, text in sources.items()}
+    assert sum(map(len, found.values())) > 40  # the parser sees the checks
+    unsafe = [(name, arg) for name, args in found.items() for arg in args if not SAFE_MESSAGE_ARG.search(arg)]
+    assert not unsafe, f"format numbers with course::num / course::shape (course_str.h): {unsafe}"
+
+
+@needs_nvcc
+def test_cuda_core_kernels_build_for_a_t4():
+    """Colab's T4 is sm_75: the CUDA-core kernels (what the registry's "cuda" falls back to there) must build."""
+    found = {r.file for r in compile_check(["softmax", "flash_naive", "flash_tiled"], "sm_75")}
+    assert found == {"softmax.cu", "flash_naive.cu", "flash_tiled.cu"}

@@ -103,10 +103,15 @@ def test_plot_style_and_save(tmp_path, monkeypatch):
 
     use_course_style()
     assert plt.rcParams["axes.grid"] is True
-    monkeypatch.setattr("utils.plotting.IMAGES", tmp_path)
+    monkeypatch.setattr("utils.plotting.IMAGES", tmp_path / "images")
+    monkeypatch.setattr("utils.plotting.LEARNER_FIGURES", tmp_path / "build")
     fig, ax = plt.subplots()
     ax.plot([1, 2], [3, 4])
-    assert save_figure(fig, "demo") == tmp_path / "demo.png" and (tmp_path / "demo.png").stat().st_size > 0
+    monkeypatch.delenv("COURSE_WRITE_IMAGES", raising=False)  # a learner's run: never the committed images/
+    assert save_figure(fig, "demo") == tmp_path / "build" / "demo.png" and (tmp_path / "build" / "demo.png").is_file()
+    assert not (tmp_path / "images").exists()
+    monkeypatch.setenv("COURSE_WRITE_IMAGES", "1")        # python -m utils.references
+    assert save_figure(fig, "demo") == tmp_path / "images" / "demo.png"
     with pytest.raises(ValueError):
         save_figure(fig, "demo.png")
 

@@ -98,15 +98,17 @@ def setup(*, quiet: bool = False) -> Env:
 
     import torch
 
+    from utils import gpu as gpu_info
+
     gpu = torch.cuda.is_available()
     if not gpu:
         os.environ["TRITON_INTERPRET"] = "1"
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    capability = torch.cuda.get_device_capability() if gpu else None
+    capability = gpu_info.capability()  # the emulated GPU's under COURSE_EMULATE_GPU (utils/gpu.py)
     env = Env(
         device=torch.device("cuda" if gpu else "cpu"),
         dtype=default_dtype(capability),
-        gpu_name=torch.cuda.get_device_name() if gpu else None,
+        gpu_name=gpu_info.name(),
         capability=capability,
         interpret=interpret,
         colab=colab,

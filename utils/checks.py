@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 from typing import NamedTuple
 
 import torch
@@ -20,11 +21,14 @@ class AttentionShape(NamedTuple):
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def check_attention_inputs(q, k, v, *, causal=False, head_dims=None, dtypes=FLOAT_DTYPES) -> AttentionShape:
+def check_attention_inputs(q, k, v, *, causal=False, head_dims=None, dtypes=FLOAT_DTYPES,
+                           runs_on: str = "any") -> AttentionShape:
     """Validate `(batch, heads, seq, head_dim)` tensors q, k, v and return their sizes.
 
     K and V may have fewer heads than Q (grouped-query / multi-query attention) if that number divides Q's.
-    `head_dims` is a collection of supported head dims (None: any); `dtypes` the supported dtypes.
+    `head_dims` is a collection of supported head dims (None: any); `dtypes` the supported dtypes; `runs_on`
+    where the implementation runs, as in the registry: "any" device, "cuda" tensors only, or "triton" (CUDA
+    tensors, or CPU tensors while the Triton interpreter is on).
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -42,6 +46,7 @@ def check_attention_inputs(q, k, v, *, causal=False, head_dims=None, dtypes=FLOA
             raise TypeError(f"{name} has dtype {t.dtype} but q has {q.dtype}; they must match")
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device} but q is on {q.device}; they must match")
+    check_device("q", q, runs_on)
     (b, h, nq, d), (bk, hk, nk, dk) = q.shape, k.shape
     if v.shape != k.shape:
         raise ValueError(f"v has shape {tuple(v.shape)} but k has {tuple(k.shape)}; they must match")
@@ -54,6 +59,21 @@ def check_attention_inputs(q, k, v, *, causal=False, head_dims=None, dtypes=FLOA
     if head_dims is not None and d not in head_dims:
         raise ValueError(f"head_dim {d} is not supported here; supported: {sorted(head_dims)}")
     return AttentionShape(b, h, hk, nq, nk, d)
+
+
+def check_device(name: str, t: torch.Tensor, runs_on: str) -> None:
+    """A ValueError naming `name` unless tensor `t` is on a device where code that `runs_on` ("any", "cuda",
+    "triton": CUDA or the Triton interpreter on the CPU) can read it."""
+    if runs_on not in ("any", "cuda", "triton"):
+        raise ValueError(f"runs_on must be 'any', 'cuda' or 'triton', got {runs_on!r}")
+    if runs_on == "any" or t.device.type == "cuda":
+        return
+    if runs_on == "triton" and t.device.type == "cpu":
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            return
+        raise ValueError(f"{name} is on the CPU, but Triton kernels need CUDA tensors ({name}.cuda()); to run "
+                         f"them on the CPU, set TRITON_INTERPRET=1 before the kernels are defined")
+    raise ValueError(f"{name} is on {t.device}, but this implementation needs CUDA tensors ({name}.cuda())")
 
 
 def check_bool(name: str, x) -> bool:

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from utils import gpu
 from utils.checks import check_attention_inputs, resolve_scale
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,15 +39,15 @@ BUILD_DIR = ROOT / "build"
 # load_inline: as cuda_sources (nvcc compiles the kernels and their plain launcher) and, with
 # COURSE_TORCH_WRAPPER defined, as cpp_sources (the host compiler compiles the torch wrapper and its bindings).
 KERNELS = {
-    "softmax": ("softmax_forward", ()),
-    "flash_naive": ("flash_naive_forward", ("flash_params.h", "flash_common.cuh", "flash_torch.h")),
-    "flash_tiled": ("flash_tiled_forward", ("flash_params.h", "flash_common.cuh", "flash_torch.h")),
+    "softmax": ("softmax_forward", ("course_str.h",)),
+    "flash_naive": ("flash_naive_forward", ("flash_params.h", "flash_common.cuh", "flash_torch.h", "course_str.h")),
+    "flash_tiled": ("flash_tiled_forward", ("flash_params.h", "flash_common.cuh", "flash_torch.h", "course_str.h")),
 }
 # Notebook 06b: the tensor-core kernel, one file per step of its worklog (utils/cuda/flash_mma_steps.cuh), so
 # that the final step alone is built for the registry and the steps build in parallel.
 MMA_STEPS = ("mma", "ldmatrix", "swizzle", "cp_async", "tiles", "exp2", "causal_skip")
-MMA_HEADERS = ("flash_params.h", "flash_common.cuh", "flash_torch.h", "flash_mma.cuh", "flash_mma_steps.cuh",
-               "flash_mma_kernel.cuh", "flash_mma_torch.h")
+MMA_HEADERS = ("flash_params.h", "flash_common.cuh", "flash_torch.h", "course_str.h", "flash_mma.cuh",
+               "flash_mma_steps.cuh", "flash_mma_kernel.cuh", "flash_mma_torch.h")
 MMA_HEAD_DIMS = (64, 128)
 MMA_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -110,13 +111,16 @@ def extension_name(name: str, flags=CUDA_FLAGS) -> str:
     return _NAMES[key]
 
 
-def gencode_flags(capability) -> list[str]:
-    """`-gencode` for one GPU, e.g. (9, 0) -> ['-gencode=arch=compute_90,code=sm_90'] (H100/H200)."""
+def gencode_flags(capability, *, ptx: bool = False) -> list[str]:
+    """`-gencode` for one GPU, e.g. (9, 0) -> ['-gencode=arch=compute_90,code=sm_90'] (H100/H200).
+
+    `ptx=True` embeds PTX instead of machine code (code=compute_75): the driver compiles it for the GPU at hand,
+    which is how an emulated T4 (utils/gpu.py) builds sm_75 code that still runs on a newer GPU."""
     if (not isinstance(capability, tuple) or len(capability) != 2
             or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in capability)):
         raise TypeError(f"capability must be a (major, minor) tuple of ints, got {capability!r}")
     arch = f"{capability[0]}{capability[1]}"
-    return [f"-gencode=arch=compute_{arch},code=sm_{arch}"]
+    return [f"-gencode=arch=compute_{arch},code={'compute' if ptx else 'sm'}_{arch}"]
 
 
 _LOADED: dict = {}
@@ -129,7 +133,7 @@ def load(name: str, *, verbose: bool = False):
     if not torch.cuda.is_available():
         raise RuntimeError(f"building {name}.cu needs a CUDA GPU and a CUDA build of torch "
                            f"(compile_check() compiles the kernels without one)")
-    flags = [*CUDA_FLAGS, *gencode_flags(torch.cuda.get_device_capability())]
+    flags = [*CUDA_FLAGS, *gencode_flags(gpu.capability(), ptx=gpu.emulated() is not None)]
     ext = extension_name(name, flags)
     if ext in _LOADED:
         return _LOADED[ext]
@@ -298,10 +302,8 @@ def softmax(x, variant: str = "warp"):
 
 
 def _flash(name, q, k, v, causal, sm_scale, head_dims):
-    shape = check_attention_inputs(q, k, v, causal=causal, head_dims=head_dims, dtypes=FLASH_DTYPES)
+    shape = check_attention_inputs(q, k, v, causal=causal, head_dims=head_dims, dtypes=FLASH_DTYPES, runs_on="cuda")
     scale = resolve_scale(sm_scale, shape.head_dim)
-    if not q.is_cuda:
-        raise ValueError(f"q is on {q.device}; the CUDA kernels need CUDA tensors")
     # Any strides work except along head_dim, where the kernels read consecutive elements.
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     return getattr(load(name), f"{name}_forward")(q, k, v, causal, scale)
@@ -343,11 +345,10 @@ def flash_mma(q, k, v, *, causal=False, sm_scale=None, step: str = MMA_STEPS[-1]
     bottom-right. Needs an sm_80+ GPU; on a T4 (sm_75) it refuses with a RuntimeError (flash_tiled runs there).
     """
     name = mma_kernel_name(step)
-    shape = check_attention_inputs(q, k, v, causal=causal, head_dims=MMA_HEAD_DIMS, dtypes=MMA_DTYPES)
+    shape = check_attention_inputs(q, k, v, causal=causal, head_dims=MMA_HEAD_DIMS, dtypes=MMA_DTYPES,
+                                   runs_on="cuda")
     scale = resolve_scale(sm_scale, shape.head_dim)
-    if not q.is_cuda:
-        raise ValueError(f"q is on {q.device}; the CUDA kernels need CUDA tensors")
-    capability = torch.cuda.get_device_capability(q.device)
+    capability = gpu.capability(q.device)
     check_mma_capability(capability)
     if (name, capability) not in _MMA_FORWARD:  # load() once: its check for edited sources costs ~30 µs a call
         _MMA_FORWARD[name, capability] = getattr(load(name), f"{name}_forward")
@@ -360,11 +361,11 @@ def flash_attention_cuda(q, k, v, *, causal=False, sm_scale=None):
     What the tensor cores cannot take runs `flash_tiled` (CUDA cores, fp32 arithmetic) instead: float32 inputs
     on any GPU, and every input on GPUs older than sm_80 (with a warning there, e.g. Colab's T4).
     """
-    check_attention_inputs(q, k, v, causal=causal, head_dims=MMA_HEAD_DIMS, dtypes=FLASH_DTYPES)
-    if q.is_cuda and q.dtype != torch.float32:
-        if torch.cuda.get_device_capability(q.device) >= (8, 0):
+    check_attention_inputs(q, k, v, causal=causal, head_dims=MMA_HEAD_DIMS, dtypes=FLASH_DTYPES, runs_on="cuda")
+    if q.dtype != torch.float32:
+        if gpu.capability(q.device) >= (8, 0):
             return flash_mma(q, k, v, causal=causal, sm_scale=sm_scale)
-        warnings.warn(f"{torch.cuda.get_device_name(q.device)} has no bf16 mma.sync (sm_80+): running the "
+        warnings.warn(f"{gpu.name(q.device)} has no bf16 mma.sync (sm_80+): running the "
                       f"CUDA-core kernel flash_tiled instead of the tensor-core one", stacklevel=2)
     return flash_tiled(q, k, v, causal=causal, sm_scale=sm_scale)
 

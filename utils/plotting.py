@@ -1,11 +1,15 @@
 """One matplotlib style for every figure of the course."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import matplotlib as mpl
 
-IMAGES = Path(__file__).resolve().parents[1] / "images"
+ROOT = Path(__file__).resolve().parents[1]
+IMAGES = ROOT / "images"                 # committed figures: written only when reference results are regenerated
+LEARNER_FIGURES = ROOT / "build" / "figures"   # everyone else's runs (ignored by git)
+WRITE_IMAGES_VAR = "COURSE_WRITE_IMAGES"  # set to 1 by `python -m utils.references`
 
 STYLE = {
     "figure.figsize": (7.0, 4.0),
@@ -34,10 +38,18 @@ def seqlen_axis(ax, seqlens) -> None:
     ax.set_xlabel("sequence length N")
 
 
+def figure_dir() -> Path:
+    """Where figures go: images/ while reference results are regenerated, else build/figures/, so that a
+    learner's run never overwrites the committed figures."""
+    return IMAGES if os.environ.get(WRITE_IMAGES_VAR) == "1" else LEARNER_FIGURES
+
+
 def save_figure(fig, name: str) -> Path:
-    """Save `fig` as images/<name>.png (name without extension) and return the path."""
-    if not name or "/" in name or name.endswith(".png"):
+    """Save `fig` as <figure_dir()>/<name>.png (name without extension) and return the path."""
+    if not isinstance(name, str) or not name or "/" in name or name.endswith(".png"):
         raise ValueError(f"name must be a bare file name without extension, got {name!r}")
-    path = IMAGES / f"{name}.png"
+    folder = figure_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.png"
     fig.savefig(path, bbox_inches="tight")
     return path

@@ -12,12 +12,13 @@ torch::Tensor mma_forward(const char* name, Launcher launcher, const torch::Tens
   TORCH_CHECK(q.scalar_type() == torch::kFloat16 || q.scalar_type() == torch::kBFloat16, name,
               ": dtype must be float16 or bfloat16 (the tensor-core kernels), got ", q.scalar_type());
   TORCH_CHECK(q.dim() == 4 && (q.size(3) == 64 || q.size(3) == 128), name,
-              ": head_dim must be 64 or 128, got q of shape ", q.sizes());
+              ": head_dim must be 64 or 128, got q of shape ", course::shape(q.sizes()));
   int major = 0, minor = 0;
   cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, q.get_device());
   cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, q.get_device());
   TORCH_CHECK(major >= 8, name, ": needs a GPU of compute capability 8.0 or newer (mma.sync.m16n8k16 with bf16, "
-              "ldmatrix, cp.async); this one is sm_", major, minor, ". flash_tiled runs on it.");
+              "ldmatrix, cp.async); this one is sm_", course::num(major), course::num(minor),
+              ". flash_tiled runs on it.");
   return forward(name, launcher, q, k, v, causal, scale);
 }
 

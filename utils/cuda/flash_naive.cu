@@ -108,7 +108,8 @@ cudaError_t launch_flash_naive(const Params& p, DType dtype, cudaStream_t stream
 #include "flash_torch.h"
 
 torch::Tensor flash_naive_forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, bool causal, double scale) {
-  TORCH_CHECK(q.dim() != 4 || q.size(3) <= 128, "flash_naive: head_dim ", q.size(3), " is not supported; ",
+  TORCH_CHECK(q.dim() != 4 || q.size(3) <= 128, "flash_naive: head_dim ", course::num(q.size(3)),
+              " is not supported; ",
               "supported: multiples of 8 up to 128");
   return course_flash::forward("flash_naive", course_flash::launch_flash_naive, q, k, v, causal, scale);
 }

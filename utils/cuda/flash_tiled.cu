@@ -233,8 +233,8 @@ torch::Tensor flash_tiled_forward(torch::Tensor q, torch::Tensor k, torch::Tenso
     const int need = course_flash::flash_tiled_smem_bytes(static_cast<int>(q.size(3)));
     int allowed = 0;
     cudaDeviceGetAttribute(&allowed, cudaDevAttrMaxSharedMemoryPerBlockOptin, q.get_device());
-    TORCH_CHECK(need <= allowed, "flash_tiled: head_dim ", q.size(3), " needs ", need, " bytes of shared memory ",
-                "per block, this GPU allows ", allowed);
+    TORCH_CHECK(need <= allowed, "flash_tiled: head_dim ", course::num(q.size(3)), " needs ",
+                course::num(need), " bytes of shared memory per block, this GPU allows ", course::num(allowed));
   }
   return course_flash::forward("flash_tiled", course_flash::launch_flash_tiled, q, k, v, causal, scale);
 }

@@ -6,6 +6,7 @@
 #include <torch/extension.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
+#include "course_str.h"
 
 namespace course_flash {
 
@@ -19,30 +20,32 @@ inline Params make_params(const char* name, const torch::Tensor& q, const torch:
     const torch::Tensor& t = *ts[i];
     TORCH_CHECK(t.is_cuda(), name, ": ", names[i], " must be a CUDA tensor, got one on ", t.device());
     TORCH_CHECK(t.dim() == 4, name, ": ", names[i], " must have 4 dims (batch, heads, seq, head_dim), got ",
-                t.dim());
-    TORCH_CHECK(t.numel() > 0, name, ": ", names[i], " is empty, shape ", t.sizes());
+                course::num(t.dim()));
+    TORCH_CHECK(t.numel() > 0, name, ": ", names[i], " is empty, shape ", course::shape(t.sizes()));
     TORCH_CHECK(t.scalar_type() == q.scalar_type(), name, ": ", names[i], " has dtype ", t.scalar_type(),
                 " but q has ", q.scalar_type());
     TORCH_CHECK(t.device() == q.device(), name, ": ", names[i], " is on ", t.device(), " but q is on ",
                 q.device());
     TORCH_CHECK(t.stride(3) == 1, name, ": ", names[i], " must be contiguous in head_dim (stride(3) == 1), got "
-                "strides ", t.strides());
+                "strides ", course::shape(t.strides()));
     for (int dim = 0; dim < 4; ++dim)
-      TORCH_CHECK(t.size(dim) <= INT32_MAX, name, ": ", names[i], " is too large, shape ", t.sizes());
+      TORCH_CHECK(t.size(dim) <= INT32_MAX, name, ": ", names[i], " is too large, shape ", course::shape(t.sizes()));
   }
   const auto dt = q.scalar_type();
   TORCH_CHECK(dt == torch::kFloat16 || dt == torch::kBFloat16 || dt == torch::kFloat32, name,
               ": dtype must be float16, bfloat16 or float32, got ", dt);
-  TORCH_CHECK(k.sizes() == v.sizes(), name, ": k and v must have the same shape, got ", k.sizes(), " and ",
-              v.sizes());
-  TORCH_CHECK(k.size(0) == q.size(0), name, ": k has batch ", k.size(0), " but q has ", q.size(0));
-  TORCH_CHECK(k.size(3) == q.size(3), name, ": k has head_dim ", k.size(3), " but q has ", q.size(3));
-  TORCH_CHECK(q.size(1) % k.size(1) == 0, name, ": q has ", q.size(1), " heads, not a multiple of the ",
-              k.size(1), " heads of k and v");
+  TORCH_CHECK(k.sizes() == v.sizes(), name, ": k and v must have the same shape, got ", course::shape(k.sizes()),
+              " and ", course::shape(v.sizes()));
+  TORCH_CHECK(k.size(0) == q.size(0), name, ": k has batch ", course::num(k.size(0)), " but q has ",
+              course::num(q.size(0)));
+  TORCH_CHECK(k.size(3) == q.size(3), name, ": k has head_dim ", course::num(k.size(3)), " but q has ",
+              course::num(q.size(3)));
+  TORCH_CHECK(q.size(1) % k.size(1) == 0, name, ": q has ", course::num(q.size(1)),
+              " heads, not a multiple of the ", course::num(k.size(1)), " heads of k and v");
   const int64_t d = q.size(3);
-  TORCH_CHECK(d % 8 == 0 && d <= kMaxHeadDim, name, ": head_dim ", d, " is not supported; supported: ",
-              "multiples of 8 up to ", kMaxHeadDim);
-  TORCH_CHECK(scale > 0 && std::isfinite(scale), name, ": scale must be finite and positive, got ", scale);
+  TORCH_CHECK(d % 8 == 0 && d <= kMaxHeadDim, name, ": head_dim ", course::num(d),
+              " is not supported; supported: multiples of 8 up to ", course::num(kMaxHeadDim));
+  TORCH_CHECK(scale > 0 && std::isfinite(scale), name, ": scale must be finite and positive, got ", course::num(scale));
 
   Params p;
   p.q = q.data_ptr();

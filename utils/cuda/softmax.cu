@@ -174,6 +174,7 @@ cudaError_t launch(int variant, const float* x, float* y, int rows, int cols, cu
 #include <cuda_runtime_api.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
+#include "course_str.h"
 
 namespace course_softmax {
 cudaError_t launch(int variant, const float* x, float* y, int rows, int cols, cudaStream_t stream);
@@ -183,12 +184,12 @@ cudaError_t launch(int variant, const float* x, float* y, int rows, int cols, cu
 torch::Tensor softmax_forward(torch::Tensor x, int64_t variant) {
   TORCH_CHECK(x.is_cuda(), "softmax: x must be a CUDA tensor, got one on ", x.device());
   TORCH_CHECK(x.scalar_type() == torch::kFloat32, "softmax: x must be float32, got ", x.scalar_type());
-  TORCH_CHECK(x.dim() == 2, "softmax: x must have 2 dims (rows, cols), got ", x.dim());
+  TORCH_CHECK(x.dim() == 2, "softmax: x must have 2 dims (rows, cols), got ", course::num(x.dim()));
   TORCH_CHECK(x.is_contiguous(), "softmax: x must be contiguous (call .contiguous() first)");
-  TORCH_CHECK(x.size(0) > 0 && x.size(1) > 0, "softmax: x is empty, shape ", x.sizes());
-  TORCH_CHECK(x.size(0) <= INT32_MAX && x.size(1) <= INT32_MAX, "softmax: x is too large, shape ", x.sizes());
+  TORCH_CHECK(x.size(0) > 0 && x.size(1) > 0, "softmax: x is empty, shape ", course::shape(x.sizes()));
+  TORCH_CHECK(x.size(0) <= INT32_MAX && x.size(1) <= INT32_MAX, "softmax: x is too large, shape ", course::shape(x.sizes()));
   TORCH_CHECK(variant >= 0 && variant <= 3, "softmax: variant must be 0 (smem), 1 (warp), 2 (float4) or ",
-              "3 (row_per_warp), got ", variant);
+              "3 (row_per_warp), got ", course::num(variant));
   const c10::cuda::CUDAGuard guard(x.device());
   auto y = torch::empty_like(x);
   const cudaError_t err = course_softmax::launch(static_cast<int>(variant), x.data_ptr<float>(),

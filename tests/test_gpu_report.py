@@ -1,0 +1,80 @@
+"""The GPU reports the repository keeps (python -m utils.gpu_suite): their shape, and the tree ids they carry."""
+import json
+import re
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from utils.gpu_suite import PARTS, ROOT, TRACKED_DIRS, Collector, report_path, tree_id
+
+REPORTS = sorted((ROOT / "tests").glob("gpu_report*.json"))
+
+
+def git(*args) -> str:
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+
+@pytest.mark.parametrize("folder", TRACKED_DIRS)
+def test_tree_id_equals_git_for_a_clean_folder(folder):
+    if not git("rev-parse", "--git-dir"):
+        pytest.skip("not a git checkout")
+    if git("status", "--porcelain", "--", folder):
+        pytest.skip(f"{folder}/ has uncommitted changes")
+    assert tree_id(ROOT / folder) == git("rev-parse", f"HEAD:{folder}")
+
+
+def test_tree_id_of_a_small_folder(tmp_path):
+    (tmp_path / "a.txt").write_text("hi\n")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "b.py").write_text("x = 1\n")
+    (tmp_path / "__pycache__").mkdir()
+    (tmp_path / "__pycache__" / "b.pyc").write_bytes(b"\0")
+    (tmp_path / "empty").mkdir()
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    subprocess.run(["git", "-C", str(tmp_path), "add", "a.txt", "sub"], check=True)
+    expected = subprocess.run(["git", "-C", str(tmp_path), "write-tree"], capture_output=True, text=True).stdout
+    assert tree_id(tmp_path) == expected.strip()
+
+
+def test_collector_counts_outcomes_per_file():
+    c = Collector()
+    for nodeid, when, outcome in [("tests/a.py::t1", "setup", "passed"), ("tests/a.py::t1", "call", "passed"),
+                                  ("tests/a.py::t2", "setup", "skipped"), ("tests/a.py::t3", "call", "failed"),
+                                  ("nb.ipynb::Cell 0", "call", "passed"), ("nb.ipynb::Cell 1", "teardown", "failed")]:
+        c.pytest_runtest_logreport(SimpleNamespace(nodeid=nodeid, when=when, outcome=outcome, duration=0.5,
+                                                   failed=outcome == "failed", skipped=outcome == "skipped"))
+    assert dict(c.files["tests/a.py"]) == dict(passed=1, failed=1, skipped=1, seconds=2.0)
+    assert c.files["nb.ipynb"]["failed"] == 1 and c.failures == ["tests/a.py::t3 (call)", "nb.ipynb::Cell 1 (teardown)"]
+
+
+def test_report_paths():
+    assert report_path(None) == ROOT / "tests" / "gpu_report.json"
+    assert report_path("t4") == ROOT / "tests" / "gpu_report_t4.json"
+
+
+def test_the_h200_report_exists():
+    assert report_path(None) in REPORTS, "run `python -m utils.gpu_suite` on a GPU and commit tests/gpu_report.json"
+
+
+@pytest.mark.parametrize("path", REPORTS, ids=lambda p: p.name)
+def test_report_shape(path: Path):
+    report = json.loads(path.read_text())
+    env = report["environment"]
+    for key in ("gpu", "capability", "driver", "cuda", "cudnn", "torch", "triton", "python", "date", "command"):
+        assert env.get(key) not in (None, ""), f"{path.name}: environment.{key} is missing"
+    assert ("emulate t4" in env["command"]) == (env["emulated"] == "t4") == path.name.endswith("_t4.json")
+    assert set(report["trees"]) == set(TRACKED_DIRS)
+    assert all(re.fullmatch(r"[0-9a-f]{40}", t) for t in report["trees"].values())
+    assert set(report["parts"]) == set(PARTS), "both parts: the unit tests and the notebooks"
+    for name, part in report["parts"].items():
+        files = part["files"]
+        assert files and all(set(f) == {"passed", "failed", "skipped", "seconds"} for f in files.values())
+        for key in ("passed", "failed", "skipped"):
+            assert part["totals"][key] == sum(f[key] for f in files.values())
+        assert part["totals"]["failed"] == len(part["failures"]) or part["exit_code"] != 0
+    notebooks = {Path(f).name for f in report["parts"]["notebooks"]["files"]}
+    assert notebooks == {p.name for p in (ROOT / "notebooks").glob("*.ipynb")}, "every notebook ran"
+    assert report["totals"] == {k: sum(p["totals"][k] for p in report["parts"].values())
+                                for k in ("passed", "failed", "skipped")}

@@ -1,0 +1,133 @@
+"""Run the whole test suite on a CUDA machine and write the report the repository keeps (tests/gpu_report*.json).
+
+    python -m utils.gpu_suite                      # unit tests, then every notebook: tests/gpu_report.json
+    python -m utils.gpu_suite --part notebooks     # one part (a long suite can be run in two sittings)
+    python -m utils.gpu_suite --emulate t4         # as on Colab's T4 (utils/gpu.py): tests/gpu_report_t4.json
+
+CPU CI skips every `%%gpu` cell and GPU test, so this is what says the course works where learners run it.
+The report records the machine (GPU, capability, driver, CUDA, cuDNN, torch, Triton), passed / failed /
+skipped and seconds per test file and per notebook, the failures' names, and the git tree ids of utils/ and
+notebooks/ that ran, computed from the files themselves (a copy of the repository without its history works).
+Running one part keeps the other part's results only if they came from the same trees.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PARTS = {"tests": ["tests"], "notebooks": ["notebooks"]}
+TRACKED_DIRS = ("utils", "notebooks")
+IGNORED_NAMES = {".git", "__pycache__", ".ipynb_checkpoints"}   # what git keeps out of those folders
+IGNORED_SUFFIXES = (".pyc",)
+
+
+def report_path(emulate: str | None) -> Path:
+    return ROOT / "tests" / (f"gpu_report_{emulate}.json" if emulate else "gpu_report.json")
+
+
+def tree_id(path: Path) -> str:
+    """The git tree id (SHA-1) of the folder `path` as it is on disk, ignored files left out: equal to
+    `git rev-parse HEAD:<folder>` when the folder matches the commit."""
+    entries = []
+    for child in path.iterdir():
+        if child.name in IGNORED_NAMES or child.name.endswith(IGNORED_SUFFIXES) or child.is_symlink():
+            continue
+        if child.is_dir():
+            sha = tree_id(child)
+            if sha is None:
+                continue
+            entries.append((child.name + "/", b"40000 " + child.name.encode(), sha))
+        else:
+            data = child.read_bytes()
+            blob = hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+            mode = b"100755" if os.access(child, os.X_OK) else b"100644"
+            entries.append((child.name, mode + b" " + child.name.encode(), blob))
+    if not entries:
+        return None  # git keeps no empty folders
+    body = b"".join(head + b"\0" + bytes.fromhex(sha) for _, head, sha in sorted(entries))
+    return hashlib.sha1(b"tree %d\0" % len(body) + body).hexdigest()
+
+
+class Collector:
+    """A pytest plugin that tallies outcomes per file (a test module or a notebook)."""
+
+    def __init__(self):
+        self.files = defaultdict(lambda: dict(passed=0, failed=0, skipped=0, seconds=0.0))
+        self.failures = []
+
+    def pytest_runtest_logreport(self, report):
+        stats = self.files[report.nodeid.split("::")[0]]
+        stats["seconds"] += report.duration
+        if report.when == "call":
+            outcome = report.outcome
+        elif report.failed:                       # an error in set-up or teardown
+            outcome = "failed"
+        elif report.when == "setup" and report.skipped:   # skip markers act at set-up
+            outcome = "skipped"
+        else:
+            return
+        stats[outcome] += 1
+        if outcome == "failed":
+            self.failures.append(f"{report.nodeid} ({report.when})")
+
+    def pytest_collectreport(self, report):
+        if report.failed:
+            self.files[report.nodeid or "collection"]["failed"] += 1
+            self.failures.append(f"{report.nodeid} (collection)")
+
+
+def run_part(part: str, extra_args=()) -> dict:
+    import pytest
+
+    collector = Collector()
+    start = time.time()
+    code = pytest.main([*PARTS[part], "-p", "no:cacheprovider", "-q", *extra_args], plugins=[collector])
+    files = {name: dict(stats, seconds=round(stats["seconds"], 1)) for name, stats in sorted(collector.files.items())}
+    totals = {k: sum(f[k] for f in files.values()) for k in ("passed", "failed", "skipped")}
+    return dict(exit_code=int(code), seconds=round(time.time() - start, 1), totals=totals, files=files,
+                failures=collector.failures)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", choices=[*PARTS, "all"], default="all")
+    parser.add_argument("--emulate", default=None, help="a GPU profile of utils/gpu.py, e.g. t4")
+    parser.add_argument("--report", type=Path, default=None, help="default: tests/gpu_report[_<profile>].json")
+    parser.add_argument("pytest_args", nargs="*", help="passed on to pytest (after --)")
+    args = parser.parse_args(argv)
+
+    from utils import gpu
+
+    if args.emulate:
+        os.environ[gpu.EMULATE_VAR] = args.emulate
+        gpu.emulated()  # an unknown profile fails here, before anything runs
+    else:
+        os.environ.pop(gpu.EMULATE_VAR, None)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("no CUDA GPU here: this command runs the suite on one (CPU runs: make test)", file=sys.stderr)
+        return 2
+    path = args.report or report_path(args.emulate)
+    trees = {d: tree_id(ROOT / d) for d in TRACKED_DIRS}
+    old = json.loads(path.read_text()) if path.is_file() else {}
+    parts = {name: p for name, p in old.get("parts", {}).items() if old.get("trees") == trees}
+    command = "python -m utils.gpu_suite" + (f" --emulate {args.emulate}" if args.emulate else "")
+    for part in (list(PARTS) if args.part == "all" else [args.part]):
+        parts[part] = run_part(part, args.pytest_args)
+    report = dict(environment=gpu.environment(command), trees=trees, parts=parts,
+                  totals={k: sum(p["totals"][k] for p in parts.values()) for k in ("passed", "failed", "skipped")})
+    path.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}: {report['totals']}")
+    return 0 if all(p["exit_code"] == 0 for p in parts.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
