@@ -7,7 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from utils.gpu_suite import PARTS, ROOT, TRACKED_DIRS, Collector, report_path, tree_id
+from utils import gpu_suite
+from utils.gpu_suite import PARTS, ROOT, TRACKED_DIRS, Collector, report_path, summarize, tree_id
 
 REPORTS = sorted((ROOT / "tests").glob("gpu_report*.json"))
 
@@ -46,7 +47,8 @@ def test_collector_counts_outcomes_per_file():
         c.pytest_runtest_logreport(SimpleNamespace(nodeid=nodeid, when=when, outcome=outcome, duration=0.5,
                                                    failed=outcome == "failed", skipped=outcome == "skipped"))
     assert dict(c.files["tests/a.py"]) == dict(passed=1, failed=1, skipped=1, seconds=2.0)
-    assert c.files["nb.ipynb"]["failed"] == 1 and c.failures == ["tests/a.py::t3 (call)", "nb.ipynb::Cell 1 (teardown)"]
+    assert c.files["nb.ipynb"]["failed"] == 1 and list(c.failures) == ["tests/a.py::t3 (call)",
+                                                                          "nb.ipynb::Cell 1 (teardown)"]
 
 
 def test_report_paths():
@@ -73,8 +75,46 @@ def test_report_shape(path: Path):
         assert files and all(set(f) == {"passed", "failed", "skipped", "seconds"} for f in files.values())
         for key in ("passed", "failed", "skipped"):
             assert part["totals"][key] == sum(f[key] for f in files.values())
-        assert part["totals"]["failed"] == len(part["failures"]) or part["exit_code"] != 0
+        assert part["totals"]["failed"] == len(part["failures"])
     notebooks = {Path(f).name for f in report["parts"]["notebooks"]["files"]}
     assert notebooks == {p.name for p in (ROOT / "notebooks").glob("*.ipynb")}, "every notebook ran"
     assert report["totals"] == {k: sum(p["totals"][k] for p in report["parts"].values())
                                 for k in ("passed", "failed", "skipped")}
+
+
+def test_a_run_of_some_files_keeps_the_others_results():
+    c = Collector()
+    c.pytest_runtest_logreport(SimpleNamespace(nodeid="tests/b.py::t", when="call", outcome="failed", duration=1.0,
+                                               failed=True, skipped=False, longreprtext="boom"))
+    old = dict(files={"tests/a.py": dict(passed=3, failed=0, skipped=1, seconds=2.0),
+                      "tests/b.py": dict(passed=5, failed=0, skipped=0, seconds=1.0)}, failures={})
+    merged = summarize(c, old)
+    assert merged["totals"] == dict(passed=3, failed=1, skipped=1) and merged["failures"] == {"tests/b.py::t (call)": "boom"}
+
+
+def test_main_writes_a_report_per_part(tmp_path, monkeypatch):
+    """The command's bookkeeping, with pytest itself replaced (the real thing needs a GPU)."""
+    import torch
+
+    monkeypatch.setenv("COURSE_EMULATE_GPU", "")  # restored after the test: main() sets it for --emulate
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gpu_suite, "tree_id", lambda path: path.name * 5)
+    monkeypatch.setattr("utils.gpu.environment", lambda command: {"command": command})
+    runs = []
+
+    def fake_run_part(part, files, pytest_args, old, save):
+        runs.append((part, tuple(files), tuple(pytest_args)))
+        results = summarize(Collector(), old)
+        save(results)
+        return results, 0
+
+    monkeypatch.setattr(gpu_suite, "run_part", fake_run_part)
+    report = tmp_path / "r.json"
+    assert gpu_suite.main(["--report", str(report), "--", "-n", "4"]) == 0
+    assert runs == [("tests", (), ("-n", "4")), ("notebooks", (), ("-n", "4"))]
+    data = json.loads(report.read_text())
+    assert set(data["parts"]) == {"tests", "notebooks"} and data["trees"] == {"utils": "utils" * 5,
+                                                                             "notebooks": "notebooks" * 5}
+    assert gpu_suite.main(["--report", str(report), "--files", "notebooks/00_setup.ipynb", "--emulate", "t4"]) == 0
+    assert runs[-1] == ("notebooks", ("notebooks/00_setup.ipynb",), ())
+    assert json.loads(report.read_text())["environment"]["command"] == "python -m utils.gpu_suite --emulate t4"

@@ -56,14 +56,21 @@ def tree_id(path: Path) -> str:
 
 
 class Collector:
-    """A pytest plugin that tallies outcomes per file (a test module or a notebook)."""
+    """A pytest plugin that tallies outcomes per file (a test module or a notebook); `on_file_done(self)` is
+    called as each file finishes, so a run cut short still leaves its results."""
 
-    def __init__(self):
+    def __init__(self, on_file_done=None):
         self.files = defaultdict(lambda: dict(passed=0, failed=0, skipped=0, seconds=0.0))
-        self.failures = []
+        self.failures = {}
+        self.on_file_done = on_file_done
+        self._last = None
 
     def pytest_runtest_logreport(self, report):
-        stats = self.files[report.nodeid.split("::")[0]]
+        file = report.nodeid.split("::")[0]
+        if self._last not in (None, file) and self.on_file_done:
+            self.on_file_done(self)
+        self._last = file
+        stats = self.files[file]
         stats["seconds"] += report.duration
         if report.when == "call":
             outcome = report.outcome
@@ -75,24 +82,32 @@ class Collector:
             return
         stats[outcome] += 1
         if outcome == "failed":
-            self.failures.append(f"{report.nodeid} ({report.when})")
+            self.failures[f"{report.nodeid} ({report.when})"] = getattr(report, "longreprtext", "")[-1500:]
 
     def pytest_collectreport(self, report):
         if report.failed:
             self.files[report.nodeid or "collection"]["failed"] += 1
-            self.failures.append(f"{report.nodeid} (collection)")
+            self.failures[f"{report.nodeid} (collection)"] = getattr(report, "longreprtext", "")[-1500:]
 
 
-def run_part(part: str, extra_args=()) -> dict:
+def summarize(collector: Collector, old: dict | None = None) -> dict:
+    """A part's results: this run's files on top of `old`'s (a run of some files keeps the others')."""
+    files = dict((old or {}).get("files", {}))
+    files.update({name: dict(stats, seconds=round(stats["seconds"], 1)) for name, stats in collector.files.items()})
+    failures = {k: v for k, v in (old or {}).get("failures", {}).items() if k.split("::")[0] not in collector.files}
+    failures.update(collector.failures)
+    totals = {k: sum(f[k] for f in files.values()) for k in ("passed", "failed", "skipped")}
+    return dict(totals=totals, files=dict(sorted(files.items())), failures=failures)
+
+
+def run_part(part: str, files=(), pytest_args=(), old: dict | None = None, save=lambda results: None):
+    """Run one part (all of it, or `files` of it) under pytest; returns (results, pytest's exit code).
+    `save(results)` is called as files finish."""
     import pytest
 
-    collector = Collector()
-    start = time.time()
-    code = pytest.main([*PARTS[part], "-p", "no:cacheprovider", "-q", *extra_args], plugins=[collector])
-    files = {name: dict(stats, seconds=round(stats["seconds"], 1)) for name, stats in sorted(collector.files.items())}
-    totals = {k: sum(f[k] for f in files.values()) for k in ("passed", "failed", "skipped")}
-    return dict(exit_code=int(code), seconds=round(time.time() - start, 1), totals=totals, files=files,
-                failures=collector.failures)
+    collector = Collector(on_file_done=lambda c: save(summarize(c, old)))
+    code = pytest.main([*(files or PARTS[part]), "-p", "no:cacheprovider", "-q", *pytest_args], plugins=[collector])
+    return summarize(collector, old), int(code)
 
 
 def main(argv=None) -> int:
@@ -100,7 +115,9 @@ def main(argv=None) -> int:
     parser.add_argument("--part", choices=[*PARTS, "all"], default="all")
     parser.add_argument("--emulate", default=None, help="a GPU profile of utils/gpu.py, e.g. t4")
     parser.add_argument("--report", type=Path, default=None, help="default: tests/gpu_report[_<profile>].json")
-    parser.add_argument("pytest_args", nargs="*", help="passed on to pytest (after --)")
+    parser.add_argument("--files", nargs="+", default=[], help="run only these test files / notebooks; the "
+                        "report keeps the other files' results from the same trees")
+    parser.add_argument("pytest_args", nargs="*", help="passed on to pytest (after --), e.g. -- -n 4 --dist loadfile")
     args = parser.parse_args(argv)
 
     from utils import gpu
@@ -120,13 +137,25 @@ def main(argv=None) -> int:
     old = json.loads(path.read_text()) if path.is_file() else {}
     parts = {name: p for name, p in old.get("parts", {}).items() if old.get("trees") == trees}
     command = "python -m utils.gpu_suite" + (f" --emulate {args.emulate}" if args.emulate else "")
+
+    def save(name, results):
+        parts[name] = results
+        totals = {k: sum(p["totals"][k] for p in parts.values()) for k in ("passed", "failed", "skipped")}
+        path.write_text(json.dumps(dict(environment=gpu.environment(command), trees=trees, parts=parts,
+                                        totals=totals), indent=1) + "\n")
+        return totals
+
+    codes = []
     for part in (list(PARTS) if args.part == "all" else [args.part]):
-        parts[part] = run_part(part, args.pytest_args)
-    report = dict(environment=gpu.environment(command), trees=trees, parts=parts,
-                  totals={k: sum(p["totals"][k] for p in parts.values()) for k in ("passed", "failed", "skipped")})
-    path.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}: {report['totals']}")
-    return 0 if all(p["exit_code"] == 0 for p in parts.values()) else 1
+        files = [f for f in args.files if f.startswith(PARTS[part][0] + "/")]
+        if args.files and not files:
+            continue
+        results, code = run_part(part, files, args.pytest_args, parts.get(part) if files else None,
+                                 save=lambda r, part=part: save(part, r))
+        print(f"{path.name}: {part}: {save(part, results)}")
+        codes.append(code)
+    # pytest's 0: all passed; 5: nothing collected (e.g. --files named none of this part's)
+    return 0 if codes and all(c in (0, 5) for c in codes) else 1
 
 
 if __name__ == "__main__":
