@@ -16,6 +16,8 @@ if not CUDA:
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU; skipped without one")
+    config.addinivalue_line("markers", "capability(major, minor): needs a GPU at least this new (the emulated one "
+                                       "under COURSE_EMULATE_GPU); skipped on older ones, as on a T4")
 
 
 def is_gpu_cell(item) -> bool:
@@ -25,6 +27,14 @@ def is_gpu_cell(item) -> bool:
 
 def pytest_collection_modifyitems(config, items):
     if CUDA:
+        from utils import gpu
+
+        have = gpu.capability()
+        for item in items:
+            marker = item.get_closest_marker("capability")
+            if marker is not None and have < tuple(marker.args):
+                need = "sm_{}{}".format(*marker.args)
+                item.add_marker(pytest.mark.skip(reason=f"needs {need}+; this GPU is sm_{have[0]}{have[1]}"))
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:

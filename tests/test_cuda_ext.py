@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from utils import cuda_ext
+from utils import cuda_ext, gpu
 from utils.cuda_ext import (KERNELS, KernelResources, compile_check, extension_name, find_nvcc, gencode_flags,
                             parse_ptxas, short_kernel_name, source_hash)
 
@@ -389,8 +389,9 @@ def test_load_is_cached_and_rows_without_keys_are_zero():
     assert cuda_ext.load("flash_tiled") is cuda_ext.load("flash_tiled")
     q = torch.randn(1, 2, 70, 64, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(1, 2, 20, 64, device="cuda", dtype=torch.bfloat16)
+    mma_steps = cuda_ext.MMA_STEPS if gpu.capability() >= (8, 0) else ()  # none on a T4
     for fn in (cuda_ext.flash_naive, cuda_ext.flash_tiled, *[
-            lambda *a, step=s, **kw: cuda_ext.flash_mma(*a, step=step, **kw) for s in cuda_ext.MMA_STEPS]):
+            lambda *a, step=s, **kw: cuda_ext.flash_mma(*a, step=step, **kw) for s in mma_steps]):
         out = fn(q, k, k, causal=True)
         assert torch.equal(out[:, :, :50], torch.zeros_like(out[:, :, :50]))  # queries 0..49 see no key
         assert out[:, :, 50:].abs().sum() > 0
@@ -405,6 +406,7 @@ MMA_SHAPES = [(1, 1, 1, 1, 1, 64), (2, 2, 2, 17, 17, 128), (1, 4, 2, 200, 333, 6
 
 
 @pytest.mark.gpu
+@pytest.mark.capability(8, 0)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("step", cuda_ext.MMA_STEPS)
@@ -422,6 +424,7 @@ def test_flash_mma_steps_match_reference(step, dtype, causal):
 
 
 @pytest.mark.gpu
+@pytest.mark.capability(8, 0)
 @pytest.mark.parametrize("step", ["mma", "causal_skip"])
 def test_flash_mma_on_views(step):
     from utils.testing import assert_attention_matches_reference
@@ -436,6 +439,7 @@ def test_flash_mma_on_views(step):
 
 
 @pytest.mark.gpu
+@pytest.mark.capability(8, 0)
 def test_flash_mma_torch_checks():
     setup = ('f = cuda_ext.load("flash_mma_s7_causal_skip").flash_mma_s7_causal_skip_forward\n'
              'q = torch.randn(1, 4, 16, 64, device="cuda", dtype=torch.bfloat16)')
@@ -452,10 +456,19 @@ def test_flash_mma_torch_checks():
 
 @pytest.mark.gpu
 def test_registry_cuda_runs_the_last_step_and_falls_back_for_float32():
+    """sm_80+: the tensor-core kernel; older GPUs (a T4, or COURSE_EMULATE_GPU=t4): flash_tiled, with a warning."""
     from utils.testing import assert_attention_matches_reference, random_qkv
 
-    q, k, v = random_qkv(1, 2, 100, 100, 64, dtype=torch.bfloat16, device="cuda")
-    assert torch.equal(cuda_ext.flash_attention_cuda(q, k, v, causal=True), cuda_ext.flash_mma(q, k, v, causal=True))
+    q, k, v = random_qkv(1, 2, 100, 100, 64, dtype=torch.float16, device="cuda")
+    if gpu.capability() >= (8, 0):
+        assert torch.equal(cuda_ext.flash_attention_cuda(q, k, v, causal=True),
+                           cuda_ext.flash_mma(q, k, v, causal=True))
+    else:
+        with pytest.warns(UserWarning, match="no bf16 mma.sync"):
+            out = cuda_ext.flash_attention_cuda(q, k, v, causal=True)
+        assert torch.equal(out, cuda_ext.flash_tiled(q, k, v, causal=True))
+        with pytest.raises(RuntimeError, match="compute capability 8.0 or newer"):
+            cuda_ext.flash_mma(q, k, v)
     q, k, v = (t.float() for t in (q, k, v))
     assert_attention_matches_reference(cuda_ext.flash_attention_cuda, q, k, v, causal=True)
 

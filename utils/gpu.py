@@ -59,20 +59,18 @@ def capability(device=None) -> tuple[int, int] | None:
     torch.device or a tensor on it."""
     if not torch.cuda.is_available():
         return None
+    index = _index(device)
     profile = emulated()
-    if profile is not None:
-        return profile.capability
-    return tuple(torch.cuda.get_device_capability(_index(device)))
+    return profile.capability if profile else tuple(torch.cuda.get_device_capability(index))
 
 
 def shared_memory_per_block(device=None) -> int | None:
     """Bytes of shared memory one block may use (opt-in limit) on the GPU or the emulated one."""
     if not torch.cuda.is_available():
         return None
+    index = _index(device)
     profile = emulated()
-    if profile is not None:
-        return profile.shared_memory_per_block
-    return torch.cuda.get_device_properties(_index(device)).shared_memory_per_block_optin
+    return profile.shared_memory_per_block if profile else torch.cuda.get_device_properties(index).shared_memory_per_block_optin
 
 
 def name(device=None) -> str | None:
