@@ -46,7 +46,6 @@ def check_attention_inputs(q, k, v, *, causal=False, head_dims=None, dtypes=FLOA
             raise TypeError(f"{name} has dtype {t.dtype} but q has {q.dtype}; they must match")
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device} but q is on {q.device}; they must match")
-    check_device("q", q, runs_on)
     (b, h, nq, d), (bk, hk, nk, dk) = q.shape, k.shape
     if v.shape != k.shape:
         raise ValueError(f"v has shape {tuple(v.shape)} but k has {tuple(k.shape)}; they must match")
@@ -58,6 +57,7 @@ def check_attention_inputs(q, k, v, *, causal=False, head_dims=None, dtypes=FLOA
         raise ValueError(f"q has {h} heads, not a multiple of the {hk} heads of k and v")
     if head_dims is not None and d not in head_dims:
         raise ValueError(f"head_dim {d} is not supported here; supported: {sorted(head_dims)}")
+    check_device("q", q, runs_on)  # last: an argument that is wrong everywhere is named first
     return AttentionShape(b, h, hk, nq, nk, d)
 
 

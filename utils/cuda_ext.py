@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from utils import gpu
-from utils.checks import check_attention_inputs, resolve_scale
+from utils.checks import check_attention_inputs, check_device, resolve_scale
 
 ROOT = Path(__file__).resolve().parents[1]
 CUDA_DIR = ROOT / "utils" / "cuda"
@@ -302,8 +302,9 @@ def softmax(x, variant: str = "warp"):
 
 
 def _flash(name, q, k, v, causal, sm_scale, head_dims):
-    shape = check_attention_inputs(q, k, v, causal=causal, head_dims=head_dims, dtypes=FLASH_DTYPES, runs_on="cuda")
+    shape = check_attention_inputs(q, k, v, causal=causal, head_dims=head_dims, dtypes=FLASH_DTYPES)
     scale = resolve_scale(sm_scale, shape.head_dim)
+    check_device("q", q, "cuda")
     # Any strides work except along head_dim, where the kernels read consecutive elements.
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     return getattr(load(name), f"{name}_forward")(q, k, v, causal, scale)
@@ -345,9 +346,9 @@ def flash_mma(q, k, v, *, causal=False, sm_scale=None, step: str = MMA_STEPS[-1]
     bottom-right. Needs an sm_80+ GPU; on a T4 (sm_75) it refuses with a RuntimeError (flash_tiled runs there).
     """
     name = mma_kernel_name(step)
-    shape = check_attention_inputs(q, k, v, causal=causal, head_dims=MMA_HEAD_DIMS, dtypes=MMA_DTYPES,
-                                   runs_on="cuda")
+    shape = check_attention_inputs(q, k, v, causal=causal, head_dims=MMA_HEAD_DIMS, dtypes=MMA_DTYPES)
     scale = resolve_scale(sm_scale, shape.head_dim)
+    check_device("q", q, "cuda")
     capability = gpu.capability(q.device)
     check_mma_capability(capability)
     if (name, capability) not in _MMA_FORWARD:  # load() once: its check for edited sources costs ~30 µs a call
@@ -361,8 +362,8 @@ def flash_attention_cuda(q, k, v, *, causal=False, sm_scale=None):
     What the tensor cores cannot take runs `flash_tiled` (CUDA cores, fp32 arithmetic) instead: float32 inputs
     on any GPU, and every input on GPUs older than sm_80 (with a warning there, e.g. Colab's T4).
     """
-    check_attention_inputs(q, k, v, causal=causal, head_dims=MMA_HEAD_DIMS, dtypes=FLASH_DTYPES, runs_on="cuda")
-    if q.dtype != torch.float32:
+    check_attention_inputs(q, k, v, causal=causal, head_dims=MMA_HEAD_DIMS, dtypes=FLASH_DTYPES)
+    if q.is_cuda and q.dtype != torch.float32:
         if gpu.capability(q.device) >= (8, 0):
             return flash_mma(q, k, v, causal=causal, sm_scale=sm_scale)
         warnings.warn(f"{gpu.name(q.device)} has no bf16 mma.sync (sm_80+): running the "
