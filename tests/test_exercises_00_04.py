@@ -6,14 +6,17 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from utils.exercises import check
+from utils.exercises.naive_attention import check_causal_attention
 from utils.exercises.online_softmax import check_lse_merge, check_probs_exp2
 from utils.exercises.pytorch_flash import (check_block_sizes, check_fa1_accesses, check_fa2_accesses,
                                            check_flash2_block, check_keys_to_visit)
 from utils.exercises.triton_basics import check_condition_string
 from utils.flash_pytorch import LOG2E, flash2_kv_end
 from utils.learner import code_cell
+from utils.reference import naive_attention
 from utils.triton_utils import cdiv
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
@@ -21,6 +24,7 @@ NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 # (notebook, cell marker, the check applied to the cell's namespace)
 EXERCISES = {
     "0.1": ("00_setup", "# Exercise 0.1", lambda ns: check_condition_string(ns["first_row_from_col_2"]())),
+    "1.2": ("01_naive_attention", "# Exercise 1.2", lambda ns: check_causal_attention(ns["causal_attention"])),
     "2.2": ("02_softmax", "# Exercise 2.2", lambda ns: check_lse_merge(ns["lse_merge"])),
     "2.3": ("02_softmax", "# Exercise 2.3", lambda ns: check_probs_exp2(ns["probs_exp2"])),
     "3.1": ("03_flash_attention_1", "# Exercise 3.1", lambda ns: check_block_sizes(ns["block_sizes"])),
@@ -34,6 +38,12 @@ EXERCISES = {
 WRONG = [
     ("0.1", 'return "=0,>=2"', 'return "=0,>=2,=0"'),                       # pins pid_2
     ("0.1", 'return "=0,>=2"', 'return "=0,>2"'),
+    ("1.2", "j > i + nk - nq", "j > i"),                                          # top-left alignment
+    ("1.2", ".nan_to_num(0.0) @ v", " @ v"),                                      # NaN rows when Nq > Nk
+    ("1.2", "nq, nk = q.shape[-2], k.shape[-2]", "return naive_attention(q, k, v, causal=True)"),   # the answer
+    ("1.2", "nq, nk = q.shape[-2], k.shape[-2]",
+     "return F.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(q.shape[-2], k.shape[-2]).tril("
+     "k.shape[-2] - q.shape[-2]).bool())"),                                       # a fused kernel does the work
     ("2.2", "return shift + torch.log(", "return a.logaddexp(b)  # "),        # the answer, called
     ("2.2", "return shift + torch.log(", "return torch.log(torch.exp(a) + torch.exp(b))  # "),   # overflows
     ("2.3", "return torch.exp2(s * c - m * c)", "return (sm_scale * (s - m)).exp()"),         # exp, not exp2
@@ -56,8 +66,9 @@ def run(exercise, *, learner=False, replace=None):
         old, new = replace
         assert old in src, f"{old!r} is not in exercise {exercise}"
         src = src.replace(old, new)
-    ns = {"math": math, "torch": torch, "cdiv": cdiv, "LOG2E": LOG2E, "flash2_kv_end": flash2_kv_end, "check": check,
-          "check_lse_merge": check_lse_merge, "check_probs_exp2": check_probs_exp2}   # what earlier cells import
+    ns = {"math": math, "torch": torch, "F": F, "cdiv": cdiv, "LOG2E": LOG2E, "flash2_kv_end": flash2_kv_end,
+          "naive_attention": naive_attention, "check": check, "check_lse_merge": check_lse_merge,   # what earlier
+          "check_probs_exp2": check_probs_exp2, "check_causal_attention": check_causal_attention}   # cells import
     exec(src, ns)   # a cell that holds its own check runs it here too
     return check(exercise, hint="(test)")(lambda: apply_check(ns))
 

@@ -24,7 +24,7 @@ class recording_ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _run_without(fn, args, forbidden: dict[str, str]):
+def run_without(fn, args, forbidden: dict[str, str]):
     """fn(*args), failing if it ran any operator of `forbidden` ({aten name: what to do instead})."""
     with recording_ops() as ops:
         out = fn(*args)
@@ -40,7 +40,7 @@ def check_lse_merge(lse_merge) -> None:
     b = torch.tensor([0.0, 999.0, 2.0, -math.inf, -50.0, -1e4 + 1, 89.5, -746.0], dtype=torch.float64)
     forbidden = {name: "that is the answer; factor out the larger of the two instead"
                  for name in ("logaddexp", "logaddexp2", "logsumexp")}
-    got, _ = _run_without(lse_merge, (a.clone(), b.clone()), forbidden)
+    got, _ = run_without(lse_merge, (a.clone(), b.clone()), forbidden)
     if not isinstance(got, torch.Tensor) or got.shape != a.shape:
         raise AssertionError(f"return a tensor of shape {tuple(a.shape)}, got {got!r}")
     big = torch.maximum(a, b)
@@ -61,7 +61,7 @@ def check_probs_exp2(probs_exp2) -> None:
     forbidden = {name: "use torch.exp2 with log2(e) folded into the scale"
                  for name in ("exp", "expm1", "pow", "softmax", "_softmax")}
     for sm_scale in (0.125, 0.3):
-        got, ops = _run_without(probs_exp2, (s.clone(), m.clone(), sm_scale), forbidden)
+        got, ops = run_without(probs_exp2, (s.clone(), m.clone(), sm_scale), forbidden)
         if "exp2" not in ops:
             raise AssertionError("your function never calls torch.exp2")
         expected = torch.exp(sm_scale * (s - m))
