@@ -1,11 +1,13 @@
 """Peak memory of a function call: the CUDA allocator's counter on a GPU, a dispatch-level tracker on a CPU.
 
 The CPU has no allocator statistics, so `AllocationTracker` intercepts every operator (TorchDispatchMode),
-records each tensor an operator allocates, and notices through weak references when Python frees it. The
-running total of live bytes, and its peak, is what `torch.cuda.max_memory_allocated` reports on a GPU (less
-its rounding to 512-byte blocks). Tensors that existed before (the inputs) and views of existing storage are
-not counted. Memory a kernel keeps outside PyTorch tensors (the Triton interpreter's NumPy scratch, for
-instance, which stands for on-chip SRAM on a GPU) is not seen either.
+records each tensor an operator returns in new memory, and notices through weak references when Python frees
+it: the running total of live bytes, and its peak. That is the part of `torch.cuda.max_memory_allocated` made
+of returned tensors. It does not see memory an operator allocates for itself and frees before returning (a
+workspace: CPU SDPA's, for instance; `torch.profiler` with `profile_memory=True` does), nor the allocator's
+rounding to 512-byte blocks. Tensors that existed before (the inputs) and views of existing storage are not
+counted. Memory a kernel keeps outside PyTorch tensors (the Triton interpreter's NumPy scratch, for instance,
+which stands for on-chip SRAM on a GPU) is not seen either.
 """
 from __future__ import annotations
 
@@ -54,7 +56,7 @@ def peak_memory(fn, *args, **kwargs) -> int:
     """Peak bytes allocated by `fn(*args, **kwargs)` beyond what was live before the call.
 
     On a GPU (any CUDA tensor among the arguments) this is the caching allocator's counter; elsewhere the
-    `AllocationTracker`. Runs under no_grad: the forward's working memory, not what autograd would save.
+    `AllocationTracker`, which counts returned tensors and misses operators' internal workspaces. Runs under no_grad: the forward's working memory, not what autograd would save.
     """
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
