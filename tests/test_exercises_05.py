@@ -102,3 +102,44 @@ def test_reference_is_independent_of_the_course_kernels():
     expected = torch.softmax(q[0, 0].double() @ k[0, 0].double().T / 8 ** 0.5, -1) @ v[0, 0].double()
     o_full, _ = triton_forward.reference(q, k, v)
     torch.testing.assert_close(o_full[0, 0], expected)
+
+
+# Notebook 05a runs its kernels in the interpreter on every machine; here they need conftest's interpreter (CPU).
+LAB = {
+    # exercise: (kernel name, check, the planted bug as a line replacement)
+    "5a.1": ("causal_softmax_fixed", debug_lab.check_causal_softmax,
+             ("cols[None, :] <= rows[:, None]", "cols[None, :] < rows[:, None]")),
+    "5a.2": ("scale_rows_fixed", debug_lab.check_scale_rows,
+             ("rows = offsets_1d(BLOCK_M, pid_m)\n    cols = offsets_1d(BLOCK_N, pid_n)",
+              "rows = offsets_1d(BLOCK_M, pid_n)\n    cols = offsets_1d(BLOCK_N, pid_m)")),
+    "5a.3": ("softmax_dot_fixed", debug_lab.check_softmax_dot,
+             ("acc = acc * alpha + tl.sum", "acc = acc + tl.sum")),
+}
+needs_interpreter = pytest.mark.skipif(not __import__("utils.triton_utils").triton_utils.interpreting(),
+                                       reason="the lab's kernels run in the Triton interpreter")
+
+
+@needs_interpreter
+@pytest.mark.parametrize("number", LAB)
+def test_lab_stub_bug_and_fix(number, capsys):
+    name, check_fn, bug = LAB[number]
+    stub = namespace(NB05A, f"# Exercise {number}:", learner=True)
+    assert run_check(lambda: check_fn(stub[name])) == "not yet"
+    buggy = namespace(NB05A, f"# Exercise {number}:", learner=False, replace=[bug])
+    with pytest.raises(AssertionError, match=r"rows .* in block\(s\)"):
+        check_fn(buggy[name])
+    fixed = namespace(NB05A, f"# Exercise {number}:", learner=False)
+    assert run_check(lambda: check_fn(fixed[name])) == "right"
+
+
+def test_lab_planted_bugs_are_the_ones_the_exercises_fix():
+    """The kernel handed over in each lab is the exercise's solution with exactly the planted bug."""
+    import json
+    import re
+    flat = lambda text: re.sub(r"\s+", " ", text)  # noqa: E731 (comments may be aligned differently)
+    cells = [flat("".join(c["source"])) for c in json.loads(NB05A.read_text())["cells"] if c["cell_type"] == "code"]
+    for number, (name, _, (good, bad)) in LAB.items():
+        fixed = code_cell(NB05A, f"# Exercise {number}:")
+        body = "\n".join(line for line in fixed.splitlines()[1:] if "SOLUTION" not in line)
+        buggy = body.replace(good, bad).replace(name, name.replace("_fixed", "_buggy"))
+        assert any(cell.startswith(flat(buggy)) for cell in cells), f"lab {number}: the buggy kernel is not the fix's twin"
