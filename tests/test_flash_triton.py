@@ -116,7 +116,9 @@ def test_worklog_variants_compute_attention_or_refuse_clearly():
     q, k, v = qkv(nq=40, nk=40, d=32)
     for name, (config, steps) in WORKLOG.items():
         fn = worklog_variant(name)
-        if CUDA and not (steps.tma and not tma_supported(*qkv(d=32, dtype=torch.float16))):
+        if steps is None:  # the final kernel, Steps.fastest per call: runs on any input
+            assert_close(fn(q, k, v, causal=True), reference_attention(q, k, v, causal=True))
+        elif CUDA and not (steps.tma and not tma_supported(*qkv(d=32, dtype=torch.float16))):
             q16, k16, v16 = (t.half() for t in (q, k, v))
             assert_close(fn(q16, k16, v16, causal=True), reference_attention(q, k, v, causal=True),
                          dtype=torch.float16)
@@ -128,6 +130,15 @@ def test_worklog_variants_compute_attention_or_refuse_clearly():
                 assert_close(fn(q, k, v, causal=True), reference_attention(q, k, v, causal=True))
         with pytest.raises(TypeError, match="causal must be a bool"):
             fn(q, k, v, causal=1)
+
+
+def test_worklog_final_step_runs_what_flash_attention_runs():
+    """Like with like: the worklog's last entry is the registry's kernel (Steps.fastest) through `variant`."""
+    from utils.flash_triton import WORKLOG, worklog_variant
+    assert WORKLOG["triton 1+2 (final)"] == (None, None)
+    q, k, v = qkv(nq=33, nk=70, d=32, hk=1)
+    assert torch.equal(worklog_variant("triton 1+2 (final)")(q, k, v, causal=True),
+                       flash_attention(q, k, v, causal=True))
 
 
 def test_autotuned_config_is_asked_once_per_shape_class_then_launched_directly(monkeypatch):

@@ -1,4 +1,4 @@
-import sys
+import pdb
 
 import pytest
 import torch
@@ -93,12 +93,54 @@ def test_print_if(capsys):
     assert capsys.readouterr().out == "hello\n"
 
 
-def test_breakpoint_if(monkeypatch):
-    calls = []
-    monkeypatch.setattr(sys, "breakpointhook", lambda *a, **k: calls.append(1))
+def test_breakpoint_if_stops_in_the_callers_frame(monkeypatch):
+    frames = []
+    monkeypatch.delenv("PYTHONBREAKPOINT", raising=False)
+    monkeypatch.setattr(pdb.Pdb, "set_trace", lambda self, frame=None: frames.append(frame))
+    offs = 42  # noqa: F841 (what a learner would inspect with `p offs`)
     breakpoint_if("=0,=1", 0, 1)
     breakpoint_if("=0,=1", 0, 2)
-    assert calls == [1]
+    assert len(frames) == 1 and frames[0].f_locals["offs"] == 42
+
+
+def test_breakpoint_if_is_off_with_pythonbreakpoint_0(monkeypatch):
+    frames = []
+    monkeypatch.setenv("PYTHONBREAKPOINT", "0")
+    monkeypatch.setattr(pdb.Pdb, "set_trace", lambda self, frame=None: frames.append(frame))
+    breakpoint_if("=0", 0)
+    assert frames == []
+
+
+BREAK_LOCALS = []
+
+
+@triton.jit
+def _break_after_load(x_ptr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs)  # noqa: F841 (inspected through the frame)
+    tu.breakpoint_if("=1", pid)
+
+
+def test_breakpoint_if_in_a_kernel_sees_the_kernels_variables(monkeypatch):
+    if not tu.interpreting():
+        pytest.skip("needs the Triton interpreter")
+    monkeypatch.delenv("PYTHONBREAKPOINT", raising=False)
+    monkeypatch.setattr(pdb.Pdb, "set_trace", lambda self, frame=None: BREAK_LOCALS.append(dict(frame.f_locals)))
+    BREAK_LOCALS.clear()
+    _break_after_load[(2,)](torch.arange(8, dtype=torch.float32), BLOCK=4)
+    assert len(BREAK_LOCALS) == 1
+    assert {"offs", "x", "pid"} <= set(BREAK_LOCALS[0])
+
+
+@pytest.mark.parametrize("conds,pids", [("=0,=1", (0,)), (",,=2", (0, 1)), ("=0", ()), (",>1", (5,))])
+def test_a_condition_on_a_pid_not_passed_raises(conds, pids):
+    with pytest.raises(ValueError, match="was not passed"):
+        test_pid_conds(conds, *pids)
+
+
+def test_pids_not_passed_are_fine_without_conditions_on_them():
+    assert test_pid_conds("=3", 3) and test_pid_conds("=3,", 3) and test_pid_conds(",=1", 0, 1)
 
 
 def test_check_tensors_gpu_ready_accepts_cpu_in_interpreter(monkeypatch):
@@ -116,6 +158,20 @@ def test_check_tensors_gpu_ready_names_the_non_contiguous_argument(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     with pytest.raises(ValueError, match="argument 1 .* not contiguous"):
         check_tensors_gpu_ready(torch.zeros(4, 4), torch.zeros(4, 4).t())
+
+
+def test_check_tensors_gpu_ready_flags_bf16_in_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    check_tensors_gpu_ready(torch.zeros(3, dtype=torch.float16))
+    with pytest.raises(TypeError, match="argument 1 is bfloat16"):
+        check_tensors_gpu_ready(torch.zeros(3), torch.zeros(3, dtype=torch.bfloat16))
+
+
+@pytest.mark.gpu
+def test_check_tensors_gpu_ready_flags_mixed_devices(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(ValueError, match="argument 1 is on cpu but argument 0 is on cuda"):
+        check_tensors_gpu_ready(torch.zeros(3, device="cuda"), torch.zeros(3))
 
 
 def test_check_tensors_gpu_ready_rejects_non_tensors():
@@ -167,3 +223,22 @@ def test_offset_and_mask_helpers_1d(n):
     dst = torch.zeros_like(src)
     _copy_1d[(cdiv(n, 16),)](src, dst, n, BLOCK=16)
     torch.testing.assert_close(dst, 2 * src)
+
+
+def test_show_source_prints_the_lines_between_markers(capsys):
+    tu.show_source(tu.cdiv, "if b == 0", "return")
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 2 and "if b == 0" in out[0] and "raise ValueError" in out[1]
+    with pytest.raises(ValueError, match="no line contains"):
+        tu.show_source(tu.cdiv, "not in the source")
+
+
+def test_show_diff_prints_a_unified_diff_of_kernels(capsys):
+    tu.show_diff(_copy_1d, _copy_tile)
+    out = capsys.readouterr().out
+    assert out.startswith("--- _copy_1d\n+++ _copy_tile\n")
+    assert "-    tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=mask) * 2, mask=mask)" in out
+    tu.show_diff("a\nb\n", "a\nc\n")
+    assert capsys.readouterr().out.splitlines()[-2:] == ["-b", "+c"]
+    with pytest.raises(TypeError):
+        tu.show_diff(1, "a")

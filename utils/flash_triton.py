@@ -304,28 +304,33 @@ def _launch(q, k, v, causal, scale, config: Config | None = None, steps: Steps |
     return o, lse
 
 
-# Notebook 05b's worklog: the kernel before each step, timed beside the final one ("triton") and SDPA by
-# `python -m utils.benchmark --worklog`.
+# Notebook 05b's worklog: the kernel before each step and the final one, all timed through `variant` (the same
+# entry point, so the ratios compare like with like) beside SDPA by `python -m utils.benchmark --worklog`.
+# Steps None: `Steps.fastest`, what the registry's "triton" (flash_attention, with autograd) runs.
 WORKLOG = {
     "triton 05 (fixed tiles)": (NOTEBOOK_05_TILES, Steps()),
     "triton + autotune": (None, Steps(autotune=True)),
     "triton + TMA (fixed tiles)": (NOTEBOOK_05_TILES, Steps(tma=True)),
+    "triton 1+2 (final)": (None, None),
 }
 # The tile sweep behind TUNE_CONFIGS (`python -m utils.benchmark --sweep`), each with and without TMA.
 SWEEP_CONFIGS = [Config(*c) for c in ((128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 4, 3),
                                       (64, 64, 4, 3), (128, 32, 4, 4), (64, 128, 4, 3), (128, 64, 8, 4))]
 
 
-def variant(config: Config | None, steps: Steps, name: str = "variant"):
+def variant(config: Config | None, steps: Steps | None, name: str = "variant"):
     """An attention function (course signature, validated inputs) that runs the kernel with fixed block sizes
-    (`config`; None: autotuned or pick_config) and fixed switches (`steps`): the worklog's and the sweep's."""
+    (`config`; None: autotuned or pick_config) and fixed switches (`steps`; None: `Steps.fastest` per call):
+    the worklog's and the sweep's."""
     if config is not None and not isinstance(config, Config):
         raise TypeError(f"config must be a Config or None, got {type(config).__name__}")
-    if not isinstance(steps, Steps):
-        raise TypeError(f"steps must be a Steps, got {type(steps).__name__}")
+    if steps is not None and not isinstance(steps, Steps):
+        raise TypeError(f"steps must be a Steps or None, got {type(steps).__name__}")
 
     def attention(q, k, v, *, causal=False, sm_scale=None):
         _, scale = _validate(q, k, v, causal, sm_scale)
+        if steps is None:
+            return _launch(q, k, v, causal, scale, config, None)[0]
         if steps.tma and not tma_supported(q, k, v):
             raise ValueError(f"{name!r} needs TMA: a Hopper GPU (sm_90+), 16-bit inputs, a power-of-two head dim "
                              "and 16-byte aligned rows")

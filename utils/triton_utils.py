@@ -3,15 +3,21 @@
 Host-side helpers (`cdiv`, `test_pid_conds`, `print_if`, `breakpoint_if`, `check_tensors_gpu_ready`) are plain
 Python. In the interpreter (TRITON_INTERPRET=1) a kernel body is plain Python too, so `print_if` and
 `breakpoint_if` can be called from inside a kernel with `tl.program_id(...)` values to debug one program.
+`show_source` and `show_diff` print part of a function's source, or what changed between two versions of a
+kernel (the notebooks' step-by-step kernels).
 
 The offset and mask helpers at the bottom are `@triton.jit` functions: import this module after
 TRITON_INTERPRET is decided (the notebooks' bootstrap cell does that).
 """
 from __future__ import annotations
 
+import difflib
+import inspect
 import numbers
 import os
+import pdb
 import re
+import sys
 
 import numpy as np
 import torch
@@ -65,27 +71,32 @@ def _pid_value(pid, name: str) -> int:
     return int(value)
 
 
-def test_pid_conds(conds: str, pid_0=0, pid_1=0, pid_2=0) -> bool:
+_NO_PID = object()  # default of pid_0..2: a condition on an axis whose pid was not passed is an error
+
+
+def test_pid_conds(conds: str, pid_0=_NO_PID, pid_1=_NO_PID, pid_2=_NO_PID) -> bool:
     """Whether program ids satisfy `conds`, e.g. "=0,>1" or ">=2,,!=3".
 
     Entry i (comma-separated) applies to pid_i; an empty entry always holds; all entries must hold.
-    Operators: = == != < <= > >=.
+    Operators: = == != < <= > >=. A condition on an axis needs that pid passed: it raises ValueError
+    rather than silently comparing a missing pid against 0.
     """
     if not isinstance(conds, str):
         raise TypeError(f"conds must be a string such as '=0,>1', got {type(conds).__name__}")
     entries = conds.split(",")
     if len(entries) > 3:
         raise ValueError(f"conds {conds!r} has {len(entries)} entries; at most 3 (one per program axis)")
-    pids = [_pid_value(p, f"pid_{i}") for i, p in enumerate((pid_0, pid_1, pid_2))]
-    for entry, pid in zip(entries, pids):
+    for axis, (entry, pid) in enumerate(zip(entries, (pid_0, pid_1, pid_2))):
         if entry.strip() == "":
             continue
         match = _COND.match(entry)
         if match is None:
             raise ValueError(
                 f"condition {entry!r} in {conds!r} is not an operator ({' '.join(_OPS)}) followed by an integer")
+        if pid is _NO_PID:
+            raise ValueError(f"conds {conds!r} has a condition on axis {axis}, but pid_{axis} was not passed")
         op, value = match.groups()
-        if not _OPS[op](pid, int(value)):
+        if not _OPS[op](_pid_value(pid, f"pid_{axis}"), int(value)):
             return False
     return True
 
@@ -93,23 +104,24 @@ def test_pid_conds(conds: str, pid_0=0, pid_1=0, pid_2=0) -> bool:
 test_pid_conds.__test__ = False  # a debug helper, not a pytest test, despite its (conventional) name
 
 
-def print_if(txt, conds: str, pid_0=0, pid_1=0, pid_2=0) -> None:
+def print_if(txt, conds: str, pid_0=_NO_PID, pid_1=_NO_PID, pid_2=_NO_PID) -> None:
     """Print `txt` only in the programs whose ids satisfy `conds` (see `test_pid_conds`)."""
     if test_pid_conds(conds, pid_0, pid_1, pid_2):
         print(txt)
 
 
-def breakpoint_if(conds: str, pid_0=0, pid_1=0, pid_2=0) -> None:
-    """Drop into the debugger only in the programs whose ids satisfy `conds` (interpreter only).
-
-    Uses the builtin `breakpoint()`, so PYTHONBREAKPOINT=0 turns every such call off.
-    """
-    if test_pid_conds(conds, pid_0, pid_1, pid_2):
-        breakpoint()
+def breakpoint_if(conds: str, pid_0=_NO_PID, pid_1=_NO_PID, pid_2=_NO_PID) -> None:
+    """Open pdb in the *caller's* frame (the kernel body, in the interpreter) only in the programs whose ids
+    satisfy `conds`, so `p offs` works at once. PYTHONBREAKPOINT=0 turns every such call off, as it does for
+    the builtin `breakpoint()`."""
+    if test_pid_conds(conds, pid_0, pid_1, pid_2) and os.environ.get("PYTHONBREAKPOINT") != "0":
+        pdb.Pdb().set_trace(sys._getframe(1))
 
 
 def check_tensors_gpu_ready(*tensors) -> None:
-    """Raise unless every tensor is contiguous and on a CUDA device (CPU tensors are fine in the interpreter)."""
+    """Raise unless every tensor is contiguous and on one CUDA device (CPU tensors are fine in the interpreter,
+    except bf16: the interpreter computes with NumPy, which has no bfloat16, so it would give wrong numbers
+    without an error)."""
     allow_cpu = interpreting()
     for i, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor):
@@ -120,6 +132,43 @@ def check_tensors_gpu_ready(*tensors) -> None:
         if t.device.type != "cuda" and not (allow_cpu and t.device.type == "cpu"):
             hint = "" if allow_cpu else " (set TRITON_INTERPRET=1 before defining kernels to run them on the CPU)"
             raise ValueError(f"argument {i} is on {t.device}, not on a CUDA device{hint}")
+        if allow_cpu and t.dtype == torch.bfloat16:
+            raise TypeError(f"argument {i} is bfloat16: the Triton interpreter has no bf16 arithmetic (wrong "
+                            "numbers, no error); use .float() on the CPU")
+        if t.device != tensors[0].device:
+            raise ValueError(f"argument {i} is on {t.device} but argument 0 is on {tensors[0].device}: "
+                             "one kernel reads one device's memory")
+
+
+def _source_lines(obj) -> list[str]:
+    """Source lines of a function, a @triton.jit kernel (its .fn) or a string."""
+    if isinstance(obj, str):
+        return obj.splitlines()
+    fn = getattr(obj, "fn", obj)
+    if not callable(fn):
+        raise TypeError(f"expected a function, a @triton.jit kernel or a string, got {type(obj).__name__}")
+    return inspect.getsource(fn).splitlines()
+
+
+def show_source(obj, start: str | None = None, end: str | None = None) -> None:
+    """Print the source of `obj` from the first line containing `start` up to, not including, the next line
+    containing `end` (None: from the top / to the bottom), with line numbers: the part the text discusses."""
+    lines = _source_lines(obj)
+    first = 0 if start is None else next((i for i, line in enumerate(lines) if start in line), None)
+    if first is None:
+        raise ValueError(f"no line contains {start!r}")
+    last = len(lines) if end is None else next((i for i in range(first + 1, len(lines)) if end in lines[i]), None)
+    if last is None:
+        raise ValueError(f"no line after {start!r} contains {end!r}")
+    print("\n".join(f"{i + 1:4d}  {lines[i]}" for i in range(first, last)))
+
+
+def show_diff(old, new, context: int = 2) -> None:
+    """Print a unified diff between two versions of a kernel (functions, @triton.jit kernels or strings):
+    what one step of a notebook changes. Lines starting with - are removed, + added."""
+    a, b = _source_lines(old), _source_lines(new)
+    names = [getattr(getattr(x, "fn", x), "__name__", "old" if x is old else "new") for x in (old, new)]
+    print("\n".join(difflib.unified_diff(a, b, *names, n=context, lineterm="")))
 
 
 # --- Offsets and masks for 1-D and 2-D tiles, used inside kernels ---------------------------------------

@@ -1,0 +1,145 @@
+"""Notebook 05's kernel exercises (and 05a's debugging lab): each check fails on the learner's stub ("not yet"),
+fails on a plausible wrong answer, and passes on the solution."""
+from pathlib import Path
+
+import pytest
+
+from utils.exercises import check
+from utils.exercises import debug_lab, triton_forward
+from utils.learner import code_cell
+
+ROOT = Path(__file__).resolve().parents[1]
+NB05 = ROOT / "notebooks" / "05_triton_flash_attention.ipynb"
+NB05A = ROOT / "notebooks" / "05a_triton_debugging.ipynb"
+PRELUDE = """
+import torch
+import triton
+import triton.language as tl
+from utils.triton_utils import mask_1d, mask_2d, offsets_1d, offsets_2d, print_if, test_pid_conds
+"""
+# Cells each exercise needs after its own: the kernel that calls the helper the learner writes.
+KERNEL_05 = {"5.2": "def fa_step3(", "5.3": "def fa_step4("}
+
+
+def namespace(path, marker, *, learner, replace=(), extra=()):
+    """Run an exercise's cell (stubbed when `learner`, with `replace` applied) and `extra` cells in a fresh dict."""
+    ns = {}
+    exec(PRELUDE, ns)
+    source = code_cell(path, marker, learner=learner)
+    for old, new in replace:
+        assert old in source, f"{old!r} is not in the cell of {marker}"
+        source = source.replace(old, new)
+    exec(source, ns)
+    for other in extra:
+        exec(code_cell(path, other), ns)
+    return ns
+
+
+def run_check(test):
+    return check("test", hint="hint")(test)
+
+
+EXERCISES_05 = {
+    # exercise: (kernel name, check, plausible wrong answers as line replacements)
+    "5.1": ("fa_step1", triton_forward.check_online_softmax, [
+        [("acc = acc * alpha[:, None] + tl.dot", "acc = acc + tl.dot")],                 # no rescale of acc
+        [("l_i = l_i * alpha + tl.sum(p, 1)", "l_i = l_i + tl.sum(p, 1)")],              # no rescale of l
+        [("p = tl.math.exp2(qk * qk_scale - m_ij[:, None])", "p = tl.math.exp2(qk - m_ij[:, None])")],
+    ]),
+    "5.2": ("fa_step3", triton_forward.check_ragged, [
+        [("qk = tl.where(in_range[None, :], tl.dot(q, tl.trans(k)), float(\"-inf\"))",
+          "qk = tl.dot(q, tl.trans(k))")],                                                # unmasked tail
+        [("in_range = mask_1d(cols, seqlen_k)", "in_range = mask_1d(cols, seqlen_k + 1)")],  # off by one
+    ]),
+    "5.3": ("fa_step4", triton_forward.check_causal, [
+        [("(cols[None, :] <= offs_m[:, None] + causal_offset)",
+          "(cols[None, :] < offs_m[:, None] + causal_offset)")],                         # off-by-one diagonal
+        [("keep = in_range[None, :]\n", "keep = in_range[None, :] | True\n")],            # unmasked tail
+        [("m_sub = tl.where(m_ij == float(\"-inf\"), 0.0, m_ij)", "m_sub = m_ij")],        # nan for unseen rows
+    ]),
+}
+
+
+def _extra(number):
+    return [KERNEL_05[number]] if number in KERNEL_05 else []
+
+
+@pytest.mark.parametrize("number", EXERCISES_05)
+def test_05_stub_is_not_yet(number, capsys):
+    name, check_fn, _ = EXERCISES_05[number]
+    ns = namespace(NB05, f"# Exercise {number}:", learner=True, extra=_extra(number))
+    assert run_check(lambda: check_fn(ns[name])) == "not yet"
+
+
+@pytest.mark.parametrize("number,wrong", [(n, i) for n, (_, _, w) in EXERCISES_05.items() for i in range(len(w))])
+def test_05_wrong_answer_fails(number, wrong, capsys):
+    name, check_fn, wrongs = EXERCISES_05[number]
+    ns = namespace(NB05, f"# Exercise {number}:", learner=False, replace=wrongs[wrong], extra=_extra(number))
+    with pytest.raises(AssertionError, match="wrong|lse"):
+        check_fn(ns[name])
+
+
+@pytest.mark.parametrize("number", EXERCISES_05)
+def test_05_solution_passes(number, capsys):
+    name, check_fn, _ = EXERCISES_05[number]
+    ns = namespace(NB05, f"# Exercise {number}:", learner=False, extra=_extra(number))
+    assert run_check(lambda: check_fn(ns[name])) == "right"
+
+
+def test_05_failure_names_rows_and_blocks():
+    name, check_fn, wrongs = EXERCISES_05["5.3"]
+    ns = namespace(NB05, "# Exercise 5.3:", learner=False, replace=wrongs[0], extra=_extra("5.3"))
+    with pytest.raises(AssertionError, match=r"rows .* in block\(s\)"):
+        check_fn(ns[name])
+
+
+def test_reference_is_independent_of_the_course_kernels():
+    """The checks' reference is float64 torch math, with GQA and the bottom-right causal mask built here."""
+    import torch
+    q, k, v = triton_forward._qkv(1, 4, 2, 5, 3, 8, False, seed=0)
+    o, lse = triton_forward.reference(q, k, v, causal=True)
+    assert torch.isinf(lse[..., :2]).all() and (o[..., :2, :] == 0).all()   # Nq > Nk: 2 rows see no key
+    expected = torch.softmax(q[0, 0].double() @ k[0, 0].double().T / 8 ** 0.5, -1) @ v[0, 0].double()
+    o_full, _ = triton_forward.reference(q, k, v)
+    torch.testing.assert_close(o_full[0, 0], expected)
+
+
+# Notebook 05a runs its kernels in the interpreter on every machine; here they need conftest's interpreter (CPU).
+LAB = {
+    # exercise: (kernel name, check, the planted bug as a line replacement)
+    "5a.1": ("causal_softmax_fixed", debug_lab.check_causal_softmax,
+             ("cols[None, :] <= rows[:, None]", "cols[None, :] < rows[:, None]")),
+    "5a.2": ("scale_rows_fixed", debug_lab.check_scale_rows,
+             ("rows = offsets_1d(BLOCK_M, pid_m)\n    cols = offsets_1d(BLOCK_N, pid_n)",
+              "rows = offsets_1d(BLOCK_M, pid_n)\n    cols = offsets_1d(BLOCK_N, pid_m)")),
+    "5a.3": ("softmax_dot_fixed", debug_lab.check_softmax_dot,
+             ("acc = acc * alpha + tl.sum", "acc = acc + tl.sum")),
+}
+needs_interpreter = pytest.mark.skipif(not __import__("utils.triton_utils").triton_utils.interpreting(),
+                                       reason="the lab's kernels run in the Triton interpreter")
+
+
+@needs_interpreter
+@pytest.mark.parametrize("number", LAB)
+def test_lab_stub_bug_and_fix(number, capsys):
+    name, check_fn, bug = LAB[number]
+    stub = namespace(NB05A, f"# Exercise {number}:", learner=True)
+    assert run_check(lambda: check_fn(stub[name])) == "not yet"
+    buggy = namespace(NB05A, f"# Exercise {number}:", learner=False, replace=[bug])
+    with pytest.raises(AssertionError, match=r"rows .* in block\(s\)"):
+        check_fn(buggy[name])
+    fixed = namespace(NB05A, f"# Exercise {number}:", learner=False)
+    assert run_check(lambda: check_fn(fixed[name])) == "right"
+
+
+def test_lab_planted_bugs_are_the_ones_the_exercises_fix():
+    """The kernel handed over in each lab is the exercise's solution with exactly the planted bug."""
+    import json
+    import re
+    flat = lambda text: re.sub(r"\s+", " ", text)  # noqa: E731 (comments may be aligned differently)
+    cells = [flat("".join(c["source"])) for c in json.loads(NB05A.read_text())["cells"] if c["cell_type"] == "code"]
+    for number, (name, _, (good, bad)) in LAB.items():
+        fixed = code_cell(NB05A, f"# Exercise {number}:")
+        body = "\n".join(line for line in fixed.splitlines()[1:] if "SOLUTION" not in line)
+        buggy = body.replace(good, bad).replace(name, name.replace("_fixed", "_buggy"))
+        assert any(cell.startswith(flat(buggy)) for cell in cells), f"lab {number}: the buggy kernel is not the fix's twin"
