@@ -5,7 +5,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from utils.learner import STUB, generate, learner_version, strip_solutions, was_edited
+from utils.learner import CUDA_STUB, STUB, generate, learner_version, strip_solutions, was_edited
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
@@ -96,3 +96,36 @@ def test_code_cell_finds_one_cell_and_stubs_it(tmp_path):
         code_cell(path, "# Exercise 9")
     with pytest.raises(ValueError, match="2 code cells"):
         code_cell(path, "# twice")
+
+
+def test_strip_solutions_stubs_cuda_source_with_an_error_directive():
+    src = ('KERNEL = r"""\n__device__ float f(float v) {\n  // BEGIN SOLUTION\n  return v + 1;\n  // END SOLUTION\n}\n"""\n'
+           "def g():\n    # BEGIN SOLUTION\n    return 2\n    # END SOLUTION\n")
+    out, count = strip_solutions(src)
+    assert count == 2
+    assert f"  {CUDA_STUB}\n" in out and f"    {STUB}\n" in out and "v + 1" not in out
+    assert CUDA_STUB == '#error "exercise: replace this line with your code"'
+
+
+@pytest.mark.parametrize("src", ["// BEGIN SOLUTION\nx = 1;\n# END SOLUTION\n", "# BEGIN SOLUTION\nx = 1\n// END SOLUTION\n",
+                                 "  // BEGIN SOLUTION\nx = 1;\n"])
+def test_strip_solutions_rejects_mismatched_cuda_markers(src):
+    with pytest.raises(ValueError, match="SOLUTION"):
+        strip_solutions(src)
+
+
+def test_cuda_stub_fails_compilation_with_the_stub_message(tmp_path):
+    """The stubbed source does not compile, and the compiler's message carries STUB_MESSAGE."""
+    import shutil
+    import subprocess
+
+    from utils.exercises import STUB_MESSAGE
+
+    compiler = shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        pytest.skip("no C++ compiler")
+    source, _ = strip_solutions("int f(int v) {\n  // BEGIN SOLUTION\n  return v + 1;\n  // END SOLUTION\n}\n")
+    (tmp_path / "stub.cpp").write_text(source)
+    proc = subprocess.run([compiler, "-c", str(tmp_path / "stub.cpp"), "-o", str(tmp_path / "stub.o")],
+                          capture_output=True, text=True)
+    assert proc.returncode != 0 and STUB_MESSAGE in proc.stderr

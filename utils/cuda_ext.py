@@ -439,3 +439,19 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
+
+
+def excerpt(source: str, start: str, end: str) -> str:
+    """The lines of `source` from the one containing `start` up to (not including) the first line after it
+    containing `end`: the part of a kernel a notebook discusses, rather than the whole file."""
+    if not all(isinstance(s, str) for s in (source, start, end)):
+        raise TypeError("excerpt(source, start, end) takes three strings")
+    if start not in source:
+        raise ValueError(f"start {start!r} is not in the source")
+    begin = source.rfind("\n", 0, source.index(start)) + 1
+    after = source.find("\n", begin) + 1  # `end` is looked for from the next line on
+    found = source.find(end, after) if after else -1
+    stop = source.rfind("\n", begin, found)
+    if found < 0 or stop < begin:
+        raise ValueError(f"end {end!r} is not on a line after {start!r}")
+    return source[begin:stop].rstrip()

@@ -6,6 +6,10 @@ In the committed notebooks each exercise's solution sits between a `# BEGIN SOLU
 `# END SOLUTION` line; the learner version has, in their place, `raise NotImplementedError(...)` at the same
 indentation, so the exercise's check cell reports "not yet". Outputs are cleared.
 
+CUDA exercises keep their solution inside CUDA source (a Python string in a code cell), between
+`// BEGIN SOLUTION` and `// END SOLUTION` lines; there the stub is `#error "<STUB_MESSAGE>"`, so the compiler
+stops with the stub's message and the check reports "not yet" too.
+
 A learner's work is never overwritten: each generated file records a fingerprint of its cells, and a file whose
 cells no longer match it (the learner edited it) is left alone; the new version is written beside it as
 `<name>.new.ipynb`.
@@ -21,28 +25,39 @@ from pathlib import Path
 from utils.exercises import STUB_MESSAGE
 
 ROOT = Path(__file__).resolve().parents[1]
-BEGIN = re.compile(r"^(\s*)# BEGIN SOLUTION\s*$")
-END = re.compile(r"^\s*# END SOLUTION\s*$")
+BEGIN = re.compile(r"^(\s*)(#|//) BEGIN SOLUTION\s*$")
+END = re.compile(r"^\s*(#|//) END SOLUTION\s*$")
 STUB = f"raise NotImplementedError({STUB_MESSAGE!r})"
+CUDA_STUB = f'#error "{STUB_MESSAGE}"'  # a compile error that carries the stub's message
+STUBS = {"#": STUB, "//": CUDA_STUB}
 
 
 def strip_solutions(source: str) -> tuple[str, int]:
-    """`source` with each solution block replaced by a stub, and how many blocks were replaced."""
-    out, indent, count = [], None, 0
+    """`source` with each solution block replaced by a stub, and how many blocks were replaced.
+
+    A `# BEGIN SOLUTION` block (Python) becomes STUB; a `// BEGIN SOLUTION` block (CUDA source in a string)
+    becomes CUDA_STUB; each at the indentation of its BEGIN line.
+    """
+    out, open_marker, count = [], None, 0
     for number, line in enumerate(source.splitlines(keepends=True), 1):
-        if indent is None:
+        end = END.match(line)
+        if open_marker is None:
             match = BEGIN.match(line)
             if match:
-                indent, count = match.group(1), count + 1
-                out.append(f"{indent}{STUB}\n")
+                indent, open_marker = match.groups()
+                count += 1
+                out.append(f"{indent}{STUBS[open_marker]}\n")
             else:
-                if END.match(line):
-                    raise ValueError(f"line {number}: '# END SOLUTION' without '# BEGIN SOLUTION'")
+                if end:
+                    raise ValueError(f"line {number}: '{end.group(1)} END SOLUTION' without a BEGIN SOLUTION")
                 out.append(line)
-        elif END.match(line):
-            indent = None
-    if indent is not None:
-        raise ValueError("'# BEGIN SOLUTION' without '# END SOLUTION'")
+        elif end:
+            if end.group(1) != open_marker:
+                raise ValueError(f"line {number}: '{end.group(1)} END SOLUTION' closes a "
+                                 f"'{open_marker} BEGIN SOLUTION'")
+            open_marker = None
+    if open_marker is not None:
+        raise ValueError(f"'{open_marker} BEGIN SOLUTION' without '{open_marker} END SOLUTION'")
     return "".join(out), count
 
 

@@ -1,0 +1,71 @@
+"""The CUDA exercises of notebooks 06 and 06b, on the CPU: each check says "not yet" on the learner's stub,
+fails on a plausible wrong answer with a message naming the lanes, and passes on the solution."""
+from pathlib import Path
+
+import pytest
+
+from utils.cuda_ext import find_nvcc
+from utils.exercises import check
+from utils.exercises.cuda_kernels import check_load_b_v, check_warp_reductions, host_compiler
+from utils.learner import code_cell
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.skipif(find_nvcc() is None or host_compiler() is None,
+                                reason="the CUDA exercises' checks need nvcc and a host C++ compiler")
+
+EXERCISES = {
+    "6.5": ("06_cuda_load_inline.ipynb", "# Exercise 6.5", "WARP_REDUCE_CUDA", check_warp_reductions),
+    "6b.5": ("06b_cuda_tensor_cores.ipynb", "# Exercise 6b.5", "LOAD_B_V_CUDA", check_load_b_v),
+}
+
+
+def exercise_source(exercise: str, *, learner: bool) -> str:
+    notebook, marker, variable, _ = EXERCISES[exercise]
+    namespace: dict = {}
+    exec(code_cell(ROOT / "notebooks" / notebook, marker, learner=learner), namespace)
+    return namespace[variable]
+
+
+def run_check(exercise: str, source: str):
+    return check(exercise, hint="test")(lambda: EXERCISES[exercise][3](source))
+
+
+@pytest.mark.parametrize("exercise", EXERCISES)
+def test_solution_passes(exercise):
+    assert run_check(exercise, exercise_source(exercise, learner=False)) == "right"
+
+
+@pytest.mark.parametrize("exercise", EXERCISES)
+def test_stub_says_not_yet(exercise):
+    source = exercise_source(exercise, learner=True)
+    assert '#error "exercise: replace this line with your code"' in source
+    assert run_check(exercise, source) == "not yet"
+
+
+# Plausible wrong answers, and what the message must say about them.
+WRONG = [
+    ("6.5", "__shfl_xor_sync", "__shfl_down_sync", "lanes 1–31 wrong.*Only lane 0 has the result"),
+    ("6.5", "offset = 16", "offset = 8", "warp_max, test case 0: lanes 0–15 wrong"),
+    ("6.5", "for (int offset = 16; offset > 0; offset /= 2) v +=",
+     "for (int offset = 16; offset > 0; offset /= 2) if (threadIdx.x % 32 < 16) v +=", "hung"),
+    ("6b.5", "lane / 8 % 2 * 8, col = n0 + lane / 16 * 8", "lane / 16 * 8, col = n0 + lane / 8 % 2 * 8",
+     r"b\[0\]\[1\] wrong in lanes 0–31; lane 0 \(g=0, t=0\) holds \(V\[0\]\[8\], V\[1\]\[8\]\), "
+     r"expected \(V\[8\]\[0\], V\[9\]\[0\]\)"),
+    ("6b.5", "ldmatrix_x4_trans(", "ldmatrix_x4(", r"b\[0\]\[0\] wrong in lanes 0–31.*holds \(V\[0\]\[0\], V\[0\]\[1\]\)"),
+    ("6b.5", "smem_offset<D, kSwizzle>(row, col)", "row * D + col", "swizzled tile"),
+]
+
+
+@pytest.mark.parametrize("exercise, old, new, message", WRONG, ids=[f"{w[0]}-{w[2][:20]}" for w in WRONG])
+def test_wrong_answer_fails_and_says_where(exercise, old, new, message):
+    source = exercise_source(exercise, learner=False)
+    assert old in source
+    with pytest.raises(AssertionError, match=message):
+        run_check(exercise, source.replace(old, new))
+
+
+def test_checks_refuse_a_non_string():
+    with pytest.raises(TypeError):
+        check_warp_reductions(None)
+    with pytest.raises(TypeError):
+        check_load_b_v(b"source")
