@@ -111,5 +111,5 @@ def test_tensors_on_the_wrong_device_raise_value_errors_naming_them(name):
             fn(q.cuda(), k.cuda(), v)
     gpu_only = runs_on == "cuda" or (runs_on == "triton" and CUDA)  # on a GPU machine the interpreter is off
     if gpu_only:
-        with pytest.raises(ValueError, match="q is on (cpu|the CPU), but .*CUDA tensors"):
+        with pytest.raises(ValueError, match="q is on (cpu|the CPU)"):
             fn(q, k, v)

@@ -348,3 +348,21 @@ def test_mismatched_devices_on_gpu():
     q, k, v = random_qkv(1, 2, 8, 8, 32, device="cuda")
     with pytest.raises(ValueError, match="k is on cpu"):
         flash_attention(q, k.cpu(), v)
+
+
+def test_pick_config_fits_the_gpus_shared_memory(monkeypatch):
+    """The H200's tiles where they fit; smaller ones on a GPU with 64 KiB per block (a T4, or its emulation)."""
+    from utils.flash_triton import NOTEBOOK_05_TILES, SMALL_SMEM_TILES, pick_config, smem_estimate
+
+    assert smem_estimate(Config(128, 64, 8, 3), 128, 2) == 2 * 128 * (128 + 3 * 2 * 64)
+    cuda = torch.device("cuda")
+    monkeypatch.setattr("utils.gpu.shared_memory_per_block", lambda device=None: 227 * 1024)  # H100/H200
+    assert pick_config(128, torch.bfloat16, cuda) == NOTEBOOK_05_TILES
+    assert pick_config(256, torch.bfloat16, cuda) == Config(64, 64, 8, 2)
+    monkeypatch.setattr("utils.gpu.shared_memory_per_block", lambda device=None: 64 * 1024)   # T4
+    for d in (16, 64, 80, 128, 256):
+        for dtype in (torch.float16, torch.float32):
+            config = pick_config(d, dtype, cuda)
+            assert smem_estimate(config, d, torch.finfo(dtype).bits // 8) <= 64 * 1024, (d, dtype, config)
+    assert pick_config(128, torch.float16, cuda) in SMALL_SMEM_TILES
+    assert pick_config(64, torch.float16, torch.device("cpu")) == Config(32, 32, 4, 1)  # the interpreter

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from utils import gpu
 from utils.checks import check_attention_inputs, check_bool, resolve_scale
 
 HEAD_DIMS = tuple(range(16, 257))           # any head dim from 16 to 256
@@ -180,19 +181,36 @@ class Config(NamedTuple):
 NOTEBOOK_05_TILES = Config(128, 64, 8, 3)
 
 
+# Smaller tiles, in the order tried, for GPUs with less shared memory per block (a T4 has 64 KiB).
+SMALL_SMEM_TILES = (Config(64, 64, 4, 2), Config(64, 32, 4, 2), Config(32, 32, 4, 1), Config(16, 16, 4, 1))
+
+
+def smem_estimate(config: Config, head_dim: int, elem_bytes: int) -> int:
+    """Shared memory a program needs, roughly: Q's tile once, K's and V's once per pipeline stage."""
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    return elem_bytes * block_d * (config.block_m + config.num_stages * 2 * config.block_n)
+
+
 def pick_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> Config:
     """Block sizes, warps and pipeline stages for one launch when nothing is tuned; chosen per head dim by
-    measurement on an H200. In the interpreter the blocks only trade Python overhead against wasted padding,
-    so they are small.
+    measurement on an H200, then shrunk until they fit the GPU's shared memory (utils.gpu, which a T4 profile
+    can emulate). In the interpreter the blocks only trade Python overhead against wasted padding, so they are
+    small.
     """
     block_d = max(16, triton.next_power_of_2(head_dim))
     if device.type != "cuda":
         return Config(32, 32, 4, 1)
     if dtype == torch.float32:  # exact fp32 dots run on CUDA cores: small tiles keep registers in check
-        return Config(64 if block_d <= 64 else 32, 32, 4, 2)
-    if block_d <= 128:
-        return NOTEBOOK_05_TILES
-    return Config(64, 64, 8, 2)
+        preferred = Config(64 if block_d <= 64 else 32, 32, 4, 2)
+    elif block_d <= 128:
+        preferred = NOTEBOOK_05_TILES
+    else:
+        preferred = Config(64, 64, 8, 2)
+    limit, elem_bytes = gpu.shared_memory_per_block(device), torch.finfo(dtype).bits // 8
+    if limit is None:  # asked without a GPU (tests): the H200's choice
+        return preferred
+    fits = [c for c in (preferred, *SMALL_SMEM_TILES) if smem_estimate(c, head_dim, elem_bytes) <= limit]
+    return fits[0] if fits else SMALL_SMEM_TILES[-1]
 
 
 class Steps(NamedTuple):
@@ -210,13 +228,13 @@ class Steps(NamedTuple):
 def tunable(q) -> bool:
     """Whether the autotuner may run: 16-bit inputs, head dim <= 128, an sm_80+ GPU (it times on the GPU)."""
     return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 128
-            and torch.cuda.get_device_capability(q.device) >= (8, 0))
+            and gpu.capability(q.device) >= (8, 0))
 
 
 def tma_supported(q, k, v) -> bool:
     """Tensor descriptors need Hopper or newer, 16-bit data, a power-of-two head dim with unit stride, and
     16-byte aligned base addresses and row strides (the TMA unit's rules)."""
-    if not (q.is_cuda and torch.cuda.get_device_capability(q.device) >= (9, 0)):
+    if not (q.is_cuda and gpu.capability(q.device) >= (9, 0)):
         return False
     d = q.shape[-1]
     return (q.dtype in (torch.float16, torch.bfloat16) and d == triton.next_power_of_2(d)
@@ -364,7 +382,9 @@ def _validate(q, k, v, causal, sm_scale):
 
 def triton_interpreting() -> bool:
     """Whether this module's kernels were defined for the interpreter."""
-    return isinstance(flash_fwd_kernel, triton.runtime.interpreter.InterpretedFunction)
+    from triton.runtime.interpreter import InterpretedFunction  # not imported by `import triton` on a GPU
+
+    return isinstance(flash_fwd_kernel, InterpretedFunction)
 
 
 def flash_attention_forward(q, k, v, *, causal=False, sm_scale=None):

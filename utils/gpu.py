@@ -13,6 +13,7 @@ T4). The GPU underneath still executes everything: emulation checks the course's
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import platform
 import subprocess
@@ -70,7 +71,13 @@ def shared_memory_per_block(device=None) -> int | None:
         return None
     index = _index(device)
     profile = emulated()
-    return profile.shared_memory_per_block if profile else torch.cuda.get_device_properties(index).shared_memory_per_block_optin
+    return profile.shared_memory_per_block if profile else _optin_smem(torch.cuda.current_device() if index is None
+                                                                       else index)
+
+
+@functools.lru_cache(maxsize=None)
+def _optin_smem(index: int) -> int:  # cached: kernels ask at every launch
+    return torch.cuda.get_device_properties(index).shared_memory_per_block_optin
 
 
 def name(device=None) -> str | None:
