@@ -65,3 +65,13 @@ def test_run_gpu_cell_raises_errors():
 
 def test_gpu_magic_outside_ipython():
     assert bootstrap.register_gpu_magic() is False
+
+
+def test_supports_says_in_one_line_what_needs_a_newer_gpu(capsys):
+    h200 = Env(torch.device("cuda"), torch.bfloat16, "H200", (9, 0), False, False)
+    t4 = Env(torch.device("cuda"), torch.float16, "T4", (7, 5), False, False)
+    cpu = Env(torch.device("cpu"), torch.float32, None, None, True, False)
+    assert h200.supports((9, 0), "TMA") and capsys.readouterr().out == ""
+    assert not t4.supports((8, 0), "the tensor-core kernels")
+    assert capsys.readouterr().out == "skipped: the tensor-core kernels: needs an sm_80+ GPU; this GPU is sm_75\n"
+    assert not cpu.supports((8, 0), "the autotuner") and "no GPU here" in capsys.readouterr().out

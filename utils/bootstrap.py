@@ -44,6 +44,15 @@ class Env:
         """`cpu` on a machine without a CUDA GPU, else `gpu`: keeps CPU runs short, GPU runs meaningful."""
         return gpu if self.on_gpu else cpu
 
+    def supports(self, capability: tuple[int, int], what: str) -> bool:
+        """Whether the GPU (or the one COURSE_EMULATE_GPU emulates) is at least `capability`; if it is not, one
+        line says that `what` needs a newer GPU, so a cell can skip its body instead of raising."""
+        if self.on_gpu and self.capability >= capability:
+            return True
+        where = f"this GPU is sm_{self.capability[0]}{self.capability[1]}" if self.on_gpu else "no GPU here"
+        print(f"skipped: {what}: needs an sm_{capability[0]}{capability[1]}+ GPU; {where}")
+        return False
+
     def describe(self) -> str:
         import torch
         import triton

@@ -123,6 +123,12 @@ def gencode_flags(capability, *, ptx: bool = False) -> list[str]:
     return [f"-gencode=arch=compute_{arch},code={'compute' if ptx else 'sm'}_{arch}"]
 
 
+def arch_flags() -> list[str]:
+    """`-gencode` for the GPU at hand; for an emulated one (COURSE_EMULATE_GPU=t4), its PTX, which the real GPU
+    underneath can still run."""
+    return gencode_flags(gpu.capability(), ptx=gpu.emulated() is not None)
+
+
 _LOADED: dict = {}
 _FAILED: dict = {}
 
@@ -133,7 +139,7 @@ def load(name: str, *, verbose: bool = False):
     if not torch.cuda.is_available():
         raise RuntimeError(f"building {name}.cu needs a CUDA GPU and a CUDA build of torch "
                            f"(compile_check() compiles the kernels without one)")
-    flags = [*CUDA_FLAGS, *gencode_flags(gpu.capability(), ptx=gpu.emulated() is not None)]
+    flags = [*CUDA_FLAGS, *arch_flags()]
     ext = extension_name(name, flags)
     if ext in _LOADED:
         return _LOADED[ext]
