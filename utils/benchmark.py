@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 from pathlib import Path
 
 import torch
@@ -170,12 +169,10 @@ def format_table(records: list[dict]) -> str:
 
 
 def environment() -> dict:
-    import triton
+    """Where the numbers come from (utils.gpu.environment: GPU, versions, date, command)."""
+    from utils import gpu
 
-    info = dict(torch=torch.__version__, triton=triton.__version__, python=platform.python_version())
-    if torch.cuda.is_available():
-        info.update(gpu=torch.cuda.get_device_name(), capability=list(torch.cuda.get_device_capability()))
-    return info
+    return gpu.environment()
 
 
 def write_json(records: list[dict], args, path: Path) -> Path:

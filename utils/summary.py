@@ -138,11 +138,14 @@ def main(argv=None) -> None:
         raise SystemExit("python -m utils.summary needs a CUDA GPU")
     from utils.plotting import use_course_style
 
+    from utils import gpu as gpu_info
+
     gpu = torch.cuda.get_device_name()
     tag = "h200" if "H200" in gpu else gpu.split()[-1].lower()
     fns = implementations("cuda")
     dtype = torch.bfloat16
-    result = dict(gpu=gpu, correctness=correctness(fns, device="cuda", dtype=dtype))
+    result = dict(environment=gpu_info.environment("python -m utils.summary"), gpu=gpu,
+                  correctness=correctness(fns, device="cuda", dtype=dtype))
     result["speed"] = speed_sweep(list(fns), [512, 1024, 2048, 4096, 8192, 16384], batch=4, heads=16,
                                   head_dim=64, dtype_name="bf16", sdpa=("flash", "cudnn"))
     result["memory"] = memory_sweep(fns, [512, 1024, 2048, 4096, 8192, 16384], batch=1, heads=16, head_dim=64,

@@ -1,0 +1,53 @@
+"""The stored reference results: each JSON says where it was measured, README's numbers are the JSON's, and
+every reference has a command that regenerates it."""
+import importlib.util
+import json
+
+import pytest
+
+from utils.references import IMAGES, README, REFERENCES, main, results_markdown, update_readme
+
+JSONS = sorted(IMAGES.glob("*.json"))
+ENV_KEYS = ("gpu", "capability", "torch", "triton", "cuda", "cudnn", "driver", "date", "command")
+
+
+@pytest.mark.parametrize("path", JSONS, ids=lambda p: p.name)
+def test_every_stored_result_records_its_environment(path):
+    env = json.loads(path.read_text()).get("environment")
+    assert isinstance(env, dict), f"{path.name} has no 'environment' (utils.gpu.environment)"
+    missing = [k for k in ENV_KEYS if k not in env]
+    assert not missing, f"{path.name}: environment lacks {missing}"
+    for key in ("gpu", "torch", "triton", "date", "command"):
+        assert env[key], f"{path.name}: environment.{key} is empty"
+    unknown = [k for k in ENV_KEYS if env[k] is None]
+    assert not unknown or env.get("reconstructed"), f"{path.name}: {unknown} unknown and no word on why"
+    assert env["command"].startswith("python -m "), env["command"]
+
+
+@pytest.mark.parametrize("path", JSONS, ids=lambda p: p.name)
+def test_every_stored_result_has_a_command_that_makes_it(path):
+    commands = [" ".join(command) for _, command in REFERENCES.values()]
+    made_by = json.loads(path.read_text())["environment"]["command"].removeprefix("python -m ")
+    assert any(made_by.startswith(c.split(" --out")[0].split(" --name")[0]) for c in commands), made_by
+
+
+@pytest.mark.parametrize("name", list(REFERENCES))
+def test_each_reference_command_names_a_module(name):
+    module = REFERENCES[name][1][0]
+    assert importlib.util.find_spec(module) is not None, module
+
+
+def test_readme_results_equal_the_json():
+    assert update_readme(check=True), "README's results differ from images/*.json: python -m utils.references --readme"
+    text = results_markdown()
+    assert "| course Triton forward" in text and "SDPA cuDNN backward" in text and "torch 2.11" in text
+
+
+def test_list_and_no_gpu(capsys):
+    assert main(["--list"]) == 0
+    assert "ring_nccl" in capsys.readouterr().out
+    import torch
+
+    if not torch.cuda.is_available():
+        assert main(["--only", "summary"]) == 2
+    assert README.is_file()

@@ -1,0 +1,199 @@
+"""Regenerate the course's stored reference results (images/*.json and their figures) with one command.
+
+    python -m utils.references --list                 # what there is, and what each needs
+    python -m utils.references                        # everything this machine can run
+    python -m utils.references --only ceilings summary
+    python -m utils.references --readme               # only rewrite README's results from the stored JSON
+
+Each reference is its own command (listed below), run with COURSE_WRITE_IMAGES=1 so that figures land in
+images/; each JSON records its environment (utils.gpu.environment: GPU, versions, date, command). README's
+results section is then rendered from the JSON (tests/test_references.py fails if README and JSON disagree).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+IMAGES = ROOT / "images"
+README = ROOT / "README.md"
+BEGIN, END = "<!-- results: begin (python -m utils.references --readme) -->", "<!-- results: end -->"
+
+# name -> (GPUs it needs, the command after `python -m`). Order: quick first.
+REFERENCES = {
+    "ceilings": (1, ["utils.references", "--ceilings"]),
+    "softmax": (1, ["utils.cuda_ext", "softmax", "--out", "images/06_softmax_h200.json"]),
+    "triton_fwd": (1, ["utils.benchmark", "--worklog", "--sdpa", "flash", "cudnn", "efficient",
+                       "--name", "triton_fwd_h200"]),
+    "triton_sweep": (1, ["utils.benchmark", "--sweep", "--sdpa", "cudnn", "--seqlens", "2048", "8192",
+                         "--name", "triton_sweep_h200"]),
+    "cuda_flash": (1, ["utils.benchmark", "--impls", "cuda_tiled", "cuda_naive", "--sdpa", "flash",
+                       "--name", "06_cuda_flash_h200"]),
+    "cuda_mma": (1, ["utils.bench_cuda_mma", "--name", "06b_cuda_mma_h200"]),
+    "backward": (1, ["utils.bench_backward"]),
+    "decoding": (1, ["utils.flash_decoding", "--out", "images"]),
+    "summary": (1, ["utils.summary"]),
+    "ring_nccl": (2, ["utils.ring_attention", "--backend", "nccl", "--world-size", "2"]),
+}
+
+
+def measure_ceilings(path: Path | None = None) -> dict:
+    """The two roofs of notebook 01's roofline, measured on this GPU: a large bf16 matrix product (TFLOP/s, on
+    random data) and a large device-to-device copy (TB/s, bytes read plus bytes written)."""
+    import torch
+    import triton
+
+    from utils import gpu
+
+    n = 8192
+    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    matmul_ms = triton.testing.do_bench(lambda: a @ b, warmup=100, rep=500, return_mode="median")
+    src = torch.randn(2**29, device="cuda", dtype=torch.float16)   # 1 GiB, far beyond the L2
+    dst = torch.empty_like(src)
+    copy_ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=100, rep=500, return_mode="median")
+    result = dict(environment=gpu.environment("python -m utils.references --only ceilings"),
+                  matmul=dict(shape=[n, n, n], dtype="bfloat16", ms=matmul_ms, tflops=2 * n**3 / matmul_ms / 1e9),
+                  copy=dict(bytes=2 * src.numel() * src.element_size(), ms=copy_ms,
+                            tb_per_s=2 * src.numel() * src.element_size() / copy_ms / 1e9))
+    tag = "h200" if "H200" in torch.cuda.get_device_name() else torch.cuda.get_device_name().split()[-1].lower()
+    path = path or IMAGES / f"ceilings_{tag}.json"
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"{path.name}: bf16 matmul {result['matmul']['tflops']:.0f} TFLOP/s, copy "
+          f"{result['copy']['tb_per_s']:.2f} TB/s")
+    return result
+
+
+# ---- README's results, rendered from the JSON ------------------------------------------------------------
+
+def _load(name: str) -> dict:
+    return json.loads((IMAGES / name).read_text())
+
+
+def _by(rows, *keys, value="tflops"):
+    return {tuple(r[k] for k in keys): r[value] for r in rows if r.get(value)}
+
+
+def _fmt_k(n: int) -> str:
+    return f"{n // 1024}k"
+
+
+def results_markdown() -> str:
+    """README's results section, every number read from images/*.json."""
+    fwd = _load("triton_fwd_h200.json")
+    env = fwd["environment"]
+    f = _by(fwd["results"], "impl", "head_dim", "causal", "seqlen")
+    cols = [(64, False, 4096), (64, False, 16384), (128, False, 4096), (128, False, 16384), (128, True, 16384)]
+    head = " | ".join(f"D={d}{' causal' if c else ''}, N={_fmt_k(n)}" for d, c, n in cols)
+    rows = [("course Triton forward (`triton`: notebook 05, tuned in 05b)", "triton"),
+            ("the same kernel before notebook 05b (fixed tiles)", "triton 05 (fixed tiles)"),
+            ("SDPA FlashAttention-2 backend", "sdpa-flash"),
+            ("SDPA cuDNN backend (PyTorch's default on the H200)", "sdpa-cudnn")]
+    lines = [f"| forward, TFLOP/s | {head} |", "|---" * (len(cols) + 1) + "|"]
+    for label, impl in rows:
+        lines.append(f"| {label} | " + " | ".join(f"{f[impl, d, c, n]:.0f}" for d, c, n in cols) + " |")
+
+    bwd = _load("07_backward_benchmark.json")
+    b = _by(bwd["rows"], "backend", "head_dim", "causal", "seqlen")
+    bcols = [(64, False, 4096), (64, False, 16384), (128, False, 4096), (128, False, 16384), (128, True, 16384)]
+    lines += ["", f"| backward, TFLOP/s (notebook 07) | "
+              + " | ".join(f"D={d}{' causal' if c else ''}, N={_fmt_k(n)}" for d, c, n in bcols) + " |",
+              "|---" * (len(bcols) + 1) + "|"]
+    for label, impl in [("course Triton backward", "triton"), ("SDPA FlashAttention-2 backward", "sdpa_flash"),
+                        ("SDPA cuDNN backward", "sdpa_cudnn")]:
+        lines.append(f"| {label} | " + " | ".join(f"{b[impl, d, c, n]:.0f}" for d, c, n in bcols) + " |")
+
+    ratios = [f[("triton", d, c, n)] / f[("sdpa-cudnn", d, c, n)] for (_, d, c, n) in f if _ == "triton"
+              and n >= 4096 and ("sdpa-cudnn", d, c, n) in f]
+    fa2 = [f[("triton", d, c, n)] / f[("sdpa-flash", d, c, n)] for (_, d, c, n) in f if _ == "triton"
+           and n >= 2048 and ("sdpa-flash", d, c, n) in f]
+    bratio = [b[("triton", d, c, n)] / b[("sdpa_cudnn", d, c, n)] for (_, d, c, n) in b if _ == "triton"
+              and ("sdpa_cudnn", d, c, n) in b]
+    mma = _load("06b_cuda_mma_h200.json")
+    m = _by(mma["results"], "impl", "head_dim", "causal", "seqlen")
+    final = max(i for i, *_ in m if i.startswith("s") and i[1].isdigit())
+    cuda = [(m[final, d, c, n], m[final, d, c, n] / m["sdpa-flash", d, c, n]) for (i, d, c, n) in m
+            if i == final and n >= 4096 and ("sdpa-flash", d, c, n) in m]
+    summary = (f"On N ≥ 2k the Triton forward is {min(fa2):.2f}–{max(fa2):.2f}× SDPA's FlashAttention-2 "
+               f"backend, and {min(ratios):.2f}–{max(ratios):.2f}× cuDNN at N ≥ 4k; the backward is "
+               f"{min(bratio):.2f}–{max(bratio):.2f}× cuDNN's. The CUDA tensor-core kernel of notebook 06b "
+               f"reaches {min(c[0] for c in cuda):.0f}–{max(c[0] for c in cuda):.0f} TFLOP/s at N ≥ 4k "
+               f"({min(c[1] for c in cuda):.2f}–{max(c[1] for c in cuda):.2f}× FlashAttention-2).")
+    dec = _load("decoding_h200.json")
+    decoding = []
+    for key, label in (("mha", "MHA, 16 heads"), ("gqa", "GQA, 16 query / 2 KV heads")):
+        ours = [r for r in dec[key] if r["method"] == "flash_decode" and r.get("gbps")]
+        best = max(ours, key=lambda r: r["gbps"])
+        cudnn = {(r["batch"], r["seqlen_k"]): r["ms"] for r in dec[key] if r["method"] == "SDPA cuDNN" and r.get("ms")}
+        vs = [cudnn[r["batch"], r["seqlen_k"]] / r["ms"] for r in ours if (r["batch"], r["seqlen_k"]) in cudnn]
+        decoding.append(f"{label}: up to {best['gbps'] / 1000:.1f} TB/s (batch {best['batch']}, "
+                        f"{_fmt_k(best['seqlen_k'])} tokens), {min(vs):.2f}–{max(vs):.2f}× cuDNN's speed")
+    ring = _load("ring_nccl.json")["results"]
+    ring_text = ", ".join(f"{r['single_device_ms'] / r['ring_ms']:.2f}× one GPU "
+                          f"({'causal, ' + r['case']['layout'] if r['case']['causal'] else 'full attention'})"
+                          for r in ring)
+    summary += (f" Decoding one token against a KV cache (notebook 08, D=128, bf16, batch 1–64, caches of 4k–128k "
+                f"tokens; `images/decoding_h200.json`): " + "; ".join(decoding) + ". Ring attention over 2 GPUs "
+                f"(NCCL, {_fmt_k(ring[0]['case']['seqlen'])} tokens; `images/ring_nccl.json`): {ring_text}.")
+    measured = (f"Measured on {env['gpu']} with torch {env['torch']} and Triton {env['triton']} "
+                f"(`images/triton_fwd_h200.json`, `07_backward_benchmark.json`, `06b_cuda_mma_h200.json`); "
+                f"the course pins torch 2.13.0 / Triton 3.7.1, which the GPU machine did not have.")
+    return "\n".join([*lines, "", summary, "", measured])
+
+
+def update_readme(check: bool = False) -> bool:
+    """Rewrite README's results section from the JSON; with `check`, only say whether it is up to date."""
+    text = README.read_text()
+    if BEGIN not in text or END not in text:
+        raise ValueError(f"README.md has no results section between {BEGIN!r} and {END!r}")
+    start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
+    new = text[:start] + "\n" + results_markdown() + "\n" + text[end:]
+    if check:
+        return new == text
+    README.write_text(new)
+    return True
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="+", choices=list(REFERENCES), help="default: all this machine can run")
+    parser.add_argument("--list", action="store_true", help="list the references and their commands")
+    parser.add_argument("--readme", action="store_true", help="only rewrite README's results from the JSON")
+    parser.add_argument("--ceilings", action="store_true", help=argparse.SUPPRESS)  # the "ceilings" reference
+    args = parser.parse_args(argv)
+    if args.list:
+        for name, (gpus, command) in REFERENCES.items():
+            print(f"{name:13s} {gpus} GPU{'s' if gpus > 1 else ' '}  python -m {' '.join(command)}")
+        return 0
+    if args.ceilings:
+        measure_ceilings()
+        return 0
+    if not args.readme:
+        import torch
+
+        if not torch.cuda.is_available():
+            print("the references are measured on a CUDA GPU (see --list)", file=sys.stderr)
+            return 2
+        failed = []
+        for name in args.only or list(REFERENCES):
+            gpus, command = REFERENCES[name]
+            if torch.cuda.device_count() < gpus:
+                print(f"{name}: skipped, needs {gpus} GPUs")
+                continue
+            print(f"== {name}: python -m {' '.join(command)}", flush=True)
+            env = dict(os.environ, COURSE_WRITE_IMAGES="1")
+            if subprocess.run([sys.executable, "-m", *command], cwd=ROOT, env=env).returncode != 0:
+                failed.append(name)
+        if failed:
+            print(f"failed: {', '.join(failed)}", file=sys.stderr)
+            return 1
+    update_readme()
+    print("README.md: results rewritten from images/*.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
