@@ -49,7 +49,8 @@ def test_dq_exercise_stub_solution():
     ("dq += tl.dot(ds, k) * sm_scale", "dq += tl.dot(ds, k)"),                      # forgot the scale
     ("dq += tl.dot(ds, k) * sm_scale", "dq += tl.dot(ds, k) * qk_scale"),           # the base-2 scale
     ("ds = p * (dp - delta[:, None])", "ds = p * dp - delta[:, None]"),             # P ∘ dP − D
-], ids=["no-delta", "no-scale", "qk-scale", "precedence"])
+    ("ds = p * (dp - delta[:, None])", "ds = p * (dp - delta)"),                    # D along the keys
+], ids=["no-delta", "no-scale", "qk-scale", "precedence", "delta-axis"])
 def test_dq_exercise_wrong_answers_fail_and_name_rows(old, new):
     result = outcome(check_dq_kernel, kernel_from(*DQ, replace=[(old, new)]))
     assert result.startswith("wrong: ") and "dQ is wrong" in result and "block(s)" in result, result
