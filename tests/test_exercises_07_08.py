@@ -1,4 +1,4 @@
-"""The kernel exercises of notebooks 07 (the dQ loop of the Triton backward) and 08 (the log-sum-exp merge inside
+"""The kernel exercises of notebooks 07 (the dQ and dK/dV loops of the Triton backward) and 08 (the log-sum-exp merge inside
 the merge kernel): each check says "not yet" on the learner's stub, fails on a plausible wrong answer, and passes
 on the solution. The exercise cells run as a learner sees them, in the Triton interpreter on the CPU."""
 from pathlib import Path
@@ -10,7 +10,7 @@ import triton.language as tl
 
 from utils.exercises import check
 from utils.exercises.decoding import check_merge_kernel, decode_partials, split_bounds
-from utils.exercises.triton_backward import attention_grads_float64, check_dq_kernel
+from utils.exercises.triton_backward import attention_grads_float64, check_dkdv_kernel, check_dq_kernel
 from utils.learner import code_cell
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
@@ -36,6 +36,7 @@ def outcome(check_fn, kernel):
 
 
 DQ = ("07_backward.ipynb", "# Exercise 7.5", "dq_kernel")
+DKDV = ("07_backward.ipynb", "# Exercise 7.6", "dkdv_kernel")
 MERGE = ("08_decoding_and_ring.ipynb", "# Exercise 8.5", "merge_kernel")
 
 
@@ -54,6 +55,22 @@ def test_dq_exercise_stub_solution():
 def test_dq_exercise_wrong_answers_fail_and_name_rows(old, new):
     result = outcome(check_dq_kernel, kernel_from(*DQ, replace=[(old, new)]))
     assert result.startswith("wrong: ") and "dQ is wrong" in result and "block(s)" in result, result
+
+
+def test_dkdv_exercise_stub_solution():
+    assert outcome(check_dkdv_kernel, kernel_from(*DKDV, learner=True)) == "not yet"
+    assert outcome(check_dkdv_kernel, kernel_from(*DKDV)) == "right"
+
+
+@pytest.mark.parametrize("old, new, says", [
+    ("dv += tl.dot(tl.trans(p), do)", "dv = tl.dot(tl.trans(p), do)", "dV is wrong"),        # last tile only
+    ("dk += tl.dot(tl.trans(ds), q) * sm_scale", "dk += tl.dot(tl.trans(ds), q)", "dK is wrong"),
+    ("ds = p * (dp - delta[:, None])", "ds = p * dp", "dK is wrong"),                        # forgot D
+    ("dv += tl.dot(tl.trans(p), do)", "dv += tl.dot(p, do)", "dV is wrong"),                 # P, not Pᵀ
+], ids=["dv-assigned", "no-scale", "no-delta", "untransposed"])
+def test_dkdv_exercise_wrong_answers_fail_and_name_blocks(old, new, says):
+    result = outcome(check_dkdv_kernel, kernel_from(*DKDV, replace=[(old, new)]))
+    assert result.startswith("wrong: ") and says in result and "K/V blocks" in result, result
 
 
 def test_merge_exercise_stub_solution():
@@ -79,14 +96,16 @@ def test_references_are_exact():
     gen = torch.Generator().manual_seed(0)
     q, do = (torch.randn(1, 4, 7, 8, generator=gen, dtype=torch.float64) for _ in range(2))
     k, v = (torch.randn(1, 2, 5, 8, generator=gen, dtype=torch.float64) for _ in range(2))
-    out, lse, dq = attention_grads_float64(q, k, v, do, causal=True, scale=0.3)
-    assert torch.isinf(lse[0, :, :2]).all() and (dq[0, :, :2] == 0).all() and not dq.isnan().any()
-    qq = q.clone().requires_grad_()
-    ref = naive_attention(qq, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), causal=True, sm_scale=0.3)
+    out, lse, dq, dk, dv = attention_grads_float64(q, k, v, do, causal=True, scale=0.3)
+    assert torch.isinf(lse[0, :, :2]).all() and (dq[0, :, :2] == 0).all()
+    assert not any(g.isnan().any() for g in (dq, dk, dv))
+    qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+    ref = naive_attention(qq, kk.repeat_interleave(2, 1), vv.repeat_interleave(2, 1), causal=True, sm_scale=0.3)
     seen = slice(2, None)   # naive attention gives NaN for the rows that see no key
     assert torch.allclose(out[..., seen, :], ref[..., seen, :])
-    (expected,) = torch.autograd.grad(ref[..., seen, :], qq, do[..., seen, :])
-    assert torch.allclose(dq[..., seen, :], expected[..., seen, :])
+    expected = torch.autograd.grad(ref[..., seen, :], (qq, kk, vv), do[..., seen, :])
+    assert torch.allclose(dq[..., seen, :], expected[0][..., seen, :])
+    assert torch.allclose(dk, expected[1]) and torch.allclose(dv, expected[2])
     assert split_bounds(23, 16, 5) == [(0, 16), (16, 23), (23, 23), (23, 23), (23, 23)]
     o_parts, lse_parts, o, lse = decode_partials()
     assert (lse_parts == float("-inf")).any() and o_parts.isnan().any()                 # empty splits, garbage
