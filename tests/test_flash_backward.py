@@ -2,7 +2,6 @@
 
 On a CPU the Triton kernels run in the interpreter on small shapes; on a GPU larger shapes and fp16/bf16 join.
 """
-import importlib.util
 import math
 
 import pytest
@@ -260,11 +259,6 @@ def test_default_config_is_valid_for_every_case():
 
 # --- end to end: the differentiable Triton attention (forward of notebook 05, backward of notebook 07) --------
 
-HAVE_FORWARD = importlib.util.find_spec("utils.flash_triton") is not None
-needs_forward = pytest.mark.skipif(not HAVE_FORWARD, reason="utils/flash_triton.py (the forward) is not there yet")
-
-
-@needs_forward
 @pytest.mark.parametrize("dtype", triton_dtypes(), ids=str)
 @pytest.mark.parametrize("shape,causal", [((1, 4, 2, 45, 45, 64), True), ((1, 2, 1, 33, 70, 96), False),
                                           ((1, 2, 2, 70, 33, 32), True)], ids=str)
@@ -280,7 +274,6 @@ def test_flash_attention_end_to_end(shape, causal, dtype):
 
 
 @pytest.mark.gpu
-@needs_forward
 def test_flash_attention_matches_sdpa_gradients_on_gpu():
     """bf16 on a GPU: our gradients are as close to float64 truth as SDPA's own are (within 2x)."""
     from utils.flash_triton import flash_attention

@@ -193,3 +193,37 @@ def test_batch_offsets_past_2_to_the_31_on_gpu():
     out = flash_decode(q, k, v)
     ref = reference_attention(q.float(), k.float(), v.float())
     assert_close(out.float(), ref, dtype=torch.bfloat16)
+
+
+def test_launch_floor_json_has_its_environment_and_one_row_per_method(tmp_path):
+    """The launch-floor writer on the CPU: fake steps and a fake timer stand in for the GPU."""
+    import json
+
+    from utils.flash_decoding import LAUNCH_FLOOR_COMMAND, launch_floor_path, write_launch_floor
+
+    def broken():
+        raise RuntimeError("no kernel for this shape\nsecond line")
+
+    methods = {"flash_decode (Python launch)": lambda: 1, "flash_decode (CUDA graph replay)": lambda: 2,
+               "SDPA cuDNN": broken}
+    path = write_launch_floor(tmp_path / "out", "test", methods=methods, timer=lambda fn: 10.0 * fn())
+    assert path == launch_floor_path(tmp_path / "out", "test") and path.name == "decoding_launch_floor_test.json"
+    result = json.loads(path.read_text())
+    assert set(result) == {"env", "shape", "rows"}
+    assert {"gpu", "capability", "torch", "triton", "cuda", "cudnn", "date", "command"} <= set(result["env"])
+    assert result["env"]["command"] == LAUNCH_FLOOR_COMMAND and result["env"]["torch"] == torch.__version__
+    assert result["shape"]["batch"] == 1 and result["shape"]["dtype"] == "bfloat16"
+    assert result["rows"][:2] == [{"method": "flash_decode (Python launch)", "us": 10.0},
+                                  {"method": "flash_decode (CUDA graph replay)", "us": 20.0}]
+    assert result["rows"][2] == {"method": "SDPA cuDNN", "error": "RuntimeError: no kernel for this shape"}
+
+
+@pytest.mark.gpu
+def test_launch_floor_on_gpu(tmp_path):
+    import json
+
+    from utils.flash_decoding import write_launch_floor
+
+    rows = json.loads(write_launch_floor(tmp_path, "gpu").read_text())["rows"]
+    timed = {r["method"]: r["us"] for r in rows if "us" in r}
+    assert timed["flash_decode (CUDA graph replay)"] > 0 and timed["flash_decode (Python launch)"] > 0

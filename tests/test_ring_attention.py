@@ -149,3 +149,21 @@ def test_ring_with_nccl_on_two_gpus():
     (result,) = run_ring_check(cases, world_size=2, backend="nccl")
     assert result["max_abs_err"] <= result["dtype_tolerance"], result
     assert result["ring_ms"] > 0
+
+
+def test_spawn_hides_the_file_triton_interpreter_leaves_in_main(monkeypatch):
+    """A kernel defined in a notebook and run by the interpreter leaves triton's interpreter.py as __main__.__file__;
+    run_ring_check's spawned children must not run it as their main script. A real script's path stays."""
+    import sys
+
+    from utils.ring_attention import _main_without_interpreter_file
+
+    main = sys.modules["__main__"]
+    stray = "/x/site-packages/triton/runtime/interpreter.py"
+    monkeypatch.setattr(main, "__file__", stray, raising=False)
+    with _main_without_interpreter_file():
+        assert not hasattr(main, "__file__")
+    assert main.__file__ == stray
+    monkeypatch.setattr(main, "__file__", "/home/me/train.py")
+    with _main_without_interpreter_file():
+        assert main.__file__ == "/home/me/train.py"

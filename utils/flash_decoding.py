@@ -15,6 +15,7 @@ Causal masking is bottom-right aligned against each sequence's own cache length:
 """
 from __future__ import annotations
 
+import functools
 import numbers
 
 import torch
@@ -389,6 +390,107 @@ def save_decoding_plots(result: dict, folder, tag: str) -> list:
     return paths
 
 
+# --- launch floor (GPU): `python -m utils.flash_decoding --launch-floor --out images` ---------------------------
+
+LAUNCH_FLOOR_COMMAND = "python -m utils.flash_decoding --launch-floor --out images"
+LAUNCH_FLOOR_SHAPE = dict(batch=1, heads=16, kv_heads=16, seqlen_k=4096, head_dim=128)
+
+
+def launch_floor_path(folder, tag: str = "h200"):
+    """Where the launch-floor measurement of a GPU tagged `tag` is kept: <folder>/decoding_launch_floor_<tag>.json."""
+    from pathlib import Path
+
+    return Path(folder) / f"decoding_launch_floor_{tag}.json"
+
+
+def wall_time_us(fn, *, iters: int = 200, warmup: int = 20) -> float:
+    """Microseconds per call of `fn()` called back to back, as the host sees it (synchronised at both ends).
+
+    For a tiny problem this is the floor of a decoding step: the GPU finishes each kernel before the CPU has
+    launched the next one, so the time is the launch path's, not the kernel's."""
+    import time
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / iters * 1e6
+
+
+def launch_floor_methods(q, k, v) -> dict:
+    """{name: fn()} for one decode step on (q, k, v): flash_decode through its Python entry point, the same call
+    captured once in a CUDA graph and replayed, and SDPA with the flash and cuDNN backends pinned."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def sdpa(backend):
+        def run():
+            with sdpa_kernel(backend):
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=k.shape[1] != q.shape[1])
+        return run
+
+    step = functools.partial(flash_decode, q, k, v)
+    side = torch.cuda.Stream()  # warm up (compile, allocate) outside the capture, as torch.cuda.graphs asks
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return {"flash_decode (Python launch)": step, "flash_decode (CUDA graph replay)": graph.replay,
+            "SDPA flash": sdpa(SDPBackend.FLASH_ATTENTION), "SDPA cuDNN": sdpa(SDPBackend.CUDNN_ATTENTION)}
+
+
+def launch_floor_env(command: str = LAUNCH_FLOOR_COMMAND) -> dict:
+    """The environment a launch-floor measurement was taken in: GPU, versions, date and command."""
+    import datetime
+
+    cuda = torch.cuda.is_available()
+    return {"gpu": torch.cuda.get_device_name() if cuda else "cpu",
+            "capability": list(torch.cuda.get_device_capability()) if cuda else None,
+            "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
+            "cudnn": torch.backends.cudnn.version() if cuda else None,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "command": command}
+
+
+def measure_launch_floor(*, methods=None, timer=wall_time_us, shape=None, dtype=torch.bfloat16,
+                         command: str = LAUNCH_FLOOR_COMMAND) -> dict:
+    """Time one decode step of a tiny problem (`LAUNCH_FLOOR_SHAPE`: a 4k cache at batch 1) each way of
+    `launch_floor_methods`. Returns {"env", "shape", "rows": [{"method", "us"} or {"method", "error"}]}.
+
+    `methods` ({name: fn()}) and `timer` (fn -> µs) replace the GPU parts, e.g. in a test on the CPU."""
+    shape = dict(LAUNCH_FLOOR_SHAPE if shape is None else shape)
+    if methods is None:
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        q = torch.randn(shape["batch"], shape["heads"], 1, shape["head_dim"], device="cuda", dtype=dtype,
+                        generator=gen)
+        k, v = (torch.randn(shape["batch"], shape["kv_heads"], shape["seqlen_k"], shape["head_dim"], device="cuda",
+                            dtype=dtype, generator=gen) for _ in range(2))
+        methods = launch_floor_methods(q, k, v)
+    rows = []
+    for name, fn in methods.items():
+        try:
+            rows.append({"method": name, "us": float(timer(fn))})
+        except Exception as exc:  # a backend that does not take this shape: recorded, not fatal
+            rows.append({"method": name, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"})
+    shape["dtype"] = str(dtype).removeprefix("torch.")
+    return {"env": launch_floor_env(command), "shape": shape, "rows": rows}
+
+
+def write_launch_floor(folder, tag: str = "h200", **kwargs):
+    """Measure the launch floor (`measure_launch_floor(**kwargs)`) and write it as JSON; returns the path."""
+    import json
+
+    result = measure_launch_floor(**kwargs)
+    path = launch_floor_path(folder, tag)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    return path
+
+
 def _main(argv=None):
     import argparse
     import json
@@ -397,9 +499,20 @@ def _main(argv=None):
     parser = argparse.ArgumentParser(description="Benchmark flash-decoding on a CUDA GPU")
     parser.add_argument("--out", default="images", help="folder for decoding_<gpu>.json and the plots")
     parser.add_argument("--tag", default="h200")
+    parser.add_argument("--launch-floor", action="store_true",
+                        help="only measure the decode-step latency floor (decoding_launch_floor_<tag>.json)")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.launch_floor:
+        import sys
+
+        command = "python -m utils.flash_decoding " + " ".join(sys.argv[1:] if argv is None else argv)
+        path = write_launch_floor(out, args.tag, command=command)
+        for r in json.loads(path.read_text())["rows"]:
+            print(f"{r['method']:34s} " + (f"{r['us']:8.1f} µs" if "us" in r else r["error"]))
+        print("wrote", path)
+        return
     device = torch.cuda.get_device_name()
     peak = 4800.0 if "H200" in device else None  # GB/s, NVIDIA's H200 datasheet (HBM3e)
     batches, seqlens = (1, 4, 16, 64), (4096, 16384, 65536, 131072)

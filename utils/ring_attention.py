@@ -18,10 +18,12 @@ per rank) and compares with single-device attention. On 2 GPUs: `python -m utils
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import numbers
 import socket
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -398,9 +400,29 @@ def run_ring_check(cases, *, world_size: int, backend: str = "gloo") -> list[dic
         _check_layout_args(case.seqlen, world_size, 0, case.layout)
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()  # results are a few numbers per case: the pipe never fills
-    mp.start_processes(_worker, args=(world_size, backend, free_port(), cases, results), nprocs=world_size,
-                       join=True, start_method="spawn")
+    with _main_without_interpreter_file():
+        mp.start_processes(_worker, args=(world_size, backend, free_port(), cases, results), nprocs=world_size,
+                           join=True, start_method="spawn")
     return [results.get() for _ in cases]
+
+
+@contextlib.contextmanager
+def _main_without_interpreter_file():
+    """Hide a `__file__` that Triton's interpreter left in `__main__` while spawned children start.
+
+    Running a kernel defined in a notebook, the interpreter copies its own module's globals, `__file__` included,
+    into the notebook's namespace (`__main__`); spawn would then run triton/runtime/interpreter.py as every
+    child's main script, and the children would die on its relative imports."""
+    main = sys.modules["__main__"]
+    path = getattr(main, "__file__", None)
+    stray = path is not None and Path(path).parts[-3:] == ("triton", "runtime", "interpreter.py")
+    if stray:
+        del main.__file__
+    try:
+        yield
+    finally:
+        if stray:
+            main.__file__ = path
 
 
 def _main(argv=None):

@@ -1,0 +1,113 @@
+"""The kernel exercises of notebooks 07 (the dQ and dK/dV loops of the Triton backward) and 08 (the log-sum-exp merge inside
+the merge kernel): each check says "not yet" on the learner's stub, fails on a plausible wrong answer, and passes
+on the solution. The exercise cells run as a learner sees them, in the Triton interpreter on the CPU."""
+from pathlib import Path
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from utils.exercises import check
+from utils.exercises.decoding import check_merge_kernel, decode_partials, split_bounds
+from utils.exercises.triton_backward import attention_grads_float64, check_dkdv_kernel, check_dq_kernel
+from utils.learner import code_cell
+
+NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def kernel_from(notebook, marker, name, *, learner=False, replace=()):
+    """The exercise cell's kernel, stubbed (learner) or with `replace`'s (old, new) edits: a wrong answer."""
+    source = code_cell(NOTEBOOKS / notebook, marker, learner=learner)
+    for old, new in replace:
+        assert old in source, old
+        source = source.replace(old, new)
+    namespace = {"triton": triton, "tl": tl}
+    exec(compile(source, f"<{marker}>", "exec"), namespace)
+    return namespace[name]
+
+
+def outcome(check_fn, kernel):
+    try:
+        return check("exercise", hint="test")(lambda: check_fn(kernel, device=DEVICE))
+    except AssertionError as err:
+        return f"wrong: {err}"
+
+
+DQ = ("07_backward.ipynb", "# Exercise 7.5", "dq_kernel")
+DKDV = ("07_backward.ipynb", "# Exercise 7.6", "dkdv_kernel")
+MERGE = ("08_decoding_and_ring.ipynb", "# Exercise 8.5", "merge_kernel")
+
+
+def test_dq_exercise_stub_solution():
+    assert outcome(check_dq_kernel, kernel_from(*DQ, learner=True)) == "not yet"
+    assert outcome(check_dq_kernel, kernel_from(*DQ)) == "right"
+
+
+@pytest.mark.parametrize("old, new", [
+    ("ds = p * (dp - delta[:, None])", "ds = p * dp"),                               # forgot D
+    ("dq += tl.dot(ds, k) * sm_scale", "dq += tl.dot(ds, k)"),                      # forgot the scale
+    ("dq += tl.dot(ds, k) * sm_scale", "dq += tl.dot(ds, k) * qk_scale"),           # the base-2 scale
+    ("ds = p * (dp - delta[:, None])", "ds = p * dp - delta[:, None]"),             # P ∘ dP − D
+    ("ds = p * (dp - delta[:, None])", "ds = p * (dp - delta)"),                    # D along the keys
+], ids=["no-delta", "no-scale", "qk-scale", "precedence", "delta-axis"])
+def test_dq_exercise_wrong_answers_fail_and_name_rows(old, new):
+    result = outcome(check_dq_kernel, kernel_from(*DQ, replace=[(old, new)]))
+    assert result.startswith("wrong: ") and "dQ is wrong" in result and "block(s)" in result, result
+
+
+def test_dkdv_exercise_stub_solution():
+    assert outcome(check_dkdv_kernel, kernel_from(*DKDV, learner=True)) == "not yet"
+    assert outcome(check_dkdv_kernel, kernel_from(*DKDV)) == "right"
+
+
+@pytest.mark.parametrize("old, new, says", [
+    ("dv += tl.dot(tl.trans(p), do)", "dv = tl.dot(tl.trans(p), do)", "dV is wrong"),        # last tile only
+    ("dk += tl.dot(tl.trans(ds), q) * sm_scale", "dk += tl.dot(tl.trans(ds), q)", "dK is wrong"),
+    ("ds = p * (dp - delta[:, None])", "ds = p * dp", "dK is wrong"),                        # forgot D
+    ("dv += tl.dot(tl.trans(p), do)", "dv += tl.dot(p, do)", "dV is wrong"),                 # P, not Pᵀ
+], ids=["dv-assigned", "no-scale", "no-delta", "untransposed"])
+def test_dkdv_exercise_wrong_answers_fail_and_name_blocks(old, new, says):
+    result = outcome(check_dkdv_kernel, kernel_from(*DKDV, replace=[(old, new)]))
+    assert result.startswith("wrong: ") and says in result and "K/V blocks" in result, result
+
+
+def test_merge_exercise_stub_solution():
+    assert outcome(check_merge_kernel, kernel_from(*MERGE, learner=True)) == "not yet"
+    assert outcome(check_merge_kernel, kernel_from(*MERGE)) == "right"
+
+
+@pytest.mark.parametrize("edits, says", [
+    ([("w = tl.exp(lse_parts - m_safe)", "w = tl.exp(lse_parts)"),
+      ("m_safe + tl.log(total_safe)", "tl.log(total_safe)")], "4 of the 4 rows whose lse passes"),   # no max
+    ([("o_parts = tl.where(w[:, None] > 0.0, o_parts, 0.0)", "")], "rows with an empty split"),      # NaN leaks
+    ([('m_safe = tl.where(m == float("-inf"), 0.0, m)', "m_safe = m")], "rows with an empty split"),  # all empty
+], ids=["no-max", "empty-split-unmasked", "all-empty-nan"])
+def test_merge_exercise_wrong_answers_fail_and_say_why(edits, says):
+    result = outcome(check_merge_kernel, kernel_from(*MERGE, replace=edits))
+    assert result.startswith("wrong: ") and says in result, result
+
+
+def test_references_are_exact():
+    """The checks' float64 references: dq against autograd through SDPA's math, merged partials by construction."""
+    from utils.reference import naive_attention
+
+    gen = torch.Generator().manual_seed(0)
+    q, do = (torch.randn(1, 4, 7, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(1, 2, 5, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    out, lse, dq, dk, dv = attention_grads_float64(q, k, v, do, causal=True, scale=0.3)
+    assert torch.isinf(lse[0, :, :2]).all() and (dq[0, :, :2] == 0).all()
+    assert not any(g.isnan().any() for g in (dq, dk, dv))
+    qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+    ref = naive_attention(qq, kk.repeat_interleave(2, 1), vv.repeat_interleave(2, 1), causal=True, sm_scale=0.3)
+    seen = slice(2, None)   # naive attention gives NaN for the rows that see no key
+    assert torch.allclose(out[..., seen, :], ref[..., seen, :])
+    expected = torch.autograd.grad(ref[..., seen, :], (qq, kk, vv), do[..., seen, :])
+    assert torch.allclose(dq[..., seen, :], expected[0][..., seen, :])
+    assert torch.allclose(dk, expected[1]) and torch.allclose(dv, expected[2])
+    assert split_bounds(23, 16, 5) == [(0, 16), (16, 23), (23, 23), (23, 23), (23, 23)]
+    o_parts, lse_parts, o, lse = decode_partials()
+    assert (lse_parts == float("-inf")).any() and o_parts.isnan().any()                 # empty splits, garbage
+    assert torch.isinf(lse[2]).all() and (o[2] == 0).all()                               # an empty sequence
+    assert lse_parts.max() > 88.7                                                       # overflows without max
