@@ -209,9 +209,10 @@ def test_launch_floor_json_has_its_environment_and_one_row_per_method(tmp_path):
     path = write_launch_floor(tmp_path / "out", "test", methods=methods, timer=lambda fn: 10.0 * fn())
     assert path == launch_floor_path(tmp_path / "out", "test") and path.name == "decoding_launch_floor_test.json"
     result = json.loads(path.read_text())
-    assert set(result) == {"env", "shape", "rows"}
-    assert {"gpu", "capability", "torch", "triton", "cuda", "cudnn", "date", "command"} <= set(result["env"])
-    assert result["env"]["command"] == LAUNCH_FLOOR_COMMAND and result["env"]["torch"] == torch.__version__
+    assert set(result) == {"environment", "shape", "rows"}
+    assert {"gpu", "capability", "torch", "triton", "cuda", "cudnn", "date", "command"} <= set(result["environment"])
+    assert result["environment"]["command"] == LAUNCH_FLOOR_COMMAND
+    assert result["environment"]["torch"] == torch.__version__
     assert result["shape"]["batch"] == 1 and result["shape"]["dtype"] == "bfloat16"
     assert result["rows"][:2] == [{"method": "flash_decode (Python launch)", "us": 10.0},
                                   {"method": "flash_decode (CUDA graph replay)", "us": 20.0}]

@@ -105,10 +105,10 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def save_results(rows: list[dict], path, **meta) -> Path:
-    """Write {"meta": meta, "rows": rows} as JSON (meta: GPU name, versions...)."""
+def save_results(rows: list[dict], path, environment: dict | None = None, **meta) -> Path:
+    """Write {"environment": ..., "meta": meta, "rows": rows} as JSON (environment: utils.gpu.environment)."""
     path = Path(path)
-    path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    path.write_text(json.dumps({"environment": environment, "meta": meta, "rows": rows}, indent=1))
     return path
 
 
@@ -147,3 +147,29 @@ def plot_backward_benchmark(rows: list[dict], title: str = ""):
         fig.suptitle(title)
     fig.tight_layout(rect=(0, 0.12, 1, 1))
     return fig
+
+
+def main(argv=None) -> list[dict]:
+    """`python -m utils.bench_backward [--out images/07_backward_benchmark.json]`: the full grid, its JSON and plot."""
+    import argparse
+    import sys
+
+    from utils import gpu
+
+    parser = argparse.ArgumentParser(description="Backward-pass benchmark: Triton against SDPA's backends")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "images" /
+                        "07_backward_benchmark.json")
+    args = parser.parse_args(argv)
+    rows = run_backward_benchmark()
+    command = "python -m utils.bench_backward " + " ".join(sys.argv[1:] if argv is None else argv)
+    env = gpu.environment(command)
+    save_results(rows, args.out, environment=env, gpu=env["gpu"], torch=env["torch"], triton=env["triton"],
+                 batch=4, heads=16, dtype="bfloat16")
+    plot_backward_benchmark(rows, f"{env['gpu']}, bf16, B=4, H=16").savefig(args.out.with_suffix(".png"),
+                                                                              bbox_inches="tight")
+    print(format_table(rows))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

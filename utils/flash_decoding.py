@@ -446,20 +446,15 @@ def launch_floor_methods(q, k, v) -> dict:
 
 def launch_floor_env(command: str = LAUNCH_FLOOR_COMMAND) -> dict:
     """The environment a launch-floor measurement was taken in: GPU, versions, date and command."""
-    import datetime
+    from utils import gpu
 
-    cuda = torch.cuda.is_available()
-    return {"gpu": torch.cuda.get_device_name() if cuda else "cpu",
-            "capability": list(torch.cuda.get_device_capability()) if cuda else None,
-            "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
-            "cudnn": torch.backends.cudnn.version() if cuda else None,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "command": command}
+    return gpu.environment(command)
 
 
 def measure_launch_floor(*, methods=None, timer=wall_time_us, shape=None, dtype=torch.bfloat16,
                          command: str = LAUNCH_FLOOR_COMMAND) -> dict:
     """Time one decode step of a tiny problem (`LAUNCH_FLOOR_SHAPE`: a 4k cache at batch 1) each way of
-    `launch_floor_methods`. Returns {"env", "shape", "rows": [{"method", "us"} or {"method", "error"}]}.
+    `launch_floor_methods`. Returns {"environment", "shape", "rows": [{"method", "us"} or {"method", "error"}]}.
 
     `methods` ({name: fn()}) and `timer` (fn -> µs) replace the GPU parts, e.g. in a test on the CPU."""
     shape = dict(LAUNCH_FLOOR_SHAPE if shape is None else shape)
@@ -477,7 +472,7 @@ def measure_launch_floor(*, methods=None, timer=wall_time_us, shape=None, dtype=
         except Exception as exc:  # a backend that does not take this shape: recorded, not fatal
             rows.append({"method": name, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"})
     shape["dtype"] = str(dtype).removeprefix("torch.")
-    return {"env": launch_floor_env(command), "shape": shape, "rows": rows}
+    return {"environment": launch_floor_env(command), "shape": shape, "rows": rows}
 
 
 def write_launch_floor(folder, tag: str = "h200", **kwargs):
@@ -491,9 +486,39 @@ def write_launch_floor(folder, tag: str = "h200", **kwargs):
     return path
 
 
+# The tile sweep behind GPU_CONFIG: four decode shapes (batch, heads, kv_heads, cache length), every tile.
+SWEEP_SHAPES = ((1, 16, 16, 32768), (4, 16, 16, 131072), (16, 16, 2, 65536), (64, 16, 16, 16384))
+SWEEP_TILES = [(bn, w, st) for bn in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)]
+
+
+def tile_sweep(shapes=SWEEP_SHAPES, tiles=SWEEP_TILES, *, head_dim=128, dtype=torch.bfloat16) -> dict:
+    """Time flash_decode (automatic splits) with each (keys per tile, warps, stages) on each shape. Returns
+    {"rows": [{shape, bn, w, st, ms, gbps, err}], "best": the tile with the best geometric mean of GB/s}."""
+    import math
+
+    from utils.bench import benchmark
+
+    rows = []
+    for b, h, hk, n in shapes:
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        q = torch.randn(b, h, 1, head_dim, device="cuda", dtype=dtype, generator=gen)
+        k, v = (torch.randn(b, hk, n, head_dim, device="cuda", dtype=dtype, generator=gen) for _ in range(2))
+        ref = torch.cat([torch.nn.functional.scaled_dot_product_attention(
+            q[i:i + 1].float(), k[i:i + 1].float(), v[i:i + 1].float(), enable_gqa=hk != h) for i in range(b)])
+        nbytes = (2 * k.numel() + 2 * q.numel()) * k.element_size()
+        for bn, w, st in tiles:
+            fn = functools.partial(flash_decode, _block_n=bn, _num_warps=w, _num_stages=st)
+            err = (fn(q, k, v).float() - ref).abs().max().item()
+            ms = benchmark(fn, q, k, v)
+            rows.append(dict(shape=[b, h, hk, n], bn=bn, w=w, st=st, ms=ms, gbps=nbytes / ms / 1e6, err=err))
+    score = {t: math.prod(r["gbps"] for r in rows if (r["bn"], r["w"], r["st"]) == t) for t in tiles}
+    return {"rows": rows, "best": list(max(score, key=score.get))}
+
+
 def _main(argv=None):
     import argparse
     import json
+    import sys
     from pathlib import Path
 
     parser = argparse.ArgumentParser(description="Benchmark flash-decoding on a CUDA GPU")
@@ -501,12 +526,20 @@ def _main(argv=None):
     parser.add_argument("--tag", default="h200")
     parser.add_argument("--launch-floor", action="store_true",
                         help="only measure the decode-step latency floor (decoding_launch_floor_<tag>.json)")
+    parser.add_argument("--tile-sweep", action="store_true",
+                        help="only time every tile of SWEEP_TILES on SWEEP_SHAPES (decoding_sweep_<tag>.json)")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    if args.launch_floor:
-        import sys
+    if args.tile_sweep:
+        from utils import gpu
 
+        command = "python -m utils.flash_decoding " + " ".join(sys.argv[1:] if argv is None else argv)
+        result = {"environment": gpu.environment(command), **tile_sweep()}
+        (out / f"decoding_sweep_{args.tag}.json").write_text(json.dumps(result, indent=1) + "\n")
+        print("best (keys per tile, warps, stages):", result["best"])
+        return
+    if args.launch_floor:
         command = "python -m utils.flash_decoding " + " ".join(sys.argv[1:] if argv is None else argv)
         path = write_launch_floor(out, args.tag, command=command)
         for r in json.loads(path.read_text())["rows"]:
@@ -516,7 +549,11 @@ def _main(argv=None):
     device = torch.cuda.get_device_name()
     peak = 4800.0 if "H200" in device else None  # GB/s, NVIDIA's H200 datasheet (HBM3e)
     batches, seqlens = (1, 4, 16, 64), (4096, 16384, 65536, 131072)
-    result = {"device": device, "torch": torch.__version__, "triton": triton.__version__, "peak_gbps": peak}
+    from utils import gpu
+
+    command = "python -m utils.flash_decoding " + " ".join(sys.argv[1:] if argv is None else argv)
+    result = {"environment": gpu.environment(command), "device": device, "torch": torch.__version__,
+              "triton": triton.__version__, "peak_gbps": peak}
     runs = {"mha": lambda: benchmark_decoding(batches, seqlens, heads=16, kv_heads=16),
             "gqa": lambda: benchmark_decoding(batches, seqlens, heads=16, kv_heads=2),
             "splits": lambda: benchmark_decoding((1,), (32768,), heads=16, kv_heads=16, methods={},

@@ -34,8 +34,10 @@ REFERENCES = {
     "cuda_flash": (1, ["utils.benchmark", "--impls", "cuda_tiled", "cuda_naive", "--sdpa", "flash",
                        "--name", "06_cuda_flash_h200"]),
     "cuda_mma": (1, ["utils.bench_cuda_mma", "--name", "06b_cuda_mma_h200"]),
-    "backward": (1, ["utils.bench_backward"]),
+    "backward": (1, ["utils.bench_backward", "--out", "images/07_backward_benchmark.json"]),
     "decoding": (1, ["utils.flash_decoding", "--out", "images"]),
+    "launch_floor": (1, ["utils.flash_decoding", "--launch-floor", "--out", "images"]),
+    "decoding_tiles": (1, ["utils.flash_decoding", "--tile-sweep", "--out", "images"]),
     "summary": (1, ["utils.summary"]),
     "ring_nccl": (2, ["utils.ring_attention", "--backend", "nccl", "--world-size", "2"]),
 }
