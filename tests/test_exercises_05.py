@@ -6,7 +6,7 @@ import pytest
 
 from utils.exercises import check
 from utils.exercises import debug_lab, triton_forward
-from utils.learner import code_cell
+from utils.learner import code_cell, exec_cell
 
 ROOT = Path(__file__).resolve().parents[1]
 NB05 = ROOT / "notebooks" / "05_triton_flash_attention.ipynb"
@@ -24,14 +24,14 @@ KERNEL_05 = {"5.2": "def fa_step3(", "5.3": "def fa_step4("}
 def namespace(path, marker, *, learner, replace=(), extra=()):
     """Run an exercise's cell (stubbed when `learner`, with `replace` applied) and `extra` cells in a fresh dict."""
     ns = {}
-    exec(PRELUDE, ns)
+    exec_cell(PRELUDE, ns, "prelude")
     source = code_cell(path, marker, learner=learner)
     for old, new in replace:
         assert old in source, f"{old!r} is not in the cell of {marker}"
         source = source.replace(old, new)
-    exec(source, ns)
+    exec_cell(source, ns, marker)
     for other in extra:
-        exec(code_cell(path, other), ns)
+        exec_cell(code_cell(path, other), ns, other)
     return ns
 
 

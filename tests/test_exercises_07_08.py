@@ -11,7 +11,7 @@ import triton.language as tl
 from utils.exercises import check
 from utils.exercises.decoding import check_merge_kernel, decode_partials, split_bounds
 from utils.exercises.triton_backward import attention_grads_float64, check_dkdv_kernel, check_dq_kernel
-from utils.learner import code_cell
+from utils.learner import code_cell, exec_cell
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -24,7 +24,7 @@ def kernel_from(notebook, marker, name, *, learner=False, replace=()):
         assert old in source, old
         source = source.replace(old, new)
     namespace = {"triton": triton, "tl": tl}
-    exec(compile(source, f"<{marker}>", "exec"), namespace)
+    exec_cell(source, namespace, marker)
     return namespace[name]
 
 

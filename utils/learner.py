@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import linecache
 import re
 from pathlib import Path
 
@@ -128,3 +129,13 @@ def code_cell(path, marker: str, *, learner: bool = False) -> str:
     if len(found) != 1:
         raise ValueError(f"{marker!r} is in {len(found)} code cells of {Path(path).name}, expected exactly 1")
     return strip_solutions(found[0])[0] if learner else found[0]
+
+
+def exec_cell(source: str, namespace: dict, name: str = "cell") -> dict:
+    """Run a notebook cell's `source` in `namespace` as Jupyter would: the source is registered with linecache
+    under a file name, so `inspect.getsource` works on what it defines (`@triton.jit` compiling for a GPU needs
+    the kernel's source; `exec` of a bare string has none)."""
+    filename = f"<{name}-{hashlib.sha256(source.encode()).hexdigest()[:12]}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
+    exec(compile(source, filename, "exec"), namespace)
+    return namespace

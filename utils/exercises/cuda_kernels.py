@@ -306,6 +306,7 @@ void exercise_softmax_launch(const float* x, float* y, int rows, int cols) {
 
 _SOFTMAX_CPP = r"""
 #include <torch/extension.h>
+#include <cuda_runtime_api.h>
 void exercise_softmax_launch(const float* x, float* y, int rows, int cols);
 
 torch::Tensor exercise_softmax(torch::Tensor x) {
@@ -462,6 +463,7 @@ void exercise_pv_launch(const void* p, const void* v, float* o, int keys, int d,
 
 _PV_CPP = r"""
 #include <torch/extension.h>
+#include <cuda_runtime_api.h>
 void exercise_pv_launch(const void* p, const void* v, float* o, int keys, int d, bool swizzle);
 
 torch::Tensor exercise_pv(torch::Tensor p, torch::Tensor v, bool swizzle) {

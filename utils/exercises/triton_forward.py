@@ -60,9 +60,9 @@ def reference(q, k, v, causal: bool = False):
 
 def _setting(kernel):
     """(device, dtype, tolerance) for a kernel: interpreted on the CPU in fp32, compiled on the GPU in fp16."""
-    import triton
+    from triton.runtime.interpreter import InterpretedFunction  # not imported by `import triton` on a GPU
 
-    if isinstance(kernel, triton.runtime.interpreter.InterpretedFunction):
+    if isinstance(kernel, InterpretedFunction):
         return "cpu", torch.float32, 1e-4
     return "cuda", torch.float16, 1e-2
 
