@@ -135,6 +135,7 @@ def exec_cell(source: str, namespace: dict, name: str = "cell") -> dict:
     """Run a notebook cell's `source` in `namespace` as Jupyter would: the source is registered with linecache
     under a file name, so `inspect.getsource` works on what it defines (`@triton.jit` compiling for a GPU needs
     the kernel's source; `exec` of a bare string has none)."""
+    namespace.setdefault("__name__", "__main__")  # a module name, as in a notebook: Triton's compiler reads it
     filename = f"<{name}-{hashlib.sha256(source.encode()).hexdigest()[:12]}>"
     linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
     exec(compile(source, filename, "exec"), namespace)
