@@ -75,3 +75,23 @@ def test_supports_says_in_one_line_what_needs_a_newer_gpu(capsys):
     assert not t4.supports((8, 0), "the tensor-core kernels")
     assert capsys.readouterr().out == "skipped: the tensor-core kernels: needs an sm_80+ GPU; this GPU is sm_75\n"
     assert not cpu.supports((8, 0), "the autotuner") and "no GPU here" in capsys.readouterr().out
+
+
+def test_run_gpu_cell_gives_what_it_defines_a_source():
+    """`@triton.jit` reads a kernel's source to compile it for a GPU: a function defined in a %%gpu cell has one."""
+    import inspect
+
+    ns = {}
+    run_gpu_cell("def twice(x):\n    return 2 * x\n", ns, gpu=True)
+    assert inspect.getsource(ns["twice"]) == "def twice(x):\n    return 2 * x\n"
+
+
+def test_setup_leaves_triton_unimported():
+    """A notebook may turn the interpreter on after setup() and before its first `import triton` (05a does)."""
+    import subprocess
+    import sys
+
+    code = "import sys\nfrom utils.bootstrap import setup\nsetup()\nprint('triton' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], cwd=bootstrap.ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("False"), done.stdout + done.stderr[-2000:]

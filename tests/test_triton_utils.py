@@ -1,4 +1,8 @@
+import os
 import pdb
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -7,6 +11,8 @@ import triton.language as tl
 
 from utils import triton_utils as tu
 from utils.triton_utils import breakpoint_if, cdiv, check_tensors_gpu_ready, print_if, test_pid_conds
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("a,b,expected", [(0, 4, 0), (1, 4, 1), (4, 4, 1), (5, 4, 2), (1000, 128, 8), (-5, 4, -1)])
@@ -242,3 +248,22 @@ def test_show_diff_prints_a_unified_diff_of_kernels(capsys):
     assert capsys.readouterr().out.splitlines()[-2:] == ["-b", "+c"]
     with pytest.raises(TypeError):
         tu.show_diff(1, "a")
+
+
+def _python(code: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.mark.parametrize("when,message", [("never", "interpreter is off"), ("after", "Restart the kernel"),
+                                          ("before", None)])
+def test_require_interpreter_says_when_triton_came_first(when, message):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import os\n" + ("os.environ['TRITON_INTERPRET'] = '1'\n" if when == "before" else "") +
+            "import triton\n" + ("os.environ['TRITON_INTERPRET'] = '1'\n" if when == "after" else "") +
+            "from utils.triton_utils import require_interpreter\nrequire_interpreter()\nprint('ready')")
+    done = _python(code, env)
+    if message is None:
+        assert done.returncode == 0 and "ready" in done.stdout, done.stderr[-2000:]
+    else:
+        assert done.returncode != 0 and message in done.stderr, done.stderr[-2000:]

@@ -7,7 +7,10 @@ problem sizes, registers the `%%gpu` cell magic and prints one line about the en
 from __future__ import annotations
 
 import ast
+import hashlib
+import importlib.metadata
 import importlib.util
+import linecache
 import os
 import subprocess
 import sys
@@ -55,13 +58,23 @@ class Env:
 
     def describe(self) -> str:
         import torch
-        import triton
 
         where = f"{self.gpu_name} (sm_{self.capability[0]}{self.capability[1]})" if self.on_gpu else "CPU"
         mode = "Triton interpreter" if self.interpret else "compiled Triton"
         colab = ", Colab" if self.colab else ""
         return (f"device={self.device} [{where}{colab}] dtype={str(self.dtype).removeprefix('torch.')} "
-                f"{mode} | torch {torch.__version__}, triton {triton.__version__}")
+                f"{mode} | torch {torch.__version__}, triton {triton_version()}")
+
+
+def triton_version() -> str:
+    """Triton's version without importing it: a notebook may still turn the interpreter on before its first
+    `import triton` (Triton's own jit library, tl.sum and tl.max among it, is built for one mode at import)."""
+    try:
+        return importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        import triton
+
+        return triton.__version__
 
 
 def in_colab() -> bool:
@@ -141,12 +154,22 @@ def run_gpu_cell(cell: str, namespace: dict, *, gpu: bool | None = None):
     if not gpu:
         print("skipped: this cell needs a CUDA GPU")
         return None
-    tree = ast.parse(cell)
+    filename = register_source(cell, "gpu-cell")
+    tree = ast.parse(cell, filename)
     last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
-    exec(compile(tree, "<gpu cell>", "exec"), namespace)
+    exec(compile(tree, filename, "exec"), namespace)
     if last is not None:
-        return eval(compile(ast.Expression(last.value), "<gpu cell>", "eval"), namespace)
+        return eval(compile(ast.Expression(last.value), filename, "eval"), namespace)
     return None
+
+
+def register_source(source: str, name: str) -> str:
+    """Register `source` with linecache under a file name made from `name` and its hash, and return that name.
+    Code compiled under it has a source, as a Jupyter cell's has: `inspect.getsource`, tracebacks and
+    `@triton.jit` (which reads a kernel's source to compile it for a GPU) need one; `exec` of a bare string has none."""
+    filename = f"<{name}-{hashlib.sha256(source.encode()).hexdigest()[:12]}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
+    return filename
 
 
 def register_gpu_magic() -> bool:

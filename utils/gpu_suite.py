@@ -26,6 +26,7 @@ PARTS = {"tests": ["tests"], "notebooks": ["notebooks"]}
 TRACKED_DIRS = ("utils", "notebooks")
 IGNORED_NAMES = {".git", "__pycache__", ".ipynb_checkpoints"}   # what git keeps out of those folders
 IGNORED_SUFFIXES = (".pyc",)
+RUNNING_VAR = "COURSE_GPU_SUITE"   # set while the suite runs: tests of the committed reports skip (being rewritten)
 
 
 def report_path(emulate: str | None) -> Path:
@@ -82,12 +83,12 @@ class Collector:
             return
         stats[outcome] += 1
         if outcome == "failed":
-            self.failures[f"{report.nodeid} ({report.when})"] = getattr(report, "longreprtext", "")[-1500:]
+            self.failures[f"{report.nodeid} ({report.when})"] = getattr(report, "longreprtext", "")[-4000:]
 
     def pytest_collectreport(self, report):
         if report.failed:
             self.files[report.nodeid or "collection"]["failed"] += 1
-            self.failures[f"{report.nodeid} (collection)"] = getattr(report, "longreprtext", "")[-1500:]
+            self.failures[f"{report.nodeid} (collection)"] = getattr(report, "longreprtext", "")[-4000:]
 
 
 def summarize(collector: Collector, old: dict | None = None) -> dict:
@@ -100,13 +101,24 @@ def summarize(collector: Collector, old: dict | None = None) -> dict:
     return dict(totals=totals, files=dict(sorted(files.items())), failures=failures)
 
 
+def part_args(part: str, pytest_args=()) -> list[str]:
+    """pytest's arguments for one part: a notebook's cells share one kernel, so under pytest-xdist (-n) each
+    notebook must run whole on one worker (--dist loadfile), or its cells fail on names defined elsewhere."""
+    args = list(pytest_args)
+    xdist = any(a == "-n" or a.startswith(("-n", "--numprocesses")) for a in args)
+    if part == "notebooks" and xdist and not any(a.startswith("--dist") for a in args):
+        args += ["--dist", "loadfile"]
+    return args
+
+
 def run_part(part: str, files=(), pytest_args=(), old: dict | None = None, save=lambda results: None):
     """Run one part (all of it, or `files` of it) under pytest; returns (results, pytest's exit code).
     `save(results)` is called as files finish."""
     import pytest
 
     collector = Collector(on_file_done=lambda c: save(summarize(c, old)))
-    code = pytest.main([*(files or PARTS[part]), "-p", "no:cacheprovider", "-q", *pytest_args], plugins=[collector])
+    code = pytest.main([*(files or PARTS[part]), "-p", "no:cacheprovider", "-q", *part_args(part, pytest_args)],
+                       plugins=[collector])
     return summarize(collector, old), int(code)
 
 
@@ -133,6 +145,7 @@ def main(argv=None) -> int:
         print("no CUDA GPU here: this command runs the suite on one (CPU runs: make test)", file=sys.stderr)
         return 2
     path = args.report or report_path(args.emulate)
+    os.environ[RUNNING_VAR] = "1"   # inherited by pytest-xdist's workers
     trees = {d: tree_id(ROOT / d) for d in TRACKED_DIRS}
     old = json.loads(path.read_text()) if path.is_file() else {}
     parts = {name: p for name, p in old.get("parts", {}).items() if old.get("trees") == trees}

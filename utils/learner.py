@@ -19,10 +19,10 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import linecache
 import re
 from pathlib import Path
 
+from utils.bootstrap import register_source
 from utils.exercises import STUB_MESSAGE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -132,11 +132,9 @@ def code_cell(path, marker: str, *, learner: bool = False) -> str:
 
 
 def exec_cell(source: str, namespace: dict, name: str = "cell") -> dict:
-    """Run a notebook cell's `source` in `namespace` as Jupyter would: the source is registered with linecache
-    under a file name, so `inspect.getsource` works on what it defines (`@triton.jit` compiling for a GPU needs
-    the kernel's source; `exec` of a bare string has none)."""
+    """Run a notebook cell's `source` in `namespace` as Jupyter would, with its source registered (see
+    `utils.bootstrap.register_source`) so a `@triton.jit` kernel it defines compiles for a GPU."""
     namespace.setdefault("__name__", "__main__")  # a module name, as in a notebook: Triton's compiler reads it
-    filename = f"<{name}-{hashlib.sha256(source.encode()).hexdigest()[:12]}>"
-    linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
+    filename = register_source(source, name)
     exec(compile(source, filename, "exec"), namespace)
     return namespace

@@ -51,6 +51,23 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def require_interpreter() -> None:
+    """Raise a RuntimeError that says what to do unless kernels run in the interpreter *and* Triton was imported
+    with it on. Triton reads TRITON_INTERPRET whenever `@triton.jit` runs, its own library (tl.sum, tl.max, ...)
+    included: set after `import triton`, the flag makes your kernels interpreted but leaves those compiled, and an
+    interpreted kernel that calls one fails with "Cannot call @triton.jit'd outside of the scope of a kernel"."""
+    if not interpreting():
+        raise RuntimeError("the Triton interpreter is off: set os.environ['TRITON_INTERPRET'] = '1' before "
+                           "`import triton` (and before defining any kernel)")
+    from triton.runtime.interpreter import InterpretedFunction
+
+    stale = [name for name, fn in (("tl.sum", tl.sum), ("utils.triton_utils.offsets_1d", offsets_1d))
+             if not isinstance(fn, InterpretedFunction)]
+    if stale:
+        raise RuntimeError(f"{' and '.join(stale)} were compiled for the GPU: Triton (or this module) was imported "
+                           "before TRITON_INTERPRET=1 was set. Restart the kernel and run the notebook from the top.")
+
+
 def _pid_value(pid, name: str) -> int:
     """A program id as an int: ints, one-element tensors (the interpreter's `tl.program_id`) and lists."""
     value = pid
