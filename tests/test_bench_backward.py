@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from utils.bench_backward import (format_table, load_results, plot_backward_benchmark, ratios,
+from utils.bench.backward import (format_table, load_results, plot_backward_benchmark, ratios,
                                   run_backward_benchmark, save_results)
 
 ROWS = [dict(backend=b, seqlen=n, head_dim=64, causal=c, ms=1.0, tflops=t, error=None)

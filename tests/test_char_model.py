@@ -52,10 +52,11 @@ def test_model_shapes_and_causality():
 
 
 def test_same_seed_same_curve_for_equivalent_attentions():
-    kw = dict(steps=8, batch=4, seq=16, dim=16, heads=2, layers=1, text=load_corpus(20_000))
+    kw = dict(steps=40, batch=4, seq=16, dim=16, heads=2, layers=1, text=load_corpus(20_000))
     a = train_char_model(sdpa_attention, **kw)
     b = train_char_model(naive_attention, **kw)
-    assert len(a) == 8 and max(abs(x - y) for x, y in zip(a, b)) < 1e-4
-    assert a[-1] < a[0]
+    assert len(a) == 40 and max(abs(x - y) for x, y in zip(a, b)) < 1e-4
+    # it learns: averaged over 8 steps (single steps are noisy; the corpus is this repository's text)
+    assert sum(a[-8:]) / 8 < sum(a[:8]) / 8 - 0.3
     with pytest.raises(ValueError):
         train_char_model(sdpa_attention, steps=0)

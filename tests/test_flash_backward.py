@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from utils.flash_backward_pytorch import (FlashAttentionPyTorch, attention_gradients, flash_attention_pytorch,
+from utils.flash_pytorch_bwd import (FlashAttentionPyTorch, attention_gradients, flash_attention_pytorch,
                                           flash_backward_pytorch, saved_tensor_bytes)
 from utils.flash_pytorch import flash2_attention
 from utils.reference import naive_attention, reference_attention

@@ -199,7 +199,7 @@ def test_launch_floor_json_has_its_environment_and_one_row_per_method(tmp_path):
     """The launch-floor writer on the CPU: fake steps and a fake timer stand in for the GPU."""
     import json
 
-    from utils.flash_decoding import LAUNCH_FLOOR_COMMAND, launch_floor_path, write_launch_floor
+    from utils.bench.decoding import LAUNCH_FLOOR_COMMAND, launch_floor_path, write_launch_floor
 
     def broken():
         raise RuntimeError("no kernel for this shape\nsecond line")
@@ -223,7 +223,7 @@ def test_launch_floor_json_has_its_environment_and_one_row_per_method(tmp_path):
 def test_launch_floor_on_gpu(tmp_path):
     import json
 
-    from utils.flash_decoding import write_launch_floor
+    from utils.bench.decoding import write_launch_floor
 
     rows = json.loads(write_launch_floor(tmp_path, "gpu").read_text())["rows"]
     timed = {r["method"]: r["us"] for r in rows if "us" in r}

@@ -39,10 +39,10 @@ def test_emulated_t4_on_a_gpu(monkeypatch):
 
 def test_environment_records_where_and_how(monkeypatch):
     monkeypatch.delenv(gpu.EMULATE_VAR, raising=False)
-    env = gpu.environment("python -m utils.summary")
+    env = gpu.environment("python -m utils.bench.summary")
     assert {"gpu", "capability", "emulated", "driver", "cuda", "cudnn", "torch", "triton", "python", "date",
             "command"} <= set(env)
-    assert env["torch"] == torch.__version__ and env["command"] == "python -m utils.summary"
+    assert env["torch"] == torch.__version__ and env["command"] == "python -m utils.bench.summary"
     assert env["date"][:2] == "20" and (env["gpu"] is not None) == CUDA
     assert gpu.environment()["command"].startswith("python")  # default: this process's command line
 

@@ -60,7 +60,7 @@ REGISTRY = {impl.name: impl for impl in [
     Implementation("cuda", "utils.cuda_ext:flash_attention_cuda", "cuda",
                    "CUDA FlashAttention-2 on tensor cores (mma.sync, ldmatrix, swizzle, cp.async; fp32 inputs and "
                    "pre-sm_80 GPUs run cuda_tiled)", "06b", head_dims=(64, 128)),
-    Implementation("flash2_pytorch_autograd", "utils.flash_backward_pytorch:flash_attention_pytorch", "any",
+    Implementation("flash2_pytorch_autograd", "utils.flash_pytorch_bwd:flash_attention_pytorch", "any",
                    "differentiable tiled PyTorch: online-softmax forward, FA2-order tiled backward", "07"),
 ]}
 

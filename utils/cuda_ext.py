@@ -428,11 +428,11 @@ def main(argv=None):
     parser.add_argument("--out", type=Path, help="write the records as JSON here")
     args = parser.parse_args(argv)
     if args.what == "softmax":
-        from utils.benchmark import environment
+        from utils import gpu
 
         records = softmax_table()
         print(format_softmax_table(records))
-        payload = dict(environment=environment(), results=records)
+        payload = dict(environment=gpu.environment(), results=records)
     else:
         records = [asdict(r) for r in compile_check()]
         for r in records:

@@ -323,7 +323,7 @@ def _launch(q, k, v, causal, scale, config: Config | None = None, steps: Steps |
 
 
 # Notebook 05b's worklog: the kernel before each step and the final one, all timed through `variant` (the same
-# entry point, so the ratios compare like with like) beside SDPA by `python -m utils.benchmark --worklog`.
+# entry point, so the ratios compare like with like) beside SDPA by `python -m utils.bench.forward --worklog`.
 # Steps None: `Steps.fastest`, what the registry's "triton" (flash_attention, with autograd) runs.
 WORKLOG = {
     "triton 05 (fixed tiles)": (NOTEBOOK_05_TILES, Steps()),
@@ -331,7 +331,7 @@ WORKLOG = {
     "triton + TMA (fixed tiles)": (NOTEBOOK_05_TILES, Steps(tma=True)),
     "triton 1+2 (final)": (None, None),
 }
-# The tile sweep behind TUNE_CONFIGS (`python -m utils.benchmark --sweep`), each with and without TMA.
+# The tile sweep behind TUNE_CONFIGS (`python -m utils.bench.forward --sweep`), each with and without TMA.
 SWEEP_CONFIGS = [Config(*c) for c in ((128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 4, 3),
                                       (64, 64, 4, 3), (128, 32, 4, 4), (64, 128, 4, 3), (128, 64, 8, 4))]
 

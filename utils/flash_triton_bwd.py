@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from utils.flash_backward_pytorch import check_backward_inputs
+from utils.flash_pytorch_bwd import check_backward_inputs
 
 __all__ = ["flash_attention_backward", "BackwardConfig", "default_config", "HEAD_DIMS", "DTYPES"]
 

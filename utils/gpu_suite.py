@@ -17,7 +17,6 @@ import hashlib
 import json
 import os
 import sys
-import time
 from collections import defaultdict
 from pathlib import Path
 

@@ -27,18 +27,18 @@ BEGIN, END = "<!-- results: begin (python -m utils.references --readme) -->", "<
 REFERENCES = {
     "ceilings": (1, ["utils.references", "--ceilings"]),
     "softmax": (1, ["utils.cuda_ext", "softmax", "--out", "images/06_softmax_h200.json"]),
-    "triton_fwd": (1, ["utils.benchmark", "--worklog", "--sdpa", "flash", "cudnn", "efficient",
+    "triton_fwd": (1, ["utils.bench.forward", "--worklog", "--sdpa", "flash", "cudnn", "efficient",
                        "--name", "triton_fwd_h200"]),
-    "triton_sweep": (1, ["utils.benchmark", "--sweep", "--sdpa", "cudnn", "--seqlens", "2048", "8192",
+    "triton_sweep": (1, ["utils.bench.forward", "--sweep", "--sdpa", "cudnn", "--seqlens", "2048", "8192",
                          "--name", "triton_sweep_h200"]),
-    "cuda_flash": (1, ["utils.benchmark", "--impls", "cuda_tiled", "cuda_naive", "--sdpa", "flash",
+    "cuda_flash": (1, ["utils.bench.forward", "--impls", "cuda_tiled", "cuda_naive", "--sdpa", "flash",
                        "--name", "06_cuda_flash_h200"]),
-    "cuda_mma": (1, ["utils.bench_cuda_mma", "--name", "06b_cuda_mma_h200"]),
-    "backward": (1, ["utils.bench_backward", "--out", "images/07_backward_benchmark.json"]),
-    "decoding": (1, ["utils.flash_decoding", "--out", "images"]),
-    "launch_floor": (1, ["utils.flash_decoding", "--launch-floor", "--out", "images"]),
-    "decoding_tiles": (1, ["utils.flash_decoding", "--tile-sweep", "--out", "images"]),
-    "summary": (1, ["utils.summary"]),
+    "cuda_mma": (1, ["utils.bench.cuda_mma", "--name", "06b_cuda_mma_h200"]),
+    "backward": (1, ["utils.bench.backward", "--out", "images/07_backward_benchmark.json"]),
+    "decoding": (1, ["utils.bench.decoding", "--out", "images"]),
+    "launch_floor": (1, ["utils.bench.decoding", "--launch-floor", "--out", "images"]),
+    "decoding_tiles": (1, ["utils.bench.decoding", "--tile-sweep", "--out", "images"]),
+    "summary": (1, ["utils.bench.summary"]),
     "ring_nccl": (2, ["utils.ring_attention", "--backend", "nccl", "--world-size", "2"]),
 }
 
@@ -89,7 +89,7 @@ def results_markdown() -> str:
     env = fwd["environment"]
     f = _by(fwd["results"], "impl", "head_dim", "causal", "seqlen")
     cols = [(64, False, 4096), (64, False, 16384), (128, False, 4096), (128, False, 16384), (128, True, 16384)]
-    head = " | ".join(f"D={d}{' causal' if c else ''}, N={_fmt_k(n)}" for d, c, n in cols)
+    head = " | ".join(f"d={d}{' causal' if c else ''}, N={_fmt_k(n)}" for d, c, n in cols)
     rows = [("course Triton forward (`triton`: notebook 05, tuned in 05b)", "triton"),
             ("the same kernel before notebook 05b (fixed tiles)", "triton 05 (fixed tiles)"),
             ("SDPA FlashAttention-2 backend", "sdpa-flash"),
@@ -101,8 +101,8 @@ def results_markdown() -> str:
     bwd = _load("07_backward_benchmark.json")
     b = _by(bwd["rows"], "backend", "head_dim", "causal", "seqlen")
     bcols = [(64, False, 4096), (64, False, 16384), (128, False, 4096), (128, False, 16384), (128, True, 16384)]
-    lines += ["", f"| backward, TFLOP/s (notebook 07) | "
-              + " | ".join(f"D={d}{' causal' if c else ''}, N={_fmt_k(n)}" for d, c, n in bcols) + " |",
+    lines += ["", "| backward, TFLOP/s (notebook 07) | "
+              + " | ".join(f"d={d}{' causal' if c else ''}, N={_fmt_k(n)}" for d, c, n in bcols) + " |",
               "|---" * (len(bcols) + 1) + "|"]
     for label, impl in [("course Triton backward", "triton"), ("SDPA FlashAttention-2 backward", "sdpa_flash"),
                         ("SDPA cuDNN backward", "sdpa_cudnn")]:
@@ -137,8 +137,8 @@ def results_markdown() -> str:
     ring_text = ", ".join(f"{r['single_device_ms'] / r['ring_ms']:.2f}× one GPU "
                           f"({'causal, ' + r['case']['layout'] if r['case']['causal'] else 'full attention'})"
                           for r in ring)
-    summary += (f" Decoding one token against a KV cache (notebook 08, D=128, bf16, batch 1–64, caches of 4k–128k "
-                f"tokens; `images/decoding_h200.json`): " + "; ".join(decoding) + ". Ring attention over 2 GPUs "
+    summary += (" Decoding one token against a KV cache (notebook 08, d=128, bf16, batch 1–64, caches of 4k–128k "
+                "tokens; `images/decoding_h200.json`): " + "; ".join(decoding) + ". Ring attention over 2 GPUs "
                 f"(NCCL, {_fmt_k(ring[0]['case']['seqlen'])} tokens; `images/ring_nccl.json`): {ring_text}.")
     measured = (f"Measured on {env['gpu']} with torch {env['torch']} and Triton {env['triton']} "
                 f"(`images/triton_fwd_h200.json`, `07_backward_benchmark.json`, `06b_cuda_mma_h200.json`); "

@@ -13,6 +13,7 @@ import torch
 from utils.bench import attention_flops, benchmark, tflops
 
 BACKENDS = ("triton", "sdpa_flash", "sdpa_cudnn")
+DEFAULT_OUT = Path(__file__).resolve().parents[2] / "images" / "07_backward_benchmark.json"
 
 
 def _sdpa_backward(backend_name):
@@ -150,18 +151,17 @@ def plot_backward_benchmark(rows: list[dict], title: str = ""):
 
 
 def main(argv=None) -> list[dict]:
-    """`python -m utils.bench_backward [--out images/07_backward_benchmark.json]`: the full grid, its JSON and plot."""
+    """`python -m utils.bench.backward [--out images/07_backward_benchmark.json]`: the full grid, its JSON and plot."""
     import argparse
     import sys
 
     from utils import gpu
 
     parser = argparse.ArgumentParser(description="Backward-pass benchmark: Triton against SDPA's backends")
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "images" /
-                        "07_backward_benchmark.json")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
     rows = run_backward_benchmark()
-    command = "python -m utils.bench_backward " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python -m utils.bench.backward " + " ".join(sys.argv[1:] if argv is None else argv)
     env = gpu.environment(command)
     save_results(rows, args.out, environment=env, gpu=env["gpu"], torch=env["torch"], triton=env["triton"],
                  batch=4, heads=16, dtype="bfloat16")

@@ -1,9 +1,9 @@
 """Notebook 06b's worklog: every step of the tensor-core kernel beside SDPA's flash and cuDNN backends.
 
-    python -m utils.bench_cuda_mma --name 06b_cuda_mma_h200        # all steps, the full grid of utils.benchmark
-    python -m utils.bench_cuda_mma --steps exp2 causal_skip --seqlens 4096 --head-dims 128 --name quick
+    python -m utils.bench.cuda_mma --name 06b_cuda_mma_h200        # all steps, the full grid of utils.bench.forward
+    python -m utils.bench.cuda_mma --steps exp2 causal_skip --seqlens 4096 --head-dims 128 --name quick
 
-Everything else is utils.benchmark's: the same flags, one run timing every step and SDPA backend side by side
+Everything else is utils.bench.forward's: the same flags, one run timing every step and SDPA backend side by side
 (do_bench, medians), the JSON (images/<name>.json) and the plot (images/<name>.png, one line per step).
 `worklog_table` turns the records into the notebook's table: each step's TFLOP/s, its speed-up over the step
 before and over step 1, and its ratio to SDPA's FlashAttention-2 (flash) and cuDNN backends.
@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 from functools import partial
 
+from utils import gpu
 from utils.cuda_ext import MMA_STEPS, flash_mma, mma_kernel_name
 
 
@@ -67,8 +68,8 @@ def format_worklog(rows: list[dict]) -> str:
 
 
 def parse_args(argv=None):
-    """--steps (default: all), then utils.benchmark's flags (defaults: SDPA flash and cuDNN, no registry impls)."""
-    from utils import benchmark
+    """--steps (default: all), then utils.bench.forward's flags (defaults: SDPA flash and cuDNN, no registry impls)."""
+    from utils.bench import forward as benchmark
 
     own = argparse.ArgumentParser(add_help=False)
     own.add_argument("--steps", nargs="+", default=list(MMA_STEPS), choices=MMA_STEPS)
@@ -82,15 +83,15 @@ def parse_args(argv=None):
 def main(argv=None) -> list[dict]:
     import torch
 
-    from utils import benchmark
+    from utils.bench import forward as benchmark
 
     args = parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("python -m utils.bench_cuda_mma needs a CUDA GPU")
+        raise SystemExit("python -m utils.bench.cuda_mma needs a CUDA GPU")
     fns = {**step_functions(args.steps), **benchmark.candidates(args)}
     records = benchmark.run(args, fns)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    env = benchmark.environment()
+    env = gpu.environment()
     json_path = benchmark.write_json(records, args, args.out_dir / f"{args.name}.json")
     png_path = benchmark.plot(records, args.out_dir / f"{args.name}.png",
                               title=f"tensor-core steps, {env.get('gpu', '')}, {args.dtype}, B={args.batch}, "

@@ -1,8 +1,8 @@
 """Forward-attention benchmark: registry implementations beside PyTorch SDPA with each backend pinned.
 
-    python -m utils.benchmark                                  # triton vs SDPA flash/cudnn/efficient, the full grid
-    python -m utils.benchmark --impls triton --seqlens 1024 2048 --head-dims 64 --name quick
-    python -m utils.benchmark --worklog --sdpa flash cudnn --name triton_fwd_h200   # notebook 05b's steps too
+    python -m utils.bench.forward                                  # triton vs SDPA flash/cudnn/efficient, the full grid
+    python -m utils.bench.forward --impls triton --seqlens 1024 2048 --head-dims 64 --name quick
+    python -m utils.bench.forward --worklog --sdpa flash cudnn --name triton_fwd_h200   # notebook 05b's steps too
 
 Every configuration is timed in the same run with `utils.bench.benchmark` (triton.testing.do_bench: median,
 L2 flushed) and reported as TFLOP/s (utils.bench.attention_flops: 4·B·H·N²·D, halved when causal) and as
@@ -18,15 +18,16 @@ from pathlib import Path
 
 import torch
 
+from utils import gpu
 from utils.bench import attention_flops, tflops
 
 SDPA_BACKENDS = ("flash", "cudnn", "efficient")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-IMAGES = Path(__file__).resolve().parents[1] / "images"
+IMAGES = Path(__file__).resolve().parents[2] / "images"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m utils.benchmark", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m utils.bench.forward", description=__doc__.split("\n\n")[0])
     p.add_argument("--impls", nargs="*", default=["triton"], help="registry names (utils.attention.REGISTRY)")
     p.add_argument("--sdpa", nargs="*", default=list(SDPA_BACKENDS), choices=SDPA_BACKENDS,
                    help="SDPA backends to pin, each measured as sdpa-<backend>")
@@ -168,17 +169,10 @@ def format_table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def environment() -> dict:
-    """Where the numbers come from (utils.gpu.environment: GPU, versions, date, command)."""
-    from utils import gpu
-
-    return gpu.environment()
-
-
 def write_json(records: list[dict], args, path: Path) -> Path:
     settings = dict(batch=args.batch, heads=args.heads, dtype=args.dtype, warmup_ms=args.warmup, rep_ms=args.rep)
     path = Path(path)
-    path.write_text(json.dumps(dict(environment=environment(), settings=settings, results=records), indent=1))
+    path.write_text(json.dumps(dict(environment=gpu.environment(), settings=settings, results=records), indent=1))
     return path
 
 
@@ -228,10 +222,10 @@ def plot(records: list[dict], path: Path, title: str = "") -> Path:
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("python -m utils.benchmark needs a CUDA GPU")
+        raise SystemExit("python -m utils.bench.forward needs a CUDA GPU")
     records = run(args, candidates(args))
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    env = environment()
+    env = gpu.environment()
     json_path = write_json(records, args, args.out_dir / f"{args.name}.json")
     png_path = plot(records, args.out_dir / f"{args.name}.png",
                     title=f"{env.get('gpu', '')}, {args.dtype}, B={args.batch}, H={args.heads}")

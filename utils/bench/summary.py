@@ -1,9 +1,9 @@
 """Every implementation in the registry side by side: correctness, speed and peak memory.
 
-    python -m utils.summary          # on a GPU: writes images/summary_<gpu>.json and summary_<gpu>_*.png
+    python -m utils.bench.summary          # on a GPU: writes images/summary_<gpu>.json and summary_<gpu>_*.png
 
 The summary notebook calls the same functions at the sizes the current device affords; the command above made
-the committed H200 reference figures. Speed comes from utils.benchmark's sweep (do_bench, SDPA backends pinned).
+the committed H200 reference figures. Speed comes from utils.bench.forward's sweep (do_bench, SDPA backends pinned).
 """
 from __future__ import annotations
 
@@ -13,14 +13,14 @@ from pathlib import Path
 
 import torch
 
-from utils import benchmark as sweep
+from utils.bench import forward as sweep
 from utils.attention import REGISTRY, implementations
 from utils.bench import attention_flops, benchmark, tflops
 from utils.memory import peak_memory
 from utils.reference import reference_attention
 from utils.testing import random_qkv, tolerances
 
-IMAGES = Path(__file__).resolve().parents[1] / "images"
+IMAGES = Path(__file__).resolve().parents[2] / "images"
 # Stable Diffusion 2.1 at 512x512: a 64x64 latent, so 4096 tokens; head dim 64 with 5 heads at that level;
 # batch 2 for classifier-free guidance.
 SD21 = dict(batch=2, heads=5, seqlen=4096, head_dim=64)
@@ -76,7 +76,7 @@ def memory_sweep(fns: dict, seqlens, *, batch, heads, head_dim, dtype, device, p
 
 def speed_sweep(names, seqlens, *, batch, heads, head_dim, dtype_name, sdpa=(), causal="no", rep=100,
                 warmup=25, progress=True) -> list[dict]:
-    """utils.benchmark's side-by-side timing for registry `names` (and pinned SDPA backends on a GPU)."""
+    """utils.bench.forward's side-by-side timing for registry `names` (and pinned SDPA backends on a GPU)."""
     argv = ["--impls", *names, "--sdpa", *sdpa, "--batch", str(batch), "--heads", str(heads),
             "--head-dims", str(head_dim), "--seqlens", *map(str, seqlens), "--dtype", dtype_name,
             "--causal", causal, "--rep", str(rep), "--warmup", str(warmup)]
@@ -135,7 +135,7 @@ def main(argv=None) -> None:
     parser.add_argument("--out-dir", type=Path, default=IMAGES)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("python -m utils.summary needs a CUDA GPU")
+        raise SystemExit("python -m utils.bench.summary needs a CUDA GPU")
     from utils.plotting import use_course_style
 
     from utils import gpu as gpu_info
@@ -144,7 +144,7 @@ def main(argv=None) -> None:
     tag = "h200" if "H200" in gpu else gpu.split()[-1].lower()
     fns = implementations("cuda")
     dtype = torch.bfloat16
-    result = dict(environment=gpu_info.environment("python -m utils.summary"), gpu=gpu,
+    result = dict(environment=gpu_info.environment("python -m utils.bench.summary"), gpu=gpu,
                   correctness=correctness(fns, device="cuda", dtype=dtype))
     result["speed"] = speed_sweep(list(fns), [512, 1024, 2048, 4096, 8192, 16384], batch=4, heads=16,
                                   head_dim=64, dtype_name="bf16", sdpa=("flash", "cudnn"))

@@ -1,11 +1,12 @@
-"""The pure parts of utils.benchmark: arguments, the records, the JSON, the table and the plot (fake timings)."""
+"""The pure parts of utils.bench.forward: arguments, the records, the JSON, the table and the plot (fake timings)."""
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from utils import benchmark as bm
+from utils.bench import forward as bm
 from utils.bench import attention_flops
 
 
@@ -104,3 +105,11 @@ def test_small_run_on_gpu(tmp_path):
                        "--name", "t", "--rep", "5", "--warmup", "2"])
     assert all(r["tflops"] for r in records if r["impl"] in ("triton", "sdpa-flash"))
     assert (tmp_path / "t.json").exists() and (tmp_path / "t.png").exists()
+
+
+def test_benchmarks_write_into_the_repositorys_images_folder():
+    from utils.bench import backward, summary
+
+    root = Path(__file__).resolve().parents[1]
+    assert bm.IMAGES == summary.IMAGES == root / "images"
+    assert backward.DEFAULT_OUT.parent == root / "images"

@@ -1,0 +1,312 @@
+"""Decoding benchmarks (notebook 08): utils.flash_decoding's split-KV kernel against SDPA's backends.
+
+    python -m utils.bench.decoding --out images                 # decoding_h200.json and its plots (MHA, GQA, splits)
+    python -m utils.bench.decoding --launch-floor --out images  # the latency floor of one decode step
+    python -m utils.bench.decoding --tile-sweep --out images    # every tile on four shapes (GPU_CONFIG's origin)
+
+Needs a CUDA GPU; the pure parts (the launch-floor bookkeeping, the plots) take fake timings and run anywhere.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+
+from utils.flash_decoding import choose_num_splits, default_num_sms, flash_decode
+from utils.triton_utils import cdiv
+
+
+
+def decoding_methods() -> dict:
+    """{name: fn(q, k, v)} compared at decode time: this kernel (auto splits and one split), notebook 05's
+    kernel if present, and SDPA with each backend pinned."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def sdpa(backend):
+        def run(q, k, v):
+            with sdpa_kernel(backend):
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=k.shape[1] != q.shape[1])
+        return run
+
+    methods = {"flash_decode": lambda q, k, v: flash_decode(q, k, v),
+               "flash_decode, 1 split": lambda q, k, v: flash_decode(q, k, v, num_splits=1)}
+    try:
+        from utils.flash_triton import flash_attention
+        methods["notebook 05 kernel"] = lambda q, k, v: flash_attention(q, k, v)
+    except ImportError:
+        pass
+    methods.update({"SDPA flash": sdpa(SDPBackend.FLASH_ATTENTION), "SDPA cuDNN": sdpa(SDPBackend.CUDNN_ATTENTION),
+                    "SDPA efficient": sdpa(SDPBackend.EFFICIENT_ATTENTION)})
+    return methods
+
+
+def benchmark_decoding(batches, seqlens, *, heads=16, kv_heads=16, head_dim=128, new_tokens=1,
+                       dtype=torch.bfloat16, methods=None, splits=None) -> list[dict]:
+    """Time each method on q (B, heads, new_tokens, D) against a cache (B, kv_heads, N, D) on the GPU.
+
+    One row per (batch, seqlen, method): ms, TFLOP/s and GB/s (bytes of K, V, q and o over the time: decoding
+    reads the whole cache once, so bandwidth is its roofline), and the error against the fp32 SDPA.
+    `splits`: also time flash_decode with each of these num_splits (method "flash_decode, S splits").
+    """
+    from utils.bench import attention_flops, benchmark, tflops
+
+    methods = dict(decoding_methods() if methods is None else methods)  # {} means: only the split sweep
+    for s in splits or ():
+        methods[f"flash_decode, {s} splits"] = lambda q, k, v, s=s: flash_decode(q, k, v, num_splits=s)
+    rows = []
+    for n in seqlens:
+        for b in batches:
+            gen = torch.Generator(device="cuda").manual_seed(0)
+            q = torch.randn(b, heads, new_tokens, head_dim, device="cuda", dtype=dtype, generator=gen)
+            k = torch.randn(b, kv_heads, n, head_dim, device="cuda", dtype=dtype, generator=gen)
+            v = torch.randn(b, kv_heads, n, head_dim, device="cuda", dtype=dtype, generator=gen)
+            # fp32 reference one sequence at a time: an fp32 copy of a 64 × 128k cache would not fit
+            ref = torch.cat([torch.nn.functional.scaled_dot_product_attention(
+                q[i:i + 1].float(), k[i:i + 1].float(), v[i:i + 1].float(), enable_gqa=kv_heads != heads)
+                for i in range(b)])
+            nbytes = (2 * k.numel() + 2 * q.numel()) * k.element_size()
+            flops = attention_flops(b, heads, new_tokens, n, head_dim)
+            for name, fn in methods.items():
+                row = dict(method=name, batch=b, seqlen_k=n, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                           new_tokens=new_tokens, dtype=str(dtype).removeprefix("torch."))
+                try:
+                    err = float((fn(q, k, v).float() - ref).abs().max())
+                    ms = benchmark(fn, q, k, v)
+                except Exception as exc:  # a backend that does not take this shape (or OOM): recorded
+                    torch.cuda.empty_cache()
+                    row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+                    rows.append(row)
+                    continue
+                programs = b * kv_heads * cdiv(heads // kv_heads * new_tokens, 64)
+                rows.append(dict(row, ms=ms, tflops=tflops(flops, ms), gbps=nbytes / ms / 1e6, max_abs_err=err,
+                                 auto_splits=choose_num_splits(programs, n, 64, default_num_sms("cuda"))))
+            del q, k, v, ref
+            torch.cuda.empty_cache()
+    return rows
+
+
+def plot_decoding_benchmark(rows, *, title="", peak_gbps=None):
+    """One panel per batch size: achieved bandwidth (TB/s) against the KV length, one line per method."""
+    import matplotlib.pyplot as plt
+
+    from utils.plotting import use_course_style
+
+    use_course_style()
+    rows = [r for r in rows if "ms" in r]
+    batches = sorted({r["batch"] for r in rows})
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    fig, axes = plt.subplots(1, len(batches), figsize=(3.6 * len(batches), 3.6), sharey=True, squeeze=False)
+    for ax, b in zip(axes[0], batches):
+        for m in methods:
+            pts = sorted((r["seqlen_k"], r["gbps"] / 1e3) for r in rows if r["batch"] == b and r["method"] == m)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=m, linestyle="--" if "1 split" in m else "-")
+        if peak_gbps:
+            ax.axhline(peak_gbps / 1e3, color="k", linewidth=1, linestyle=":", label="HBM peak")
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"batch {b}")
+        ax.set_xlabel("KV cache length")
+    axes[0][0].set_ylabel("K/V read bandwidth (TB/s)")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    # one legend beside the panels: inside one it would hide the lines it names
+    fig.legend(*axes[0][0].get_legend_handles_labels(), loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
+    return fig
+
+
+def save_decoding_plots(result: dict, folder, tag: str) -> list:
+    """decoding_mha_<tag>.png and decoding_gqa_<tag>.png from a benchmark result (the JSON `_main` writes)."""
+    from pathlib import Path
+
+    paths = []
+    for key, label in (("mha", "16 heads"), ("gqa", "16 query heads, 2 KV heads")):
+        fig = plot_decoding_benchmark(result[key], peak_gbps=result.get("peak_gbps"),
+                                      title=f"Decoding one token, {label}, D=128, bf16 — {result['device']}")
+        paths.append(Path(folder) / f"decoding_{key}_{tag}.png")
+        fig.savefig(paths[-1], bbox_inches="tight")
+    return paths
+
+
+# --- launch floor (GPU): `python -m utils.bench.decoding --launch-floor --out images` ---------------------------
+
+LAUNCH_FLOOR_COMMAND = "python -m utils.bench.decoding --launch-floor --out images"
+LAUNCH_FLOOR_SHAPE = dict(batch=1, heads=16, kv_heads=16, seqlen_k=4096, head_dim=128)
+
+
+def launch_floor_path(folder, tag: str = "h200"):
+    """Where the launch-floor measurement of a GPU tagged `tag` is kept: <folder>/decoding_launch_floor_<tag>.json."""
+    from pathlib import Path
+
+    return Path(folder) / f"decoding_launch_floor_{tag}.json"
+
+
+def wall_time_us(fn, *, iters: int = 200, warmup: int = 20) -> float:
+    """Microseconds per call of `fn()` called back to back, as the host sees it (synchronised at both ends).
+
+    For a tiny problem this is the floor of a decoding step: the GPU finishes each kernel before the CPU has
+    launched the next one, so the time is the launch path's, not the kernel's."""
+    import time
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / iters * 1e6
+
+
+def launch_floor_methods(q, k, v) -> dict:
+    """{name: fn()} for one decode step on (q, k, v): flash_decode through its Python entry point, the same call
+    captured once in a CUDA graph and replayed, and SDPA with the flash and cuDNN backends pinned."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def sdpa(backend):
+        def run():
+            with sdpa_kernel(backend):
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=k.shape[1] != q.shape[1])
+        return run
+
+    step = functools.partial(flash_decode, q, k, v)
+    side = torch.cuda.Stream()  # warm up (compile, allocate) outside the capture, as torch.cuda.graphs asks
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return {"flash_decode (Python launch)": step, "flash_decode (CUDA graph replay)": graph.replay,
+            "SDPA flash": sdpa(SDPBackend.FLASH_ATTENTION), "SDPA cuDNN": sdpa(SDPBackend.CUDNN_ATTENTION)}
+
+
+def launch_floor_env(command: str = LAUNCH_FLOOR_COMMAND) -> dict:
+    """The environment a launch-floor measurement was taken in: GPU, versions, date and command."""
+    from utils import gpu
+
+    return gpu.environment(command)
+
+
+def measure_launch_floor(*, methods=None, timer=wall_time_us, shape=None, dtype=torch.bfloat16,
+                         command: str = LAUNCH_FLOOR_COMMAND) -> dict:
+    """Time one decode step of a tiny problem (`LAUNCH_FLOOR_SHAPE`: a 4k cache at batch 1) each way of
+    `launch_floor_methods`. Returns {"environment", "shape", "rows": [{"method", "us"} or {"method", "error"}]}.
+
+    `methods` ({name: fn()}) and `timer` (fn -> µs) replace the GPU parts, e.g. in a test on the CPU."""
+    shape = dict(LAUNCH_FLOOR_SHAPE if shape is None else shape)
+    if methods is None:
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        q = torch.randn(shape["batch"], shape["heads"], 1, shape["head_dim"], device="cuda", dtype=dtype,
+                        generator=gen)
+        k, v = (torch.randn(shape["batch"], shape["kv_heads"], shape["seqlen_k"], shape["head_dim"], device="cuda",
+                            dtype=dtype, generator=gen) for _ in range(2))
+        methods = launch_floor_methods(q, k, v)
+    rows = []
+    for name, fn in methods.items():
+        try:
+            rows.append({"method": name, "us": float(timer(fn))})
+        except Exception as exc:  # a backend that does not take this shape: recorded, not fatal
+            rows.append({"method": name, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"})
+    shape["dtype"] = str(dtype).removeprefix("torch.")
+    return {"environment": launch_floor_env(command), "shape": shape, "rows": rows}
+
+
+def write_launch_floor(folder, tag: str = "h200", **kwargs):
+    """Measure the launch floor (`measure_launch_floor(**kwargs)`) and write it as JSON; returns the path."""
+    import json
+
+    result = measure_launch_floor(**kwargs)
+    path = launch_floor_path(folder, tag)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    return path
+
+
+# The tile sweep behind GPU_CONFIG: four decode shapes (batch, heads, kv_heads, cache length), every tile.
+SWEEP_SHAPES = ((1, 16, 16, 32768), (4, 16, 16, 131072), (16, 16, 2, 65536), (64, 16, 16, 16384))
+SWEEP_TILES = [(bn, w, st) for bn in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)]
+
+
+def tile_sweep(shapes=SWEEP_SHAPES, tiles=SWEEP_TILES, *, head_dim=128, dtype=torch.bfloat16) -> dict:
+    """Time flash_decode (automatic splits) with each (keys per tile, warps, stages) on each shape. Returns
+    {"rows": [{shape, bn, w, st, ms, gbps, err}], "best": the tile with the best geometric mean of GB/s}."""
+    import math
+
+    from utils.bench import benchmark
+
+    rows = []
+    for b, h, hk, n in shapes:
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        q = torch.randn(b, h, 1, head_dim, device="cuda", dtype=dtype, generator=gen)
+        k, v = (torch.randn(b, hk, n, head_dim, device="cuda", dtype=dtype, generator=gen) for _ in range(2))
+        ref = torch.cat([torch.nn.functional.scaled_dot_product_attention(
+            q[i:i + 1].float(), k[i:i + 1].float(), v[i:i + 1].float(), enable_gqa=hk != h) for i in range(b)])
+        nbytes = (2 * k.numel() + 2 * q.numel()) * k.element_size()
+        for bn, w, st in tiles:
+            fn = functools.partial(flash_decode, _block_n=bn, _num_warps=w, _num_stages=st)
+            err = (fn(q, k, v).float() - ref).abs().max().item()
+            ms = benchmark(fn, q, k, v)
+            rows.append(dict(shape=[b, h, hk, n], bn=bn, w=w, st=st, ms=ms, gbps=nbytes / ms / 1e6, err=err))
+    score = {t: math.prod(r["gbps"] for r in rows if (r["bn"], r["w"], r["st"]) == t) for t in tiles}
+    return {"rows": rows, "best": list(max(score, key=score.get))}
+
+
+def _main(argv=None):
+    import argparse
+    import json
+    import sys
+    from pathlib import Path
+
+    parser = argparse.ArgumentParser(description="Benchmark flash-decoding on a CUDA GPU")
+    parser.add_argument("--out", default="images", help="folder for decoding_<gpu>.json and the plots")
+    parser.add_argument("--tag", default="h200")
+    parser.add_argument("--launch-floor", action="store_true",
+                        help="only measure the decode-step latency floor (decoding_launch_floor_<tag>.json)")
+    parser.add_argument("--tile-sweep", action="store_true",
+                        help="only time every tile of SWEEP_TILES on SWEEP_SHAPES (decoding_sweep_<tag>.json)")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.tile_sweep:
+        from utils import gpu
+
+        command = "python -m utils.bench.decoding " + " ".join(sys.argv[1:] if argv is None else argv)
+        result = {"environment": gpu.environment(command), **tile_sweep()}
+        (out / f"decoding_sweep_{args.tag}.json").write_text(json.dumps(result, indent=1) + "\n")
+        print("best (keys per tile, warps, stages):", result["best"])
+        return
+    if args.launch_floor:
+        command = "python -m utils.bench.decoding " + " ".join(sys.argv[1:] if argv is None else argv)
+        path = write_launch_floor(out, args.tag, command=command)
+        for r in json.loads(path.read_text())["rows"]:
+            print(f"{r['method']:34s} " + (f"{r['us']:8.1f} µs" if "us" in r else r["error"]))
+        print("wrote", path)
+        return
+    device = torch.cuda.get_device_name()
+    peak = 4800.0 if "H200" in device else None  # GB/s, NVIDIA's H200 datasheet (HBM3e)
+    batches, seqlens = (1, 4, 16, 64), (4096, 16384, 65536, 131072)
+    from utils import gpu
+
+    command = "python -m utils.bench.decoding " + " ".join(sys.argv[1:] if argv is None else argv)
+    result = {"environment": gpu.environment(command), "device": device, "torch": torch.__version__,
+              "triton": triton.__version__, "peak_gbps": peak}
+    runs = {"mha": lambda: benchmark_decoding(batches, seqlens, heads=16, kv_heads=16),
+            "gqa": lambda: benchmark_decoding(batches, seqlens, heads=16, kv_heads=2),
+            "splits": lambda: benchmark_decoding((1,), (32768,), heads=16, kv_heads=16, methods={},
+                                                 splits=(1, 2, 4, 8, 16, 32, 64, 128))}
+    for key, run in runs.items():
+        result[key] = run()
+        (out / f"decoding_{args.tag}.json").write_text(json.dumps(result, indent=1))  # kept if a later one fails
+    for key in ("mha", "gqa", "splits"):
+        for r in result[key]:
+            line = f"{r['ms']:8.3f} ms {r['gbps']:7.0f} GB/s {r['tflops']:6.2f} TFLOP/s err {r['max_abs_err']:.1e}" \
+                if "ms" in r else r["error"]
+            print(f"{key:6s} B={r['batch']:3d} N={r['seqlen_k']:6d} {r['method']:24s} {line}")
+    print("wrote", *save_decoding_plots(result, out, args.tag))
+
+
+if __name__ == "__main__":
+    _main()
