@@ -1,6 +1,7 @@
 """pytest set-up shared by the unit tests and the notebooks (run through nbval).
 
-- Without a CUDA GPU, TRITON_INTERPRET=1 is set here, before any test module defines a Triton kernel.
+- Without a CUDA GPU, TRITON_INTERPRET=1 is set here, before any test module defines a Triton kernel (and the
+  interpreter gets the course's fix for Triton < 3.7 with NumPy >= 2.4, as the notebooks' setup() gives it).
 - Notebook cells that start with `%%gpu`, and tests marked `@pytest.mark.gpu`, are reported as skipped on a
   machine without a CUDA GPU (in Jupyter the `%%gpu` magic skips them with a message).
 """
@@ -12,6 +13,9 @@ import torch
 CUDA = torch.cuda.is_available()
 if not CUDA:
     os.environ["TRITON_INTERPRET"] = "1"
+    from utils.triton_utils import fix_interpreter_scalars
+
+    fix_interpreter_scalars()
 
 
 def pytest_configure(config):

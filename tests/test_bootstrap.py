@@ -86,12 +86,16 @@ def test_run_gpu_cell_gives_what_it_defines_a_source():
     assert inspect.getsource(ns["twice"]) == "def twice(x):\n    return 2 * x\n"
 
 
-def test_setup_leaves_triton_unimported():
+def test_setup_on_a_gpu_leaves_triton_unimported():
     """A notebook may turn the interpreter on after setup() and before its first `import triton` (05a does)."""
     import subprocess
     import sys
 
-    code = "import sys\nfrom utils.bootstrap import setup\nsetup()\nprint('triton' in sys.modules)"
+    code = ("import sys, torch\n"   # as on a GPU machine, where setup() leaves the interpreter off
+            "torch.cuda.is_available = lambda: True\n"
+            "torch.cuda.get_device_name = lambda *a: 'a GPU'\n"
+            "torch.cuda.get_device_capability = lambda *a: (9, 0)\n"
+            "from utils.bootstrap import setup\nsetup()\nprint('triton' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], cwd=bootstrap.ROOT, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=300, env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
     assert done.returncode == 0 and done.stdout.strip().endswith("False"), done.stdout + done.stderr[-2000:]

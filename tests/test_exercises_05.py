@@ -143,3 +143,31 @@ def test_lab_planted_bugs_are_the_ones_the_exercises_fix():
         body = "\n".join(line for line in fixed.splitlines()[1:] if "SOLUTION" not in line)
         buggy = body.replace(good, bad).replace(name, name.replace("_fixed", "_buggy"))
         assert any(cell.startswith(flat(buggy)) for cell in cells), f"lab {number}: the buggy kernel is not the fix's twin"
+
+
+@pytest.mark.gpu
+def test_lab_gpu_kernel_prints_from_one_program_and_its_assert_holds():
+    """05a's compiled kernel, run as the notebook runs it: its own process, its device prints captured."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-m", "utils.exercises.debug_lab_gpu"], cwd=root, text=True,
+                          capture_output=True, env={**os.environ, "TRITON_INTERPRET": "0"}, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("rows of program (1, 0)") >= 1 and "the assert held" in done.stdout
+
+
+def test_lab_gpu_module_says_it_needs_a_gpu():
+    import subprocess
+    import sys
+
+    import torch as _torch
+
+    if _torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-m", "utils.exercises.debug_lab_gpu"], cwd=root, text=True,
+                          capture_output=True, timeout=600)
+    assert done.returncode != 0 and "needs a CUDA GPU" in done.stderr

@@ -4,6 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import triton
@@ -267,3 +268,42 @@ def test_require_interpreter_says_when_triton_came_first(when, message):
         assert done.returncode == 0 and "ready" in done.stdout, done.stderr[-2000:]
     else:
         assert done.returncode != 0 and message in done.stderr, done.stderr[-2000:]
+
+
+@triton.jit
+def _row_sums(X, OUT, n_cols, BLOCK: tl.constexpr):
+    acc = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, n_cols, BLOCK):   # a loop bound that is a kernel argument: __index__ in the interpreter
+        cols = start + tl.arange(0, BLOCK)
+        acc += tl.load(X + cols, mask=cols < n_cols, other=0.0)
+    tl.store(OUT, tl.sum(acc, axis=0))
+
+
+def test_fix_interpreter_scalars_repairs_the_index_of_triton_36(monkeypatch):
+    """Triton 3.6's interpreter does int() of a one-element array, which NumPy >= 2.4 refuses."""
+    if not tu.interpreting():
+        pytest.skip("needs the Triton interpreter")
+    from triton.runtime import interpreter
+
+    newer = interpreter._patch_lang_tensor
+
+    def as_in_triton_36(tensor, scope):
+        newer(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data))
+
+    monkeypatch.setattr(interpreter, "_patch_lang_tensor", as_in_triton_36)
+    x, out = torch.arange(40, dtype=torch.float32), torch.zeros(1)
+    if tuple(int(p) for p in np.__version__.split(".")[:2]) >= (2, 4):
+        with pytest.raises(Exception, match="0-dimensional"):
+            _row_sums[(1,)](x, out, 40, BLOCK=16)
+    assert tu.fix_interpreter_scalars() is True and tu.fix_interpreter_scalars() is False
+    _row_sums[(1,)](x, out, 40, BLOCK=16)
+    assert out.item() == x.sum().item()
+
+
+def test_fix_interpreter_scalars_leaves_a_fixed_triton_alone():
+    from triton.runtime import interpreter
+
+    if "squeeze" not in __import__("inspect").getsource(interpreter._patch_lang_tensor):
+        pytest.skip("this Triton has the old interpreter")
+    assert tu.fix_interpreter_scalars() is False

@@ -135,6 +135,10 @@ def setup(*, quiet: bool = False) -> Env:
         interpret=interpret,
         colab=colab,
     )
+    if interpret:
+        from utils.triton_utils import fix_interpreter_scalars
+
+        fix_interpreter_scalars()  # Triton < 3.7 with NumPy >= 2.4 (see there)
     register_gpu_magic()
     if not quiet:
         print(env.describe())

@@ -104,7 +104,8 @@ def train_char_model(attention, *, steps=100, batch=8, seq=64, dim=64, heads=2, 
 
     Everything random (initial weights, batches) comes from `seed`, so two attention implementations that
     compute the same function, forwards and backwards, give the same curve up to rounding. Mixed precision:
-    the weights stay fp32 and the forward runs under autocast to `dtype` on a GPU (attention sees `dtype`).
+    the weights stay fp32 and the forward runs under autocast to `dtype` on a GPU (attention sees `dtype`), with
+    the loss scaled (torch.amp.GradScaler) when `dtype` is fp16.
     """
     steps = positive_int("steps", steps)
     text = load_corpus() if text is None else text
@@ -115,8 +116,10 @@ def train_char_model(attention, *, steps=100, batch=8, seq=64, dim=64, heads=2, 
                             attention=attention).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     gen = torch.Generator().manual_seed(seed)
-    autocast = torch.autocast(device_type="cuda", dtype=dtype, enabled=torch.device(device).type == "cuda"
-                              and dtype != torch.float32)
+    mixed = torch.device(device).type == "cuda" and dtype != torch.float32
+    autocast = torch.autocast(device_type="cuda", dtype=dtype, enabled=mixed)
+    # fp16 (the T4's dtype) has a narrow range: small gradients underflow unless the loss is scaled up first
+    scaler = torch.amp.GradScaler("cuda", enabled=mixed and dtype == torch.float16)
     losses = []
     iterator = range(steps)
     if progress:
@@ -128,7 +131,8 @@ def train_char_model(attention, *, steps=100, batch=8, seq=64, dim=64, heads=2, 
             logits = model(x)
         loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
         opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
         losses.append(loss.item())
     return losses

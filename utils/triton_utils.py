@@ -51,6 +51,27 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def fix_interpreter_scalars() -> bool:
+    """Make `range(0, n, BLOCK)` over a kernel argument work in the interpreter of Triton < 3.7 with NumPy >= 2.4.
+
+    That interpreter turns a scalar into an index with `int()` of a one-element array, which NumPy 2.4 refuses
+    ("only 0-dimensional arrays can be converted to Python scalars"); Triton 3.7 squeezes the array first
+    (triton-lang/triton#9171). On an older Triton this does the same. Returns whether it changed anything."""
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "course_fixed", False) or "squeeze" in inspect.getsource(original):
+        return False
+
+    def patch_lang_tensor(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    patch_lang_tensor.course_fixed = True
+    interpreter._patch_lang_tensor = patch_lang_tensor
+    return True
+
+
 def require_interpreter() -> None:
     """Raise a RuntimeError that says what to do unless kernels run in the interpreter *and* Triton was imported
     with it on. Triton reads TRITON_INTERPRET whenever `@triton.jit` runs, its own library (tl.sum, tl.max, ...)
@@ -66,6 +87,7 @@ def require_interpreter() -> None:
     if stale:
         raise RuntimeError(f"{' and '.join(stale)} were compiled for the GPU: Triton (or this module) was imported "
                            "before TRITON_INTERPRET=1 was set. Restart the kernel and run the notebook from the top.")
+    fix_interpreter_scalars()
 
 
 def _pid_value(pid, name: str) -> int:
