@@ -1,8 +1,12 @@
 """Notebook 05's kernel exercises (and 05a's debugging lab): each check fails on the learner's stub ("not yet"),
 fails on a plausible wrong answer, and passes on the solution."""
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from utils.exercises import check
 from utils.exercises import debug_lab, triton_forward
@@ -145,29 +149,21 @@ def test_lab_planted_bugs_are_the_ones_the_exercises_fix():
         assert any(cell.startswith(flat(buggy)) for cell in cells), f"lab {number}: the buggy kernel is not the fix's twin"
 
 
+def run_lab_gpu(**env) -> subprocess.CompletedProcess:
+    """`python -m utils.exercises.debug_lab_gpu`, as 05a runs it: its own process, its output captured."""
+    return subprocess.run([sys.executable, "-m", "utils.exercises.debug_lab_gpu"], cwd=ROOT, text=True,
+                          capture_output=True, env={**os.environ, **env}, timeout=600)
+
+
 @pytest.mark.gpu
 def test_lab_gpu_kernel_prints_from_one_program_and_its_assert_holds():
-    """05a's compiled kernel, run as the notebook runs it: its own process, its device prints captured."""
-    import os
-    import subprocess
-    import sys
-
-    root = Path(__file__).resolve().parents[1]
-    done = subprocess.run([sys.executable, "-m", "utils.exercises.debug_lab_gpu"], cwd=root, text=True,
-                          capture_output=True, env={**os.environ, "TRITON_INTERPRET": "0"}, timeout=600)
+    done = run_lab_gpu(TRITON_INTERPRET="0")
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("rows of program (1, 0)") >= 1 and "the assert held" in done.stdout
+    assert "rows of program (1, 0)" in done.stdout and "the assert held" in done.stdout
 
 
 def test_lab_gpu_module_says_it_needs_a_gpu():
-    import subprocess
-    import sys
-
-    import torch as _torch
-
-    if _torch.cuda.is_available():
+    if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    root = Path(__file__).resolve().parents[1]
-    done = subprocess.run([sys.executable, "-m", "utils.exercises.debug_lab_gpu"], cwd=root, text=True,
-                          capture_output=True, timeout=600)
+    done = run_lab_gpu()
     assert done.returncode != 0 and "needs a CUDA GPU" in done.stderr
