@@ -1,0 +1,284 @@
+"""Notebook 10's attention functions: `flex_attention` (modifiers and block sparsity) and `flash_varlen` (packed
+sequences), differentiable, on the kernels of utils.flex.kernels."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from utils.checks import check_attention_inputs, check_bool, resolve_scale
+from utils import gpu
+from utils.flash_triton import Config, pick_config, smem_estimate
+from utils.flash_triton_bwd import BackwardConfig, _bwd_preprocess, default_config
+from utils.flex.sparsity import BlockMask, block_mask as build_block_mask
+from utils.flex.kernels import flex_dkdv_kernel, flex_dq_kernel, flex_fwd_kernel
+from utils.flex.mods import Modifier, causal as causal_modifier
+
+HEAD_DIMS = tuple(range(16, 257))
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+LOG2E = 1.4426950408889634
+
+
+class _Problem(NamedTuple):
+    """What the kernels need besides the tensors: sizes, scale, modifier, block mask (None: packed sequences)."""
+    batch: int
+    heads: int
+    kv_heads: int
+    seqlen_q: int          # the longest sequence when packed
+    seqlen_k: int
+    head_dim: int
+    scale: float
+    modifier: Modifier | None
+    block_mask: BlockMask | None
+    causal: bool = False   # packed sequences only (block masks carry causality in their modifier)
+    cu_q: torch.Tensor | None = None
+    cu_k: torch.Tensor | None = None
+
+
+def _interpreting() -> bool:
+    from triton.runtime.interpreter import InterpretedFunction  # not imported by `import triton` on a GPU
+
+    return isinstance(flex_fwd_kernel, InterpretedFunction)
+
+
+def _strides(t: torch.Tensor, packed: bool) -> tuple:
+    """(batch, head, row, dim) strides: (B, H, N, D) tensors as they are; packed (T, H, D) ones with batch stride
+    0 (the kernel finds each sequence's first row through cu_seqlens)."""
+    return (0, t.stride(1), t.stride(0), t.stride(2)) if packed else t.stride()
+
+
+def _mask_args(p: _Problem, transposed: bool) -> tuple:
+    """The block-mask arguments of a kernel: counts, indices, (batch, head) strides and the tile counts."""
+    bm = p.block_mask
+    if bm is None:
+        return (None,) * 4 + (0, 0, 1, 1)
+    lists = (bm.q_count, bm.q_index, bm.full_q_count, bm.full_q_index) if transposed else \
+        (bm.kv_count, bm.kv_index, bm.full_kv_count, bm.full_kv_index)
+    bm_, hm_, rows, _ = lists[1].shape
+    qb, kb = bm.kv_index.shape[-2:]
+    return (*lists, (hm_ * rows) if bm_ > 1 else 0, rows if hm_ > 1 else 0, qb, kb)
+
+
+def _mod_args(p: _Problem, like: torch.Tensor) -> tuple:
+    m = p.modifier
+    tensor = m.tensor if m is not None and m.tensor is not None else None
+    tensor = like if tensor is None else tensor.to(like.device)
+    return (p.cu_q, p.cu_k, tensor, m.int_arg if m else 0, m.float_arg if m else 0.0)
+
+
+def _mod_fns(p: _Problem) -> dict:
+    m = p.modifier
+    return dict(SCORE_MOD=m.score_mod if m else None, MASK_MOD=m.mask_mod if m and p.block_mask else None)
+
+
+def _precision(dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _tiles(size: int, sparse: int | None) -> int:
+    """A kernel tile no larger than the block mask's, so that it divides it."""
+    return size if sparse is None else min(size, sparse)
+
+
+# Tiles for 16-bit inputs with a block mask, the fastest of a sweep on an H200 (bf16, B=2, H=16, N=16k, sliding
+# window 1k and 16 documents; 8 forward, 7 dK/dV and 6 dQ candidates): smaller than notebook 05's and 07's,
+# since sparse rows of tiles are short. Other cases take notebook 05's and 07's choices.
+SPARSE_TILES = {64: (Config(128, 64, 4, 3), BackwardConfig(32, 128, 4, 3, 64, 64, 4, 3)),
+                128: (Config(64, 64, 4, 3), BackwardConfig(32, 64, 4, 3, 128, 64, 8, 3))}
+
+
+def configs(p: _Problem, dtype, device) -> tuple:
+    """(forward Config, BackwardConfig) for one problem."""
+    fwd, bwd = pick_config(p.head_dim, dtype, device), default_config(p.head_dim, dtype, causal=True)
+    d = 64 if p.head_dim <= 64 else 128 if p.head_dim <= 128 else None
+    if device.type != "cuda" or dtype == torch.float32 or d is None or p.block_mask is None:
+        return fwd, bwd
+    limit = gpu.shared_memory_per_block(device)
+    tuned_fwd, tuned_bwd = SPARSE_TILES[d]
+    if limit is None or smem_estimate(tuned_fwd, p.head_dim, 2) <= limit:
+        fwd = tuned_fwd
+    return fwd, tuned_bwd if limit is None or limit >= 160 * 1024 else bwd
+
+
+def _forward(q, k, v, p: _Problem):
+    packed = p.cu_q is not None
+    config = configs(p, q.dtype, q.device)[0]
+    sm, sn = (p.block_mask.block_m, p.block_mask.block_n) if p.block_mask else (None, None)
+    block_m, block_n = _tiles(config.block_m, sm), _tiles(config.block_n, sn)
+    o = torch.empty_like(q)
+    rows = q.shape[0] if packed else p.seqlen_q
+    lse = torch.empty((p.batch, p.heads, rows) if not packed else (p.heads, rows), device=q.device,
+                      dtype=torch.float32)
+    lse_sb, lse_sh = (0, rows) if packed else (p.heads * rows, rows)
+    flex_fwd_kernel[(triton.cdiv(p.seqlen_q, block_m), p.batch * p.heads)](
+        q, k, v, o, lse, *_strides(q, packed), *_strides(k, packed), *_strides(v, packed), *_strides(o, packed),
+        p.heads, p.seqlen_q, p.seqlen_k, p.scale, p.scale * LOG2E, lse_sb, lse_sh,
+        *_mask_args(p, transposed=False), *_mod_args(p, q), **_mod_fns(p), CAUSAL=p.causal,
+        GROUP=p.heads // p.kv_heads, HEAD_DIM=p.head_dim, BLOCK_D=max(16, triton.next_power_of_2(p.head_dim)),
+        BLOCK_M=block_m, BLOCK_N=block_n, SPARSE_M=sm or block_m, SPARSE_N=sn or block_n,
+        PRECISION=_precision(q.dtype), num_warps=config.num_warps, num_stages=config.num_stages)
+    return o, lse
+
+
+def _backward(do, q, k, v, o, lse, p: _Problem):
+    packed = p.cu_q is not None
+    config = configs(p, q.dtype, q.device)[1]
+    sm, sn = (p.block_mask.block_m, p.block_mask.block_n) if p.block_mask else (None, None)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    rows = q.shape[0] if packed else p.seqlen_q
+    lse_sb, lse_sh = (0, rows) if packed else (p.heads * rows, rows)
+    delta, lse2 = torch.empty_like(lse), torch.empty_like(lse)
+    block_d = max(16, triton.next_power_of_2(p.head_dim))
+    pre_b = 1 if packed else p.batch   # packed: one "batch" of `rows` rows per head
+    _bwd_preprocess[(triton.cdiv(rows, 64), pre_b * p.heads)](
+        o, do, lse, delta, lse2, *_strides(o, packed), *_strides(do, packed), p.heads, rows, p.head_dim,
+        BLOCK_M=64, BLOCK_D=block_d, ACC=tl.float32)
+    common = dict(**_mod_fns(p), SCORE_GRAD=p.modifier.score_grad if p.modifier else None, CAUSAL=p.causal,
+                  GROUP=p.heads // p.kv_heads, HEAD_DIM=p.head_dim, BLOCK_D=block_d, PRECISION=_precision(q.dtype))
+    tensors = (q, k, v, do, lse2, delta)
+    strides = (*_strides(q, packed), *_strides(k, packed), *_strides(v, packed), *_strides(do, packed))
+    block_m1, block_n1 = _tiles(config.block_m1, sm), _tiles(config.block_n1, sn)
+    flex_dkdv_kernel[(triton.cdiv(p.seqlen_k, block_n1), p.batch * p.kv_heads)](
+        *tensors, dk, dv, *strides, *_strides(dk, packed), *_strides(dv, packed), p.kv_heads, p.seqlen_q,
+        p.seqlen_k, p.scale, p.scale * LOG2E, lse_sb, lse_sh, *_mask_args(p, transposed=True),
+        *_mod_args(p, q), **common, BLOCK_M=block_m1, BLOCK_N=block_n1, SPARSE_M=sm or block_m1,
+        SPARSE_N=sn or block_n1, num_warps=config.warps1, num_stages=config.stages1)
+    block_m2, block_n2 = _tiles(config.block_m2, sm), _tiles(config.block_n2, sn)
+    flex_dq_kernel[(triton.cdiv(p.seqlen_q, block_m2), p.batch * p.heads)](
+        *tensors, dq, *strides, *_strides(dq, packed), p.heads, p.seqlen_q, p.seqlen_k, p.scale, p.scale * LOG2E,
+        lse_sb, lse_sh, *_mask_args(p, transposed=False), *_mod_args(p, q), **common, BLOCK_M=block_m2,
+        BLOCK_N=block_n2, SPARSE_M=sm or block_m2, SPARSE_N=sn or block_n2, num_warps=config.warps2,
+        num_stages=config.stages2)
+    return dq, dk, dv
+
+
+class _FlexFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, problem):
+        cpu_bf16 = q.device.type == "cpu" and q.dtype == torch.bfloat16   # the interpreter has no bf16 arithmetic
+        qf, kf, vf = (t.float() for t in (q, k, v)) if cpu_bf16 else (q, k, v)
+        o, lse = _forward(qf, kf, vf, problem)
+        ctx.save_for_backward(qf, kf, vf, o, lse)
+        ctx.problem, ctx.dtype = problem, q.dtype
+        ctx.mark_non_differentiable(lse)
+        return o.to(q.dtype), lse
+
+    @staticmethod
+    def backward(ctx, do, _dlse):
+        q, k, v, o, lse = ctx.saved_tensors
+        grads = _backward(do.to(q.dtype).contiguous(), q, k, v, o, lse, ctx.problem)
+        return (*(g.to(ctx.dtype) for g in grads), None)
+
+
+def _check_common(q, modifier, device_ok=True):
+    if modifier is not None and not isinstance(modifier, Modifier):
+        raise TypeError(f"modifier must be a utils.flex.Modifier or None, got {type(modifier).__name__}")
+    if q.device.type == "cpu" and not _interpreting():
+        raise ValueError("q is on the CPU but TRITON_INTERPRET is not 1: run utils.bootstrap.setup() (or set "
+                         "TRITON_INTERPRET=1) before importing utils.flex, or move the tensors to a GPU")
+    if q.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"q is on {q.device}; the kernels run on CUDA devices or, interpreted, on the CPU")
+    if q.shape[-1] not in HEAD_DIMS:
+        raise ValueError(f"head_dim {q.shape[-1]} is not supported; supported: 16 to 256")
+
+
+def _check_modifier_data(modifier, batch, heads, seqlen_q, seqlen_k):
+    """A modifier's table must cover what the kernels index it by: every key (document ids; and no more queries
+    than keys), or every head (ALiBi slopes); and have a row per batch entry when it has rows."""
+    if modifier is None or modifier.tensor is None:
+        return
+    table, name = modifier.tensor, modifier.name
+    if modifier.indexed_by == "position" and (table.shape[-1] != seqlen_k or seqlen_q > seqlen_k):
+        raise ValueError(f"modifier {name!r} has ids for {table.shape[-1]} positions; it needs one per key "
+                         f"({seqlen_k}) and no more queries than keys (got {seqlen_q})")
+    if modifier.indexed_by == "head" and table.shape[-1] < heads:
+        raise ValueError(f"modifier {name!r} has values for {table.shape[-1]} heads; q has {heads}")
+    if modifier.per_batch and table.shape[0] != batch:
+        raise ValueError(f"modifier {name!r} has ids for {table.shape[0]} batch entries, q has {batch}")
+
+
+def _check_block_mask(bm, modifier, shape):
+    if not isinstance(bm, BlockMask):
+        raise TypeError(f"block_mask must be a BlockMask (utils.flex.block_mask) or None, got {type(bm).__name__}")
+    name = modifier.name if modifier is not None else ""
+    if bm.modifier != name:
+        raise ValueError(f"block_mask was built for {bm.modifier or 'no mask'!r}, not {name or 'no mask'!r}")
+    if (bm.seqlen_q, bm.seqlen_k) != (shape.seqlen_q, shape.seqlen_k):
+        raise ValueError(f"block_mask was built for Nq={bm.seqlen_q}, Nk={bm.seqlen_k}; q and k have "
+                         f"{shape.seqlen_q} and {shape.seqlen_k}")
+    bm_, hm_ = bm.kv_count.shape[:2]
+    if bm_ not in (1, shape.batch) or hm_ not in (1, shape.heads):
+        raise ValueError(f"block_mask has (batch, heads) = ({bm_}, {hm_}); q has ({shape.batch}, {shape.heads})")
+
+
+def flex_attention(q, k, v, modifier=None, *, block_mask=None, causal=False, sm_scale=None, return_lse=False):
+    """Attention with a score/mask modifier (utils.flex.mods), skipping the tiles its block mask leaves empty.
+
+    q (B, H, Nq, D), k and v (B, Hkv, Nk, D) with Hkv dividing H; fp16, bf16, fp32 (bf16 is computed in fp32 on
+    a CPU); head dims 16 to 256. `causal=True` is `modifier=causal()`. `block_mask`: `utils.flex.block_mask(...)`
+    for this modifier and shape, built once and reused (None: built here, every call). Differentiable. Returns O
+    like q, or (O, lse) with return_lse (lse fp32 (B, H, Nq), natural log, -inf where a query sees no key).
+    """
+    shape = check_attention_inputs(q, k, v, causal=causal, dtypes=DTYPES, runs_on="triton")
+    check_bool("return_lse", return_lse)
+    _check_common(q, modifier)
+    if causal and modifier is not None:
+        raise ValueError("give causality through the modifier (most have causal=True), not with causal=True too")
+    modifier = causal_modifier() if causal else modifier
+    _check_modifier_data(modifier, shape.batch, shape.heads, shape.seqlen_q, shape.seqlen_k)
+    if block_mask is None:
+        block_mask = build_block_mask(modifier, shape.batch, shape.heads, shape.seqlen_q, shape.seqlen_k,
+                                      device=q.device)
+    _check_block_mask(block_mask, modifier, shape)
+    problem = _Problem(*shape, resolve_scale(sm_scale, shape.head_dim), modifier, block_mask)
+    o, lse = _FlexFunction.apply(q, k, v, problem)
+    return (o, lse) if return_lse else o
+
+
+def _check_cu_seqlens(name, cu, total, device):
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
+    if cu.dim() != 1 or cu.numel() < 2 or cu.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name} must be a 1-d int32/int64 tensor of batch + 1 offsets, got {cu.dtype} "
+                         f"{tuple(cu.shape)}")
+    if cu.device != device:
+        raise ValueError(f"{name} is on {cu.device} but q is on {device}; they must match")
+    lengths = cu.diff()
+    if cu[0].item() != 0 or (lengths < 0).any().item() or cu[-1].item() != total:
+        raise ValueError(f"{name} must start at 0, never decrease and end at the packed length {total}; got "
+                         f"{cu.tolist() if cu.numel() <= 16 else '...'}")
+    return cu.to(torch.int32).contiguous(), int(lengths.max().item())
+
+
+def flash_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, sm_scale=None, modifier=None,
+                 return_lse=False):
+    """Attention over packed sequences without padding: sequence i is rows cu_seqlens[i]:cu_seqlens[i+1].
+
+    q (total_q, H, D), k and v (total_k, Hkv, D); cu_seqlens_q, cu_seqlens_k int32/int64 (batch + 1,), starting
+    at 0 (lengths 0 and 1 allowed). Causal masking is bottom-right within each sequence. `modifier`: a score
+    modifier only (softcap, ALiBi); masks are what the sequences' boundaries already are. Differentiable.
+    Returns O like q, or (O, lse) with lse fp32 (H, total_q).
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 3:
+            raise ValueError(f"{name} must have 3 dims (total, heads, head_dim), got shape {tuple(t.shape)}")
+    shape = check_attention_inputs(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                   causal=causal, dtypes=DTYPES, runs_on="triton")
+    check_bool("return_lse", return_lse)
+    _check_common(q, modifier)
+    if modifier is not None and modifier.mask_mod is not None:
+        raise ValueError(f"flash_varlen takes a score modifier only; {modifier.name!r} has a mask (use "
+                         "causal=True, or flex_attention with a document mask over one packed sequence)")
+    _check_modifier_data(modifier, 1, shape.heads, 1, 1)
+    cu_q, max_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
+    cu_k, max_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device)
+    if cu_q.numel() != cu_k.numel():
+        raise ValueError(f"cu_seqlens_q has {cu_q.numel() - 1} sequences, cu_seqlens_k {cu_k.numel() - 1}")
+    problem = _Problem(cu_q.numel() - 1, shape.heads, shape.kv_heads, max(max_q, 1), max(max_k, 1),
+                       shape.head_dim, resolve_scale(sm_scale, shape.head_dim), modifier, None, causal, cu_q, cu_k)
+    o, lse = _FlexFunction.apply(q, k, v, problem)
+    return (o, lse) if return_lse else o
