@@ -115,10 +115,6 @@ def main(argv=None) -> None:
     generate(args.notebooks or sorted((ROOT / "notebooks").glob("*.ipynb")), Path(args.out))
 
 
-if __name__ == "__main__":
-    main()
-
-
 def code_cell(path, marker: str, *, learner: bool = False) -> str:
     """The source of the one code cell of notebook `path` that contains `marker` (e.g. "# Exercise 5.2"),
     with solutions stubbed when `learner` is set: tests run an exercise's cell as a learner would see it."""
@@ -138,3 +134,7 @@ def exec_cell(source: str, namespace: dict, name: str = "cell") -> dict:
     filename = register_source(source, name)
     exec(compile(source, filename, "exec"), namespace)
     return namespace
+
+
+if __name__ == "__main__":
+    main()
