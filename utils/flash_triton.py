@@ -346,7 +346,7 @@ def variant(config: Config | None, steps: Steps | None, name: str = "variant"):
         raise TypeError(f"steps must be a Steps or None, got {type(steps).__name__}")
 
     def attention(q, k, v, *, causal=False, sm_scale=None):
-        _, scale = _validate(q, k, v, causal, sm_scale)
+        _, scale = validate(q, k, v, causal, sm_scale)
         if steps is None:
             return _launch(q, k, v, causal, scale, config, None)[0]
         if steps.tma and not tma_supported(q, k, v):
@@ -367,14 +367,14 @@ def worklog_variant(name: str):
     return variant(*WORKLOG[name], name=name)
 
 
-def _validate(q, k, v, causal, sm_scale):
+def validate(q, k, v, causal, sm_scale):
     shape = check_attention_inputs(q, k, v, causal=causal, dtypes=DTYPES)
     if shape.head_dim not in HEAD_DIMS:
         raise ValueError(f"head_dim {shape.head_dim} is not supported by the Triton kernel; supported: "
                          f"{HEAD_DIMS[0]} to {HEAD_DIMS[-1]}")
     if q.device.type == "cpu" and not triton_interpreting():
         raise ValueError("q is on the CPU but TRITON_INTERPRET is not 1: run utils.bootstrap.setup() (or set "
-                         "TRITON_INTERPRET=1) before importing utils.flash_triton, or move the tensors to a GPU")
+                         "TRITON_INTERPRET=1) before importing the course's Triton kernels, or move the tensors to a GPU")
     if q.device.type not in ("cpu", "cuda"):
         raise ValueError(f"q is on {q.device}; the Triton kernel runs on CUDA devices or, interpreted, on the CPU")
     return shape, resolve_scale(sm_scale, shape.head_dim)
@@ -390,7 +390,7 @@ def triton_interpreting() -> bool:
 def flash_attention_forward(q, k, v, *, causal=False, sm_scale=None):
     """(o, lse) without autograd. lse: natural-log log-sum-exp of the scaled scores, fp32, (batch, heads,
     seqlen_q), -inf for a query that sees no key. bf16 on a CPU is computed in fp32 (see the module doc)."""
-    _, scale = _validate(q, k, v, causal, sm_scale)
+    _, scale = validate(q, k, v, causal, sm_scale)
     if q.device.type == "cpu" and q.dtype == torch.bfloat16:  # the interpreter has no bf16 arithmetic
         o, lse = _launch(q.float(), k.float(), v.float(), causal, scale)
         return o.to(torch.bfloat16), lse
@@ -430,6 +430,6 @@ def flash_attention(q, k, v, *, causal=False, sm_scale=None, return_lse=False):
     (batch, heads, seqlen_q), natural log, -inf for a query that sees no key).
     """
     check_bool("return_lse", return_lse)
-    _validate(q, k, v, causal, sm_scale)  # before autograd, so errors point at the call
+    validate(q, k, v, causal, sm_scale)  # before autograd, so errors point at the call
     o, lse = FlashAttentionFunction.apply(q, k, v, causal, sm_scale)
     return (o, lse) if return_lse else o

@@ -8,16 +8,14 @@ import torch
 import triton
 import triton.language as tl
 
-from utils.checks import check_attention_inputs, check_bool, resolve_scale
+from utils.checks import check_bool
 from utils import gpu
-from utils.flash_triton import Config, pick_config, smem_estimate
+from utils.flash_triton import Config, pick_config, smem_estimate, validate
 from utils.flash_triton_bwd import BackwardConfig, _bwd_preprocess, default_config
 from utils.flex.sparsity import BlockMask, block_mask as build_block_mask
 from utils.flex.kernels import flex_dkdv_kernel, flex_dq_kernel, flex_fwd_kernel
 from utils.flex.mods import Modifier, causal as causal_modifier
 
-HEAD_DIMS = tuple(range(16, 257))
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 LOG2E = 1.4426950408889634
 
 
@@ -35,12 +33,6 @@ class _Problem(NamedTuple):
     causal: bool = False   # packed sequences only (block masks carry causality in their modifier)
     cu_q: torch.Tensor | None = None
     cu_k: torch.Tensor | None = None
-
-
-def _interpreting() -> bool:
-    from triton.runtime.interpreter import InterpretedFunction  # not imported by `import triton` on a GPU
-
-    return isinstance(flex_fwd_kernel, InterpretedFunction)
 
 
 def _strides(t: torch.Tensor, packed: bool) -> tuple:
@@ -96,7 +88,7 @@ def configs(p: _Problem, dtype, device) -> tuple:
     if device.type != "cuda" or dtype == torch.float32 or d is None or p.block_mask is None:
         return fwd, bwd
     limit = gpu.shared_memory_per_block(device)
-    tuned_fwd, tuned_bwd = SPARSE_TILES[d]
+    tuned_fwd, tuned_bwd = SPARSE_TILES[d]      # the backward's tuned tiles need ~100 KB (an H100/H200 has 227)
     if limit is None or smem_estimate(tuned_fwd, p.head_dim, 2) <= limit:
         fwd = tuned_fwd
     return fwd, tuned_bwd if limit is None or limit >= 160 * 1024 else bwd
@@ -172,16 +164,9 @@ class _FlexFunction(torch.autograd.Function):
         return (*(g.to(ctx.dtype) for g in grads), None)
 
 
-def _check_common(q, modifier, device_ok=True):
+def _check_modifier(modifier):
     if modifier is not None and not isinstance(modifier, Modifier):
         raise TypeError(f"modifier must be a utils.flex.Modifier or None, got {type(modifier).__name__}")
-    if q.device.type == "cpu" and not _interpreting():
-        raise ValueError("q is on the CPU but TRITON_INTERPRET is not 1: run utils.bootstrap.setup() (or set "
-                         "TRITON_INTERPRET=1) before importing utils.flex, or move the tensors to a GPU")
-    if q.device.type not in ("cpu", "cuda"):
-        raise ValueError(f"q is on {q.device}; the kernels run on CUDA devices or, interpreted, on the CPU")
-    if q.shape[-1] not in HEAD_DIMS:
-        raise ValueError(f"head_dim {q.shape[-1]} is not supported; supported: 16 to 256")
 
 
 def _check_modifier_data(modifier, batch, heads, seqlen_q, seqlen_k):
@@ -221,9 +206,9 @@ def flex_attention(q, k, v, modifier=None, *, block_mask=None, causal=False, sm_
     for this modifier and shape, built once and reused (None: built here, every call). Differentiable. Returns O
     like q, or (O, lse) with return_lse (lse fp32 (B, H, Nq), natural log, -inf where a query sees no key).
     """
-    shape = check_attention_inputs(q, k, v, causal=causal, dtypes=DTYPES, runs_on="triton")
+    shape, scale = validate(q, k, v, causal, sm_scale)
     check_bool("return_lse", return_lse)
-    _check_common(q, modifier)
+    _check_modifier(modifier)
     if causal and modifier is not None:
         raise ValueError("give causality through the modifier (most have causal=True), not with causal=True too")
     modifier = causal_modifier() if causal else modifier
@@ -232,7 +217,7 @@ def flex_attention(q, k, v, modifier=None, *, block_mask=None, causal=False, sm_
         block_mask = build_block_mask(modifier, shape.batch, shape.heads, shape.seqlen_q, shape.seqlen_k,
                                       device=q.device)
     _check_block_mask(block_mask, modifier, shape)
-    problem = _Problem(*shape, resolve_scale(sm_scale, shape.head_dim), modifier, block_mask)
+    problem = _Problem(*shape, scale, modifier, block_mask)
     o, lse = _FlexFunction.apply(q, k, v, problem)
     return (o, lse) if return_lse else o
 
@@ -266,10 +251,10 @@ def flash_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, sm_scale=
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 3:
             raise ValueError(f"{name} must have 3 dims (total, heads, head_dim), got shape {tuple(t.shape)}")
-    shape = check_attention_inputs(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                   causal=causal, dtypes=DTYPES, runs_on="triton")
+    shape, scale = validate(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], causal,
+                            sm_scale)
     check_bool("return_lse", return_lse)
-    _check_common(q, modifier)
+    _check_modifier(modifier)
     if modifier is not None and modifier.mask_mod is not None:
         raise ValueError(f"flash_varlen takes a score modifier only; {modifier.name!r} has a mask (use "
                          "causal=True, or flex_attention with a document mask over one packed sequence)")
@@ -279,6 +264,6 @@ def flash_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, sm_scale=
     if cu_q.numel() != cu_k.numel():
         raise ValueError(f"cu_seqlens_q has {cu_q.numel() - 1} sequences, cu_seqlens_k {cu_k.numel() - 1}")
     problem = _Problem(cu_q.numel() - 1, shape.heads, shape.kv_heads, max(max_q, 1), max(max_k, 1),
-                       shape.head_dim, resolve_scale(sm_scale, shape.head_dim), modifier, None, causal, cu_q, cu_k)
+                       shape.head_dim, scale, modifier, None, causal, cu_q, cu_k)
     o, lse = _FlexFunction.apply(q, k, v, problem)
     return (o, lse) if return_lse else o

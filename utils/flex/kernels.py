@@ -72,6 +72,26 @@ def _sequence(CU, b, seqlen):
     return b * 0, seqlen + b * 0     # tensors (b * 0: a zero of b's type), like the branch above
 
 
+@triton.jit
+def _key_range(start_m, seqlen_q, seqlen_k, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Packed sequences (no block mask): keys [0, n_full) every query of the tile sees, [n_full, n_end) those
+    that need the causal mask or are the ragged end (notebook 05's split)."""
+    if CAUSAL:
+        n_full = tl.maximum(start_m + seqlen_k - seqlen_q + 1, 0) // BLOCK_N * BLOCK_N
+        n_end = tl.minimum(tl.maximum(start_m + BLOCK_M + seqlen_k - seqlen_q, 0), seqlen_k)
+        return n_full, n_end
+    return seqlen_k // BLOCK_N * BLOCK_N, seqlen_k
+
+
+@triton.jit
+def _tile_start(index, it, first, SUB: tl.constexpr, SPARSE: tl.constexpr, BLOCK: tl.constexpr):
+    """First row of a pass's it-th tile: from a block-mask list (SUB kernel tiles per listed tile of SPARSE
+    rows), or, without one (index None), the range from `first` in steps of BLOCK."""
+    if index is not None:
+        return tl.load(index + it // SUB) * SPARSE + (it % SUB) * BLOCK
+    return first + it * BLOCK
+
+
 @triton.jit(do_not_specialize=["heads", "seqlen_q", "seqlen_k", "mask_sb", "mask_sh", "lse_sb", "lse_sh", "mod_i"])
 def flex_fwd_kernel(Q, K, V, O, LSE, s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
                     s_ob, s_oh, s_om, s_od, heads, seqlen_q, seqlen_k, sm_scale, qk_scale, lse_sb, lse_sh,
@@ -108,36 +128,23 @@ def flex_fwd_kernel(Q, K, V, O, LSE, s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-    if KV_COUNT is not None:
-        row = b * mask_sb + h * mask_sh + start_m // SPARSE_M        # this program's row of tiles
-        SUB: tl.constexpr = SPARSE_N // BLOCK_N                      # kernel tiles per block-mask tile
-        full = FULL_INDEX + row.to(tl.int64) * n_kv_tiles
-        for it in range(0, tl.load(FULL_COUNT + row) * SUB):
-            start_n = tl.load(full + it // SUB) * SPARSE_N + (it % SUB) * BLOCK_N
-            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, start_n, q_pos, offs_n, offs_d, b, h,
-                                      seqlen_k, s_kn, s_vn, sm_scale, qk_scale, args,
-                                      SCORE_MOD, MASK_MOD, False, False, HEAD_DIM, BLOCK_D, PRECISION)
-        partial = KV_INDEX + row.to(tl.int64) * n_kv_tiles
-        for it in range(0, tl.load(KV_COUNT + row) * SUB):
-            start_n = tl.load(partial + it // SUB) * SPARSE_N + (it % SUB) * BLOCK_N
-            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, start_n, q_pos, offs_n, offs_d, b, h,
-                                      seqlen_k, s_kn, s_vn, sm_scale, qk_scale, args,
-                                      SCORE_MOD, MASK_MOD, True, False, HEAD_DIM, BLOCK_D, PRECISION)
-    else:  # packed sequences: keys [0, n_full) every query of the tile sees, [n_full, n_end) need the mask
-        if CAUSAL:
-            n_full = tl.maximum(start_m + seqlen_k - seqlen_q + 1, 0) // BLOCK_N * BLOCK_N
-            n_end = tl.minimum(tl.maximum(start_m + BLOCK_M + seqlen_k - seqlen_q, 0), seqlen_k)
+    # Two passes over the key tiles: the full ones (no mask evaluated), then the partial ones; from the block
+    # mask's lists for this program's row of tiles, or, for packed sequences, from causality.
+    SUB: tl.constexpr = SPARSE_N // BLOCK_N                                # kernel tiles per block-mask tile
+    row = (b * mask_sb + h * mask_sh + start_m // SPARSE_M).to(tl.int64)
+    n_full, n_end = _key_range(start_m, seqlen_q, seqlen_k, CAUSAL, BLOCK_M, BLOCK_N)
+    for partial in tl.static_range(2):
+        if KV_COUNT is not None:
+            index = (KV_INDEX if partial else FULL_INDEX) + row * n_kv_tiles
+            n_tiles = tl.load((KV_COUNT if partial else FULL_COUNT) + row) * SUB
         else:
-            n_full = seqlen_k // BLOCK_N * BLOCK_N
-            n_end = seqlen_k
-        for start_n in range(0, n_full, BLOCK_N):
+            index = KV_INDEX                                               # None: a range
+            n_tiles = ((n_end - n_full + BLOCK_N - 1) if partial else n_full) // BLOCK_N   # n_full: whole tiles
+        for it in range(0, n_tiles):
+            start_n = _tile_start(index, it, n_full if partial else 0, SUB, SPARSE_N, BLOCK_N)
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, start_n, q_pos, offs_n, offs_d, b, h,
                                       seqlen_k, s_kn, s_vn, sm_scale, qk_scale, args,
-                                      SCORE_MOD, None, False, False, HEAD_DIM, BLOCK_D, PRECISION)
-        for start_n in range(n_full, n_end, BLOCK_N):
-            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, start_n, q_pos, offs_n, offs_d, b, h,
-                                      seqlen_k, s_kn, s_vn, sm_scale, qk_scale, args,
-                                      SCORE_MOD, None, True, CAUSAL, HEAD_DIM, BLOCK_D, PRECISION)
+                                      SCORE_MOD, MASK_MOD, partial == 1, CAUSAL, HEAD_DIM, BLOCK_D, PRECISION)
 
     seen = l_i > 0.0             # a query that sees no key: output 0, lse -inf
     acc = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -175,6 +182,18 @@ def _dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, lse2_row, delta_row, m0, kv_pos, o
         ds_t = ds_t * SCORE_GRAD(raw_t, b, h, q_pos[None, :], kv_pos[:, None], args)
     dk += tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t), input_precision=PRECISION)   # dK += dSᵀ Q
     return dk, dv
+
+
+@triton.jit
+def _query_range(n0, seqlen_q, seqlen_k, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Packed sequences (no block mask): query tiles from `start` see keys n0.. of this tile; those before
+    `split` cross the diagonal (causal), the rest see every key of the tile."""
+    if CAUSAL:
+        offset = seqlen_k - seqlen_q
+        start = tl.maximum(n0 - offset, 0) // BLOCK_M * BLOCK_M
+        masked = tl.maximum(n0 + BLOCK_N - 1 - offset - start + BLOCK_M - 1, 0) // BLOCK_M * BLOCK_M
+        return start, tl.minimum(start + masked, seqlen_q)
+    return n0 * 0, n0 * 0
 
 
 @triton.jit(do_not_specialize=["kv_heads", "seqlen_q", "seqlen_k", "mask_sb", "mask_sh", "lse_sb", "lse_sh",
@@ -219,40 +238,25 @@ def flex_dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, s_qb, s_qh, s_qm, s_qd, s
         row_off = b.to(tl.int64) * lse_sb + h.to(tl.int64) * lse_sh + q_start
         lse2_row = LSE2 + row_off
         delta_row = DELTA + row_off
-        if Q_COUNT is not None:
-            col = b * mask_sb + h * mask_sh + n0 // SPARSE_N          # this program's column of tiles
-            SUB: tl.constexpr = SPARSE_M // BLOCK_M
-            full = FULL_INDEX + col.to(tl.int64) * n_q_tiles
-            for it in range(0, tl.load(FULL_COUNT + col) * SUB):
-                m0 = tl.load(full + it // SUB) * SPARSE_M + (it % SUB) * BLOCK_M
-                dk, dv = _dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, lse2_row, delta_row, m0, kv_pos, offs_d, b, h,
-                                    seqlen_q, seqlen_k, s_qm, s_dom, sm_scale, qk_scale, args,
-                                    SCORE_MOD, SCORE_GRAD, MASK_MOD, False, False, HEAD_DIM, BLOCK_M, PRECISION)
-            partial = Q_INDEX + col.to(tl.int64) * n_q_tiles
-            for it in range(0, tl.load(Q_COUNT + col) * SUB):
-                m0 = tl.load(partial + it // SUB) * SPARSE_M + (it % SUB) * BLOCK_M
-                dk, dv = _dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, lse2_row, delta_row, m0, kv_pos, offs_d, b, h,
-                                    seqlen_q, seqlen_k, s_qm, s_dom, sm_scale, qk_scale, args,
-                                    SCORE_MOD, SCORE_GRAD, MASK_MOD, True, False, HEAD_DIM, BLOCK_M, PRECISION)
-        else:  # packed sequences: query tiles from the first that sees a key of this tile; those crossing the
-            #    diagonal masked
-            offset = seqlen_k - seqlen_q
-            if CAUSAL:
-                start = tl.maximum(n0 - offset, 0) // BLOCK_M * BLOCK_M
-                split = tl.minimum(start + tl.maximum(n0 + BLOCK_N - 1 - offset - start + BLOCK_M - 1, 0)
-                                   // BLOCK_M * BLOCK_M, seqlen_q)
+        # Two passes over the query tiles that see these keys: full tiles, then partial ones; from the block
+        # mask's lists for this program's column of tiles, or, for packed sequences, from causality: tiles
+        # [start, split) cross the diagonal. (Keys past the end need no mask here: they only touch their own
+        # rows of dK, dV, never stored.)
+        SUB: tl.constexpr = SPARSE_M // BLOCK_M
+        col = (b * mask_sb + h * mask_sh + n0 // SPARSE_N).to(tl.int64)
+        start, split = _query_range(n0, seqlen_q, seqlen_k, CAUSAL, BLOCK_M, BLOCK_N)
+        for partial in tl.static_range(2):
+            if Q_COUNT is not None:
+                index = (Q_INDEX if partial else FULL_INDEX) + col * n_q_tiles
+                n_tiles = tl.load((Q_COUNT if partial else FULL_COUNT) + col) * SUB
             else:
-                start = 0
-                split = 0
-            # (keys past the end need no mask here: they only touch their own rows of dK, dV, never stored)
-            for m0 in range(start, split, BLOCK_M):
+                index = Q_INDEX                                            # None: a range
+                n_tiles = ((split - start if partial else seqlen_q - split) + BLOCK_M - 1) // BLOCK_M
+            for it in range(0, n_tiles):
+                m0 = _tile_start(index, it, start if partial else split, SUB, SPARSE_M, BLOCK_M)
                 dk, dv = _dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, lse2_row, delta_row, m0, kv_pos, offs_d, b, h,
-                                    seqlen_q, seqlen_k, s_qm, s_dom, sm_scale, qk_scale, args,
-                                    SCORE_MOD, SCORE_GRAD, None, True, CAUSAL, HEAD_DIM, BLOCK_M, PRECISION)
-            for m0 in range(split, seqlen_q, BLOCK_M):
-                dk, dv = _dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, lse2_row, delta_row, m0, kv_pos, offs_d, b, h,
-                                    seqlen_q, seqlen_k, s_qm, s_dom, sm_scale, qk_scale, args,
-                                    SCORE_MOD, SCORE_GRAD, None, False, False, HEAD_DIM, BLOCK_M, PRECISION)
+                                    seqlen_q, seqlen_k, s_qm, s_dom, sm_scale, qk_scale, args, SCORE_MOD,
+                                    SCORE_GRAD, MASK_MOD, partial == 1, CAUSAL, HEAD_DIM, BLOCK_M, PRECISION)
     dk *= sm_scale
     dk_off = b.to(tl.int64) * s_dkb + hk.to(tl.int64) * s_dkh + k_start.to(tl.int64) * s_dkn
     dv_off = b.to(tl.int64) * s_dvb + hk.to(tl.int64) * s_dvh + k_start.to(tl.int64) * s_dvn
@@ -322,36 +326,21 @@ def flex_dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, s_qb, s_qh, s_qm, s_qd, s_kb, s
     k_ptrs = k_base + offs_n[None, :] * s_kn + offs_d[:, None] * s_kd         # Kᵀ's first tile
     v_ptrs = v_base + offs_n[None, :] * s_vn + offs_d[:, None] * s_vd
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-    if KV_COUNT is not None:
-        row = b * mask_sb + h * mask_sh + start_m // SPARSE_M
-        SUB: tl.constexpr = SPARSE_N // BLOCK_N
-        full = FULL_INDEX + row.to(tl.int64) * n_kv_tiles
-        for it in range(0, tl.load(FULL_COUNT + row) * SUB):
-            start_n = tl.load(full + it // SUB) * SPARSE_N + (it % SUB) * BLOCK_N
-            dq = _dq_tile(dq, q, do, lse2, delta, k_ptrs, v_ptrs, start_n, q_pos, offs_n, offs_d, b, h, seqlen_k,
-                          s_kn, s_vn, sm_scale, qk_scale, args,
-                          SCORE_MOD, SCORE_GRAD, MASK_MOD, False, False, HEAD_DIM, PRECISION)
-        partial = KV_INDEX + row.to(tl.int64) * n_kv_tiles
-        for it in range(0, tl.load(KV_COUNT + row) * SUB):
-            start_n = tl.load(partial + it // SUB) * SPARSE_N + (it % SUB) * BLOCK_N
-            dq = _dq_tile(dq, q, do, lse2, delta, k_ptrs, v_ptrs, start_n, q_pos, offs_n, offs_d, b, h, seqlen_k,
-                          s_kn, s_vn, sm_scale, qk_scale, args,
-                          SCORE_MOD, SCORE_GRAD, MASK_MOD, True, False, HEAD_DIM, PRECISION)
-    else:
-        if CAUSAL:
-            n_full = tl.maximum(start_m + seqlen_k - seqlen_q + 1, 0) // BLOCK_N * BLOCK_N
-            n_end = tl.minimum(tl.maximum(start_m + BLOCK_M + seqlen_k - seqlen_q, 0), seqlen_k)
+    SUB: tl.constexpr = SPARSE_N // BLOCK_N           # as the forward: full key tiles, then partial ones
+    row = (b * mask_sb + h * mask_sh + start_m // SPARSE_M).to(tl.int64)
+    n_full, n_end = _key_range(start_m, seqlen_q, seqlen_k, CAUSAL, BLOCK_M, BLOCK_N)
+    for partial in tl.static_range(2):
+        if KV_COUNT is not None:
+            index = (KV_INDEX if partial else FULL_INDEX) + row * n_kv_tiles
+            n_tiles = tl.load((KV_COUNT if partial else FULL_COUNT) + row) * SUB
         else:
-            n_full = seqlen_k // BLOCK_N * BLOCK_N
-            n_end = seqlen_k
-        for start_n in range(0, n_full, BLOCK_N):
+            index = KV_INDEX
+            n_tiles = ((n_end - n_full + BLOCK_N - 1) if partial else n_full) // BLOCK_N   # n_full: whole tiles
+        for it in range(0, n_tiles):
+            start_n = _tile_start(index, it, n_full if partial else 0, SUB, SPARSE_N, BLOCK_N)
             dq = _dq_tile(dq, q, do, lse2, delta, k_ptrs, v_ptrs, start_n, q_pos, offs_n, offs_d, b, h, seqlen_k,
                           s_kn, s_vn, sm_scale, qk_scale, args,
-                          SCORE_MOD, SCORE_GRAD, None, False, False, HEAD_DIM, PRECISION)
-        for start_n in range(n_full, n_end, BLOCK_N):
-            dq = _dq_tile(dq, q, do, lse2, delta, k_ptrs, v_ptrs, start_n, q_pos, offs_n, offs_d, b, h, seqlen_k,
-                          s_kn, s_vn, sm_scale, qk_scale, args,
-                          SCORE_MOD, SCORE_GRAD, None, True, CAUSAL, HEAD_DIM, PRECISION)
+                          SCORE_MOD, SCORE_GRAD, MASK_MOD, partial == 1, CAUSAL, HEAD_DIM, PRECISION)
     dq *= sm_scale
     dq_off = b.to(tl.int64) * s_dqb + h.to(tl.int64) * s_dqh + q_start.to(tl.int64) * s_dqm
     tl.store(DQ + dq_off + offs_m[:, None] * s_dqm + offs_d[None, :] * s_dqd, dq.to(DQ.dtype.element_ty),

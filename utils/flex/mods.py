@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from utils.checks import positive_int, check_bool
+from utils.checks import check_attention_inputs, check_bool, positive_int, resolve_scale
 
 
 @dataclass(frozen=True)
@@ -242,8 +242,6 @@ def dense_mask(modifier, batch, heads, seqlen_q, seqlen_k, device=None) -> torch
 def reference(q, k, v, modifier=None, *, sm_scale=None):
     """(o, lse) of modified attention in float64: o in q's dtype, lse float64 (B, H, Nq); a query that sees no key
     gets o = 0 and lse = -inf (the kernels' convention)."""
-    from utils.checks import check_attention_inputs, resolve_scale
-
     batch, heads, kv_heads, nq, nk, d = check_attention_inputs(q, k, v)
     if modifier is not None and not isinstance(modifier, Modifier):
         raise TypeError(f"modifier must be a Modifier or None, got {type(modifier).__name__}")

@@ -32,7 +32,8 @@ def block_states(mask_fn, seqlen_q: int, seqlen_k: int, block_m: int, block_n: i
     q = torch.arange(qb * bm).view(-1, 1)
     kv = torch.arange(kb * bn).view(1, -1)
     inside = (q < nq) & (kv < nk)
-    visible = torch.as_tensor(mask_fn(q.clamp(max=nq - 1) + nk - nq, kv.clamp(max=nk - 1))).broadcast_to(inside.shape) & inside
+    visible = torch.as_tensor(mask_fn(q.clamp(max=nq - 1) + nk - nq, kv.clamp(max=nk - 1)))
+    visible = visible.broadcast_to(inside.shape) & inside
     tiles = visible.reshape(qb, bm, kb, bn).sum((1, 3))
     rows = (nq - torch.arange(qb) * bm).clamp(max=bm).view(-1, 1)       # query rows inside each tile row
     states = torch.full((qb, kb), PARTIAL, dtype=torch.int8)
