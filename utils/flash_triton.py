@@ -192,24 +192,29 @@ def smem_estimate(config: Config, head_dim: int, elem_bytes: int) -> int:
 
 
 def pick_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> Config:
-    """Block sizes, warps and pipeline stages for one launch when nothing is tuned; chosen per head dim by
-    measurement on an H200, then shrunk until they fit the GPU's shared memory (utils.gpu, which a T4 profile
-    can emulate). In the interpreter the blocks only trade Python overhead against wasted padding, so they are
-    small.
+    """Block sizes, warps and pipeline stages for one launch when nothing is tuned: `fit_config` for the GPU's
+    shared memory (utils.gpu, which a T4 profile can emulate). In the interpreter the blocks only trade Python
+    overhead against wasted padding, so they are small.
     """
-    block_d = max(16, triton.next_power_of_2(head_dim))
     if device.type != "cuda":
         return Config(32, 32, 4, 1)
+    return fit_config(head_dim, dtype, gpu.shared_memory_per_block(device))
+
+
+def fit_config(head_dim: int, dtype: torch.dtype, smem: int | None) -> Config:
+    """The tiles chosen per head dim by measurement on an H200, shrunk until they fit `smem` bytes of shared
+    memory per block (None: an H200's choice). utils.cross_compile checks the choice for a T4 by compiling."""
+    block_d = max(16, triton.next_power_of_2(head_dim))
     if dtype == torch.float32:  # exact fp32 dots run on CUDA cores: small tiles keep registers in check
         preferred = Config(64 if block_d <= 64 else 32, 32, 4, 2)
     elif block_d <= 128:
         preferred = NOTEBOOK_05_TILES
     else:
         preferred = Config(64, 64, 8, 2)
-    limit, elem_bytes = gpu.shared_memory_per_block(device), torch.finfo(dtype).bits // 8
-    if limit is None:  # asked without a GPU (tests): the H200's choice
+    if smem is None:
         return preferred
-    fits = [c for c in (preferred, *SMALL_SMEM_TILES) if smem_estimate(c, head_dim, elem_bytes) <= limit]
+    elem_bytes = torch.finfo(dtype).bits // 8
+    fits = [c for c in (preferred, *SMALL_SMEM_TILES) if smem_estimate(c, head_dim, elem_bytes) <= smem]
     return fits[0] if fits else SMALL_SMEM_TILES[-1]
 
 

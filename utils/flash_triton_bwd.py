@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from utils import gpu
 from utils.flash_pytorch_bwd import check_backward_inputs
 
 __all__ = ["flash_attention_backward", "BackwardConfig", "default_config", "HEAD_DIMS", "DTYPES"]
@@ -57,22 +58,44 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def default_config(head_dim: int, dtype: torch.dtype, causal: bool = False) -> BackwardConfig:
+# Smaller tiles, in the order tried, for GPUs with less shared memory per block (a T4 has 64 KiB).
+SMALL_SMEM_CONFIGS = (BackwardConfig(32, 64, 4, 2, 64, 32, 4, 2), BackwardConfig(32, 32, 4, 1, 32, 32, 4, 1),
+                      BackwardConfig(16, 32, 4, 1, 32, 16, 4, 1), BackwardConfig(16, 16, 4, 1, 16, 16, 4, 1))
+
+
+def smem_estimate(config: BackwardConfig, head_dim: int, elem_bytes: int) -> int:
+    """Shared memory the larger of the two main kernels needs, in bytes: what Triton 3.6 allocates on sm_75
+    (where tl.dot runs on FMA units, and stages add nothing), an upper bound of what it allocates on sm_80+
+    (utils.cross_compile compiles both to check)."""
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    return elem_bytes * block_d * max(2 * config.block_m1 + 4 * config.block_n1,
+                                      4 * config.block_m2 + 2 * config.block_n2)
+
+
+def default_config(head_dim: int, dtype: torch.dtype, causal: bool = False, smem: int | None = None
+                   ) -> BackwardConfig:
     """Launch parameters. 16-bit, head dims up to 128: the fastest of a sweep on an H200 (bf16, B=4, H=16,
     N=8192; 6 dK/dV and 5 dQ candidates each, see notebook 07). Smaller tiles for fp32/fp64 (exact dots, twice
     the bytes) and head dims above 128 (registers); mid-sized tiles in the interpreter, where each program is
-    NumPy work and fewer, larger tiles run fastest."""
+    NumPy work and fewer, larger tiles run fastest. `smem`: bytes of shared memory per block of the GPU
+    (utils.gpu.shared_memory_per_block); the tiles shrink until they fit. None: an H200's choice."""
     if _interpreting():
         return BackwardConfig(32, 32, 4, 1, 32, 32, 4, 1)
     if head_dim > 128:
-        return BackwardConfig(16, 32, 4, 1, 32, 16, 4, 1)
-    if dtype in (torch.float32, torch.float64):
-        return BackwardConfig(32, 64, 4, 2, 64, 32, 4, 2)
-    if head_dim <= 64:
-        return BackwardConfig(32, 128, 4, 3, 128, 64, 8, 3)
-    if causal:
-        return BackwardConfig(64, 128, 8, 3, 128, 64, 8, 3)
-    return BackwardConfig(32, 64, 4, 3, 128, 64, 8, 3)
+        preferred = BackwardConfig(16, 32, 4, 1, 32, 16, 4, 1)
+    elif dtype in (torch.float32, torch.float64):
+        preferred = BackwardConfig(32, 64, 4, 2, 64, 32, 4, 2)
+    elif head_dim <= 64:
+        preferred = BackwardConfig(32, 128, 4, 3, 128, 64, 8, 3)
+    elif causal:
+        preferred = BackwardConfig(64, 128, 8, 3, 128, 64, 8, 3)
+    else:
+        preferred = BackwardConfig(32, 64, 4, 3, 128, 64, 8, 3)
+    if smem is None:
+        return preferred
+    elem_bytes = torch.finfo(dtype).bits // 8
+    fits = [c for c in (preferred, *SMALL_SMEM_CONFIGS) if smem_estimate(c, head_dim, elem_bytes) <= smem]
+    return fits[0] if fits else SMALL_SMEM_CONFIGS[-1]
 
 
 # --- kernels -------------------------------------------------------------------------------------------------
@@ -258,7 +281,8 @@ def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, sm_scale=None
         raise ValueError(f"head_dim {shape.head_dim} is not supported by the Triton backward; supported: "
                          f"{HEAD_DIMS[0]} to {HEAD_DIMS[-1]}")
     if config is None:
-        config = default_config(shape.head_dim, q.dtype, causal)
+        smem = gpu.shared_memory_per_block(q.device) if q.device.type == "cuda" else None
+        config = default_config(shape.head_dim, q.dtype, causal, smem)
     elif not isinstance(config, BackwardConfig):
         raise TypeError(f"config must be a BackwardConfig or None, got {type(config).__name__}")
     interpret = _interpreting()

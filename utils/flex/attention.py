@@ -12,6 +12,7 @@ from utils.checks import check_bool
 from utils import gpu
 from utils.flash_triton import Config, pick_config, smem_estimate, validate
 from utils.flash_triton_bwd import BackwardConfig, _bwd_preprocess, default_config
+from utils.flash_triton_bwd import smem_estimate as bwd_smem_estimate
 from utils.flex.sparsity import BlockMask, block_mask as build_block_mask
 from utils.flex.kernels import flex_dkdv_kernel, flex_dq_kernel, flex_fwd_kernel
 from utils.flex.mods import Modifier, causal as causal_modifier
@@ -82,16 +83,18 @@ SPARSE_TILES = {64: (Config(128, 64, 4, 3), BackwardConfig(32, 128, 4, 3, 64, 64
 
 
 def configs(p: _Problem, dtype, device) -> tuple:
-    """(forward Config, BackwardConfig) for one problem."""
-    fwd, bwd = pick_config(p.head_dim, dtype, device), default_config(p.head_dim, dtype, causal=True)
+    """(forward Config, BackwardConfig) for one problem, within the GPU's shared memory per block."""
+    smem = gpu.shared_memory_per_block(device) if device.type == "cuda" else None
+    fwd, bwd = pick_config(p.head_dim, dtype, device), default_config(p.head_dim, dtype, True, smem)
     d = 64 if p.head_dim <= 64 else 128 if p.head_dim <= 128 else None
     if device.type != "cuda" or dtype == torch.float32 or d is None or p.block_mask is None:
         return fwd, bwd
-    limit = gpu.shared_memory_per_block(device)
-    tuned_fwd, tuned_bwd = SPARSE_TILES[d]      # the backward's tuned tiles need ~100 KB (an H100/H200 has 227)
-    if limit is None or smem_estimate(tuned_fwd, p.head_dim, 2) <= limit:
+    tuned_fwd, tuned_bwd = SPARSE_TILES[d]
+    if smem is None or smem_estimate(tuned_fwd, p.head_dim, 2) <= smem:
         fwd = tuned_fwd
-    return fwd, tuned_bwd if limit is None or limit >= 160 * 1024 else bwd
+    if smem is None or bwd_smem_estimate(tuned_bwd, p.head_dim, 2) <= smem:
+        bwd = tuned_bwd
+    return fwd, bwd
 
 
 def _forward(q, k, v, p: _Problem):

@@ -1,0 +1,94 @@
+"""utils.cross_compile: launches captured instead of run, compiled for a GPU this machine does not have; and the
+course's kernels, as configured for a T4, within its 64 KiB of shared memory per block."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import triton.language as tl
+from triton.runtime.jit import JITFunction
+
+from utils import cross_compile
+from utils.flash_triton_bwd import SMALL_SMEM_CONFIGS, BackwardConfig, default_config, smem_estimate
+from utils.gpu import PROFILES
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _copy(X, Y, n, scale, BLOCK: tl.constexpr, FLAG: tl.constexpr = None):
+    offs = tl.arange(0, BLOCK)
+    x = tl.load(X + offs, mask=offs < n)
+    tl.store(Y + offs, x * scale, mask=offs < n)
+
+
+# A JITFunction even here, where conftest set TRITON_INTERPRET=1 (triton.jit would give an interpreted one).
+copy_kernel = JITFunction(_copy)
+
+
+def test_capture_records_launches_instead_of_running_them():
+    x, y = torch.ones(8, dtype=torch.float16), torch.zeros(8, dtype=torch.float16)
+    original = JITFunction.run
+    with cross_compile.capture_launches() as launches:
+        copy_kernel[(1,)](x, y, 8, 0.5, BLOCK=16, num_warps=2)
+        copy_kernel[(1,)](x, y.float(), 1, 2.0, 32)
+    assert torch.equal(y, torch.zeros(8, dtype=torch.float16))      # nothing ran
+    first, second = launches
+    assert first.name == "_copy"
+    assert first.signature == {"X": "*fp16", "Y": "*fp16", "n": "i32", "scale": "fp32", "BLOCK": "constexpr",
+                               "FLAG": "constexpr"}
+    assert first.constexprs == {"BLOCK": 16, "FLAG": None} and first.options == {"num_warps": 2}
+    # The integer 1 is a constant, as Triton specialises it; positional constexprs bind like keywords.
+    assert second.signature["Y"] == "*fp32" and second.constexprs == {"n": 1, "BLOCK": 32, "FLAG": None}
+    assert JITFunction.run is original   # restored
+    with pytest.raises(TypeError, match="argument scale: cannot type a str"):
+        with cross_compile.capture_launches():
+            copy_kernel[(1,)](x, y, 8, "half", BLOCK=16)
+
+
+def test_shared_memory_of_a_compiled_launch():
+    """A kernel without tl.dot needs no shared memory on any target; compiling needs no GPU."""
+    x = torch.ones(8)
+    with cross_compile.capture_launches() as launches:
+        copy_kernel[(1,)](x, x, 8, 1.0, BLOCK=64)
+    assert cross_compile.shared_memory(launches[0], (7, 5)) == 0
+    assert cross_compile.shared_memory(launches[0], (9, 0)) == 0
+
+
+def test_backward_tiles_shrink_to_the_gpus_shared_memory(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)   # the GPU's choices, not the interpreter's
+    for d in (16, 64, 80, 128, 256):
+        for dtype in (torch.float16, torch.bfloat16, torch.float32):
+            for causal in (False, True):
+                h200 = default_config(d, dtype, causal, 227 * 1024)
+                assert h200 == default_config(d, dtype, causal), "an H200 keeps the measured tiles"
+                t4 = default_config(d, dtype, causal, 64 * 1024)
+                assert t4 in (h200, *SMALL_SMEM_CONFIGS)
+                if (d, dtype) == (256, torch.float32):   # 96 KiB even with 16 x 16 tiles: Triton's launch says
+                    assert t4 == SMALL_SMEM_CONFIGS[-1]  # "out of resource: shared memory" on a T4
+                    continue
+                assert smem_estimate(t4, d, torch.finfo(dtype).bits // 8) <= 64 * 1024, (d, dtype, causal, t4)
+    # sm_75's allocation (Triton 3.6): dK/dV 2 bytes x 128 x (2 x 32 + 4 x 64) for these tiles.
+    assert smem_estimate(BackwardConfig(32, 64, 4, 2, 64, 32, 4, 2), 128, 2) == 81920
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="subprocess environment")
+def test_every_course_kernel_fits_a_t4():
+    """Compiles the forward, backward, decode and flex kernels for sm_75 as configured for a T4 (about two
+    minutes on two cores). Before the backward's tiles shrank, its dQ kernel asked for 160 KiB there."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-m", "utils.cross_compile", "--profile", "t4"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=1200)
+    assert run.returncode == 0, run.stdout + run.stderr
+    lines = run.stdout.splitlines()
+    assert lines[0].startswith(f"Tesla T4, sm_75: {PROFILES['t4'].shared_memory_per_block // 1024} KiB")
+    kernels = {line.split()[-4] for line in lines[1:]}
+    assert {"flash_fwd_kernel", "_bwd_dkdv", "_bwd_dq", "_split_kv_kernel", "flex_fwd_kernel"} <= kernels
+    assert all(line.endswith("fits") for line in lines[1:]) and len(lines) > 20
+
+
+def test_the_command_refuses_interpreted_kernels():
+    run = subprocess.run([sys.executable, "-m", "utils.cross_compile"], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=120)
+    assert run.returncode == 2 and "unset TRITON_INTERPRET" in run.stderr

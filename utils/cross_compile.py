@@ -1,0 +1,213 @@
+"""Compile the course's Triton kernels for a GPU this machine does not have, and check their shared memory.
+
+A Triton kernel that asks for more shared memory than the GPU gives a block fails at launch ("out of resource:
+shared memory"), and only there: an H200 (227 KiB) runs what a T4 (64 KiB) refuses, and emulating a T4 on an
+H200 (utils.gpu) cannot see it. Triton compiles for any architecture on any machine, so the course checks it
+on CPU: the kernels' launches are captured instead of run (`capture_launches`), then compiled for the target
+(`shared_memory`), e.g. sm_75 for the T4. On sm_75 Triton lowers tl.dot to FMA instructions (its MMA path
+needs sm_80), and the shared memory it needs differs from sm_80+'s, so only a compile tells.
+
+    python -m utils.cross_compile          # the table for each GPU profile of utils.gpu (a T4 today)
+
+The kernels must have been defined without TRITON_INTERPRET (they are then JITFunctions); the launches are
+made with CPU tensors, only their dtypes and sizes matter.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+import sys
+from typing import NamedTuple
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.runtime.jit import JITFunction
+
+from utils.gpu import Profile
+
+POINTER_TYPES = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.float64: "*fp64",
+                 torch.int8: "*i8", torch.int32: "*i32", torch.int64: "*i64", torch.uint8: "*u8"}
+
+
+class Launch(NamedTuple):
+    """A captured launch: what triton.compile needs."""
+    kernel: JITFunction
+    signature: dict        # argument name -> Triton type ("*fp16", "i32", "fp32", "constexpr")
+    constexprs: dict       # constexpr (and None) arguments -> value
+    options: dict          # num_warps, num_stages
+
+    @property
+    def name(self) -> str:
+        return self.kernel.fn.__name__
+
+
+def _argument_type(value, name: str) -> str:
+    if isinstance(value, torch.Tensor):
+        if value.dtype not in POINTER_TYPES:
+            raise TypeError(f"argument {name}: no Triton pointer type for {value.dtype}")
+        return POINTER_TYPES[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -2**31 <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"argument {name}: cannot type a {type(value).__name__} for a captured launch")
+
+
+def describe(kernel: JITFunction, args: tuple, kwargs: dict) -> Launch:
+    """The Launch of `kernel[grid](*args, **kwargs)`: Python values typed as Triton would type them (the
+    integer 1 and None become constants, as Triton specialises them)."""
+    kwargs = dict(kwargs)
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    bound = inspect.signature(kernel.fn).bind(*args, **kwargs)
+    bound.apply_defaults()
+    signature, constexprs = {}, {}
+    for param, (name, value) in zip(kernel.params, bound.arguments.items()):
+        constant = value is None or (type(value) is int and value == 1 and not param.do_not_specialize)
+        if param.is_constexpr or constant:
+            signature[name], constexprs[name] = "constexpr", value
+        else:
+            signature[name] = _argument_type(value, name)
+    return Launch(kernel, signature, constexprs, options)
+
+
+@contextlib.contextmanager
+def capture_launches():
+    """Within the block, `kernel[grid](...)` records a Launch in the yielded list instead of running."""
+    launches = []
+    original = JITFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        launches.append(describe(self, args, kwargs))
+
+    JITFunction.run = run
+    try:
+        yield launches
+    finally:
+        JITFunction.run = original
+
+
+def shared_memory(launch: Launch, capability: tuple[int, int]) -> int:
+    """Bytes of shared memory the launch's kernel needs per block when compiled for `capability`."""
+    source = triton.compiler.ASTSource(fn=launch.kernel, signature=launch.signature, constexprs=launch.constexprs)
+    target = GPUTarget("cuda", capability[0] * 10 + capability[1], 32)
+    return triton.compile(source, target=target, options=launch.options).metadata.shared
+
+
+@contextlib.contextmanager
+def cpu_launches():
+    """Let the course's launchers take CPU tensors, as they do in the interpreter: they read TRITON_INTERPRET
+    at call time, or ask utils.flash_triton (the kernels, defined before, stay compilable)."""
+    from utils import flash_triton
+
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        with _patched(flash_triton, "triton_interpreting", lambda: True):
+            yield
+    finally:
+        if saved is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+
+
+# --- the course's launches on a GPU of a profile ----------------------------------------------------------------
+
+class Case(NamedTuple):
+    lesson: str        # the notebook whose kernel it is
+    what: str          # "forward D=128 fp16", ...
+    launch: Launch
+    shared: int = 0    # bytes, once compiled
+
+
+def _capture(fn) -> list[Launch]:
+    with cpu_launches(), capture_launches() as launches:
+        fn()
+    return launches
+
+
+def course_launches(profile: Profile) -> list[tuple[str, str, Launch]]:
+    """(lesson, what, Launch) for the course's Triton kernels as its launchers configure them for `profile`:
+    the forward (05), the backward (07), flash-decoding (08) and the flex kernels (10) at the head dims and dtypes
+    a learner runs on it (16-bit is fp16 where the GPU has no bf16 tensor cores, sm < 80)."""
+    from utils import flash_decoding, flash_triton, flash_triton_bwd, gpu
+    from utils.flex import attention as flex_attention, causal, sparsity
+
+    half = torch.float16 if profile.capability < (8, 0) else torch.bfloat16
+    smem = profile.shared_memory_per_block
+    out = []
+    for d, dtype in ((64, half), (128, half), (256, half), (128, torch.float32)):
+        q = torch.zeros(1, 2, 256, d, dtype=dtype)
+        lse = torch.zeros(1, 2, 256)
+        name = f"D={d} {str(dtype).removeprefix('torch.')}"
+        fwd = flash_triton.fit_config(d, dtype, smem)
+        bwd = flash_triton_bwd.default_config(d, dtype, True, smem)
+        out += [("05", f"forward {name}", x) for x in _capture(
+            lambda: flash_triton._launch(q, q, q, True, 0.1, config=fwd, steps=flash_triton.Steps()))]
+        out += [("07", f"backward {name}", x) for x in _capture(
+            lambda: flash_triton_bwd.flash_attention_backward(q, q, q, q, q, lse, causal=True, config=bwd))]
+        if dtype != half or d > 128:
+            continue
+        out += [("08", f"decode {name}", x) for x in _capture(
+            lambda: flash_decoding.flash_decode(q[:, :, :1], q, q, num_splits=4))]
+        states = torch.tensor([[[[sparsity.PARTIAL, sparsity.EMPTY], [sparsity.FULL, sparsity.PARTIAL]]]],
+                              dtype=torch.int8)
+        bm = sparsity.from_states(states, 128, 128, 256, 256, "causal")
+        on_profile = contextlib.ExitStack()
+        real_configs = flex_attention.configs
+        on_profile.enter_context(_patched(gpu, "shared_memory_per_block", lambda device=None: smem))
+        on_profile.enter_context(_patched(flex_attention, "configs",
+                                          lambda p, dt, dev: real_configs(p, dt, torch.device("cuda"))))
+        with on_profile:
+            q.requires_grad_(True)
+            launches = _capture(lambda: flex_attention.flex_attention(q, q, q, causal(), block_mask=bm).sum()
+                                .backward())
+        out += [("10", f"flex {name}", x) for x in launches]
+    return out
+
+
+@contextlib.contextmanager
+def _patched(owner, name, value):
+    saved = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, saved)
+
+
+def check(profile: Profile) -> list[Case]:
+    """Every course launch for `profile`, compiled for its architecture: Cases with their shared memory."""
+    return [Case(lesson, what, launch, shared_memory(launch, profile.capability))
+            for lesson, what, launch in course_launches(profile)]
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    from utils.gpu import PROFILES
+
+    parser = argparse.ArgumentParser(prog="python -m utils.cross_compile", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--profile", choices=sorted(PROFILES), default="t4")
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        parser.error("unset TRITON_INTERPRET: the kernels must be defined for compiling, not interpreting")
+    profile = PROFILES[args.profile]
+    limit = profile.shared_memory_per_block
+    failures = 0
+    print(f"{profile.name}, sm_{profile.capability[0]}{profile.capability[1]}: {limit // 1024} KiB of shared "
+          f"memory per block; Triton {triton.__version__}")
+    for case in check(profile):
+        fits = case.shared <= limit
+        failures += not fits
+        print(f"  {case.lesson}  {case.what:<26} {case.launch.name:<22} {case.shared / 1024:6.1f} KiB  "
+              f"{'fits' if fits else 'DOES NOT FIT'}", flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
