@@ -291,7 +291,7 @@ def test_flash_decode_paged_rejects_bad_inputs():
          lambda: flash_decode_paged(q, k, v, table, seqlens + 13)),
         (ValueError, "cache_seqlens must be", lambda: flash_decode_paged(q, k, v, table, seqlens.float())),
         (ValueError, r"block_table\[1, 1\] = 4 is not a page of the pool \(0 to 3\)",
-         lambda: flash_decode_paged(q, k, v, torch.tensor([[0, 1], [2, 4]], dtype=torch.int32), seqlens)),
+         lambda: flash_decode_paged(q, k, v, torch.tensor([[0, 1], [2, 4]], dtype=torch.int32, device=q.device), seqlens)),
         (ValueError, r"block_table\[0, 0\] = -1", lambda: flash_decode_paged(q, k, v, table - 1 - table, seqlens)),
         (ValueError, "num_splits", lambda: flash_decode_paged(q, k, v, table, seqlens, num_splits=0)),
         (TypeError, "causal", lambda: flash_decode_paged(q, k, v, table, seqlens, causal=None)),
