@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from utils.checks import check_attention_inputs, resolve_scale
-from utils.flash_pytorch_bwd import check_backward_inputs
+from utils.flash_pytorch_bwd import _compute_dtype, _expand_kv, _safe_lse, _sum_groups, check_backward_inputs
 from utils.reference import causal_mask
 from utils.softmax import attention_with_lse, merge_attention
 from utils.testing import random_qkv, tolerances
@@ -147,11 +147,6 @@ def _rows(part: str, n: int) -> slice:
     return {"all": slice(0, n), "first": slice(0, n // 2), "second": slice(n // 2, n)}[part]
 
 
-def _acc_dtype(q: torch.Tensor) -> torch.dtype:
-    """Accumulators (output, lse, gradients): float32, or float64 for float64 inputs."""
-    return torch.promote_types(q.dtype, torch.float32)
-
-
 def _torch_attention(q, k, v, *, causal, sm_scale):
     return attention_with_lse(q, k, v, causal=causal, sm_scale=sm_scale)
 
@@ -210,17 +205,16 @@ def block_gradients(q, k, v, do, lse, delta, *, causal=False, sm_scale=None):
     _check_rows("do", do, q.shape, q)
     _check_rows("lse", lse, q.shape[:3], q)
     _check_rows("delta", delta, q.shape[:3], q)
-    ct, group = _acc_dtype(q), shape.heads // shape.kv_heads
-    q, do, lse, delta = q.to(ct), do.to(ct), lse.to(ct), delta.to(ct)
-    k, v = (t.to(ct).repeat_interleave(group, dim=1) for t in (k, v))
+    ct = _compute_dtype(q.dtype)
+    q, do, delta = q.to(ct), do.to(ct), delta.to(ct)
+    k, v = _expand_kv(k.to(ct), v.to(ct), shape.heads)
     s = scale * q @ k.transpose(-2, -1)
     if causal:
         s = s.masked_fill(~causal_mask(shape.seqlen_q, shape.seqlen_k, q.device), float("-inf"))
-    p = torch.exp(s - torch.where(torch.isneginf(lse), math.inf, lse)[..., None])  # a row seeing no key: 0
+    p = torch.exp(s - _safe_lse(lse.to(ct))[..., None])                      # a row seeing no key: 0
     ds = p * (do @ v.transpose(-2, -1) - delta[..., None])
     dq, dk, dv = scale * ds @ k, scale * ds.transpose(-2, -1) @ q, p.transpose(-2, -1) @ do
-    fold = lambda g: g.unflatten(1, (shape.kv_heads, group)).sum(2)  # noqa: E731  (a K/V head: its group's sum)
-    return dq, fold(dk), fold(dv)
+    return dq, _sum_groups(dk, shape.kv_heads), _sum_groups(dv, shape.kv_heads)
 
 
 def _torch_backward(q, k, v, do, o, lse, delta, *, causal, sm_scale):
@@ -280,7 +274,7 @@ def _accumulate_grads(dq, dkv, q, kv, do, o, lse, delta, task, backward, scale):
 
 def _delta(do, o):
     """D = rowsum(dO ∘ O): one number per query row, computed once and used at every step of the backward."""
-    acc = _acc_dtype(o)
+    acc = _compute_dtype(o.dtype)
     return (do.to(acc) * o.to(acc)).sum(-1)
 
 
@@ -318,8 +312,8 @@ def _check_ring_inputs(q, k, v, causal, sm_scale, layout, world_size):
 
 
 def _empty_state(q):
-    out = torch.zeros(q.shape, dtype=_acc_dtype(q), device=q.device)
-    lse = torch.full(q.shape[:3], float("-inf"), dtype=_acc_dtype(q), device=q.device)
+    out = torch.zeros(q.shape, dtype=_compute_dtype(q.dtype), device=q.device)
+    lse = torch.full(q.shape[:3], float("-inf"), dtype=_compute_dtype(q.dtype), device=q.device)
     return out, lse
 
 
@@ -375,7 +369,7 @@ def simulate_ring_backward(do, q, k, v, o, lse, *, world_size: int, causal=False
     check_backward_inputs(do, q, k, v, o, lse, causal=causal, sm_scale=sm_scale)
     scale = _check_simulation(q, k, v, world_size, causal, sm_scale, layout)
     backward = pick_local_backward(q.device, local_attention)
-    acc, w = _acc_dtype(q), world_size
+    acc, w = _compute_dtype(q.dtype), world_size
     qs, dos, os_, lses, deltas = ([shard(t, w, r, layout) for r in range(w)] for t in (q, do, o, lse, _delta(do, o)))
     kvs = [shard(torch.stack([k, v]), w, r, layout, dim=3) for r in range(w)]
     dqs = [torch.zeros(x.shape, dtype=acc, device=q.device) for x in qs]
@@ -444,7 +438,7 @@ def _ring_backward(do, q, k, v, o, lse, *, causal, scale, layout, overlap, backw
     """The second ring: K/V travel as in the forward, each chunk followed by its dK/dV accumulator; dq stays."""
     world_size, rank = dist.get_world_size(), dist.get_rank()
     delta = _delta(do, o)
-    dq = torch.zeros(q.shape, dtype=_acc_dtype(q), device=q.device)
+    dq = torch.zeros(q.shape, dtype=_compute_dtype(q.dtype), device=q.device)
     kv = torch.stack([k, v]).contiguous()
     # How the accumulators get home without an extra hop: the owner keeps its own queries' share (step 0) at
     # home; a chunk's travelling accumulator starts at the next rank (step 1) and gains a share at every step;
