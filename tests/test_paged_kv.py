@@ -331,3 +331,48 @@ def test_page_offsets_past_2_to_the_31_on_gpu():
     out = flash_decode_paged(q, k, k, table, torch.tensor([page_size], device="cuda"))
     expect = flash_decode(q, k[1:].contiguous(), k[1:].contiguous())
     assert_close(out.float(), expect.float(), dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("page_size", [16, 32])
+def test_paged_copy_is_the_cache_in_shuffled_pages(page_size):
+    """The benchmark's pools: every page lands where the block table says, in an order that is not the identity."""
+    from utils.bench.decoding import paged_copy
+
+    k, v = (torch.randn(3, 2, 4 * page_size, 8, device=DEVICE) for _ in range(2))
+    k_pool, v_pool, table = paged_copy(k, v, page_size, seed=1)
+    assert table.dtype == torch.int32 and table.shape == (3, 4) and k_pool.shape == (12, 2, page_size, 8)
+    assert sorted(table.flatten().tolist()) == list(range(12)) and table.flatten().tolist() != list(range(12))
+    for b in range(3):
+        for j in range(4):
+            rows = slice(j * page_size, (j + 1) * page_size)
+            assert torch.equal(k_pool[table[b, j]], k[b, :, rows]) and torch.equal(v_pool[table[b, j]], v[b, :, rows])
+    q = torch.randn(3, 4, 1, 8, device=DEVICE)
+    lengths = torch.full((3,), 4 * page_size, device=DEVICE)
+    assert_close(flash_decode_paged(q, k_pool, v_pool, table.to(DEVICE), lengths), flash_decode(q, k, v))
+
+
+def test_paged_copy_rejects_bad_arguments():
+    from utils.bench.decoding import paged_copy
+
+    k = torch.zeros(1, 1, 48, 8)
+    with pytest.raises(ValueError, match="multiple of page_size=32"):
+        paged_copy(k, k, 32)
+    with pytest.raises(ValueError, match="page_size must be a power of two"):
+        paged_copy(k, k, 24)
+
+
+@pytest.mark.gpu
+def test_paged_benchmark_on_gpu(tmp_path):
+    """`python -m utils.bench.decoding --paged`'s writer at a small size: one row per method, errors small."""
+    import json
+
+    from utils.bench.decoding import PAGED_COMMAND, paged_path, write_paged
+
+    path = write_paged(tmp_path, "gpu", batches=(2,), seqlens=(512,), page_sizes=(16, 256))
+    assert path == paged_path(tmp_path, "gpu")
+    result = json.loads(path.read_text())
+    assert result["environment"]["command"] == PAGED_COMMAND
+    methods = [r["method"] for r in result["rows"]]
+    assert methods == ["flash_decode", "flash_decode, cache_seqlens", "flash_decode_paged, 16-token pages",
+                       "flash_decode_paged, 256-token pages"]
+    assert all(r["gbps"] > 0 and r["max_abs_err"] < 2e-2 for r in result["rows"])
