@@ -376,3 +376,72 @@ def test_paged_benchmark_on_gpu(tmp_path):
     assert methods == ["flash_decode", "flash_decode, cache_seqlens", "flash_decode_paged, 16-token pages",
                        "flash_decode_paged, 256-token pages"]
     assert all(r["gbps"] > 0 and r["max_abs_err"] < 2e-2 for r in result["rows"])
+
+
+def test_lengths_and_tables_are_read_once_until_written():
+    """Value checks sync with the GPU: a tensor that passed is not read again until an in-place write changes it."""
+    from unittest import mock
+
+    import utils.flash_decoding as fd
+
+    k, v = (torch.randn(4, 2, 16, 8, device=DEVICE) for _ in range(2))
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=DEVICE)
+    lengths = torch.tensor([32, 20], device=DEVICE)
+    q = torch.randn(2, 4, 1, 8, device=DEVICE)
+    with mock.patch.object(fd, "_refuse_capture", wraps=fd._refuse_capture) as reads:
+        def checks():
+            before = reads.call_count
+            fd.flash_decode_paged(q, k, v, table, lengths)
+            return reads.call_count - before
+
+        assert checks() == 2 and checks() == 0            # lengths and table, then neither
+        table[1, 1] = 0
+        assert checks() == 1                              # the table again, the lengths not
+        lengths[1] = 17
+        assert checks() == 2                              # the lengths, and the table (which entries are read)
+        table[1:].fill_(7)                                # through a view: the version counter is shared
+        with pytest.raises(ValueError, match=r"block_table\[1, 0\] = 7 is not a page"):
+            fd.flash_decode_paged(q, k, v, table, lengths)
+        table[1] = torch.tensor([2, 3])
+        lengths[0] = 33
+        with pytest.raises(ValueError, match="cache_seqlens must lie in"):
+            fd.flash_decode_paged(q, k, v, table, lengths)
+        lengths[0] = 32
+        assert checks() == 2
+        before = reads.call_count                         # another limit (a cache of 40): checked again
+        fd.flash_decode(q, k[:2].repeat(1, 1, 3, 1)[:, :, :40], v[:2, :, :8].repeat(1, 1, 5, 1),
+                        cache_seqlens=lengths)
+        assert reads.call_count - before == 1
+        with torch.inference_mode():                      # no version counter: checked at every call
+            lengths_inf, table_inf = lengths.clone(), table.clone()
+        before = reads.call_count
+        for _ in range(2):
+            fd.flash_decode_paged(q, k, v, table_inf, lengths_inf)
+        assert reads.call_count - before == 4
+
+
+def test_unchecked_values_refused_during_graph_capture(monkeypatch):
+    """Inside CUDA-graph capture a host read would fail obscurely: a clear error says to call once before."""
+    import utils.flash_decoding as fd
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="cache_seqlens's values are read on the host.*call once"):
+        fd._check_seqlens(torch.tensor([3, 4]), 2, 16, torch.device("cpu"))
+
+
+@pytest.mark.gpu
+def test_paged_decode_in_a_cuda_graph():
+    """Checked once outside, the paged decode is captured and replayed; the replay follows new query values."""
+    k, v = (torch.randn(8, 8, 64, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    table = torch.randperm(8, device="cuda").to(torch.int32).view(2, 4)
+    lengths = torch.tensor([256, 100], device="cuda", dtype=torch.int32)
+    q = torch.randn(2, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
+    flash_decode_paged(q, k, v, table, lengths)  # the checks, and Triton's compilation, outside the graph
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flash_decode_paged(q, k, v, table, lengths)
+    q.copy_(torch.randn_like(q))
+    graph.replay()
+    assert_close(out.float(), flash_decode_paged(q, k, v, table, lengths).float(), dtype=torch.bfloat16)

@@ -19,6 +19,7 @@ block table per sequence. The only difference in the kernel is one look-up per k
 from __future__ import annotations
 
 import numbers
+import weakref
 
 import torch
 import triton
@@ -213,6 +214,46 @@ def merge_partials(o_parts: torch.Tensor, lse_parts: torch.Tensor, *, out_dtype=
     return out, lse
 
 
+# Value checks read a tensor on the host: a sync per call, which costs a small decode step more than its kernels
+# and is forbidden inside CUDA-graph capture. A tensor whose values passed is remembered with its version counter
+# (bumped by every in-place write, through any view), so a server's lengths and block table, passed to every layer
+# of a step, are read once per step; a changed tensor is checked again. Inference-mode tensors have no version
+# counter: they are checked at every call. The stamp is an attribute of the tensor, so it lives and dies with it.
+_STAMP = "_flash_decoding_checked"
+
+
+def _key(x):
+    """A limit as remembered: a tensor by a weak reference (compared by identity, kept alive by nothing)."""
+    return weakref.ref(x) if isinstance(x, torch.Tensor) else x
+
+
+def _trackable(*tensors) -> bool:
+    return not any(isinstance(x, torch.Tensor) and x.is_inference() for x in tensors)
+
+
+def _version(t: torch.Tensor):
+    return t._version if _trackable(t) else None
+
+
+def _already_checked(t: torch.Tensor, *limits) -> bool:
+    """Whether t's values passed a check against these `limits` and t has not been written since."""
+    seen = getattr(t, _STAMP, None)
+    if seen is None or not _trackable(t, *limits) or seen[0] != t._version or len(seen[1]) != len(limits):
+        return False
+    return all(a() is b if isinstance(a, weakref.ref) else a == b for a, b in zip(seen[1], limits))
+
+
+def _remember_checked(t: torch.Tensor, *limits) -> None:
+    if _trackable(t, *limits):
+        setattr(t, _STAMP, (t._version, tuple(_key(x) for x in limits)))
+
+
+def _refuse_capture(name: str) -> None:
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"{name}'s values are read on the host, which CUDA-graph capture forbids: call once "
+                           f"with the same tensors before capturing (checked tensors are remembered)")
+
+
 def _check_seqlens(cache_seqlens, batch: int, seqlen_k: int, device, limit="the cache length"):
     if cache_seqlens is None:
         return None
@@ -223,9 +264,12 @@ def _check_seqlens(cache_seqlens, batch: int, seqlen_k: int, device, limit="the 
                          f"{cache_seqlens.dtype} {tuple(cache_seqlens.shape)}")
     if cache_seqlens.device != device:
         raise ValueError(f"cache_seqlens is on {cache_seqlens.device} but q is on {device}")
-    if int(cache_seqlens.min()) < 0 or int(cache_seqlens.max()) > seqlen_k:
-        raise ValueError(f"cache_seqlens must lie in [0, {seqlen_k}] ({limit}), got "
-                         f"{cache_seqlens.tolist() if batch <= 8 else 'values outside'}")
+    if not _already_checked(cache_seqlens, seqlen_k):
+        _refuse_capture("cache_seqlens")
+        if int(cache_seqlens.min()) < 0 or int(cache_seqlens.max()) > seqlen_k:
+            raise ValueError(f"cache_seqlens must lie in [0, {seqlen_k}] ({limit}), got "
+                             f"{cache_seqlens.tolist() if batch <= 8 else 'values outside'}")
+        _remember_checked(cache_seqlens, seqlen_k)
     return cache_seqlens.to(torch.int32).contiguous()
 
 
@@ -343,12 +387,17 @@ def _check_block_table(block_table, cache_seqlens, num_pages: int, page_size: in
         raise TypeError("cache_seqlens must be a tensor of each sequence's length; a paged cache has no default")
     reach = f"{block_table.shape[1]} pages of {page_size}, the block table's reach"
     seqlens = _check_seqlens(cache_seqlens, batch, block_table.shape[1] * page_size, device, limit=reach)
-    used = torch.arange(block_table.shape[1], device=device) < ((seqlens + page_size - 1) // page_size)[:, None]
-    bad = used & ((block_table < 0) | (block_table >= num_pages))
-    if bad.any():
-        b, j = bad.nonzero()[0].tolist()
-        raise ValueError(f"block_table[{b}, {j}] = {int(block_table[b, j])} is not a page of the pool (0 to "
-                         f"{num_pages - 1}), and sequence {b} of length {int(seqlens[b])} reads it")
+    # which entries are read depends on the lengths: remembered with the very tensor and version they had
+    limits = (num_pages, page_size, cache_seqlens, _version(cache_seqlens))
+    if not _already_checked(block_table, *limits):
+        _refuse_capture("block_table")
+        used = torch.arange(block_table.shape[1], device=device) < ((seqlens + page_size - 1) // page_size)[:, None]
+        bad = used & ((block_table < 0) | (block_table >= num_pages))
+        if bad.any():
+            b, j = bad.nonzero()[0].tolist()
+            raise ValueError(f"block_table[{b}, {j}] = {int(block_table[b, j])} is not a page of the pool (0 to "
+                             f"{num_pages - 1}), and sequence {b} of length {int(seqlens[b])} reads it")
+        _remember_checked(block_table, *limits)
     return seqlens
 
 

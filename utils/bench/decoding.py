@@ -70,8 +70,8 @@ def benchmark_decoding(batches, seqlens, *, heads=16, kv_heads=16, head_dim=128,
     reads the whole cache once, so bandwidth is its roofline), and the error against the fp32 SDPA.
     `splits`: also time flash_decode with each of these num_splits (method "flash_decode, S splits").
     `page_sizes`: also time flash_decode_paged on a shuffled copy of the cache in pages of each size, and
-    flash_decode given the lengths too ("flash_decode, cache_seqlens"): both check lengths on the host (a sync),
-    so that pair differs only by the page look-ups.
+    flash_decode given the lengths too ("flash_decode, cache_seqlens"), so that pair differs only by the page
+    look-ups (the lengths and the table are read on the host at the first call only: the same tensors follow).
     """
     from utils.bench import attention_flops
 
