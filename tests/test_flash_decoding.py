@@ -228,3 +228,35 @@ def test_launch_floor_on_gpu(tmp_path):
     rows = json.loads(write_launch_floor(tmp_path, "gpu").read_text())["rows"]
     timed = {r["method"]: r["us"] for r in rows if "us" in r}
     assert timed["flash_decode (CUDA graph replay)"] > 0 and timed["flash_decode (Python launch)"] > 0
+
+
+def test_latency_json_has_a_row_per_length_and_method(tmp_path):
+    """The latency sweep's writer on the CPU: fake steps and a fake timer stand in for the GPU."""
+    import json
+
+    from utils.bench.decoding import LATENCY_COMMAND, latency_path, write_latency
+
+    methods = {"flash_decode (CUDA graph replay)": lambda: 2, "SDPA cuDNN (CUDA graph replay)": lambda: 3}
+    path = write_latency(tmp_path, "test", seqlens=(1024, 4096), methods=methods, timer=lambda fn: 5.0 * fn())
+    assert path == latency_path(tmp_path, "test")
+    result = json.loads(path.read_text())
+    assert result["environment"]["command"] == LATENCY_COMMAND
+    assert result["shape"] == dict(batch=1, heads=32, kv_heads=8, head_dim=128, dtype="bfloat16")
+    assert result["rows"] == [dict(seqlen_k=n, method=m, us=us) for n in (1024, 4096)
+                              for m, us in (("flash_decode (CUDA graph replay)", 10.0),
+                                            ("SDPA cuDNN (CUDA graph replay)", 15.0))]
+
+
+@pytest.mark.gpu
+def test_latency_on_gpu(tmp_path):
+    """Every step of launch_floor_methods, eager and replayed from a CUDA graph, at two cache lengths."""
+    import json
+
+    from utils.bench.decoding import write_latency
+
+    rows = json.loads(write_latency(tmp_path, "gpu", seqlens=(1024, 8192)).read_text())["rows"]
+    timed = {(r["seqlen_k"], r["method"]): r["us"] for r in rows if "us" in r}
+    for n in (1024, 8192):
+        for method in ("flash_decode (Python launch)", "flash_decode (CUDA graph replay)",
+                       "flash_decode, cache_seqlens (CUDA graph replay)", "SDPA cuDNN"):
+            assert timed[(n, method)] > 0

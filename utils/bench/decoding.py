@@ -4,6 +4,7 @@
     python -m utils.bench.decoding --launch-floor --out images  # the latency floor of one decode step
     python -m utils.bench.decoding --tile-sweep --out images    # every tile on four shapes (GPU_CONFIG's origin)
     python -m utils.bench.decoding --paged --out images         # a paged cache against the contiguous one
+    python -m utils.bench.decoding --latency --out images       # batch-1 steps at 1k-128k, eager and graphed
 
 Needs a CUDA GPU; the pure parts (the launch-floor bookkeeping, the plots) take fake timings and run anywhere.
 """
@@ -209,9 +210,25 @@ def wall_time_us(fn, *, iters: int = 200, warmup: int = 20) -> float:
     return (time.perf_counter() - start) / iters * 1e6
 
 
+def graphed(step):
+    """`step()` captured once in a CUDA graph, after a warm-up on a side stream (compilation, allocation, the
+    value checks) as torch.cuda.graphs asks; returns the graph's replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
 def launch_floor_methods(q, k, v) -> dict:
     """{name: fn()} for one decode step on (q, k, v): flash_decode through its Python entry point, the same call
-    captured once in a CUDA graph and replayed, and SDPA with the flash and cuDNN backends pinned."""
+    (and one with every sequence's length, as a server passes them) captured in a CUDA graph and replayed, and
+    SDPA with the flash and cuDNN backends pinned, called and replayed from a graph. A step that cannot be
+    captured is recorded as its error."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     def sdpa(backend):
@@ -220,17 +237,24 @@ def launch_floor_methods(q, k, v) -> dict:
                 return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=k.shape[1] != q.shape[1])
         return run
 
-    step = functools.partial(flash_decode, q, k, v)
-    side = torch.cuda.Stream()  # warm up (compile, allocate) outside the capture, as torch.cuda.graphs asks
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return {"flash_decode (Python launch)": step, "flash_decode (CUDA graph replay)": graph.replay,
-            "SDPA flash": sdpa(SDPBackend.FLASH_ATTENTION), "SDPA cuDNN": sdpa(SDPBackend.CUDNN_ATTENTION)}
+    def failed(exc):
+        def fn():
+            raise exc
+        return fn
+
+    lengths = torch.full((q.shape[0],), k.shape[2], device=q.device, dtype=torch.int32)
+    steps = {"flash_decode": functools.partial(flash_decode, q, k, v),
+             "flash_decode, cache_seqlens": functools.partial(flash_decode, q, k, v, cache_seqlens=lengths),
+             "SDPA flash": sdpa(SDPBackend.FLASH_ATTENTION), "SDPA cuDNN": sdpa(SDPBackend.CUDNN_ATTENTION)}
+    methods = {"flash_decode (Python launch)": steps["flash_decode"]}
+    for name, step in steps.items():
+        if name.startswith("SDPA"):
+            methods[name] = step
+        try:
+            methods[f"{name} (CUDA graph replay)"] = graphed(step)
+        except Exception as exc:  # a backend that cannot be captured (or does not take this shape)
+            methods[f"{name} (CUDA graph replay)"] = failed(exc)
+    return methods
 
 
 def launch_floor_env(command: str = LAUNCH_FLOOR_COMMAND) -> dict:
@@ -272,6 +296,37 @@ def write_launch_floor(folder, tag: str = "h200", **kwargs):
     path = launch_floor_path(folder, tag)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1) + "\n")
+    return path
+
+
+LATENCY_COMMAND = "python -m utils.bench.decoding --latency --out images"
+LATENCY_SEQLENS = (1024, 4096, 16384, 65536, 131072)
+
+
+def latency_path(folder, tag: str = "h200"):
+    """Where the batch-1 latency sweep of a GPU tagged `tag` is kept: <folder>/decoding_latency_<tag>.json."""
+    from pathlib import Path
+
+    return Path(folder) / f"decoding_latency_{tag}.json"
+
+
+def write_latency(folder, tag: str = "h200", *, seqlens=LATENCY_SEQLENS, command: str = LATENCY_COMMAND,
+                  **kwargs):
+    """Batch-1 decoding latency at each cache length, a served model's heads (32 query heads on 8 KV heads,
+    d = 128, bf16), each way of `launch_floor_methods` (kwargs go to `measure_launch_floor`); writes
+    decoding_latency_<tag>.json, rows {"seqlen_k", "method", "us" or "error"}, and returns its path."""
+    import json
+
+    rows, result = [], None
+    for n in seqlens:
+        shape = dict(batch=1, heads=32, kv_heads=8, seqlen_k=n, head_dim=128)
+        result = measure_launch_floor(shape=shape, command=command, **kwargs)
+        rows += [dict(seqlen_k=n, **r) for r in result["rows"]]
+        torch.cuda.empty_cache()
+    shape = {k: v for k, v in result["shape"].items() if k != "seqlen_k"}
+    path = latency_path(folder, tag)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"environment": result["environment"], "shape": shape, "rows": rows}, indent=1) + "\n")
     return path
 
 
@@ -340,6 +395,8 @@ def _main(argv=None):
     parser.add_argument("--tag", default="h200")
     parser.add_argument("--launch-floor", action="store_true",
                         help="only measure the decode-step latency floor (decoding_launch_floor_<tag>.json)")
+    parser.add_argument("--latency", action="store_true",
+                        help="only time batch-1 decode steps, eager and CUDA-graphed (decoding_latency_<tag>.json)")
     parser.add_argument("--paged", action="store_true",
                         help="only time flash_decode_paged against flash_decode (decoding_paged_<tag>.json)")
     parser.add_argument("--tile-sweep", action="store_true",
@@ -354,6 +411,13 @@ def _main(argv=None):
         result = {"environment": gpu.environment(command), **tile_sweep()}
         (out / f"decoding_sweep_{args.tag}.json").write_text(json.dumps(result, indent=1) + "\n")
         print("best (keys per tile, warps, stages):", result["best"])
+        return
+    if args.latency:
+        path = write_latency(out, args.tag, command="python -m utils.bench.decoding " +
+                             " ".join(sys.argv[1:] if argv is None else argv))
+        for r in json.loads(path.read_text())["rows"]:
+            print(f"N={r['seqlen_k']:6d} {r['method']:48s} " + (f"{r['us']:8.1f} µs" if "us" in r else r["error"]))
+        print("wrote", path)
         return
     if args.paged:
         path = write_paged(out, args.tag, command="python -m utils.bench.decoding " +
