@@ -29,11 +29,7 @@ def namespace(path, marker, *, learner, replace=(), extra=()):
     """Run an exercise's cell (stubbed when `learner`, with `replace` applied) and `extra` cells in a fresh dict."""
     ns = {}
     exec_cell(PRELUDE, ns, "prelude")
-    source = code_cell(path, marker, learner=learner)
-    for old, new in replace:
-        assert old in source, f"{old!r} is not in the cell of {marker}"
-        source = source.replace(old, new)
-    exec_cell(source, ns, marker)
+    exec_cell(code_cell(path, marker, learner=learner, replace=replace), ns, marker)
     for other in extra:
         exec_cell(code_cell(path, other), ns, other)
     return ns

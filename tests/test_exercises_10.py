@@ -27,11 +27,7 @@ def namespace(marker, *, learner=False, replace=()):
     """The exercise cell run in a fresh namespace: stubbed (learner), or with `replace`'s (old, new) edits."""
     ns = {"triton": triton, "tl": tl}
     exec_cell(PRELUDE, ns, "prelude")
-    source = code_cell(NB, marker, learner=learner)
-    for old, new in replace:
-        assert old in source, f"{old!r} is not in the cell of {marker}"
-        source = source.replace(old, new)
-    exec_cell(source, ns, marker)
+    exec_cell(code_cell(NB, marker, learner=learner, replace=replace), ns, marker)
     return ns
 
 

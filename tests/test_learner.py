@@ -92,6 +92,9 @@ def test_code_cell_finds_one_cell_and_stubs_it(tmp_path):
                                          "# twice\n", "# twice\n")))
     assert "x = 1" in code_cell(path, "# Exercise 1")
     assert code_cell(path, "# Exercise 1", learner=True) == f"# Exercise 1\n{STUB}\n"
+    assert code_cell(path, "# Exercise 1", replace=[("x = 1", "x = 2")]).count("x = 2") == 1
+    with pytest.raises(ValueError, match="'y = 3' is not in the cell of '# Exercise 1'"):
+        code_cell(path, "# Exercise 1", replace=[("y = 3", "y = 4")])
     with pytest.raises(ValueError, match="0 code cells"):
         code_cell(path, "# Exercise 9")
     with pytest.raises(ValueError, match="2 code cells"):

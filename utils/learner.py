@@ -115,16 +115,22 @@ def main(argv=None) -> None:
     generate(args.notebooks or sorted((ROOT / "notebooks").glob("*.ipynb")), Path(args.out))
 
 
-def code_cell(path, marker: str, *, learner: bool = False) -> str:
+def code_cell(path, marker: str, *, learner: bool = False, replace=()) -> str:
     """The source of the one code cell of notebook `path` that contains `marker` (e.g. "# Exercise 5.2"),
-    with solutions stubbed when `learner` is set: tests run an exercise's cell as a learner would see it."""
+    with solutions stubbed when `learner` is set: tests run an exercise's cell as a learner would see it.
+    `replace`: (old, new) edits applied in turn, each `old` required to be there (tests make wrong answers so)."""
     if not isinstance(marker, str) or not marker:
         raise TypeError("marker must be a non-empty str")
     cells = [c for c in json.loads(Path(path).read_text())["cells"] if c["cell_type"] == "code"]
     found = [src for src in ("".join(c["source"]) for c in cells) if marker in src]
     if len(found) != 1:
         raise ValueError(f"{marker!r} is in {len(found)} code cells of {Path(path).name}, expected exactly 1")
-    return strip_solutions(found[0])[0] if learner else found[0]
+    source = strip_solutions(found[0])[0] if learner else found[0]
+    for old, new in replace:
+        if old not in source:
+            raise ValueError(f"{old!r} is not in the cell of {marker!r}")
+        source = source.replace(old, new)
+    return source
 
 
 def exec_cell(source: str, namespace: dict, name: str = "cell") -> dict:
