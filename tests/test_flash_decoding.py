@@ -260,3 +260,11 @@ def test_latency_on_gpu(tmp_path):
         for method in ("flash_decode (Python launch)", "flash_decode (CUDA graph replay)",
                        "flash_decode, cache_seqlens (CUDA graph replay)", "SDPA cuDNN"):
             assert timed[(n, method)] > 0
+
+
+def test_a_failed_method_keeps_its_case():
+    from utils.bench.decoding import _row
+
+    case = dict(batch=2, seqlen_k=512, heads=4, kv_heads=2, head_dim=64, new_tokens=1, dtype="bfloat16")
+    assert _row("SDPA cuDNN", case, "RuntimeError: no kernel", None) == dict(method="SDPA cuDNN", **case,
+                                                                            error="RuntimeError: no kernel")

@@ -222,17 +222,8 @@ def merge_partials(o_parts: torch.Tensor, lse_parts: torch.Tensor, *, out_dtype=
 _STAMP = "_flash_decoding_checked"
 
 
-def _key(x):
-    """A limit as remembered: a tensor by a weak reference (compared by identity, kept alive by nothing)."""
-    return weakref.ref(x) if isinstance(x, torch.Tensor) else x
-
-
 def _trackable(*tensors) -> bool:
     return not any(isinstance(x, torch.Tensor) and x.is_inference() for x in tensors)
-
-
-def _version(t: torch.Tensor):
-    return t._version if _trackable(t) else None
 
 
 def _already_checked(t: torch.Tensor, *limits) -> bool:
@@ -244,8 +235,10 @@ def _already_checked(t: torch.Tensor, *limits) -> bool:
 
 
 def _remember_checked(t: torch.Tensor, *limits) -> None:
+    """Stamp t with its version and the limits, a tensor among them by a weak reference (compared by identity)."""
     if _trackable(t, *limits):
-        setattr(t, _STAMP, (t._version, tuple(_key(x) for x in limits)))
+        setattr(t, _STAMP, (t._version, tuple(weakref.ref(x) if isinstance(x, torch.Tensor) else x
+                                              for x in limits)))
 
 
 def _refuse_capture(name: str) -> None:
@@ -388,7 +381,7 @@ def _check_block_table(block_table, cache_seqlens, num_pages: int, page_size: in
     reach = f"{block_table.shape[1]} pages of {page_size}, the block table's reach"
     seqlens = _check_seqlens(cache_seqlens, batch, block_table.shape[1] * page_size, device, limit=reach)
     # which entries are read depends on the lengths: remembered with the very tensor and version they had
-    limits = (num_pages, page_size, cache_seqlens, _version(cache_seqlens))
+    limits = (num_pages, page_size, cache_seqlens, cache_seqlens._version if _trackable(cache_seqlens) else None)
     if not _already_checked(block_table, *limits):
         _refuse_capture("block_table")
         used = torch.arange(block_table.shape[1], device=device) < ((seqlens + page_size - 1) // page_size)[:, None]

@@ -74,8 +74,6 @@ def benchmark_decoding(batches, seqlens, *, heads=16, kv_heads=16, head_dim=128,
     flash_decode given the lengths too ("flash_decode, cache_seqlens"), so that pair differs only by the page
     look-ups (the lengths and the table are read on the host at the first call only: the same tensors follow).
     """
-    from utils.bench import attention_flops
-
     methods = dict(decoding_methods() if methods is None else methods)  # {} means: only the split sweep
     for s in splits or ():
         methods[f"flash_decode, {s} splits"] = lambda q, k, v, s=s: flash_decode(q, k, v, num_splits=s)
@@ -90,11 +88,8 @@ def benchmark_decoding(batches, seqlens, *, heads=16, kv_heads=16, head_dim=128,
             ref = torch.cat([torch.nn.functional.scaled_dot_product_attention(
                 q[i:i + 1].float(), k[i:i + 1].float(), v[i:i + 1].float(), enable_gqa=kv_heads != heads)
                 for i in range(b)])
-            base = dict(batch=b, seqlen_k=n, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-                        new_tokens=new_tokens, dtype=str(dtype).removeprefix("torch."),
-                        nbytes=(2 * k.numel() + 2 * q.numel()) * k.element_size(),
-                        flops=attention_flops(b, heads, new_tokens, n, head_dim),
-                        programs=b * kv_heads * cdiv(heads // kv_heads * new_tokens, 64))
+            case = dict(batch=b, seqlen_k=n, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                        new_tokens=new_tokens, dtype=str(dtype).removeprefix("torch."))
 
             timed = list(methods.items())
             if page_sizes:
@@ -102,11 +97,11 @@ def benchmark_decoding(batches, seqlens, *, heads=16, kv_heads=16, head_dim=128,
                 timed.append(("flash_decode, cache_seqlens",
                               lambda q, k, v: flash_decode(q, k, v, cache_seqlens=lengths)))
             for name, fn in timed:
-                rows.append(_row(name, base, *_measure(fn, q, k, v, ref)))
+                rows.append(_row(name, case, *_measure(fn, q, k, v, ref)))
             for p in page_sizes:  # one pool at a time: each is a copy of the cache
                 pools = paged_copy(k, v, p)
                 paged = lambda q, k, v, pools=pools: flash_decode_paged(q, *pools, lengths)  # noqa: E731
-                rows.append(_row(f"flash_decode_paged, {p}-token pages", dict(base, page_size=p),
+                rows.append(_row(f"flash_decode_paged, {p}-token pages", dict(case, page_size=p),
                                  *_measure(paged, q, k, v, ref)))
                 del pools, paged
             del q, k, v, ref
@@ -126,15 +121,18 @@ def _measure(fn, q, k, v, ref):
         return f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}", None
 
 
-def _row(method, base, err, ms):
-    """One benchmark row: the case, and either the timing or the error that stopped it."""
-    row = dict(method=method, **{k: v for k, v in base.items() if k not in ("nbytes", "flops", "programs")})
+def _row(method, case, err, ms):
+    """One benchmark row: the case, and the timing with what follows from it, or the error that stopped it."""
     if ms is None:
-        return dict(row, error=err)
-    from utils.bench import tflops
+        return dict(method=method, **case, error=err)
+    from utils.bench import attention_flops, tflops
 
-    return dict(row, ms=ms, tflops=tflops(base["flops"], ms), gbps=base["nbytes"] / ms / 1e6, max_abs_err=err,
-                auto_splits=choose_num_splits(base["programs"], base["seqlen_k"], 64, default_num_sms("cuda")))
+    b, h, hk, nq, n, d = (case[key] for key in ("batch", "heads", "kv_heads", "new_tokens", "seqlen_k", "head_dim"))
+    nbytes = (2 * b * hk * n * d + 2 * b * h * nq * d) * getattr(torch, case["dtype"]).itemsize  # K, V, q, o
+    programs = b * hk * cdiv(h // hk * nq, 64)
+    return dict(method=method, **case, ms=ms, tflops=tflops(attention_flops(b, h, nq, n, d), ms),
+                gbps=nbytes / ms / 1e6, max_abs_err=err,
+                auto_splits=choose_num_splits(programs, n, 64, default_num_sms("cuda")))
 
 
 def plot_decoding_benchmark(rows, *, title="", peak_gbps=None):
