@@ -19,6 +19,7 @@ import inspect
 import os
 import sys
 from typing import NamedTuple
+from unittest import mock
 
 import torch
 import triton
@@ -106,7 +107,7 @@ def cpu_launches():
     saved = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     try:
-        with _patched(flash_triton, "triton_interpreting", lambda: True):
+        with mock.patch.object(flash_triton, "triton_interpreting", lambda: True):
             yield
     finally:
         if saved is None:
@@ -159,8 +160,8 @@ def course_launches(profile: Profile) -> list[tuple[str, str, Launch]]:
         bm = sparsity.from_states(states, 128, 128, 256, 256, "causal")
         on_profile = contextlib.ExitStack()
         real_configs = flex_attention.configs
-        on_profile.enter_context(_patched(gpu, "shared_memory_per_block", lambda device=None: smem))
-        on_profile.enter_context(_patched(flex_attention, "configs",
+        on_profile.enter_context(mock.patch.object(gpu, "shared_memory_per_block", lambda device=None: smem))
+        on_profile.enter_context(mock.patch.object(flex_attention, "configs",
                                           lambda p, dt, dev: real_configs(p, dt, torch.device("cuda"))))
         with on_profile:
             q.requires_grad_(True)
@@ -168,16 +169,6 @@ def course_launches(profile: Profile) -> list[tuple[str, str, Launch]]:
                                 .backward())
         out += [("10", f"flex {name}", x) for x in launches]
     return out
-
-
-@contextlib.contextmanager
-def _patched(owner, name, value):
-    saved = getattr(owner, name)
-    setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        setattr(owner, name, saved)
 
 
 def check(profile: Profile) -> list[Case]:

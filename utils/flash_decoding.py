@@ -12,6 +12,9 @@ whole cache alone. Here the cache is cut into `num_splits` slices:
 
 With one split the first kernel writes the final output itself and the second is not launched.
 Causal masking is bottom-right aligned against each sequence's own cache length: the new tokens come last.
+
+`flash_decode_paged` runs the same kernel on a paged cache (utils/paged_kv.py): pools of fixed-size pages and a
+block table per sequence. The only difference in the kernel is one look-up per key tile: which page holds it.
 """
 from __future__ import annotations
 
@@ -21,7 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from utils.checks import check_attention_inputs, check_bool, positive_int, resolve_scale
+from utils.checks import AttentionShape, check_attention_inputs, check_bool, positive_int, resolve_scale
+from utils.paged_kv import check_page_size
 from utils.triton_utils import cdiv, interpreting
 
 LOG2E = 1.4426950408889634  # inside the kernels scores are in base 2: exp2 is the cheap instruction
@@ -31,12 +35,15 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
-def _split_kv_kernel(Q, K, V, O, LSE, SEQLENS,
+def _split_kv_kernel(Q, K, V, O, LSE, SEQLENS, BLOCK_TABLE,
                      sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
-                     sob, soh, son, sos, sod, slb, slh, sln, sls,
+                     sob, soh, son, sos, sod, slb, slh, sln, sls, stb, stp,
                      kv_heads, group, n_q, n_k, qk_scale,
-                     CAUSAL: tl.constexpr, HAS_SEQLENS: tl.constexpr, IEEE: tl.constexpr,
+                     CAUSAL: tl.constexpr, HAS_SEQLENS: tl.constexpr, IEEE: tl.constexpr, PAGE_SIZE: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
+    # BLOCK_TABLE None (a constexpr): K, V are caches (B, Hkv, N, D). Otherwise they are pools of pages
+    # (pages, Hkv, PAGE_SIZE, D), skb/svb step from page to page, and BLOCK_TABLE[b, j] is the page holding
+    # positions [j·PAGE_SIZE, (j+1)·PAGE_SIZE) of sequence b. BLOCK_N divides PAGE_SIZE: a tile never straddles pages.
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
     row_block = tl.program_id(2)
@@ -73,12 +80,20 @@ def _split_kv_kernel(Q, K, V, O, LSE, SEQLENS,
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-    k_base = K + b * skb + hk * skh
-    v_base = V + b * svb + hk * svh
+    k_base = K + hk * skh
+    v_base = V + hk * svh
+    if BLOCK_TABLE is None:
+        k_base += b * skb
+        v_base += b * svb
     for start in range(lo, hi, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         col_ok = cols < hi
-        k = tl.load(k_base + cols[None, :] * skn + d[:, None] * skd, mask=col_ok[None, :] & d_ok[:, None], other=0.0)
+        if BLOCK_TABLE is None:
+            k_tile, v_tile, pos = k_base, v_base, cols
+        else:  # the one extra step of a paged cache: which page holds this tile (int64: page * stride is large)
+            page = tl.load(BLOCK_TABLE + b * stb + (start // PAGE_SIZE) * stp).to(tl.int64)
+            k_tile, v_tile, pos = k_base + page * skb, v_base + page * svb, cols % PAGE_SIZE
+        k = tl.load(k_tile + pos[None, :] * skn + d[:, None] * skd, mask=col_ok[None, :] & d_ok[:, None], other=0.0)
         if IEEE:  # fp32 inputs: exact fp32 products, not TF32 (large logits would lose the softmax)
             s = tl.dot(q, k, input_precision="ieee")
         else:
@@ -93,7 +108,7 @@ def _split_kv_kernel(Q, K, V, O, LSE, SEQLENS,
         alpha = tl.exp2(m - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l = l * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + cols[:, None] * svn + d[None, :] * svd, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+        v = tl.load(v_tile + pos[:, None] * svn + d[None, :] * svd, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         else:
@@ -198,7 +213,7 @@ def merge_partials(o_parts: torch.Tensor, lse_parts: torch.Tensor, *, out_dtype=
     return out, lse
 
 
-def _check_seqlens(cache_seqlens, batch: int, seqlen_k: int, device) -> torch.Tensor | None:
+def _check_seqlens(cache_seqlens, batch: int, seqlen_k: int, device, limit="the cache length"):
     if cache_seqlens is None:
         return None
     if not isinstance(cache_seqlens, torch.Tensor):
@@ -209,7 +224,7 @@ def _check_seqlens(cache_seqlens, batch: int, seqlen_k: int, device) -> torch.Te
     if cache_seqlens.device != device:
         raise ValueError(f"cache_seqlens is on {cache_seqlens.device} but q is on {device}")
     if int(cache_seqlens.min()) < 0 or int(cache_seqlens.max()) > seqlen_k:
-        raise ValueError(f"cache_seqlens must lie in [0, {seqlen_k}] (the cache length), got "
+        raise ValueError(f"cache_seqlens must lie in [0, {seqlen_k}] ({limit}), got "
                          f"{cache_seqlens.tolist() if batch <= 8 else 'values outside'}")
     return cache_seqlens.to(torch.int32).contiguous()
 
@@ -231,16 +246,27 @@ def flash_decode(q, k_cache, v_cache, *, sm_scale=None, num_splits=None, cache_s
         _check_launchable(t, name)
     check_bool("return_lse", return_lse)
     seqlens = _check_seqlens(cache_seqlens, shape.batch, shape.seqlen_k, q.device)
+    return _decode(q, k_cache, v_cache, seqlens, None, shape, scale=scale, causal=causal, num_splits=num_splits,
+                   return_lse=return_lse, block_n=_block_n, num_warps=_num_warps, num_stages=_num_stages)
+
+
+def _decode(q, k, v, seqlens, block_table, shape, *, scale, causal, num_splits, return_lse, block_n=None,
+            num_warps=None, num_stages=None):
+    """Launch the split-KV kernel, then the merge, on validated inputs. With a `block_table`, `k` and `v` are pools
+    of pages and `shape.seqlen_k` is what the table can hold (its width × the page size)."""
     out_dtype = q.dtype
     if q.dtype == torch.bfloat16 and q.device.type == "cpu":
-        q, k_cache, v_cache = q.float(), k_cache.float(), v_cache.float()
+        q, k, v = q.float(), k.float(), v.float()
 
     group = shape.heads // shape.kv_heads
     rows = group * shape.seqlen_q
-    block_m, block_n, d_pad = _block_sizes(rows, shape.head_dim)
-    block_n = _block_n or block_n
-    num_warps = _num_warps or GPU_CONFIG["num_warps"]
-    num_stages = _num_stages or (GPU_CONFIG["num_stages"] if d_pad <= 128 else 2)
+    block_m, default_block_n, d_pad = _block_sizes(rows, shape.head_dim)
+    block_n = block_n or default_block_n
+    page_size = None if block_table is None else k.shape[2]
+    if page_size is not None:
+        block_n = min(block_n, page_size)  # powers of two: the tile divides the page, so it lies in one page
+    num_warps = num_warps or GPU_CONFIG["num_warps"]
+    num_stages = num_stages or (GPU_CONFIG["num_stages"] if d_pad <= 128 else 2)
     row_blocks = cdiv(rows, block_m)
     programs = shape.batch * shape.kv_heads * row_blocks
     if num_splits is None:
@@ -257,11 +283,12 @@ def flash_decode(q, k_cache, v_cache, *, sm_scale=None, num_splits=None, cache_s
     else:
         o_dst = torch.empty(b, h, nq, num_splits, d, device=q.device, dtype=torch.float32)
         lse_dst = torch.empty(b, h, nq, num_splits, device=q.device, dtype=torch.float32)
+    table_strides = (0, 0) if block_table is None else block_table.stride()
     _split_kv_kernel[(b * shape.kv_heads, num_splits, row_blocks)](
-        q, k_cache, v_cache, o_dst, lse_dst, seqlens if seqlens is not None else q,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), *o_dst.stride(), *lse_dst.stride(),
+        q, k, v, o_dst, lse_dst, seqlens if seqlens is not None else q, block_table,
+        *q.stride(), *k.stride(), *v.stride(), *o_dst.stride(), *lse_dst.stride(), *table_strides,
         shape.kv_heads, group, nq, shape.seqlen_k, scale * LOG2E,
-        CAUSAL=causal, HAS_SEQLENS=seqlens is not None, IEEE=q.dtype == torch.float32,
+        CAUSAL=causal, HAS_SEQLENS=seqlens is not None, IEEE=q.dtype == torch.float32, PAGE_SIZE=page_size,
         BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, D_PAD=d_pad, num_warps=num_warps, num_stages=num_stages)
     if num_splits == 1:
         lse = lse_dst.squeeze(3)
@@ -269,6 +296,82 @@ def flash_decode(q, k_cache, v_cache, *, sm_scale=None, num_splits=None, cache_s
         out, lse = merge_partials(o_dst, lse_dst, out_dtype=q.dtype)
     out = out.to(out_dtype)  # a no-op except for bf16 on the CPU
     return (out, lse) if return_lse else out
+
+
+def _check_paged_inputs(q, k_pages, v_pages, *, causal) -> tuple[int, int, int]:
+    """q (B, H, Nq, D) and two pools (pages, Hkv, page_size, D) of q's dtype and device: (pages, Hkv, page_size)."""
+    pool = "(pages, kv_heads, page_size, head_dim)"
+    for name, t, dims in (("q", q, "(batch, heads, seq, head_dim)"), ("k_pages", k_pages, pool),
+                          ("v_pages", v_pages, pool)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4 or t.numel() == 0:
+            raise ValueError(f"{name} must be a non-empty 4-dim tensor {dims}, got shape {tuple(t.shape)}")
+        if t.dtype not in DTYPES:
+            raise TypeError(f"{name} has dtype {t.dtype}; supported: float16, bfloat16, float32")
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but q has {q.dtype}; they must match")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}; they must match")
+        _check_launchable(t, name)
+    check_bool("causal", causal)
+    if v_pages.shape != k_pages.shape:
+        raise ValueError(f"v_pages has shape {tuple(v_pages.shape)} but k_pages has {tuple(k_pages.shape)}")
+    num_pages, kv_heads, page_size, head_dim = k_pages.shape
+    if head_dim != q.shape[3]:
+        raise ValueError(f"k_pages has head_dim {head_dim} but q has {q.shape[3]}; they must match")
+    if q.shape[1] % kv_heads != 0:
+        raise ValueError(f"q has {q.shape[1]} heads, not a multiple of the {kv_heads} heads of k_pages and v_pages")
+    check_page_size(page_size, "k_pages.shape[2] (the page size)")
+    return num_pages, kv_heads, page_size
+
+
+def _check_block_table(block_table, cache_seqlens, num_pages: int, page_size: int, batch: int, device):
+    """Validate the block table and the lengths; return the lengths as int32. Only the entries the kernel reads
+    are checked (the first ceil(L_b / page_size) of row b): a page index outside the pool would read memory that
+    is not the cache, silently or with a crash."""
+    if not isinstance(block_table, torch.Tensor):
+        raise TypeError(f"block_table must be a torch.Tensor, got {type(block_table).__name__}")
+    if block_table.dtype != torch.int32:
+        raise TypeError(f"block_table must be int32, got {block_table.dtype}")
+    if block_table.dim() != 2 or block_table.shape[0] != batch or block_table.shape[1] == 0:
+        raise ValueError(f"block_table must have shape ({batch}, pages per sequence >= 1), got "
+                         f"{tuple(block_table.shape)}")
+    if block_table.device != device:
+        raise ValueError(f"block_table is on {block_table.device} but q is on {device}")
+    if cache_seqlens is None:
+        raise TypeError("cache_seqlens must be a tensor of each sequence's length; a paged cache has no default")
+    reach = f"{block_table.shape[1]} pages of {page_size}, the block table's reach"
+    seqlens = _check_seqlens(cache_seqlens, batch, block_table.shape[1] * page_size, device, limit=reach)
+    used = torch.arange(block_table.shape[1], device=device) < ((seqlens + page_size - 1) // page_size)[:, None]
+    bad = used & ((block_table < 0) | (block_table >= num_pages))
+    if bad.any():
+        b, j = bad.nonzero()[0].tolist()
+        raise ValueError(f"block_table[{b}, {j}] = {int(block_table[b, j])} is not a page of the pool (0 to "
+                         f"{num_pages - 1}), and sequence {b} of length {int(seqlens[b])} reads it")
+    return seqlens
+
+
+def flash_decode_paged(q, k_pages, v_pages, block_table, cache_seqlens, *, sm_scale=None, num_splits=None,
+                       causal=False, return_lse=False):
+    """`flash_decode` against a paged KV cache: position p of sequence b is row p % page_size of page
+    block_table[b, p // page_size] of the pools `k_pages`, `v_pages` (pages, Hkv, page_size, D).
+
+    - `block_table`: (B, pages per sequence) int32; entries past a sequence's last page are never read;
+    - `cache_seqlens`: (B,) ints, each sequence's length (required);
+    - the page size is a power of two from 16 to 256; the kernel's key tile is cut to fit in one page.
+    Other arguments and the result as in `flash_decode`. Sequences may share pages (a common prefix). A pool kept
+    as (pages, page_size, Hkv, D) can be passed as `.transpose(1, 2)`: the kernel follows strides. Like
+    `flash_decode`'s check of `cache_seqlens`, the check of the table reads its values (on a GPU, a sync).
+    """
+    num_pages, kv_heads, page_size = _check_paged_inputs(q, k_pages, v_pages, causal=causal)
+    batch, heads, seqlen_q, head_dim = q.shape
+    scale = resolve_scale(sm_scale, head_dim)
+    check_bool("return_lse", return_lse)
+    seqlens = _check_block_table(block_table, cache_seqlens, num_pages, page_size, batch, q.device)
+    shape = AttentionShape(batch, heads, kv_heads, seqlen_q, block_table.shape[1] * page_size, head_dim)
+    return _decode(q, k_pages, v_pages, seqlens, block_table, shape, scale=scale, causal=causal,
+                   num_splits=num_splits, return_lse=return_lse)
 
 
 def flash_decoding_attention(q, k, v, *, causal=False, sm_scale=None):

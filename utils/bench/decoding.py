@@ -3,6 +3,7 @@
     python -m utils.bench.decoding --out images                 # decoding_h200.json and its plots (MHA, GQA, splits)
     python -m utils.bench.decoding --launch-floor --out images  # the latency floor of one decode step
     python -m utils.bench.decoding --tile-sweep --out images    # every tile on four shapes (GPU_CONFIG's origin)
+    python -m utils.bench.decoding --paged --out images         # a paged cache against the contiguous one
 
 Needs a CUDA GPU; the pure parts (the launch-floor bookkeeping, the plots) take fake timings and run anywhere.
 """
@@ -12,8 +13,10 @@ import functools
 
 import torch
 import triton
+from einops import rearrange
 
-from utils.flash_decoding import choose_num_splits, default_num_sms, flash_decode
+from utils.flash_decoding import choose_num_splits, default_num_sms, flash_decode, flash_decode_paged
+from utils.paged_kv import check_page_size
 from utils.triton_utils import cdiv
 
 
@@ -41,15 +44,36 @@ def decoding_methods() -> dict:
     return methods
 
 
+def paged_copy(k, v, page_size: int, *, seed: int = 0):
+    """The cache k, v (B, Hkv, N, D) as pools of `page_size`-token pages in a shuffled order, and the block table
+    (B, N / page_size) int32 that finds them: a server's pool after many appends and frees, where a sequence's
+    pages are rarely neighbours. N must be a multiple of the page size."""
+    page_size = check_page_size(page_size)
+    if k.shape[2] % page_size:
+        raise ValueError(f"the cache length {k.shape[2]} must be a multiple of page_size={page_size}")
+    batch, per_seq = k.shape[0], k.shape[2] // page_size
+    order = torch.randperm(batch * per_seq, generator=torch.Generator().manual_seed(seed)).to(k.device)
+    pools = []
+    for t in (k, v):
+        pages = rearrange(t, "b h (p s) d -> (b p) h s d", s=page_size)  # in sequence order
+        pool = torch.empty_like(pages)
+        pool[order] = pages
+        pools.append(pool)
+    return pools[0], pools[1], order.view(batch, per_seq).to(torch.int32)
+
+
 def benchmark_decoding(batches, seqlens, *, heads=16, kv_heads=16, head_dim=128, new_tokens=1,
-                       dtype=torch.bfloat16, methods=None, splits=None) -> list[dict]:
+                       dtype=torch.bfloat16, methods=None, splits=None, page_sizes=()) -> list[dict]:
     """Time each method on q (B, heads, new_tokens, D) against a cache (B, kv_heads, N, D) on the GPU.
 
     One row per (batch, seqlen, method): ms, TFLOP/s and GB/s (bytes of K, V, q and o over the time: decoding
     reads the whole cache once, so bandwidth is its roofline), and the error against the fp32 SDPA.
     `splits`: also time flash_decode with each of these num_splits (method "flash_decode, S splits").
+    `page_sizes`: also time flash_decode_paged on a shuffled copy of the cache in pages of each size, and
+    flash_decode given the lengths too ("flash_decode, cache_seqlens"): both check lengths on the host (a sync),
+    so that pair differs only by the page look-ups.
     """
-    from utils.bench import attention_flops, benchmark, tflops
+    from utils.bench import attention_flops
 
     methods = dict(decoding_methods() if methods is None else methods)  # {} means: only the split sweep
     for s in splits or ():
@@ -65,25 +89,51 @@ def benchmark_decoding(batches, seqlens, *, heads=16, kv_heads=16, head_dim=128,
             ref = torch.cat([torch.nn.functional.scaled_dot_product_attention(
                 q[i:i + 1].float(), k[i:i + 1].float(), v[i:i + 1].float(), enable_gqa=kv_heads != heads)
                 for i in range(b)])
-            nbytes = (2 * k.numel() + 2 * q.numel()) * k.element_size()
-            flops = attention_flops(b, heads, new_tokens, n, head_dim)
-            for name, fn in methods.items():
-                row = dict(method=name, batch=b, seqlen_k=n, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-                           new_tokens=new_tokens, dtype=str(dtype).removeprefix("torch."))
-                try:
-                    err = float((fn(q, k, v).float() - ref).abs().max())
-                    ms = benchmark(fn, q, k, v)
-                except Exception as exc:  # a backend that does not take this shape (or OOM): recorded
-                    torch.cuda.empty_cache()
-                    row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
-                    rows.append(row)
-                    continue
-                programs = b * kv_heads * cdiv(heads // kv_heads * new_tokens, 64)
-                rows.append(dict(row, ms=ms, tflops=tflops(flops, ms), gbps=nbytes / ms / 1e6, max_abs_err=err,
-                                 auto_splits=choose_num_splits(programs, n, 64, default_num_sms("cuda"))))
+            base = dict(batch=b, seqlen_k=n, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                        new_tokens=new_tokens, dtype=str(dtype).removeprefix("torch."),
+                        nbytes=(2 * k.numel() + 2 * q.numel()) * k.element_size(),
+                        flops=attention_flops(b, heads, new_tokens, n, head_dim),
+                        programs=b * kv_heads * cdiv(heads // kv_heads * new_tokens, 64))
+
+            timed = list(methods.items())
+            if page_sizes:
+                lengths = torch.full((b,), n, device="cuda", dtype=torch.int32)
+                timed.append(("flash_decode, cache_seqlens",
+                              lambda q, k, v: flash_decode(q, k, v, cache_seqlens=lengths)))
+            for name, fn in timed:
+                rows.append(_row(name, base, *_measure(fn, q, k, v, ref)))
+            for p in page_sizes:  # one pool at a time: each is a copy of the cache
+                pools = paged_copy(k, v, p)
+                paged = lambda q, k, v, pools=pools: flash_decode_paged(q, *pools, lengths)  # noqa: E731
+                rows.append(_row(f"flash_decode_paged, {p}-token pages", dict(base, page_size=p),
+                                 *_measure(paged, q, k, v, ref)))
+                del pools, paged
             del q, k, v, ref
             torch.cuda.empty_cache()
     return rows
+
+
+def _measure(fn, q, k, v, ref):
+    """(max |error| against ref, ms) of fn(q, k, v), or (the error message, None) if it raises."""
+    from utils.bench import benchmark
+
+    try:
+        err = float((fn(q, k, v).float() - ref).abs().max())
+        return err, benchmark(fn, q, k, v)
+    except Exception as exc:  # a backend that does not take this shape (or OOM): recorded
+        torch.cuda.empty_cache()
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}", None
+
+
+def _row(method, base, err, ms):
+    """One benchmark row: the case, and either the timing or the error that stopped it."""
+    row = dict(method=method, **{k: v for k, v in base.items() if k not in ("nbytes", "flops", "programs")})
+    if ms is None:
+        return dict(row, error=err)
+    from utils.bench import tflops
+
+    return dict(row, ms=ms, tflops=tflops(base["flops"], ms), gbps=base["nbytes"] / ms / 1e6, max_abs_err=err,
+                auto_splits=choose_num_splits(base["programs"], base["seqlen_k"], 64, default_num_sms("cuda")))
 
 
 def plot_decoding_benchmark(rows, *, title="", peak_gbps=None):
@@ -254,6 +304,31 @@ def tile_sweep(shapes=SWEEP_SHAPES, tiles=SWEEP_TILES, *, head_dim=128, dtype=to
     return {"rows": rows, "best": list(max(score, key=score.get))}
 
 
+PAGED_COMMAND = "python -m utils.bench.decoding --paged --out images"
+
+
+def paged_path(folder, tag: str = "h200"):
+    """Where the paged-cache benchmark of a GPU tagged `tag` is kept: <folder>/decoding_paged_<tag>.json."""
+    from pathlib import Path
+
+    return Path(folder) / f"decoding_paged_{tag}.json"
+
+
+def write_paged(folder, tag: str = "h200", *, command: str = PAGED_COMMAND, batches=(1, 4, 16, 64),
+                seqlens=(4096, 16384, 65536), page_sizes=(16, 64, 256)):
+    """Paged against contiguous decoding, the shapes of a served model (32 query heads on 8 KV heads, d = 128,
+    bf16, one new token), written with its environment to decoding_paged_<tag>.json."""
+    import json
+
+    from utils import gpu
+
+    rows = benchmark_decoding(batches, seqlens, heads=32, kv_heads=8, page_sizes=page_sizes,
+                              methods={"flash_decode": lambda q, k, v: flash_decode(q, k, v)})
+    path = paged_path(folder, tag)
+    path.write_text(json.dumps({"environment": gpu.environment(command), "rows": rows}, indent=1) + "\n")
+    return path
+
+
 def _main(argv=None):
     import argparse
     import json
@@ -265,6 +340,8 @@ def _main(argv=None):
     parser.add_argument("--tag", default="h200")
     parser.add_argument("--launch-floor", action="store_true",
                         help="only measure the decode-step latency floor (decoding_launch_floor_<tag>.json)")
+    parser.add_argument("--paged", action="store_true",
+                        help="only time flash_decode_paged against flash_decode (decoding_paged_<tag>.json)")
     parser.add_argument("--tile-sweep", action="store_true",
                         help="only time every tile of SWEEP_TILES on SWEEP_SHAPES (decoding_sweep_<tag>.json)")
     args = parser.parse_args(argv)
@@ -277,6 +354,14 @@ def _main(argv=None):
         result = {"environment": gpu.environment(command), **tile_sweep()}
         (out / f"decoding_sweep_{args.tag}.json").write_text(json.dumps(result, indent=1) + "\n")
         print("best (keys per tile, warps, stages):", result["best"])
+        return
+    if args.paged:
+        path = write_paged(out, args.tag, command="python -m utils.bench.decoding " +
+                           " ".join(sys.argv[1:] if argv is None else argv))
+        for r in json.loads(path.read_text())["rows"]:
+            print(f"B={r['batch']:3d} N={r['seqlen_k']:6d} {r['method']:36s} " +
+                  (f"{r['ms'] * 1e3:8.1f} µs {r['gbps']:6.0f} GB/s" if "ms" in r else r["error"]))
+        print("wrote", path)
         return
     if args.launch_floor:
         command = "python -m utils.bench.decoding " + " ".join(sys.argv[1:] if argv is None else argv)

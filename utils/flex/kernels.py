@@ -73,6 +73,12 @@ def _sequence(CU, b, seqlen):
 
 
 @triton.jit
+def _offset(b, h, row, s_b, s_h, s_row):
+    """Elements from a tensor's start to row `row` of (batch b, head h), in int64: big tensors pass 2**31."""
+    return b.to(tl.int64) * s_b + h.to(tl.int64) * s_h + row.to(tl.int64) * s_row
+
+
+@triton.jit
 def _key_range(start_m, seqlen_q, seqlen_k, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Packed sequences (no block mask): keys [0, n_full) every query of the tile sees, [n_full, n_end) those
     that need the causal mask or are the ragged end (notebook 05's split)."""
@@ -117,9 +123,9 @@ def flex_fwd_kernel(Q, K, V, O, LSE, s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s
     offs_d = tl.arange(0, BLOCK_D)
     q_pos = offs_m + (seqlen_k - seqlen_q)          # bottom-right: the query's position among the keys
     args = (MOD_T, mod_i, mod_f)
-    q_base = Q + b.to(tl.int64) * s_qb + h.to(tl.int64) * s_qh + q_start.to(tl.int64) * s_qm
-    k_base = K + b.to(tl.int64) * s_kb + (h // GROUP).to(tl.int64) * s_kh + k_start.to(tl.int64) * s_kn
-    v_base = V + b.to(tl.int64) * s_vb + (h // GROUP).to(tl.int64) * s_vh + k_start.to(tl.int64) * s_vn
+    q_base = Q + _offset(b, h, q_start, s_qb, s_qh, s_qm)
+    k_base = K + _offset(b, h // GROUP, k_start, s_kb, s_kh, s_kn)
+    v_base = V + _offset(b, h // GROUP, k_start, s_vb, s_vh, s_vn)
     k_ptrs = k_base + offs_n[:, None] * s_kn + offs_d[None, :] * s_kd
     v_ptrs = v_base + offs_n[:, None] * s_vn + offs_d[None, :] * s_vd
     io_mask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
@@ -149,9 +155,9 @@ def flex_fwd_kernel(Q, K, V, O, LSE, s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s
     seen = l_i > 0.0             # a query that sees no key: output 0, lse -inf
     acc = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
-    lse_row = LSE + b.to(tl.int64) * lse_sb + h.to(tl.int64) * lse_sh + q_start
+    lse_row = LSE + _offset(b, h, q_start, lse_sb, lse_sh, 1)
     tl.store(lse_row + offs_m, lse, mask=offs_m < seqlen_q)
-    o_base = O + b.to(tl.int64) * s_ob + h.to(tl.int64) * s_oh + q_start.to(tl.int64) * s_om
+    o_base = O + _offset(b, h, q_start, s_ob, s_oh, s_om)
     tl.store(o_base + offs_m[:, None] * s_om + offs_d[None, :] * s_od, acc.to(O.dtype.element_ty), mask=io_mask)
 
 
@@ -216,8 +222,8 @@ def _dkdv_program(pid_n, b, hk, Q, K, V, DO, LSE2, DELTA, DK, DV, s_qb, s_qh, s_
     offs_d = tl.arange(0, BLOCK_D)
     args = (MOD_T, mod_i, mod_f)
     kv_mask = (kv_pos[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
-    k_off = b.to(tl.int64) * s_kb + hk.to(tl.int64) * s_kh + k_start.to(tl.int64) * s_kn
-    v_off = b.to(tl.int64) * s_vb + hk.to(tl.int64) * s_vh + k_start.to(tl.int64) * s_vn
+    k_off = _offset(b, hk, k_start, s_kb, s_kh, s_kn)
+    v_off = _offset(b, hk, k_start, s_vb, s_vh, s_vn)
     k = tl.load(K + k_off + kv_pos[:, None] * s_kn + offs_d[None, :] * s_kd, mask=kv_mask, other=0.0)
     v = tl.load(V + v_off + kv_pos[:, None] * s_vn + offs_d[None, :] * s_vd, mask=kv_mask, other=0.0)
     dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
@@ -225,11 +231,11 @@ def _dkdv_program(pid_n, b, hk, Q, K, V, DO, LSE2, DELTA, DK, DV, s_qb, s_qh, s_
     offs_m0 = tl.arange(0, BLOCK_M)
     for g in range(GROUP):   # the query heads sharing this K/V head: their gradients add up here
         h = hk * GROUP + g
-        q_base = Q + b.to(tl.int64) * s_qb + h.to(tl.int64) * s_qh + q_start.to(tl.int64) * s_qm
-        do_base = DO + b.to(tl.int64) * s_dob + h.to(tl.int64) * s_doh + q_start.to(tl.int64) * s_dom
+        q_base = Q + _offset(b, h, q_start, s_qb, s_qh, s_qm)
+        do_base = DO + _offset(b, h, q_start, s_dob, s_doh, s_dom)
         q_ptrs = q_base + offs_m0[None, :] * s_qm + offs_d[:, None] * s_qd    # Qᵀ's first tile
         do_ptrs = do_base + offs_m0[:, None] * s_dom + offs_d[None, :] * s_dod
-        row_off = b.to(tl.int64) * lse_sb + h.to(tl.int64) * lse_sh + q_start
+        row_off = _offset(b, h, q_start, lse_sb, lse_sh, 1)
         lse2_row = LSE2 + row_off
         delta_row = DELTA + row_off
         # Two passes over the query tiles that see these keys: full tiles, then partial ones; from the block
@@ -252,8 +258,8 @@ def _dkdv_program(pid_n, b, hk, Q, K, V, DO, LSE2, DELTA, DK, DV, s_qb, s_qh, s_
                                     seqlen_q, seqlen_k, s_qm, s_dom, sm_scale, qk_scale, args, SCORE_MOD,
                                     SCORE_GRAD, MASK_MOD, partial == 1, CAUSAL, HEAD_DIM, BLOCK_M, PRECISION)
     dk *= sm_scale
-    dk_off = b.to(tl.int64) * s_dkb + hk.to(tl.int64) * s_dkh + k_start.to(tl.int64) * s_dkn
-    dv_off = b.to(tl.int64) * s_dvb + hk.to(tl.int64) * s_dvh + k_start.to(tl.int64) * s_dvn
+    dk_off = _offset(b, hk, k_start, s_dkb, s_dkh, s_dkn)
+    dv_off = _offset(b, hk, k_start, s_dvb, s_dvh, s_dvn)
     tl.store(DK + dk_off + kv_pos[:, None] * s_dkn + offs_d[None, :] * s_dkd, dk.to(DK.dtype.element_ty),
              mask=kv_mask)
     tl.store(DV + dv_off + kv_pos[:, None] * s_dvn + offs_d[None, :] * s_dvd, dv.to(DV.dtype.element_ty),
@@ -303,15 +309,15 @@ def _dq_program(pid_m, b, h, Q, K, V, DO, LSE2, DELTA, DQ, s_qb, s_qh, s_qm, s_q
     q_pos = offs_m + (seqlen_k - seqlen_q)
     args = (MOD_T, mod_i, mod_f)
     io_mask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
-    q_off = b.to(tl.int64) * s_qb + h.to(tl.int64) * s_qh + q_start.to(tl.int64) * s_qm
-    do_off = b.to(tl.int64) * s_dob + h.to(tl.int64) * s_doh + q_start.to(tl.int64) * s_dom
+    q_off = _offset(b, h, q_start, s_qb, s_qh, s_qm)
+    do_off = _offset(b, h, q_start, s_dob, s_doh, s_dom)
     q = tl.load(Q + q_off + offs_m[:, None] * s_qm + offs_d[None, :] * s_qd, mask=io_mask, other=0.0)
     do = tl.load(DO + do_off + offs_m[:, None] * s_dom + offs_d[None, :] * s_dod, mask=io_mask, other=0.0)
-    row_off = b.to(tl.int64) * lse_sb + h.to(tl.int64) * lse_sh + q_start
+    row_off = _offset(b, h, q_start, lse_sb, lse_sh, 1)
     lse2 = tl.load(LSE2 + row_off + offs_m, mask=offs_m < seqlen_q, other=float("inf"))
     delta = tl.load(DELTA + row_off + offs_m, mask=offs_m < seqlen_q, other=0.0)
-    k_base = K + b.to(tl.int64) * s_kb + (h // GROUP).to(tl.int64) * s_kh + k_start.to(tl.int64) * s_kn
-    v_base = V + b.to(tl.int64) * s_vb + (h // GROUP).to(tl.int64) * s_vh + k_start.to(tl.int64) * s_vn
+    k_base = K + _offset(b, h // GROUP, k_start, s_kb, s_kh, s_kn)
+    v_base = V + _offset(b, h // GROUP, k_start, s_vb, s_vh, s_vn)
     k_ptrs = k_base + offs_n[None, :] * s_kn + offs_d[:, None] * s_kd         # Kᵀ's first tile
     v_ptrs = v_base + offs_n[None, :] * s_vn + offs_d[:, None] * s_vd
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
@@ -331,7 +337,7 @@ def _dq_program(pid_m, b, h, Q, K, V, DO, LSE2, DELTA, DQ, s_qb, s_qh, s_qm, s_q
                           s_kn, s_vn, sm_scale, qk_scale, args,
                           SCORE_MOD, SCORE_GRAD, MASK_MOD, partial == 1, CAUSAL, HEAD_DIM, PRECISION)
     dq *= sm_scale
-    dq_off = b.to(tl.int64) * s_dqb + h.to(tl.int64) * s_dqh + q_start.to(tl.int64) * s_dqm
+    dq_off = _offset(b, h, q_start, s_dqb, s_dqh, s_dqm)
     tl.store(DQ + dq_off + offs_m[:, None] * s_dqm + offs_d[None, :] * s_dqd, dq.to(DQ.dtype.element_ty),
              mask=io_mask)
 
