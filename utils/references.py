@@ -38,6 +38,8 @@ REFERENCES = {
     "decoding": (1, ["utils.bench.decoding", "--out", "images"]),
     "launch_floor": (1, ["utils.bench.decoding", "--launch-floor", "--out", "images"]),
     "decoding_tiles": (1, ["utils.bench.decoding", "--tile-sweep", "--out", "images"]),
+    "decoding_paged": (1, ["utils.bench.decoding", "--paged", "--out", "images"]),
+    "flex": (1, ["utils.bench.flex"]),
     "summary": (1, ["utils.bench.summary"]),
     "ring_nccl": (2, ["utils.ring_attention", "--backend", "nccl", "--world-size", "2"]),
 }
