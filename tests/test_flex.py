@@ -134,6 +134,20 @@ def test_varlen_different_q_and_k_lengths_with_softcap():
     varlen_check([3, 2, 20], [9, 0, 20], False, flex.softcap(3.0, causal=False))
 
 
+@pytest.mark.parametrize("launches", [1, 2])
+def test_backward_in_one_launch_or_two(monkeypatch, launches):
+    """dK/dV and dQ programs share one grid when the config gives both the same warps and stages, else each kind
+    gets a launch of its own (PART 1 and 2); tiles of different sizes in the two passes, GQA, a packed batch."""
+    import utils.flex.attention as A
+    from utils.flash_triton_bwd import BackwardConfig
+
+    bwd = BackwardConfig(16, 32, 4, 1, 32, 16, 4 if launches == 1 else 8, 1)
+    real = A.configs
+    monkeypatch.setattr(A, "configs", lambda p, dtype, device: (real(p, dtype, device)[0], bwd))
+    check_against_reference(flex.softcap(3.0, window=20), *qkv(2, 4, 2, 45, 70, 32))
+    varlen_check([3, 0, 20], [9, 4, 33], True)
+
+
 def test_tuned_tiles_divide_the_block_mask():
     for fwd, bwd in SPARSE_TILES.values():
         for size in (fwd.block_m, fwd.block_n, bwd.block_m1, bwd.block_n1, bwd.block_m2, bwd.block_n2):

@@ -14,7 +14,7 @@ from utils.flash_triton import Config, pick_config, smem_estimate, validate
 from utils.flash_triton_bwd import BackwardConfig, _bwd_preprocess, default_config
 from utils.flash_triton_bwd import smem_estimate as bwd_smem_estimate
 from utils.flex.sparsity import BlockMask, block_mask as build_block_mask
-from utils.flex.kernels import flex_dkdv_kernel, flex_dq_kernel, flex_fwd_kernel
+from utils.flex.kernels import flex_bwd_kernel, flex_fwd_kernel
 from utils.flex.mods import Modifier, causal as causal_modifier
 
 LOG2E = 1.4426950408889634
@@ -77,9 +77,11 @@ def _tiles(size: int, sparse: int | None) -> int:
 
 # Tiles for 16-bit inputs with a block mask, the fastest of a sweep on an H200 (bf16, B=2, H=16, N=16k, sliding
 # window 1k and 16 documents; 8 forward, 7 dK/dV and 6 dQ candidates): smaller than notebook 05's and 07's,
-# since sparse rows of tiles are short. Other cases take notebook 05's and 07's choices.
+# since sparse rows of tiles are short. Other cases take notebook 05's and 07's choices. The backward's two passes
+# share warps and stages, so they run as one launch: in a second sweep (20 backward candidates, one launch and
+# two) that was 2% faster at D=128 than the best two-launch tiles and level at D=64.
 SPARSE_TILES = {64: (Config(128, 64, 4, 3), BackwardConfig(32, 128, 4, 3, 64, 64, 4, 3)),
-                128: (Config(64, 64, 4, 3), BackwardConfig(32, 64, 4, 3, 128, 64, 8, 3))}
+                128: (Config(64, 64, 4, 3), BackwardConfig(64, 128, 8, 2, 128, 64, 8, 2))}
 
 
 def configs(p: _Problem, dtype, device) -> tuple:
@@ -130,22 +132,29 @@ def _backward(do, q, k, v, o, lse, p: _Problem):
     _bwd_preprocess[(triton.cdiv(rows, 64), pre_b * p.heads)](
         o, do, lse, delta, lse2, *_strides(o, packed), *_strides(do, packed), p.heads, rows, p.head_dim,
         BLOCK_M=64, BLOCK_D=block_d, ACC=tl.float32)
-    common = dict(**_mod_fns(p), SCORE_GRAD=p.modifier.score_grad if p.modifier else None, CAUSAL=p.causal,
-                  GROUP=p.heads // p.kv_heads, HEAD_DIM=p.head_dim, BLOCK_D=block_d, PRECISION=_precision(q.dtype))
-    tensors = (q, k, v, do, lse2, delta)
-    strides = (*_strides(q, packed), *_strides(k, packed), *_strides(v, packed), *_strides(do, packed))
     block_m1, block_n1 = _tiles(config.block_m1, sm), _tiles(config.block_n1, sn)
-    flex_dkdv_kernel[(triton.cdiv(p.seqlen_k, block_n1), p.batch * p.kv_heads)](
-        *tensors, dk, dv, *strides, *_strides(dk, packed), *_strides(dv, packed), p.kv_heads, p.seqlen_q,
-        p.seqlen_k, p.scale, p.scale * LOG2E, lse_sb, lse_sh, *_mask_args(p, transposed=True),
-        *_mod_args(p, q), **common, BLOCK_M=block_m1, BLOCK_N=block_n1, SPARSE_M=sm or block_m1,
-        SPARSE_N=sn or block_n1, num_warps=config.warps1, num_stages=config.stages1)
     block_m2, block_n2 = _tiles(config.block_m2, sm), _tiles(config.block_n2, sn)
-    flex_dq_kernel[(triton.cdiv(p.seqlen_q, block_m2), p.batch * p.heads)](
-        *tensors, dq, *strides, *_strides(dq, packed), p.heads, p.seqlen_q, p.seqlen_k, p.scale, p.scale * LOG2E,
-        lse_sb, lse_sh, *_mask_args(p, transposed=False), *_mod_args(p, q), **common, BLOCK_M=block_m2,
-        BLOCK_N=block_n2, SPARSE_M=sm or block_m2, SPARSE_N=sn or block_n2, num_warps=config.warps2,
-        num_stages=config.stages2)
+    n_kv, n_q = triton.cdiv(p.seqlen_k, block_n1), triton.cdiv(p.seqlen_q, block_m2)
+    group = p.heads // p.kv_heads
+
+    def launch(part, n_kv_programs, n_programs, warps, stages):
+        flex_bwd_kernel[(n_programs, p.batch * p.kv_heads)](
+            q, k, v, do, lse2, delta, dq, dk, dv,
+            *(s for t in (q, k, v, do, dq, dk, dv) for s in _strides(t, packed)),
+            p.kv_heads, p.seqlen_q, p.seqlen_k, p.scale, p.scale * LOG2E, lse_sb, lse_sh,
+            *_mask_args(p, transposed=False)[:6], *_mask_args(p, transposed=True)[:6], *_mask_args(p, False)[6:],
+            n_kv_programs, n_q, *_mod_args(p, q), **_mod_fns(p),
+            SCORE_GRAD=p.modifier.score_grad if p.modifier else None, CAUSAL=p.causal, GROUP=group,
+            HEAD_DIM=p.head_dim, BLOCK_D=block_d, BLOCK_M1=block_m1, BLOCK_N1=block_n1, BLOCK_M2=block_m2,
+            BLOCK_N2=block_n2, SPARSE_M=sm or block_m1, SPARSE_N=sn or block_n1, PRECISION=_precision(q.dtype),
+            PART=part, num_warps=warps, num_stages=stages)
+
+    # One launch when both kinds of programs want the same warps and stages, else one launch each.
+    if (config.warps1, config.stages1) == (config.warps2, config.stages2):
+        launch(0, n_kv, n_kv + n_q * group, config.warps1, config.stages1)
+    else:
+        launch(1, n_kv, n_kv, config.warps1, config.stages1)
+        launch(2, 0, n_q * group, config.warps2, config.stages2)
     return dq, dk, dv
 
 

@@ -202,23 +202,17 @@ def _query_range(n0, seqlen_q, seqlen_k, CAUSAL: tl.constexpr, BLOCK_M: tl.const
     return n0 * 0, n0 * 0
 
 
-@triton.jit(do_not_specialize=["kv_heads", "seqlen_q", "seqlen_k", "mask_sb", "mask_sh", "lse_sb", "lse_sh",
-                               "mod_i"])
-def flex_dkdv_kernel(Q, K, V, DO, LSE2, DELTA, DK, DV, s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd,
-                     s_vb, s_vh, s_vn, s_vd, s_dob, s_doh, s_dom, s_dod, s_dkb, s_dkh, s_dkn, s_dkd,
-                     s_dvb, s_dvh, s_dvn, s_dvd, kv_heads, seqlen_q, seqlen_k, sm_scale, qk_scale, lse_sb, lse_sh,
-                     Q_COUNT, Q_INDEX, FULL_COUNT, FULL_INDEX, mask_sb, mask_sh, n_q_tiles, n_kv_tiles,
-                     CU_Q, CU_K, MOD_T, mod_i, mod_f,
-                     SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr,
-                     CAUSAL: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPARSE_M: tl.constexpr,
-                     SPARSE_N: tl.constexpr, PRECISION: tl.constexpr):
-    """One program: BLOCK_N keys of one (batch, K/V head), kept on chip with their dK, dV, against the query
-    tiles of every query head of its group that see them (the column lists of the block mask)."""
-    pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // kv_heads
-    hk = pid_bh % kv_heads
+@triton.jit
+def _dkdv_program(pid_n, b, hk, Q, K, V, DO, LSE2, DELTA, DK, DV, s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd,
+                  s_vb, s_vh, s_vn, s_vd, s_dob, s_doh, s_dom, s_dod, s_dkb, s_dkh, s_dkn, s_dkd,
+                  s_dvb, s_dvh, s_dvn, s_dvd, seqlen_q, seqlen_k, sm_scale, qk_scale, lse_sb, lse_sh,
+                  Q_COUNT, Q_INDEX, FULL_COUNT, FULL_INDEX, mask_sb, mask_sh, n_q_tiles, CU_Q, CU_K, MOD_T, mod_i, mod_f,
+                  SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr,
+                  CAUSAL: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPARSE_M: tl.constexpr,
+                  SPARSE_N: tl.constexpr, PRECISION: tl.constexpr):
+    """BLOCK_N keys of one (batch, K/V head), kept on chip with their dK, dV, against the query tiles of every
+    query head of its group that see them (the column lists of the block mask)."""
     q_start, seqlen_q = _sequence(CU_Q, b, seqlen_q)
     k_start, seqlen_k = _sequence(CU_K, b, seqlen_k)
     n0 = pid_n * BLOCK_N
@@ -294,21 +288,16 @@ def _dq_tile(dq, q, do, lse2, delta, k_ptrs, v_ptrs, start_n, q_pos, offs_n, off
     return dq + tl.dot(ds.to(k_t.dtype), tl.trans(k_t), input_precision=PRECISION)   # dQ += dS K
 
 
-@triton.jit(do_not_specialize=["heads", "seqlen_q", "seqlen_k", "mask_sb", "mask_sh", "lse_sb", "lse_sh", "mod_i"])
-def flex_dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd,
-                   s_vb, s_vh, s_vn, s_vd, s_dob, s_doh, s_dom, s_dod, s_dqb, s_dqh, s_dqm, s_dqd,
-                   heads, seqlen_q, seqlen_k, sm_scale, qk_scale, lse_sb, lse_sh,
-                   KV_COUNT, KV_INDEX, FULL_COUNT, FULL_INDEX, mask_sb, mask_sh, n_q_tiles, n_kv_tiles,
-                   CU_Q, CU_K, MOD_T, mod_i, mod_f,
-                   SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr,
-                   CAUSAL: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPARSE_M: tl.constexpr, SPARSE_N: tl.constexpr,
-                   PRECISION: tl.constexpr):
-    """One program: dQ of BLOCK_M queries of one (batch, head), over the key tiles of its row's lists."""
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // heads
-    h = pid_bh % heads
+@triton.jit
+def _dq_program(pid_m, b, h, Q, K, V, DO, LSE2, DELTA, DQ, s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd,
+                s_vb, s_vh, s_vn, s_vd, s_dob, s_doh, s_dom, s_dod, s_dqb, s_dqh, s_dqm, s_dqd,
+                seqlen_q, seqlen_k, sm_scale, qk_scale, lse_sb, lse_sh,
+                KV_COUNT, KV_INDEX, FULL_COUNT, FULL_INDEX, mask_sb, mask_sh, n_kv_tiles, CU_Q, CU_K, MOD_T, mod_i, mod_f,
+                SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr,
+                CAUSAL: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPARSE_M: tl.constexpr, SPARSE_N: tl.constexpr,
+                PRECISION: tl.constexpr):
+    """dQ of BLOCK_M queries of one (batch, head), over the key tiles of its row's lists."""
     q_start, seqlen_q = _sequence(CU_Q, b, seqlen_q)
     k_start, seqlen_k = _sequence(CU_K, b, seqlen_k)
     start_m = pid_m * BLOCK_M
@@ -351,3 +340,42 @@ def flex_dq_kernel(Q, K, V, DO, LSE2, DELTA, DQ, s_qb, s_qh, s_qm, s_qd, s_kb, s
     dq_off = _offset(b, h, q_start, s_dqb, s_dqh, s_dqm)
     tl.store(DQ + dq_off + offs_m[:, None] * s_dqm + offs_d[None, :] * s_dqd, dq.to(DQ.dtype.element_ty),
              mask=io_mask)
+
+
+@triton.jit(do_not_specialize=["kv_heads", "seqlen_q", "seqlen_k", "mask_sb", "mask_sh", "maskt_sb", "maskt_sh",
+                               "lse_sb", "lse_sh", "mod_i", "n_kv_programs", "n_q_programs"])
+def flex_bwd_kernel(Q, K, V, DO, LSE2, DELTA, DQ, DK, DV, s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd,
+                    s_vb, s_vh, s_vn, s_vd, s_dob, s_doh, s_dom, s_dod, s_dqb, s_dqh, s_dqm, s_dqd,
+                    s_dkb, s_dkh, s_dkn, s_dkd, s_dvb, s_dvh, s_dvn, s_dvd, kv_heads, seqlen_q, seqlen_k,
+                    sm_scale, qk_scale, lse_sb, lse_sh,
+                    KV_COUNT, KV_INDEX, FULL_KV_COUNT, FULL_KV_INDEX, mask_sb, mask_sh,
+                    Q_COUNT, Q_INDEX, FULL_Q_COUNT, FULL_Q_INDEX, maskt_sb, maskt_sh, n_q_tiles, n_kv_tiles,
+                    n_kv_programs, n_q_programs, CU_Q, CU_K, MOD_T, mod_i, mod_f,
+                    SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr,
+                    CAUSAL: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                    BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
+                    SPARSE_M: tl.constexpr, SPARSE_N: tl.constexpr, PRECISION: tl.constexpr, PART: tl.constexpr):
+    """The backward's two kinds of programs in one grid (n_kv_programs + n_q_programs * GROUP, batch * kv_heads):
+    first the dK/dV programs, one per BLOCK_N1 keys, then the dQ programs, one per BLOCK_M2 queries of each query
+    head of the group, so that one launch keeps the GPU busy with both (no tail between two launches).
+    PART 1 or 2 compiles only the dK/dV or only the dQ programs, for two launches with tiles and warps of their
+    own (GPUs with little shared memory)."""
+    pid = tl.program_id(0)
+    b = tl.program_id(1) // kv_heads
+    hk = tl.program_id(1) % kv_heads
+    if PART != 2 and pid < n_kv_programs:
+        _dkdv_program(pid, b, hk, Q, K, V, DO, LSE2, DELTA, DK, DV, s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd,
+                      s_vb, s_vh, s_vn, s_vd, s_dob, s_doh, s_dom, s_dod, s_dkb, s_dkh, s_dkn, s_dkd,
+                      s_dvb, s_dvh, s_dvn, s_dvd, seqlen_q, seqlen_k, sm_scale, qk_scale, lse_sb, lse_sh,
+                      Q_COUNT, Q_INDEX, FULL_Q_COUNT, FULL_Q_INDEX, maskt_sb, maskt_sh, n_q_tiles, CU_Q, CU_K,
+                      MOD_T, mod_i, mod_f, SCORE_MOD, SCORE_GRAD, MASK_MOD, CAUSAL, GROUP, HEAD_DIM, BLOCK_D,
+                      BLOCK_M1, BLOCK_N1, SPARSE_M, SPARSE_N, PRECISION)
+    elif PART != 1:
+        j = pid - n_kv_programs
+        h = hk * GROUP + j // n_q_programs
+        _dq_program(j % n_q_programs, b, h, Q, K, V, DO, LSE2, DELTA, DQ, s_qb, s_qh, s_qm, s_qd,
+                    s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd, s_dob, s_doh, s_dom, s_dod, s_dqb, s_dqh, s_dqm, s_dqd,
+                    seqlen_q, seqlen_k, sm_scale, qk_scale, lse_sb, lse_sh, KV_COUNT, KV_INDEX, FULL_KV_COUNT,
+                    FULL_KV_INDEX, mask_sb, mask_sh, n_kv_tiles, CU_Q, CU_K, MOD_T, mod_i, mod_f, SCORE_MOD,
+                    SCORE_GRAD, MASK_MOD, CAUSAL, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M2, BLOCK_N2, SPARSE_M, SPARSE_N,
+                    PRECISION)
