@@ -436,6 +436,11 @@ def test_flash_mma_on_views(step):
     assert_attention_matches_reference(fn, q, k, v, causal=True)
     bnhd = torch.randn(2, 500, 4, 128, device="cuda", dtype=torch.float16).transpose(1, 2)  # strides multiple of 8
     assert_attention_matches_reference(fn, bnhd, bnhd, bnhd)
+    # A contiguous tensor whose data pointer sits 2 bytes past a 16-byte boundary: copied, never faulted on.
+    flat = torch.randn(1 + 2 * 4 * 77 * 128, device="cuda", dtype=torch.bfloat16)[1:]
+    odd = flat.view(2, 4, 77, 128)
+    assert odd.is_contiguous() and odd.data_ptr() % 16 == 2
+    assert_attention_matches_reference(fn, odd, odd, odd, causal=True)
 
 
 @pytest.mark.gpu
@@ -450,6 +455,11 @@ def test_flash_mma_torch_checks():
         ("f(q, q.half(), q, False, 0.125)", "k has dtype"),
         ("f(q, q[:, :3], q[:, :3], False, 0.125)", "not a multiple"),
         ("f(q, q, q, False, 0.0)", "scale must be finite and positive"),
+        # the extension itself refuses rows off 16 bytes (flash_mma copies them before calling it)
+        ("f(q, torch.randn(1 + q.numel(), device='cuda', dtype=q.dtype)[1:].view(q.shape), q, False, 0.125)",
+         "k rows must start on 16 bytes"),
+        ("f(q, q, torch.randn(1, 16, 4, 66, device='cuda', dtype=q.dtype)[..., 2:].transpose(1, 2), False, 0.125)",
+         "v rows must start on 16 bytes"),
     ]
     assert_torch_checks(setup, cases)
 

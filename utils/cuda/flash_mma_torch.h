@@ -19,6 +19,18 @@ torch::Tensor mma_forward(const char* name, Launcher launcher, const torch::Tens
   TORCH_CHECK(major >= 8, name, ": needs a GPU of compute capability 8.0 or newer (mma.sync.m16n8k16 with bf16, "
               "ldmatrix, cp.async); this one is sm_", course::num(major), course::num(minor),
               ". flash_tiled runs on it.");
+  // The kernels move rows in 16-byte chunks (cp.async, uint4): a row that starts off a 16-byte boundary would
+  // fault. Python's flash_mma copies such inputs first; a direct call gets this error instead of a crash.
+  const torch::Tensor* inputs[] = {&q, &k, &v};
+  const char* names[] = {"q", "k", "v"};
+  for (int i = 0; i < 3; ++i) {
+    const torch::Tensor& t = *inputs[i];
+    bool aligned = reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+    for (int dim = 0; dim < t.dim() - 1; ++dim) aligned = aligned && t.stride(dim) % 8 == 0;
+    TORCH_CHECK(aligned, name, ": ", names[i], " rows must start on 16 bytes (data pointer and strides of the "
+                "first three dims multiples of 8 elements); call .contiguous() first, got strides ",
+                course::shape(t.strides()));
+  }
   return forward(name, launcher, q, k, v, causal, scale);
 }
 
