@@ -37,7 +37,7 @@ for _index, (_step, _struct) in enumerate(zip(cuda_ext.MMA_STEPS, MMA_STRUCTS, s
 # ---- compile-only checks ----------------------------------------------------------------------------------
 
 @needs_nvcc
-@pytest.mark.parametrize("name", list(KERNELS))
+@pytest.mark.parametrize("name", [n for n in KERNELS if n not in cuda_ext.HOPPER_KERNELS])
 def test_compile_check_builds_every_kernel_for_sm80_and_sm90(name):
     results = compile_check(name, ("sm_80", "sm_90"))
     for arch in ("sm_80", "sm_90"):
@@ -170,7 +170,7 @@ def test_kernels_and_torch_wrappers_are_separate():
         assert checks and "__global__" not in wrapper_part, name
     assert "TORCH_CHECK" in (cuda_ext.CUDA_DIR / "flash_mma_torch.h").read_text()
     for header in ("flash_params.h", "flash_common.cuh", "flash_mma.cuh", "flash_mma_steps.cuh",
-                   "flash_mma_kernel.cuh"):
+                   "flash_mma_kernel.cuh", "hopper.cuh"):
         text = (cuda_ext.CUDA_DIR / header).read_text()
         assert not any(f"#include <{lib}" in text for lib in ("torch", "ATen", "c10")), header
 
@@ -462,6 +462,22 @@ def test_flash_mma_torch_checks():
          "v rows must start on 16 bytes"),
     ]
     assert_torch_checks(setup, cases)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA or gpu.capability() != (9, 0), reason="wgmma needs an sm_90 GPU")
+def test_wgmma_gemm_torch_checks():
+    setup = ('f = cuda_ext.load("wgmma_gemm").wgmma_gemm_forward\n'
+             'a = torch.randn(64, 128, device="cuda", dtype=torch.bfloat16)')
+    assert_torch_checks(setup, [
+        ("f(a.cpu(), a)", "a must be a CUDA tensor"),
+        ("f(a, a.float())", "b must be float16 or bfloat16"),
+        ("f(a.t(), a)", "a must be contiguous and 16-byte aligned"),
+        ("f(a, torch.randn(1 + a.numel(), device='cuda', dtype=a.dtype)[1:].view(a.shape))", "b must be contiguous"),
+        ("f(a[:32], a)", "a's dims must be positive multiples of 64"),
+        ("f(a, a.half())", "a is BFloat16 but b is Half"),
+        ("f(a, a[:, :64].contiguous())", "a has K = 128 but b has K = 64"),
+    ])
 
 
 @pytest.mark.gpu

@@ -60,10 +60,14 @@ def mma_kernel_name(step: str) -> str:
 
 
 KERNELS.update({mma_kernel_name(s): (f"{mma_kernel_name(s)}_forward", MMA_HEADERS) for s in MMA_STEPS})
+# Notebook 06c: Hopper's wgmma and TMA exist only in sm_90a code, which runs on sm_90 GPUs (H100/H200) alone.
+KERNELS["wgmma_gemm"] = ("wgmma_gemm_forward", ("hopper.cuh", "course_str.h"))
+HOPPER_KERNELS = ("wgmma_gemm",)
 WRAPPER_DEFINE = "#define COURSE_TORCH_WRAPPER\n"
 # -lineinfo maps SASS back to source lines in Nsight Compute and costs nothing at run time.
 CUDA_FLAGS = ("-O3", "-std=c++17", "-lineinfo")
 ARCHS = ("sm_80", "sm_90")
+HOPPER_ARCH = "sm_90a"
 SOFTMAX_VARIANTS = ("smem", "warp", "float4", "row_per_warp")
 # Multiples of 8; the kernels pad the head dim to 32/64/128(/256) internally. The naive kernel keeps two rows
 # of D floats per thread in registers and stops at 128.
@@ -123,10 +127,24 @@ def gencode_flags(capability, *, ptx: bool = False) -> list[str]:
     return [f"-gencode=arch=compute_{arch},code={'compute' if ptx else 'sm'}_{arch}"]
 
 
-def arch_flags() -> list[str]:
+def arch_flags(name: str | None = None) -> list[str]:
     """`-gencode` for the GPU at hand; for an emulated one (COURSE_EMULATE_GPU=t4), its PTX, which the real GPU
-    underneath can still run."""
+    underneath can still run. The Hopper kernels (`name` in HOPPER_KERNELS) build for sm_90a, on an sm_90 GPU
+    only: anywhere else, a RuntimeError that says so."""
+    if name in HOPPER_KERNELS:
+        check_hopper_capability(gpu.capability())
+        return ["-gencode=arch=compute_90a,code=sm_90a"]
     return gencode_flags(gpu.capability(), ptx=gpu.emulated() is not None)
+
+
+def check_hopper_capability(capability) -> None:
+    """Raise a RuntimeError that explains why, unless a GPU of this (major, minor) runs sm_90a code (wgmma)."""
+    gencode_flags(capability)  # validates the tuple
+    if capability != (9, 0):
+        raise RuntimeError(
+            f"the Hopper kernels (wgmma, TMA) need an sm_90 GPU such as an H100 or H200; this GPU is "
+            f"sm_{capability[0]}{capability[1]}. sm_90a code runs on sm_90 alone, not on older GPUs and not on "
+            f"newer ones (Blackwell has its own tensor-core instructions).")
 
 
 _LOADED: dict = {}
@@ -139,7 +157,7 @@ def load(name: str, *, verbose: bool = False):
     if not torch.cuda.is_available():
         raise RuntimeError(f"building {name}.cu needs a CUDA GPU and a CUDA build of torch "
                            f"(compile_check() compiles the kernels without one)")
-    flags = [*CUDA_FLAGS, *arch_flags()]
+    flags = [*CUDA_FLAGS, *arch_flags(name)]
     ext = extension_name(name, flags)
     if ext in _LOADED:
         return _LOADED[ext]
@@ -245,7 +263,10 @@ _CHECKED: dict = {}
 
 
 def _compile_one(nvcc: str, name: str, arch: str) -> list[KernelResources]:
-    flags = [*CUDA_FLAGS, f"-arch={arch}", "-Xptxas", "-v"]  # COURSE_TORCH_WRAPPER undefined: kernels only
+    # COURSE_TORCH_WRAPPER undefined: kernels only. The -gencode form, because nvcc 13.0's -arch=sm_90a also
+    # runs a plain sm_90 pass, which rejects wgmma.
+    number = arch.removeprefix("sm_")
+    flags = [*CUDA_FLAGS, f"-gencode=arch=compute_{number},code=sm_{number}", "-Xptxas", "-v"]
     key = hashlib.sha256(f"{nvcc}\0{source_hash(name, flags)}".encode()).hexdigest()[:16]
     if key in _CHECKED:
         return _CHECKED[key]
@@ -267,8 +288,14 @@ def _compile_one(nvcc: str, name: str, arch: str) -> list[KernelResources]:
     return result
 
 
-def compile_check(names=None, archs=ARCHS, *, nvcc: str | None = None) -> list[KernelResources]:
+def kernel_archs(name: str) -> tuple[str, ...]:
+    """The architectures `compile_check` builds `name` for by default: sm_90a for the Hopper kernels, else ARCHS."""
+    return (HOPPER_ARCH,) if _check_name(name) in HOPPER_KERNELS else ARCHS
+
+
+def compile_check(names=None, archs=None, *, nvcc: str | None = None) -> list[KernelResources]:
     """Compile utils/cuda/<name>.cu for each arch with nvcc, kernels only, and return ptxas's report.
+    `archs` defaults to each kernel's own (`kernel_archs`); the Hopper kernels compile for sm_90a only.
 
     Needs nvcc, not a GPU: the torch-facing wrapper is left out (COURSE_TORCH_WRAPPER is not defined). Compiles run in
     parallel; results are cached per (nvcc, sources, flags), in this process and under build/compile_check/.
@@ -276,14 +303,19 @@ def compile_check(names=None, archs=ARCHS, *, nvcc: str | None = None) -> list[K
     names = list(KERNELS) if names is None else [names] if isinstance(names, str) else list(names)
     for name in names:
         _check_name(name)
-    archs = [archs] if isinstance(archs, str) else list(archs)
-    for arch in archs:
+    given = None if archs is None else [archs] if isinstance(archs, str) else list(archs)
+    for arch in given or ():
         if not isinstance(arch, str) or not re.fullmatch(r"sm_\d+a?", arch):
             raise ValueError(f"arch must look like 'sm_90', got {arch!r}")
+        if arch.endswith("a") and not all(name in HOPPER_KERNELS for name in names):
+            raise ValueError(f"arch {arch!r}: only {HOPPER_KERNELS} are written for it")
+    for name in names:
+        if name in HOPPER_KERNELS and given is not None and given != [HOPPER_ARCH]:
+            raise ValueError(f"{name}.cu uses wgmma: it compiles for {HOPPER_ARCH!r} only, not {given}")
     nvcc = nvcc or find_nvcc()
     if nvcc is None:
         raise RuntimeError("nvcc not found (install the CUDA toolkit or set CUDA_HOME)")
-    jobs = [(name, arch) for name in names for arch in archs]
+    jobs = [(name, arch) for name in names for arch in (given or kernel_archs(name))]
     with ThreadPoolExecutor(max_workers=max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
         results = list(pool.map(lambda job: _compile_one(nvcc, *job), jobs))
     return [r for result in results for r in result]
@@ -337,9 +369,10 @@ def check_mma_capability(capability) -> None:
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
-    """`t`, or a contiguous copy unless every row starts on 16 bytes (the kernels copy rows in 16-byte chunks)."""
+    """`t`, or a contiguous copy unless every row starts on 16 bytes (the kernels copy rows in 16-byte chunks).
+    A copy, not .contiguous(): that returns a contiguous view at an odd address unchanged."""
     ok = t.stride(-1) == 1 and all(s % 8 == 0 for s in t.stride()[:-1]) and t.data_ptr() % 16 == 0
-    return t if ok else t.contiguous()
+    return t if ok else t.clone(memory_format=torch.contiguous_format)
 
 
 _MMA_FORWARD: dict = {}

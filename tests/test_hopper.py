@@ -1,0 +1,166 @@
+"""utils.hopper: the swizzle and descriptor model (against hand-worked values and against hopper.cuh compiled by
+nvcc for the host), validation on CPU, and on an sm_90 GPU the wgmma GEMM against float64."""
+import subprocess
+
+import pytest
+import torch
+
+from utils import cuda_ext, gpu, hopper
+from utils.cuda_ext import find_nvcc
+
+needs_nvcc = pytest.mark.skipif(find_nvcc() is None, reason="nvcc not found")
+on_hopper = pytest.mark.skipif(not torch.cuda.is_available() or gpu.capability() != (9, 0),
+                               reason="needs an sm_90 GPU (H100/H200)")
+
+
+def test_swizzle_128_permutes_the_chunks_of_each_row_by_the_row():
+    # Row r (128 bytes) of an 8-row block keeps its bytes but stores chunk c in slot c XOR r.
+    for r in range(8):
+        for c in range(8):
+            for byte in (0, 5, 15):
+                assert hopper.swizzle(r * 128 + c * 16 + byte, 128) == r * 128 + (c ^ r) * 16 + byte
+    assert hopper.swizzle(1024 + 3 * 128 + 16, 128) == 1024 + 3 * 128 + 2 * 16  # the pattern repeats per 1 KB
+
+
+def test_swizzle_64_and_32_use_fewer_bits():
+    # 64-byte rows: row r sits at r * 64, so bits 7-8 are r // 2 (mod 4); 32-byte rows: bit 7 is r // 4 (mod 2).
+    for r in range(16):
+        for c in range(4):
+            assert hopper.swizzle(r * 64 + c * 16, 64) == r * 64 + (c ^ (r // 2 % 4)) * 16
+        for c in range(2):
+            assert hopper.swizzle(r * 32 + c * 16, 32) == r * 32 + (c ^ (r // 4 % 2)) * 16
+    assert [hopper.swizzle(x, 0) for x in range(0, 4096, 48)] == list(range(0, 4096, 48))
+
+
+@pytest.mark.parametrize("mode", [0, 32, 64, 128])
+def test_swizzle_is_a_permutation_of_each_kilobyte(mode):
+    assert sorted(hopper.swizzle(x, mode) for x in range(2048)) == list(range(2048))
+
+
+def test_chunk_layout_and_bank_conflicts():
+    assert hopper.chunk_layout(8, 128, 128).tolist() == [[c ^ r for c in range(8)] for r in range(8)]
+    assert hopper.chunk_layout(4, 128, 0).tolist() == [list(range(8))] * 4
+    # Eight rows of 128 bytes read down one column of chunks: all in one group of banks without swizzling,
+    # spread over all eight with 128-byte swizzling, over four (two each) with 64-byte swizzling.
+    assert [hopper.bank_conflicts(8, 128, mode) for mode in (0, 32, 64, 128)] == [8, 4, 2, 1]
+    assert hopper.bank_conflicts(8, 128, 128, column=5) == 1
+
+
+def test_descriptor_fields():
+    d = hopper.smem_descriptor(0x400, leading_bytes=16, stride_bytes=1024, mode=128)
+    assert d == 0x40 | 1 << 16 | 64 << 32 | 1 << 62
+    assert hopper.decode_descriptor(d) == dict(address=0x400, leading_bytes=16, stride_bytes=1024, base_offset=0,
+                                               mode=128)
+    for mode, bits in ((0, 0), (128, 1), (64, 2), (32, 3)):
+        assert hopper.smem_descriptor(0, leading_bytes=0, stride_bytes=0, mode=mode) >> 62 == bits
+    assert hopper.decode_descriptor(hopper.smem_descriptor(0x3FFF0, leading_bytes=0x3FFF0, stride_bytes=512,
+                                                           mode=32))["address"] == 0x3FFF0
+
+
+def test_validation():
+    with pytest.raises(ValueError, match="mode must be one of"):
+        hopper.swizzle(0, 16)
+    with pytest.raises(TypeError, match="offset must be an int"):
+        hopper.swizzle(1.0)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        hopper.smem_descriptor(8, leading_bytes=16, stride_bytes=1024)
+    with pytest.raises(ValueError, match="stride_bytes must be in"):
+        hopper.smem_descriptor(0, leading_bytes=16, stride_bytes=1 << 18)
+    with pytest.raises(ValueError, match="column must be in"):
+        hopper.bank_conflicts(8, 128, 128, column=8)
+    with pytest.raises(ValueError, match="descriptor must be in"):
+        hopper.decode_descriptor(-1)
+
+
+@needs_nvcc
+def test_the_cuda_header_computes_what_the_model_does(tmp_path):
+    """hopper.cuh's smem_desc and swizzle run on the host too: compile a tiny program and compare."""
+    cases = [(a, l, s, m) for a in (0, 0x400, 0x3FFF0) for l in (16, 4096) for s in (256, 1024)
+             for m in (0, 32, 64, 128)]
+    codes = {0: "kNone", 128: "k128B", 64: "k64B", 32: "k32B"}
+    lines = [f'printf("%llu %u\\n", (unsigned long long)smem_desc({a}u, {l}u, {s}u, Swizzle::{codes[m]}), '
+             f'swizzle({a + l + s}u, Swizzle::{codes[m]}));' for a, l, s, m in cases]
+    source = tmp_path / "check.cu"
+    source.write_text('#include <cstdio>\n#include "hopper.cuh"\nusing namespace course_hopper;\n'
+                      "int main() {\n" + "\n".join(lines) + "\n}\n")
+    subprocess.run([find_nvcc(), "-std=c++17", f"-I{cuda_ext.CUDA_DIR}", str(source), "-o", str(tmp_path / "a")],
+                   check=True, capture_output=True)
+    out = subprocess.run([str(tmp_path / "a")], check=True, capture_output=True, text=True).stdout.split("\n")
+    for (a, l, s, m), line in zip(cases, out, strict=False):
+        expected = f"{hopper.smem_descriptor(a, leading_bytes=l, stride_bytes=s, mode=m)} {hopper.swizzle(a + l + s, m)}"
+        assert line == expected, (a, l, s, m)
+
+
+@needs_nvcc
+def test_the_wgmma_kernel_compiles_for_sm90a_only():
+    results = cuda_ext.compile_check("wgmma_gemm")
+    assert {(r.arch, r.kernel) for r in results} == {("sm_90a", "wgmma_gemm_kernel<__half>"),
+                                                    ("sm_90a", "wgmma_gemm_kernel<__nv_bfloat16>")}
+    assert all(r.spill_stores == r.spill_loads == 0 and r.registers <= 168 for r in results)
+    with pytest.raises(ValueError, match="compiles for 'sm_90a' only"):
+        cuda_ext.compile_check("wgmma_gemm", "sm_90")
+    with pytest.raises(ValueError, match="only .* are written for it"):
+        cuda_ext.compile_check("softmax", "sm_90a")
+
+
+def test_check_hopper_capability():
+    cuda_ext.check_hopper_capability((9, 0))
+    for other in ((8, 0), (8, 9), (10, 0), (7, 5)):
+        with pytest.raises(RuntimeError, match="need an sm_90 GPU"):
+            cuda_ext.check_hopper_capability(other)
+    with pytest.raises(TypeError):
+        cuda_ext.check_hopper_capability("sm_90")
+
+
+def test_wgmma_gemm_validates_before_building():
+    a = torch.randn(64, 128, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="a must be a torch.Tensor"):
+        hopper.wgmma_gemm(a.numpy, a)
+    with pytest.raises(ValueError, match="b must have 2 dims"):
+        hopper.wgmma_gemm(a, a[None])
+    with pytest.raises(TypeError, match="a must be float16 or bfloat16"):
+        hopper.wgmma_gemm(a.float(), a)
+    with pytest.raises(ValueError, match="multiples of 64"):
+        hopper.wgmma_gemm(a[:32], a)
+    with pytest.raises(TypeError, match="a is torch.bfloat16 but b is torch.float16"):
+        hopper.wgmma_gemm(a, a.half())
+    with pytest.raises(ValueError, match="K = 128 but b has K = 64"):
+        hopper.wgmma_gemm(a, a[:, :64])
+    with pytest.raises(ValueError, match="one CUDA device"):
+        hopper.wgmma_gemm(a, a)
+
+
+def _tile_report(out: torch.Tensor, ref: torch.Tensor, tol: float) -> str:
+    """Which 64 x 64 tiles of C are wrong, and in the first, which rows and columns: what a learner needs."""
+    bad = (out - ref).abs() > tol
+    tiles = [(i, j) for i in range(0, out.shape[0], 64) for j in range(0, out.shape[1], 64)
+             if bad[i:i + 64, j:j + 64].any()]
+    if not tiles:
+        return "all tiles match"
+    i, j = tiles[0]
+    first = bad[i:i + 64, j:j + 64]
+    rows = first.any(1).nonzero().flatten().tolist()
+    cols = first.any(0).nonzero().flatten().tolist()
+    return f"{len(tiles)} wrong tiles, first at rows {i}+, cols {j}+: rows {rows[:16]}, cols {cols[:16]}"
+
+
+@on_hopper
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("m,n,k", [(64, 64, 64), (128, 192, 256), (256, 128, 1024)])
+def test_wgmma_gemm_matches_float64(dtype, m, n, k):
+    a = torch.randn(m, k, device="cuda", dtype=dtype)
+    b = torch.randn(n, k, device="cuda", dtype=dtype)
+    out = hopper.wgmma_gemm(a, b)
+    ref = (a.double() @ b.double().T).float()
+    tol = 1e-4 * k ** 0.5
+    assert out.dtype == torch.float32 and out.shape == (m, n)
+    assert torch.allclose(out, ref, rtol=0, atol=tol), _tile_report(out, ref, tol)
+
+
+@on_hopper
+def test_wgmma_gemm_copies_what_it_cannot_read():
+    flat = torch.randn(1 + 128 * 64, device="cuda", dtype=torch.bfloat16)[1:]
+    a = flat.view(128, 64)  # contiguous, 2 bytes past a 16-byte boundary
+    b = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)[:, 64:128]  # a column slice: not contiguous
+    ref = (a.double() @ b.double().T).float()
+    torch.testing.assert_close(hopper.wgmma_gemm(a, b), ref, rtol=0, atol=1e-3)

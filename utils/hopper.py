@@ -1,0 +1,117 @@
+"""Hopper's tensor-core operands, modelled in Python (notebook 06c), and the wgmma kernels' entry points.
+
+wgmma reads its operands from shared memory through a 64-bit *descriptor* (where the tile starts, how far apart
+its 8-row groups are, how it is swizzled). The functions here compute the same descriptor and the same swizzled
+byte positions as utils/cuda/hopper.cuh, so a learner can inspect them on any machine (tests compare the two),
+and draw a swizzled tile to see why consecutive rows stop colliding in the same shared-memory banks.
+
+- `swizzle(offset, mode)`: where byte `offset` of a tile lands under 0, 32, 64 or 128-byte swizzling.
+- `smem_descriptor(...)` / `decode_descriptor(d)`: the descriptor's bit fields, packed and unpacked.
+- `chunk_layout(rows, row_bytes, mode)`: for each 16-byte chunk of a tile, the chunk slot it occupies.
+- `bank_conflicts(...)`: how many 16-byte accesses of one column of chunks share a bank group.
+- `wgmma_gemm(a, b)`: a @ b.T in fp32 on an H100/H200 (utils/cuda/wgmma_gemm.cu), validated first.
+"""
+from __future__ import annotations
+
+import torch
+
+# Swizzle width in bytes -> the mode bits (62-63) of a wgmma descriptor.
+SWIZZLE_MODES = {0: 0, 128: 1, 64: 2, 32: 3}
+# Which address bits 7-9 each mode XORs into the 16-byte chunk index (bits 4-6).
+_SWIZZLE_MASKS = {0: 0, 32: 1, 64: 3, 128: 7}
+GEMM_TILE = 64
+
+
+def _check_int(name: str, value, low: int = 0, high: int | None = None) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < low or (high is not None and value > high):
+        raise ValueError(f"{name} must be in [{low}, {high}], got {value}" if high is not None
+                         else f"{name} must be >= {low}, got {value}")
+    return value
+
+
+def _check_mode(mode) -> int:
+    if mode not in SWIZZLE_MODES or isinstance(mode, bool):
+        raise ValueError(f"mode must be one of {sorted(SWIZZLE_MODES)} (bytes), got {mode!r}")
+    return mode
+
+
+def swizzle(offset: int, mode: int = 128) -> int:
+    """The byte where byte `offset` of a tile (starting on a 1024-byte boundary) is stored under `mode`."""
+    _check_int("offset", offset)
+    return offset ^ (((offset >> 7) & _SWIZZLE_MASKS[_check_mode(mode)]) << 4)
+
+
+def smem_descriptor(address: int, *, leading_bytes: int, stride_bytes: int, mode: int = 128) -> int:
+    """The 64-bit wgmma descriptor of a shared-memory tile.
+
+    address: the tile's shared-memory byte address (18 bits, a multiple of 16); leading_bytes: distance between
+    core matrices along K (unused by K-major swizzled tiles); stride_bytes: distance between groups of 8 rows
+    (8 x 128 = 1024 for a K-major tile with 128-byte swizzling). Offsets are stored in 16-byte units.
+    """
+    for name, value, bits in (("address", address, 18), ("leading_bytes", leading_bytes, 18),
+                              ("stride_bytes", stride_bytes, 18)):
+        _check_int(name, value, 0, (1 << bits) - 1)
+        if value % 16:
+            raise ValueError(f"{name} must be a multiple of 16 bytes, got {value}")
+    return (address >> 4) | (leading_bytes >> 4) << 16 | (stride_bytes >> 4) << 32 | SWIZZLE_MODES[
+        _check_mode(mode)] << 62
+
+
+def decode_descriptor(descriptor: int) -> dict:
+    """The fields of a descriptor, in bytes: the inverse of `smem_descriptor`."""
+    _check_int("descriptor", descriptor, 0, (1 << 64) - 1)
+    modes = {bits: width for width, bits in SWIZZLE_MODES.items()}
+    return dict(address=(descriptor & 0x3FFF) << 4, leading_bytes=((descriptor >> 16) & 0x3FFF) << 4,
+                stride_bytes=((descriptor >> 32) & 0x3FFF) << 4, base_offset=(descriptor >> 49) & 7,
+                mode=modes[descriptor >> 62])
+
+
+def chunk_layout(rows: int = 8, row_bytes: int = 128, mode: int = 128) -> torch.Tensor:
+    """(rows, row_bytes // 16) int tensor: the chunk slot within its row that each 16-byte chunk is stored in."""
+    _check_int("rows", rows, 1)
+    _check_int("row_bytes", row_bytes, 16)
+    if row_bytes % 16:
+        raise ValueError(f"row_bytes must be a multiple of 16, got {row_bytes}")
+    chunks = row_bytes // 16
+    return torch.tensor([[swizzle(r * row_bytes + c * 16, mode) % row_bytes // 16 for c in range(chunks)]
+                         for r in range(rows)])
+
+
+def bank_conflicts(rows: int = 8, row_bytes: int = 128, mode: int = 128, column: int = 0) -> int:
+    """How many of `rows` 16-byte reads of one column of chunks (what ldmatrix and wgmma do) fall in the most
+    crowded group of 4 banks: 1 means conflict-free, `rows` means all serialised. 32 banks x 4 bytes = 8 groups."""
+    _check_int("column", column, 0, row_bytes // 16 - 1)
+    _check_int("rows", rows, 1)
+    groups = [swizzle(r * row_bytes + column * 16, _check_mode(mode)) // 16 % 8 for r in range(rows)]
+    return max(groups.count(g) for g in set(groups))
+
+
+def wgmma_gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a (M, K) @ b (N, K)ᵀ -> (M, N) float32 with one warpgroup's wgmma per 64 x 64 tile (sm_90 GPUs only).
+
+    fp16 or bf16, M, N and K positive multiples of 64. Anywhere but an H100/H200 it raises a RuntimeError
+    that says so, before compiling anything."""
+    from utils import cuda_ext, gpu
+
+    for name, t in (("a", a), ("b", b)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 2:
+            raise ValueError(f"{name} must have 2 dims (rows, K), got shape {tuple(t.shape)}")
+        if t.dtype not in (torch.float16, torch.bfloat16):
+            raise TypeError(f"{name} must be float16 or bfloat16, got {t.dtype}")
+        if any(s == 0 or s % GEMM_TILE for s in t.shape):
+            raise ValueError(f"{name}'s dims must be positive multiples of {GEMM_TILE}, got {tuple(t.shape)}")
+    if a.dtype != b.dtype:
+        raise TypeError(f"a is {a.dtype} but b is {b.dtype}")
+    if a.shape[1] != b.shape[1]:
+        raise ValueError(f"a has K = {a.shape[1]} but b has K = {b.shape[1]}")
+    if a.device != b.device or a.device.type != "cuda":
+        raise ValueError(f"a and b must be on one CUDA device, got {a.device} and {b.device}")
+    cuda_ext.check_hopper_capability(gpu.capability(a.device))
+    # The kernel reads contiguous rows 16 bytes at a time: anything else (a view at an odd address too) is copied.
+    a, b = (t if t.is_contiguous() and t.data_ptr() % 16 == 0 else t.clone(memory_format=torch.contiguous_format)
+            for t in (a, b))
+    return cuda_ext.load("wgmma_gemm").wgmma_gemm_forward(a, b)
