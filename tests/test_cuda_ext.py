@@ -170,7 +170,7 @@ def test_kernels_and_torch_wrappers_are_separate():
         assert checks and "__global__" not in wrapper_part, name
     assert "TORCH_CHECK" in (cuda_ext.CUDA_DIR / "flash_mma_torch.h").read_text()
     for header in ("flash_params.h", "flash_common.cuh", "flash_mma.cuh", "flash_mma_steps.cuh",
-                   "flash_mma_kernel.cuh", "hopper.cuh"):
+                   "flash_mma_kernel.cuh", "hopper.cuh", "hopper_layout.h"):
         text = (cuda_ext.CUDA_DIR / header).read_text()
         assert not any(f"#include <{lib}" in text for lib in ("torch", "ATen", "c10")), header
 
@@ -470,13 +470,14 @@ def test_wgmma_gemm_torch_checks():
     setup = ('f = cuda_ext.load("wgmma_gemm").wgmma_gemm_forward\n'
              'a = torch.randn(64, 128, device="cuda", dtype=torch.bfloat16)')
     assert_torch_checks(setup, [
-        ("f(a.cpu(), a)", "a must be a CUDA tensor"),
-        ("f(a, a.float())", "b must be float16 or bfloat16"),
-        ("f(a.t(), a)", "a must be contiguous and 16-byte aligned"),
-        ("f(a, torch.randn(1 + a.numel(), device='cuda', dtype=a.dtype)[1:].view(a.shape))", "b must be contiguous"),
-        ("f(a[:32], a)", "a's dims must be positive multiples of 64"),
-        ("f(a, a.half())", "a is BFloat16 but b is Half"),
-        ("f(a, a[:, :64].contiguous())", "a has K = 128 but b has K = 64"),
+        ("f(a, a, 3)", "step must be 1 (thread copies) or 2 (TMA), got 3"),
+        ("f(a.cpu(), a, 2)", "a must be a CUDA tensor"),
+        ("f(a, a.float(), 2)", "b must be float16 or bfloat16"),
+        ("f(a.t(), a, 1)", "a must be contiguous and 16-byte aligned"),
+        ("f(a, torch.randn(1 + a.numel(), device='cuda', dtype=a.dtype)[1:].view(a.shape), 2)", "b must be contiguous"),
+        ("f(a[:32], a, 2)", "a's dims must be positive multiples of 64"),
+        ("f(a, a.half(), 2)", "a is BFloat16 but b is Half"),
+        ("f(a, a[:, :64].contiguous(), 2)", "a has K = 128 but b has K = 64"),
     ])
 
 

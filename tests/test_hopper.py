@@ -7,6 +7,7 @@ import torch
 
 from utils import cuda_ext, gpu, hopper
 from utils.cuda_ext import find_nvcc
+from utils.exercises.cuda_kernels import host_compiler
 
 needs_nvcc = pytest.mark.skipif(find_nvcc() is None, reason="nvcc not found")
 on_hopper = pytest.mark.skipif(not torch.cuda.is_available() or gpu.capability() != (9, 0),
@@ -72,30 +73,32 @@ def test_validation():
         hopper.decode_descriptor(-1)
 
 
-@needs_nvcc
+@pytest.mark.skipif(host_compiler() is None, reason="no host C++ compiler")
 def test_the_cuda_header_computes_what_the_model_does(tmp_path):
-    """hopper.cuh's smem_desc and swizzle run on the host too: compile a tiny program and compare."""
+    """hopper_layout.h is plain C++ too: compile a tiny program with the host compiler and compare."""
     cases = [(a, l, s, m) for a in (0, 0x400, 0x3FFF0) for l in (16, 4096) for s in (256, 1024)
              for m in (0, 32, 64, 128)]
     codes = {0: "kNone", 128: "k128B", 64: "k64B", 32: "k32B"}
     lines = [f'printf("%llu %u\\n", (unsigned long long)smem_desc({a}u, {l}u, {s}u, Swizzle::{codes[m]}), '
              f'swizzle({a + l + s}u, Swizzle::{codes[m]}));' for a, l, s, m in cases]
-    source = tmp_path / "check.cu"
-    source.write_text('#include <cstdio>\n#include "hopper.cuh"\nusing namespace course_hopper;\n'
+    source = tmp_path / "check.cpp"
+    source.write_text('#include <cstdio>\n#include "hopper_layout.h"\nusing namespace course_hopper;\n'
                       "int main() {\n" + "\n".join(lines) + "\n}\n")
-    subprocess.run([find_nvcc(), "-std=c++17", f"-I{cuda_ext.CUDA_DIR}", str(source), "-o", str(tmp_path / "a")],
+    subprocess.run([host_compiler(), "-std=c++17", f"-I{cuda_ext.CUDA_DIR}", str(source), "-o", str(tmp_path / "a")],
                    check=True, capture_output=True)
-    out = subprocess.run([str(tmp_path / "a")], check=True, capture_output=True, text=True).stdout.split("\n")
-    for (a, l, s, m), line in zip(cases, out, strict=False):
-        expected = f"{hopper.smem_descriptor(a, leading_bytes=l, stride_bytes=s, mode=m)} {hopper.swizzle(a + l + s, m)}"
+    out = subprocess.run([str(tmp_path / "a")], check=True, capture_output=True, text=True).stdout.splitlines()
+    assert len(out) == len(cases)
+    for (a, l, s, m), line in zip(cases, out, strict=True):
+        desc = hopper.smem_descriptor(a, leading_bytes=l, stride_bytes=s, mode=m)
+        expected = f"{desc} {hopper.swizzle(a + l + s, m)}"
         assert line == expected, (a, l, s, m)
 
 
 @needs_nvcc
 def test_the_wgmma_kernel_compiles_for_sm90a_only():
     results = cuda_ext.compile_check("wgmma_gemm")
-    assert {(r.arch, r.kernel) for r in results} == {("sm_90a", "wgmma_gemm_kernel<__half>"),
-                                                    ("sm_90a", "wgmma_gemm_kernel<__nv_bfloat16>")}
+    assert {(r.arch, r.kernel) for r in results} == {
+        ("sm_90a", f"wgmma_gemm_kernel<{t}, {tma}>") for t in ("__half", "__nv_bfloat16") for tma in ("false", "true")}
     assert all(r.spill_stores == r.spill_loads == 0 and r.registers <= 168 for r in results)
     with pytest.raises(ValueError, match="compiles for 'sm_90a' only"):
         cuda_ext.compile_check("wgmma_gemm", "sm_90")
@@ -128,6 +131,8 @@ def test_wgmma_gemm_validates_before_building():
         hopper.wgmma_gemm(a, a[:, :64])
     with pytest.raises(ValueError, match="one CUDA device"):
         hopper.wgmma_gemm(a, a)
+    with pytest.raises(ValueError, match="step must be one of"):
+        hopper.wgmma_gemm(a, a, step="cp_async")
 
 
 def _tile_report(out: torch.Tensor, ref: torch.Tensor, tol: float) -> str:
@@ -145,12 +150,13 @@ def _tile_report(out: torch.Tensor, ref: torch.Tensor, tol: float) -> str:
 
 
 @on_hopper
+@pytest.mark.parametrize("step", hopper.GEMM_STEPS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("m,n,k", [(64, 64, 64), (128, 192, 256), (256, 128, 1024)])
-def test_wgmma_gemm_matches_float64(dtype, m, n, k):
+def test_wgmma_gemm_matches_float64(step, dtype, m, n, k):
     a = torch.randn(m, k, device="cuda", dtype=dtype)
     b = torch.randn(n, k, device="cuda", dtype=dtype)
-    out = hopper.wgmma_gemm(a, b)
+    out = hopper.wgmma_gemm(a, b, step=step)
     ref = (a.double() @ b.double().T).float()
     tol = 1e-4 * k ** 0.5
     assert out.dtype == torch.float32 and out.shape == (m, n)
@@ -158,9 +164,10 @@ def test_wgmma_gemm_matches_float64(dtype, m, n, k):
 
 
 @on_hopper
-def test_wgmma_gemm_copies_what_it_cannot_read():
+@pytest.mark.parametrize("step", hopper.GEMM_STEPS)
+def test_wgmma_gemm_copies_what_it_cannot_read(step):
     flat = torch.randn(1 + 128 * 64, device="cuda", dtype=torch.bfloat16)[1:]
     a = flat.view(128, 64)  # contiguous, 2 bytes past a 16-byte boundary
     b = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)[:, 64:128]  # a column slice: not contiguous
     ref = (a.double() @ b.double().T).float()
-    torch.testing.assert_close(hopper.wgmma_gemm(a, b), ref, rtol=0, atol=1e-3)
+    torch.testing.assert_close(hopper.wgmma_gemm(a, b, step=step), ref, rtol=0, atol=1e-3)

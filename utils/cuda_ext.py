@@ -61,7 +61,7 @@ def mma_kernel_name(step: str) -> str:
 
 KERNELS.update({mma_kernel_name(s): (f"{mma_kernel_name(s)}_forward", MMA_HEADERS) for s in MMA_STEPS})
 # Notebook 06c: Hopper's wgmma and TMA exist only in sm_90a code, which runs on sm_90 GPUs (H100/H200) alone.
-KERNELS["wgmma_gemm"] = ("wgmma_gemm_forward", ("hopper.cuh", "course_str.h"))
+KERNELS["wgmma_gemm"] = ("wgmma_gemm_forward", ("hopper.cuh", "hopper_layout.h", "course_str.h"))
 HOPPER_KERNELS = ("wgmma_gemm",)
 WRAPPER_DEFINE = "#define COURSE_TORCH_WRAPPER\n"
 # -lineinfo maps SASS back to source lines in Nsight Compute and costs nothing at run time.

@@ -20,6 +20,8 @@ SWIZZLE_MODES = {0: 0, 128: 1, 64: 2, 32: 3}
 # Which address bits 7-9 each mode XORs into the 16-byte chunk index (bits 4-6).
 _SWIZZLE_MASKS = {0: 0, 32: 1, 64: 3, 128: 7}
 GEMM_TILE = 64
+# Notebook 06c's worklog for the GEMM: step 1 copies the tiles with the threads, step 2 with TMA.
+GEMM_STEPS = ("threads", "tma")
 
 
 def _check_int(name: str, value, low: int = 0, high: int | None = None) -> int:
@@ -88,12 +90,16 @@ def bank_conflicts(rows: int = 8, row_bytes: int = 128, mode: int = 128, column:
     return max(groups.count(g) for g in set(groups))
 
 
-def wgmma_gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def wgmma_gemm(a: torch.Tensor, b: torch.Tensor, *, step: str = GEMM_STEPS[-1]) -> torch.Tensor:
     """a (M, K) @ b (N, K)ᵀ -> (M, N) float32 with one warpgroup's wgmma per 64 x 64 tile (sm_90 GPUs only).
 
-    fp16 or bf16, M, N and K positive multiples of 64. Anywhere but an H100/H200 it raises a RuntimeError
-    that says so, before compiling anything."""
+    fp16 or bf16, M, N and K positive multiples of 64; `step` "threads" copies the tiles with the threads,
+    "tma" with the tensor memory accelerator. Anywhere but an H100/H200 it raises a RuntimeError that says so,
+    before compiling anything."""
     from utils import cuda_ext, gpu
+
+    if step not in GEMM_STEPS:
+        raise ValueError(f"step must be one of {GEMM_STEPS}, got {step!r}")
 
     for name, t in (("a", a), ("b", b)):
         if not isinstance(t, torch.Tensor):
@@ -114,4 +120,4 @@ def wgmma_gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     # The kernel reads contiguous rows 16 bytes at a time: anything else (a view at an odd address too) is copied.
     a, b = (t if t.is_contiguous() and t.data_ptr() % 16 == 0 else t.clone(memory_format=torch.contiguous_format)
             for t in (a, b))
-    return cuda_ext.load("wgmma_gemm").wgmma_gemm_forward(a, b)
+    return cuda_ext.load("wgmma_gemm").wgmma_gemm_forward(a, b, GEMM_STEPS.index(step) + 1)

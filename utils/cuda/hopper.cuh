@@ -1,7 +1,5 @@
 // Hopper (sm_90a) building blocks of notebook 06c, each a thin wrapper around one PTX instruction:
-//   smem_desc / swizzle   the 64-bit shared-memory matrix descriptor that wgmma reads its operands through,
-//                         and the byte permutation (swizzle) of the tile it describes; both also run on the
-//                         host, so tests compare them with utils/hopper.py's Python model
+//   hopper_layout.h       the tile layout and the descriptor wgmma reads it through (host and device code)
 //   wgmma_*               the warpgroup matrix multiply: fence, issue (m64nNk16), commit, wait
 // A warpgroup is 4 consecutive warps (128 threads) starting at a warp index divisible by 4; every wgmma
 // instruction is executed by all 128 threads together ("sync.aligned").
@@ -10,36 +8,9 @@
 #include <type_traits>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include "hopper_layout.h"
 
 namespace course_hopper {
-
-// Swizzle modes as wgmma's descriptor encodes them (bits 62-63): the width of the swizzled row in bytes.
-enum class Swizzle : uint32_t { kNone = 0, k128B = 1, k64B = 2, k32B = 3 };
-
-__host__ __device__ constexpr uint32_t swizzle_bytes(Swizzle s) {
-  return s == Swizzle::k128B ? 128 : s == Swizzle::k64B ? 64 : s == Swizzle::k32B ? 32 : 0;
-}
-
-// Where byte `offset` of a tile lands in shared memory. The 16-byte chunk index (address bits 4..6) is XORed
-// with bits 7..9, the "row" of 128 bytes within a 1024-byte block: 128-byte swizzling uses all three bits,
-// 64-byte two and 32-byte one. Consecutive rows then put the same column in different banks. The hardware
-// applies it to absolute addresses, which is why a swizzled tile must start on a 1024-byte boundary.
-__host__ __device__ constexpr uint32_t swizzle(uint32_t offset, Swizzle s) {
-  const uint32_t mask = s == Swizzle::k128B ? 7u : s == Swizzle::k64B ? 3u : s == Swizzle::k32B ? 1u : 0u;
-  return offset ^ (((offset >> 7) & mask) << 4);
-}
-
-// The descriptor: start address, leading- and stride-dimension byte offsets (each in 16-byte units, 14 bits),
-// and the swizzle mode. For a K-major tile with 128-byte swizzling, the stride offset is the distance between
-// groups of 8 rows (8 x 128 = 1024 bytes) and the leading offset is unused (K of one wgmma, 16 elements =
-// 32 bytes, lies inside one swizzled row); it is set to 1 by convention.
-__host__ __device__ constexpr uint64_t smem_desc(uint32_t smem_address, uint32_t leading_bytes,
-                                                 uint32_t stride_bytes, Swizzle s) {
-  return static_cast<uint64_t>((smem_address & 0x3FFFF) >> 4) |
-         static_cast<uint64_t>((leading_bytes >> 4) & 0x3FFF) << 16 |
-         static_cast<uint64_t>((stride_bytes >> 4) & 0x3FFF) << 32 |
-         static_cast<uint64_t>(s) << 62;
-}
 
 __device__ inline uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -53,6 +24,31 @@ __device__ inline void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n
 __device__ inline void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>
 __device__ inline void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+
+// ---- TMA: the tensor memory accelerator copies a box of a tensor into shared memory, and an mbarrier counts
+// the bytes that arrived. One thread issues the copy; everyone waits on the barrier's phase.
+__device__ inline void mbarrier_init(uint32_t bar, int arrivals) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(arrivals) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // visible to the copy engine
+}
+// This thread arrives, and the barrier expects `bytes` more to be written before the phase can complete.
+__device__ inline void mbarrier_arrive_expect(uint32_t bar, int bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ inline bool mbarrier_try_wait(uint32_t bar, int phase) {
+  uint32_t done;
+  asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+               : "=r"(done) : "r"(bar), "r"(phase) : "memory");
+  return done;
+}
+__device__ inline void mbarrier_wait(uint32_t bar, int phase) { while (!mbarrier_try_wait(bar, phase)) {} }
+// Copy the box at (x, y) (x along the contiguous dim) of the tensor `map` describes to shared address `dst`;
+// the bytes count towards `bar`. The map's swizzle mode decides the layout in shared memory.
+__device__ inline void tma_load_2d(uint32_t dst, const void* map, int x, int y, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
+      ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(bar) : "memory");
+}
 
 // Keeps the compiler from moving reads or writes of the accumulators across an asynchronous wgmma.
 template <int R>

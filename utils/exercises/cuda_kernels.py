@@ -185,14 +185,15 @@ def run_emulated(source: str, *, timeout: float = 10.0) -> str:
     return proc.stdout
 
 
-def _load_inline(name: str, cpp: str, cuda: str, functions: list[str]):
-    """Build a small extension for the GPU at hand (cached by a hash of everything that goes into it)."""
+def _load_inline(name: str, cpp: str, cuda: str, functions: list[str], flags=None):
+    """Build a small extension for the GPU at hand (cached by a hash of everything that goes into it);
+    `flags` replaces the GPU's -gencode (the Hopper exercises build for sm_90a)."""
     import torch
     from torch.utils.cpp_extension import load_inline
 
     from utils.cuda_ext import CUDA_FLAGS, gencode_flags
 
-    flags = [*CUDA_FLAGS, *gencode_flags(torch.cuda.get_device_capability())]
+    flags = [*CUDA_FLAGS, *(flags or gencode_flags(torch.cuda.get_device_capability()))]
     digest = hashlib.sha256("\0".join([cpp, cuda, *functions, *flags]).encode()).hexdigest()[:12]
     ext = f"course_exercise_{name}_{digest}"
     build = BUILD_DIR.parent / "torch_extensions" / ext

@@ -1,0 +1,69 @@
+"""Notebook 06c's exercises: each check says "not yet" on the learner's stub, fails on a plausible wrong answer
+with a message naming what is wrong, and passes on the solution. The C++ ones compile for the CPU (a host
+compiler, no nvcc needed); on an H100/H200 the checks also run the GEMM with the learner's function inside."""
+from pathlib import Path
+
+import pytest
+
+from utils.exercises import check
+from utils.exercises.cuda_kernels import host_compiler
+from utils.exercises.hopper import check_accumulator_layout, check_gemm_desc, check_tile_chunk
+from utils.learner import code_cell
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOK = ROOT / "notebooks" / "06c_hopper_wgmma.ipynb"
+needs_compiler = pytest.mark.skipif(host_compiler() is None, reason="needs a host C++ compiler")
+EXERCISES = {
+    "6c.1": ("# Exercise 6c.1", "TILE_CHUNK_CUDA", check_tile_chunk),
+    "6c.2": ("# Exercise 6c.2", "GEMM_DESC_CUDA", check_gemm_desc),
+    "6c.3": ("# Exercise 6c.3", "accumulator_element", check_accumulator_layout),
+}
+
+
+def answer(exercise: str, *, learner: bool = False, replace=()):
+    marker, name, _ = EXERCISES[exercise]
+    namespace: dict = {}
+    exec(code_cell(NOTEBOOK, marker, learner=learner, replace=replace), namespace)
+    return namespace[name]
+
+
+def run_check(exercise: str, value):
+    return check(exercise, hint="test")(lambda: EXERCISES[exercise][2](value))
+
+
+@needs_compiler
+@pytest.mark.parametrize("exercise", EXERCISES)
+def test_solution_passes(exercise):
+    assert run_check(exercise, answer(exercise)) == "right"
+
+
+@needs_compiler
+@pytest.mark.parametrize("exercise", EXERCISES)
+def test_stub_says_not_yet(exercise):
+    stub = answer(exercise, learner=True)
+    if isinstance(stub, str):
+        assert '#error "exercise: replace this line with your code"' in stub
+    assert run_check(exercise, stub) == "not yet"
+
+
+WRONG = [
+    ("6c.1", "Swizzle::k128B", "Swizzle::k64B", r"256 of 512 chunks land in the wrong place.*thread 32, i = 0 copies "
+     r"row 4, column 0 to byte 512; the 128-byte swizzle puts it at 4 \* 128 \+ \(0 \^ 4\) \* 16 = 576"),
+    ("6c.1", "tid + 128 * i", "tid + 64 * i", r"192 chunks are copied more than once, e\.g\. row 8, column 0"),
+    ("6c.1", "swizzle(row * 128 + col * 16, Swizzle::k128B)", "row * 128 + col * 16",
+     r"rows with wrong bytes: 1–7, 9–15"),
+    ("6c.2", "32 * k_step", "16 * k_step", r"gemm_desc\(0x0, 1\): start address 0x10, expected 0x20"),
+    ("6c.2", "8 * 128", "128", r"stride offset 128 bytes, expected 1024"),
+    ("6c.2", "Swizzle::k128B", "Swizzle::kNone", r"swizzle mode 0 bytes, expected 128"),
+    ("6c.3", "8 * (r // 2)", "8 * (r % 2)", r"thread 0 \(warp 0, lane 0\), register 1: you say \(row, col\) = "
+     r"\(8, 1\), the tensor cores put \(0, 1\) there"),
+    ("6c.3", "16 * warp + g", "g", r"in warps \[1, 2, 3\]"),
+]
+
+
+@needs_compiler
+@pytest.mark.parametrize("exercise, old, new, message", WRONG, ids=[f"{w[0]}-{w[2][:24]}" for w in WRONG])
+def test_wrong_answer_fails_and_says_where(exercise, old, new, message, capsys):
+    with pytest.raises(AssertionError, match=message):
+        run_check(exercise, answer(exercise, replace=[(old, new)]))
+    assert "✗" in capsys.readouterr().out

@@ -1,0 +1,167 @@
+"""Checks of notebook 06c's exercises, whose solutions are C++ functions of utils/cuda/hopper_layout.h.
+
+1. On the CPU (any machine with a C++ compiler): the learner's function is compiled beside the header with a
+   small driver that prints what it returns for every input the kernel uses; the answers are compared with
+   utils.hopper's model, and the message names the threads, rows or descriptor fields that are wrong.
+2. On an sm_90 GPU (H100/H200): the wgmma GEMM of utils/cuda/wgmma_gemm.cu is rebuilt with the learner's
+   function in place of the course's and compared with a float64 product, tile by tile.
+"""
+from __future__ import annotations
+
+import hashlib
+import subprocess
+
+from utils import hopper
+from utils.exercises import _spans
+from utils.exercises.cuda_kernels import BUILD_DIR, CUDA_DIR, _compiler_error, _load_inline, host_compiler
+
+# The macro that keeps hopper_layout.h's own version of each exercise's function out.
+EXERCISE_MACROS = {"tile_chunk": "COURSE_EXERCISE_TILE_CHUNK", "gemm_desc": "COURSE_EXERCISE_GEMM_DESC"}
+
+
+def _with_header(function: str, source: str) -> str:
+    return (f"#define {EXERCISE_MACROS[function]}\n#include \"hopper_layout.h\"\n"
+            f"namespace course_hopper {{\n{source}\n}}  // namespace course_hopper\n")
+
+
+def run_host(program: str, *, timeout: float = 20.0) -> str:
+    """Compile C++ `program` (utils/cuda on the include path) with the host compiler, run it, return stdout.
+    Cached under build/exercises/ by a hash of the program; a stub raises NotImplementedError."""
+    compiler = host_compiler()
+    if compiler is None:
+        raise RuntimeError("no host C++ compiler (c++, g++ or clang++): the CPU part of this check needs one")
+    header = (CUDA_DIR / "hopper_layout.h").read_text()
+    digest = hashlib.sha256(f"{compiler}\0{header}\0{program}".encode()).hexdigest()[:16]
+    binary = BUILD_DIR / f"hopper_{digest}"
+    if not binary.is_file():
+        BUILD_DIR.mkdir(parents=True, exist_ok=True)
+        cpp = BUILD_DIR / f"hopper_{digest}.cpp"
+        cpp.write_text(program)
+        proc = subprocess.run([compiler, "-std=c++17", "-O1", "-w", f"-I{CUDA_DIR}", str(cpp), "-o", str(binary)],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise _compiler_error("the host compiler, building your function", proc.stderr) from None
+    proc = subprocess.run([str(binary)], capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"your function crashed the test program (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
+    return proc.stdout
+
+
+# ---- Exercise 6c.1: which chunk each thread copies, and where it goes -----------------------------------------
+
+def _tile_chunks(source: str) -> dict:
+    driver = ("#include <cstdio>\nint main() {\n  for (int tid = 0; tid < 128; ++tid)\n"
+              "    for (int i = 0; i < 4; ++i) {\n      const auto c = course_hopper::tile_chunk(tid, i);\n"
+              '      std::printf("%d %d %d %d %u\\n", tid, i, c.row, c.col, c.smem_byte);\n    }\n}\n')
+    rows = [tuple(int(x) for x in line.split()) for line in run_host(_with_header("tile_chunk", source) + driver)
+            .splitlines()]
+    return {(tid, i): (row, col, byte) for tid, i, row, col, byte in rows}
+
+
+def check_tile_chunk(source: str) -> None:
+    """Exercise 6c.1: every chunk of the 64 x 64 tile copied once, each to its 128-byte-swizzled byte."""
+    chunks = _tile_chunks(source)
+    outside = [(k, v) for k, v in chunks.items() if not (0 <= v[0] < 64 and 0 <= v[1] < 8)]
+    assert not outside, (f"thread {outside[0][0][0]}, chunk {outside[0][0][1]} names row {outside[0][1][0]}, "
+                         f"column {outside[0][1][1]}: outside the tile (rows 0-63, 16-byte columns 0-7)")
+    copies: dict = {}
+    for (tid, i), (row, col, _) in chunks.items():
+        copies.setdefault((row, col), []).append((tid, i))
+    twice = [(rc, who) for rc, who in sorted(copies.items()) if len(who) > 1]
+    assert not twice, (f"{len(twice)} chunks are copied more than once, e.g. row {twice[0][0][0]}, column "
+                       f"{twice[0][0][1]} by (thread, i) {twice[0][1]}")
+    missing_rows = sorted({r for r in range(64) for c in range(8) if (r, c) not in copies})
+    assert not missing_rows, f"rows {_spans(missing_rows)} are never (fully) copied"
+    wrong = [(k, v) for k, v in sorted(chunks.items()) if v[2] != hopper.swizzle(v[0] * 128 + v[1] * 16, 128)]
+    if wrong:
+        (tid, i), (row, col, byte) = wrong[0]
+        raise AssertionError(
+            f"{len(wrong)} of 512 chunks land in the wrong place, e.g. thread {tid}, i = {i} copies row {row}, column "
+            f"{col} to byte {byte}; the 128-byte swizzle puts it at {row} * 128 + ({col} ^ {row % 8}) * 16 = "
+            f"{hopper.swizzle(row * 128 + col * 16, 128)} (rows with wrong bytes: "
+            f"{_spans(sorted({v[0] for _, v in wrong}))})")
+    # Correct either way; say when a warp's 32 loads are not whole rows (each row is one 128-byte segment).
+    scattered = [(w, i) for w in range(4) for i in range(4)
+                 if len({chunks[32 * w + lane, i][0] for lane in range(32)}) > 4]
+    if scattered:
+        print(f"note: correct, but warp {scattered[0][0]}'s loads for i = {scattered[0][1]} touch more than 4 rows "
+              "(more 128-byte segments of global memory per load than needed)")
+    _check_gemm_on_gpu({"tile_chunk": source})
+
+
+# ---- Exercise 6c.2: the descriptor of each K-slice --------------------------------------------------------------
+
+DESC_TILES = (0x0, 0x400, 0x2000, 0x1FC00)
+
+
+def check_gemm_desc(source: str) -> None:
+    """Exercise 6c.2: gemm_desc(tile, k_step) describes K-slice k_step of a 128-byte-swizzled K-major tile."""
+    driver = ("#include <cstdio>\nint main() {\n"
+              f"  const unsigned tiles[] = {{{', '.join(str(t) for t in DESC_TILES)}}};\n"
+              "  for (unsigned t : tiles)\n    for (int k = 0; k < 4; ++k)\n"
+              '      std::printf("%llu\\n", (unsigned long long)course_hopper::gemm_desc(t, k));\n}\n')
+    got = [int(x) for x in run_host(_with_header("gemm_desc", source) + driver).split()]
+    cases = [(t, k) for t in DESC_TILES for k in range(4)]
+    for (tile, k), desc in zip(cases, got, strict=True):
+        fields = hopper.decode_descriptor(desc)
+        where = f"gemm_desc(0x{tile:x}, {k})"
+        assert fields["address"] == tile + 32 * k, (
+            f"{where}: start address 0x{fields['address']:x}, expected 0x{tile + 32 * k:x} (K-slice {k} of 16 "
+            f"elements starts {32 * k} bytes into each row; the address is stored >> 4 in bits 0-13)")
+        assert fields["stride_bytes"] == 1024, (
+            f"{where}: stride offset {fields['stride_bytes']} bytes, expected 1024 (groups of 8 rows of 128 bytes; "
+            f"stored >> 4 in bits 32-45)")
+        assert fields["mode"] == 128, f"{where}: swizzle mode {fields['mode']} bytes, expected 128 (bits 62-63 = 1)"
+        assert fields["base_offset"] == 0 and desc >> 46 & 0x7 == 0 and desc >> 52 & 0x3FF == 0, (
+            f"{where}: bits outside the fields are set (0x{desc:016x})")
+    _check_gemm_on_gpu({"gemm_desc": source})
+
+
+# ---- on an H100/H200: the GEMM with the learner's function inside --------------------------------------------
+
+def _check_gemm_on_gpu(sources: dict) -> None:
+    import torch
+
+    from utils import gpu
+    from utils.exercises import assert_rows_close
+
+    if not torch.cuda.is_available() or gpu.capability() != (9, 0):
+        return  # the CPU part above is the whole check elsewhere
+    prelude = "".join(f"#define {EXERCISE_MACROS[name]}\n" for name in sources) + '#include "hopper_layout.h"\n'
+    learner = "".join(f"namespace course_hopper {{\n{src}\n}}\n" for src in sources.values())
+    cuda = prelude + learner + '#include "wgmma_gemm.cu"\n'
+    cpp = '#define COURSE_TORCH_WRAPPER\n#include "wgmma_gemm.cu"\n'
+    module = _load_inline("wgmma_gemm_" + "_".join(sources), cpp, cuda, ["wgmma_gemm_forward"],
+                          flags=["-gencode=arch=compute_90a,code=sm_90a"])
+    a = torch.randn(192, 256, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16)
+    out = module.wgmma_gemm_forward(a, b, 1)  # step 1: the threads copy the tiles, with tile_chunk
+    assert_rows_close(out, (a.double() @ b.double().T).float(), atol=2e-3, rtol=0, block_rows=64, name="C = A Bᵀ")
+
+
+# ---- Exercise 6c.3: which thread holds which accumulator element -----------------------------------------------
+
+def _ptx_accumulator_element(tid: int, reg: int) -> tuple:
+    # PTX ISA, wgmma .m64nNk16 D fragments: warp w of the warpgroup owns rows 16w..16w+15; within it the
+    # layout of mma.m16n8's C fragment, repeated every 8 columns (4 registers per 8 columns).
+    warp, lane = divmod(tid, 32)
+    return 16 * warp + lane // 4 + 8 * (reg % 4 // 2), 8 * (reg // 4) + 2 * (lane % 4) + reg % 2
+
+
+def check_accumulator_layout(fn) -> None:
+    """Exercise 6c.3: fn(tid, reg) -> (row, col) of the 64 x 64 fp32 accumulator of wgmma m64n64k16."""
+    if not callable(fn):
+        raise TypeError(f"pass your function, got {type(fn).__name__}")
+    wrong, warps = [], set()
+    for tid in range(128):
+        for reg in range(32):
+            got, expected = tuple(fn(tid, reg)), _ptx_accumulator_element(tid, reg)
+            if got != expected:
+                wrong.append((tid, reg, got, expected))
+                warps.add(tid // 32)
+    if wrong:
+        tid, reg, got, expected = wrong[0]
+        raise AssertionError(
+            f"{len(wrong)} of 4096 (thread, register) pairs are wrong, in warps {sorted(warps)}; e.g. thread {tid} "
+            f"(warp {tid // 32}, lane {tid % 32}), register {reg}: you say (row, col) = {got}, the tensor cores "
+            f"put {expected} there")
