@@ -150,6 +150,28 @@ inline void __syncwarp(unsigned = 0xffffffffu) { warp_emulation::meeting->arrive
 """
 
 
+def build_host(program: str, *, prefix: str, flags: list, what: str, note: str = "", depends: str = "") -> Path:
+    """Compile C++ `program` with the host compiler (utils/cuda on the include path) and return the binary.
+
+    Builds are cached under build/exercises/ by a hash of the compiler, flags, program and `depends` (the text
+    of headers it includes). A stub raises NotImplementedError, another compile error a RuntimeError that
+    starts with `what` and ends with the compiler's message and `note`."""
+    compiler = host_compiler()
+    if compiler is None:
+        raise RuntimeError("no host C++ compiler (c++, g++ or clang++): the CPU part of this check needs one")
+    digest = hashlib.sha256("\0".join([compiler, *flags, program, depends]).encode()).hexdigest()[:16]
+    binary = BUILD_DIR / f"{prefix}_{digest}"
+    if not binary.is_file():
+        BUILD_DIR.mkdir(parents=True, exist_ok=True)
+        cpp = BUILD_DIR / f"{prefix}_{digest}.cpp"
+        cpp.write_text(program)
+        proc = subprocess.run([compiler, *flags, f"-I{CUDA_DIR}", str(cpp), "-o", str(binary)],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise _compiler_error(what, proc.stderr + note) from None
+    return binary
+
+
 def run_emulated(source: str, *, timeout: float = 10.0) -> str:
     """Compile C++ `source` (WARP_EMULATION goes first) with the host compiler, run it, return its stdout.
 
@@ -157,22 +179,10 @@ def run_emulated(source: str, *, timeout: float = 10.0) -> str:
     program that does not finish in `timeout` seconds (lanes waiting at a shuffle that others skipped) raises
     an AssertionError that says so.
     """
-    compiler = host_compiler()
-    if compiler is None:
-        raise RuntimeError("no host C++ compiler (c++, g++ or clang++): the CPU part of this check needs one")
-    program = WARP_EMULATION + source
-    digest = hashlib.sha256(f"{compiler}\0{program}".encode()).hexdigest()[:16]
-    binary = BUILD_DIR / f"warp_emulation_{digest}"
-    if not binary.is_file():
-        BUILD_DIR.mkdir(parents=True, exist_ok=True)
-        cpp = BUILD_DIR / f"warp_emulation_{digest}.cpp"
-        cpp.write_text(program)
-        proc = subprocess.run([compiler, "-std=c++20", "-O1", "-pthread", "-w", str(cpp), "-o", str(binary)],
-                              capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise _compiler_error("the host compiler, building the CPU emulation of your code", proc.stderr +
-                                  "\n(the emulation knows __shfl_xor/down/up_sync, __shfl_sync, __syncwarp, "
-                                  "ldmatrix_x4, ldmatrix_x4_trans and smem_offset)") from None
+    binary = build_host(WARP_EMULATION + source, prefix="warp_emulation", flags=["-std=c++20", "-O1", "-pthread", "-w"],
+                        what="the host compiler, building the CPU emulation of your code",
+                        note="\n(the emulation knows __shfl_xor/down/up_sync, __shfl_sync, __syncwarp, "
+                             "ldmatrix_x4, ldmatrix_x4_trans and smem_offset)")
     try:
         proc = subprocess.run([str(binary)], capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -8,12 +8,11 @@
 """
 from __future__ import annotations
 
-import hashlib
 import subprocess
 
 from utils import hopper
 from utils.exercises import _spans
-from utils.exercises.cuda_kernels import BUILD_DIR, CUDA_DIR, _compiler_error, _load_inline, host_compiler
+from utils.exercises.cuda_kernels import CUDA_DIR, _load_inline, build_host
 
 # The macro that keeps hopper_layout.h's own version of each exercise's function out.
 EXERCISE_MACROS = {"tile_chunk": "COURSE_EXERCISE_TILE_CHUNK", "gemm_desc": "COURSE_EXERCISE_GEMM_DESC"}
@@ -26,21 +25,10 @@ def _with_header(function: str, source: str) -> str:
 
 def run_host(program: str, *, timeout: float = 20.0) -> str:
     """Compile C++ `program` (utils/cuda on the include path) with the host compiler, run it, return stdout.
-    Cached under build/exercises/ by a hash of the program; a stub raises NotImplementedError."""
-    compiler = host_compiler()
-    if compiler is None:
-        raise RuntimeError("no host C++ compiler (c++, g++ or clang++): the CPU part of this check needs one")
-    header = (CUDA_DIR / "hopper_layout.h").read_text()
-    digest = hashlib.sha256(f"{compiler}\0{header}\0{program}".encode()).hexdigest()[:16]
-    binary = BUILD_DIR / f"hopper_{digest}"
-    if not binary.is_file():
-        BUILD_DIR.mkdir(parents=True, exist_ok=True)
-        cpp = BUILD_DIR / f"hopper_{digest}.cpp"
-        cpp.write_text(program)
-        proc = subprocess.run([compiler, "-std=c++17", "-O1", "-w", f"-I{CUDA_DIR}", str(cpp), "-o", str(binary)],
-                              capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise _compiler_error("the host compiler, building your function", proc.stderr) from None
+    A stub raises NotImplementedError."""
+    binary = build_host(program, prefix="hopper", flags=["-std=c++17", "-O1", "-w"],
+                        what="the host compiler, building your function",
+                        depends=(CUDA_DIR / "hopper_layout.h").read_text())
     proc = subprocess.run([str(binary)], capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(f"your function crashed the test program (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
