@@ -2,6 +2,8 @@
 
 FLOPs are counted as 2.5× the forward's (`utils.bench.attention_flops(mode="bwd")`: five N×N matmuls instead of
 two), halved when causal, as in the FlashAttention-2 paper. Every number of a table is measured in one run.
+Besides the default backends, `--backends` takes sdpa_efficient and `--peers triton-tutorial` the Triton
+tutorial's backward (utils.bench.peers, read from its own file; shapes it cannot run are "not supported").
 """
 from __future__ import annotations
 
@@ -10,9 +12,10 @@ from pathlib import Path
 
 import torch
 
-from utils.bench import attention_flops, benchmark, tflops
+from utils.bench import attention_flops, benchmark, peers, tflops
 
-BACKENDS = ("triton", "sdpa_flash", "sdpa_cudnn")
+BACKENDS = ("triton", "sdpa_flash", "sdpa_cudnn")                # the default set (notebook 07's)
+KNOWN = BACKENDS + ("sdpa_efficient", "triton_tutorial")         # measured when asked for
 DEFAULT_OUT = Path(__file__).resolve().parents[2] / "images" / "07_backward_benchmark.json"
 
 
@@ -21,7 +24,8 @@ def _sdpa_backward(backend_name):
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    backend = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}[backend_name]
+    backend = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
+               "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION}[backend_name]
 
     def prepare(q, k, v, do, causal):
         q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
@@ -44,16 +48,31 @@ def _triton_backward(config=None):
     return prepare
 
 
+def _peer_backward(peer):
+    def prepare(q, k, v, do, causal):  # the peer's autograd backward, as SDPA's is timed above
+        q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+        out = peer(q, k, v, causal=causal)
+        return lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
+    return prepare
+
+
 def run_backward_benchmark(seqlens=(2048, 4096, 8192, 16384), head_dims=(64, 128), causal=(False, True), *,
-                           batch=4, heads=16, dtype=torch.bfloat16, backends=BACKENDS, config=None) -> list[dict]:
+                           batch=4, heads=16, dtype=torch.bfloat16, backends=BACKENDS, config=None,
+                           tutorial=None) -> list[dict]:
     """Time the backward of each backend on each shape; returns rows {backend, seqlen, head_dim, causal, ms,
-    tflops, error}. A backend that cannot run a shape gets ms=None and the error's message. Needs a CUDA GPU."""
+    tflops, error}. A backend that cannot run a shape gets ms=None and the error's message ("not supported: ..."
+    where the tutorial says so beforehand). `tutorial`: the peer (utils.bench.peers.TutorialPeer) that backend
+    "triton_tutorial" runs. Needs a CUDA GPU."""
+    unknown = [b for b in backends if b not in KNOWN]
+    if unknown:
+        raise ValueError(f"unknown backends {unknown}; known: {', '.join(KNOWN)}")
+    if ("triton_tutorial" in backends) != (tutorial is not None):
+        raise ValueError("backend 'triton_tutorial' and tutorial= (a utils.bench.peers.TutorialPeer) go together")
     if not torch.cuda.is_available():
         raise RuntimeError("run_backward_benchmark needs a CUDA GPU")
-    unknown = [b for b in backends if b not in BACKENDS]
-    if unknown:
-        raise ValueError(f"unknown backends {unknown}; known: {', '.join(BACKENDS)}")
-    makers = {b: _triton_backward(config) if b == "triton" else _sdpa_backward(b) for b in backends}
+    capability = torch.cuda.get_device_capability()
+    special = {"triton": lambda: _triton_backward(config), "triton_tutorial": lambda: _peer_backward(tutorial)}
+    makers = {b: special[b]() if b in special else _sdpa_backward(b) for b in backends}
     rows = []
     for d in head_dims:
         for n in seqlens:
@@ -64,6 +83,12 @@ def run_backward_benchmark(seqlens=(2048, 4096, 8192, 16384), head_dims=(64, 128
                 flops = attention_flops(batch, heads, n, n, d, causal=c, mode="bwd")
                 for name, prepare in makers.items():
                     row = dict(backend=name, seqlen=n, head_dim=d, causal=c, ms=None, tflops=None, error=None)
+                    why = None if name != "triton_tutorial" else tutorial.unsupported(
+                        d, dtype, c, seqlen=n, mode="bwd", capability=capability)
+                    if why is not None:
+                        row["error"] = f"not supported: {why}"
+                        rows.append(row)
+                        continue
                     try:
                         ms = benchmark(prepare(q, k, v, do, c))
                         row.update(ms=ms, tflops=tflops(flops, ms))
@@ -78,8 +103,8 @@ def run_backward_benchmark(seqlens=(2048, 4096, 8192, 16384), head_dims=(64, 128
 def ratios(rows: list[dict], numerator="triton", denominator="sdpa_flash") -> dict:
     """{(seqlen, head_dim, causal): tflops[numerator] / tflops[denominator]} where both were measured."""
     for name in (numerator, denominator):
-        if name not in BACKENDS:
-            raise ValueError(f"unknown backend {name!r}; known: {', '.join(BACKENDS)}")
+        if name not in KNOWN:
+            raise ValueError(f"unknown backend {name!r}; known: {', '.join(KNOWN)}")
     table = {(r["seqlen"], r["head_dim"], r["causal"], r["backend"]): r["tflops"] for r in rows}
     out = {}
     for (n, d, c, b), value in table.items():
@@ -90,19 +115,26 @@ def ratios(rows: list[dict], numerator="triton", denominator="sdpa_flash") -> di
 
 
 def format_table(rows: list[dict]) -> str:
-    """A plain-text table: one line per shape, TFLOP/s per backend and the triton / sdpa_flash ratio."""
-    backends = [b for b in BACKENDS if any(r["backend"] == b for r in rows)]
-    ratio = ratios(rows) if {"triton", "sdpa_flash"} <= set(backends) else {}
-    lines = [f"{'N':>6} {'D':>4} {'causal':>6} " + " ".join(f"{b:>11}" for b in backends) + "  triton/flash"]
+    """A plain-text table: one line per shape, TFLOP/s per backend, the triton / sdpa_flash ratio and, when the
+    tutorial was measured, the triton / triton_tutorial ratio."""
+    backends = [b for b in KNOWN if any(r["backend"] == b for r in rows)]
+    width = {b: max(11, len(b)) for b in backends}
+    columns = [("triton/flash", "sdpa_flash")] + [("triton/tutorial", "triton_tutorial")] * (
+        "triton_tutorial" in backends)
+    ratio = {title: ratios(rows, "triton", b) if {"triton", b} <= set(backends) else {} for title, b in columns}
+    lines = [f"{'N':>6} {'D':>4} {'causal':>6} " + " ".join(f"{b:>{width[b]}}" for b in backends)
+             + "".join(f"  {title:>12}" for title, _ in columns)]
     shapes = sorted({(r["seqlen"], r["head_dim"], r["causal"]) for r in rows}, key=lambda s: (s[1], s[2], s[0]))
     for n, d, c in shapes:
         cells = []
         for b in backends:
             t = next((r["tflops"] for r in rows if (r["seqlen"], r["head_dim"], r["causal"], r["backend"]) ==
                       (n, d, c, b)), None)
-            cells.append(f"{t:11.1f}" if t else f"{'-':>11}")
-        r = ratio.get((n, d, c))
-        lines.append(f"{n:>6} {d:>4} {str(c):>6} " + " ".join(cells) + (f"  {r:11.2f}x" if r else ""))
+            cells.append(f"{t:{width[b]}.1f}" if t else f"{'-':>{width[b]}}")
+        rs = [(ratio[title].get((n, d, c)), max(12, len(title))) for title, _ in columns]
+        line = f"{n:>6} {d:>4} {str(c):>6} " + " ".join(cells) + "".join(
+            f"  {r:{w - 1}.2f}x" if r else " " * (w + 2) for r, w in rs)
+        lines.append(line.rstrip())
     return "\n".join(lines)
 
 
@@ -129,9 +161,9 @@ def plot_backward_benchmark(rows: list[dict], title: str = ""):
     if not head_dims:
         raise ValueError("no rows to plot")
     fig, axes = plt.subplots(1, len(head_dims), figsize=(6 * len(head_dims), 4), sharey=True, squeeze=False)
-    colors = {"triton": "C0", "sdpa_flash": "C1", "sdpa_cudnn": "C2"}
+    colors = {"triton": "C0", "sdpa_flash": "C1", "sdpa_cudnn": "C2", "sdpa_efficient": "C3", "triton_tutorial": "C4"}
     for ax, d in zip(axes[0], head_dims):
-        for b in BACKENDS:
+        for b in KNOWN:
             for c, style in ((False, "-"), (True, "--")):
                 pts = sorted((r["seqlen"], r["tflops"]) for r in rows
                              if r["backend"] == b and r["head_dim"] == d and r["causal"] == c and r["tflops"])
@@ -150,23 +182,39 @@ def plot_backward_benchmark(rows: list[dict], title: str = ""):
     return fig
 
 
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def parse_args(argv=None):
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m utils.bench.backward",
+                                     description="Backward-pass benchmark: Triton against SDPA's backends")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--backends", nargs="+", choices=[b for b in KNOWN if b != "triton_tutorial"],
+                        default=list(BACKENDS), help="the tutorial is added by --peers")
+    peers.add_arguments(parser, choices=("triton-tutorial",))  # warp specialization only changes its forward
+    return parser.parse_args(argv)
+
+
 def main(argv=None) -> list[dict]:
     """`python -m utils.bench.backward [--out images/07_backward_benchmark.json]`: the full grid, its JSON and plot."""
-    import argparse
     import sys
 
     from utils import gpu
 
-    parser = argparse.ArgumentParser(description="Backward-pass benchmark: Triton against SDPA's backends")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    args = parser.parse_args(argv)
-    rows = run_backward_benchmark()
+    args = parse_args(argv)
+    tutorial = peers.from_args(args).get("triton-tutorial")
+    backends = [*args.backends, *(["triton_tutorial"] if tutorial else [])]
+    rows = run_backward_benchmark(dtype=DTYPES[args.dtype], backends=backends, tutorial=tutorial)
     command = "python -m utils.bench.backward " + " ".join(sys.argv[1:] if argv is None else argv)
     env = gpu.environment(command)
+    extra = dict(peers={"triton_tutorial": tutorial.provenance()}) if tutorial else {}
     save_results(rows, args.out, environment=env, gpu=env["gpu"], torch=env["torch"], triton=env["triton"],
-                 batch=4, heads=16, dtype="bfloat16")
-    plot_backward_benchmark(rows, f"{env['gpu']}, bf16, B=4, H=16").savefig(args.out.with_suffix(".png"),
-                                                                              bbox_inches="tight")
+                 batch=4, heads=16, dtype=str(DTYPES[args.dtype]).removeprefix("torch."), **extra)
+    plot_backward_benchmark(rows, f"{env['gpu']}, {args.dtype}, B=4, H=16").savefig(args.out.with_suffix(".png"),
+                                                                                    bbox_inches="tight")
     print(format_table(rows))
     return rows
 

@@ -3,12 +3,15 @@
     python -m utils.bench.forward                                  # triton vs SDPA flash/cudnn/efficient, the full grid
     python -m utils.bench.forward --impls triton --seqlens 1024 2048 --head-dims 64 --name quick
     python -m utils.bench.forward --worklog --sdpa flash cudnn --name triton_fwd_h200   # notebook 05b's steps too
+    python -m utils.bench.forward --dtype fp16 --peers triton-tutorial --tutorial PATH --tutorial-ref release/3.6.x
 
 Every configuration is timed in the same run with `utils.bench.benchmark` (triton.testing.do_bench: median,
 L2 flushed) and reported as TFLOP/s (utils.bench.attention_flops: 4·B·H·N²·D, halved when causal) and as
-ratios to each SDPA backend. Results go to images/<name>.json and a plot images/<name>.png (TFLOP/s against N,
-one line per implementation, one panel per head dim and causal setting). Needs a CUDA GPU; the pure parts
-(argument parsing, the JSON, the plot and the ratio table) take a timing function and run anywhere.
+ratios to each SDPA backend. `--peers` adds the Triton tutorial's kernel (utils.bench.peers: read from its own
+file at run time; shapes it cannot run are recorded as "not supported"). Results go to images/<name>.json and a
+plot images/<name>.png (TFLOP/s against N, one line per implementation, one panel per head dim and causal
+setting). Needs a CUDA GPU; the pure parts (argument parsing, the JSON, the plot and the ratio table) take a
+timing function and run anywhere. utils.bench.peers_sweep puts forward and backward, fp16 and bf16, in one run.
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ from pathlib import Path
 import torch
 
 from utils import gpu
-from utils.bench import attention_flops, tflops
+from utils.bench import attention_flops, peers, tflops
 
 SDPA_BACKENDS = ("flash", "cudnn", "efficient")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -43,6 +46,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also time notebook 05b's intermediate kernels (utils.flash_triton.WORKLOG)")
     p.add_argument("--sweep", action="store_true",
                    help="also time every tile config of utils.flash_triton.SWEEP_CONFIGS, with and without TMA")
+    peers.add_arguments(p)
     p.add_argument("--name", default="bench_fwd", help="output files images/<name>.json and .png")
     p.add_argument("--out-dir", type=Path, default=IMAGES)
     args = p.parse_args(argv)
@@ -51,8 +55,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--{flag} must be positive")
     if any(n <= 0 for n in args.seqlens) or any(d <= 0 for d in args.head_dims):
         p.error("--seqlens and --head-dims must be positive")
-    if not args.impls and not args.sdpa:
-        p.error("nothing to measure: give --impls or --sdpa")
+    if not args.impls and not args.sdpa and not args.peers:
+        p.error("nothing to measure: give --impls, --sdpa or --peers")
     if "/" in args.name or not args.name:
         p.error("--name must be a bare file name")
     return args
@@ -74,7 +78,8 @@ def sdpa_pinned(backend: str):
 
 
 def candidates(args) -> dict:
-    """{label: fn(q, k, v, causal=...)} for the registry names and pinned SDPA backends asked for."""
+    """{label: fn(q, k, v, causal=...)} for the registry names, pinned SDPA backends and peers asked for (a peer
+    whose file is missing is left out with a message)."""
     from utils.attention import REGISTRY
 
     out = {}
@@ -93,6 +98,7 @@ def candidates(args) -> dict:
                 out[name] = variant(c, Steps(tma=tma), name)
     for backend in args.sdpa:
         out[f"sdpa-{backend}"] = sdpa_pinned(backend)
+    out.update(peers.from_args(args))
     return out
 
 
@@ -105,7 +111,8 @@ def run(args, fns: dict, time_ms=None, device="cuda", progress=True) -> list[dic
     """Time every fn on every configuration; one record per (impl, head_dim, causal, seqlen).
 
     `time_ms(fn, q, k, v, causal)` returns milliseconds (default: utils.bench.benchmark). A failure (an SDPA
-    backend that refuses a shape, out of memory) is recorded with tflops None and its error, not raised.
+    backend that refuses a shape, out of memory) is recorded with tflops None and its error, not raised; so is a
+    shape that a peer says it cannot run (`fn.unsupported(...)`), as "not supported: <why>", without running it.
     """
     from tqdm.auto import tqdm
 
@@ -116,6 +123,7 @@ def run(args, fns: dict, time_ms=None, device="cuda", progress=True) -> list[dic
             return benchmark(fn, q, k, v, causal=causal, warmup=args.warmup, rep=args.rep)
 
     dtype = DTYPES[args.dtype]
+    capability = torch.cuda.get_device_capability() if torch.device(device).type == "cuda" else None
     records = []
     configs = configurations(args)
     bar = tqdm(total=len(configs) * len(fns), desc="benchmark", disable=not progress)
@@ -127,16 +135,28 @@ def run(args, fns: dict, time_ms=None, device="cuda", progress=True) -> list[dic
         for label, fn in fns.items():
             bar.set_postfix_str(f"{label} D={d} N={n}{' causal' if causal else ''}")
             record = dict(impl=label, head_dim=d, causal=causal, seqlen=n, ms=None, tflops=None, error=None)
-            try:
-                ms = time_ms(fn, q, k, v, causal)
-                record.update(ms=ms, tflops=tflops(flops, ms))
-            except (RuntimeError, ValueError) as err:  # e.g. "No available kernel", torch.OutOfMemoryError
-                record["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+            why = unsupported(fn, d, dtype, causal, n, "fwd", capability)
+            if why is not None:
+                record["error"] = f"not supported: {why}"
+            else:
+                try:
+                    ms = time_ms(fn, q, k, v, causal)
+                    record.update(ms=ms, tflops=tflops(flops, ms))
+                except (RuntimeError, ValueError) as err:  # e.g. "No available kernel", torch.OutOfMemoryError
+                    record["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
             records.append(record)
             bar.update()
         del q, k, v
     bar.close()
     return records
+
+
+def unsupported(fn, head_dim, dtype, causal, seqlen, mode, capability):
+    """Why `fn` cannot run this shape, for a peer that says (utils.bench.peers.TutorialPeer); None otherwise."""
+    check = getattr(fn, "unsupported", None)
+    if check is None:
+        return None
+    return check(head_dim, dtype, causal, seqlen=seqlen, mode=mode, capability=capability)
 
 
 def ratio_table(records: list[dict], impl: str, baselines) -> list[dict]:
@@ -159,20 +179,29 @@ def format_table(records: list[dict]) -> str:
     impls = list(dict.fromkeys(r["impl"] for r in records))
     keys = list(dict.fromkeys((r["head_dim"], r["causal"], r["seqlen"]) for r in records))
     value = {(r["impl"], r["head_dim"], r["causal"], r["seqlen"]): r["tflops"] for r in records}
-    lines = ["  D causal      N " + "".join(f"{name:>16s}" for name in impls)
-             + "".join(f"{impls[0] + '/' + b:>24s}" for b in impls[1:])]
+    titles = [impls[0] + "/" + b for b in impls[1:]]
+    w = [max(16, len(name) + 2) for name in impls]  # a long name widens its column instead of running on
+    wr = [max(24, len(title) + 2) for title in titles]
+    lines = ["  D causal      N " + "".join(f"{name:>{x}s}" for name, x in zip(impls, w))
+             + "".join(f"{title:>{x}s}" for title, x in zip(titles, wr))]
     for d, causal, n in keys:
         vals = [value.get((name, d, causal, n)) for name in impls]
-        cells = "".join(f"{x:16.1f}" if x else f"{'—':>16s}" for x in vals)
-        ratios = "".join(f"{vals[0] / x:24.2f}" if vals[0] and x else f"{'—':>24s}" for x in vals[1:])
+        cells = "".join(f"{x:{y}.1f}" if x else f"{'—':>{y}s}" for x, y in zip(vals, w))
+        ratios = "".join(f"{vals[0] / x:{y}.2f}" if vals[0] and x else f"{'—':>{y}s}" for x, y in zip(vals[1:], wr))
         lines.append(f"{d:3d} {str(causal):>6s} {n:6d} {cells}{ratios}")
     return "\n".join(lines)
 
 
-def write_json(records: list[dict], args, path: Path) -> Path:
+def write_json(records: list[dict], args, path: Path, fns: dict | None = None) -> Path:
+    """environment, settings and results; plus, when `fns` has peers, "peers": {label: the file's path, SHA-256,
+    git ref and Triton version}, so that the run names the exact kernel it measured."""
     settings = dict(batch=args.batch, heads=args.heads, dtype=args.dtype, warmup_ms=args.warmup, rep_ms=args.rep)
+    data = dict(environment=gpu.environment(), settings=settings, results=records)
+    provenance = {label: fn.provenance() for label, fn in (fns or {}).items() if hasattr(fn, "provenance")}
+    if provenance:
+        data["peers"] = provenance
     path = Path(path)
-    path.write_text(json.dumps(dict(environment=gpu.environment(), settings=settings, results=records), indent=1))
+    path.write_text(json.dumps(data, indent=1))
     return path
 
 
@@ -223,10 +252,11 @@ def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("python -m utils.bench.forward needs a CUDA GPU")
-    records = run(args, candidates(args))
+    fns = candidates(args)
+    records = run(args, fns)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     env = gpu.environment()
-    json_path = write_json(records, args, args.out_dir / f"{args.name}.json")
+    json_path = write_json(records, args, args.out_dir / f"{args.name}.json", fns)
     png_path = plot(records, args.out_dir / f"{args.name}.png",
                     title=f"{env.get('gpu', '')}, {args.dtype}, B={args.batch}, H={args.heads}")
     print(format_table(records))

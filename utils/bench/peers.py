@@ -1,0 +1,284 @@
+"""Outside kernels the benchmarks measure beside the course's: the official Triton tutorial's fused attention.
+
+The tutorial (`python/tutorials/06-fused-attention.py` of the Triton repository) is not in the Triton wheel and
+is never copied into this repository: the benchmarks import it at run time from its own file, named by
+`--tutorial PATH` or the TRITON_TUTORIAL_ATTENTION environment variable, and record the file's path, its
+SHA-256 and the git ref it came from (`--tutorial-ref`), so a stored result says exactly what it measured.
+Take the file of the Triton version you run (`triton.__version__`; 3.6.0 -> branch release/3.6.x):
+
+    git clone --depth 1 --branch release/3.6.x https://github.com/triton-lang/triton /tmp/triton-src
+    export TRITON_TUTORIAL_ATTENTION=/tmp/triton-src/python/tutorials/06-fused-attention.py
+
+or only that file, into the ignored folder .peer/ (which the GPU runs can carry):
+
+    curl -L --create-dirs -o .peer/06-fused-attention.py \\
+        https://raw.githubusercontent.com/triton-lang/triton/release/3.6.x/python/tutorials/06-fused-attention.py
+
+The interface used is the tutorial's module-level `attention(q, k, v, causal, sm_scale[, warp_specialize])`, a
+differentiable autograd function on contiguous (batch, heads, N, head_dim) tensors; importing the file needs a
+GPU driver (it asks `triton.runtime.driver.active` for the device at import). What it supports (`unsupported`)
+was read from the release/3.6.x file; a file that differs is still measured, and a shape it rejects shows up
+as an error in the results rather than stopping the run.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import inspect
+import os
+import re
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from utils.checks import check_attention_inputs, check_bool, positive_int, resolve_scale
+
+ENV_VAR = "TRITON_TUTORIAL_ATTENTION"
+TUTORIAL_PATH = "python/tutorials/06-fused-attention.py"  # inside the Triton repository
+PEERS = {"triton-tutorial": False, "triton-tutorial-ws": True}  # label -> warp_specialize
+MODES = ("fwd", "bwd", "fwd_bwd")
+
+# What the release/3.6.x tutorial runs, and why (from its source):
+HEAD_DIMS = (32, 64, 128, 256)  # it asserts {16, ..., 256}, but every tile has BLOCK_N >= 32 > 16 (static_assert)
+DTYPES = (torch.float16,)       # P and dS are cast to fp16 before their dots: bf16/fp32 inputs fail to compile
+SEQ_MULTIPLE = 128              # no bounds masks on its tiles; its backward asserts N % 128 == 0
+
+
+class TutorialUnavailable(Exception):
+    """The tutorial file could not be used; the message says why and how to get it."""
+
+
+class TutorialNotFound(TutorialUnavailable, FileNotFoundError):
+    pass
+
+
+class TutorialImportFailed(TutorialUnavailable, ImportError):
+    pass
+
+
+class TutorialInterfaceError(TutorialUnavailable, AttributeError):
+    pass
+
+
+def release_branch(version: str | None = None) -> str:
+    """The Triton branch whose tutorial matches `version` (default: the installed Triton): 3.6.0 -> release/3.6.x."""
+    if version is None:
+        import triton
+        version = triton.__version__
+    match = re.match(r"(\d+)\.(\d+)", str(version))
+    if not match:
+        raise ValueError(f"version must look like 3.6.0, got {version!r}")
+    return f"release/{match[1]}.{match[2]}.x"
+
+
+def how_to_get() -> str:
+    branch = release_branch()
+    return (f"get the tutorial of this Triton ({branch}) with\n"
+            f"    git clone --depth 1 --branch {branch} https://github.com/triton-lang/triton /tmp/triton-src\n"
+            f"and pass --tutorial /tmp/triton-src/{TUTORIAL_PATH} (or set {ENV_VAR}) with --tutorial-ref {branch}")
+
+
+def tutorial_path(path=None) -> Path:
+    """`path`, else $TRITON_TUTORIAL_ATTENTION, as an existing file; TutorialNotFound (saying how to get it)."""
+    if path is None:
+        path = os.environ.get(ENV_VAR) or None
+        if path is None:
+            raise TutorialNotFound(f"no tutorial file given (--tutorial PATH or {ENV_VAR}); {how_to_get()}")
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise TutorialNotFound(f"the tutorial file {path} does not exist; {how_to_get()}")
+    return path.resolve()
+
+
+@contextmanager
+def _pytest_version(value):
+    """The tutorial shrinks its autotuning to one config when PYTEST_VERSION is set at import: set (a test, for
+    speed) or hide it (a benchmark, even one started from a test, measures the tutorial as normally tuned)."""
+    saved = os.environ.pop("PYTEST_VERSION", None)
+    if value is not None:
+        os.environ["PYTEST_VERSION"] = value
+    try:
+        yield
+    finally:
+        os.environ.pop("PYTEST_VERSION", None)
+        if saved is not None:
+            os.environ["PYTEST_VERSION"] = saved
+
+
+def _takes_warp_specialize(module) -> bool:
+    # `attention` is `_attention.apply`, whose signature is (*args, **kwargs): look at the forward behind it.
+    for fn in (getattr(getattr(module, "_attention", None), "forward", None), module.attention):
+        try:
+            params = inspect.signature(fn).parameters
+        except (TypeError, ValueError):
+            continue
+        if not any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params.values()):
+            return "warp_specialize" in params
+    return False
+
+
+_LOADED: dict = {}  # (path, sha256, tuned) -> module: a second load reuses the kernels and their autotuning
+
+
+class Tutorial:
+    """The imported tutorial file and where it came from."""
+
+    def __init__(self, path: Path, sha256: str, ref: str | None, module, tuned: bool = True):
+        self.path, self.sha256, self.ref, self.module, self.tuned = path, sha256, ref, module, tuned
+        self.warp_specialize = _takes_warp_specialize(module)
+
+    def provenance(self) -> dict:
+        """What a stored result needs to name the kernel exactly: the file, its hash, its ref, the Triton run."""
+        import triton
+
+        found = re.search(r"(\d+)\.(\d+)", self.ref or "")  # release/3.6.x, v3.6.0; a commit hash says nothing
+        matches = None if found is None else release_branch() == f"release/{found[1]}.{found[2]}.x"
+        return dict(path=str(self.path), sha256=self.sha256, ref=self.ref, triton=triton.__version__,
+                    ref_matches_triton=matches, takes_warp_specialize=self.warp_specialize, tuned=self.tuned)
+
+    def peer(self, label: str) -> "TutorialPeer":
+        if label not in PEERS:
+            raise ValueError(f"unknown peer {label!r}; known: {', '.join(PEERS)}")
+        return TutorialPeer(label, self, PEERS[label])
+
+
+def load_tutorial(path=None, *, ref: str | None = None, tuned: bool = True) -> Tutorial:
+    """Import the tutorial file (`path`, else $TRITON_TUTORIAL_ATTENTION) under a private module name.
+    `tuned=False` imports it as its own tests do, autotuning over a single config (quick; not for timings).
+
+    Raises TutorialNotFound, TutorialImportFailed (e.g. no GPU driver: the file needs one at import) or
+    TutorialInterfaceError (no callable `attention`), each naming the file.
+    """
+    if ref is not None and (not isinstance(ref, str) or not ref.strip()):
+        raise TypeError(f"ref must be a non-empty str or None, got {ref!r}")
+    check_bool("tuned", tuned)
+    path = tutorial_path(path)
+    sha256 = hashlib.sha256(path.read_bytes()).hexdigest()
+    module = _LOADED.get((path, sha256, tuned))
+    if module is None:
+        name = f"_course_peer_tutorial_{sha256[:12]}{'' if tuned else '_untuned'}"  # never a real module's
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # what importing would do; some decorators look the module up
+        try:
+            with _pytest_version(None if tuned else "tests"):
+                spec.loader.exec_module(module)
+        except Exception as err:  # noqa: BLE001 - any failure of the foreign file is reported as one
+            del sys.modules[name]
+            raise TutorialImportFailed(f"importing the tutorial {path} failed: {type(err).__name__}: "
+                                       f"{str(err).splitlines()[0] if str(err) else ''} (the file needs a GPU "
+                                       f"driver at import)") from err
+        if not callable(getattr(module, "attention", None)):
+            del sys.modules[name]
+            raise TutorialInterfaceError(f"the tutorial {path} has no callable `attention`; is it "
+                                         f"{TUTORIAL_PATH} of the Triton repository?")
+        _LOADED[(path, sha256, tuned)] = module
+    return Tutorial(path, sha256, ref, module, tuned)
+
+
+def _capability(capability):
+    if capability is None:
+        return None
+    if (not isinstance(capability, tuple) or len(capability) != 2
+            or not all(isinstance(x, int) and not isinstance(x, bool) for x in capability)):
+        raise TypeError(f"capability must be None or a (major, minor) tuple of ints, got {capability!r}")
+    return capability
+
+
+class TutorialPeer:
+    """`peer(q, k, v, causal=..., sm_scale=...)`: the tutorial's attention, differentiable, as the benchmarks
+    call every implementation; `unsupported(...)` says which shapes it cannot run (None: it can)."""
+
+    def __init__(self, label: str, tutorial: Tutorial, warp_specialize: bool):
+        self.label = self.__name__ = label
+        self.tutorial, self.warp_specialize = tutorial, check_bool("warp_specialize", warp_specialize)
+
+    def __repr__(self):
+        return f"TutorialPeer({self.label!r}, {str(self.tutorial.path)!r})"
+
+    def provenance(self) -> dict:
+        return dict(self.tutorial.provenance(), warp_specialize=self.warp_specialize)
+
+    def unsupported(self, head_dim, dtype, causal, *, seqlen=None, mode="fwd", capability=None) -> str | None:
+        """Why the tutorial cannot run this shape (None if it can). `capability`: the GPU's (major, minor),
+        which only decides where warp specialization runs; None: any GPU."""
+        positive_int("head_dim", head_dim)
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
+        check_bool("causal", causal)
+        if seqlen is not None:
+            positive_int("seqlen", seqlen)
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        capability = _capability(capability)
+        if head_dim not in HEAD_DIMS:
+            return f"head_dim {head_dim} (it runs {', '.join(map(str, HEAD_DIMS))})"
+        if dtype not in DTYPES:
+            return f"{str(dtype).removeprefix('torch.')} (it computes P and dS in fp16: fp16 inputs only)"
+        if seqlen is not None and seqlen % SEQ_MULTIPLE:
+            return f"N={seqlen} (it needs a multiple of {SEQ_MULTIPLE}: its tiles are not masked)"
+        if self.warp_specialize:
+            # Where the tutorial's own benchmark turns it on: forward, Blackwell, or Hopper without the mask.
+            if not self.tutorial.warp_specialize:
+                return "warp specialization (this tutorial's attention takes no warp_specialize)"
+            if mode != "fwd":
+                return "warp specialization in a backward (the flag only changes the forward)"
+            if capability is not None and not (capability[0] == 10 or (capability[0] == 9 and not causal)):
+                return f"warp specialization on sm_{capability[0]}{capability[1]}{' causal' if causal else ''}"
+        return None
+
+    def supports(self, head_dim, dtype, causal, **kwargs) -> bool:
+        return self.unsupported(head_dim, dtype, causal, **kwargs) is None
+
+    def __call__(self, q, k, v, *, causal=False, sm_scale=None):
+        shape = check_attention_inputs(q, k, v, causal=causal, head_dims=HEAD_DIMS, dtypes=DTYPES)
+        for name, t in (("k", k), ("v", v)):
+            if t.shape != q.shape:
+                raise ValueError(f"{name} has shape {tuple(t.shape)} but q has {tuple(q.shape)}; the tutorial "
+                                 f"needs equal shapes (no grouped heads, N_q = N_k)")
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if not t.is_contiguous():  # its descriptors assume the contiguous layout and ignore strides
+                raise ValueError(f"{name} must be contiguous for the tutorial ({name}.contiguous())")
+        why = self.unsupported(shape.head_dim, q.dtype, causal, seqlen=shape.seqlen_q)
+        if why is not None:
+            raise ValueError(f"{self.label} does not support {why}")
+        scale = resolve_scale(sm_scale, shape.head_dim)  # the tutorial takes no default
+        args = (q, k, v, causal, scale) + ((self.warp_specialize,) if self.tutorial.warp_specialize else ())
+        try:  # positional: autograd.Function.apply takes no keywords
+            return self.tutorial.module.attention(*args)
+        except (RuntimeError, ValueError, TypeError):
+            raise
+        except Exception as err:  # its asserts, Triton's CompilationError: a failed measurement, not a crash
+            raise RuntimeError(f"{self.label} failed: {type(err).__name__}: {err}") from err
+
+
+def add_arguments(parser, choices=tuple(PEERS), default=()) -> None:
+    """--peers, --tutorial and --tutorial-ref for a benchmark's command line."""
+    parser.add_argument("--peers", nargs="*", choices=list(choices), default=list(default),
+                        help="outside kernels measured beside the others (the Triton tutorial's attention)")
+    parser.add_argument("--tutorial", type=Path, default=None,
+                        help=f"the tutorial's {Path(TUTORIAL_PATH).name} (default: ${ENV_VAR})")
+    parser.add_argument("--tutorial-ref", default=None,
+                        help="the Triton git ref the file comes from, recorded with the results (release/3.6.x)")
+
+
+def from_args(args, stream=None) -> dict:
+    """{label: TutorialPeer} for args.peers; if the tutorial cannot be loaded, a message (no traceback) on
+    `stream` (default stderr) and no peers, so the rest of the benchmark still runs."""
+    names = list(getattr(args, "peers", None) or [])
+    if not names:
+        return {}
+    stream = sys.stderr if stream is None else stream
+    try:
+        tutorial = load_tutorial(getattr(args, "tutorial", None), ref=getattr(args, "tutorial_ref", None))
+    except TutorialUnavailable as err:
+        print(f"skipping {', '.join(names)}: {err}", file=stream)
+        return {}
+    if tutorial.provenance()["ref_matches_triton"] is False:
+        print(f"warning: the tutorial comes from {tutorial.ref} but this is Triton {release_branch()}",
+              file=stream)
+    return {name: tutorial.peer(name) for name in names}
