@@ -43,6 +43,7 @@ REFERENCES = {
     "flex": (1, ["utils.bench.flex"]),
     "summary": (1, ["utils.bench.summary"]),
     "ring_nccl": (2, ["utils.ring_attention", "--backend", "nccl", "--world-size", "2"]),
+    "ring_comm": (2, ["utils.bench.ring_comm", "--backend", "nccl", "--world-size", "2", "--out", "images"]),
 }
 
 

@@ -20,7 +20,8 @@ and one late, and every rank does the same work at every step (`step_work`), bac
 fast tests; it is differentiable too, its backward being `simulate_ring_backward`. `run_ring_check` starts W
 processes (torch.multiprocessing, spawn) on gloo (CPU) or NCCL (one GPU per rank) and compares the output and
 the gradients with single-device attention. On 2 GPUs: `python -m utils.ring_attention --backend nccl
---world-size 2`.
+--world-size 2`. Its launch (`spawn_ranks`, `rank_group`) and the exchange (`_post_exchange`) also serve
+`utils.bench.ring_comm`, which times the exchange alone.
 """
 from __future__ import annotations
 
@@ -624,8 +625,10 @@ def _run_case(case: RingCase, rank: int, world_size: int, device: torch.device) 
     return {"case": asdict(case), "world_size": world_size, **result}
 
 
-def _worker(rank: int, world_size: int, backend: str, port: int, cases, results) -> None:
-    """One rank: join the group, run every case, rank 0 puts one result per case on `results`."""
+@contextlib.contextmanager
+def rank_group(rank: int, world_size: int, backend: str, port: int):
+    """Join the default process group as `rank` of `world_size` (127.0.0.1:`port`); yields this rank's device
+    (GPU `rank` for nccl, the CPU for gloo) once every rank is in, and leaves the group on the way out."""
     if backend == "nccl":
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
@@ -636,12 +639,40 @@ def _worker(rank: int, world_size: int, backend: str, port: int, cases, results)
                             device_id=device if backend == "nccl" else None)
     try:
         dist.barrier()
+        yield device
+    finally:
+        dist.destroy_process_group()
+
+
+def _worker(rank: int, world_size: int, backend: str, port: int, cases, results) -> None:
+    """One rank: join the group, run every case, rank 0 puts one result per case on `results`."""
+    with rank_group(rank, world_size, backend, port) as device:
         for case in cases:
             result = _run_case(case, rank, world_size, device)
             if rank == 0:
                 results.put(result)
-    finally:
-        dist.destroy_process_group()
+
+
+def check_launch(world_size: int, backend: str) -> None:
+    """A clear error unless `world_size` processes can run on `backend` here (nccl: one GPU per rank)."""
+    if isinstance(world_size, bool) or not isinstance(world_size, numbers.Integral) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    if backend == "nccl" and torch.cuda.device_count() < world_size:
+        raise RuntimeError(f"nccl with world_size {world_size} needs {world_size} GPUs, "
+                           f"found {torch.cuda.device_count()}")
+
+
+def spawn_ranks(worker, world_size: int, backend: str, *args) -> None:
+    """Run `worker(rank, world_size, backend, port, *args)` in `world_size` fresh processes (spawn) and wait
+    for all of them; an exception in one is raised here. `worker` must be importable (a module's function)."""
+    import torch.multiprocessing as mp
+
+    check_launch(world_size, backend)
+    with _main_without_interpreter_file():
+        mp.start_processes(worker, args=(world_size, backend, free_port(), *args), nprocs=world_size, join=True,
+                           start_method="spawn")
 
 
 def run_ring_check(cases, *, world_size: int, backend: str = "gloo") -> list[dict]:
@@ -652,23 +683,14 @@ def run_ring_check(cases, *, world_size: int, backend: str = "gloo") -> list[dic
     """
     import torch.multiprocessing as mp
 
-    if isinstance(world_size, bool) or not isinstance(world_size, numbers.Integral) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    if backend not in ("gloo", "nccl"):
-        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
-    if backend == "nccl" and torch.cuda.device_count() < world_size:
-        raise RuntimeError(f"nccl with world_size {world_size} needs {world_size} GPUs, "
-                           f"found {torch.cuda.device_count()}")
+    check_launch(world_size, backend)
     cases = list(cases)
     if not cases or not all(isinstance(c, RingCase) for c in cases):
         raise TypeError("cases must be a non-empty list of RingCase")
     for case in cases:
         _check_layout_args(case.seqlen, world_size, 0, case.layout)
-    ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue()  # results are a few numbers per case: the pipe never fills
-    with _main_without_interpreter_file():
-        mp.start_processes(_worker, args=(world_size, backend, free_port(), cases, results), nprocs=world_size,
-                           join=True, start_method="spawn")
+    results = mp.get_context("spawn").SimpleQueue()  # results are a few numbers per case: the pipe never fills
+    spawn_ranks(_worker, world_size, backend, cases, results)
     return [results.get() for _ in cases]
 
 
