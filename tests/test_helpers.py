@@ -3,7 +3,7 @@ import torch
 
 from utils.bench import attention_flops, benchmark, tflops
 from utils.exercises import check
-from utils.plotting import save_figure, use_course_style
+from utils.plotting import save_figure, use_course_style, write_png
 from utils.testing import assert_attention_matches_reference, assert_close, random_qkv, tolerances
 from utils.reference import naive_attention
 
@@ -114,6 +114,8 @@ def test_plot_style_and_save(tmp_path, monkeypatch):
     assert save_figure(fig, "demo") == tmp_path / "images" / "demo.png"
     with pytest.raises(ValueError):
         save_figure(fig, "demo.png")
+    assert write_png(fig, str(tmp_path / "bench.png")) == tmp_path / "bench.png" and (tmp_path / "bench.png").is_file()
+    assert not plt.fignum_exists(fig.number)  # closed: a sweep of plots does not pile up figures
 
 
 def test_seqlen_axis_labels():

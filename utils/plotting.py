@@ -53,3 +53,13 @@ def save_figure(fig, name: str) -> Path:
     path = folder / f"{name}.png"
     fig.savefig(path, bbox_inches="tight")
     return path
+
+
+def write_png(fig, path) -> Path:
+    """Save `fig` at `path` (a benchmark's own output file), close it, and return the path."""
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    fig.savefig(path, bbox_inches="tight")
+    plt.close(fig)
+    return path

@@ -34,14 +34,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--impls", nargs="*", default=["triton"], help="registry names (utils.attention.REGISTRY)")
     p.add_argument("--sdpa", nargs="*", default=list(SDPA_BACKENDS), choices=SDPA_BACKENDS,
                    help="SDPA backends to pin, each measured as sdpa-<backend>")
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
-    p.add_argument("--seqlens", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
-    p.add_argument("--causal", choices=["both", "yes", "no"], default="both")
+    add_grid_arguments(p)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
-    p.add_argument("--rep", type=int, default=100, help="do_bench repetitions, ms")
     p.add_argument("--worklog", action="store_true",
                    help="also time notebook 05b's intermediate kernels (utils.flash_triton.WORKLOG)")
     p.add_argument("--sweep", action="store_true",
@@ -49,7 +43,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     peers.add_arguments(p)
     p.add_argument("--name", default="bench_fwd", help="output files images/<name>.json and .png")
     p.add_argument("--out-dir", type=Path, default=IMAGES)
-    args = p.parse_args(argv)
+    return check_grid_arguments(p, p.parse_args(argv))
+
+
+def add_grid_arguments(p: argparse.ArgumentParser) -> None:
+    """The shape grid and timing options shared by the forward benchmark and utils.bench.peers_sweep."""
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--seqlens", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
+    p.add_argument("--causal", choices=["both", "yes", "no"], default="both")
+    p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
+    p.add_argument("--rep", type=int, default=100, help="do_bench repetitions, ms")
+
+
+def check_grid_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """`args`, or a parser error naming the first bad grid option (and the need for something to measure)."""
     for flag in ("batch", "heads", "warmup", "rep"):
         if getattr(args, flag) <= 0:
             p.error(f"--{flag} must be positive")
@@ -213,7 +222,7 @@ def plot(records: list[dict], path: Path, title: str = "") -> Path:
         matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from utils.plotting import seqlen_axis, use_course_style
+    from utils.plotting import seqlen_axis, use_course_style, write_png
 
     use_course_style()
     panels = list(dict.fromkeys((r["head_dim"], r["causal"]) for r in records))
@@ -242,10 +251,7 @@ def plot(records: list[dict], path: Path, title: str = "") -> Path:
     else:
         fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5))
         fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return write_png(fig, path)
 
 
 def main(argv=None) -> list[dict]:

@@ -47,27 +47,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     peers.add_arguments(p, default=tuple(peers.PEERS))
     p.add_argument("--modes", nargs="+", default=["fwd", "bwd"], choices=MODES)
     p.add_argument("--dtypes", nargs="+", default=["fp16", "bf16"], choices=sorted(DTYPES))
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
-    p.add_argument("--seqlens", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
-    p.add_argument("--causal", choices=["both", "yes", "no"], default="both")
-    p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
-    p.add_argument("--rep", type=int, default=100, help="do_bench repetitions, ms")
+    forward.add_grid_arguments(p)
     p.add_argument("--name", default="peers", help="output files <out-dir>/<name>.json and .png")
     p.add_argument("--out-dir", type=Path, default=forward.IMAGES)
     p.add_argument("--resume", action="store_true", help="keep the records of <name>.json and measure the rest")
-    args = p.parse_args(argv)
-    for flag in ("batch", "heads", "warmup", "rep"):
-        if getattr(args, flag) <= 0:
-            p.error(f"--{flag} must be positive")
-    if any(n <= 0 for n in args.seqlens) or any(d <= 0 for d in args.head_dims):
-        p.error("--seqlens and --head-dims must be positive")
-    if not args.impls and not args.sdpa and not args.peers:
-        p.error("nothing to measure: give --impls, --sdpa or --peers")
-    if "/" in args.name or not args.name:
-        p.error("--name must be a bare file name")
-    return args
+    return forward.check_grid_arguments(p, p.parse_args(argv))
 
 
 def configurations(args) -> list[tuple]:
@@ -257,7 +241,7 @@ def plot(records: list[dict], path: Path, title: str = "") -> Path:
         matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from utils.plotting import seqlen_axis, use_course_style
+    from utils.plotting import seqlen_axis, use_course_style, write_png
 
     use_course_style()
     rows = list(dict.fromkeys((r["mode"], r["dtype"]) for r in records))
@@ -287,10 +271,7 @@ def plot(records: list[dict], path: Path, title: str = "") -> Path:
     if title:
         fig.suptitle(title)
     fig.tight_layout(rect=(0, 0.04, 1, 1))
-    path = Path(path)
-    fig.savefig(path, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return write_png(fig, path)
 
 
 def main(argv=None) -> list[dict]:
