@@ -171,3 +171,43 @@ def test_wgmma_gemm_copies_what_it_cannot_read(step):
     b = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)[:, 64:128]  # a column slice: not contiguous
     ref = (a.double() @ b.double().T).float()
     torch.testing.assert_close(hopper.wgmma_gemm(a, b, step=step), ref, rtol=0, atol=1e-3)
+
+
+# ---- the attention kernel (notebook 06c) -------------------------------------------------------------------------
+
+@needs_nvcc
+def test_the_attention_kernel_compiles_without_spills():
+    results = cuda_ext.compile_check("hopper_attention")
+    assert {r.kernel for r in results} == {f"hopper_attention_kernel<{t}, {d}, {c}>"
+                                          for t in ("__half", "__nv_bfloat16") for d in (64, 128)
+                                          for c in ("false", "true")}
+    assert all(r.arch == "sm_90a" and r.spill_stores == r.spill_loads == 0 for r in results)
+
+
+def test_flash_hopper_validates_before_building():
+    q = torch.randn(1, 2, 10, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        hopper.flash_hopper(q, q, q)
+    with pytest.raises(ValueError, match="head_dim 32"):
+        hopper.flash_hopper(q[..., :32], q[..., :32], q[..., :32])
+    with pytest.raises(TypeError, match="dtype torch.float32"):
+        hopper.flash_hopper(q.float(), q.float(), q.float())
+
+
+# (batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim): one row, lengths off the 64-tile, Nq > Nk (causal rows
+# without keys) and Nq < Nk, GQA and MQA, several tiles, both head dims.
+HOPPER_SHAPES = [(1, 1, 1, 1, 1, 64), (2, 2, 2, 17, 17, 128), (1, 4, 2, 200, 333, 64), (1, 2, 1, 333, 100, 128),
+                 (2, 3, 3, 256, 256, 64), (1, 2, 2, 1000, 1000, 128), (1, 2, 2, 129, 1500, 64)]
+
+
+@on_hopper
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_flash_hopper_matches_reference(dtype, causal):
+    from utils.testing import assert_attention_matches_reference, random_qkv
+
+    for b, h, hk, nq, nk, d in HOPPER_SHAPES:
+        q, k, v = random_qkv(b, h, nq, nk, d, kv_heads=hk, dtype=dtype, device="cuda", seed=nq + nk)
+        assert_attention_matches_reference(hopper.flash_hopper, q, k, v, causal=causal)
+    q, k, v = random_qkv(1, 2, 300, 300, 64, dtype=dtype, device="cuda")
+    assert_attention_matches_reference(hopper.flash_hopper, q * 20, k, v, causal=causal, sm_scale=0.3)

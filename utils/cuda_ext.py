@@ -61,8 +61,10 @@ def mma_kernel_name(step: str) -> str:
 
 KERNELS.update({mma_kernel_name(s): (f"{mma_kernel_name(s)}_forward", MMA_HEADERS) for s in MMA_STEPS})
 # Notebook 06c: Hopper's wgmma and TMA exist only in sm_90a code, which runs on sm_90 GPUs (H100/H200) alone.
-KERNELS["wgmma_gemm"] = ("wgmma_gemm_forward", ("hopper.cuh", "hopper_layout.h", "course_str.h"))
-HOPPER_KERNELS = ("wgmma_gemm",)
+HOPPER_HEADERS = ("hopper.cuh", "hopper_layout.h", "hopper_host.h", "course_str.h")
+KERNELS["wgmma_gemm"] = ("wgmma_gemm_forward", HOPPER_HEADERS)
+KERNELS["hopper_attention"] = ("hopper_attention_forward", HOPPER_HEADERS)
+HOPPER_KERNELS = ("wgmma_gemm", "hopper_attention")
 WRAPPER_DEFINE = "#define COURSE_TORCH_WRAPPER\n"
 # -lineinfo maps SASS back to source lines in Nsight Compute and costs nothing at run time.
 CUDA_FLAGS = ("-O3", "-std=c++17", "-lineinfo")

@@ -121,3 +121,24 @@ def wgmma_gemm(a: torch.Tensor, b: torch.Tensor, *, step: str = GEMM_STEPS[-1]) 
     a, b = (t if t.is_contiguous() and t.data_ptr() % 16 == 0 else t.clone(memory_format=torch.contiguous_format)
             for t in (a, b))
     return cuda_ext.load("wgmma_gemm").wgmma_gemm_forward(a, b, GEMM_STEPS.index(step) + 1)
+
+
+def flash_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False, sm_scale=None):
+    """FlashAttention forward with wgmma and TMA (utils/cuda/hopper_attention.cu), on an sm_90 GPU only.
+
+    fp16 or bf16 (batch, heads, seq, head_dim) tensors, head dims 64 and 128, any lengths, GQA, causal aligned
+    bottom-right. V is handed to the kernel transposed (every wgmma operand K-major), its length rounded up to
+    8 so that TMA's row stride is a multiple of 16 bytes."""
+    from utils import cuda_ext, gpu
+    from utils.checks import check_attention_inputs, resolve_scale
+
+    shape = check_attention_inputs(q, k, v, causal=causal, head_dims=(64, 128),
+                                   dtypes=(torch.float16, torch.bfloat16), runs_on="cuda")
+    scale = resolve_scale(sm_scale, shape.head_dim)
+    cuda_ext.check_hopper_capability(gpu.capability(q.device))
+    q, k = (t.contiguous() if t.data_ptr() % 16 == 0 else t.clone(memory_format=torch.contiguous_format)
+            for t in (q, k))
+    padded = -(-shape.seqlen_k // 8) * 8
+    vt = torch.zeros(shape.batch, shape.kv_heads, shape.head_dim, padded, device=v.device, dtype=v.dtype)
+    vt[..., :shape.seqlen_k] = v.transpose(-1, -2)
+    return cuda_ext.load("hopper_attention").hopper_attention_forward(q, k, vt, shape.seqlen_k, causal, scale)

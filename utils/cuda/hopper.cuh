@@ -25,6 +25,44 @@ __device__ inline void wgmma_commit() { asm volatile("wgmma.commit_group.sync.al
 template <int N>
 __device__ inline void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
 
+// The same multiply with A from registers ("RS"): a (four 32-bit registers of two 16-bit values each) holds
+// this thread's part of the 64 x 16 A tile in mma.sync's A-fragment layout, one 16-row slab per warp. This is
+// how P, computed in registers by the softmax, feeds the second product of attention. N = 64 or 128; always
+// accumulates (d += a * b).
+#define COURSE_F8(d, i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), \
+                        "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
+#define COURSE_F32(d, i) COURSE_F8(d, i), COURSE_F8(d, i + 8), COURSE_F8(d, i + 16), COURSE_F8(d, i + 24)
+#define COURSE_D32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
+                   "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define COURSE_D64 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
+                   "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, " \
+                   "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, " \
+                   "%56, %57, %58, %59, %60, %61, %62, %63}"
+template <typename T, int N>
+__device__ inline void wgmma_m64k16_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc_b) {
+  static_assert(N == 64 || N == 128, "N = 64 or 128");
+  constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
+  if constexpr (N == 64 && kBf16) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+                 COURSE_D32 ", {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+                 : COURSE_F32(d, 0) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+  } else if constexpr (N == 64) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+                 COURSE_D32 ", {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+                 : COURSE_F32(d, 0) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+  } else if constexpr (kBf16) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\nwgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+                 COURSE_D64 ", {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+                 : COURSE_F32(d, 0), COURSE_F32(d, 32)
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+  } else {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\nwgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+                 COURSE_D64 ", {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+                 : COURSE_F32(d, 0), COURSE_F32(d, 32)
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+  }
+}
+
 // ---- TMA: the tensor memory accelerator copies a box of a tensor into shared memory, and an mbarrier counts
 // the bytes that arrived. One thread issues the copy; everyone waits on the barrier's phase.
 __device__ inline void mbarrier_init(uint32_t bar, int arrivals) {
@@ -48,6 +86,12 @@ __device__ inline void tma_load_2d(uint32_t dst, const void* map, int x, int y, 
   asm volatile(
       "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
       ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(bar) : "memory");
+}
+// The same for a 3-d tensor (x contiguous, then y, then z: head_dim, sequence, batch x heads in attention).
+__device__ inline void tma_load_3d(uint32_t dst, const void* map, int x, int y, int z, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n"
+      ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(z), "r"(bar) : "memory");
 }
 
 // Keeps the compiler from moving reads or writes of the accumulators across an asynchronous wgmma.

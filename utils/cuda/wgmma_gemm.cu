@@ -120,45 +120,23 @@ cudaError_t wgmma_gemm_launch(int step, bool bf16, const void* a, const void* b,
 }  // namespace course_hopper
 
 #else  // COURSE_TORCH_WRAPPER: host C++ only
-#include <cuda.h>  // CUtensorMap and its enums (the function itself is looked up in the driver at run time)
 #include <cuda_runtime_api.h>
-#include <dlfcn.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include "course_str.h"
+#include "hopper_host.h"
 
 namespace course_hopper {
 cudaError_t wgmma_gemm_launch(int step, bool bf16, const void* a, const void* b, const CUtensorMap& map_a,
                               const CUtensorMap& map_b, float* c, int m, int n, int k, cudaStream_t stream);
 
-// cuTensorMapEncodeTiled lives in the driver (libcuda), which torch extensions do not link: found once with
-// dlsym in the libcuda.so.1 that the CUDA runtime has already loaded.
-using EncodeTiled = decltype(&cuTensorMapEncodeTiled);
-inline EncodeTiled encode_tiled() {
-  static EncodeTiled fn = [] {
-    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
-    if (lib == nullptr) lib = dlopen("libcuda.so.1", RTLD_NOW);
-    return lib ? reinterpret_cast<EncodeTiled>(dlsym(lib, "cuTensorMapEncodeTiled")) : nullptr;
-  }();
-  return fn;
-}
-
 // The tensor map of a row-major (rows, cols) 2-byte matrix, read in 64 x 64 boxes with 128-byte swizzling:
 // the layout wgmma's descriptors expect, written by the copy engine itself.
 inline CUtensorMap tile_map(const torch::Tensor& t) {
-  CUtensorMap map{};
-  const EncodeTiled encode = encode_tiled();
-  TORCH_CHECK(encode != nullptr, "wgmma_gemm: cuTensorMapEncodeTiled not found in libcuda.so.1");
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(t.size(1)), static_cast<cuuint64_t>(t.size(0))};
   const cuuint64_t strides[1] = {static_cast<cuuint64_t>(t.stride(0)) * 2};  // bytes between rows
-  const cuuint32_t box[2] = {64, 64}, element_strides[2] = {1, 1};
-  const CUresult err = encode(
-      &map, t.scalar_type() == torch::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-      2, t.data_ptr(), dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  TORCH_CHECK(err == CUDA_SUCCESS, "wgmma_gemm: cuTensorMapEncodeTiled failed with error ",
-              course::num(static_cast<int>(err)));
-  return map;
+  const cuuint32_t box[2] = {64, 64};
+  return tensor_map("wgmma_gemm", t, 2, dims, strides, box);
 }
 }  // namespace course_hopper
 
@@ -183,11 +161,7 @@ torch::Tensor wgmma_gemm_forward(torch::Tensor a, torch::Tensor b, int64_t step)
   TORCH_CHECK(a.device() == b.device(), "wgmma_gemm: a is on ", a.device(), " but b is on ", b.device());
   TORCH_CHECK(a.size(1) == b.size(1), "wgmma_gemm: a has K = ", course::num(a.size(1)), " but b has K = ",
               course::num(b.size(1)));
-  int major = 0, minor = 0;
-  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, a.get_device());
-  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, a.get_device());
-  TORCH_CHECK(major == 9 && minor == 0, "wgmma_gemm: needs an sm_90 GPU (H100/H200: wgmma), this one is sm_",
-              course::num(major), course::num(minor));
+  course_hopper::check_sm90("wgmma_gemm", a);
   const c10::cuda::CUDAGuard guard(a.device());
   auto c = torch::empty({a.size(0), b.size(0)}, a.options().dtype(torch::kFloat32));
   CUtensorMap map_a{}, map_b{};

@@ -1,0 +1,270 @@
+// Notebook 06c, attention step 1: the FlashAttention-2 forward on Hopper's instructions. One warpgroup per 64
+// query rows; per tile of 64 keys:
+//   1. one thread asks TMA for the K tile and the Vᵀ tile (128-byte swizzled, counted on an mbarrier);
+//   2. S = Q Kᵀ with wgmma, both operands from shared memory (Q was loaded once, the same way);
+//   3. the online softmax on S in registers (each row lives in the 4 lanes of a quad: two shuffles per reduction);
+//   4. P, rounded to 16 bits, is already in wgmma's register A-fragment layout: O += P V with A from registers
+//      and B = the Vᵀ tile (V transposed by the caller, so every operand is K-major).
+// Loads and multiplies still take turns, as in the GEMM's step 2; pipelining and warp specialisation are later
+// steps. Causal attention is bottom-right aligned (key c is visible to query r when c <= r + Nk - Nq), tiles past
+// the diagonal are skipped, and TMA's zero fill covers the ragged last tiles.
+#ifndef COURSE_TORCH_WRAPPER
+#include <cstdint>
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <math_constants.h>
+#include "hopper.cuh"
+
+namespace course_hopper {
+
+constexpr int kRows = 64;  // queries per block: 16 per warp
+constexpr int kKeys = 64;  // keys per tile
+
+struct AttentionParams {
+  int seqlen_q, seqlen_k, heads, kv_heads;
+  float scale_log2;  // softmax scale * log2(e): exp2 instead of exp
+};
+
+template <typename T>
+__device__ inline uint32_t pack2(float lo, float hi) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  } else {
+    const __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  }
+}
+
+__device__ inline float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ inline float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+template <typename T, int D, bool kCausal>
+__global__ void __launch_bounds__(128) hopper_attention_kernel(const __grid_constant__ CUtensorMap map_q,
+                                                               const __grid_constant__ CUtensorMap map_k,
+                                                               const __grid_constant__ CUtensorMap map_vt,
+                                                               T* __restrict__ o, const AttentionParams p) {
+  constexpr int kPanel = 64 * 128;  // a 64-row, 64-column panel of a K-major tile: 8 KB
+  constexpr int kTile = D * 128;    // Q and K tiles (64 rows x D), and the Vᵀ tile (D rows x 64 keys)
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+  const uint32_t sq = smem_u32(smem), sk = sq + kTile, sv = sk + kTile;
+  __shared__ __align__(8) uint64_t bars[2];  // Q arrived; K and Vᵀ arrived
+  const uint32_t bar_q = smem_u32(&bars[0]), bar_kv = smem_u32(&bars[1]);
+
+  const int tid = threadIdx.x, lane = tid % 32, g = lane / 4, t = lane % 4;
+  const int bh = blockIdx.y, b = bh / p.heads, h = bh % p.heads;
+  const int bh_kv = b * p.kv_heads + h / (p.heads / p.kv_heads);
+  const int q0 = blockIdx.x * kRows;
+  const int row[2] = {q0 + 16 * (tid / 32) + g, q0 + 16 * (tid / 32) + g + 8};  // the rows this thread holds
+  const int diagonal = p.seqlen_k - p.seqlen_q;
+  const int k_end = kCausal ? min(p.seqlen_k, max(0, q0 + kRows + diagonal)) : p.seqlen_k;
+
+  if (tid == 0) {
+    mbarrier_init(bar_q, 1);
+    mbarrier_init(bar_kv, 1);
+    mbarrier_arrive_expect(bar_q, kTile);
+    for (int panel = 0; panel < D / 64; ++panel) tma_load_3d(sq + panel * kPanel, &map_q, 64 * panel, q0, bh, bar_q);
+  }
+  __syncthreads();
+
+  float acc[D / 2], m[2] = {-CUDART_INF_F, -CUDART_INF_F}, l[2] = {0.f, 0.f};
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) acc[i] = 0.f;
+  mbarrier_wait(bar_q, 0);
+
+  int phase = 0;
+  for (int k0 = 0; k0 < k_end; k0 += kKeys) {
+    if (tid == 0) {
+      mbarrier_arrive_expect(bar_kv, 2 * kTile);
+      for (int panel = 0; panel < D / 64; ++panel) {
+        tma_load_3d(sk + panel * kPanel, &map_k, 64 * panel, k0, bh_kv, bar_kv);
+      }
+      tma_load_3d(sv, &map_vt, k0, 0, bh_kv, bar_kv);
+    }
+    mbarrier_wait(bar_kv, phase);
+    phase ^= 1;
+
+    // 2. S = Q Kᵀ: D / 16 slices of 16 along the head dim, 4 per 64-column panel.
+    float s[32];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) s[i] = 0.f;
+    fence_registers(s);
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      const uint32_t at = (ks / 4) * kPanel + (ks % 4) * 32;
+      wgmma_m64n64k16<T>(s, smem_desc(sq + at, 16, 1024, Swizzle::k128B),
+                         smem_desc(sk + at, 16, 1024, Swizzle::k128B), 1);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_registers(s);
+
+    // 3. The online softmax. s[4j + r] is row row[r / 2], key k0 + 8j + 2t + r % 2.
+    float tile_max[2] = {-CUDART_INF_F, -CUDART_INF_F};
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int key = k0 + 8 * j + 2 * t + r % 2;
+        const bool masked = key >= p.seqlen_k || (kCausal && key > row[r / 2] + diagonal);
+        s[4 * j + r] = masked ? -CUDART_INF_F : s[4 * j + r] * p.scale_log2;
+        tile_max[r / 2] = fmaxf(tile_max[r / 2], s[4 * j + r]);
+      }
+    }
+    float alpha[2], base[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const float m_new = fmaxf(m[i], quad_max(tile_max[i]));
+      base[i] = m_new == -CUDART_INF_F ? 0.f : m_new;  // a row with no key yet: keep exp2 away from inf - inf
+      alpha[i] = exp2f(m[i] - base[i]);
+      m[i] = m_new;
+      l[i] *= alpha[i];
+    }
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      s[i] = exp2f(s[i] - base[i % 4 / 2]);
+      l[i % 4 / 2] += s[i];  // this thread's part of the row sum; the quad adds its parts at the end
+    }
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) acc[i] *= alpha[i % 4 / 2];
+
+    // 4. O += P V: the C fragments of key columns 16kk..16kk+15 are the A fragment of P for that K-slice.
+    uint32_t a[4][4];
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      a[kk][0] = pack2<T>(s[8 * kk], s[8 * kk + 1]);
+      a[kk][1] = pack2<T>(s[8 * kk + 2], s[8 * kk + 3]);
+      a[kk][2] = pack2<T>(s[8 * kk + 4], s[8 * kk + 5]);
+      a[kk][3] = pack2<T>(s[8 * kk + 6], s[8 * kk + 7]);
+    }
+    fence_registers(acc);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) wgmma_m64k16_rs<T, D>(acc, a[kk], smem_desc(sv + kk * 32, 16, 1024, Swizzle::k128B));
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_registers(acc);
+    __syncthreads();  // every warp is done with K and Vᵀ before the next copy overwrites them
+  }
+
+  // Epilogue: the quad's row sums, O / l (0 for a row that saw no key), 4-byte stores of two values.
+#pragma unroll
+  for (int i = 0; i < 2; ++i) l[i] = quad_sum(l[i]);
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = row[half];
+      if (r >= p.seqlen_q) continue;
+      const float inv = l[half] > 0.f ? 1.f / l[half] : 0.f;
+      const uint32_t v = pack2<T>(acc[4 * j + 2 * half] * inv, acc[4 * j + 2 * half + 1] * inv);
+      *reinterpret_cast<uint32_t*>(o + (static_cast<size_t>(bh) * p.seqlen_q + r) * D + 8 * j + 2 * t) = v;
+    }
+  }
+}
+
+template <typename T, int D>
+cudaError_t launch_typed(bool causal, const CUtensorMap& q, const CUtensorMap& k, const CUtensorMap& vt, void* o,
+                         const AttentionParams& p, int batch_heads, cudaStream_t stream) {
+  const int smem = 3 * D * 128 + 1024;  // Q, K, Vᵀ tiles + alignment room
+  const dim3 grid((p.seqlen_q + kRows - 1) / kRows, batch_heads);
+  auto kernel = causal ? hopper_attention_kernel<T, D, true> : hopper_attention_kernel<T, D, false>;
+  const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (err != cudaSuccess) return err;
+  kernel<<<grid, 128, smem, stream>>>(q, k, vt, static_cast<T*>(o), p);
+  return cudaGetLastError();
+}
+
+// Plain launcher (no torch types); the wrapper has checked the shapes and built the tensor maps.
+cudaError_t hopper_attention_launch(bool bf16, int head_dim, bool causal, const CUtensorMap& q, const CUtensorMap& k,
+                                    const CUtensorMap& vt, void* o, const AttentionParams& p, int batch_heads,
+                                    cudaStream_t stream) {
+  if (bf16) {
+    return head_dim == 64 ? launch_typed<__nv_bfloat16, 64>(causal, q, k, vt, o, p, batch_heads, stream)
+                          : launch_typed<__nv_bfloat16, 128>(causal, q, k, vt, o, p, batch_heads, stream);
+  }
+  return head_dim == 64 ? launch_typed<__half, 64>(causal, q, k, vt, o, p, batch_heads, stream)
+                        : launch_typed<__half, 128>(causal, q, k, vt, o, p, batch_heads, stream);
+}
+
+}  // namespace course_hopper
+
+#else  // COURSE_TORCH_WRAPPER: host C++ only
+#include <cuda_runtime_api.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+#include "course_str.h"
+#include "hopper_host.h"
+
+namespace course_hopper {
+struct AttentionParams {
+  int seqlen_q, seqlen_k, heads, kv_heads;
+  float scale_log2;
+};
+cudaError_t hopper_attention_launch(bool bf16, int head_dim, bool causal, const CUtensorMap& q, const CUtensorMap& k,
+                                    const CUtensorMap& vt, void* o, const AttentionParams& p, int batch_heads,
+                                    cudaStream_t stream);
+
+// A contiguous (batch, heads, rows, cols) tensor seen as 3-d (cols, rows, batch x heads), read in boxes of
+// 64 columns x `box_rows` rows.
+inline CUtensorMap map_3d(const torch::Tensor& t, int box_rows) {
+  const int64_t rows = t.size(2), cols = t.size(3);
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows),
+                              static_cast<cuuint64_t>(t.size(0) * t.size(1))};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(cols * 2), static_cast<cuuint64_t>(rows * cols * 2)};
+  const cuuint32_t box[3] = {64, static_cast<cuuint32_t>(box_rows), 1};
+  return tensor_map("hopper_attention", t, 3, dims, strides, box);
+}
+}  // namespace course_hopper
+
+// q (B, H, Nq, D), k (B, Hkv, Nk, D) and vt (B, Hkv, D, Nk padded to a multiple of 8: V transposed), all
+// contiguous fp16 or bf16 on an sm_90 GPU, D = 64 or 128 -> o (B, H, Nq, D).
+torch::Tensor hopper_attention_forward(torch::Tensor q, torch::Tensor k, torch::Tensor vt, int64_t seqlen_k,
+                                       bool causal, double scale) {
+  const torch::Tensor* inputs[] = {&q, &k, &vt};
+  const char* names[] = {"q", "k", "vt"};
+  for (int i = 0; i < 3; ++i) {
+    const torch::Tensor& t = *inputs[i];
+    TORCH_CHECK(t.is_cuda() && t.dim() == 4 && t.is_contiguous(), "hopper_attention: ", names[i],
+                " must be a contiguous 4-d CUDA tensor, got shape ", course::shape(t.sizes()));
+    TORCH_CHECK(t.scalar_type() == q.scalar_type() && (q.scalar_type() == torch::kFloat16 ||
+                q.scalar_type() == torch::kBFloat16), "hopper_attention: ", names[i], " must be float16 or ",
+                "bfloat16 like q, got ", t.scalar_type());
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, "hopper_attention: ", names[i],
+                " must start on 16 bytes");
+  }
+  const int64_t d = q.size(3);
+  TORCH_CHECK(d == 64 || d == 128, "hopper_attention: head_dim must be 64 or 128, got ", course::num(d));
+  TORCH_CHECK(k.size(0) == q.size(0) && k.size(3) == d && q.size(1) % k.size(1) == 0 && k.size(2) == seqlen_k,
+              "hopper_attention: k of shape ", course::shape(k.sizes()), " does not fit q of shape ",
+              course::shape(q.sizes()));
+  TORCH_CHECK(vt.size(0) == k.size(0) && vt.size(1) == k.size(1) && vt.size(2) == d && vt.size(3) >= seqlen_k &&
+              vt.size(3) % 8 == 0, "hopper_attention: vt must be (B, Hkv, D, Nk rounded up to 8), got ",
+              course::shape(vt.sizes()));
+  TORCH_CHECK(seqlen_k > 0 && q.size(2) > 0 && q.size(2) <= INT32_MAX && seqlen_k <= INT32_MAX,
+              "hopper_attention: empty or too long, q ", course::shape(q.sizes()), ", Nk = ", course::num(seqlen_k));
+  TORCH_CHECK(scale > 0 && std::isfinite(scale), "hopper_attention: scale must be finite and positive, got ",
+              course::num(scale));
+  course_hopper::check_sm90("hopper_attention", q);
+  const c10::cuda::CUDAGuard guard(q.device());
+  auto o = torch::empty_like(q);
+  const course_hopper::AttentionParams p{static_cast<int>(q.size(2)), static_cast<int>(seqlen_k),
+                                         static_cast<int>(q.size(1)), static_cast<int>(k.size(1)),
+                                         static_cast<float>(scale * 1.4426950408889634)};
+  const CUtensorMap map_q = course_hopper::map_3d(q, 64), map_k = course_hopper::map_3d(k, 64),
+                    map_vt = course_hopper::map_3d(vt, static_cast<int>(d));
+  const cudaError_t err = course_hopper::hopper_attention_launch(
+      q.scalar_type() == torch::kBFloat16, static_cast<int>(d), causal, map_q, map_k, map_vt, o.data_ptr(), p,
+      static_cast<int>(q.size(0) * q.size(1)), c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "hopper_attention: launch failed: ", cudaGetErrorString(err));
+  return o;
+}
+#endif

@@ -1,0 +1,49 @@
+// Host side of the Hopper kernels' torch wrappers (host compiler only): the sm_90 check, and TMA tensor maps of
+// 2-byte tensors read in boxes with 128-byte swizzling, the layout their wgmma descriptors expect.
+#pragma once
+#include <cuda.h>  // CUtensorMap and its enums; the encoding function is looked up in the driver at run time
+#include <cuda_runtime_api.h>
+#include <dlfcn.h>
+#include "course_str.h"
+
+namespace course_hopper {
+
+// sm_90a code runs on sm_90 GPUs alone: anything else gets this error, naming the kernel, not a launch failure.
+inline void check_sm90(const char* name, const torch::Tensor& t) {
+  int major = 0, minor = 0;
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, t.get_device());
+  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, t.get_device());
+  TORCH_CHECK(major == 9 && minor == 0, name, ": needs an sm_90 GPU (H100/H200: wgmma, TMA), this one is sm_",
+              course::num(major), course::num(minor));
+}
+
+// cuTensorMapEncodeTiled lives in the driver (libcuda), which torch extensions do not link: found once with
+// dlsym in the libcuda.so.1 that the CUDA runtime has already loaded.
+using EncodeTiled = decltype(&cuTensorMapEncodeTiled);
+inline EncodeTiled encode_tiled() {
+  static EncodeTiled fn = [] {
+    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+    if (lib == nullptr) lib = dlopen("libcuda.so.1", RTLD_NOW);
+    return lib ? reinterpret_cast<EncodeTiled>(dlsym(lib, "cuTensorMapEncodeTiled")) : nullptr;
+  }();
+  return fn;
+}
+
+// The map of fp16/bf16 tensor `t` seen as `rank` dims (`dims`, innermost first; `strides` in bytes for dims
+// 1..rank-1), read in boxes of `box` elements. `name` names the kernel in errors.
+inline CUtensorMap tensor_map(const char* name, const torch::Tensor& t, cuuint32_t rank, const cuuint64_t* dims,
+                              const cuuint64_t* strides, const cuuint32_t* box) {
+  CUtensorMap map{};
+  const EncodeTiled encode = encode_tiled();
+  TORCH_CHECK(encode != nullptr, name, ": cuTensorMapEncodeTiled not found in libcuda.so.1");
+  const cuuint32_t element_strides[5] = {1, 1, 1, 1, 1};
+  const CUresult err = encode(
+      &map, t.scalar_type() == torch::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+      rank, t.data_ptr(), dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  TORCH_CHECK(err == CUDA_SUCCESS, name, ": cuTensorMapEncodeTiled failed with error ",
+              course::num(static_cast<int>(err)));
+  return map;
+}
+
+}  // namespace course_hopper
