@@ -37,6 +37,12 @@ def cases():
                         yield pytest.param(name, (b, h, hk, nq, nk, d), causal, dtype, layout, id=tag)
 
 
+def supported_dtype(name):
+    """float32 where the implementation takes it, else its first dtype (the tensor-core-only kernels)."""
+    dtypes = REGISTRY[name].dtypes
+    return torch.float32 if torch.float32 in dtypes else dtypes[0]
+
+
 def make_inputs(shape, dtype, layout, seed=0):
     b, h, hk, nq, nk, d = shape
     q, k, v = random_qkv(b, h, nq, nk, d, kv_heads=hk, dtype=dtype, device=DEVICE, seed=seed)
@@ -54,14 +60,14 @@ def test_matches_reference(name, shape, causal, dtype, layout):
 
 @pytest.mark.parametrize("name", list(IMPLS))
 def test_custom_scale(name):
-    q, k, v = make_inputs((1, 2, 2, 16, 16, 64), torch.float32, "bhnd")
+    q, k, v = make_inputs((1, 2, 2, 16, 16, 64), supported_dtype(name), "bhnd")
     assert_attention_matches_reference(IMPLS[name], q, k, v, sm_scale=0.05)
 
 
 @pytest.mark.parametrize("name", list(IMPLS))
 def test_large_logits_stay_finite(name):
     """Scores far beyond exp's range: a correct softmax subtracts the row maximum first."""
-    q, k, v = make_inputs((1, 2, 2, 32, 32, 64), torch.float32, "bhnd")
+    q, k, v = make_inputs((1, 2, 2, 32, 32, 64), supported_dtype(name), "bhnd")
     q = q * 30  # scores of order 1e3-1e4 after the 1/8 scale
     out = assert_attention_matches_reference(IMPLS[name], q, k, v, causal=True)
     assert torch.isfinite(out).all()
@@ -70,7 +76,7 @@ def test_large_logits_stay_finite(name):
 @pytest.mark.parametrize("name", list(IMPLS))
 def test_bad_inputs_raise_clear_errors(name):
     fn = IMPLS[name]
-    q, k, v = make_inputs((1, 4, 4, 8, 8, 64), torch.float32, "bhnd")
+    q, k, v = make_inputs((1, 4, 4, 8, 8, 64), supported_dtype(name), "bhnd")
     with pytest.raises(ValueError, match="q must have 4 dims"):
         fn(q[0], k, v)
     with pytest.raises(TypeError, match="k has dtype"):
@@ -84,7 +90,7 @@ def test_bad_inputs_raise_clear_errors(name):
     head_dims = REGISTRY[name].head_dims
     if head_dims is not None:
         d = next(d for d in range(8, 512, 8) if d not in head_dims)
-        q, k, v = make_inputs((1, 1, 1, 8, 8, d), torch.float32, "bhnd")
+        q, k, v = make_inputs((1, 1, 1, 8, 8, d), supported_dtype(name), "bhnd")
         with pytest.raises(ValueError, match="head_dim"):
             fn(q, k, v)
 
@@ -102,7 +108,7 @@ def test_tensors_on_the_wrong_device_raise_value_errors_naming_them(name):
     """Every implementation, available here or not: CPU tensors for a GPU-only kernel, or q, k, v on two
     devices, give a ValueError that names the tensor, never a crash or an error from deep inside a library."""
     fn, runs_on = REGISTRY[name].load(), REGISTRY[name].runs_on
-    q, k, v = random_qkv(1, 2, 8, 8, 64)
+    q, k, v = random_qkv(1, 2, 8, 8, 64, dtype=supported_dtype(name))
     other = "cuda" if CUDA else "meta"  # a second device: the GPU if there is one, else PyTorch's meta device
     with pytest.raises(ValueError, match=f"k is on {other}.* but q is on cpu"):
         fn(q, k.to(other), v)

@@ -24,12 +24,17 @@ class Implementation:
     dtypes: tuple = (torch.float16, torch.bfloat16, torch.float32)
     causal: bool = True             # supports causal=True
     gqa: bool = True                # supports K/V with fewer heads than Q
+    capability: tuple | None = None  # the one GPU generation it runs on (sm_90a code: (9, 0)); None: any
 
     def available(self, device: torch.device) -> bool:
         if self.runs_on == "any":
             return True
         if self.runs_on == "triton":
             return device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+        if self.capability is not None and device.type == "cuda":
+            from utils import gpu
+
+            return gpu.capability(device) == self.capability
         return device.type == "cuda"
 
     def load(self):
@@ -63,6 +68,10 @@ REGISTRY = {impl.name: impl for impl in [
     Implementation("cuda", "utils.cuda_ext:flash_attention_cuda", "cuda",
                    "CUDA FlashAttention-2 on tensor cores (mma.sync, ldmatrix, swizzle, cp.async; fp32 inputs and "
                    "pre-sm_80 GPUs run cuda_tiled)", "06b", head_dims=(64, 128)),
+    Implementation("cuda_hopper", "utils.hopper:flash_hopper", "cuda",
+                   "CUDA FlashAttention-2 on Hopper: TMA copies, wgmma from shared memory and from registers "
+                   "(H100/H200 only)", "06c", head_dims=(64, 128), dtypes=(torch.float16, torch.bfloat16),
+                   capability=(9, 0)),
     Implementation("flash2_pytorch_autograd", "utils.flash_pytorch_bwd:flash_attention_pytorch", "any",
                    "differentiable tiled PyTorch: online-softmax forward, FA2-order tiled backward", "07"),
 ]}
