@@ -178,9 +178,9 @@ def test_wgmma_gemm_copies_what_it_cannot_read(step):
 @needs_nvcc
 def test_the_attention_kernel_compiles_without_spills():
     results = cuda_ext.compile_check("hopper_attention")
-    assert {r.kernel for r in results} == {f"hopper_attention_kernel<{t}, {d}, {c}>"
+    assert {r.kernel for r in results} == {f"hopper_attention_kernel<{t}, {d}, {c}, {stages}>"
                                           for t in ("__half", "__nv_bfloat16") for d in (64, 128)
-                                          for c in ("false", "true")}
+                                          for c in ("false", "true") for stages in (1, 2)}
     assert all(r.arch == "sm_90a" and r.spill_stores == r.spill_loads == 0 for r in results)
 
 
@@ -192,6 +192,8 @@ def test_flash_hopper_validates_before_building():
         hopper.flash_hopper(q[..., :32], q[..., :32], q[..., :32])
     with pytest.raises(TypeError, match="dtype torch.float32"):
         hopper.flash_hopper(q.float(), q.float(), q.float())
+    with pytest.raises(ValueError, match="step must be one of"):
+        hopper.flash_hopper(q, q, q, step="fastest")
 
 
 # (batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim): one row, lengths off the 64-tile, Nq > Nk (causal rows
@@ -203,11 +205,15 @@ HOPPER_SHAPES = [(1, 1, 1, 1, 1, 64), (2, 2, 2, 17, 17, 128), (1, 4, 2, 200, 333
 @on_hopper
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_flash_hopper_matches_reference(dtype, causal):
+@pytest.mark.parametrize("step", hopper.ATTENTION_STEPS)
+def test_flash_hopper_matches_reference(step, dtype, causal):
+    from functools import partial
+
     from utils.testing import assert_attention_matches_reference, random_qkv
 
+    fn = partial(hopper.flash_hopper, step=step)
     for b, h, hk, nq, nk, d in HOPPER_SHAPES:
         q, k, v = random_qkv(b, h, nq, nk, d, kv_heads=hk, dtype=dtype, device="cuda", seed=nq + nk)
-        assert_attention_matches_reference(hopper.flash_hopper, q, k, v, causal=causal)
+        assert_attention_matches_reference(fn, q, k, v, causal=causal)
     q, k, v = random_qkv(1, 2, 300, 300, 64, dtype=dtype, device="cuda")
-    assert_attention_matches_reference(hopper.flash_hopper, q * 20, k, v, causal=causal, sm_scale=0.3)
+    assert_attention_matches_reference(fn, q * 20, k, v, causal=causal, sm_scale=0.3)

@@ -22,6 +22,8 @@ _SWIZZLE_MASKS = {0: 0, 32: 1, 64: 3, 128: 7}
 GEMM_TILE = 64
 # Notebook 06c's worklog for the GEMM: step 1 copies the tiles with the threads, step 2 with TMA.
 GEMM_STEPS = ("threads", "tma")
+# ... and for attention: step 1 loads and multiplies in turn, step 2 copies the next K/V tile during this one.
+ATTENTION_STEPS = ("tma", "pipelined")
 
 
 def _check_int(name: str, value, low: int = 0, high: int | None = None) -> int:
@@ -123,8 +125,10 @@ def wgmma_gemm(a: torch.Tensor, b: torch.Tensor, *, step: str = GEMM_STEPS[-1]) 
     return cuda_ext.load("wgmma_gemm").wgmma_gemm_forward(a, b, GEMM_STEPS.index(step) + 1)
 
 
-def flash_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False, sm_scale=None):
-    """FlashAttention forward with wgmma and TMA (utils/cuda/hopper_attention.cu), on an sm_90 GPU only.
+def flash_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False, sm_scale=None,
+                 step: str = ATTENTION_STEPS[-1]):
+    """FlashAttention forward with wgmma and TMA (utils/cuda/hopper_attention.cu), on an sm_90 GPU only, as of
+    `step` of notebook 06c's worklog (ATTENTION_STEPS; default: the last).
 
     fp16 or bf16 (batch, heads, seq, head_dim) tensors, head dims 64 and 128, any lengths, GQA, causal aligned
     bottom-right. V is handed to the kernel transposed (every wgmma operand K-major), its length rounded up to
@@ -132,6 +136,8 @@ def flash_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: b
     from utils import cuda_ext, gpu
     from utils.checks import check_attention_inputs, resolve_scale
 
+    if step not in ATTENTION_STEPS:
+        raise ValueError(f"step must be one of {ATTENTION_STEPS}, got {step!r}")
     shape = check_attention_inputs(q, k, v, causal=causal, head_dims=(64, 128),
                                    dtypes=(torch.float16, torch.bfloat16), runs_on="cuda")
     scale = resolve_scale(sm_scale, shape.head_dim)
@@ -141,4 +147,5 @@ def flash_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: b
     padded = -(-shape.seqlen_k // 8) * 8
     vt = torch.zeros(shape.batch, shape.kv_heads, shape.head_dim, padded, device=v.device, dtype=v.dtype)
     vt[..., :shape.seqlen_k] = v.transpose(-1, -2)
-    return cuda_ext.load("hopper_attention").hopper_attention_forward(q, k, vt, shape.seqlen_k, causal, scale)
+    return cuda_ext.load("hopper_attention").hopper_attention_forward(q, k, vt, shape.seqlen_k, causal, scale,
+                                                                      ATTENTION_STEPS.index(step) + 1)

@@ -1,13 +1,14 @@
-// Notebook 06c, attention step 1: the FlashAttention-2 forward on Hopper's instructions. One warpgroup per 64
+// Notebook 06c: the FlashAttention-2 forward on Hopper's instructions. One warpgroup per 64
 // query rows; per tile of 64 keys:
 //   1. one thread asks TMA for the K tile and the Vᵀ tile (128-byte swizzled, counted on an mbarrier);
 //   2. S = Q Kᵀ with wgmma, both operands from shared memory (Q was loaded once, the same way);
 //   3. the online softmax on S in registers (each row lives in the 4 lanes of a quad: two shuffles per reduction);
 //   4. P, rounded to 16 bits, is already in wgmma's register A-fragment layout: O += P V with A from registers
 //      and B = the Vᵀ tile (V transposed by the caller, so every operand is K-major).
-// Loads and multiplies still take turns, as in the GEMM's step 2; pipelining and warp specialisation are later
-// steps. Causal attention is bottom-right aligned (key c is visible to query r when c <= r + Nk - Nq), tiles past
-// the diagonal are skipped, and TMA's zero fill covers the ragged last tiles.
+// Step 1 (kStages = 1): loads and multiplies take turns, as in the GEMM's step 2. Step 2 (kStages = 2): two
+// K/Vᵀ buffers, the next tile's copy issued before this tile's multiplies. Warp specialisation comes later.
+// Causal attention is bottom-right aligned (key c is visible to query r when c <= r + Nk - Nq), tiles past the
+// diagonal are skipped, and TMA's zero fill covers the ragged last tiles.
 #ifndef COURSE_TORCH_WRAPPER
 #include <cstdint>
 #include <cuda.h>
@@ -45,7 +46,7 @@ __device__ inline float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
-template <typename T, int D, bool kCausal>
+template <typename T, int D, bool kCausal, int kStages>
 __global__ void __launch_bounds__(128) hopper_attention_kernel(const __grid_constant__ CUtensorMap map_q,
                                                                const __grid_constant__ CUtensorMap map_k,
                                                                const __grid_constant__ CUtensorMap map_vt,
@@ -54,9 +55,10 @@ __global__ void __launch_bounds__(128) hopper_attention_kernel(const __grid_cons
   constexpr int kTile = D * 128;    // Q and K tiles (64 rows x D), and the Vᵀ tile (D rows x 64 keys)
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
-  const uint32_t sq = smem_u32(smem), sk = sq + kTile, sv = sk + kTile;
-  __shared__ __align__(8) uint64_t bars[2];  // Q arrived; K and Vᵀ arrived
-  const uint32_t bar_q = smem_u32(&bars[0]), bar_kv = smem_u32(&bars[1]);
+  // Q, then per stage a K tile and a Vᵀ tile; step 2 keeps two stages: the next tile arrives during this one.
+  const uint32_t sq = smem_u32(smem);
+  __shared__ __align__(8) uint64_t bars[1 + kStages];  // Q arrived; stage s's K and Vᵀ arrived
+  const uint32_t bar_q = smem_u32(&bars[0]);
 
   const int tid = threadIdx.x, lane = tid % 32, g = lane / 4, t = lane % 4;
   const int bh = blockIdx.y, b = bh / p.heads, h = bh % p.heads;
@@ -66,11 +68,22 @@ __global__ void __launch_bounds__(128) hopper_attention_kernel(const __grid_cons
   const int diagonal = p.seqlen_k - p.seqlen_q;
   const int k_end = kCausal ? min(p.seqlen_k, max(0, q0 + kRows + diagonal)) : p.seqlen_k;
 
+  const int tiles = (k_end + kKeys - 1) / kKeys;
+  // One thread asks for tile `i`'s K and Vᵀ in stage i % kStages; that stage's barrier counts their bytes.
+  auto issue = [&](int i) {
+    const int stage = i % kStages;
+    const uint32_t sk = sq + kTile * (1 + 2 * stage), sv = sk + kTile, bar = smem_u32(&bars[1 + stage]);
+    mbarrier_arrive_expect(bar, 2 * kTile);
+    for (int panel = 0; panel < D / 64; ++panel) {
+      tma_load_3d(sk + panel * kPanel, &map_k, 64 * panel, kKeys * i, bh_kv, bar);
+    }
+    tma_load_3d(sv, &map_vt, kKeys * i, 0, bh_kv, bar);
+  };
   if (tid == 0) {
-    mbarrier_init(bar_q, 1);
-    mbarrier_init(bar_kv, 1);
+    for (int i = 0; i < 1 + kStages; ++i) mbarrier_init(smem_u32(&bars[i]), 1);
     mbarrier_arrive_expect(bar_q, kTile);
     for (int panel = 0; panel < D / 64; ++panel) tma_load_3d(sq + panel * kPanel, &map_q, 64 * panel, q0, bh, bar_q);
+    if (kStages > 1 && tiles > 0) issue(0);  // the pipeline's first tile, before anyone waits
   }
   __syncthreads();
 
@@ -79,17 +92,13 @@ __global__ void __launch_bounds__(128) hopper_attention_kernel(const __grid_cons
   for (int i = 0; i < D / 2; ++i) acc[i] = 0.f;
   mbarrier_wait(bar_q, 0);
 
-  int phase = 0;
-  for (int k0 = 0; k0 < k_end; k0 += kKeys) {
-    if (tid == 0) {
-      mbarrier_arrive_expect(bar_kv, 2 * kTile);
-      for (int panel = 0; panel < D / 64; ++panel) {
-        tma_load_3d(sk + panel * kPanel, &map_k, 64 * panel, k0, bh_kv, bar_kv);
-      }
-      tma_load_3d(sv, &map_vt, k0, 0, bh_kv, bar_kv);
-    }
-    mbarrier_wait(bar_kv, phase);
-    phase ^= 1;
+  for (int it = 0; it < tiles; ++it) {
+    const int k0 = kKeys * it, stage = it % kStages;
+    const uint32_t sk = sq + kTile * (1 + 2 * stage), sv = sk + kTile;
+    // Step 1 asks for this tile now; step 2 for the next one, into the stage the previous tile freed (every
+    // warp passed the __syncthreads at the end of the last iteration).
+    if (tid == 0 && (kStages == 1 || it + 1 < tiles)) issue(kStages == 1 ? it : it + 1);
+    mbarrier_wait(smem_u32(&bars[1 + stage]), (it / kStages) & 1);  // a stage's phase flips at each of its tiles
 
     // 2. S = Q Kᵀ: D / 16 slices of 16 along the head dim, 4 per 64-column panel.
     float s[32];
@@ -171,28 +180,38 @@ __global__ void __launch_bounds__(128) hopper_attention_kernel(const __grid_cons
   }
 }
 
-template <typename T, int D>
+template <typename T, int D, int kStages>
 cudaError_t launch_typed(bool causal, const CUtensorMap& q, const CUtensorMap& k, const CUtensorMap& vt, void* o,
                          const AttentionParams& p, int batch_heads, cudaStream_t stream) {
-  const int smem = 3 * D * 128 + 1024;  // Q, K, Vᵀ tiles + alignment room
+  const int smem = (1 + 2 * kStages) * D * 128 + 1024;  // Q, kStages x (K, Vᵀ) tiles + alignment room
   const dim3 grid((p.seqlen_q + kRows - 1) / kRows, batch_heads);
-  auto kernel = causal ? hopper_attention_kernel<T, D, true> : hopper_attention_kernel<T, D, false>;
+  auto kernel = causal ? hopper_attention_kernel<T, D, true, kStages>
+                       : hopper_attention_kernel<T, D, false, kStages>;
   const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
   kernel<<<grid, 128, smem, stream>>>(q, k, vt, static_cast<T*>(o), p);
   return cudaGetLastError();
 }
 
-// Plain launcher (no torch types); the wrapper has checked the shapes and built the tensor maps.
-cudaError_t hopper_attention_launch(bool bf16, int head_dim, bool causal, const CUtensorMap& q, const CUtensorMap& k,
-                                    const CUtensorMap& vt, void* o, const AttentionParams& p, int batch_heads,
-                                    cudaStream_t stream) {
+template <typename T, int D>
+cudaError_t launch_step(int step, bool causal, const CUtensorMap& q, const CUtensorMap& k, const CUtensorMap& vt,
+                        void* o, const AttentionParams& p, int batch_heads, cudaStream_t stream) {
+  return step == 1 ? launch_typed<T, D, 1>(causal, q, k, vt, o, p, batch_heads, stream)
+                   : launch_typed<T, D, 2>(causal, q, k, vt, o, p, batch_heads, stream);
+}
+
+// Plain launcher (no torch types); the wrapper has checked the shapes and built the tensor maps. step 1: loads
+// and multiplies take turns; step 2: the next K/Vᵀ tile is copied while this one is multiplied.
+cudaError_t hopper_attention_launch(int step, bool bf16, int head_dim, bool causal, const CUtensorMap& q,
+                                    const CUtensorMap& k, const CUtensorMap& vt, void* o, const AttentionParams& p,
+                                    int batch_heads, cudaStream_t stream) {
+  if (step != 1 && step != 2) return cudaErrorInvalidValue;
   if (bf16) {
-    return head_dim == 64 ? launch_typed<__nv_bfloat16, 64>(causal, q, k, vt, o, p, batch_heads, stream)
-                          : launch_typed<__nv_bfloat16, 128>(causal, q, k, vt, o, p, batch_heads, stream);
+    return head_dim == 64 ? launch_step<__nv_bfloat16, 64>(step, causal, q, k, vt, o, p, batch_heads, stream)
+                          : launch_step<__nv_bfloat16, 128>(step, causal, q, k, vt, o, p, batch_heads, stream);
   }
-  return head_dim == 64 ? launch_typed<__half, 64>(causal, q, k, vt, o, p, batch_heads, stream)
-                        : launch_typed<__half, 128>(causal, q, k, vt, o, p, batch_heads, stream);
+  return head_dim == 64 ? launch_step<__half, 64>(step, causal, q, k, vt, o, p, batch_heads, stream)
+                        : launch_step<__half, 128>(step, causal, q, k, vt, o, p, batch_heads, stream);
 }
 
 }  // namespace course_hopper
@@ -209,9 +228,9 @@ struct AttentionParams {
   int seqlen_q, seqlen_k, heads, kv_heads;
   float scale_log2;
 };
-cudaError_t hopper_attention_launch(bool bf16, int head_dim, bool causal, const CUtensorMap& q, const CUtensorMap& k,
-                                    const CUtensorMap& vt, void* o, const AttentionParams& p, int batch_heads,
-                                    cudaStream_t stream);
+cudaError_t hopper_attention_launch(int step, bool bf16, int head_dim, bool causal, const CUtensorMap& q,
+                                    const CUtensorMap& k, const CUtensorMap& vt, void* o, const AttentionParams& p,
+                                    int batch_heads, cudaStream_t stream);
 
 // A contiguous (batch, heads, rows, cols) tensor seen as 3-d (cols, rows, batch x heads), read in boxes of
 // 64 columns x `box_rows` rows.
@@ -228,7 +247,9 @@ inline CUtensorMap map_3d(const torch::Tensor& t, int box_rows) {
 // q (B, H, Nq, D), k (B, Hkv, Nk, D) and vt (B, Hkv, D, Nk padded to a multiple of 8: V transposed), all
 // contiguous fp16 or bf16 on an sm_90 GPU, D = 64 or 128 -> o (B, H, Nq, D).
 torch::Tensor hopper_attention_forward(torch::Tensor q, torch::Tensor k, torch::Tensor vt, int64_t seqlen_k,
-                                       bool causal, double scale) {
+                                       bool causal, double scale, int64_t step) {
+  TORCH_CHECK(step == 1 || step == 2, "hopper_attention: step must be 1 (loads and multiplies take turns) or 2 ",
+              "(the next tile's copy overlaps), got ", course::num(step));
   const torch::Tensor* inputs[] = {&q, &k, &vt};
   const char* names[] = {"q", "k", "vt"};
   for (int i = 0; i < 3; ++i) {
@@ -262,8 +283,8 @@ torch::Tensor hopper_attention_forward(torch::Tensor q, torch::Tensor k, torch::
   const CUtensorMap map_q = course_hopper::map_3d(q, 64), map_k = course_hopper::map_3d(k, 64),
                     map_vt = course_hopper::map_3d(vt, static_cast<int>(d));
   const cudaError_t err = course_hopper::hopper_attention_launch(
-      q.scalar_type() == torch::kBFloat16, static_cast<int>(d), causal, map_q, map_k, map_vt, o.data_ptr(), p,
-      static_cast<int>(q.size(0) * q.size(1)), c10::cuda::getCurrentCUDAStream());
+      static_cast<int>(step), q.scalar_type() == torch::kBFloat16, static_cast<int>(d), causal, map_q, map_k, map_vt,
+      o.data_ptr(), p, static_cast<int>(q.size(0) * q.size(1)), c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "hopper_attention: launch failed: ", cudaGetErrorString(err));
   return o;
 }
