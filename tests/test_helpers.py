@@ -4,7 +4,8 @@ import torch
 from utils.bench import attention_flops, benchmark, tflops
 from utils.exercises import check
 from utils.plotting import save_figure, use_course_style, write_png
-from utils.testing import assert_attention_matches_reference, assert_close, random_qkv, tolerances
+from utils.testing import (ODD_SHAPES_64_128, assert_attention_matches_reference, assert_close,
+                           assert_matches_on_odd_shapes, random_qkv, tolerances)
 from utils.reference import naive_attention
 
 
@@ -167,3 +168,20 @@ def test_assert_rows_close_names_rows_blocks_and_the_worst_element():
         assert_rows_close(a[:, :, :5], a, atol=1, rtol=1)
     with pytest.raises(TypeError):
         assert_rows_close(a.tolist(), a, atol=1, rtol=1)
+
+
+def test_assert_matches_on_odd_shapes_runs_every_shape_and_catches_errors():
+    from utils.reference import naive_attention
+
+    seen = []
+
+    def recording(q, k, v, **kw):
+        seen.append(tuple(q.shape))
+        return naive_attention(q, k, v, **kw)
+
+    shapes = ODD_SHAPES_64_128[:2]
+    assert_matches_on_odd_shapes(recording, dtype=torch.float32, causal=True, device="cpu", shapes=shapes)
+    assert seen == [(b, h, nq, d) for b, h, _, nq, _, d in shapes] + [(1, 2, 300, 64)]
+    with pytest.raises(AssertionError):
+        assert_matches_on_odd_shapes(lambda q, k, v, **kw: naive_attention(q, k, v, **kw) * 1.01,
+                                     dtype=torch.float32, causal=False, device="cpu", shapes=shapes)

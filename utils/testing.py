@@ -62,3 +62,19 @@ def assert_attention_matches_reference(fn, q, k, v, *, causal=False, sm_scale=No
     expected = reference_attention(q, k, v, causal=causal, sm_scale=sm_scale)
     assert_close(out, expected, dtype=q.dtype)
     return out
+
+
+# (batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim) that the fixed-head-dim CUDA kernels (D = 64 or 128)
+# must survive: a single row, lengths off every tile size, Nq > Nk (causal rows without keys) and Nq < Nk, GQA
+# and MQA, several tiles of keys, both head dims.
+ODD_SHAPES_64_128 = [(1, 1, 1, 1, 1, 64), (2, 2, 2, 17, 17, 128), (1, 4, 2, 200, 333, 64), (1, 2, 1, 333, 100, 128),
+                     (2, 3, 3, 256, 256, 64), (1, 2, 2, 1000, 1000, 128), (1, 2, 2, 129, 1500, 64)]
+
+
+def assert_matches_on_odd_shapes(fn, *, dtype, causal, device="cuda", shapes=ODD_SHAPES_64_128):
+    """`fn` against the float64 reference on every shape of `shapes`, then on large logits (scores ~1e3)."""
+    for b, h, hk, nq, nk, d in shapes:
+        q, k, v = random_qkv(b, h, nq, nk, d, kv_heads=hk, dtype=dtype, device=device, seed=nq + nk)
+        assert_attention_matches_reference(fn, q, k, v, causal=causal)
+    q, k, v = random_qkv(1, 2, 300, 300, 64, dtype=dtype, device=device)
+    assert_attention_matches_reference(fn, q * 20, k, v, causal=causal, sm_scale=0.3)
