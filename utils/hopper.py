@@ -22,8 +22,9 @@ _SWIZZLE_MASKS = {0: 0, 32: 1, 64: 3, 128: 7}
 GEMM_TILE = 64
 # Notebook 06c's worklog for the GEMM: step 1 copies the tiles with the threads, step 2 with TMA.
 GEMM_STEPS = ("threads", "tma")
-# ... and for attention: step 1 loads and multiplies in turn, step 2 copies the next K/V tile during this one.
-ATTENTION_STEPS = ("tma", "pipelined")
+# ... and for attention: step 1 loads and multiplies in turn, step 2 copies the next K/V tile during this one,
+# step 3 hands the copies to a producer warpgroup and the math to two consumer warpgroups.
+ATTENTION_STEPS = ("tma", "pipelined", "specialised")
 
 
 def _check_int(name: str, value, low: int = 0, high: int | None = None) -> int:

@@ -80,6 +80,17 @@ __device__ inline bool mbarrier_try_wait(uint32_t bar, int phase) {
   return done;
 }
 __device__ inline void mbarrier_wait(uint32_t bar, int phase) { while (!mbarrier_try_wait(bar, phase)) {} }
+// A plain arrival: counts towards the barrier's expected arrivals (no bytes).
+__device__ inline void mbarrier_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+
+// Warp specialisation: a warpgroup gives registers back (dec) or takes them (inc); all its warps execute it.
+// Takes effect only with a register cap at entry (__launch_bounds__(threads, 1)).
+template <int kRegisters>
+__device__ inline void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegisters)); }
+template <int kRegisters>
+__device__ inline void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegisters)); }
 // Copy the box at (x, y) (x along the contiguous dim) of the tensor `map` describes to shared address `dst`;
 // the bytes count towards `bar`. The map's swizzle mode decides the layout in shared memory.
 __device__ inline void tma_load_2d(uint32_t dst, const void* map, int x, int y, uint32_t bar) {

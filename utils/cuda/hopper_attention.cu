@@ -46,6 +46,110 @@ __device__ inline float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
+// One warpgroup's running state for its 64 query rows: O's fp32 accumulators, and per row the running maximum m
+// and this thread's part of the sum l (log2 domain; the quad adds its parts at the end).
+template <int D>
+struct RowState {
+  float acc[D / 2], m[2], l[2];
+  __device__ __forceinline__ void init() {
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) acc[i] = 0.f;
+    m[0] = m[1] = -CUDART_INF_F;
+    l[0] = l[1] = 0.f;
+  }
+};
+
+// Steps 2-4 for one tile of 64 keys starting at key k0: S = Q Kᵀ, the online softmax, O += P V. `sq` is this
+// warpgroup's Q tile (its 64-column panels `q_panel` bytes apart), `sk` and `sv` the K and Vᵀ tiles; `row` the
+// two rows this thread holds and `t` its lane within the quad.
+template <typename T, int D, bool kCausal>
+__device__ __forceinline__ void attend_tile(RowState<D>& st, uint32_t sq, uint32_t q_panel, uint32_t sk, uint32_t sv,
+                                            int k0, const int (&row)[2], int t, const AttentionParams& p) {
+  constexpr int kPanel = 64 * 128;  // a 64-row, 64-column panel of a K-major tile: 8 KB
+  // 2. S = Q Kᵀ: D / 16 slices of 16 along the head dim, 4 per 64-column panel.
+  float s[32];
+#pragma unroll
+  for (int i = 0; i < 32; ++i) s[i] = 0.f;
+  fence_registers(s);
+  wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ++ks) {
+    wgmma_m64n64k16<T>(s, smem_desc(sq + (ks / 4) * q_panel + (ks % 4) * 32, 16, 1024, Swizzle::k128B),
+                       smem_desc(sk + (ks / 4) * kPanel + (ks % 4) * 32, 16, 1024, Swizzle::k128B), 1);
+  }
+  wgmma_commit();
+  wgmma_wait<0>();
+  fence_registers(s);
+
+  // 3. The online softmax. s[4j + r] is row row[r / 2], key k0 + 8j + 2t + r % 2.
+  const int diagonal = p.seqlen_k - p.seqlen_q;
+  float tile_max[2] = {-CUDART_INF_F, -CUDART_INF_F};
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int key = k0 + 8 * j + 2 * t + r % 2;
+      const bool masked = key >= p.seqlen_k || (kCausal && key > row[r / 2] + diagonal);
+      s[4 * j + r] = masked ? -CUDART_INF_F : s[4 * j + r] * p.scale_log2;
+      tile_max[r / 2] = fmaxf(tile_max[r / 2], s[4 * j + r]);
+    }
+  }
+  float alpha[2], base[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const float m_new = fmaxf(st.m[i], quad_max(tile_max[i]));
+    base[i] = m_new == -CUDART_INF_F ? 0.f : m_new;  // a row with no key yet: keep exp2 away from inf - inf
+    alpha[i] = exp2f(st.m[i] - base[i]);
+    st.m[i] = m_new;
+    st.l[i] *= alpha[i];
+  }
+#pragma unroll
+  for (int i = 0; i < 32; ++i) {
+    s[i] = exp2f(s[i] - base[i % 4 / 2]);
+    st.l[i % 4 / 2] += s[i];
+  }
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) st.acc[i] *= alpha[i % 4 / 2];
+
+  // 4. O += P V: the C fragments of key columns 16kk..16kk+15 are the A fragment of P for that K-slice.
+  uint32_t a[4][4];
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    a[kk][0] = pack2<T>(s[8 * kk], s[8 * kk + 1]);
+    a[kk][1] = pack2<T>(s[8 * kk + 2], s[8 * kk + 3]);
+    a[kk][2] = pack2<T>(s[8 * kk + 4], s[8 * kk + 5]);
+    a[kk][3] = pack2<T>(s[8 * kk + 6], s[8 * kk + 7]);
+  }
+  fence_registers(st.acc);
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    wgmma_m64k16_rs<T, D>(st.acc, a[kk], smem_desc(sv + kk * 32, 16, 1024, Swizzle::k128B));
+  }
+  wgmma_commit();
+  wgmma_wait<0>();
+  fence_registers(st.acc);
+}
+
+// The epilogue: the quad's row sums, O / l (0 for a row that saw no key), 4-byte stores of two values.
+template <typename T, int D>
+__device__ __forceinline__ void store_rows(RowState<D>& st, T* o, int bh, const int (&row)[2], int t,
+                                           int seqlen_q) {
+#pragma unroll
+  for (int i = 0; i < 2; ++i) st.l[i] = quad_sum(st.l[i]);
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = row[half];
+      if (r >= seqlen_q) continue;
+      const float inv = st.l[half] > 0.f ? 1.f / st.l[half] : 0.f;
+      const uint32_t v = pack2<T>(st.acc[4 * j + 2 * half] * inv, st.acc[4 * j + 2 * half + 1] * inv);
+      *reinterpret_cast<uint32_t*>(o + (static_cast<size_t>(bh) * seqlen_q + r) * D + 8 * j + 2 * t) = v;
+    }
+  }
+}
+
 template <typename T, int D, bool kCausal, int kStages>
 __global__ void __launch_bounds__(128) hopper_attention_kernel(const __grid_constant__ CUtensorMap map_q,
                                                                const __grid_constant__ CUtensorMap map_k,
@@ -87,97 +191,100 @@ __global__ void __launch_bounds__(128) hopper_attention_kernel(const __grid_cons
   }
   __syncthreads();
 
-  float acc[D / 2], m[2] = {-CUDART_INF_F, -CUDART_INF_F}, l[2] = {0.f, 0.f};
-#pragma unroll
-  for (int i = 0; i < D / 2; ++i) acc[i] = 0.f;
+  RowState<D> st;
+  st.init();
   mbarrier_wait(bar_q, 0);
 
   for (int it = 0; it < tiles; ++it) {
-    const int k0 = kKeys * it, stage = it % kStages;
+    const int stage = it % kStages;
     const uint32_t sk = sq + kTile * (1 + 2 * stage), sv = sk + kTile;
     // Step 1 asks for this tile now; step 2 for the next one, into the stage the previous tile freed (every
     // warp passed the __syncthreads at the end of the last iteration).
     if (tid == 0 && (kStages == 1 || it + 1 < tiles)) issue(kStages == 1 ? it : it + 1);
     mbarrier_wait(smem_u32(&bars[1 + stage]), (it / kStages) & 1);  // a stage's phase flips at each of its tiles
-
-    // 2. S = Q Kᵀ: D / 16 slices of 16 along the head dim, 4 per 64-column panel.
-    float s[32];
-#pragma unroll
-    for (int i = 0; i < 32; ++i) s[i] = 0.f;
-    fence_registers(s);
-    wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks) {
-      const uint32_t at = (ks / 4) * kPanel + (ks % 4) * 32;
-      wgmma_m64n64k16<T>(s, smem_desc(sq + at, 16, 1024, Swizzle::k128B),
-                         smem_desc(sk + at, 16, 1024, Swizzle::k128B), 1);
-    }
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_registers(s);
-
-    // 3. The online softmax. s[4j + r] is row row[r / 2], key k0 + 8j + 2t + r % 2.
-    float tile_max[2] = {-CUDART_INF_F, -CUDART_INF_F};
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int key = k0 + 8 * j + 2 * t + r % 2;
-        const bool masked = key >= p.seqlen_k || (kCausal && key > row[r / 2] + diagonal);
-        s[4 * j + r] = masked ? -CUDART_INF_F : s[4 * j + r] * p.scale_log2;
-        tile_max[r / 2] = fmaxf(tile_max[r / 2], s[4 * j + r]);
-      }
-    }
-    float alpha[2], base[2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const float m_new = fmaxf(m[i], quad_max(tile_max[i]));
-      base[i] = m_new == -CUDART_INF_F ? 0.f : m_new;  // a row with no key yet: keep exp2 away from inf - inf
-      alpha[i] = exp2f(m[i] - base[i]);
-      m[i] = m_new;
-      l[i] *= alpha[i];
-    }
-#pragma unroll
-    for (int i = 0; i < 32; ++i) {
-      s[i] = exp2f(s[i] - base[i % 4 / 2]);
-      l[i % 4 / 2] += s[i];  // this thread's part of the row sum; the quad adds its parts at the end
-    }
-#pragma unroll
-    for (int i = 0; i < D / 2; ++i) acc[i] *= alpha[i % 4 / 2];
-
-    // 4. O += P V: the C fragments of key columns 16kk..16kk+15 are the A fragment of P for that K-slice.
-    uint32_t a[4][4];
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      a[kk][0] = pack2<T>(s[8 * kk], s[8 * kk + 1]);
-      a[kk][1] = pack2<T>(s[8 * kk + 2], s[8 * kk + 3]);
-      a[kk][2] = pack2<T>(s[8 * kk + 4], s[8 * kk + 5]);
-      a[kk][3] = pack2<T>(s[8 * kk + 6], s[8 * kk + 7]);
-    }
-    fence_registers(acc);
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) wgmma_m64k16_rs<T, D>(acc, a[kk], smem_desc(sv + kk * 32, 16, 1024, Swizzle::k128B));
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_registers(acc);
+    attend_tile<T, D, kCausal>(st, sq, kPanel, sk, sv, kKeys * it, row, t, p);
     __syncthreads();  // every warp is done with K and Vᵀ before the next copy overwrites them
   }
+  store_rows<T, D>(st, o, bh, row, t, p.seqlen_q);
+}
 
-  // Epilogue: the quad's row sums, O / l (0 for a row that saw no key), 4-byte stores of two values.
-#pragma unroll
-  for (int i = 0; i < 2; ++i) l[i] = quad_sum(l[i]);
-#pragma unroll
-  for (int j = 0; j < D / 8; ++j) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int r = row[half];
-      if (r >= p.seqlen_q) continue;
-      const float inv = l[half] > 0.f ? 1.f / l[half] : 0.f;
-      const uint32_t v = pack2<T>(acc[4 * j + 2 * half] * inv, acc[4 * j + 2 * half + 1] * inv);
-      *reinterpret_cast<uint32_t*>(o + (static_cast<size_t>(bh) * p.seqlen_q + r) * D + 8 * j + 2 * t) = v;
-    }
+// Step 3: warp specialisation. Three warpgroups per block: warpgroup 0 is the producer (one thread issues every
+// TMA copy, the others leave at once), warpgroups 1 and 2 the consumers, 64 query rows each (128 per block). The
+// producer gives its registers away (setmaxnreg), so each consumer may use up to 240. Each K/Vᵀ stage passes back
+// and forth on two barriers: `full` (its bytes arrived) and `empty` (all 256 consumer threads are done with it).
+constexpr int kWsStages = 2;
+
+template <typename T, int D, bool kCausal>
+__global__ void __launch_bounds__(384, 1) hopper_attention_ws_kernel(const __grid_constant__ CUtensorMap map_q,
+                                                                     const __grid_constant__ CUtensorMap map_k,
+                                                                     const __grid_constant__ CUtensorMap map_vt,
+                                                                     T* __restrict__ o, const AttentionParams p) {
+  constexpr int kPanel = 64 * 128, kQPanel = 2 * kRows * 128, kTile = D * 128;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+  const uint32_t sq = smem_u32(smem), stages = sq + 2 * kTile;  // Q: 128 rows; then kWsStages x (K, Vᵀ)
+  __shared__ __align__(8) uint64_t bars[1 + 2 * kWsStages];      // Q; full[s]; empty[s]
+  const uint32_t bar_q = smem_u32(&bars[0]);
+  auto full = [&](int s) { return smem_u32(&bars[1 + s]); };
+  auto empty = [&](int s) { return smem_u32(&bars[1 + kWsStages + s]); };
+
+  const int tid = threadIdx.x, warpgroup = tid / 128;
+  const int bh = blockIdx.y, b = bh / p.heads, h = bh % p.heads;
+  const int bh_kv = b * p.kv_heads + h / (p.heads / p.kv_heads);
+  const int q0 = blockIdx.x * 2 * kRows;
+  const int k_end = kCausal ? min(p.seqlen_k, max(0, q0 + 2 * kRows + p.seqlen_k - p.seqlen_q)) : p.seqlen_k;
+  const int tiles = (k_end + kKeys - 1) / kKeys;
+  if (tid == 0) {
+    mbarrier_init(bar_q, 1);
+    for (int s = 0; s < kWsStages; ++s) mbarrier_init(full(s), 1), mbarrier_init(empty(s), 256);
   }
+  __syncthreads();
+
+  if (warpgroup == 0) {  // the producer
+    setmaxnreg_dec<24>();
+    if (tid == 0) {
+      mbarrier_arrive_expect(bar_q, 2 * kTile);
+      for (int panel = 0; panel < D / 64; ++panel) tma_load_3d(sq + panel * kQPanel, &map_q, 64 * panel, q0, bh, bar_q);
+      for (int i = 0; i < tiles; ++i) {
+        const int s = i % kWsStages;
+        if (i >= kWsStages) mbarrier_wait(empty(s), (i / kWsStages - 1) & 1);  // tile i - kWsStages released it
+        const uint32_t sk = stages + s * 2 * kTile, sv = sk + kTile;
+        mbarrier_arrive_expect(full(s), 2 * kTile);
+        for (int panel = 0; panel < D / 64; ++panel) {
+          tma_load_3d(sk + panel * kPanel, &map_k, 64 * panel, kKeys * i, bh_kv, full(s));
+        }
+        tma_load_3d(sv, &map_vt, kKeys * i, 0, bh_kv, full(s));
+      }
+    }
+    return;
+  }
+
+  setmaxnreg_inc<240>();  // a consumer
+  const int wg = warpgroup - 1, wtid = tid % 128, lane = tid % 32, t = lane % 4;
+  const int row[2] = {q0 + kRows * wg + 16 * (wtid / 32) + lane / 4, q0 + kRows * wg + 16 * (wtid / 32) + lane / 4 + 8};
+  RowState<D> st;
+  st.init();
+  mbarrier_wait(bar_q, 0);
+  for (int i = 0; i < tiles; ++i) {
+    const int s = i % kWsStages;
+    const uint32_t sk = stages + s * 2 * kTile, sv = sk + kTile;
+    mbarrier_wait(full(s), (i / kWsStages) & 1);
+    attend_tile<T, D, kCausal>(st, sq + wg * kRows * 128, kQPanel, sk, sv, kKeys * i, row, t, p);
+    mbarrier_arrive(empty(s));
+  }
+  store_rows<T, D>(st, o, bh, row, t, p.seqlen_q);
+}
+
+template <typename T, int D>
+cudaError_t launch_ws(bool causal, const CUtensorMap& q, const CUtensorMap& k, const CUtensorMap& vt, void* o,
+                      const AttentionParams& p, int batch_heads, cudaStream_t stream) {
+  const int smem = (2 + 2 * kWsStages) * D * 128 + 1024;  // 128 rows of Q, kWsStages x (K, Vᵀ), alignment room
+  const dim3 grid((p.seqlen_q + 2 * kRows - 1) / (2 * kRows), batch_heads);
+  auto kernel = causal ? hopper_attention_ws_kernel<T, D, true> : hopper_attention_ws_kernel<T, D, false>;
+  const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (err != cudaSuccess) return err;
+  kernel<<<grid, 384, smem, stream>>>(q, k, vt, static_cast<T*>(o), p);
+  return cudaGetLastError();
 }
 
 template <typename T, int D, int kStages>
@@ -196,16 +303,18 @@ cudaError_t launch_typed(bool causal, const CUtensorMap& q, const CUtensorMap& k
 template <typename T, int D>
 cudaError_t launch_step(int step, bool causal, const CUtensorMap& q, const CUtensorMap& k, const CUtensorMap& vt,
                         void* o, const AttentionParams& p, int batch_heads, cudaStream_t stream) {
-  return step == 1 ? launch_typed<T, D, 1>(causal, q, k, vt, o, p, batch_heads, stream)
-                   : launch_typed<T, D, 2>(causal, q, k, vt, o, p, batch_heads, stream);
+  return step == 1   ? launch_typed<T, D, 1>(causal, q, k, vt, o, p, batch_heads, stream)
+         : step == 2 ? launch_typed<T, D, 2>(causal, q, k, vt, o, p, batch_heads, stream)
+                     : launch_ws<T, D>(causal, q, k, vt, o, p, batch_heads, stream);
 }
 
 // Plain launcher (no torch types); the wrapper has checked the shapes and built the tensor maps. step 1: loads
-// and multiplies take turns; step 2: the next K/Vᵀ tile is copied while this one is multiplied.
+// and multiplies take turns; step 2: the next K/Vᵀ tile is copied while this one is multiplied; step 3: a
+// producer warpgroup and two consumer warpgroups (Q's tensor map then reads 128 rows at a time).
 cudaError_t hopper_attention_launch(int step, bool bf16, int head_dim, bool causal, const CUtensorMap& q,
                                     const CUtensorMap& k, const CUtensorMap& vt, void* o, const AttentionParams& p,
                                     int batch_heads, cudaStream_t stream) {
-  if (step != 1 && step != 2) return cudaErrorInvalidValue;
+  if (step < 1 || step > 3) return cudaErrorInvalidValue;
   if (bf16) {
     return head_dim == 64 ? launch_step<__nv_bfloat16, 64>(step, causal, q, k, vt, o, p, batch_heads, stream)
                           : launch_step<__nv_bfloat16, 128>(step, causal, q, k, vt, o, p, batch_heads, stream);
@@ -248,8 +357,8 @@ inline CUtensorMap map_3d(const torch::Tensor& t, int box_rows) {
 // contiguous fp16 or bf16 on an sm_90 GPU, D = 64 or 128 -> o (B, H, Nq, D).
 torch::Tensor hopper_attention_forward(torch::Tensor q, torch::Tensor k, torch::Tensor vt, int64_t seqlen_k,
                                        bool causal, double scale, int64_t step) {
-  TORCH_CHECK(step == 1 || step == 2, "hopper_attention: step must be 1 (loads and multiplies take turns) or 2 ",
-              "(the next tile's copy overlaps), got ", course::num(step));
+  TORCH_CHECK(step >= 1 && step <= 3, "hopper_attention: step must be 1 (loads and multiplies take turns), 2 ",
+              "(the next tile's copy overlaps) or 3 (warp specialisation), got ", course::num(step));
   const torch::Tensor* inputs[] = {&q, &k, &vt};
   const char* names[] = {"q", "k", "vt"};
   for (int i = 0; i < 3; ++i) {
@@ -280,7 +389,7 @@ torch::Tensor hopper_attention_forward(torch::Tensor q, torch::Tensor k, torch::
   const course_hopper::AttentionParams p{static_cast<int>(q.size(2)), static_cast<int>(seqlen_k),
                                          static_cast<int>(q.size(1)), static_cast<int>(k.size(1)),
                                          static_cast<float>(scale * 1.4426950408889634)};
-  const CUtensorMap map_q = course_hopper::map_3d(q, 64), map_k = course_hopper::map_3d(k, 64),
+  const CUtensorMap map_q = course_hopper::map_3d(q, step == 3 ? 128 : 64), map_k = course_hopper::map_3d(k, 64),
                     map_vt = course_hopper::map_3d(vt, static_cast<int>(d));
   const cudaError_t err = course_hopper::hopper_attention_launch(
       static_cast<int>(step), q.scalar_type() == torch::kBFloat16, static_cast<int>(d), causal, map_q, map_k, map_vt,
