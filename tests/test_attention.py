@@ -119,3 +119,15 @@ def test_tensors_on_the_wrong_device_raise_value_errors_naming_them(name):
     if gpu_only:
         with pytest.raises(ValueError, match="q is on (cpu|the CPU)"):
             fn(q, k, v)
+
+
+def test_an_implementation_for_one_gpu_generation_is_available_there_only(monkeypatch):
+    """cuda_hopper's sm_90a code runs on sm_90 alone: not on the CPU, an A100, a Blackwell or an emulated T4."""
+    from utils import gpu
+
+    impl = REGISTRY["cuda_hopper"]
+    assert impl.capability == (9, 0) and not impl.available(torch.device("cpu"))
+    for capability, expected in (((9, 0), True), ((8, 0), False), ((10, 0), False), ((7, 5), False)):
+        monkeypatch.setattr(gpu, "capability", lambda device=None, c=capability: c)
+        assert impl.available(torch.device("cuda")) is expected, capability
+    assert REGISTRY["cuda"].available(torch.device("cuda"))  # no capability: any CUDA GPU
