@@ -3,7 +3,7 @@ import torch
 
 from utils.bench import attention_flops, benchmark, tflops
 from utils.exercises import check
-from utils.plotting import save_figure, use_course_style, write_png
+from utils.plotting import pyplot, save_figure, use_course_style, write_png
 from utils.testing import assert_attention_matches_reference, assert_close, random_qkv, tolerances
 from utils.reference import naive_attention
 
@@ -167,3 +167,11 @@ def test_assert_rows_close_names_rows_blocks_and_the_worst_element():
         assert_rows_close(a[:, :, :5], a, atol=1, rtol=1)
     with pytest.raises(TypeError):
         assert_rows_close(a.tolist(), a, atol=1, rtol=1)
+
+
+def test_pyplot_is_styled_and_never_needs_a_display():
+    import matplotlib
+
+    plt = pyplot()
+    assert plt.rcParams["axes.grid"] is True and plt.rcParams["legend.frameon"] is False
+    assert matplotlib.get_backend().lower() in ("agg", "module://matplotlib_inline.backend_inline")
