@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from utils import gpu
-from utils.bench import attention_flops, forward, peers, tflops
+from utils.bench import attention_flops, backward, forward, peers, tflops
 
 DTYPES = forward.DTYPES
 # Far above rounding (fp16 2^-11, bf16 2^-8 of outputs below 1), far below a wrong mask or tile (errors ~0.1-1).
@@ -67,10 +67,9 @@ def prepare(fn, mode, q, k, v, do, causal):
     """The closure that one measurement times (see the module docstring)."""
     if mode == "fwd":
         return lambda: fn(q, k, v, causal=causal)
-    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     if mode == "bwd":
-        out = fn(q, k, v, causal=causal)
-        return lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
+        return backward.autograd_backward(fn)(q, k, v, do, causal)
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     return lambda: torch.autograd.grad(fn(q, k, v, causal=causal), (q, k, v), do)
 
 
