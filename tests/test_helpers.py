@@ -3,7 +3,7 @@ import torch
 
 from utils.bench import attention_flops, benchmark, tflops
 from utils.exercises import check
-from utils.plotting import save_figure, use_course_style, write_png
+from utils.plotting import pyplot, save_figure, use_course_style, write_png
 from utils.testing import (ODD_SHAPES_64_128, assert_attention_matches_reference, assert_close,
                            assert_matches_on_odd_shapes, random_qkv, tolerances)
 from utils.reference import naive_attention
@@ -185,3 +185,11 @@ def test_assert_matches_on_odd_shapes_runs_every_shape_and_catches_errors():
     with pytest.raises(AssertionError):
         assert_matches_on_odd_shapes(lambda q, k, v, **kw: naive_attention(q, k, v, **kw) * 1.01,
                                      dtype=torch.float32, causal=False, device="cpu", shapes=shapes)
+
+
+def test_pyplot_is_styled_and_never_needs_a_display():
+    import matplotlib
+
+    plt = pyplot()
+    assert plt.rcParams["axes.grid"] is True and plt.rcParams["legend.frameon"] is False
+    assert matplotlib.get_backend().lower() in ("agg", "module://matplotlib_inline.backend_inline")

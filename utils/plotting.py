@@ -30,6 +30,17 @@ def use_course_style() -> None:
     mpl.rcParams.update(STYLE)
 
 
+def pyplot():
+    """matplotlib.pyplot in the course's style, for a benchmark that saves its plots: a notebook keeps its inline
+    backend; anywhere else (a terminal, a GPU machine without a display) the file-only Agg backend is chosen."""
+    if mpl.get_backend().lower() not in ("agg", "module://matplotlib_inline.backend_inline"):
+        mpl.use("Agg")
+    import matplotlib.pyplot as plt
+
+    use_course_style()
+    return plt
+
+
 def seqlen_axis(ax, seqlens) -> None:
     """A log2 x-axis ticked at the sequence lengths, labelled 512, 1k, 2k, ..."""
     ax.set_xscale("log", base=2)

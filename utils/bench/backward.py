@@ -19,23 +19,22 @@ KNOWN = BACKENDS + ("sdpa_efficient", "triton_tutorial")         # measured when
 DEFAULT_OUT = Path(__file__).resolve().parents[2] / "images" / "07_backward_benchmark.json"
 
 
-def _sdpa_backward(backend_name):
-    """A function (q, k, v, do, causal) -> timing closure for SDPA with `backend_name` pinned."""
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    backend = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
-               "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION}[backend_name]
-
+def autograd_backward(attention):
+    """A function (q, k, v, do, causal) -> timing closure for the backward that `attention`'s forward recorded in
+    autograd (SDPA with a backend pinned: that backend's backward kernel; a peer's kernel): one forward is kept
+    and its gradients are taken again at each call."""
     def prepare(q, k, v, do, causal):
         q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-        with sdpa_kernel(backend):
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-
-        def run():  # the backward the forward's backend recorded: that backend's backward kernel
-            return torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
-        return run
+        out = attention(q, k, v, causal=causal)
+        return lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
     return prepare
+
+
+def _sdpa_backward(backend_name):
+    """SDPA with `backend_name` ("sdpa_flash", ...) pinned: utils.bench.forward.sdpa_pinned, timed backward."""
+    from utils.bench.forward import sdpa_pinned
+
+    return autograd_backward(sdpa_pinned(backend_name.removeprefix("sdpa_")))
 
 
 def _triton_backward(config=None):
@@ -45,14 +44,6 @@ def _triton_backward(config=None):
 
         o, lse = flash_attention_forward(q, k, v, causal=causal)
         return lambda: flash_attention_backward(do, q, k, v, o, lse, causal=causal, config=config)
-    return prepare
-
-
-def _peer_backward(peer):
-    def prepare(q, k, v, do, causal):  # the peer's autograd backward, as SDPA's is timed above
-        q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-        out = peer(q, k, v, causal=causal)
-        return lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
     return prepare
 
 
@@ -71,7 +62,7 @@ def run_backward_benchmark(seqlens=(2048, 4096, 8192, 16384), head_dims=(64, 128
     if not torch.cuda.is_available():
         raise RuntimeError("run_backward_benchmark needs a CUDA GPU")
     capability = torch.cuda.get_device_capability()
-    special = {"triton": lambda: _triton_backward(config), "triton_tutorial": lambda: _peer_backward(tutorial)}
+    special = {"triton": lambda: _triton_backward(config), "triton_tutorial": lambda: autograd_backward(tutorial)}
     makers = {b: special[b]() if b in special else _sdpa_backward(b) for b in backends}
     rows = []
     for d in head_dims:

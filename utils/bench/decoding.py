@@ -184,11 +184,27 @@ LAUNCH_FLOOR_COMMAND = "python -m utils.bench.decoding --launch-floor --out imag
 LAUNCH_FLOOR_SHAPE = dict(batch=1, heads=16, kv_heads=16, seqlen_k=4096, head_dim=128)
 
 
-def launch_floor_path(folder, tag: str = "h200"):
-    """Where the launch-floor measurement of a GPU tagged `tag` is kept: <folder>/decoding_launch_floor_<tag>.json."""
-    from pathlib import Path
+def _stored(kind: str):
+    """The path function of one kind of stored measurement: (folder, tag) -> <folder>/decoding_<kind>_<tag>.json."""
+    def path(folder, tag: str = "h200"):
+        from pathlib import Path
 
-    return Path(folder) / f"decoding_launch_floor_{tag}.json"
+        return Path(folder) / f"decoding_{kind}_{tag}.json"
+
+    path.__doc__ = f"Where the {kind.replace('_', ' ')} measurement of a GPU tagged `tag` is kept."
+    return path
+
+
+def _write_json(path, payload) -> None:
+    import json
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=1) + "\n")
+
+
+launch_floor_path = _stored("launch_floor")
+latency_path = _stored("latency")
+paged_path = _stored("paged")
 
 
 def wall_time_us(fn, *, iters: int = 200, warmup: int = 20) -> float:
@@ -288,12 +304,8 @@ def measure_launch_floor(*, methods=None, timer=wall_time_us, shape=None, dtype=
 
 def write_launch_floor(folder, tag: str = "h200", **kwargs):
     """Measure the launch floor (`measure_launch_floor(**kwargs)`) and write it as JSON; returns the path."""
-    import json
-
-    result = measure_launch_floor(**kwargs)
     path = launch_floor_path(folder, tag)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1) + "\n")
+    _write_json(path, measure_launch_floor(**kwargs))
     return path
 
 
@@ -301,20 +313,11 @@ LATENCY_COMMAND = "python -m utils.bench.decoding --latency --out images"
 LATENCY_SEQLENS = (1024, 4096, 16384, 65536, 131072)
 
 
-def latency_path(folder, tag: str = "h200"):
-    """Where the batch-1 latency sweep of a GPU tagged `tag` is kept: <folder>/decoding_latency_<tag>.json."""
-    from pathlib import Path
-
-    return Path(folder) / f"decoding_latency_{tag}.json"
-
-
 def write_latency(folder, tag: str = "h200", *, seqlens=LATENCY_SEQLENS, command: str = LATENCY_COMMAND,
                   **kwargs):
     """Batch-1 decoding latency at each cache length, a served model's heads (32 query heads on 8 KV heads,
     d = 128, bf16), each way of `launch_floor_methods` (kwargs go to `measure_launch_floor`); writes
     decoding_latency_<tag>.json, rows {"seqlen_k", "method", "us" or "error"}, and returns its path."""
-    import json
-
     rows, result = [], None
     for n in seqlens:
         shape = dict(batch=1, heads=32, kv_heads=8, seqlen_k=n, head_dim=128)
@@ -323,8 +326,7 @@ def write_latency(folder, tag: str = "h200", *, seqlens=LATENCY_SEQLENS, command
         torch.cuda.empty_cache()
     shape = {k: v for k, v in result["shape"].items() if k != "seqlen_k"}
     path = latency_path(folder, tag)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"environment": result["environment"], "shape": shape, "rows": rows}, indent=1) + "\n")
+    _write_json(path, {"environment": result["environment"], "shape": shape, "rows": rows})
     return path
 
 
@@ -360,25 +362,16 @@ def tile_sweep(shapes=SWEEP_SHAPES, tiles=SWEEP_TILES, *, head_dim=128, dtype=to
 PAGED_COMMAND = "python -m utils.bench.decoding --paged --out images"
 
 
-def paged_path(folder, tag: str = "h200"):
-    """Where the paged-cache benchmark of a GPU tagged `tag` is kept: <folder>/decoding_paged_<tag>.json."""
-    from pathlib import Path
-
-    return Path(folder) / f"decoding_paged_{tag}.json"
-
-
 def write_paged(folder, tag: str = "h200", *, command: str = PAGED_COMMAND, batches=(1, 4, 16, 64),
                 seqlens=(4096, 16384, 65536), page_sizes=(16, 64, 256)):
     """Paged against contiguous decoding, the shapes of a served model (32 query heads on 8 KV heads, d = 128,
     bf16, one new token), written with its environment to decoding_paged_<tag>.json."""
-    import json
-
     from utils import gpu
 
     rows = benchmark_decoding(batches, seqlens, heads=32, kv_heads=8, page_sizes=page_sizes,
                               methods={"flash_decode": lambda q, k, v: flash_decode(q, k, v)})
     path = paged_path(folder, tag)
-    path.write_text(json.dumps({"environment": gpu.environment(command), "rows": rows}, indent=1) + "\n")
+    _write_json(path, {"environment": gpu.environment(command), "rows": rows})
     return path
 
 
@@ -400,33 +393,30 @@ def _main(argv=None):
     parser.add_argument("--tile-sweep", action="store_true",
                         help="only time every tile of SWEEP_TILES on SWEEP_SHAPES (decoding_sweep_<tag>.json)")
     args = parser.parse_args(argv)
+    command = "python -m utils.bench.decoding " + " ".join(sys.argv[1:] if argv is None else argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.tile_sweep:
         from utils import gpu
 
-        command = "python -m utils.bench.decoding " + " ".join(sys.argv[1:] if argv is None else argv)
         result = {"environment": gpu.environment(command), **tile_sweep()}
         (out / f"decoding_sweep_{args.tag}.json").write_text(json.dumps(result, indent=1) + "\n")
         print("best (keys per tile, warps, stages):", result["best"])
         return
     if args.latency:
-        path = write_latency(out, args.tag, command="python -m utils.bench.decoding " +
-                             " ".join(sys.argv[1:] if argv is None else argv))
+        path = write_latency(out, args.tag, command=command)
         for r in json.loads(path.read_text())["rows"]:
             print(f"N={r['seqlen_k']:6d} {r['method']:48s} " + (f"{r['us']:8.1f} µs" if "us" in r else r["error"]))
         print("wrote", path)
         return
     if args.paged:
-        path = write_paged(out, args.tag, command="python -m utils.bench.decoding " +
-                           " ".join(sys.argv[1:] if argv is None else argv))
+        path = write_paged(out, args.tag, command=command)
         for r in json.loads(path.read_text())["rows"]:
             print(f"B={r['batch']:3d} N={r['seqlen_k']:6d} {r['method']:36s} " +
                   (f"{r['ms'] * 1e3:8.1f} µs {r['gbps']:6.0f} GB/s" if "ms" in r else r["error"]))
         print("wrote", path)
         return
     if args.launch_floor:
-        command = "python -m utils.bench.decoding " + " ".join(sys.argv[1:] if argv is None else argv)
         path = write_launch_floor(out, args.tag, command=command)
         for r in json.loads(path.read_text())["rows"]:
             print(f"{r['method']:34s} " + (f"{r['us']:8.1f} µs" if "us" in r else r["error"]))
@@ -437,7 +427,6 @@ def _main(argv=None):
     batches, seqlens = (1, 4, 16, 64), (4096, 16384, 65536, 131072)
     from utils import gpu
 
-    command = "python -m utils.bench.decoding " + " ".join(sys.argv[1:] if argv is None else argv)
     result = {"environment": gpu.environment(command), "device": device, "torch": torch.__version__,
               "triton": triton.__version__, "peak_gbps": peak}
     runs = {"mha": lambda: benchmark_decoding(batches, seqlens, heads=16, kv_heads=16),

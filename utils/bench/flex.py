@@ -24,6 +24,8 @@ from typing import NamedTuple
 
 import torch
 
+from utils.plotting import pyplot
+
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_OUT = ROOT / "images" / "10_flex_h200.json"
 QUICK_OUT = ROOT / "build" / "10_flex_quick.json"    # ignored by git: a smoke test never replaces the reference
@@ -493,19 +495,6 @@ def summarize(path=DEFAULT_OUT) -> None:
 
 # --- the plots ----------------------------------------------------------------------------------------------
 
-def _pyplot():
-    import matplotlib
-
-    if matplotlib.get_backend().lower() not in ("agg", "module://matplotlib_inline.backend_inline"):
-        matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from utils.plotting import use_course_style
-
-    use_course_style()
-    return plt
-
-
 def _title(data: dict) -> str:
     s = data["settings"]
     return f"{(data.get('environment') or {}).get('gpu') or ''}, {s['dtype']}, B={s['batch']}, H={s['heads']}, " \
@@ -515,7 +504,7 @@ def _title(data: dict) -> str:
 def plot_comparison(data: dict):
     """Bars per masked case (ms, log scale): course, torch flex, SDPA with the mask, the course on dense causal;
     forward above, forward+backward below."""
-    plt = _pyplot()
+    plt = pyplot()
     index = _index(data["results"])
     rows = [c for c in compare_cases(data["settings"]) if c.mask != "causal"]
     bars = [("course", IMPL_LABELS["course"]), ("torch_flex", IMPL_LABELS["torch_flex"]),
@@ -540,7 +529,7 @@ def plot_comparison(data: dict):
 def plot_sparsity(data: dict):
     """The course kernel's time against the fraction of tiles skipped, with lines proportional to the tiles
     computed through dense causal's point (what a kernel that costs only its tiles would take)."""
-    plt = _pyplot()
+    plt = pyplot()
     s, index = data["settings"], _index(data["results"])
     n = s["sparsity_seqlen"]
     cases_ = [Case("sliding_window", n, window=w) for w in s["sparsity_windows"]]
@@ -568,7 +557,7 @@ def plot_sparsity(data: dict):
 
 def save_figures(data: dict, json_path) -> tuple[Path, Path]:
     """The comparison and sparsity plots, saved beside the JSON (figure_paths)."""
-    plt = _pyplot()
+    plt = pyplot()
     paths = figure_paths(json_path)
     paths[0].parent.mkdir(parents=True, exist_ok=True)
     for fig, path in zip((plot_comparison(data), plot_sparsity(data)), paths):

@@ -216,15 +216,9 @@ def write_json(records: list[dict], args, path: Path, fns: dict | None = None) -
 
 def plot(records: list[dict], path: Path, title: str = "") -> Path:
     """TFLOP/s against N, one line per implementation, one panel per (head dim, causal)."""
-    import matplotlib
+    from utils.plotting import pyplot, seqlen_axis, write_png
 
-    if matplotlib.get_backend().lower() not in ("agg", "module://matplotlib_inline.backend_inline"):
-        matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from utils.plotting import seqlen_axis, use_course_style, write_png
-
-    use_course_style()
+    plt = pyplot()
     panels = list(dict.fromkeys((r["head_dim"], r["causal"]) for r in records))
     impls = list(dict.fromkeys(r["impl"] for r in records))
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8), squeeze=False, sharey=True)

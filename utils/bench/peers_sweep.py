@@ -31,9 +31,9 @@ from pathlib import Path
 import torch
 
 from utils import gpu
-from utils.bench import attention_flops, forward, peers, tflops
+from utils.bench import attention_flops, backward, forward, peers, tflops
 
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+DTYPES = forward.DTYPES
 # Far above rounding (fp16 2^-11, bf16 2^-8 of outputs below 1), far below a wrong mask or tile (errors ~0.1-1).
 TOLERANCE = {"fp16": 1e-2, "bf16": 4e-2, "fp32": 1e-3}
 MODES = ("fwd", "bwd", "fwd_bwd")
@@ -56,8 +56,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def configurations(args) -> list[tuple]:
     """(dtype name, head_dim, causal, seqlen) in the order measured; the modes share each one's inputs."""
-    causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
-    return [(t, d, c, n) for t in args.dtypes for d in args.head_dims for c in causals for n in args.seqlens]
+    return [(t, *shape) for t in args.dtypes for shape in forward.configurations(args)]
 
 
 def settings(args) -> dict:
@@ -68,10 +67,9 @@ def prepare(fn, mode, q, k, v, do, causal):
     """The closure that one measurement times (see the module docstring)."""
     if mode == "fwd":
         return lambda: fn(q, k, v, causal=causal)
-    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     if mode == "bwd":
-        out = fn(q, k, v, causal=causal)
-        return lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
+        return backward.autograd_backward(fn)(q, k, v, do, causal)
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     return lambda: torch.autograd.grad(fn(q, k, v, causal=causal), (q, k, v), do)
 
 
@@ -235,15 +233,9 @@ def format_versus(rows: list[dict], impl: str = "triton") -> str:
 def plot(records: list[dict], path: Path, title: str = "") -> Path:
     """One figure: a row per (mode, dtype), a column per (head dim, causal), TFLOP/s against N, a line per
     implementation; inaccurate measurements are left out."""
-    import matplotlib
+    from utils.plotting import pyplot, seqlen_axis, write_png
 
-    if matplotlib.get_backend().lower() not in ("agg", "module://matplotlib_inline.backend_inline"):
-        matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from utils.plotting import seqlen_axis, use_course_style, write_png
-
-    use_course_style()
+    plt = pyplot()
     rows = list(dict.fromkeys((r["mode"], r["dtype"]) for r in records))
     cols = list(dict.fromkeys((r["head_dim"], r["causal"]) for r in records))
     impls = list(dict.fromkeys(r["impl"] for r in records))
