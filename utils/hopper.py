@@ -93,6 +93,12 @@ def bank_conflicts(rows: int = 8, row_bytes: int = 128, mode: int = 128, column:
     return max(groups.count(g) for g in set(groups))
 
 
+def _readable(t: torch.Tensor) -> torch.Tensor:
+    """`t` if it is contiguous and starts on 16 bytes (TMA and the 16-byte copies need both), else a copy that is:
+    a copy, not .contiguous(), which returns a contiguous view at an odd address unchanged."""
+    return t if t.is_contiguous() and t.data_ptr() % 16 == 0 else t.clone(memory_format=torch.contiguous_format)
+
+
 def wgmma_gemm(a: torch.Tensor, b: torch.Tensor, *, step: str = GEMM_STEPS[-1]) -> torch.Tensor:
     """a (M, K) @ b (N, K)ᵀ -> (M, N) float32 with one warpgroup's wgmma per 64 x 64 tile (sm_90 GPUs only).
 
@@ -120,9 +126,7 @@ def wgmma_gemm(a: torch.Tensor, b: torch.Tensor, *, step: str = GEMM_STEPS[-1]) 
     if a.device != b.device or a.device.type != "cuda":
         raise ValueError(f"a and b must be on one CUDA device, got {a.device} and {b.device}")
     cuda_ext.check_hopper_capability(gpu.capability(a.device))
-    # The kernel reads contiguous rows 16 bytes at a time: anything else (a view at an odd address too) is copied.
-    a, b = (t if t.is_contiguous() and t.data_ptr() % 16 == 0 else t.clone(memory_format=torch.contiguous_format)
-            for t in (a, b))
+    a, b = _readable(a), _readable(b)
     return cuda_ext.load("wgmma_gemm").wgmma_gemm_forward(a, b, GEMM_STEPS.index(step) + 1)
 
 
@@ -143,8 +147,7 @@ def flash_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: b
                                    dtypes=(torch.float16, torch.bfloat16), runs_on="cuda")
     scale = resolve_scale(sm_scale, shape.head_dim)
     cuda_ext.check_hopper_capability(gpu.capability(q.device))
-    q, k = (t.contiguous() if t.data_ptr() % 16 == 0 else t.clone(memory_format=torch.contiguous_format)
-            for t in (q, k))
+    q, k = _readable(q), _readable(k)
     padded = -(-shape.seqlen_k // 8) * 8
     vt = torch.zeros(shape.batch, shape.kv_heads, shape.head_dim, padded, device=v.device, dtype=v.dtype)
     vt[..., :shape.seqlen_k] = v.transpose(-1, -2)

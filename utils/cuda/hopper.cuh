@@ -25,10 +25,15 @@ __device__ inline void wgmma_commit() { asm volatile("wgmma.commit_group.sync.al
 template <int N>
 __device__ inline void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
 
-// The same multiply with A from registers ("RS"): a (four 32-bit registers of two 16-bit values each) holds
-// this thread's part of the 64 x 16 A tile in mma.sync's A-fragment layout, one 16-row slab per warp. This is
-// how P, computed in registers by the softmax, feeds the second product of attention. N = 64 or 128; always
-// accumulates (d += a * b).
+// Keeps the compiler from moving reads or writes of the accumulators across an asynchronous wgmma.
+template <int R>
+__device__ inline void fence_registers(float (&d)[R]) {
+#pragma unroll
+  for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// The accumulator operands of an inline-PTX wgmma: "+f" constraints for 8 or 32 registers of d from index i,
+// and the brace lists of 32 or 64 operand numbers.
 #define COURSE_F8(d, i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), \
                         "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
 #define COURSE_F32(d, i) COURSE_F8(d, i), COURSE_F8(d, i + 8), COURSE_F8(d, i + 16), COURSE_F8(d, i + 24)
@@ -38,6 +43,26 @@ __device__ inline void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligne
                    "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, " \
                    "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, " \
                    "%56, %57, %58, %59, %60, %61, %62, %63}"
+// d (64 x 64 fp32, 32 registers a thread) += A (64 x 16, shared) * B (16 x 64, shared; stored N x K, K-major).
+// accumulate == 0 ignores d's old value (D = A*B). Thread t of the warpgroup holds rows 16*(t/32) + (t%32)/4
+// and +8, columns 8*j + 2*(t%4) and +1 in d[4j..4j+3], the layout of mma.sync's accumulator repeated.
+template <typename T>
+__device__ inline void wgmma_m64n64k16(float (&d)[32], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+                 COURSE_D32 ", %32, %33, p, 1, 1, 0, 0;\n}\n"
+                 : COURSE_F32(d, 0) : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+  } else {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+                 COURSE_D32 ", %32, %33, p, 1, 1, 0, 0;\n}\n"
+                 : COURSE_F32(d, 0) : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+  }
+}
+
+// The same multiply with A from registers ("RS"): a (four 32-bit registers of two 16-bit values each) holds
+// this thread's part of the 64 x 16 A tile in mma.sync's A-fragment layout, one 16-row slab per warp. This is
+// how P, computed in registers by the softmax, feeds the second product of attention. N = 64 or 128; always
+// accumulates (d += a * b).
 template <typename T, int N>
 __device__ inline void wgmma_m64k16_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc_b) {
   static_assert(N == 64 || N == 128, "N = 64 or 128");
@@ -85,12 +110,6 @@ __device__ inline void mbarrier_arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
 
-// Warp specialisation: a warpgroup gives registers back (dec) or takes them (inc); all its warps execute it.
-// Takes effect only with a register cap at entry (__launch_bounds__(threads, 1)).
-template <int kRegisters>
-__device__ inline void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegisters)); }
-template <int kRegisters>
-__device__ inline void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegisters)); }
 // Copy the box at (x, y) (x along the contiguous dim) of the tensor `map` describes to shared address `dst`;
 // the bytes count towards `bar`. The map's swizzle mode decides the layout in shared memory.
 __device__ inline void tma_load_2d(uint32_t dst, const void* map, int x, int y, uint32_t bar) {
@@ -105,36 +124,11 @@ __device__ inline void tma_load_3d(uint32_t dst, const void* map, int x, int y, 
       ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(z), "r"(bar) : "memory");
 }
 
-// Keeps the compiler from moving reads or writes of the accumulators across an asynchronous wgmma.
-template <int R>
-__device__ inline void fence_registers(float (&d)[R]) {
-#pragma unroll
-  for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-
-// d (64 x 64 fp32, 32 registers a thread) += A (64 x 16, shared) * B (16 x 64, shared; stored N x K, K-major).
-// accumulate == 0 ignores d's old value (D = A*B). Thread t of the warpgroup holds rows 16*(t/32) + (t%32)/4
-// and +8, columns 8*j + 2*(t%4) and +1 in d[4j..4j+3], the layout of mma.sync's accumulator repeated.
-template <typename T>
-__device__ inline void wgmma_m64n64k16(float (&d)[32], uint64_t desc_a, uint64_t desc_b, int accumulate) {
-#define COURSE_WGMMA_ASM(TYPES)                                                                                \
-  asm volatile(                                                                                                \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                                             \
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPES " "                                                  \
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "  \
-      "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"                       \
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),       \
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]),            \
-        "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),            \
-        "+f"(d[30]), "+f"(d[31])                                                                               \
-      : "l"(desc_a), "l"(desc_b), "r"(accumulate))
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    COURSE_WGMMA_ASM("bf16.bf16");
-  } else {
-    COURSE_WGMMA_ASM("f16.f16");
-  }
-#undef COURSE_WGMMA_ASM
-}
+// Warp specialisation: a warpgroup gives registers back (dec) or takes them (inc); all its warps execute it.
+// Takes effect only with a register cap at entry (__launch_bounds__(threads, 1)).
+template <int kRegisters>
+__device__ inline void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegisters)); }
+template <int kRegisters>
+__device__ inline void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegisters)); }
 
 }  // namespace course_hopper
