@@ -117,6 +117,14 @@ def test_parse_ptxas_reads_registers_smem_and_spills():
     assert plain == KernelResources("x.cu", "sm_75", "plain_kernel", 8, 0, 0, 0, 0)  # no frame line, no smem
 
 
+def test_parse_ptxas_flags_serialized_wgmma():
+    text = PTXAS + ("ptxas info    : (C7513) Potential Performance Loss: wgmma.mma_async instructions are serialized "
+                    "due to non wgmma instructions defining input registers of a wgmma between start and end of the "
+                    "pipeline stage in the function 'plain_kernel'\n")
+    assert [r.wgmma_serialized for r in parse_ptxas(text)] == [False, False, True]
+    assert not any(r.wgmma_serialized for r in parse_ptxas(PTXAS))
+
+
 def test_parse_ptxas_of_nothing_is_empty_and_checks_its_argument():
     assert parse_ptxas("") == [] and parse_ptxas("nvcc warning: something\n") == []
     with pytest.raises(TypeError):

@@ -1,4 +1,6 @@
 """utils.gpu: the GPU profile switch (COURSE_EMULATE_GPU) and the environment record of stored results."""
+import sys
+
 import pytest
 import torch
 
@@ -45,6 +47,17 @@ def test_environment_records_where_and_how(monkeypatch):
     assert env["torch"] == torch.__version__ and env["command"] == "python -m utils.bench.summary"
     assert env["date"][:2] == "20" and (env["gpu"] is not None) == CUDA
     assert gpu.environment()["command"].startswith("python")  # default: this process's command line
+
+
+def test_command_line_names_the_module_a_run_with_m_started(monkeypatch):
+    import types
+
+    monkeypatch.setattr(sys, "argv", ["/repo/utils/bench/forward.py", "--impls", "triton"])
+    monkeypatch.setitem(sys.modules, "__main__", types.SimpleNamespace(__spec__=types.SimpleNamespace(
+        name="utils.bench.forward")))
+    assert gpu.command_line() == "python -m utils.bench.forward --impls triton"
+    monkeypatch.setitem(sys.modules, "__main__", types.SimpleNamespace(__spec__=None))  # python script.py
+    assert gpu.command_line().endswith(" /repo/utils/bench/forward.py --impls triton")
 
 
 def test_check_device(monkeypatch):

@@ -205,6 +205,7 @@ class KernelResources:
     stack_bytes: int
     spill_stores: int
     spill_loads: int
+    wgmma_serialized: bool = False  # ptxas's C7513: it made every wgmma of the kernel wait for the one before
 
 
 def find_nvcc() -> str | None:
@@ -239,6 +240,8 @@ def short_kernel_name(demangled: str) -> str:
 _ENTRY = re.compile(r"Compiling entry function '([^']+)' for '(sm_\w+)'")
 _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _USED = re.compile(r"Used (\d+) registers")
+_SERIALIZED = re.compile(r"\(C7513\) Potential Performance Loss: wgmma\.mma_async instructions are serialized"
+                         r".* in the function '([^']+)'")
 _SMEM = re.compile(r"(\d+) bytes smem")
 
 
@@ -247,6 +250,7 @@ def parse_ptxas(text: str, file: str = "") -> list[KernelResources]:
     if not isinstance(text, str):
         raise TypeError(f"text must be a str, got {type(text).__name__}")
     found, current = [], None
+    serialized = set(_SERIALIZED.findall(text))
     for line in text.splitlines():
         if m := _ENTRY.search(line):
             current = dict(kernel=m.group(1), arch=m.group(2), stack=0, stores=0, loads=0)
@@ -257,8 +261,8 @@ def parse_ptxas(text: str, file: str = "") -> list[KernelResources]:
             found.append((current, int(m.group(1)), int(smem.group(1)) if smem else 0))
             current = None
     names = _demangle([c["kernel"] for c, _, _ in found])
-    return [KernelResources(file, c["arch"], short_kernel_name(n), regs, smem, c["stack"], c["stores"], c["loads"])
-            for (c, regs, smem), n in zip(found, names)]
+    return [KernelResources(file, c["arch"], short_kernel_name(n), regs, smem, c["stack"], c["stores"], c["loads"],
+                            c["kernel"] in serialized) for (c, regs, smem), n in zip(found, names)]
 
 
 _CHECKED: dict = {}
@@ -269,7 +273,7 @@ def _compile_one(nvcc: str, name: str, arch: str) -> list[KernelResources]:
     # runs a plain sm_90 pass, which rejects wgmma.
     number = arch.removeprefix("sm_")
     flags = [*CUDA_FLAGS, f"-gencode=arch=compute_{number},code=sm_{number}", "-Xptxas", "-v"]
-    key = hashlib.sha256(f"{nvcc}\0{source_hash(name, flags)}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{nvcc}\0{source_hash(name, flags)}\0v2".encode()).hexdigest()[:16]  # v2: C7513
     if key in _CHECKED:
         return _CHECKED[key]
     cache = BUILD_DIR / "compile_check" / f"{name}-{arch}-{key}.json"

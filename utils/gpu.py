@@ -110,5 +110,14 @@ def environment(command: str | None = None) -> dict:
         driver=_driver_version() if gpu else None, cuda=torch.version.cuda, cudnn=cudnn,
         torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        command=command if command is not None else " ".join([os.path.basename(sys.executable), *sys.argv]),
+        command=command if command is not None else command_line(),
     )
+
+
+def command_line() -> str:
+    """This process's command line as it was typed: `python -m utils.bench.forward --impls triton` for a module
+    run with -m (whose sys.argv[0] is the module's file path), else `python script.py ...`."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is not None and spec.name:
+        return " ".join(["python", "-m", spec.name.removesuffix(".__main__"), *sys.argv[1:]])
+    return " ".join([os.path.basename(sys.executable), *sys.argv])

@@ -23,8 +23,10 @@ GEMM_TILE = 64
 # Notebook 06c's worklog for the GEMM: step 1 copies the tiles with the threads, step 2 with TMA.
 GEMM_STEPS = ("threads", "tma")
 # ... and for attention: step 1 loads and multiplies in turn, step 2 copies the next K/V tile during this one,
-# step 3 hands the copies to a producer warpgroup and the math to two consumer warpgroups.
-ATTENTION_STEPS = ("tma", "pipelined", "specialised")
+# step 3 hands the copies to a producer warpgroup and the math to two consumer warpgroups; then FlashAttention-3's
+# refinements: a leaner softmax, a deeper K/V ring, the softmax under the previous tile's P V, consumers in turns,
+# and (causal) the longest rows launched first.
+ATTENTION_STEPS = ("tma", "pipelined", "specialised", "softmax", "stages", "overlap", "pingpong", "heavy_first")
 
 
 def _check_int(name: str, value, low: int = 0, high: int | None = None) -> int:

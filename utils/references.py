@@ -34,6 +34,7 @@ REFERENCES = {
     "cuda_flash": (1, ["utils.bench.forward", "--impls", "cuda_tiled", "cuda_naive", "--sdpa", "flash",
                        "--name", "06_cuda_flash_h200"]),
     "cuda_mma": (1, ["utils.bench.cuda_mma", "--name", "06b_cuda_mma_h200"]),
+    "hopper": (1, ["utils.bench.cuda_mma", "--worklog", "hopper", "--name", "06c_hopper_h200"]),  # sm_90 only
     "backward": (1, ["utils.bench.backward", "--out", "images/07_backward_benchmark.json"]),
     "decoding": (1, ["utils.bench.decoding", "--out", "images"]),
     "launch_floor": (1, ["utils.bench.decoding", "--launch-floor", "--out", "images"]),
@@ -41,6 +42,8 @@ REFERENCES = {
     "decoding_paged": (1, ["utils.bench.decoding", "--paged", "--out", "images"]),
     "decoding_latency": (1, ["utils.bench.decoding", "--latency", "--out", "images"]),
     "flex": (1, ["utils.bench.flex"]),
+    # the Triton tutorial beside the course: needs TRITON_TUTORIAL_ATTENTION (see utils.bench.peers)
+    "peers": (1, ["utils.bench.peers_sweep", "--name", "peers_h200"]),
     "summary": (1, ["utils.bench.summary"]),
     "ring_nccl": (2, ["utils.ring_attention", "--backend", "nccl", "--world-size", "2"]),
     "ring_comm": (2, ["utils.bench.ring_comm", "--backend", "nccl", "--world-size", "2", "--out", "images"]),
@@ -128,6 +131,15 @@ def results_markdown() -> str:
                f"{min(bratio):.2f}–{max(bratio):.2f}× cuDNN's. The CUDA tensor-core kernel of notebook 06b "
                f"reaches {min(c[0] for c in cuda):.0f}–{max(c[0] for c in cuda):.0f} TFLOP/s at N ≥ 4k "
                f"({min(c[1] for c in cuda):.2f}–{max(c[1] for c in cuda):.2f}× FlashAttention-2).")
+    hop = _load("06c_hopper_h200.json")
+    h = _by(hop["results"], "impl", "head_dim", "causal", "seqlen")
+    shapes = {(d, c, n) for (i, d, c, n) in h if i.startswith("h") and n >= 4096 and ("sdpa-cudnn", d, c, n) in h}
+    best = [max(h[i, d, c, n] for (i, dd, cc, nn) in h if i.startswith("h") and (dd, cc, nn) == (d, c, n))
+            for d, c, n in sorted(shapes)]
+    vs = [b / h["sdpa-cudnn", d, c, n] for b, (d, c, n) in zip(best, sorted(shapes))]
+    summary += (f" The Hopper kernel of notebook 06c (`wgmma`, TMA, warp specialisation; its best step per shape) "
+                f"reaches {min(best):.0f}–{max(best):.0f} TFLOP/s at N ≥ 4k, {min(vs):.2f}–{max(vs):.2f}× cuDNN "
+                f"(`images/06c_hopper_h200.json`).")
     dec = _load("decoding_h200.json")
     decoding = []
     for key, label in (("mha", "MHA, 16 heads"), ("gqa", "GQA, 16 query / 2 KV heads")):

@@ -1,7 +1,9 @@
-"""Notebook 06b's worklog: every step of the tensor-core kernel beside SDPA's flash and cuDNN backends.
+"""The CUDA worklogs, every step beside SDPA's flash and cuDNN backends: notebook 06b's tensor-core kernel
+(`--worklog mma`, the default) and notebook 06c's Hopper kernel (`--worklog hopper`, sm_90 GPUs only).
 
     python -m utils.bench.cuda_mma --name 06b_cuda_mma_h200        # all steps, the full grid of utils.bench.forward
     python -m utils.bench.cuda_mma --steps exp2 causal_skip --seqlens 4096 --head-dims 128 --name quick
+    python -m utils.bench.cuda_mma --worklog hopper --name 06c_hopper_h200
 
 Everything else is utils.bench.forward's: the same flags, one run timing every step and SDPA backend side by side
 (do_bench, medians), the JSON (images/<name>.json) and the plot (images/<name>.png, one line per step).
@@ -11,23 +13,41 @@ before and over step 1, and its ratio to SDPA's FlashAttention-2 (flash) and cuD
 from __future__ import annotations
 
 import argparse
+import re
 from functools import partial
 
-from utils import gpu
-from utils.cuda_ext import MMA_STEPS, flash_mma, mma_kernel_name
+from utils import gpu, hopper
+from utils.cuda_ext import MMA_STEPS, flash_mma
+
+# worklog -> (its steps in order, the kernel taking step=, the label prefix)
+WORKLOGS = {"mma": (MMA_STEPS, flash_mma, "s"), "hopper": (hopper.ATTENTION_STEPS, hopper.flash_hopper, "h")}
 
 
-def step_label(step: str) -> str:
-    """'exp2' -> 's6_exp2': the step's number keeps the labels in worklog order."""
-    return mma_kernel_name(step).removeprefix("flash_mma_")
+def _worklog(name: str) -> tuple:
+    if name not in WORKLOGS:
+        raise ValueError(f"worklog must be one of {tuple(WORKLOGS)}, got {name!r}")
+    return WORKLOGS[name]
 
 
-def step_functions(steps=MMA_STEPS) -> dict:
-    """{label: fn(q, k, v, *, causal, sm_scale)} for each step, in worklog order."""
-    steps = list(steps)
-    for step in steps:
-        mma_kernel_name(step)  # validates
-    return {step_label(s): partial(flash_mma, step=s) for s in MMA_STEPS if s in steps}
+def step_label(step: str, worklog: str = "mma") -> str:
+    """'exp2' -> 's6_exp2', 'overlap' -> 'h6_overlap' (worklog "hopper"): the number keeps labels in order."""
+    steps, _, prefix = _worklog(worklog)
+    if step not in steps:
+        raise ValueError(f"step must be one of {steps}, got {step!r}")
+    return f"{prefix}{steps.index(step) + 1}_{step}"
+
+
+def step_functions(steps=None, worklog: str = "mma") -> dict:
+    """{label: fn(q, k, v, *, causal, sm_scale)} for each step (default: all), in worklog order."""
+    every, fn, _ = _worklog(worklog)
+    labels = {step: step_label(step, worklog) for step in (every if steps is None else steps)}  # validates
+    return {labels[s]: partial(fn, step=s) for s in every if s in labels}
+
+
+def _step_number(label: str) -> int | None:
+    """'s6_exp2' -> 6, 'h2_pipelined' -> 2, 'sdpa-flash' -> None."""
+    match = re.fullmatch(r"[sh](\d+)_\w+", label)
+    return int(match[1]) if match else None
 
 
 def worklog_table(records: list[dict], *, head_dim: int, causal: bool, seqlen: int,
@@ -38,7 +58,7 @@ def worklog_table(records: list[dict], *, head_dim: int, causal: bool, seqlen: i
           if (r["head_dim"], r["causal"], r["seqlen"]) == (head_dim, causal, seqlen)}
     if not at:
         raise ValueError(f"no records at head_dim={head_dim}, causal={causal}, seqlen={seqlen}")
-    labels = [step_label(s) for s in MMA_STEPS if step_label(s) in at]
+    labels = sorted((label for label in at if _step_number(label)), key=_step_number)
     rows, first, previous = [], None, None
     for label in labels:
         value = at[label]
@@ -68,15 +88,21 @@ def format_worklog(rows: list[dict]) -> str:
 
 
 def parse_args(argv=None):
-    """--steps (default: all), then utils.bench.forward's flags (defaults: SDPA flash and cuDNN, no registry impls)."""
+    """--worklog and --steps (default: all of it), then utils.bench.forward's flags (defaults: SDPA flash and
+    cuDNN, no registry impls)."""
     from utils.bench import forward as benchmark
 
     own = argparse.ArgumentParser(add_help=False)
-    own.add_argument("--steps", nargs="+", default=list(MMA_STEPS), choices=MMA_STEPS)
+    own.add_argument("--worklog", choices=list(WORKLOGS), default="mma")
+    own.add_argument("--steps", nargs="+")
     ours, rest = own.parse_known_args(argv)
-    defaults = ["--impls", "--sdpa", "flash", "cudnn", "--name", "06b_cuda_mma"]
-    args = benchmark.parse_args(defaults + list(rest))
-    args.steps = ours.steps
+    steps = ours.steps or list(WORKLOGS[ours.worklog][0])
+    for step in steps:
+        if step not in WORKLOGS[ours.worklog][0]:
+            own.error(f"--steps: {step!r} is not a step of the {ours.worklog} worklog {WORKLOGS[ours.worklog][0]}")
+    name = "06b_cuda_mma" if ours.worklog == "mma" else "06c_hopper"
+    args = benchmark.parse_args(["--impls", "--sdpa", "flash", "cudnn", "--name", name] + list(rest))
+    args.worklog, args.steps = ours.worklog, steps
     return args
 
 
@@ -88,13 +114,13 @@ def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("python -m utils.bench.cuda_mma needs a CUDA GPU")
-    fns = {**step_functions(args.steps), **benchmark.candidates(args)}
+    fns = {**step_functions(args.steps, args.worklog), **benchmark.candidates(args)}
     records = benchmark.run(args, fns)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     env = gpu.environment()
     json_path = benchmark.write_json(records, args, args.out_dir / f"{args.name}.json")
     png_path = benchmark.plot(records, args.out_dir / f"{args.name}.png",
-                              title=f"tensor-core steps, {env.get('gpu', '')}, {args.dtype}, B={args.batch}, "
+                              title=f"{args.worklog} steps, {env.get('gpu', '')}, {args.dtype}, B={args.batch}, "
                                     f"H={args.heads}")
     print(benchmark.format_table(records))
     for d, causal, n in benchmark.configurations(args):

@@ -131,4 +131,13 @@ __device__ inline void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.alig
 template <int kRegisters>
 __device__ inline void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegisters)); }
 
+// Named barriers 1-15 (0 is __syncthreads'): `sync` waits until `threads` threads (whole warps, itself included)
+// have arrived; `arrive` counts this warp in and goes on. Two consumer warpgroups take turns with them.
+__device__ inline void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ inline void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
 }  // namespace course_hopper

@@ -6,7 +6,8 @@
 //   4. P, rounded to 16 bits, is already in wgmma's register A-fragment layout: O += P V with A from registers
 //      and B = the Vᵀ tile (V transposed by the caller, so every operand is K-major).
 // Step 1 (kStages = 1): loads and multiplies take turns, as in the GEMM's step 2. Step 2 (kStages = 2): two
-// K/Vᵀ buffers, the next tile's copy issued before this tile's multiplies. Warp specialisation comes later.
+// K/Vᵀ buffers, the next tile's copy issued before this tile's multiplies. Steps 3-8 (hopper_attention_ws_kernel):
+// warp specialisation, then FlashAttention-3's refinements one at a time.
 // Causal attention is bottom-right aligned (key c is visible to query r when c <= r + Nk - Nq), tiles past the
 // diagonal are skipped, and TMA's zero fill covers the ragged last tiles.
 #ifndef COURSE_TORCH_WRAPPER
@@ -59,29 +60,35 @@ struct RowState {
   }
 };
 
-// Steps 2-4 for one tile of 64 keys starting at key k0: S = Q Kᵀ, the online softmax, O += P V. `sq` is this
-// warpgroup's Q tile (its 64-column panels `q_panel` bytes apart), `sk` and `sv` the K and Vᵀ tiles; `row` the
-// two rows this thread holds and `t` its lane within the quad.
-template <typename T, int D, bool kCausal>
-__device__ __forceinline__ void attend_tile(RowState<D>& st, uint32_t sq, uint32_t q_panel, uint32_t sk, uint32_t sv,
-                                            int k0, const int (&row)[2], int t, const AttentionParams& p) {
-  constexpr int kPanel = 64 * 128;  // a 64-row, 64-column panel of a K-major tile: 8 KB
-  // 2. S = Q Kᵀ: D / 16 slices of 16 along the head dim, 4 per 64-column panel.
-  float s[32];
-#pragma unroll
-  for (int i = 0; i < 32; ++i) s[i] = 0.f;
-  fence_registers(s);
-  wgmma_fence();
-#pragma unroll
-  for (int ks = 0; ks < D / 16; ++ks) {
-    wgmma_m64n64k16<T>(s, smem_desc(sq + (ks / 4) * q_panel + (ks % 4) * 32, 16, 1024, Swizzle::k128B),
-                       smem_desc(sk + (ks / 4) * kPanel + (ks % 4) * 32, 16, 1024, Swizzle::k128B), 1);
-  }
-  wgmma_commit();
-  wgmma_wait<0>();
-  fence_registers(s);
+// exp2 as one instruction of the special-function unit (MUFU.EX2), denormal results flushed to zero; exp2f
+// without --use_fast_math wraps it in range handling that costs several more.
+__device__ inline float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
 
-  // 3. The online softmax. s[4j + r] is row row[r / 2], key k0 + 8j + 2t + r % 2.
+// 2. S = Q Kᵀ for one tile of 64 keys: D / 16 slices of 16 along the head dim, 4 per 64-column panel, both
+// operands in shared memory (`sq` this warpgroup's Q tile, its panels `q_panel` bytes apart; `sk` the K tile).
+// Only the issue: the caller fences before and commits after.
+template <typename T, int D>
+__device__ __forceinline__ void issue_qk(float (&s)[32], uint32_t sq, uint32_t q_panel, uint32_t sk) {
+  constexpr int kPanel = 64 * 128;  // a 64-row, 64-column panel of a K-major tile: 8 KB
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ++ks) {  // the first slice overwrites S (accumulate = 0)
+    wgmma_m64n64k16<T>(s, smem_desc(sq + (ks / 4) * q_panel + (ks % 4) * 32, 16, 1024, Swizzle::k128B),
+                       smem_desc(sk + (ks / 4) * kPanel + (ks % 4) * 32, 16, 1024, Swizzle::k128B), ks > 0);
+  }
+}
+
+// 3. The online softmax of one tile of S, starting at key k0: updates the row maxima and sums, returns each row's
+// rescale factor for O in `alpha` and P, rounded to 16 bits, in `a`. s[4j + r] is row row[r / 2], key
+// k0 + 8j + 2t + r % 2 (`row`: the two rows this thread holds; `t`: its lane within the quad). kFast (step 4):
+// keys are masked only in tiles that need it (kMask), and the scale joins the exponent in one FMA:
+// exp2(s·c - m) with m kept in scaled units, instead of scaling every score first.
+template <typename T, int D, bool kCausal, bool kFast, bool kMask>
+__device__ __forceinline__ void softmax_tile(RowState<D>& st, float (&s)[32], uint32_t (&a)[4][4], float (&alpha)[2],
+                                             int k0, const int (&row)[2], int t, const AttentionParams& p) {
   const int diagonal = p.seqlen_k - p.seqlen_q;
   float tile_max[2] = {-CUDART_INF_F, -CUDART_INF_F};
 #pragma unroll
@@ -89,15 +96,15 @@ __device__ __forceinline__ void attend_tile(RowState<D>& st, uint32_t sq, uint32
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
       const int key = k0 + 8 * j + 2 * t + r % 2;
-      const bool masked = key >= p.seqlen_k || (kCausal && key > row[r / 2] + diagonal);
-      s[4 * j + r] = masked ? -CUDART_INF_F : s[4 * j + r] * p.scale_log2;
+      if (kMask && (key >= p.seqlen_k || (kCausal && key > row[r / 2] + diagonal))) s[4 * j + r] = -CUDART_INF_F;
+      if (!kFast) s[4 * j + r] *= p.scale_log2;
       tile_max[r / 2] = fmaxf(tile_max[r / 2], s[4 * j + r]);
     }
   }
-  float alpha[2], base[2];
+  float base[2];
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-    const float m_new = fmaxf(st.m[i], quad_max(tile_max[i]));
+    const float m_new = fmaxf(st.m[i], quad_max(tile_max[i]) * (kFast ? p.scale_log2 : 1.f));
     base[i] = m_new == -CUDART_INF_F ? 0.f : m_new;  // a row with no key yet: keep exp2 away from inf - inf
     alpha[i] = exp2f(st.m[i] - base[i]);
     st.m[i] = m_new;
@@ -105,27 +112,60 @@ __device__ __forceinline__ void attend_tile(RowState<D>& st, uint32_t sq, uint32
   }
 #pragma unroll
   for (int i = 0; i < 32; ++i) {
-    s[i] = exp2f(s[i] - base[i % 4 / 2]);
+    s[i] = kFast ? fast_exp2(fmaf(s[i], p.scale_log2, -base[i % 4 / 2])) : exp2f(s[i] - base[i % 4 / 2]);
     st.l[i % 4 / 2] += s[i];
   }
-#pragma unroll
-  for (int i = 0; i < D / 2; ++i) st.acc[i] *= alpha[i % 4 / 2];
-
-  // 4. O += P V: the C fragments of key columns 16kk..16kk+15 are the A fragment of P for that K-slice.
-  uint32_t a[4][4];
+  // The C fragments of key columns 16kk..16kk+15 are the A fragment of P for that K-slice of O += P V.
 #pragma unroll
   for (int kk = 0; kk < 4; ++kk) {
-    a[kk][0] = pack2<T>(s[8 * kk], s[8 * kk + 1]);
-    a[kk][1] = pack2<T>(s[8 * kk + 2], s[8 * kk + 3]);
-    a[kk][2] = pack2<T>(s[8 * kk + 4], s[8 * kk + 5]);
-    a[kk][3] = pack2<T>(s[8 * kk + 6], s[8 * kk + 7]);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) a[kk][i] = pack2<T>(s[8 * kk + 2 * i], s[8 * kk + 2 * i + 1]);
   }
-  fence_registers(st.acc);
-  wgmma_fence();
+}
+
+template <int D>
+__device__ __forceinline__ void rescale(RowState<D>& st, const float (&alpha)[2]) {
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) st.acc[i] *= alpha[i % 4 / 2];
+}
+
+// 4. O += P V: A = P from registers (`a`, one K-slice of 16 keys each), B = the Vᵀ tile `sv` (D rows of 64 keys).
+// Only the issue, as for issue_qk.
+template <typename T, int D>
+__device__ __forceinline__ void issue_pv(RowState<D>& st, const uint32_t (&a)[4][4], uint32_t sv) {
 #pragma unroll
   for (int kk = 0; kk < 4; ++kk) {
     wgmma_m64k16_rs<T, D>(st.acc, a[kk], smem_desc(sv + kk * 32, 16, 1024, Swizzle::k128B));
   }
+}
+
+// Pins P's fragments in place: the register moves and conversions that make them stay before the wgmma that
+// follows (a non-wgmma instruction writing a wgmma input inside the pipeline makes ptxas serialize every wgmma).
+__device__ __forceinline__ void fence_fragments(uint32_t (&a)[4][4]) {
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(a[kk][i])::"memory");
+  }
+}
+
+// Parts 2-4 for one tile of 64 keys, each waited for before the next starts (the worklog's steps 1-5).
+template <typename T, int D, bool kCausal, bool kFast, bool kMask>
+__device__ __forceinline__ void attend_tile(RowState<D>& st, uint32_t sq, uint32_t q_panel, uint32_t sk, uint32_t sv,
+                                            int k0, const int (&row)[2], int t, const AttentionParams& p) {
+  float s[32], alpha[2];
+  uint32_t a[4][4];
+  fence_registers(s);
+  wgmma_fence();
+  issue_qk<T, D>(s, sq, q_panel, sk);
+  wgmma_commit();
+  wgmma_wait<0>();
+  fence_registers(s);
+  softmax_tile<T, D, kCausal, kFast, kMask>(st, s, a, alpha, k0, row, t, p);
+  rescale<D>(st, alpha);
+  fence_registers(st.acc);
+  wgmma_fence();
+  issue_pv<T, D>(st, a, sv);
   wgmma_commit();
   wgmma_wait<0>();
   fence_registers(st.acc);
@@ -202,41 +242,48 @@ __global__ void __launch_bounds__(128) hopper_attention_kernel(const __grid_cons
     // warp passed the __syncthreads at the end of the last iteration).
     if (tid == 0 && (kStages == 1 || it + 1 < tiles)) issue(kStages == 1 ? it : it + 1);
     mbarrier_wait(smem_u32(&bars[1 + stage]), (it / kStages) & 1);  // a stage's phase flips at each of its tiles
-    attend_tile<T, D, kCausal>(st, sq, kPanel, sk, sv, kKeys * it, row, t, p);
+    attend_tile<T, D, kCausal, false, true>(st, sq, kPanel, sk, sv, kKeys * it, row, t, p);
     __syncthreads();  // every warp is done with K and Vᵀ before the next copy overwrites them
   }
   store_rows<T, D>(st, o, bh, row, t, p.seqlen_q);
 }
 
-// Step 3: warp specialisation. Three warpgroups per block: warpgroup 0 is the producer (one thread issues every
+// Steps 3-8: warp specialisation. Three warpgroups per block: warpgroup 0 is the producer (one thread issues every
 // TMA copy, the others leave at once), warpgroups 1 and 2 the consumers, 64 query rows each (128 per block). The
 // producer gives its registers away (setmaxnreg), so each consumer may use up to 240. Each K/Vᵀ stage passes back
 // and forth on two barriers: `full` (its bytes arrived) and `empty` (all 256 consumer threads are done with it).
-constexpr int kWsStages = 2;
+// Step 4 trims the softmax (softmax_tile's kFast, masks only where needed); step 5 deepens the ring from 2 to 4
+// stages; step 6 computes tile i's softmax while tile i-1's P V runs; step 7 makes the consumers take turns;
+// step 8 launches the longest causal rows first.
+__host__ __device__ constexpr int ws_stages(int step) { return step >= 5 ? 4 : 2; }
 
-template <typename T, int D, bool kCausal>
+template <typename T, int D, bool kCausal, int kStep>
 __global__ void __launch_bounds__(384, 1) hopper_attention_ws_kernel(const __grid_constant__ CUtensorMap map_q,
                                                                      const __grid_constant__ CUtensorMap map_k,
                                                                      const __grid_constant__ CUtensorMap map_vt,
                                                                      T* __restrict__ o, const AttentionParams p) {
-  constexpr int kPanel = 64 * 128, kQPanel = 2 * kRows * 128, kTile = D * 128;
+  constexpr int kPanel = 64 * 128, kQPanel = 2 * kRows * 128, kTile = D * 128, kStages = ws_stages(kStep);
+  constexpr bool kFast = kStep >= 4;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
-  const uint32_t sq = smem_u32(smem), stages = sq + 2 * kTile;  // Q: 128 rows; then kWsStages x (K, Vᵀ)
-  __shared__ __align__(8) uint64_t bars[1 + 2 * kWsStages];      // Q; full[s]; empty[s]
+  const uint32_t sq = smem_u32(smem), stages = sq + 2 * kTile;  // Q: 128 rows; then kStages x (K, Vᵀ)
+  __shared__ __align__(8) uint64_t bars[1 + 2 * kStages];        // Q; full[s]; empty[s]
   const uint32_t bar_q = smem_u32(&bars[0]);
   auto full = [&](int s) { return smem_u32(&bars[1 + s]); };
-  auto empty = [&](int s) { return smem_u32(&bars[1 + kWsStages + s]); };
+  auto empty = [&](int s) { return smem_u32(&bars[1 + kStages + s]); };
 
   const int tid = threadIdx.x, warpgroup = tid / 128;
   const int bh = blockIdx.y, b = bh / p.heads, h = bh % p.heads;
   const int bh_kv = b * p.kv_heads + h / (p.heads / p.kv_heads);
-  const int q0 = blockIdx.x * 2 * kRows;
-  const int k_end = kCausal ? min(p.seqlen_k, max(0, q0 + 2 * kRows + p.seqlen_k - p.seqlen_q)) : p.seqlen_k;
+  // Step 8: with a causal mask the last query blocks have the most keys; launching them first (blocks start in
+  // order of blockIdx.x) leaves the short ones to fill the GPU at the end instead of a long one running alone.
+  const int q_block = kStep >= 8 && kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+  const int q0 = q_block * 2 * kRows, diagonal = p.seqlen_k - p.seqlen_q;
+  const int k_end = kCausal ? min(p.seqlen_k, max(0, q0 + 2 * kRows + diagonal)) : p.seqlen_k;
   const int tiles = (k_end + kKeys - 1) / kKeys;
   if (tid == 0) {
     mbarrier_init(bar_q, 1);
-    for (int s = 0; s < kWsStages; ++s) mbarrier_init(full(s), 1), mbarrier_init(empty(s), 256);
+    for (int s = 0; s < kStages; ++s) mbarrier_init(full(s), 1), mbarrier_init(empty(s), 256);
   }
   __syncthreads();
 
@@ -246,8 +293,8 @@ __global__ void __launch_bounds__(384, 1) hopper_attention_ws_kernel(const __gri
       mbarrier_arrive_expect(bar_q, 2 * kTile);
       for (int panel = 0; panel < D / 64; ++panel) tma_load_3d(sq + panel * kQPanel, &map_q, 64 * panel, q0, bh, bar_q);
       for (int i = 0; i < tiles; ++i) {
-        const int s = i % kWsStages;
-        if (i >= kWsStages) mbarrier_wait(empty(s), (i / kWsStages - 1) & 1);  // tile i - kWsStages released it
+        const int s = i % kStages;
+        if (i >= kStages) mbarrier_wait(empty(s), (i / kStages - 1) & 1);  // tile i - kStages released it
         const uint32_t sk = stages + s * 2 * kTile, sv = sk + kTile;
         mbarrier_arrive_expect(full(s), 2 * kTile);
         for (int panel = 0; panel < D / 64; ++panel) {
@@ -261,26 +308,106 @@ __global__ void __launch_bounds__(384, 1) hopper_attention_ws_kernel(const __gri
 
   setmaxnreg_inc<240>();  // a consumer
   const int wg = warpgroup - 1, wtid = tid % 128, lane = tid % 32, t = lane % 4;
-  const int row[2] = {q0 + kRows * wg + 16 * (wtid / 32) + lane / 4, q0 + kRows * wg + 16 * (wtid / 32) + lane / 4 + 8};
+  const int q_lo = q0 + kRows * wg;  // this warpgroup's first row
+  const int row[2] = {q_lo + 16 * (wtid / 32) + lane / 4, q_lo + 16 * (wtid / 32) + lane / 4 + 8};
+  const uint32_t sq_wg = sq + wg * kRows * 128;
+  auto key_tile = [&](int i) { return stages + (i % kStages) * 2 * kTile; };
+  // Only a tile that reaches past Nk, or crosses this warpgroup's diagonal, has keys to mask (steps 1-3 mask all).
+  auto needs_mask = [&](int i) {
+    return !kFast || kKeys * (i + 1) > p.seqlen_k || (kCausal && kKeys * (i + 1) - 1 > q_lo + diagonal);
+  };
   RowState<D> st;
   st.init();
   mbarrier_wait(bar_q, 0);
-  for (int i = 0; i < tiles; ++i) {
-    const int s = i % kWsStages;
-    const uint32_t sk = stages + s * 2 * kTile, sv = sk + kTile;
-    mbarrier_wait(full(s), (i / kWsStages) & 1);
-    attend_tile<T, D, kCausal>(st, sq + wg * kRows * 128, kQPanel, sk, sv, kKeys * i, row, t, p);
-    mbarrier_arrive(empty(s));
+  if constexpr (kStep <= 5) {
+    for (int i = 0; i < tiles; ++i) {
+      mbarrier_wait(full(i % kStages), (i / kStages) & 1);
+      const uint32_t sk = key_tile(i);
+      if (needs_mask(i)) attend_tile<T, D, kCausal, kFast, true>(st, sq_wg, kQPanel, sk, sk + kTile, kKeys * i, row, t, p);
+      else attend_tile<T, D, kCausal, kFast, false>(st, sq_wg, kQPanel, sk, sk + kTile, kKeys * i, row, t, p);
+      mbarrier_arrive(empty(i % kStages));
+    }
+  } else if (tiles > 0) {
+    // Step 6: S for tile i is issued together with P V for tile i-1, and the softmax of tile i runs while P V
+    // does; O is rescaled only after that wgmma is done. Step 7 adds turns: a consumer issues its wgmma only
+    // when the other has issued its own, so one's softmax lines up under the other's multiplies. Each consumer
+    // issues tiles + 1 times; consumer 1 opens consumer 0's first turn and skips giving back its own last one,
+    // so every named barrier completes as often as it is waited on.
+    auto turn = [&] { if (kStep >= 7) named_barrier_sync(1 + wg, 256); };
+    auto done = [&](bool last) { if (kStep >= 7 && !(last && wg == 1)) named_barrier_arrive(2 - wg, 256); };
+    if (kStep >= 7 && wg == 1) named_barrier_arrive(1, 256);
+    float s[32], alpha[2];
+    uint32_t pa[4][4], pb[4][4];  // P of two consecutive tiles: P V reads one while the softmax writes the other
+    auto softmax = [&](int i, uint32_t (&out)[4][4]) {
+      if (needs_mask(i)) softmax_tile<T, D, kCausal, true, true>(st, s, out, alpha, kKeys * i, row, t, p);
+      else softmax_tile<T, D, kCausal, true, false>(st, s, out, alpha, kKeys * i, row, t, p);
+    };
+    // Tile i: S = Q K_iᵀ and O += P_(i-1) V_(i-1) in flight together, tile i's softmax under the second.
+    auto tile = [&](int i, uint32_t (&prev)[4][4], uint32_t (&next)[4][4]) {
+      mbarrier_wait(full(i % kStages), (i / kStages) & 1);
+      turn();
+      fence_registers(s);  // every input of both products settled before the first is issued
+      fence_registers(st.acc);
+      fence_fragments(prev);
+      wgmma_fence();
+      issue_qk<T, D>(s, sq_wg, kQPanel, key_tile(i));
+      wgmma_commit();
+      issue_pv<T, D>(st, prev, key_tile(i - 1) + kTile);
+      wgmma_commit();
+      done(false);
+      wgmma_wait<1>();  // S is in; P V may still run
+      fence_registers(s);
+      softmax(i, next);
+      wgmma_wait<0>();
+      fence_registers(st.acc);
+      mbarrier_arrive(empty((i - 1) % kStages));
+      rescale<D>(st, alpha);
+    };
+    auto last = [&](uint32_t (&prev)[4][4]) {  // O += P V for the last tile
+      turn();
+      fence_registers(st.acc);
+      fence_fragments(prev);
+      wgmma_fence();
+      issue_pv<T, D>(st, prev, key_tile(tiles - 1) + kTile);
+      wgmma_commit();
+      done(true);
+      wgmma_wait<0>();
+      fence_registers(st.acc);
+      mbarrier_arrive(empty((tiles - 1) % kStages));
+    };
+    mbarrier_wait(full(0), 0);
+    turn();
+    fence_registers(s);
+    wgmma_fence();
+    issue_qk<T, D>(s, sq_wg, kQPanel, key_tile(0));
+    wgmma_commit();
+    done(false);
+    wgmma_wait<0>();
+    fence_registers(s);
+    softmax(0, pa);  // O is still 0: nothing to rescale
+    // Two tiles per trip, so that pa and pb swap roles without a copy (register moves into a wgmma's inputs
+    // between its issue and its wait make ptxas serialize every wgmma of the kernel).
+    int i = 1;
+    for (; i + 1 < tiles; i += 2) {
+      tile(i, pa, pb);
+      tile(i + 1, pb, pa);
+    }
+    if (i < tiles) {
+      tile(i, pa, pb);
+      last(pb);
+    } else {
+      last(pa);
+    }
   }
   store_rows<T, D>(st, o, bh, row, t, p.seqlen_q);
 }
 
-template <typename T, int D>
+template <typename T, int D, int kStep>
 cudaError_t launch_ws(bool causal, const CUtensorMap& q, const CUtensorMap& k, const CUtensorMap& vt, void* o,
                       const AttentionParams& p, int batch_heads, cudaStream_t stream) {
-  const int smem = (2 + 2 * kWsStages) * D * 128 + 1024;  // 128 rows of Q, kWsStages x (K, Vᵀ), alignment room
+  const int smem = (2 + 2 * ws_stages(kStep)) * D * 128 + 1024;  // 128 rows of Q, the stages, alignment room
   const dim3 grid((p.seqlen_q + 2 * kRows - 1) / (2 * kRows), batch_heads);
-  auto kernel = causal ? hopper_attention_ws_kernel<T, D, true> : hopper_attention_ws_kernel<T, D, false>;
+  auto kernel = causal ? hopper_attention_ws_kernel<T, D, true, kStep> : hopper_attention_ws_kernel<T, D, false, kStep>;
   const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
   kernel<<<grid, 384, smem, stream>>>(q, k, vt, static_cast<T*>(o), p);
@@ -303,18 +430,25 @@ cudaError_t launch_typed(bool causal, const CUtensorMap& q, const CUtensorMap& k
 template <typename T, int D>
 cudaError_t launch_step(int step, bool causal, const CUtensorMap& q, const CUtensorMap& k, const CUtensorMap& vt,
                         void* o, const AttentionParams& p, int batch_heads, cudaStream_t stream) {
-  return step == 1   ? launch_typed<T, D, 1>(causal, q, k, vt, o, p, batch_heads, stream)
-         : step == 2 ? launch_typed<T, D, 2>(causal, q, k, vt, o, p, batch_heads, stream)
-                     : launch_ws<T, D>(causal, q, k, vt, o, p, batch_heads, stream);
+  switch (step) {
+    case 1: return launch_typed<T, D, 1>(causal, q, k, vt, o, p, batch_heads, stream);
+    case 2: return launch_typed<T, D, 2>(causal, q, k, vt, o, p, batch_heads, stream);
+    case 3: return launch_ws<T, D, 3>(causal, q, k, vt, o, p, batch_heads, stream);
+    case 4: return launch_ws<T, D, 4>(causal, q, k, vt, o, p, batch_heads, stream);
+    case 5: return launch_ws<T, D, 5>(causal, q, k, vt, o, p, batch_heads, stream);
+    case 6: return launch_ws<T, D, 6>(causal, q, k, vt, o, p, batch_heads, stream);
+    case 7: return launch_ws<T, D, 7>(causal, q, k, vt, o, p, batch_heads, stream);
+    default: return launch_ws<T, D, 8>(causal, q, k, vt, o, p, batch_heads, stream);
+  }
 }
 
-// Plain launcher (no torch types); the wrapper has checked the shapes and built the tensor maps. step 1: loads
-// and multiplies take turns; step 2: the next K/Vᵀ tile is copied while this one is multiplied; step 3: a
-// producer warpgroup and two consumer warpgroups (Q's tensor map then reads 128 rows at a time).
+// Plain launcher (no torch types); the wrapper has checked the shapes and built the tensor maps. Steps 1-2: one
+// warpgroup per block (loads and multiplies in turn, then overlapped); steps 3-8: a producer and two consumer
+// warpgroups (Q's tensor map then reads 128 rows at a time).
 cudaError_t hopper_attention_launch(int step, bool bf16, int head_dim, bool causal, const CUtensorMap& q,
                                     const CUtensorMap& k, const CUtensorMap& vt, void* o, const AttentionParams& p,
                                     int batch_heads, cudaStream_t stream) {
-  if (step < 1 || step > 3) return cudaErrorInvalidValue;
+  if (step < 1 || step > 8) return cudaErrorInvalidValue;
   if (bf16) {
     return head_dim == 64 ? launch_step<__nv_bfloat16, 64>(step, causal, q, k, vt, o, p, batch_heads, stream)
                           : launch_step<__nv_bfloat16, 128>(step, causal, q, k, vt, o, p, batch_heads, stream);
@@ -357,8 +491,8 @@ inline CUtensorMap map_3d(const torch::Tensor& t, int box_rows) {
 // contiguous fp16 or bf16 on an sm_90 GPU, D = 64 or 128 -> o (B, H, Nq, D).
 torch::Tensor hopper_attention_forward(torch::Tensor q, torch::Tensor k, torch::Tensor vt, int64_t seqlen_k,
                                        bool causal, double scale, int64_t step) {
-  TORCH_CHECK(step >= 1 && step <= 3, "hopper_attention: step must be 1 (loads and multiplies take turns), 2 ",
-              "(the next tile's copy overlaps) or 3 (warp specialisation), got ", course::num(step));
+  TORCH_CHECK(step >= 1 && step <= 8, "hopper_attention: step must be 1 to 8 (utils.hopper.ATTENTION_STEPS), got ",
+              course::num(step));
   const torch::Tensor* inputs[] = {&q, &k, &vt};
   const char* names[] = {"q", "k", "vt"};
   for (int i = 0; i < 3; ++i) {
@@ -389,7 +523,7 @@ torch::Tensor hopper_attention_forward(torch::Tensor q, torch::Tensor k, torch::
   const course_hopper::AttentionParams p{static_cast<int>(q.size(2)), static_cast<int>(seqlen_k),
                                          static_cast<int>(q.size(1)), static_cast<int>(k.size(1)),
                                          static_cast<float>(scale * 1.4426950408889634)};
-  const CUtensorMap map_q = course_hopper::map_3d(q, step == 3 ? 128 : 64), map_k = course_hopper::map_3d(k, 64),
+  const CUtensorMap map_q = course_hopper::map_3d(q, step >= 3 ? 128 : 64), map_k = course_hopper::map_3d(k, 64),
                     map_vt = course_hopper::map_3d(vt, static_cast<int>(d));
   const cudaError_t err = course_hopper::hopper_attention_launch(
       static_cast<int>(step), q.scalar_type() == torch::kBFloat16, static_cast<int>(d), causal, map_q, map_k, map_vt,

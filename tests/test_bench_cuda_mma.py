@@ -1,0 +1,65 @@
+"""utils.bench.cuda_mma: the two CUDA worklogs' step labels, their functions, arguments and the worklog table."""
+import pytest
+
+from utils import hopper
+from utils.bench import cuda_mma as cm
+from utils.cuda_ext import MMA_STEPS
+
+
+def test_step_labels_number_the_steps_of_each_worklog():
+    assert cm.step_label("exp2") == "s6_exp2" and cm.step_label("mma") == "s1_mma"
+    assert cm.step_label("overlap", "hopper") == "h6_overlap"
+    assert [cm.step_label(s, "hopper") for s in hopper.ATTENTION_STEPS][:2] == ["h1_tma", "h2_pipelined"]
+
+
+@pytest.mark.parametrize("step,worklog,message", [("overlap", "mma", "step must be one of"),
+                                                  ("exp2", "hopper", "step must be one of"),
+                                                  ("exp2", "ampere", "worklog must be one of")])
+def test_step_label_names_what_is_wrong(step, worklog, message):
+    with pytest.raises(ValueError, match=message):
+        cm.step_label(step, worklog)
+
+
+def test_step_functions_keep_worklog_order_and_pass_the_step():
+    fns = cm.step_functions(["causal_skip", "mma"])
+    assert list(fns) == ["s1_mma", "s7_causal_skip"] and fns["s7_causal_skip"].keywords == {"step": "causal_skip"}
+    every = cm.step_functions(worklog="hopper")
+    assert list(every) == [cm.step_label(s, "hopper") for s in hopper.ATTENTION_STEPS]
+    assert all(fn.func is hopper.flash_hopper for fn in every.values())
+    assert len(cm.step_functions()) == len(MMA_STEPS)
+    with pytest.raises(ValueError, match="step must be one of"):
+        cm.step_functions(["pingpong"])
+
+
+def test_parse_args_picks_the_worklog_and_its_default_name():
+    args = cm.parse_args(["--worklog", "hopper", "--steps", "overlap", "softmax", "--head-dims", "128"])
+    assert (args.worklog, args.steps, args.name, args.impls) == ("hopper", ["overlap", "softmax"], "06c_hopper", [])
+    assert args.sdpa == ["flash", "cudnn"] and args.head_dims == [128]
+    args = cm.parse_args([])
+    assert (args.worklog, args.steps, args.name) == ("mma", list(MMA_STEPS), "06b_cuda_mma")
+    with pytest.raises(SystemExit):
+        cm.parse_args(["--worklog", "hopper", "--steps", "exp2"])  # a step of the other worklog
+
+
+def _record(impl, tflops, d=128, causal=False, n=4096):
+    return dict(impl=impl, tflops=tflops, head_dim=d, causal=causal, seqlen=n)
+
+
+def test_worklog_table_orders_steps_by_number_and_takes_ratios():
+    records = [_record("h10_later", 300.0), _record("h2_pipelined", 200.0), _record("h1_tma", 100.0),
+               _record("sdpa-flash", 250.0), _record("sdpa-cudnn", 400.0), _record("h1_tma", 999.0, n=8192)]
+    rows = cm.worklog_table(records, head_dim=128, causal=False, seqlen=4096)
+    assert [r["step"] for r in rows] == ["h1_tma", "h2_pipelined", "h10_later"]  # 10 after 2: by number
+    assert rows[0]["vs_previous"] is None and rows[1]["vs_previous"] == 2.0 and rows[2]["vs_first"] == 3.0
+    assert rows[2]["vs sdpa-flash"] == 1.2 and rows[2]["vs sdpa-cudnn"] == 0.75
+    text = cm.format_worklog(rows)
+    assert "h10_later" in text and "0.75x" in text and "sdpa-flash" not in [r["step"] for r in rows]
+
+
+def test_worklog_table_marks_missing_numbers_and_refuses_an_unmeasured_shape():
+    rows = cm.worklog_table([_record("s1_mma", None), _record("s2_ldmatrix", 50.0)], head_dim=128, causal=False,
+                            seqlen=4096)
+    assert rows[0]["tflops"] is None and rows[1]["vs_previous"] is None and rows[1]["vs sdpa-flash"] is None
+    assert "—" in cm.format_worklog(rows) and cm.format_worklog([]) == "(no steps)"
+    with pytest.raises(ValueError, match="no records at head_dim=64"):
+        cm.worklog_table([_record("s1_mma", 1.0)], head_dim=64, causal=False, seqlen=4096)
