@@ -181,11 +181,34 @@ def test_the_attention_kernel_compiles_without_spills_or_serialized_wgmma():
     cases = [(t, d, c) for t in ("__half", "__nv_bfloat16") for d in (64, 128) for c in ("false", "true")]
     assert {r.kernel for r in results} == (
         {f"hopper_attention_kernel<{t}, {d}, {c}, {stages}>" for t, d, c in cases for stages in (1, 2)}
-        | {f"hopper_attention_ws_kernel<{t}, {d}, {c}, {step}>" for t, d, c in cases for step in range(3, 9)})
+        | {f"hopper_attention_ws_kernel<{t}, {d}, {c}, {step}>" for t, d, c in cases for step in range(3, 10)})
     assert all(r.arch == "sm_90a" and r.spill_stores == r.spill_loads == 0 for r in results)
     assert not [r.kernel for r in results if r.wgmma_serialized], "ptxas serialised the wgmma (C7513)"
     # 384 threads, one block per SM: the compiler's cap is 168, and setmaxnreg moves the producer's to consumers
     assert all(r.registers <= 168 for r in results if "_ws_" in r.kernel)
+
+
+def test_the_default_step_is_the_fastest_stored():
+    """DEFAULT_STEP's geometric-mean TFLOP/s over N >= 4k is within 2% (run-to-run noise) of the best step's, in
+    every stored run of the worklog that timed it; and it is a step."""
+    import json
+    import math
+
+    from utils.bench.cuda_mma import step_label
+
+    assert hopper.DEFAULT_STEP in hopper.ATTENTION_STEPS
+    runs = sorted((cuda_ext.ROOT / "images").glob("06c_hopper*_h200.json"))
+    assert runs, "no stored run of the Hopper worklog"
+    labels = {step_label(s, "hopper") for s in hopper.ATTENTION_STEPS}
+    for path in runs:
+        logs = {}
+        for r in json.loads(path.read_text())["results"]:
+            if r["impl"] in labels and r["seqlen"] >= 4096 and r["tflops"]:
+                logs.setdefault(r["impl"], []).append(math.log(r["tflops"]))
+        means = {label: math.exp(sum(v) / len(v)) for label, v in logs.items()}
+        default = means.get(step_label(hopper.DEFAULT_STEP, "hopper"))
+        if default is not None:
+            assert default >= 0.98 * max(means.values()), (path.name, means)
 
 
 def test_flash_hopper_validates_before_building():

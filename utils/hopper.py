@@ -25,8 +25,12 @@ GEMM_STEPS = ("threads", "tma")
 # ... and for attention: step 1 loads and multiplies in turn, step 2 copies the next K/V tile during this one,
 # step 3 hands the copies to a producer warpgroup and the math to two consumer warpgroups; then FlashAttention-3's
 # refinements: a leaner softmax, a deeper K/V ring, the softmax under the previous tile's P V, consumers in turns,
-# and (causal) the longest rows launched first.
-ATTENTION_STEPS = ("tma", "pipelined", "specialised", "softmax", "stages", "overlap", "pingpong", "heavy_first")
+# (causal) the longest rows launched first, and tiles of 128 keys.
+ATTENTION_STEPS = ("tma", "pipelined", "specialised", "softmax", "stages", "overlap", "pingpong", "heavy_first",
+                   "wide_tiles")
+# Not every step paid: the default (and the registry's "cuda_hopper") is the fastest one measured on the H200
+# (images/06c_hopper_*.json; tests/test_hopper.py checks it against them).
+DEFAULT_STEP = "overlap"
 
 
 def _check_int(name: str, value, low: int = 0, high: int | None = None) -> int:
@@ -133,9 +137,9 @@ def wgmma_gemm(a: torch.Tensor, b: torch.Tensor, *, step: str = GEMM_STEPS[-1]) 
 
 
 def flash_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False, sm_scale=None,
-                 step: str = ATTENTION_STEPS[-1]):
+                 step: str = DEFAULT_STEP):
     """FlashAttention forward with wgmma and TMA (utils/cuda/hopper_attention.cu), on an sm_90 GPU only, as of
-    `step` of notebook 06c's worklog (ATTENTION_STEPS; default: the last).
+    `step` of notebook 06c's worklog (ATTENTION_STEPS; default: DEFAULT_STEP, the fastest).
 
     fp16 or bf16 (batch, heads, seq, head_dim) tensors, head dims 64 and 128, any lengths, GQA, causal aligned
     bottom-right. V is handed to the kernel transposed (every wgmma operand K-major), its length rounded up to

@@ -59,6 +59,20 @@ __device__ inline void wgmma_m64n64k16(float (&d)[32], uint64_t desc_a, uint64_t
   }
 }
 
+// The same with N = 128 (64 registers of d a thread): attention's S for a tile of 128 keys.
+template <typename T>
+__device__ inline void wgmma_m64n128k16(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\nwgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+                 COURSE_D64 ", %64, %65, p, 1, 1, 0, 0;\n}\n"
+                 : COURSE_F32(d, 0), COURSE_F32(d, 32) : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+  } else {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\nwgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+                 COURSE_D64 ", %64, %65, p, 1, 1, 0, 0;\n}\n"
+                 : COURSE_F32(d, 0), COURSE_F32(d, 32) : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+  }
+}
+
 // The same multiply with A from registers ("RS"): a (four 32-bit registers of two 16-bit values each) holds
 // this thread's part of the 64 x 16 A tile in mma.sync's A-fragment layout, one 16-row slab per warp. This is
 // how P, computed in registers by the softmax, feeds the second product of attention. N = 64 or 128; always

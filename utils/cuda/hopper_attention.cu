@@ -6,7 +6,7 @@
 //   4. P, rounded to 16 bits, is already in wgmma's register A-fragment layout: O += P V with A from registers
 //      and B = the Vᵀ tile (V transposed by the caller, so every operand is K-major).
 // Step 1 (kStages = 1): loads and multiplies take turns, as in the GEMM's step 2. Step 2 (kStages = 2): two
-// K/Vᵀ buffers, the next tile's copy issued before this tile's multiplies. Steps 3-8 (hopper_attention_ws_kernel):
+// K/Vᵀ buffers, the next tile's copy issued before this tile's multiplies. Steps 3-9 (hopper_attention_ws_kernel):
 // warp specialisation, then FlashAttention-3's refinements one at a time.
 // Causal attention is bottom-right aligned (key c is visible to query r when c <= r + Nk - Nq), tiles past the
 // diagonal are skipped, and TMA's zero fill covers the ragged last tiles.
@@ -68,16 +68,18 @@ __device__ inline float fast_exp2(float x) {
   return y;
 }
 
-// 2. S = Q Kᵀ for one tile of 64 keys: D / 16 slices of 16 along the head dim, 4 per 64-column panel, both
-// operands in shared memory (`sq` this warpgroup's Q tile, its panels `q_panel` bytes apart; `sk` the K tile).
-// Only the issue: the caller fences before and commits after.
-template <typename T, int D>
-__device__ __forceinline__ void issue_qk(float (&s)[32], uint32_t sq, uint32_t q_panel, uint32_t sk) {
-  constexpr int kPanel = 64 * 128;  // a 64-row, 64-column panel of a K-major tile: 8 KB
+// 2. S = Q Kᵀ for one tile of N keys (64, or 128 from step 9): D / 16 slices of 16 along the head dim, 4 per
+// 64-column panel, both operands in shared memory (`sq` this warpgroup's Q tile, its panels `q_panel` bytes
+// apart; `sk` the K tile, N rows per panel). Only the issue: the caller fences before and commits after.
+template <typename T, int D, int N = 64>
+__device__ __forceinline__ void issue_qk(float (&s)[N / 2], uint32_t sq, uint32_t q_panel, uint32_t sk) {
+  constexpr int kPanel = N * 128;  // an N-row, 64-column panel of a K-major tile
 #pragma unroll
   for (int ks = 0; ks < D / 16; ++ks) {  // the first slice overwrites S (accumulate = 0)
-    wgmma_m64n64k16<T>(s, smem_desc(sq + (ks / 4) * q_panel + (ks % 4) * 32, 16, 1024, Swizzle::k128B),
-                       smem_desc(sk + (ks / 4) * kPanel + (ks % 4) * 32, 16, 1024, Swizzle::k128B), ks > 0);
+    const uint64_t a = smem_desc(sq + (ks / 4) * q_panel + (ks % 4) * 32, 16, 1024, Swizzle::k128B);
+    const uint64_t b = smem_desc(sk + (ks / 4) * kPanel + (ks % 4) * 32, 16, 1024, Swizzle::k128B);
+    if constexpr (N == 64) wgmma_m64n64k16<T>(s, a, b, ks > 0);
+    else wgmma_m64n128k16<T>(s, a, b, ks > 0);
   }
 }
 
@@ -86,13 +88,14 @@ __device__ __forceinline__ void issue_qk(float (&s)[32], uint32_t sq, uint32_t q
 // k0 + 8j + 2t + r % 2 (`row`: the two rows this thread holds; `t`: its lane within the quad). kFast (step 4):
 // keys are masked only in tiles that need it (kMask), and the scale joins the exponent in one FMA:
 // exp2(s·c - m) with m kept in scaled units, instead of scaling every score first.
-template <typename T, int D, bool kCausal, bool kFast, bool kMask>
-__device__ __forceinline__ void softmax_tile(RowState<D>& st, float (&s)[32], uint32_t (&a)[4][4], float (&alpha)[2],
-                                             int k0, const int (&row)[2], int t, const AttentionParams& p) {
+template <typename T, int D, bool kCausal, bool kFast, bool kMask, int N = 64>
+__device__ __forceinline__ void softmax_tile(RowState<D>& st, float (&s)[N / 2], uint32_t (&a)[N / 16][4],
+                                             float (&alpha)[2], int k0, const int (&row)[2], int t,
+                                             const AttentionParams& p) {
   const int diagonal = p.seqlen_k - p.seqlen_q;
   float tile_max[2] = {-CUDART_INF_F, -CUDART_INF_F};
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
+  for (int j = 0; j < N / 8; ++j) {
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
       const int key = k0 + 8 * j + 2 * t + r % 2;
@@ -111,13 +114,13 @@ __device__ __forceinline__ void softmax_tile(RowState<D>& st, float (&s)[32], ui
     st.l[i] *= alpha[i];
   }
 #pragma unroll
-  for (int i = 0; i < 32; ++i) {
+  for (int i = 0; i < N / 2; ++i) {
     s[i] = kFast ? fast_exp2(fmaf(s[i], p.scale_log2, -base[i % 4 / 2])) : exp2f(s[i] - base[i % 4 / 2]);
     st.l[i % 4 / 2] += s[i];
   }
   // The C fragments of key columns 16kk..16kk+15 are the A fragment of P for that K-slice of O += P V.
 #pragma unroll
-  for (int kk = 0; kk < 4; ++kk) {
+  for (int kk = 0; kk < N / 16; ++kk) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) a[kk][i] = pack2<T>(s[8 * kk + 2 * i], s[8 * kk + 2 * i + 1]);
   }
@@ -129,21 +132,23 @@ __device__ __forceinline__ void rescale(RowState<D>& st, const float (&alpha)[2]
   for (int i = 0; i < D / 2; ++i) st.acc[i] *= alpha[i % 4 / 2];
 }
 
-// 4. O += P V: A = P from registers (`a`, one K-slice of 16 keys each), B = the Vᵀ tile `sv` (D rows of 64 keys).
-// Only the issue, as for issue_qk.
-template <typename T, int D>
-__device__ __forceinline__ void issue_pv(RowState<D>& st, const uint32_t (&a)[4][4], uint32_t sv) {
+// 4. O += P V: A = P from registers (`a`, one K-slice of 16 keys each), B = the Vᵀ tile `sv` (D rows of N keys,
+// in panels of 64 keys). Only the issue, as for issue_qk.
+template <typename T, int D, int N = 64>
+__device__ __forceinline__ void issue_pv(RowState<D>& st, const uint32_t (&a)[N / 16][4], uint32_t sv) {
 #pragma unroll
-  for (int kk = 0; kk < 4; ++kk) {
-    wgmma_m64k16_rs<T, D>(st.acc, a[kk], smem_desc(sv + kk * 32, 16, 1024, Swizzle::k128B));
+  for (int kk = 0; kk < N / 16; ++kk) {
+    const uint32_t slice = sv + (kk / 4) * D * 128 + (kk % 4) * 32;
+    wgmma_m64k16_rs<T, D>(st.acc, a[kk], smem_desc(slice, 16, 1024, Swizzle::k128B));
   }
 }
 
 // Pins P's fragments in place: the register moves and conversions that make them stay before the wgmma that
 // follows (a non-wgmma instruction writing a wgmma input inside the pipeline makes ptxas serialize every wgmma).
-__device__ __forceinline__ void fence_fragments(uint32_t (&a)[4][4]) {
+template <int K>
+__device__ __forceinline__ void fence_fragments(uint32_t (&a)[K][4]) {
 #pragma unroll
-  for (int kk = 0; kk < 4; ++kk) {
+  for (int kk = 0; kk < K; ++kk) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(a[kk][i])::"memory");
   }
@@ -248,25 +253,28 @@ __global__ void __launch_bounds__(128) hopper_attention_kernel(const __grid_cons
   store_rows<T, D>(st, o, bh, row, t, p.seqlen_q);
 }
 
-// Steps 3-8: warp specialisation. Three warpgroups per block: warpgroup 0 is the producer (one thread issues every
+// Steps 3-9: warp specialisation. Three warpgroups per block: warpgroup 0 is the producer (one thread issues every
 // TMA copy, the others leave at once), warpgroups 1 and 2 the consumers, 64 query rows each (128 per block). The
 // producer gives its registers away (setmaxnreg), so each consumer may use up to 240. Each K/Vᵀ stage passes back
 // and forth on two barriers: `full` (its bytes arrived) and `empty` (all 256 consumer threads are done with it).
 // Step 4 trims the softmax (softmax_tile's kFast, masks only where needed); step 5 deepens the ring from 2 to 4
 // stages; step 6 computes tile i's softmax while tile i-1's P V runs; step 7 makes the consumers take turns;
-// step 8 launches the longest causal rows first.
-__host__ __device__ constexpr int ws_stages(int step) { return step >= 5 ? 4 : 2; }
+// step 8 launches the longest causal rows first; step 9 takes 128 keys per tile (back to 2 stages, which fit).
+__host__ __device__ constexpr int ws_stages(int step) { return step >= 5 && step < 9 ? 4 : 2; }
+__host__ __device__ constexpr int ws_keys(int step) { return step >= 9 ? 128 : 64; }
 
 template <typename T, int D, bool kCausal, int kStep>
 __global__ void __launch_bounds__(384, 1) hopper_attention_ws_kernel(const __grid_constant__ CUtensorMap map_q,
                                                                      const __grid_constant__ CUtensorMap map_k,
                                                                      const __grid_constant__ CUtensorMap map_vt,
                                                                      T* __restrict__ o, const AttentionParams p) {
-  constexpr int kPanel = 64 * 128, kQPanel = 2 * kRows * 128, kTile = D * 128, kStages = ws_stages(kStep);
+  constexpr int kN = ws_keys(kStep), kStages = ws_stages(kStep);  // keys per tile, K/Vᵀ stages
+  constexpr int kQPanel = 2 * kRows * 128, kKPanel = kN * 128;      // 64-column panels of Q (128 rows) and K
+  constexpr int kTile = kN * D * 2;                                 // bytes of a K tile, and of a Vᵀ tile
   constexpr bool kFast = kStep >= 4;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
-  const uint32_t sq = smem_u32(smem), stages = sq + 2 * kTile;  // Q: 128 rows; then kStages x (K, Vᵀ)
+  const uint32_t sq = smem_u32(smem), stages = sq + D / 64 * kQPanel;  // Q: 128 rows; then kStages x (K, Vᵀ)
   __shared__ __align__(8) uint64_t bars[1 + 2 * kStages];        // Q; full[s]; empty[s]
   const uint32_t bar_q = smem_u32(&bars[0]);
   auto full = [&](int s) { return smem_u32(&bars[1 + s]); };
@@ -280,7 +288,7 @@ __global__ void __launch_bounds__(384, 1) hopper_attention_ws_kernel(const __gri
   const int q_block = kStep >= 8 && kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
   const int q0 = q_block * 2 * kRows, diagonal = p.seqlen_k - p.seqlen_q;
   const int k_end = kCausal ? min(p.seqlen_k, max(0, q0 + 2 * kRows + diagonal)) : p.seqlen_k;
-  const int tiles = (k_end + kKeys - 1) / kKeys;
+  const int tiles = (k_end + kN - 1) / kN;
   if (tid == 0) {
     mbarrier_init(bar_q, 1);
     for (int s = 0; s < kStages; ++s) mbarrier_init(full(s), 1), mbarrier_init(empty(s), 256);
@@ -290,17 +298,19 @@ __global__ void __launch_bounds__(384, 1) hopper_attention_ws_kernel(const __gri
   if (warpgroup == 0) {  // the producer
     setmaxnreg_dec<24>();
     if (tid == 0) {
-      mbarrier_arrive_expect(bar_q, 2 * kTile);
+      mbarrier_arrive_expect(bar_q, D / 64 * kQPanel);
       for (int panel = 0; panel < D / 64; ++panel) tma_load_3d(sq + panel * kQPanel, &map_q, 64 * panel, q0, bh, bar_q);
       for (int i = 0; i < tiles; ++i) {
         const int s = i % kStages;
         if (i >= kStages) mbarrier_wait(empty(s), (i / kStages - 1) & 1);  // tile i - kStages released it
         const uint32_t sk = stages + s * 2 * kTile, sv = sk + kTile;
         mbarrier_arrive_expect(full(s), 2 * kTile);
-        for (int panel = 0; panel < D / 64; ++panel) {
-          tma_load_3d(sk + panel * kPanel, &map_k, 64 * panel, kKeys * i, bh_kv, full(s));
+        for (int panel = 0; panel < D / 64; ++panel) {  // K: N rows of 64 columns per copy
+          tma_load_3d(sk + panel * kKPanel, &map_k, 64 * panel, kN * i, bh_kv, full(s));
         }
-        tma_load_3d(sv, &map_vt, kKeys * i, 0, bh_kv, full(s));
+        for (int panel = 0; panel < kN / 64; ++panel) {  // Vᵀ: D rows of 64 keys per copy
+          tma_load_3d(sv + panel * D * 128, &map_vt, kN * i + 64 * panel, 0, bh_kv, full(s));
+        }
       }
     }
     return;
@@ -314,7 +324,7 @@ __global__ void __launch_bounds__(384, 1) hopper_attention_ws_kernel(const __gri
   auto key_tile = [&](int i) { return stages + (i % kStages) * 2 * kTile; };
   // Only a tile that reaches past Nk, or crosses this warpgroup's diagonal, has keys to mask (steps 1-3 mask all).
   auto needs_mask = [&](int i) {
-    return !kFast || kKeys * (i + 1) > p.seqlen_k || (kCausal && kKeys * (i + 1) - 1 > q_lo + diagonal);
+    return !kFast || kN * (i + 1) > p.seqlen_k || (kCausal && kN * (i + 1) - 1 > q_lo + diagonal);
   };
   RowState<D> st;
   st.init();
@@ -323,8 +333,8 @@ __global__ void __launch_bounds__(384, 1) hopper_attention_ws_kernel(const __gri
     for (int i = 0; i < tiles; ++i) {
       mbarrier_wait(full(i % kStages), (i / kStages) & 1);
       const uint32_t sk = key_tile(i);
-      if (needs_mask(i)) attend_tile<T, D, kCausal, kFast, true>(st, sq_wg, kQPanel, sk, sk + kTile, kKeys * i, row, t, p);
-      else attend_tile<T, D, kCausal, kFast, false>(st, sq_wg, kQPanel, sk, sk + kTile, kKeys * i, row, t, p);
+      if (needs_mask(i)) attend_tile<T, D, kCausal, kFast, true>(st, sq_wg, kQPanel, sk, sk + kTile, kN * i, row, t, p);
+      else attend_tile<T, D, kCausal, kFast, false>(st, sq_wg, kQPanel, sk, sk + kTile, kN * i, row, t, p);
       mbarrier_arrive(empty(i % kStages));
     }
   } else if (tiles > 0) {
@@ -336,23 +346,23 @@ __global__ void __launch_bounds__(384, 1) hopper_attention_ws_kernel(const __gri
     auto turn = [&] { if (kStep >= 7) named_barrier_sync(1 + wg, 256); };
     auto done = [&](bool last) { if (kStep >= 7 && !(last && wg == 1)) named_barrier_arrive(2 - wg, 256); };
     if (kStep >= 7 && wg == 1) named_barrier_arrive(1, 256);
-    float s[32], alpha[2];
-    uint32_t pa[4][4], pb[4][4];  // P of two consecutive tiles: P V reads one while the softmax writes the other
-    auto softmax = [&](int i, uint32_t (&out)[4][4]) {
-      if (needs_mask(i)) softmax_tile<T, D, kCausal, true, true>(st, s, out, alpha, kKeys * i, row, t, p);
-      else softmax_tile<T, D, kCausal, true, false>(st, s, out, alpha, kKeys * i, row, t, p);
+    float s[kN / 2], alpha[2];
+    uint32_t pa[kN / 16][4], pb[kN / 16][4];  // P of two consecutive tiles: P V reads one, the softmax writes the other
+    auto softmax = [&](int i, uint32_t (&out)[kN / 16][4]) {
+      if (needs_mask(i)) softmax_tile<T, D, kCausal, true, true, kN>(st, s, out, alpha, kN * i, row, t, p);
+      else softmax_tile<T, D, kCausal, true, false, kN>(st, s, out, alpha, kN * i, row, t, p);
     };
     // Tile i: S = Q K_iᵀ and O += P_(i-1) V_(i-1) in flight together, tile i's softmax under the second.
-    auto tile = [&](int i, uint32_t (&prev)[4][4], uint32_t (&next)[4][4]) {
+    auto tile = [&](int i, uint32_t (&prev)[kN / 16][4], uint32_t (&next)[kN / 16][4]) {
       mbarrier_wait(full(i % kStages), (i / kStages) & 1);
       turn();
       fence_registers(s);  // every input of both products settled before the first is issued
       fence_registers(st.acc);
       fence_fragments(prev);
       wgmma_fence();
-      issue_qk<T, D>(s, sq_wg, kQPanel, key_tile(i));
+      issue_qk<T, D, kN>(s, sq_wg, kQPanel, key_tile(i));
       wgmma_commit();
-      issue_pv<T, D>(st, prev, key_tile(i - 1) + kTile);
+      issue_pv<T, D, kN>(st, prev, key_tile(i - 1) + kTile);
       wgmma_commit();
       done(false);
       wgmma_wait<1>();  // S is in; P V may still run
@@ -363,12 +373,12 @@ __global__ void __launch_bounds__(384, 1) hopper_attention_ws_kernel(const __gri
       mbarrier_arrive(empty((i - 1) % kStages));
       rescale<D>(st, alpha);
     };
-    auto last = [&](uint32_t (&prev)[4][4]) {  // O += P V for the last tile
+    auto last = [&](uint32_t (&prev)[kN / 16][4]) {  // O += P V for the last tile
       turn();
       fence_registers(st.acc);
       fence_fragments(prev);
       wgmma_fence();
-      issue_pv<T, D>(st, prev, key_tile(tiles - 1) + kTile);
+      issue_pv<T, D, kN>(st, prev, key_tile(tiles - 1) + kTile);
       wgmma_commit();
       done(true);
       wgmma_wait<0>();
@@ -379,7 +389,7 @@ __global__ void __launch_bounds__(384, 1) hopper_attention_ws_kernel(const __gri
     turn();
     fence_registers(s);
     wgmma_fence();
-    issue_qk<T, D>(s, sq_wg, kQPanel, key_tile(0));
+    issue_qk<T, D, kN>(s, sq_wg, kQPanel, key_tile(0));
     wgmma_commit();
     done(false);
     wgmma_wait<0>();
@@ -405,7 +415,8 @@ __global__ void __launch_bounds__(384, 1) hopper_attention_ws_kernel(const __gri
 template <typename T, int D, int kStep>
 cudaError_t launch_ws(bool causal, const CUtensorMap& q, const CUtensorMap& k, const CUtensorMap& vt, void* o,
                       const AttentionParams& p, int batch_heads, cudaStream_t stream) {
-  const int smem = (2 + 2 * ws_stages(kStep)) * D * 128 + 1024;  // 128 rows of Q, the stages, alignment room
+  // 128 rows of Q, the K/Vᵀ stages, alignment room
+  const int smem = 2 * kRows * D * 2 + ws_stages(kStep) * 2 * ws_keys(kStep) * D * 2 + 1024;
   const dim3 grid((p.seqlen_q + 2 * kRows - 1) / (2 * kRows), batch_heads);
   auto kernel = causal ? hopper_attention_ws_kernel<T, D, true, kStep> : hopper_attention_ws_kernel<T, D, false, kStep>;
   const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
@@ -438,17 +449,18 @@ cudaError_t launch_step(int step, bool causal, const CUtensorMap& q, const CUten
     case 5: return launch_ws<T, D, 5>(causal, q, k, vt, o, p, batch_heads, stream);
     case 6: return launch_ws<T, D, 6>(causal, q, k, vt, o, p, batch_heads, stream);
     case 7: return launch_ws<T, D, 7>(causal, q, k, vt, o, p, batch_heads, stream);
-    default: return launch_ws<T, D, 8>(causal, q, k, vt, o, p, batch_heads, stream);
+    case 8: return launch_ws<T, D, 8>(causal, q, k, vt, o, p, batch_heads, stream);
+    default: return launch_ws<T, D, 9>(causal, q, k, vt, o, p, batch_heads, stream);
   }
 }
 
 // Plain launcher (no torch types); the wrapper has checked the shapes and built the tensor maps. Steps 1-2: one
-// warpgroup per block (loads and multiplies in turn, then overlapped); steps 3-8: a producer and two consumer
+// warpgroup per block (loads and multiplies in turn, then overlapped); steps 3-9: a producer and two consumer
 // warpgroups (Q's tensor map then reads 128 rows at a time).
 cudaError_t hopper_attention_launch(int step, bool bf16, int head_dim, bool causal, const CUtensorMap& q,
                                     const CUtensorMap& k, const CUtensorMap& vt, void* o, const AttentionParams& p,
                                     int batch_heads, cudaStream_t stream) {
-  if (step < 1 || step > 8) return cudaErrorInvalidValue;
+  if (step < 1 || step > 9) return cudaErrorInvalidValue;
   if (bf16) {
     return head_dim == 64 ? launch_step<__nv_bfloat16, 64>(step, causal, q, k, vt, o, p, batch_heads, stream)
                           : launch_step<__nv_bfloat16, 128>(step, causal, q, k, vt, o, p, batch_heads, stream);
@@ -491,7 +503,7 @@ inline CUtensorMap map_3d(const torch::Tensor& t, int box_rows) {
 // contiguous fp16 or bf16 on an sm_90 GPU, D = 64 or 128 -> o (B, H, Nq, D).
 torch::Tensor hopper_attention_forward(torch::Tensor q, torch::Tensor k, torch::Tensor vt, int64_t seqlen_k,
                                        bool causal, double scale, int64_t step) {
-  TORCH_CHECK(step >= 1 && step <= 8, "hopper_attention: step must be 1 to 8 (utils.hopper.ATTENTION_STEPS), got ",
+  TORCH_CHECK(step >= 1 && step <= 9, "hopper_attention: step must be 1 to 9 (utils.hopper.ATTENTION_STEPS), got ",
               course::num(step));
   const torch::Tensor* inputs[] = {&q, &k, &vt};
   const char* names[] = {"q", "k", "vt"};
@@ -523,7 +535,9 @@ torch::Tensor hopper_attention_forward(torch::Tensor q, torch::Tensor k, torch::
   const course_hopper::AttentionParams p{static_cast<int>(q.size(2)), static_cast<int>(seqlen_k),
                                          static_cast<int>(q.size(1)), static_cast<int>(k.size(1)),
                                          static_cast<float>(scale * 1.4426950408889634)};
-  const CUtensorMap map_q = course_hopper::map_3d(q, step >= 3 ? 128 : 64), map_k = course_hopper::map_3d(k, 64),
+  // Q in boxes of the block's rows (128 from step 3), K of the tile's keys (128 from step 9), Vᵀ of D rows
+  const CUtensorMap map_q = course_hopper::map_3d(q, step >= 3 ? 128 : 64),
+                    map_k = course_hopper::map_3d(k, step >= 9 ? 128 : 64),
                     map_vt = course_hopper::map_3d(vt, static_cast<int>(d));
   const cudaError_t err = course_hopper::hopper_attention_launch(
       static_cast<int>(step), q.scalar_type() == torch::kBFloat16, static_cast<int>(d), causal, map_q, map_k, map_vt,
