@@ -35,6 +35,7 @@ REFERENCES = {
                        "--name", "06_cuda_flash_h200"]),
     "cuda_mma": (1, ["utils.bench.cuda_mma", "--name", "06b_cuda_mma_h200"]),
     "hopper": (1, ["utils.bench.cuda_mma", "--worklog", "hopper", "--name", "06c_hopper_h200"]),  # sm_90 only
+    "hopper_ncu": (1, ["utils.bench.ncu", "--worklog", "hopper", "--name", "06c_ncu_h200"]),  # needs ncu
     "backward": (1, ["utils.bench.backward", "--out", "images/07_backward_benchmark.json"]),
     "decoding": (1, ["utils.bench.decoding", "--out", "images"]),
     "launch_floor": (1, ["utils.bench.decoding", "--launch-floor", "--out", "images"]),

@@ -1,0 +1,85 @@
+"""utils.bench.ncu: parsing ncu's details CSV, the command lines it runs, its arguments and its table (no ncu)."""
+import shutil
+
+import pytest
+
+from utils.bench import ncu
+
+HEADER = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size",'
+          '"Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"')
+
+
+def _row(section, metric, unit, value, kernel_id="0"):
+    return (f'"{kernel_id}","711","python3.12","127.0.0.1","hopper_attention_ws_kernel","1","7","(384, 1, 1)",'
+            f'"(64, 64, 1)","0","9.0","{section}","{metric}","{unit}","{value}"')
+
+
+CSV = "\n".join([
+    "checked 2 launches",  # the profiled program's own output comes first
+    "==PROF== Profiling \"hopper_attention_ws_kernel\": 0%....50%....100% - 38 passes",
+    HEADER,
+    _row("GPU Speed Of Light Throughput", "Duration", "ms", "7.53"),
+    _row("GPU Speed Of Light Throughput", "Compute (SM) Throughput", "%", "44.67"),
+    _row("GPU Speed Of Light Throughput", "Elapsed Cycles", "cycle", "13,675,773"),
+    _row("Launch Statistics", "Registers Per Thread", "register/thread", "168"),
+    _row("Occupancy", "Achieved Occupancy", "%", "18.71"),
+    _row("Launch Statistics", "", "", ""),  # a rule's row: no metric
+    _row("Launch Statistics", "Function Cache Configuration", "", "CachePreferNone"),
+])
+
+
+def test_parse_details_reads_sections_metrics_and_numbers():
+    out = ncu.parse_details(CSV)
+    sol = out["GPU Speed Of Light Throughput"]
+    assert sol["Duration"] == [7.53, "ms"] and sol["Elapsed Cycles"] == [13675773.0, "cycle"]
+    assert out["Launch Statistics"]["Function Cache Configuration"] == ["CachePreferNone", ""]
+    assert "" not in out["Launch Statistics"] and out["Occupancy"]["Achieved Occupancy"] == [18.71, "%"]
+
+
+@pytest.mark.parametrize("text,message", [
+    ("no csv here", "no ncu CSV"),
+    ('"ID","Kernel Name"\n"0","k"', "no column"),
+    ("\n".join([HEADER, _row("Occupancy", "Achieved Occupancy", "%", "1"),
+                _row("Occupancy", "Achieved Occupancy", "%", "2", kernel_id="1")]), "expected one profiled kernel"),
+])
+def test_parse_details_says_what_is_wrong(text, message):
+    with pytest.raises(ValueError, match=message):
+        ncu.parse_details(text)
+    with pytest.raises(TypeError):
+        ncu.parse_details(b"bytes")
+
+
+def test_the_ncu_command_profiles_the_second_launch_of_the_worklog_kernel():
+    args = ncu.parse_args(["--worklog", "hopper", "--steps", "overlap", "--head-dim", "64", "--causal"])
+    cmd = ncu.ncu_command("/opt/ncu", "hopper", "overlap", args)
+    assert cmd[:3] == ["/opt/ncu", "--clock-control", "none"] and "regex:hopper_attention" in cmd
+    assert cmd[cmd.index("--launch-skip") + 1] == "1" and cmd[cmd.index("--launch-count") + 1] == "1"
+    assert [cmd[i + 1] for i, a in enumerate(cmd) if a == "--section"] == list(ncu.SECTIONS)
+    child = cmd[cmd.index("utils.bench.ncu") - 1:]
+    assert child[:4] == ["-m", "utils.bench.ncu", "--child", "--worklog"] and "--causal" in child
+    assert child[child.index("--head-dim") + 1] == "64" and child[child.index("--steps") + 1] == "overlap"
+    with pytest.raises(ValueError, match="step must be one of"):
+        ncu.ncu_command("/opt/ncu", "mma", "overlap", args)
+
+
+def test_parse_args_defaults_and_checks():
+    args = ncu.parse_args([])
+    assert args.worklog == "hopper" and args.name == "hopper_ncu" and len(args.steps) > 5
+    assert ncu.parse_args(["--worklog", "mma"]).name == "mma_ncu"
+    for argv in (["--steps", "exp2"], ["--seqlen", "0"], ["--head-dim", "96"], ["--worklog", "volta"]):
+        with pytest.raises(SystemExit):
+            ncu.parse_args(argv)
+
+
+def test_format_table_shows_the_headline_and_marks_what_is_missing():
+    text = ncu.format_table({"h6_overlap": ncu.parse_details(CSV), "h4_softmax": {}})
+    head, overlap, softmax = text.splitlines()
+    assert "SM %" in head and "regs" in head and overlap.startswith("h6_overlap")
+    assert "7.53 ms" in overlap and "44.67" in overlap and "168 register/thread" in overlap
+    assert softmax.split()[1:] == ["—"] * len(ncu.HEADLINE)
+
+
+@pytest.mark.skipif(shutil.which("ncu") is not None, reason="ncu is installed here")
+def test_main_without_ncu_says_what_it_needs():
+    with pytest.raises(SystemExit, match="needs Nsight Compute"):
+        ncu.main(["--steps", "overlap"])
