@@ -7,7 +7,8 @@ import pytest
 
 from utils.exercises import check
 from utils.exercises.cuda_kernels import host_compiler
-from utils.exercises.hopper import check_accumulator_layout, check_gemm_desc, check_tile_chunk
+from utils.exercises.hopper import (check_accumulator_layout, check_gemm_desc, check_tile_chunk,
+                                    check_tile_needs_mask)
 from utils.learner import code_cell
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -17,6 +18,7 @@ EXERCISES = {
     "6c.1": ("# Exercise 6c.1", "TILE_CHUNK_CUDA", check_tile_chunk),
     "6c.2": ("# Exercise 6c.2", "GEMM_DESC_CUDA", check_gemm_desc),
     "6c.3": ("# Exercise 6c.3", "accumulator_element", check_accumulator_layout),
+    "6c.4": ("# Exercise 6c.4", "TILE_NEEDS_MASK_CUDA", check_tile_needs_mask),
 }
 
 
@@ -58,6 +60,14 @@ WRONG = [
     ("6c.3", "8 * (r // 2)", "8 * (r % 2)", r"thread 0 \(warp 0, lane 0\), register 1: you say \(row, col\) = "
      r"\(8, 1\), the tensor cores put \(0, 1\) there"),
     ("6c.3", "16 * warp + g", "g", r"in warps \[1, 2, 3\]"),
+    ("6c.4", "keys * (tile + 1) - 1", "keys * (tile + 1)", r"48 of 5444 tiles need no mask but you mask them .*"
+     r"Nq = 1024, Nk = 1024, not causal, rows 0-63, tile 15 of 64 keys: every key is below Nk"),
+    ("6c.4", "last_key >= seqlen_k", "last_key > seqlen_k", r"tiles would go unmasked: .*you skip its mask, but key "
+     r"\d+ is past the last key"),
+    ("6c.4", "first_row + seqlen_k - seqlen_q", "first_row", r"tiles would go unmasked: e\.g\. Nq = 700, Nk = 300, "
+     r"causal, rows 64-127, tile 0 of 64 keys \(keys 0-63\): you skip its mask, but key 0 comes after row 64's "
+     r"diagonal \(it sees keys up to -336\)"),
+    ("6c.4", "(causal && ", "(", r"need no mask but you mask them .*not causal"),
 ]
 
 

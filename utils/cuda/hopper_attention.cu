@@ -323,9 +323,7 @@ __global__ void __launch_bounds__(384, 1) hopper_attention_ws_kernel(const __gri
   const uint32_t sq_wg = sq + wg * kRows * 128;
   auto key_tile = [&](int i) { return stages + (i % kStages) * 2 * kTile; };
   // Only a tile that reaches past Nk, or crosses this warpgroup's diagonal, has keys to mask (steps 1-3 mask all).
-  auto needs_mask = [&](int i) {
-    return !kFast || kN * (i + 1) > p.seqlen_k || (kCausal && kN * (i + 1) - 1 > q_lo + diagonal);
-  };
+  auto needs_mask = [&](int i) { return !kFast || tile_needs_mask(i, kN, q_lo, p.seqlen_q, p.seqlen_k, kCausal); };
   RowState<D> st;
   st.init();
   mbarrier_wait(bar_q, 0);

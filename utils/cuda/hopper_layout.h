@@ -59,4 +59,15 @@ __host__ __device__ constexpr uint64_t gemm_desc(uint32_t tile, int k_step) {
 }
 #endif
 
+#ifndef COURSE_EXERCISE_TILE_NEEDS_MASK  // exercise 6c.4 writes this one
+// The attention kernel's step "softmax": does any score of a warpgroup's 64 query rows (the first is `first_row`)
+// against tile `tile` of `keys` keys need masking? A key at or past Nk always does; with `causal`, so does a key
+// after a row's diagonal (key > row + Nk - Nq, bottom-right aligned). The last key of the tile against the first
+// row decides both. Where this is false, the kernel skips the per-score test.
+__host__ __device__ constexpr bool tile_needs_mask(int tile, int keys, int first_row, int seqlen_q, int seqlen_k,
+                                                   bool causal) {
+  return keys * (tile + 1) > seqlen_k || (causal && keys * (tile + 1) - 1 > first_row + seqlen_k - seqlen_q);
+}
+#endif
+
 }  // namespace course_hopper

@@ -1,21 +1,25 @@
-"""Checks of notebook 06c's exercises, whose solutions are C++ functions of utils/cuda/hopper_layout.h.
+"""Checks of notebook 06c's exercises, whose solutions are C++ functions of utils/cuda/hopper_layout.h (6c.1,
+6c.2, 6c.4) or Python (6c.3).
 
 1. On the CPU (any machine with a C++ compiler): the learner's function is compiled beside the header with a
    small driver that prints what it returns for every input the kernel uses; the answers are compared with
    utils.hopper's model, and the message names the threads, rows or descriptor fields that are wrong.
-2. On an sm_90 GPU (H100/H200): the wgmma GEMM of utils/cuda/wgmma_gemm.cu is rebuilt with the learner's
-   function in place of the course's and compared with a float64 product, tile by tile.
+2. On an sm_90 GPU (H100/H200): the wgmma GEMM of utils/cuda/wgmma_gemm.cu (6c.1, 6c.2) or the attention
+   kernel of utils/cuda/hopper_attention.cu (6c.4) is rebuilt with the learner's function in place of the
+   course's and compared with a float64 reference, block by block.
 """
 from __future__ import annotations
 
 import subprocess
+from functools import partial
 
 from utils import hopper
 from utils.exercises import _spans
 from utils.exercises.cuda_kernels import CUDA_DIR, _load_inline, build_host
 
 # The macro that keeps hopper_layout.h's own version of each exercise's function out.
-EXERCISE_MACROS = {"tile_chunk": "COURSE_EXERCISE_TILE_CHUNK", "gemm_desc": "COURSE_EXERCISE_GEMM_DESC"}
+EXERCISE_MACROS = {"tile_chunk": "COURSE_EXERCISE_TILE_CHUNK", "gemm_desc": "COURSE_EXERCISE_GEMM_DESC",
+                   "tile_needs_mask": "COURSE_EXERCISE_TILE_NEEDS_MASK"}
 
 
 def _with_header(function: str, source: str) -> str:
@@ -153,3 +157,81 @@ def check_accumulator_layout(fn) -> None:
             f"{len(wrong)} of 4096 (thread, register) pairs are wrong, in warps {sorted(warps)}; e.g. thread {tid} "
             f"(warp {tid // 32}, lane {tid % 32}), register {reg}: you say (row, col) = {got}, the tensor cores "
             f"put {expected} there")
+
+
+# ---- Exercise 6c.4: which tiles need the mask ----------------------------------------------------------------
+
+# (Nq, Nk): equal, Nq < Nk, Nq > Nk, one row block against many keys, one past a tile, and Nk - Nq of every
+# residue mod 64 (so that some tile's last key lands on, or one past, a first row's diagonal); every
+# warpgroup's first row and every tile of 64 and of 128 keys, causal and not.
+MASK_SHAPES = ((1024, 1024), (333, 517), (700, 300), (64, 2000), (129, 129),
+               *((192, 192 + d) for d in range(-64, 64)))
+
+
+def mask_cases() -> list[tuple]:
+    """(tile, keys, first_row, seqlen_q, seqlen_k, causal) for every tile the kernel visits in MASK_SHAPES."""
+    return [(tile, keys, first_row, nq, nk, causal) for nq, nk in MASK_SHAPES for keys in (64, 128)
+            for causal in (False, True) for first_row in range(0, nq, 64) for tile in range(-(-nk // keys))]
+
+
+def _why_masked(tile, keys, first_row, nq, nk, causal):
+    """Brute force: the first key of the tile that some row of the warpgroup must not see, and why (or None)."""
+    for key in range(tile * keys, (tile + 1) * keys):
+        if key >= nk:
+            return key, f"is past the last key (Nk = {nk})"
+        if causal and key > first_row + nk - nq:  # the first row sees the fewest keys
+            return key, f"comes after row {first_row}'s diagonal (it sees keys up to {first_row + nk - nq})"
+    return None
+
+
+def check_tile_needs_mask(source: str) -> None:
+    """Exercise 6c.4: tile_needs_mask is true exactly for the tiles with a score that must be masked."""
+    cases = mask_cases()
+    rows = ",\n".join("{%d, %d, %d, %d, %d, %d}" % (t, k, r, q, n, int(c)) for t, k, r, q, n, c in cases)
+    driver = (f"#include <cstdio>\nstatic const int cases[][6] = {{\n{rows}}};\nint main() {{\n"
+              "  for (const auto& c : cases)\n"
+              '    std::printf("%d\\n", course_hopper::tile_needs_mask(c[0], c[1], c[2], c[3], c[4], c[5] != 0) ? 1 : 0);\n}\n')
+    got = [line == "1" for line in run_host(_with_header("tile_needs_mask", source) + driver).split()]
+    missed, extra = [], []
+    for case, says in zip(cases, got, strict=True):
+        why = _why_masked(*case)
+        if why and not says:
+            missed.append((case, why))
+        elif not why and says:
+            extra.append(case)
+    if missed:
+        (tile, keys, row, nq, nk, causal), (key, reason) = missed[0]
+        raise AssertionError(
+            f"{len(missed)} of {len(cases)} tiles would go unmasked: e.g. Nq = {nq}, Nk = {nk}, "
+            f"{'causal' if causal else 'not causal'}, rows {row}-{row + 63}, tile {tile} of {keys} keys "
+            f"(keys {tile * keys}-{tile * keys + keys - 1}): you skip its mask, but key {key} {reason}")
+    if extra:
+        tile, keys, row, nq, nk, causal = extra[0]
+        raise AssertionError(
+            f"{len(extra)} of {len(cases)} tiles need no mask but you mask them (correct, but they pay for the test "
+            f"this step removes): e.g. Nq = {nq}, Nk = {nk}, {'causal' if causal else 'not causal'}, rows "
+            f"{row}-{row + 63}, tile {tile} of {keys} keys: every key is below Nk"
+            + (f" and at or before row {row}'s diagonal ({row + nk - nq})" if causal else ""))
+    _check_attention_on_gpu({"tile_needs_mask": source})
+
+
+def _check_attention_on_gpu(sources: dict) -> None:
+    import torch
+
+    from utils import gpu
+    from utils.testing import assert_attention_matches_reference, random_qkv
+
+    if not torch.cuda.is_available() or gpu.capability() != (9, 0):
+        return  # the CPU part above is the whole check elsewhere
+    prelude = "".join(f"#define {EXERCISE_MACROS[name]}\n" for name in sources) + '#include "hopper_layout.h"\n'
+    learner = "".join(f"namespace course_hopper {{\n{src}\n}}\n" for src in sources.values())
+    cuda = prelude + learner + '#include "hopper_attention.cu"\n'
+    cpp = '#define COURSE_TORCH_WRAPPER\n#include "hopper_attention.cu"\n'
+    module = _load_inline("hopper_attention_" + "_".join(sources), cpp, cuda, ["hopper_attention_forward"],
+                          flags=["-gencode=arch=compute_90a,code=sm_90a"])
+    for nq, nk in ((333, 517), (700, 300)):
+        q, k, v = random_qkv(1, 4, nq, nk, 128, kv_heads=2, dtype=torch.bfloat16, device="cuda")
+        for step in ("softmax", "overlap"):
+            for causal in (False, True):
+                fn = partial(hopper.flash_hopper, step=step, module=module)
+                assert_attention_matches_reference(fn, q, k, v, causal=causal)
