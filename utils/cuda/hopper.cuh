@@ -76,29 +76,30 @@ __device__ inline void wgmma_m64n128k16(float (&d)[64], uint64_t desc_a, uint64_
 // The same multiply with A from registers ("RS"): a (four 32-bit registers of two 16-bit values each) holds
 // this thread's part of the 64 x 16 A tile in mma.sync's A-fragment layout, one 16-row slab per warp. This is
 // how P, computed in registers by the softmax, feeds the second product of attention. N = 64 or 128; always
-// accumulates (d += a * b).
-template <typename T, int N>
+// accumulates (d += a * b). kTransB: B is stored N-major (its N index contiguous, as V is in memory) instead of
+// K-major; the descriptor then steps along N by its leading offset and along K by its stride offset.
+template <typename T, int N, bool kTransB = false>
 __device__ inline void wgmma_m64k16_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc_b) {
   static_assert(N == 64 || N == 128, "N = 64 or 128");
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
   if constexpr (N == 64 && kBf16) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-                 COURSE_D32 ", {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
-                 : COURSE_F32(d, 0) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+                 COURSE_D32 ", {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
+                 : COURSE_F32(d, 0) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1), "n"(kTransB ? 1 : 0));
   } else if constexpr (N == 64) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
-                 COURSE_D32 ", {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
-                 : COURSE_F32(d, 0) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+                 COURSE_D32 ", {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
+                 : COURSE_F32(d, 0) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1), "n"(kTransB ? 1 : 0));
   } else if constexpr (kBf16) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\nwgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-                 COURSE_D64 ", {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+                 COURSE_D64 ", {%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"
                  : COURSE_F32(d, 0), COURSE_F32(d, 32)
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1), "n"(kTransB ? 1 : 0));
   } else {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\nwgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
-                 COURSE_D64 ", {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+                 COURSE_D64 ", {%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"
                  : COURSE_F32(d, 0), COURSE_F32(d, 32)
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1), "n"(kTransB ? 1 : 0));
   }
 }
 

@@ -133,13 +133,19 @@ __device__ __forceinline__ void rescale(RowState<D>& st, const float (&alpha)[2]
 }
 
 // 4. O += P V: A = P from registers (`a`, one K-slice of 16 keys each), B = the Vᵀ tile `sv` (D rows of N keys,
-// in panels of 64 keys). Only the issue, as for issue_qk.
-template <typename T, int D, int N = 64>
+// in panels of 64 keys). Only the issue, as for issue_qk. kVDirect (step 10): `sv` is V as stored, N rows of
+// keys in panels of 64 head-dim columns: a K-slice is 16 rows (two 1 KB swizzle atoms, 1024 bytes apart), the
+// next 64 columns of D one panel (N * 128 bytes) on, read N-major.
+template <typename T, int D, int N = 64, bool kVDirect = false>
 __device__ __forceinline__ void issue_pv(RowState<D>& st, const uint32_t (&a)[N / 16][4], uint32_t sv) {
 #pragma unroll
   for (int kk = 0; kk < N / 16; ++kk) {
-    const uint32_t slice = sv + (kk / 4) * D * 128 + (kk % 4) * 32;
-    wgmma_m64k16_rs<T, D>(st.acc, a[kk], smem_desc(slice, 16, 1024, Swizzle::k128B));
+    if constexpr (kVDirect) {
+      wgmma_m64k16_rs<T, D, true>(st.acc, a[kk], smem_desc(sv + kk * 16 * 128, N * 128, 1024, Swizzle::k128B));
+    } else {
+      const uint32_t slice = sv + (kk / 4) * D * 128 + (kk % 4) * 32;
+      wgmma_m64k16_rs<T, D>(st.acc, a[kk], smem_desc(slice, 16, 1024, Swizzle::k128B));
+    }
   }
 }
 
@@ -262,16 +268,20 @@ __global__ void __launch_bounds__(128) hopper_attention_kernel(const __grid_cons
 // step 8 launches the longest causal rows first; step 9 takes 128 keys per tile (back to 2 stages, which fit).
 __host__ __device__ constexpr int ws_stages(int step) { return step >= 5 && step < 9 ? 4 : 2; }
 __host__ __device__ constexpr int ws_keys(int step) { return step >= 9 ? 128 : 64; }
+// Step 10 goes back to step 6, the fastest, and changes one thing: V is read as it is stored (N-major B), so the
+// caller no longer writes a transposed copy of V before every call.
+__host__ __device__ constexpr int ws_base(int step) { return step == 10 ? 6 : step; }
 
 template <typename T, int D, bool kCausal, int kStep>
 __global__ void __launch_bounds__(384, 1) hopper_attention_ws_kernel(const __grid_constant__ CUtensorMap map_q,
                                                                      const __grid_constant__ CUtensorMap map_k,
                                                                      const __grid_constant__ CUtensorMap map_vt,
                                                                      T* __restrict__ o, const AttentionParams p) {
-  constexpr int kN = ws_keys(kStep), kStages = ws_stages(kStep);  // keys per tile, K/Vᵀ stages
+  constexpr int kBase = ws_base(kStep), kN = ws_keys(kBase), kStages = ws_stages(kBase);  // keys/tile, stages
+  constexpr bool kVDirect = kStep == 10;
   constexpr int kQPanel = 2 * kRows * 128, kKPanel = kN * 128;      // 64-column panels of Q (128 rows) and K
   constexpr int kTile = kN * D * 2;                                 // bytes of a K tile, and of a Vᵀ tile
-  constexpr bool kFast = kStep >= 4;
+  constexpr bool kFast = kBase >= 4;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
   const uint32_t sq = smem_u32(smem), stages = sq + D / 64 * kQPanel;  // Q: 128 rows; then kStages x (K, Vᵀ)
@@ -285,7 +295,7 @@ __global__ void __launch_bounds__(384, 1) hopper_attention_ws_kernel(const __gri
   const int bh_kv = b * p.kv_heads + h / (p.heads / p.kv_heads);
   // Step 8: with a causal mask the last query blocks have the most keys; launching them first (blocks start in
   // order of blockIdx.x) leaves the short ones to fill the GPU at the end instead of a long one running alone.
-  const int q_block = kStep >= 8 && kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+  const int q_block = kBase >= 8 && kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
   const int q0 = q_block * 2 * kRows, diagonal = p.seqlen_k - p.seqlen_q;
   const int k_end = kCausal ? min(p.seqlen_k, max(0, q0 + 2 * kRows + diagonal)) : p.seqlen_k;
   const int tiles = (k_end + kN - 1) / kN;
@@ -308,8 +318,9 @@ __global__ void __launch_bounds__(384, 1) hopper_attention_ws_kernel(const __gri
         for (int panel = 0; panel < D / 64; ++panel) {  // K: N rows of 64 columns per copy
           tma_load_3d(sk + panel * kKPanel, &map_k, 64 * panel, kN * i, bh_kv, full(s));
         }
-        for (int panel = 0; panel < kN / 64; ++panel) {  // Vᵀ: D rows of 64 keys per copy
-          tma_load_3d(sv + panel * D * 128, &map_vt, kN * i + 64 * panel, 0, bh_kv, full(s));
+        for (int panel = 0; panel < (kVDirect ? D : kN) / 64; ++panel) {
+          if (kVDirect) tma_load_3d(sv + panel * kKPanel, &map_vt, 64 * panel, kN * i, bh_kv, full(s));  // V, as K
+          else tma_load_3d(sv + panel * D * 128, &map_vt, kN * i + 64 * panel, 0, bh_kv, full(s));  // Vᵀ: 64 keys
         }
       }
     }
@@ -327,7 +338,7 @@ __global__ void __launch_bounds__(384, 1) hopper_attention_ws_kernel(const __gri
   RowState<D> st;
   st.init();
   mbarrier_wait(bar_q, 0);
-  if constexpr (kStep <= 5) {
+  if constexpr (kBase <= 5) {
     for (int i = 0; i < tiles; ++i) {
       mbarrier_wait(full(i % kStages), (i / kStages) & 1);
       const uint32_t sk = key_tile(i);
@@ -341,9 +352,9 @@ __global__ void __launch_bounds__(384, 1) hopper_attention_ws_kernel(const __gri
     // when the other has issued its own, so one's softmax lines up under the other's multiplies. Each consumer
     // issues tiles + 1 times; consumer 1 opens consumer 0's first turn and skips giving back its own last one,
     // so every named barrier completes as often as it is waited on.
-    auto turn = [&] { if (kStep >= 7) named_barrier_sync(1 + wg, 256); };
-    auto done = [&](bool last) { if (kStep >= 7 && !(last && wg == 1)) named_barrier_arrive(2 - wg, 256); };
-    if (kStep >= 7 && wg == 1) named_barrier_arrive(1, 256);
+    auto turn = [&] { if (kBase >= 7) named_barrier_sync(1 + wg, 256); };
+    auto done = [&](bool last) { if (kBase >= 7 && !(last && wg == 1)) named_barrier_arrive(2 - wg, 256); };
+    if (kBase >= 7 && wg == 1) named_barrier_arrive(1, 256);
     float s[kN / 2], alpha[2];
     uint32_t pa[kN / 16][4], pb[kN / 16][4];  // P of two consecutive tiles: P V reads one, the softmax writes the other
     auto softmax = [&](int i, uint32_t (&out)[kN / 16][4]) {
@@ -360,7 +371,7 @@ __global__ void __launch_bounds__(384, 1) hopper_attention_ws_kernel(const __gri
       wgmma_fence();
       issue_qk<T, D, kN>(s, sq_wg, kQPanel, key_tile(i));
       wgmma_commit();
-      issue_pv<T, D, kN>(st, prev, key_tile(i - 1) + kTile);
+      issue_pv<T, D, kN, kVDirect>(st, prev, key_tile(i - 1) + kTile);
       wgmma_commit();
       done(false);
       wgmma_wait<1>();  // S is in; P V may still run
@@ -376,7 +387,7 @@ __global__ void __launch_bounds__(384, 1) hopper_attention_ws_kernel(const __gri
       fence_registers(st.acc);
       fence_fragments(prev);
       wgmma_fence();
-      issue_pv<T, D, kN>(st, prev, key_tile(tiles - 1) + kTile);
+      issue_pv<T, D, kN, kVDirect>(st, prev, key_tile(tiles - 1) + kTile);
       wgmma_commit();
       done(true);
       wgmma_wait<0>();
@@ -414,7 +425,7 @@ template <typename T, int D, int kStep>
 cudaError_t launch_ws(bool causal, const CUtensorMap& q, const CUtensorMap& k, const CUtensorMap& vt, void* o,
                       const AttentionParams& p, int batch_heads, cudaStream_t stream) {
   // 128 rows of Q, the K/Vᵀ stages, alignment room
-  const int smem = 2 * kRows * D * 2 + ws_stages(kStep) * 2 * ws_keys(kStep) * D * 2 + 1024;
+  const int smem = 2 * kRows * D * 2 + ws_stages(ws_base(kStep)) * 2 * ws_keys(ws_base(kStep)) * D * 2 + 1024;
   const dim3 grid((p.seqlen_q + 2 * kRows - 1) / (2 * kRows), batch_heads);
   auto kernel = causal ? hopper_attention_ws_kernel<T, D, true, kStep> : hopper_attention_ws_kernel<T, D, false, kStep>;
   const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
@@ -448,7 +459,8 @@ cudaError_t launch_step(int step, bool causal, const CUtensorMap& q, const CUten
     case 6: return launch_ws<T, D, 6>(causal, q, k, vt, o, p, batch_heads, stream);
     case 7: return launch_ws<T, D, 7>(causal, q, k, vt, o, p, batch_heads, stream);
     case 8: return launch_ws<T, D, 8>(causal, q, k, vt, o, p, batch_heads, stream);
-    default: return launch_ws<T, D, 9>(causal, q, k, vt, o, p, batch_heads, stream);
+    case 9: return launch_ws<T, D, 9>(causal, q, k, vt, o, p, batch_heads, stream);
+    default: return launch_ws<T, D, 10>(causal, q, k, vt, o, p, batch_heads, stream);
   }
 }
 
@@ -458,7 +470,7 @@ cudaError_t launch_step(int step, bool causal, const CUtensorMap& q, const CUten
 cudaError_t hopper_attention_launch(int step, bool bf16, int head_dim, bool causal, const CUtensorMap& q,
                                     const CUtensorMap& k, const CUtensorMap& vt, void* o, const AttentionParams& p,
                                     int batch_heads, cudaStream_t stream) {
-  if (step < 1 || step > 9) return cudaErrorInvalidValue;
+  if (step < 1 || step > 10) return cudaErrorInvalidValue;
   if (bf16) {
     return head_dim == 64 ? launch_step<__nv_bfloat16, 64>(step, causal, q, k, vt, o, p, batch_heads, stream)
                           : launch_step<__nv_bfloat16, 128>(step, causal, q, k, vt, o, p, batch_heads, stream);
@@ -497,11 +509,12 @@ inline CUtensorMap map_3d(const torch::Tensor& t, int box_rows) {
 }
 }  // namespace course_hopper
 
-// q (B, H, Nq, D), k (B, Hkv, Nk, D) and vt (B, Hkv, D, Nk padded to a multiple of 8: V transposed), all
+// q (B, H, Nq, D), k (B, Hkv, Nk, D) and vt (B, Hkv, D, Nk padded to a multiple of 8: V transposed; from step
+// 10, V itself, (B, Hkv, Nk, D)), all
 // contiguous fp16 or bf16 on an sm_90 GPU, D = 64 or 128 -> o (B, H, Nq, D).
 torch::Tensor hopper_attention_forward(torch::Tensor q, torch::Tensor k, torch::Tensor vt, int64_t seqlen_k,
                                        bool causal, double scale, int64_t step) {
-  TORCH_CHECK(step >= 1 && step <= 9, "hopper_attention: step must be 1 to 9 (utils.hopper.ATTENTION_STEPS), got ",
+  TORCH_CHECK(step >= 1 && step <= 10, "hopper_attention: step must be 1 to 10 (utils.hopper.ATTENTION_STEPS), got ",
               course::num(step));
   const torch::Tensor* inputs[] = {&q, &k, &vt};
   const char* names[] = {"q", "k", "vt"};
@@ -520,9 +533,14 @@ torch::Tensor hopper_attention_forward(torch::Tensor q, torch::Tensor k, torch::
   TORCH_CHECK(k.size(0) == q.size(0) && k.size(3) == d && q.size(1) % k.size(1) == 0 && k.size(2) == seqlen_k,
               "hopper_attention: k of shape ", course::shape(k.sizes()), " does not fit q of shape ",
               course::shape(q.sizes()));
-  TORCH_CHECK(vt.size(0) == k.size(0) && vt.size(1) == k.size(1) && vt.size(2) == d && vt.size(3) >= seqlen_k &&
-              vt.size(3) % 8 == 0, "hopper_attention: vt must be (B, Hkv, D, Nk rounded up to 8), got ",
-              course::shape(vt.sizes()));
+  if (step >= 10) {
+    TORCH_CHECK(vt.sizes() == k.sizes(), "hopper_attention: from step 10 vt is V, shaped like k ",
+                course::shape(k.sizes()), ", got ", course::shape(vt.sizes()));
+  } else {
+    TORCH_CHECK(vt.size(0) == k.size(0) && vt.size(1) == k.size(1) && vt.size(2) == d && vt.size(3) >= seqlen_k &&
+                vt.size(3) % 8 == 0, "hopper_attention: vt must be (B, Hkv, D, Nk rounded up to 8), got ",
+                course::shape(vt.sizes()));
+  }
   TORCH_CHECK(seqlen_k > 0 && q.size(2) > 0 && q.size(2) <= INT32_MAX && seqlen_k <= INT32_MAX,
               "hopper_attention: empty or too long, q ", course::shape(q.sizes()), ", Nk = ", course::num(seqlen_k));
   TORCH_CHECK(scale > 0 && std::isfinite(scale), "hopper_attention: scale must be finite and positive, got ",
@@ -536,7 +554,7 @@ torch::Tensor hopper_attention_forward(torch::Tensor q, torch::Tensor k, torch::
   // Q in boxes of the block's rows (128 from step 3), K of the tile's keys (128 from step 9), Vᵀ of D rows
   const CUtensorMap map_q = course_hopper::map_3d(q, step >= 3 ? 128 : 64),
                     map_k = course_hopper::map_3d(k, step >= 9 ? 128 : 64),
-                    map_vt = course_hopper::map_3d(vt, static_cast<int>(d));
+                    map_vt = course_hopper::map_3d(vt, step >= 10 ? 64 : static_cast<int>(d));
   const cudaError_t err = course_hopper::hopper_attention_launch(
       static_cast<int>(step), q.scalar_type() == torch::kBFloat16, static_cast<int>(d), causal, map_q, map_k, map_vt,
       o.data_ptr(), p, static_cast<int>(q.size(0) * q.size(1)), c10::cuda::getCurrentCUDAStream());
