@@ -553,7 +553,7 @@ torch::Tensor hopper_attention_forward(torch::Tensor q, torch::Tensor k, torch::
                                          static_cast<float>(scale * 1.4426950408889634)};
   // Q in boxes of the block's rows (128 from step 3), K of the tile's keys (128 from step 9), Vᵀ of D rows
   const CUtensorMap map_q = course_hopper::map_3d(q, step >= 3 ? 128 : 64),
-                    map_k = course_hopper::map_3d(k, step >= 9 ? 128 : 64),
+                    map_k = course_hopper::map_3d(k, step == 9 ? 128 : 64),
                     map_vt = course_hopper::map_3d(vt, step >= 10 ? 64 : static_cast<int>(d));
   const cudaError_t err = course_hopper::hopper_attention_launch(
       static_cast<int>(step), q.scalar_type() == torch::kBFloat16, static_cast<int>(d), causal, map_q, map_k, map_vt,
