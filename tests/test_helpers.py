@@ -142,6 +142,30 @@ def test_positive_int():
             positive_int("n", bad)
 
 
+def test_check_int_bounds():
+    from utils.checks import check_int
+
+    assert check_int("n", 0, 0) == 0 and check_int("n", 5, 0, 5) == 5 and check_int("n", -3) == -3
+    for bad, low, high, error, message in ((1.0, 0, None, TypeError, "n must be an int"),
+                                           (True, 0, None, TypeError, "n must be an int"),
+                                           (-1, 0, None, ValueError, r"n must be >= 0, got -1"),
+                                           (6, 0, 5, ValueError, r"n must be in \[0, 5\], got 6"),
+                                           (3, None, 2, ValueError, r"n must be <= 2, got 3")):
+        with pytest.raises(error, match=message):
+            check_int("n", bad, low, high)
+
+
+def test_check_capability():
+    from utils.checks import check_capability
+
+    assert check_capability((9, 0)) == (9, 0) and check_capability(None, optional=True) is None
+    for bad in (None, [9, 0], (9,), (9, -1), (9, True), (9.0, 0)):
+        with pytest.raises(TypeError, match="capability must be a"):
+            check_capability(bad)
+    with pytest.raises(TypeError, match="capability must be None or a"):
+        check_capability("sm_90", optional=True)
+
+
 def test_check_bool():
     from utils.checks import check_bool
 

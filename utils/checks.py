@@ -83,13 +83,34 @@ def check_bool(name: str, x) -> bool:
     return x
 
 
-def positive_int(name: str, x) -> int:
-    """`x` as an int, or a TypeError/ValueError naming `name` unless it is a positive integer (not a bool)."""
+def check_int(name: str, x, low: int | None = None, high: int | None = None) -> int:
+    """`x` as an int, or a TypeError/ValueError naming `name` unless it is an integer (not a bool) within
+    [low, high] (either bound may be left open)."""
     if isinstance(x, bool) or not isinstance(x, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type(x).__name__}")
-    if x <= 0:
+    if (low is not None and x < low) or (high is not None and x > high):
+        bounds = (f"in [{low}, {high}]" if low is not None and high is not None
+                  else f">= {low}" if low is not None else f"<= {high}")
+        raise ValueError(f"{name} must be {bounds}, got {x}")
+    return int(x)
+
+
+def positive_int(name: str, x) -> int:
+    """`x` as an int, or a TypeError/ValueError naming `name` unless it is a positive integer (not a bool)."""
+    if check_int(name, x) <= 0:
         raise ValueError(f"{name} must be positive, got {x}")
     return int(x)
+
+
+def check_capability(capability, *, optional: bool = False):
+    """A GPU's (major, minor) as a tuple of two non-negative ints, or a TypeError; None too when `optional`."""
+    if capability is None and optional:
+        return None
+    if (not isinstance(capability, tuple) or len(capability) != 2
+            or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in capability)):
+        raise TypeError(f"capability must be {'None or ' if optional else ''}a (major, minor) tuple of ints, "
+                        f"got {capability!r}")
+    return capability
 
 
 def resolve_scale(sm_scale, head_dim: int) -> float:

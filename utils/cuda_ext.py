@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from utils import gpu
-from utils.checks import check_attention_inputs, check_device, resolve_scale
+from utils.checks import check_attention_inputs, check_capability, check_device, resolve_scale
 
 ROOT = Path(__file__).resolve().parents[1]
 CUDA_DIR = ROOT / "utils" / "cuda"
@@ -124,10 +124,7 @@ def gencode_flags(capability, *, ptx: bool = False) -> list[str]:
 
     `ptx=True` embeds PTX instead of machine code (code=compute_75): the driver compiles it for the GPU at hand,
     which is how an emulated T4 (utils/gpu.py) builds sm_75 code that still runs on a newer GPU."""
-    if (not isinstance(capability, tuple) or len(capability) != 2
-            or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in capability)):
-        raise TypeError(f"capability must be a (major, minor) tuple of ints, got {capability!r}")
-    arch = f"{capability[0]}{capability[1]}"
+    arch = "{}{}".format(*check_capability(capability))
     return [f"-gencode=arch=compute_{arch},code={'compute' if ptx else 'sm'}_{arch}"]
 
 
@@ -143,8 +140,7 @@ def arch_flags(name: str | None = None) -> list[str]:
 
 def check_hopper_capability(capability) -> None:
     """Raise a RuntimeError that explains why, unless a GPU of this (major, minor) runs sm_90a code (wgmma)."""
-    gencode_flags(capability)  # validates the tuple
-    if capability != (9, 0):
+    if check_capability(capability) != (9, 0):
         raise RuntimeError(
             f"the Hopper kernels (wgmma, TMA) need an sm_90 GPU such as an H100 or H200; this GPU is "
             f"sm_{capability[0]}{capability[1]}. sm_90a code runs on sm_90 alone, not on older GPUs and not on "
@@ -364,8 +360,7 @@ def flash_tiled(q, k, v, *, causal=False, sm_scale=None):
 
 def check_mma_capability(capability) -> None:
     """Raise a RuntimeError that explains why, unless a GPU of this (major, minor) can run the mma kernels."""
-    gencode_flags(capability)  # validates the tuple
-    if capability < (8, 0):
+    if check_capability(capability) < (8, 0):
         raise RuntimeError(
             f"the tensor-core kernels need compute capability 8.0 or newer (mma.sync.m16n8k16 with bf16 inputs, "
             f"ldmatrix, cp.async); this GPU is sm_{capability[0]}{capability[1]}. flash_tiled runs on it (CUDA "

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from utils.checks import check_int
+
 # Swizzle width in bytes -> the mode bits (62-63) of a wgmma descriptor.
 SWIZZLE_MODES = {0: 0, 128: 1, 64: 2, 32: 3}
 # Which address bits 7-9 each mode XORs into the 16-byte chunk index (bits 4-6).
@@ -27,15 +29,6 @@ GEMM_STEPS = ("threads", "tma")
 ATTENTION_STEPS = ("tma", "pipelined", "specialised")
 
 
-def _check_int(name: str, value, low: int = 0, high: int | None = None) -> int:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < low or (high is not None and value > high):
-        raise ValueError(f"{name} must be in [{low}, {high}], got {value}" if high is not None
-                         else f"{name} must be >= {low}, got {value}")
-    return value
-
-
 def _check_mode(mode) -> int:
     if mode not in SWIZZLE_MODES or isinstance(mode, bool):
         raise ValueError(f"mode must be one of {sorted(SWIZZLE_MODES)} (bytes), got {mode!r}")
@@ -44,7 +37,7 @@ def _check_mode(mode) -> int:
 
 def swizzle(offset: int, mode: int = 128) -> int:
     """The byte where byte `offset` of a tile (starting on a 1024-byte boundary) is stored under `mode`."""
-    _check_int("offset", offset)
+    check_int("offset", offset, 0)
     return offset ^ (((offset >> 7) & _SWIZZLE_MASKS[_check_mode(mode)]) << 4)
 
 
@@ -57,7 +50,7 @@ def smem_descriptor(address: int, *, leading_bytes: int, stride_bytes: int, mode
     """
     for name, value, bits in (("address", address, 18), ("leading_bytes", leading_bytes, 18),
                               ("stride_bytes", stride_bytes, 18)):
-        _check_int(name, value, 0, (1 << bits) - 1)
+        check_int(name, value, 0, (1 << bits) - 1)
         if value % 16:
             raise ValueError(f"{name} must be a multiple of 16 bytes, got {value}")
     return (address >> 4) | (leading_bytes >> 4) << 16 | (stride_bytes >> 4) << 32 | SWIZZLE_MODES[
@@ -66,7 +59,7 @@ def smem_descriptor(address: int, *, leading_bytes: int, stride_bytes: int, mode
 
 def decode_descriptor(descriptor: int) -> dict:
     """The fields of a descriptor, in bytes: the inverse of `smem_descriptor`."""
-    _check_int("descriptor", descriptor, 0, (1 << 64) - 1)
+    check_int("descriptor", descriptor, 0, (1 << 64) - 1)
     modes = {bits: width for width, bits in SWIZZLE_MODES.items()}
     return dict(address=(descriptor & 0x3FFF) << 4, leading_bytes=((descriptor >> 16) & 0x3FFF) << 4,
                 stride_bytes=((descriptor >> 32) & 0x3FFF) << 4, base_offset=(descriptor >> 49) & 7,
@@ -75,8 +68,8 @@ def decode_descriptor(descriptor: int) -> dict:
 
 def chunk_layout(rows: int = 8, row_bytes: int = 128, mode: int = 128) -> torch.Tensor:
     """(rows, row_bytes // 16) int tensor: the chunk slot within its row that each 16-byte chunk is stored in."""
-    _check_int("rows", rows, 1)
-    _check_int("row_bytes", row_bytes, 16)
+    check_int("rows", rows, 1)
+    check_int("row_bytes", row_bytes, 16)
     if row_bytes % 16:
         raise ValueError(f"row_bytes must be a multiple of 16, got {row_bytes}")
     chunks = row_bytes // 16
@@ -87,8 +80,8 @@ def chunk_layout(rows: int = 8, row_bytes: int = 128, mode: int = 128) -> torch.
 def bank_conflicts(rows: int = 8, row_bytes: int = 128, mode: int = 128, column: int = 0) -> int:
     """How many of `rows` 16-byte reads of one column of chunks (what ldmatrix and wgmma do) fall in the most
     crowded group of 4 banks: 1 means conflict-free, `rows` means all serialised. 32 banks x 4 bytes = 8 groups."""
-    _check_int("column", column, 0, row_bytes // 16 - 1)
-    _check_int("rows", rows, 1)
+    check_int("column", column, 0, row_bytes // 16 - 1)
+    check_int("rows", rows, 1)
     groups = [swizzle(r * row_bytes + column * 16, _check_mode(mode)) // 16 % 8 for r in range(rows)]
     return max(groups.count(g) for g in set(groups))
 

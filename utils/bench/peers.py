@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from utils.checks import check_attention_inputs, check_bool, positive_int, resolve_scale
+from utils.checks import check_attention_inputs, check_bool, check_capability, positive_int, resolve_scale
 
 ENV_VAR = "TRITON_TUTORIAL_ATTENTION"
 TUTORIAL_PATH = "python/tutorials/06-fused-attention.py"  # inside the Triton repository
@@ -180,15 +180,6 @@ def load_tutorial(path=None, *, ref: str | None = None, tuned: bool = True) -> T
     return Tutorial(path, sha256, ref, module, tuned)
 
 
-def _capability(capability):
-    if capability is None:
-        return None
-    if (not isinstance(capability, tuple) or len(capability) != 2
-            or not all(isinstance(x, int) and not isinstance(x, bool) for x in capability)):
-        raise TypeError(f"capability must be None or a (major, minor) tuple of ints, got {capability!r}")
-    return capability
-
-
 class TutorialPeer:
     """`peer(q, k, v, causal=..., sm_scale=...)`: the tutorial's attention, differentiable, as the benchmarks
     call every implementation; `unsupported(...)` says which shapes it cannot run (None: it can)."""
@@ -214,7 +205,7 @@ class TutorialPeer:
             positive_int("seqlen", seqlen)
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        capability = _capability(capability)
+        capability = check_capability(capability, optional=True)
         if head_dim not in HEAD_DIMS:
             return f"head_dim {head_dim} (it runs {', '.join(map(str, HEAD_DIMS))})"
         if dtype not in DTYPES:

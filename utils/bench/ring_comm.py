@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import numbers
 import re
 import statistics
 import sys
@@ -25,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from utils.checks import positive_int
+from utils.checks import check_int, positive_int
 from utils.ring_attention import _post_exchange, _wait, check_launch, rank_group, spawn_ranks
 
 MEASURE_COMMAND = "python -m utils.bench.ring_comm --backend nccl --world-size 2 --out images"
@@ -103,10 +102,7 @@ def measure_ring_exchange(sizes, *, world_size: int = 2, backend: str = "gloo", 
     check_launch(world_size, backend)
     repeats = positive_int("repeats", repeats)
     for name, x in (("warmup", warmup), ("burst_bytes", burst_bytes)):
-        if isinstance(x, bool) or not isinstance(x, numbers.Integral):
-            raise TypeError(f"{name} must be an int, got {type(x).__name__}")
-        if x < 0:
-            raise ValueError(f"{name} must be >= 0, got {x}")
+        check_int(name, x, 0)
     results = mp.get_context("spawn").SimpleQueue()  # one list of rows: the pipe never fills
     spawn_ranks(_worker, world_size, backend, sizes, burst_bytes, warmup, repeats, results)
     return results.get()
