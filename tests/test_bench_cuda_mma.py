@@ -33,10 +33,11 @@ def test_step_functions_keep_worklog_order_and_pass_the_step():
 
 def test_parse_args_picks_the_worklog_and_its_default_name():
     args = cm.parse_args(["--worklog", "hopper", "--steps", "overlap", "softmax", "--head-dims", "128"])
-    assert (args.worklog, args.steps, args.name, args.impls) == ("hopper", ["overlap", "softmax"], "06c_hopper", [])
+    assert (args.cuda_worklog, args.steps, args.name, args.impls) == ("hopper", ["overlap", "softmax"], "06c_hopper", [])
+    assert args.worklog is False  # forward's flag for notebook 05b's Triton steps stays off (it once timed them too)
     assert args.sdpa == ["flash", "cudnn"] and args.head_dims == [128]
     args = cm.parse_args([])
-    assert (args.worklog, args.steps, args.name) == ("mma", list(MMA_STEPS), "06b_cuda_mma")
+    assert (args.cuda_worklog, args.steps, args.name, args.worklog) == ("mma", list(MMA_STEPS), "06b_cuda_mma", False)
     with pytest.raises(SystemExit):
         cm.parse_args(["--worklog", "hopper", "--steps", "exp2"])  # a step of the other worklog
 

@@ -45,7 +45,9 @@ KERNELS = {
 }
 # Notebook 06b: the tensor-core kernel, one file per step of its worklog (utils/cuda/flash_mma_steps.cuh), so
 # that the final step alone is built for the registry and the steps build in parallel.
-MMA_STEPS = ("mma", "ldmatrix", "swizzle", "cp_async", "tiles", "exp2", "causal_skip")
+MMA_STEPS = ("mma", "ldmatrix", "swizzle", "cp_async", "tiles", "exp2", "causal_skip", "split_kv", "occupancy")
+# The registry's "cuda" and flash_mma's default: the fastest step measured (images/06b_cuda_mma_h200.json).
+MMA_DEFAULT_STEP = "causal_skip"
 MMA_HEADERS = ("flash_params.h", "flash_common.cuh", "flash_torch.h", "course_str.h", "flash_mma.cuh",
                "flash_mma_steps.cuh", "flash_mma_kernel.cuh", "flash_mma_torch.h")
 MMA_HEAD_DIMS = (64, 128)
@@ -379,8 +381,8 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 _MMA_FORWARD: dict = {}
 
 
-def flash_mma(q, k, v, *, causal=False, sm_scale=None, step: str = MMA_STEPS[-1]):
-    """FlashAttention-2 forward on tensor cores, as of `step` of notebook 06b's worklog (default: the last).
+def flash_mma(q, k, v, *, causal=False, sm_scale=None, step: str = MMA_DEFAULT_STEP):
+    """FlashAttention-2 forward on tensor cores, as of `step` of notebook 06b's worklog (default: MMA_DEFAULT_STEP, the fastest measured).
 
     fp16 or bf16 inputs with fp32 accumulation, head dims 64 and 128, any lengths, GQA, causal aligned
     bottom-right. Needs an sm_80+ GPU; on a T4 (sm_75) it refuses with a RuntimeError (flash_tiled runs there).

@@ -34,6 +34,8 @@ REFERENCES = {
     "cuda_flash": (1, ["utils.bench.forward", "--impls", "cuda_tiled", "cuda_naive", "--sdpa", "flash",
                        "--name", "06_cuda_flash_h200"]),
     "cuda_mma": (1, ["utils.bench.cuda_mma", "--name", "06b_cuda_mma_h200"]),
+    "cuda_mma_steps89": (1, ["utils.bench.cuda_mma", "--steps", "exp2", "causal_skip", "split_kv", "occupancy",
+                             "--seqlens", "4096", "8192", "16384", "--name", "06b_steps89_h200"]),
     "hopper": (1, ["utils.bench.cuda_mma", "--worklog", "hopper", "--name", "06c_hopper_h200"]),  # sm_90 only
     "hopper_ncu": (1, ["utils.bench.ncu", "--worklog", "hopper", "--name", "06c_ncu_h200"]),  # needs ncu
     "backward": (1, ["utils.bench.backward", "--out", "images/07_backward_benchmark.json"]),

@@ -78,11 +78,11 @@ def format_worklog(rows: list[dict]) -> str:
     if not rows:
         return "(no steps)"
     bases = [key for key in rows[0] if key.startswith("vs sdpa")]
-    lines = [f"{'step':<16s}{'TFLOP/s':>9s}{'vs prev':>9s}{'vs s1':>8s}" + "".join(f"{b:>15s}" for b in bases)]
+    lines = [f"{'step':<16s}{'TFLOP/s':>9s}{'vs prev':>9s}{'vs first':>9s}" + "".join(f"{b:>15s}" for b in bases)]
     for row in rows:
         cells = [f"{row[key]:.2f}x" if row[key] else "—" for key in ("vs_previous", "vs_first", *bases)]
         tflops = f"{row['tflops']:9.1f}" if row["tflops"] else f"{'—':>9s}"
-        lines.append(f"{row['step']:<16s}{tflops}{cells[0]:>9s}{cells[1]:>8s}"
+        lines.append(f"{row['step']:<16s}{tflops}{cells[0]:>9s}{cells[1]:>9s}"
                      + "".join(f"{c:>15s}" for c in cells[2:]))
     return "\n".join(lines)
 
@@ -102,7 +102,8 @@ def parse_args(argv=None):
             own.error(f"--steps: {step!r} is not a step of the {ours.worklog} worklog {WORKLOGS[ours.worklog][0]}")
     name = "06b_cuda_mma" if ours.worklog == "mma" else "06c_hopper"
     args = benchmark.parse_args(["--impls", "--sdpa", "flash", "cudnn", "--name", name] + list(rest))
-    args.worklog, args.steps = ours.worklog, steps
+    # forward's own --worklog (notebook 05b's Triton steps) stays off: only this worklog's steps and SDPA.
+    args.cuda_worklog, args.steps = ours.worklog, steps
     return args
 
 
@@ -114,13 +115,13 @@ def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("python -m utils.bench.cuda_mma needs a CUDA GPU")
-    fns = {**step_functions(args.steps, args.worklog), **benchmark.candidates(args)}
+    fns = {**step_functions(args.steps, args.cuda_worklog), **benchmark.candidates(args)}
     records = benchmark.run(args, fns)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     env = gpu.environment()
     json_path = benchmark.write_json(records, args, args.out_dir / f"{args.name}.json")
     png_path = benchmark.plot(records, args.out_dir / f"{args.name}.png",
-                              title=f"{args.worklog} steps, {env.get('gpu', '')}, {args.dtype}, B={args.batch}, "
+                              title=f"{args.cuda_worklog} steps, {env.get('gpu', '')}, {args.dtype}, B={args.batch}, "
                                     f"H={args.heads}")
     print(benchmark.format_table(records))
     for d, causal, n in benchmark.configurations(args):

@@ -106,7 +106,8 @@ __device__ __forceinline__ void load_b_v(uint32_t (&b)[2][2], const T* tile, int
 }
 
 template <typename Step, typename T, int D>
-__global__ void __launch_bounds__(MmaTile<Step, D>::kThreads) flash_mma_kernel(Params p) {
+__global__ void __launch_bounds__(MmaTile<Step, D>::kThreads, Step::template min_blocks<D>())
+flash_mma_kernel(Params p) {
   using Tile = MmaTile<Step, D>;
   constexpr int BR = Tile::kRows, BC = Tile::kCols, kThreads = Tile::kThreads;
   constexpr int kTilesS = BC / 8, kTilesO = D / 8;  // n8 accumulator tiles of S and of O
@@ -133,12 +134,11 @@ __global__ void __launch_bounds__(MmaTile<Step, D>::kThreads) flash_mma_kernel(P
 
   load_tile<Step, T, D, BR, kThreads>(Qs, q, p.q_stride[2], q0, p.seqlen_q);
   if constexpr (Step::kCpAsync) {  // Step 4: tile 0 of K and V travels with Q
-    if (n_tiles > 0) {
-      load_tile<Step, T, D, BC, kThreads>(Ks, k, p.k_stride[2], 0, p.seqlen_k);
-      load_tile<Step, T, D, BC, kThreads>(Vs, v, p.v_stride[2], 0, p.seqlen_k);
-    }
+    if (n_tiles > 0) load_tile<Step, T, D, BC, kThreads>(Ks, k, p.k_stride[2], 0, p.seqlen_k);
+    if constexpr (Step::kSplitKV) cp_async_commit();  // Step 8: Q and K first, V in a group of its own
+    if (n_tiles > 0) load_tile<Step, T, D, BC, kThreads>(Vs, v, p.v_stride[2], 0, p.seqlen_k);
     cp_async_commit();
-    cp_async_wait<0>();
+    cp_async_wait<Step::kSplitKV ? 1 : 0>();
   }
   __syncthreads();
 
@@ -160,13 +160,15 @@ __global__ void __launch_bounds__(MmaTile<Step, D>::kThreads) flash_mma_kernel(P
     if constexpr (Step::kCpAsync) {
       // Step 4: tile j was requested an iteration ago. Wait for it; the barrier also says every warp is done
       // with tile j - 1, whose buffer now receives tile j + 1 while this tile is computed.
+      // Step 8: only K of tile j needs to be in here (its V, a group of its own, may still be on the way).
       if (j > 0) {
-        cp_async_wait<0>();
+        cp_async_wait<Step::kSplitKV ? 1 : 0>();
         __syncthreads();
       }
       if (j + 1 < n_tiles) {
         const int next = (j + 1) % 2 * BC * D;
         load_tile<Step, T, D, BC, kThreads>(Ks + next, k, p.k_stride[2], c0 + BC, p.seqlen_k);
+        if constexpr (Step::kSplitKV) cp_async_commit();
         load_tile<Step, T, D, BC, kThreads>(Vs + next, v, p.v_stride[2], c0 + BC, p.seqlen_k);
         cp_async_commit();
       }
@@ -240,6 +242,12 @@ __global__ void __launch_bounds__(MmaTile<Step, D>::kThreads) flash_mma_kernel(P
       m[r] = m_new;
 #pragma unroll
       for (int n = 0; n < kTilesO; ++n) o[n][2 * r] *= alpha, o[n][2 * r + 1] *= alpha;
+    }
+
+    if constexpr (Step::kSplitKV) {  // Step 8: now V of tile j (tile j + 1's two groups may stay in flight)
+      if (j + 1 < n_tiles) cp_async_wait<2>();
+      else cp_async_wait<0>();
+      __syncthreads();
     }
 
     // O += P V. The S accumulators of n8 tiles 2kk and 2kk + 1 are, packed to 16 bits, exactly the A

@@ -18,6 +18,8 @@ struct Step1Mma {
   template <int D> static constexpr int block_cols() { return 64; }  // step 5: keys per tile
   static constexpr bool kExp2 = false;        // step 6
   static constexpr bool kCausalSkip = false;  // step 7
+  static constexpr bool kSplitKV = false;     // step 8
+  template <int D> static constexpr int min_blocks() { return 1; }  // step 9: blocks per SM asked of ptxas
 };
 
 // Step 2: ldmatrix. One instruction loads a whole 16x16 A fragment, or two 8-column B fragments, for the
@@ -47,5 +49,17 @@ struct Step6Exp2 : Step5Tiles { static constexpr bool kExp2 = true; };
 // Step 7: causal block skipping. Tiles above the diagonal are never loaded or computed, only the tiles that
 // cross it are masked, and the query blocks with the most work are launched first.
 struct Step7CausalSkip : Step6Exp2 { static constexpr bool kCausalSkip = true; };
+
+// Step 8: K and V in separate cp.async groups. One group carried both, so S = Q K^T waited for V as well; now
+// the scores start as soon as K has landed, and V's copy overlaps them and the softmax (for one more barrier).
+struct Step8SplitKV : Step7CausalSkip { static constexpr bool kSplitKV = true; };
+
+// Step 9: two blocks per SM at D = 64. __launch_bounds__(256, 2) caps the registers at 128 a thread, so two
+// blocks' warps fit on an SM; 64-key tiles (S: 32 floats a thread instead of 64) keep that within 128 registers
+// without spilling, and halve the shared memory (48 KB a block). D = 128 keeps one block of 128-key tiles.
+struct Step9Occupancy : Step8SplitKV {
+  template <int D> static constexpr int min_blocks() { return D == 64 ? 2 : 1; }
+  template <int D> static constexpr int block_cols() { return D == 64 ? 64 : 128; }
+};
 
 }  // namespace course_flash
