@@ -31,8 +31,8 @@ GEMM_STEPS = ("threads", "tma")
 ATTENTION_STEPS = ("tma", "pipelined", "specialised", "softmax", "stages", "overlap", "pingpong", "heavy_first",
                    "wide_tiles", "v_direct")
 # Not every step paid: the default (and the registry's "cuda_hopper") is the fastest one measured on the H200
-# (images/06c_hopper_*.json; tests/test_hopper.py checks it against them).
-DEFAULT_STEP = "overlap"
+# (images/06c_*_h200.json; tests/test_hopper.py checks it against them).
+DEFAULT_STEP = "v_direct"
 
 
 def _check_mode(mode) -> int:
@@ -135,9 +135,10 @@ def flash_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: b
     `step` of notebook 06c's worklog (ATTENTION_STEPS; default: DEFAULT_STEP, the fastest).
 
     fp16 or bf16 (batch, heads, seq, head_dim) tensors, head dims 64 and 128, any lengths, GQA, causal aligned
-    bottom-right. V is handed to the kernel transposed (every wgmma operand K-major), its length rounded up to
-    8 so that TMA's row stride is a multiple of 16 bytes; step "v_direct" reads V as it is. `module`: the build of hopper_attention.cu to run
-    (default: the course's; exercise 6c.4 passes one with the learner's function inside)."""
+    bottom-right. Steps before "v_direct" get V transposed (every wgmma operand K-major), its length rounded up
+    to 8 so that TMA's row stride is a multiple of 16 bytes; step "v_direct" reads V as it is stored. `module`:
+    the build of hopper_attention.cu to run (default: the course's; exercise 6c.4 passes one with the learner's
+    function inside)."""
     from utils import cuda_ext, gpu
     from utils.checks import check_attention_inputs, resolve_scale
 
