@@ -62,4 +62,9 @@ struct Step9Occupancy : Step8SplitKV {
   template <int D> static constexpr int block_cols() { return D == 64 ? 64 : 128; }
 };
 
+// Step 10: step 9 with step 8 undone. Step 8's second copy group cost 11-14 % (one more block-wide barrier per
+// tile, for a wait on V that double buffering had already hidden); step 9's two blocks per SM won 13-17 % back.
+// Keeping the second and dropping the first asks whether the two gains add up.
+struct Step10OneGroup : Step9Occupancy { static constexpr bool kSplitKV = false; };
+
 }  // namespace course_flash
