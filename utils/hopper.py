@@ -27,9 +27,10 @@ GEMM_STEPS = ("threads", "tma")
 # ... and for attention: step 1 loads and multiplies in turn, step 2 copies the next K/V tile during this one,
 # step 3 hands the copies to a producer warpgroup and the math to two consumer warpgroups; then FlashAttention-3's
 # refinements: a leaner softmax, a deeper K/V ring, the softmax under the previous tile's P V, consumers in turns,
-# (causal) the longest rows launched first, tiles of 128 keys; and (step 6 again) V read as it is stored.
+# (causal) the longest rows launched first, tiles of 128 keys; and (step 6 again) V read as it is stored, then at
+# D = 64 a third consumer warpgroup.
 ATTENTION_STEPS = ("tma", "pipelined", "specialised", "softmax", "stages", "overlap", "pingpong", "heavy_first",
-                   "wide_tiles", "v_direct")
+                   "wide_tiles", "v_direct", "three_consumers")
 # Not every step paid: the default (and the registry's "cuda_hopper") is the fastest one measured on the H200
 # (images/06c_*_h200.json; tests/test_hopper.py checks it against them).
 DEFAULT_STEP = "v_direct"
@@ -136,9 +137,9 @@ def flash_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: b
 
     fp16 or bf16 (batch, heads, seq, head_dim) tensors, head dims 64 and 128, any lengths, GQA, causal aligned
     bottom-right. Steps before "v_direct" get V transposed (every wgmma operand K-major), its length rounded up
-    to 8 so that TMA's row stride is a multiple of 16 bytes; step "v_direct" reads V as it is stored. `module`:
-    the build of hopper_attention.cu to run (default: the course's; exercise 6c.4 passes one with the learner's
-    function inside)."""
+    to 8 so that TMA's row stride is a multiple of 16 bytes; from "v_direct" on, V is read as it is stored.
+    `module`: the build of hopper_attention.cu to run (default: the course's; exercise 6c.4 passes one with the
+    learner's function inside)."""
     from utils import cuda_ext, gpu
     from utils.checks import check_attention_inputs, resolve_scale
 
@@ -149,7 +150,7 @@ def flash_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: b
     scale = resolve_scale(sm_scale, shape.head_dim)
     cuda_ext.check_hopper_capability(gpu.capability(q.device))
     q, k = _readable(q), _readable(k)
-    if step == "v_direct":  # the kernel reads V as it is (N-major)
+    if ATTENTION_STEPS.index(step) >= ATTENTION_STEPS.index("v_direct"):  # the kernel reads V as it is (N-major)
         vt = _readable(v)
     else:
         padded = -(-shape.seqlen_k // 8) * 8

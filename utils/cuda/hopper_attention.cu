@@ -270,16 +270,22 @@ __host__ __device__ constexpr int ws_stages(int step) { return step >= 5 && step
 __host__ __device__ constexpr int ws_keys(int step) { return step >= 9 ? 128 : 64; }
 // Step 10 goes back to step 6, the fastest, and changes one thing: V is read as it is stored (N-major B), so the
 // caller no longer writes a transposed copy of V before every call.
-__host__ __device__ constexpr int ws_base(int step) { return step == 10 ? 6 : step; }
+// Step 11 keeps step 10 and, at D = 64, gives each block a third consumer warpgroup (192 query rows): each K/V
+// tile then serves 1.5 times the rows, and three softmaxes can hide under each other's short multiplies. The
+// registers are shared four ways, 24 for the producer and 160 for each consumer (a D = 64 consumer needs fewer
+// than 128). D = 128 keeps two, whose accumulators would not fit in 160.
+__host__ __device__ constexpr int ws_base(int step) { return step >= 10 ? 6 : step; }
+__host__ __device__ constexpr int ws_consumers(int step, int d) { return step >= 11 && d == 64 ? 3 : 2; }
 
 template <typename T, int D, bool kCausal, int kStep>
-__global__ void __launch_bounds__(384, 1) hopper_attention_ws_kernel(const __grid_constant__ CUtensorMap map_q,
+__global__ void __launch_bounds__(128 * (1 + ws_consumers(kStep, D)), 1) hopper_attention_ws_kernel(const __grid_constant__ CUtensorMap map_q,
                                                                      const __grid_constant__ CUtensorMap map_k,
                                                                      const __grid_constant__ CUtensorMap map_vt,
                                                                      T* __restrict__ o, const AttentionParams p) {
   constexpr int kBase = ws_base(kStep), kN = ws_keys(kBase), kStages = ws_stages(kBase);  // keys/tile, stages
-  constexpr bool kVDirect = kStep == 10;
-  constexpr int kQPanel = 2 * kRows * 128, kKPanel = kN * 128;      // 64-column panels of Q (128 rows) and K
+  constexpr bool kVDirect = kStep >= 10;
+  constexpr int kConsumers = ws_consumers(kStep, D), kBlockRows = kConsumers * kRows;  // query rows per block
+  constexpr int kQPanel = kBlockRows * 128, kKPanel = kN * 128;     // 64-column panels of Q (all rows) and K
   constexpr int kTile = kN * D * 2;                                 // bytes of a K tile, and of a Vᵀ tile
   constexpr bool kFast = kBase >= 4;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -296,12 +302,12 @@ __global__ void __launch_bounds__(384, 1) hopper_attention_ws_kernel(const __gri
   // Step 8: with a causal mask the last query blocks have the most keys; launching them first (blocks start in
   // order of blockIdx.x) leaves the short ones to fill the GPU at the end instead of a long one running alone.
   const int q_block = kBase >= 8 && kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-  const int q0 = q_block * 2 * kRows, diagonal = p.seqlen_k - p.seqlen_q;
-  const int k_end = kCausal ? min(p.seqlen_k, max(0, q0 + 2 * kRows + diagonal)) : p.seqlen_k;
+  const int q0 = q_block * kBlockRows, diagonal = p.seqlen_k - p.seqlen_q;
+  const int k_end = kCausal ? min(p.seqlen_k, max(0, q0 + kBlockRows + diagonal)) : p.seqlen_k;
   const int tiles = (k_end + kN - 1) / kN;
   if (tid == 0) {
     mbarrier_init(bar_q, 1);
-    for (int s = 0; s < kStages; ++s) mbarrier_init(full(s), 1), mbarrier_init(empty(s), 256);
+    for (int s = 0; s < kStages; ++s) mbarrier_init(full(s), 1), mbarrier_init(empty(s), 128 * kConsumers);
   }
   __syncthreads();
 
@@ -309,7 +315,15 @@ __global__ void __launch_bounds__(384, 1) hopper_attention_ws_kernel(const __gri
     setmaxnreg_dec<24>();
     if (tid == 0) {
       mbarrier_arrive_expect(bar_q, D / 64 * kQPanel);
-      for (int panel = 0; panel < D / 64; ++panel) tma_load_3d(sq + panel * kQPanel, &map_q, 64 * panel, q0, bh, bar_q);
+      for (int panel = 0; panel < D / 64; ++panel) {  // Q in boxes of 128 rows; from step 11, 64 per consumer
+        if constexpr (kStep >= 11) {
+          for (int c = 0; c < kConsumers; ++c) {
+            tma_load_3d(sq + panel * kQPanel + c * kRows * 128, &map_q, 64 * panel, q0 + c * kRows, bh, bar_q);
+          }
+        } else {
+          tma_load_3d(sq + panel * kQPanel, &map_q, 64 * panel, q0, bh, bar_q);
+        }
+      }
       for (int i = 0; i < tiles; ++i) {
         const int s = i % kStages;
         if (i >= kStages) mbarrier_wait(empty(s), (i / kStages - 1) & 1);  // tile i - kStages released it
@@ -327,7 +341,7 @@ __global__ void __launch_bounds__(384, 1) hopper_attention_ws_kernel(const __gri
     return;
   }
 
-  setmaxnreg_inc<240>();  // a consumer
+  setmaxnreg_inc<kConsumers == 3 ? 160 : 240>();  // a consumer
   const int wg = warpgroup - 1, wtid = tid % 128, lane = tid % 32, t = lane % 4;
   const int q_lo = q0 + kRows * wg;  // this warpgroup's first row
   const int row[2] = {q_lo + 16 * (wtid / 32) + lane / 4, q_lo + 16 * (wtid / 32) + lane / 4 + 8};
@@ -424,13 +438,14 @@ __global__ void __launch_bounds__(384, 1) hopper_attention_ws_kernel(const __gri
 template <typename T, int D, int kStep>
 cudaError_t launch_ws(bool causal, const CUtensorMap& q, const CUtensorMap& k, const CUtensorMap& vt, void* o,
                       const AttentionParams& p, int batch_heads, cudaStream_t stream) {
-  // 128 rows of Q, the K/Vᵀ stages, alignment room
-  const int smem = 2 * kRows * D * 2 + ws_stages(ws_base(kStep)) * 2 * ws_keys(ws_base(kStep)) * D * 2 + 1024;
-  const dim3 grid((p.seqlen_q + 2 * kRows - 1) / (2 * kRows), batch_heads);
+  // the block's rows of Q, the K/Vᵀ stages, alignment room
+  constexpr int kBlockRows = ws_consumers(kStep, D) * kRows;
+  const int smem = kBlockRows * D * 2 + ws_stages(ws_base(kStep)) * 2 * ws_keys(ws_base(kStep)) * D * 2 + 1024;
+  const dim3 grid((p.seqlen_q + kBlockRows - 1) / kBlockRows, batch_heads);
   auto kernel = causal ? hopper_attention_ws_kernel<T, D, true, kStep> : hopper_attention_ws_kernel<T, D, false, kStep>;
   const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
-  kernel<<<grid, 384, smem, stream>>>(q, k, vt, static_cast<T*>(o), p);
+  kernel<<<grid, 128 * (1 + ws_consumers(kStep, D)), smem, stream>>>(q, k, vt, static_cast<T*>(o), p);
   return cudaGetLastError();
 }
 
@@ -460,7 +475,8 @@ cudaError_t launch_step(int step, bool causal, const CUtensorMap& q, const CUten
     case 7: return launch_ws<T, D, 7>(causal, q, k, vt, o, p, batch_heads, stream);
     case 8: return launch_ws<T, D, 8>(causal, q, k, vt, o, p, batch_heads, stream);
     case 9: return launch_ws<T, D, 9>(causal, q, k, vt, o, p, batch_heads, stream);
-    default: return launch_ws<T, D, 10>(causal, q, k, vt, o, p, batch_heads, stream);
+    case 10: return launch_ws<T, D, 10>(causal, q, k, vt, o, p, batch_heads, stream);
+    default: return launch_ws<T, D, 11>(causal, q, k, vt, o, p, batch_heads, stream);
   }
 }
 
@@ -470,7 +486,7 @@ cudaError_t launch_step(int step, bool causal, const CUtensorMap& q, const CUten
 cudaError_t hopper_attention_launch(int step, bool bf16, int head_dim, bool causal, const CUtensorMap& q,
                                     const CUtensorMap& k, const CUtensorMap& vt, void* o, const AttentionParams& p,
                                     int batch_heads, cudaStream_t stream) {
-  if (step < 1 || step > 10) return cudaErrorInvalidValue;
+  if (step < 1 || step > 11) return cudaErrorInvalidValue;
   if (bf16) {
     return head_dim == 64 ? launch_step<__nv_bfloat16, 64>(step, causal, q, k, vt, o, p, batch_heads, stream)
                           : launch_step<__nv_bfloat16, 128>(step, causal, q, k, vt, o, p, batch_heads, stream);
@@ -514,7 +530,7 @@ inline CUtensorMap map_3d(const torch::Tensor& t, int box_rows) {
 // contiguous fp16 or bf16 on an sm_90 GPU, D = 64 or 128 -> o (B, H, Nq, D).
 torch::Tensor hopper_attention_forward(torch::Tensor q, torch::Tensor k, torch::Tensor vt, int64_t seqlen_k,
                                        bool causal, double scale, int64_t step) {
-  TORCH_CHECK(step >= 1 && step <= 10, "hopper_attention: step must be 1 to 10 (utils.hopper.ATTENTION_STEPS), got ",
+  TORCH_CHECK(step >= 1 && step <= 11, "hopper_attention: step must be 1 to 11 (utils.hopper.ATTENTION_STEPS), got ",
               course::num(step));
   const torch::Tensor* inputs[] = {&q, &k, &vt};
   const char* names[] = {"q", "k", "vt"};
@@ -551,8 +567,9 @@ torch::Tensor hopper_attention_forward(torch::Tensor q, torch::Tensor k, torch::
   const course_hopper::AttentionParams p{static_cast<int>(q.size(2)), static_cast<int>(seqlen_k),
                                          static_cast<int>(q.size(1)), static_cast<int>(k.size(1)),
                                          static_cast<float>(scale * 1.4426950408889634)};
-  // Q in boxes of the block's rows (128 from step 3), K of the tile's keys (128 from step 9), Vᵀ of D rows
-  const CUtensorMap map_q = course_hopper::map_3d(q, step >= 3 ? 128 : 64),
+  // Q in boxes of the block's rows (128 from step 3; from step 11 one box of 64 per consumer), K of the tile's keys
+  // (128 at step 9), Vᵀ of D rows (from step 10: V, as K)
+  const CUtensorMap map_q = course_hopper::map_3d(q, step >= 3 && step < 11 ? 128 : 64),
                     map_k = course_hopper::map_3d(k, step == 9 ? 128 : 64),
                     map_vt = course_hopper::map_3d(vt, step >= 10 ? 64 : static_cast<int>(d));
   const cudaError_t err = course_hopper::hopper_attention_launch(
