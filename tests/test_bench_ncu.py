@@ -74,8 +74,10 @@ def test_parse_args_defaults_and_checks():
 def test_format_table_shows_the_headline_and_marks_what_is_missing():
     text = ncu.format_table({"h6_overlap": ncu.parse_details(CSV), "h4_softmax": {}})
     head, overlap, softmax = text.splitlines()
-    assert "SM %" in head and "regs" in head and overlap.startswith("h6_overlap")
-    assert "7.53 ms" in overlap and "44.67" in overlap and "168 register/thread" in overlap
+    assert "SM %" in head and "regs" in head and "time µs" in head and overlap.startswith("h6_overlap")
+    cells = overlap.split()[1:]
+    assert cells[0] == "7530" and "44.67" in cells and "168" in cells  # 7.53 ms in µs; units live in the header
+    assert len(cells) == len(ncu.HEADLINE)
     assert softmax.split()[1:] == ["—"] * len(ncu.HEADLINE)
 
 

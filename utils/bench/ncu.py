@@ -20,18 +20,19 @@ import subprocess
 import sys
 from pathlib import Path
 
-from utils.bench.cuda_mma import WORKLOGS, step_functions, step_label
+from utils.bench.cuda_mma import WORKLOGS, check_steps, step_functions, step_label
 
 SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "WarpStateStats", "Occupancy", "LaunchStats")
 KERNEL_REGEX = {"mma": "regex:flash_mma_kernel", "hopper": "regex:hopper_attention"}
 # (section, metric as ncu names it, short label): the columns of the table
-HEADLINE = (("GPU Speed Of Light Throughput", "Duration", "time"),
+HEADLINE = (("GPU Speed Of Light Throughput", "Duration", "time µs"),
             ("GPU Speed Of Light Throughput", "Compute (SM) Throughput", "SM %"),
             ("GPU Speed Of Light Throughput", "Memory Throughput", "mem %"),
             ("Compute Workload Analysis", "Executed Ipc Active", "IPC"),
             ("Warp State Statistics", "Warp Cycles Per Issued Instruction", "cyc/issue"),
             ("Launch Statistics", "Registers Per Thread", "regs"),
             ("Occupancy", "Achieved Occupancy", "occ %"))
+TO_MICROSECONDS = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}
 IMAGES = Path(__file__).resolve().parents[2] / "images"
 
 
@@ -76,16 +77,17 @@ def ncu_command(ncu: str, worklog: str, step: str, args: argparse.Namespace) -> 
 
 
 def format_table(steps: dict) -> str:
-    """One row per step, the HEADLINE metrics as columns ('—' where ncu did not report one)."""
-    head = f"{'step':<16s}" + "".join(f"{label:>11s}" for _, _, label in HEADLINE)
-    lines = [head]
+    """One row per step, the HEADLINE metrics as columns, units in the header ('—' where ncu did not report
+    one; a duration in whatever unit ncu chose is shown in µs)."""
+    lines = [f"{'step':<16s}" + "".join(f"{label:>10s}" for _, _, label in HEADLINE)]
     for label, sections in steps.items():
         cells = []
         for section, metric, _ in HEADLINE:
             value, unit = sections.get(section, {}).get(metric, (None, ""))
-            text = "—" if value is None else f"{value:.4g}" if isinstance(value, float) else str(value)
-            cells.append(f"{text + (' ' + unit if unit and unit != '%' and value is not None else ''):>11s}")
-        lines.append(f"{label:<16s}" + "".join(cells))
+            if isinstance(value, float) and metric == "Duration":
+                value *= TO_MICROSECONDS.get(unit, float("nan"))
+            cells.append("—" if value is None else f"{value:.4g}" if isinstance(value, float) else str(value))
+        lines.append(f"{label:<16s}" + "".join(f"{c:>10s}" for c in cells))
     return "\n".join(lines)
 
 
@@ -103,11 +105,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out-dir", type=Path, default=IMAGES)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # the profiled process
     args = p.parse_args(argv)
-    every = WORKLOGS[args.worklog][0]
-    args.steps = args.steps or list(every)
-    for step in args.steps:
-        if step not in every:
-            p.error(f"--steps: {step!r} is not a step of the {args.worklog} worklog {every}")
+    args.steps = check_steps(p, args.worklog, args.steps)
     for name in ("seqlen", "batch", "heads"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be positive, got {getattr(args, name)}")

@@ -111,20 +111,31 @@ def check_gemm_desc(source: str) -> None:
 
 # ---- on an H100/H200: the GEMM with the learner's function inside --------------------------------------------
 
-def _check_gemm_on_gpu(sources: dict) -> None:
+def _build_on_hopper(kernel: str, entry: str, sources: dict):
+    """utils/cuda/<kernel>.cu rebuilt with the learner's functions (`sources`: exercise name -> C++) in place of
+    the course's, or None off an sm_90 GPU, where the CPU part of a check is the whole check."""
     import torch
 
     from utils import gpu
-    from utils.exercises import assert_rows_close
 
     if not torch.cuda.is_available() or gpu.capability() != (9, 0):
-        return  # the CPU part above is the whole check elsewhere
+        return None
     prelude = "".join(f"#define {EXERCISE_MACROS[name]}\n" for name in sources) + '#include "hopper_layout.h"\n'
     learner = "".join(f"namespace course_hopper {{\n{src}\n}}\n" for src in sources.values())
-    cuda = prelude + learner + '#include "wgmma_gemm.cu"\n'
-    cpp = '#define COURSE_TORCH_WRAPPER\n#include "wgmma_gemm.cu"\n'
-    module = _load_inline("wgmma_gemm_" + "_".join(sources), cpp, cuda, ["wgmma_gemm_forward"],
-                          flags=["-gencode=arch=compute_90a,code=sm_90a"])
+    cuda = prelude + learner + f'#include "{kernel}.cu"\n'
+    cpp = f'#define COURSE_TORCH_WRAPPER\n#include "{kernel}.cu"\n'
+    return _load_inline(f"{kernel}_" + "_".join(sources), cpp, cuda, [entry],
+                        flags=["-gencode=arch=compute_90a,code=sm_90a"])
+
+
+def _check_gemm_on_gpu(sources: dict) -> None:
+    import torch
+
+    from utils.exercises import assert_rows_close
+
+    module = _build_on_hopper("wgmma_gemm", "wgmma_gemm_forward", sources)
+    if module is None:
+        return
     a = torch.randn(192, 256, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16)
     out = module.wgmma_gemm_forward(a, b, 1)  # step 1: the threads copy the tiles, with tile_chunk
@@ -218,17 +229,11 @@ def check_tile_needs_mask(source: str) -> None:
 def _check_attention_on_gpu(sources: dict) -> None:
     import torch
 
-    from utils import gpu
     from utils.testing import assert_attention_matches_reference, random_qkv
 
-    if not torch.cuda.is_available() or gpu.capability() != (9, 0):
-        return  # the CPU part above is the whole check elsewhere
-    prelude = "".join(f"#define {EXERCISE_MACROS[name]}\n" for name in sources) + '#include "hopper_layout.h"\n'
-    learner = "".join(f"namespace course_hopper {{\n{src}\n}}\n" for src in sources.values())
-    cuda = prelude + learner + '#include "hopper_attention.cu"\n'
-    cpp = '#define COURSE_TORCH_WRAPPER\n#include "hopper_attention.cu"\n'
-    module = _load_inline("hopper_attention_" + "_".join(sources), cpp, cuda, ["hopper_attention_forward"],
-                          flags=["-gencode=arch=compute_90a,code=sm_90a"])
+    module = _build_on_hopper("hopper_attention", "hopper_attention_forward", sources)
+    if module is None:
+        return
     for nq, nk in ((333, 517), (700, 300)):
         q, k, v = random_qkv(1, 4, nq, nk, 128, kv_heads=2, dtype=torch.bfloat16, device="cuda")
         for step in ("softmax", "overlap"):
