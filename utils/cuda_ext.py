@@ -383,7 +383,8 @@ _MMA_FORWARD: dict = {}
 
 
 def flash_mma(q, k, v, *, causal=False, sm_scale=None, step: str = MMA_DEFAULT_STEP):
-    """FlashAttention-2 forward on tensor cores, as of `step` of notebook 06b's worklog (default: MMA_DEFAULT_STEP, the fastest measured).
+    """FlashAttention-2 forward on tensor cores, as of `step` of notebook 06b's worklog (default:
+    MMA_DEFAULT_STEP, the fastest measured).
 
     fp16 or bf16 inputs with fp32 accumulation, head dims 64 and 128, any lengths, GQA, causal aligned
     bottom-right. Needs an sm_80+ GPU; on a T4 (sm_75) it refuses with a RuntimeError (flash_tiled runs there).

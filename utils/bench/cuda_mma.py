@@ -44,6 +44,15 @@ def step_functions(steps=None, worklog: str = "mma") -> dict:
     return {labels[s]: partial(fn, step=s) for s in every if s in labels}
 
 
+def check_steps(parser: argparse.ArgumentParser, worklog: str, steps) -> list[str]:
+    """`steps` (default: every step of `worklog`), or the parser's error naming the first that is not one."""
+    every = _worklog(worklog)[0]
+    for step in steps or ():
+        if step not in every:
+            parser.error(f"--steps: {step!r} is not a step of the {worklog} worklog {every}")
+    return list(steps or every)
+
+
 def _step_number(label: str) -> int | None:
     """'s6_exp2' -> 6, 'h2_pipelined' -> 2, 'sdpa-flash' -> None."""
     match = re.fullmatch(r"[sh](\d+)_\w+", label)
@@ -96,10 +105,7 @@ def parse_args(argv=None):
     own.add_argument("--worklog", choices=list(WORKLOGS), default="mma")
     own.add_argument("--steps", nargs="+")
     ours, rest = own.parse_known_args(argv)
-    steps = ours.steps or list(WORKLOGS[ours.worklog][0])
-    for step in steps:
-        if step not in WORKLOGS[ours.worklog][0]:
-            own.error(f"--steps: {step!r} is not a step of the {ours.worklog} worklog {WORKLOGS[ours.worklog][0]}")
+    steps = check_steps(own, ours.worklog, ours.steps)
     name = "06b_cuda_mma" if ours.worklog == "mma" else "06c_hopper"
     args = benchmark.parse_args(["--impls", "--sdpa", "flash", "cudnn", "--name", name] + list(rest))
     # forward's own --worklog (notebook 05b's Triton steps) stays off: only this worklog's steps and SDPA.

@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from utils.bench.cuda_mma import WORKLOGS, step_functions, step_label
+from utils.bench.cuda_mma import WORKLOGS, check_steps, step_functions, step_label
 
 SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "WarpStateStats", "Occupancy", "LaunchStats")
 KERNEL_REGEX = {"mma": "regex:flash_mma_kernel", "hopper": "regex:hopper_attention"}
@@ -105,11 +105,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out-dir", type=Path, default=IMAGES)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # the profiled process
     args = p.parse_args(argv)
-    every = WORKLOGS[args.worklog][0]
-    args.steps = args.steps or list(every)
-    for step in args.steps:
-        if step not in every:
-            p.error(f"--steps: {step!r} is not a step of the {args.worklog} worklog {every}")
+    args.steps = check_steps(p, args.worklog, args.steps)
     for name in ("seqlen", "batch", "heads"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be positive, got {getattr(args, name)}")
