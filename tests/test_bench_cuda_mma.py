@@ -57,6 +57,14 @@ def test_worklog_table_orders_steps_by_number_and_takes_ratios():
     assert "h10_later" in text and "0.75x" in text and "sdpa-flash" not in [r["step"] for r in rows]
 
 
+def test_format_worklog_keeps_columns_aligned_for_long_step_names():
+    rows = cm.worklog_table([_record("h10_v_direct", 400.0), _record("h11_three_consumers", 440.0)],
+                            head_dim=128, causal=False, seqlen=4096)
+    lines = cm.format_worklog(rows).splitlines()
+    assert len({line.index("TFLOP/s") + len("TFLOP/s") for line in lines[:1]} |
+               {line.index(f"{row['tflops']:.1f}") + len(f"{row['tflops']:.1f}") for line, row in zip(lines[1:], rows)}) == 1
+
+
 def test_worklog_table_marks_missing_numbers_and_refuses_an_unmeasured_shape():
     rows = cm.worklog_table([_record("s1_mma", None), _record("s2_ldmatrix", 50.0)], head_dim=128, causal=False,
                             seqlen=4096)

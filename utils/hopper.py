@@ -28,12 +28,12 @@ GEMM_STEPS = ("threads", "tma")
 # step 3 hands the copies to a producer warpgroup and the math to two consumer warpgroups; then FlashAttention-3's
 # refinements: a leaner softmax, a deeper K/V ring, the softmax under the previous tile's P V, consumers in turns,
 # (causal) the longest rows launched first, tiles of 128 keys; and (step 6 again) V read as it is stored, then at
-# D = 64 a third consumer warpgroup.
+# D = 64 a third consumer warpgroup; and persistent blocks, one per SM, that take query blocks from a counter.
 ATTENTION_STEPS = ("tma", "pipelined", "specialised", "softmax", "stages", "overlap", "pingpong", "heavy_first",
-                   "wide_tiles", "v_direct", "three_consumers")
+                   "wide_tiles", "v_direct", "three_consumers", "persistent")
 # Not every step paid: the default (and the registry's "cuda_hopper") is the fastest one measured on the H200
 # (images/06c_*_h200.json; tests/test_hopper.py checks it against them).
-DEFAULT_STEP = "v_direct"
+DEFAULT_STEP = "three_consumers"
 
 
 def _check_mode(mode) -> int:

@@ -87,11 +87,12 @@ def format_worklog(rows: list[dict]) -> str:
     if not rows:
         return "(no steps)"
     bases = [key for key in rows[0] if key.startswith("vs sdpa")]
-    lines = [f"{'step':<16s}{'TFLOP/s':>9s}{'vs prev':>9s}{'vs first':>9s}" + "".join(f"{b:>15s}" for b in bases)]
+    width = max(16, *(len(row["step"]) + 1 for row in rows))  # the step column fits the longest label
+    lines = [f"{'step':<{width}s}{'TFLOP/s':>9s}{'vs prev':>9s}{'vs first':>9s}" + "".join(f"{b:>15s}" for b in bases)]
     for row in rows:
         cells = [f"{row[key]:.2f}x" if row[key] else "—" for key in ("vs_previous", "vs_first", *bases)]
         tflops = f"{row['tflops']:9.1f}" if row["tflops"] else f"{'—':>9s}"
-        lines.append(f"{row['step']:<16s}{tflops}{cells[0]:>9s}{cells[1]:>9s}"
+        lines.append(f"{row['step']:<{width}s}{tflops}{cells[0]:>9s}{cells[1]:>9s}"
                      + "".join(f"{c:>15s}" for c in cells[2:]))
     return "\n".join(lines)
 

@@ -11,6 +11,7 @@
 // Causal attention is bottom-right aligned (key c is visible to query r when c <= r + Nk - Nq), tiles past the
 // diagonal are skipped, and TMA's zero fill covers the ragged last tiles.
 #ifndef COURSE_TORCH_WRAPPER
+#include <algorithm>
 #include <cstdint>
 #include <cuda.h>
 #include <cuda_runtime.h>
@@ -23,8 +24,9 @@ constexpr int kRows = 64;  // queries per block: 16 per warp
 constexpr int kKeys = 64;  // keys per tile
 
 struct AttentionParams {
-  int seqlen_q, seqlen_k, heads, kv_heads;
+  int seqlen_q, seqlen_k, heads, kv_heads, batch_heads;
   float scale_log2;  // softmax scale * log2(e): exp2 instead of exp
+  int* work_counter;  // step 12: the next query block to hand out (zeroed by the caller), else unused
 };
 
 template <typename T>
@@ -276,6 +278,11 @@ __host__ __device__ constexpr int ws_keys(int step) { return step >= 9 ? 128 : 6
 // than 128). D = 128 keeps two, whose accumulators would not fit in 160.
 __host__ __device__ constexpr int ws_base(int step) { return step >= 10 ? 6 : step; }
 __host__ __device__ constexpr int ws_consumers(int step, int d) { return step >= 11 && d == 64 ? 3 : 2; }
+// Step 12 keeps step 11 and makes the blocks persistent: one per SM, each taking query blocks from a counter
+// until none are left (under a causal mask the longest first; one head's blocks after each other, so its K and V
+// stay in L2). Q gets a ring of its own, two deep: the producer loads the next block's Q and first K/V tiles
+// while the consumers finish this one, so no block starts on an empty pipeline and no launch leaves an SM idle.
+__host__ __device__ constexpr bool ws_persistent(int step) { return step >= 12; }
 
 template <typename T, int D, bool kCausal, int kStep>
 __global__ void __launch_bounds__(128 * (1 + ws_consumers(kStep, D)), 1) hopper_attention_ws_kernel(const __grid_constant__ CUtensorMap map_q,
@@ -287,26 +294,34 @@ __global__ void __launch_bounds__(128 * (1 + ws_consumers(kStep, D)), 1) hopper_
   constexpr int kConsumers = ws_consumers(kStep, D), kBlockRows = kConsumers * kRows;  // query rows per block
   constexpr int kQPanel = kBlockRows * 128, kKPanel = kN * 128;     // 64-column panels of Q (all rows) and K
   constexpr int kTile = kN * D * 2;                                 // bytes of a K tile, and of a Vᵀ tile
-  constexpr bool kFast = kBase >= 4;
+  constexpr bool kFast = kBase >= 4, kPersistent = ws_persistent(kStep);
+  constexpr int kQBufs = kPersistent ? 2 : 1;                       // Q's ring: two deep when persistent
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
-  const uint32_t sq = smem_u32(smem), stages = sq + D / 64 * kQPanel;  // Q: 128 rows; then kStages x (K, Vᵀ)
-  __shared__ __align__(8) uint64_t bars[1 + 2 * kStages];        // Q; full[s]; empty[s]
-  const uint32_t bar_q = smem_u32(&bars[0]);
-  auto full = [&](int s) { return smem_u32(&bars[1 + s]); };
-  auto empty = [&](int s) { return smem_u32(&bars[1 + kStages + s]); };
+  const uint32_t sq = smem_u32(smem), stages = sq + kQBufs * D / 64 * kQPanel;  // Q buffers; kStages x (K, Vᵀ)
+  __shared__ __align__(8) uint64_t bars[2 * kQBufs + 2 * kStages];  // q_full[b]; q_empty[b]; full[s]; empty[s]
+  __shared__ int work_slot[kQBufs];  // step 12: the work item whose Q is in buffer b (-1: none left)
+  auto q_full = [&](int b) { return smem_u32(&bars[b]); };
+  auto q_empty = [&](int b) { return smem_u32(&bars[kQBufs + b]); };
+  auto full = [&](int s) { return smem_u32(&bars[2 * kQBufs + s]); };
+  auto empty = [&](int s) { return smem_u32(&bars[2 * kQBufs + kStages + s]); };
 
   const int tid = threadIdx.x, warpgroup = tid / 128;
-  const int bh = blockIdx.y, b = bh / p.heads, h = bh % p.heads;
-  const int bh_kv = b * p.kv_heads + h / (p.heads / p.kv_heads);
-  // Step 8: with a causal mask the last query blocks have the most keys; launching them first (blocks start in
-  // order of blockIdx.x) leaves the short ones to fill the GPU at the end instead of a long one running alone.
-  const int q_block = kBase >= 8 && kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-  const int q0 = q_block * kBlockRows, diagonal = p.seqlen_k - p.seqlen_q;
-  const int k_end = kCausal ? min(p.seqlen_k, max(0, q0 + kBlockRows + diagonal)) : p.seqlen_k;
-  const int tiles = (k_end + kN - 1) / kN;
+  const int q_blocks = (p.seqlen_q + kBlockRows - 1) / kBlockRows, diagonal = p.seqlen_k - p.seqlen_q;
+  // A work item: one block of query rows of one (batch, head), and how many K/V tiles it reads. Step 8: with a
+  // causal mask the last query blocks have the most keys; launching them first (blocks start in order of
+  // blockIdx.x) leaves the short ones to fill the GPU at the end instead of a long one running alone.
+  struct Work { int q0, bh, bh_kv, tiles; };
+  auto work = [&](int w) {
+    const int bh = kPersistent ? w / q_blocks : blockIdx.y;
+    const int x = kPersistent ? w % q_blocks : blockIdx.x;
+    const int q_block = (kPersistent || kBase >= 8) && kCausal ? q_blocks - 1 - x : x;
+    const int q0 = q_block * kBlockRows, b = bh / p.heads, h = bh % p.heads;
+    const int k_end = kCausal ? min(p.seqlen_k, max(0, q0 + kBlockRows + diagonal)) : p.seqlen_k;
+    return Work{q0, bh, b * p.kv_heads + h / (p.heads / p.kv_heads), (k_end + kN - 1) / kN};
+  };
   if (tid == 0) {
-    mbarrier_init(bar_q, 1);
+    for (int b = 0; b < kQBufs; ++b) mbarrier_init(q_full(b), 1), mbarrier_init(q_empty(b), 128 * kConsumers);
     for (int s = 0; s < kStages; ++s) mbarrier_init(full(s), 1), mbarrier_init(empty(s), 128 * kConsumers);
   }
   __syncthreads();
@@ -314,28 +329,47 @@ __global__ void __launch_bounds__(128 * (1 + ws_consumers(kStep, D)), 1) hopper_
   if (warpgroup == 0) {  // the producer
     setmaxnreg_dec<24>();
     if (tid == 0) {
-      mbarrier_arrive_expect(bar_q, D / 64 * kQPanel);
-      for (int panel = 0; panel < D / 64; ++panel) {  // Q in boxes of 128 rows; from step 11, 64 per consumer
-        if constexpr (kStep >= 11) {
-          for (int c = 0; c < kConsumers; ++c) {
-            tma_load_3d(sq + panel * kQPanel + c * kRows * 128, &map_q, 64 * panel, q0 + c * kRows, bh, bar_q);
+      const int total = q_blocks * p.batch_heads;
+      int w = blockIdx.x, it = 0;  // the work item (step 12: the first is the block's own); K/V tiles issued
+      for (int n = 0;; ++n) {
+        const int qb = n % kQBufs;
+        if (n >= kQBufs) mbarrier_wait(q_empty(qb), (n / kQBufs - 1) & 1);  // item n - 2 is done with buffer qb
+        if constexpr (kPersistent) {
+          work_slot[qb] = w < total ? w : -1;  // seen by the consumers once q_full(qb) completes
+          if (w >= total) {
+            mbarrier_arrive(q_full(qb));
+            break;
           }
-        } else {
-          tma_load_3d(sq + panel * kQPanel, &map_q, 64 * panel, q0, bh, bar_q);
         }
-      }
-      for (int i = 0; i < tiles; ++i) {
-        const int s = i % kStages;
-        if (i >= kStages) mbarrier_wait(empty(s), (i / kStages - 1) & 1);  // tile i - kStages released it
-        const uint32_t sk = stages + s * 2 * kTile, sv = sk + kTile;
-        mbarrier_arrive_expect(full(s), 2 * kTile);
-        for (int panel = 0; panel < D / 64; ++panel) {  // K: N rows of 64 columns per copy
-          tma_load_3d(sk + panel * kKPanel, &map_k, 64 * panel, kN * i, bh_kv, full(s));
+        const Work wk = work(w);
+        const int next = kPersistent ? gridDim.x + atomicAdd(p.work_counter, 1) : 0;  // asked for early
+        const uint32_t sq_b = sq + qb * D / 64 * kQPanel;
+        mbarrier_arrive_expect(q_full(qb), D / 64 * kQPanel);
+        for (int panel = 0; panel < D / 64; ++panel) {  // Q in boxes of 128 rows; from step 11, 64 per consumer
+          if constexpr (kStep >= 11) {
+            for (int c = 0; c < kConsumers; ++c) {
+              tma_load_3d(sq_b + panel * kQPanel + c * kRows * 128, &map_q, 64 * panel, wk.q0 + c * kRows, wk.bh,
+                          q_full(qb));
+            }
+          } else {
+            tma_load_3d(sq_b + panel * kQPanel, &map_q, 64 * panel, wk.q0, wk.bh, q_full(qb));
+          }
         }
-        for (int panel = 0; panel < (kVDirect ? D : kN) / 64; ++panel) {
-          if (kVDirect) tma_load_3d(sv + panel * kKPanel, &map_vt, 64 * panel, kN * i, bh_kv, full(s));  // V, as K
-          else tma_load_3d(sv + panel * D * 128, &map_vt, kN * i + 64 * panel, 0, bh_kv, full(s));  // Vᵀ: 64 keys
+        for (int i = 0; i < wk.tiles; ++i, ++it) {  // `it` runs on across work items: the ring never restarts
+          const int s = it % kStages;
+          if (it >= kStages) mbarrier_wait(empty(s), (it / kStages - 1) & 1);  // tile it - kStages released it
+          const uint32_t sk = stages + s * 2 * kTile, sv = sk + kTile;
+          mbarrier_arrive_expect(full(s), 2 * kTile);
+          for (int panel = 0; panel < D / 64; ++panel) {  // K: N rows of 64 columns per copy
+            tma_load_3d(sk + panel * kKPanel, &map_k, 64 * panel, kN * i, wk.bh_kv, full(s));
+          }
+          for (int panel = 0; panel < (kVDirect ? D : kN) / 64; ++panel) {
+            if (kVDirect) tma_load_3d(sv + panel * kKPanel, &map_vt, 64 * panel, kN * i, wk.bh_kv, full(s));  // V
+            else tma_load_3d(sv + panel * D * 128, &map_vt, kN * i + 64 * panel, 0, wk.bh_kv, full(s));  // Vᵀ
+          }
         }
+        if (!kPersistent) break;
+        w = next;
       }
     }
     return;
@@ -343,105 +377,126 @@ __global__ void __launch_bounds__(128 * (1 + ws_consumers(kStep, D)), 1) hopper_
 
   setmaxnreg_inc<kConsumers == 3 ? 160 : 240>();  // a consumer
   const int wg = warpgroup - 1, wtid = tid % 128, lane = tid % 32, t = lane % 4;
-  const int q_lo = q0 + kRows * wg;  // this warpgroup's first row
-  const int row[2] = {q_lo + 16 * (wtid / 32) + lane / 4, q_lo + 16 * (wtid / 32) + lane / 4 + 8};
-  const uint32_t sq_wg = sq + wg * kRows * 128;
-  auto key_tile = [&](int i) { return stages + (i % kStages) * 2 * kTile; };
-  // Only a tile that reaches past Nk, or crosses this warpgroup's diagonal, has keys to mask (steps 1-3 mask all).
-  auto needs_mask = [&](int i) { return !kFast || tile_needs_mask(i, kN, q_lo, p.seqlen_q, p.seqlen_k, kCausal); };
-  RowState<D> st;
-  st.init();
-  mbarrier_wait(bar_q, 0);
-  if constexpr (kBase <= 5) {
-    for (int i = 0; i < tiles; ++i) {
-      mbarrier_wait(full(i % kStages), (i / kStages) & 1);
-      const uint32_t sk = key_tile(i);
-      if (needs_mask(i)) attend_tile<T, D, kCausal, kFast, true>(st, sq_wg, kQPanel, sk, sk + kTile, kN * i, row, t, p);
-      else attend_tile<T, D, kCausal, kFast, false>(st, sq_wg, kQPanel, sk, sk + kTile, kN * i, row, t, p);
-      mbarrier_arrive(empty(i % kStages));
-    }
-  } else if (tiles > 0) {
-    // Step 6: S for tile i is issued together with P V for tile i-1, and the softmax of tile i runs while P V
-    // does; O is rescaled only after that wgmma is done. Step 7 adds turns: a consumer issues its wgmma only
-    // when the other has issued its own, so one's softmax lines up under the other's multiplies. Each consumer
-    // issues tiles + 1 times; consumer 1 opens consumer 0's first turn and skips giving back its own last one,
-    // so every named barrier completes as often as it is waited on.
-    auto turn = [&] { if (kBase >= 7) named_barrier_sync(1 + wg, 256); };
-    auto done = [&](bool last) { if (kBase >= 7 && !(last && wg == 1)) named_barrier_arrive(2 - wg, 256); };
-    if (kBase >= 7 && wg == 1) named_barrier_arrive(1, 256);
-    float s[kN / 2], alpha[2];
-    uint32_t pa[kN / 16][4], pb[kN / 16][4];  // P of two consecutive tiles: P V reads one, the softmax writes the other
-    auto softmax = [&](int i, uint32_t (&out)[kN / 16][4]) {
-      if (needs_mask(i)) softmax_tile<T, D, kCausal, true, true, kN>(st, s, out, alpha, kN * i, row, t, p);
-      else softmax_tile<T, D, kCausal, true, false, kN>(st, s, out, alpha, kN * i, row, t, p);
-    };
-    // Tile i: S = Q K_iᵀ and O += P_(i-1) V_(i-1) in flight together, tile i's softmax under the second.
-    auto tile = [&](int i, uint32_t (&prev)[kN / 16][4], uint32_t (&next)[kN / 16][4]) {
-      mbarrier_wait(full(i % kStages), (i / kStages) & 1);
+  int it = 0;  // K/V tiles consumed so far: where this work item's first tile sits in the ring
+  for (int n = 0;; ++n) {
+    const int qb = n % kQBufs;
+    mbarrier_wait(q_full(qb), (n / kQBufs) & 1);
+    const int w = kPersistent ? work_slot[qb] : 0;
+    if (w < 0) break;
+    const Work wk = work(w);
+    const int tiles = wk.tiles;
+    const int q_lo = wk.q0 + kRows * wg;  // this warpgroup's first row
+    const int row[2] = {q_lo + 16 * (wtid / 32) + lane / 4, q_lo + 16 * (wtid / 32) + lane / 4 + 8};
+    const uint32_t sq_wg = sq + qb * D / 64 * kQPanel + wg * kRows * 128;
+    auto ring = [&](int i) { return (it + i) % kStages; };  // the stage holding this item's K/V tile i
+    auto wait_full = [&](int i) { mbarrier_wait(full(ring(i)), ((it + i) / kStages) & 1); };
+    auto key_tile = [&](int i) { return stages + ring(i) * 2 * kTile; };
+    // Only a tile that reaches past Nk, or crosses this warpgroup's diagonal, has keys to mask (steps 1-3 mask all).
+    auto needs_mask = [&](int i) { return !kFast || tile_needs_mask(i, kN, q_lo, p.seqlen_q, p.seqlen_k, kCausal); };
+    RowState<D> st;
+    st.init();
+    if constexpr (kBase <= 5) {
+      for (int i = 0; i < tiles; ++i) {
+        wait_full(i);
+        const uint32_t sk = key_tile(i);
+        if (needs_mask(i)) attend_tile<T, D, kCausal, kFast, true>(st, sq_wg, kQPanel, sk, sk + kTile, kN * i, row, t, p);
+        else attend_tile<T, D, kCausal, kFast, false>(st, sq_wg, kQPanel, sk, sk + kTile, kN * i, row, t, p);
+        mbarrier_arrive(empty(ring(i)));
+      }
+    } else if (tiles > 0) {
+      // Step 6: S for tile i is issued together with P V for tile i-1, and the softmax of tile i runs while P V
+      // does; O is rescaled only after that wgmma is done. Step 7 adds turns: a consumer issues its wgmma only
+      // when the other has issued its own, so one's softmax lines up under the other's multiplies. Each consumer
+      // issues tiles + 1 times; consumer 1 opens consumer 0's first turn and skips giving back its own last one,
+      // so every named barrier completes as often as it is waited on.
+      auto turn = [&] { if (kBase >= 7) named_barrier_sync(1 + wg, 256); };
+      auto done = [&](bool last) { if (kBase >= 7 && !(last && wg == 1)) named_barrier_arrive(2 - wg, 256); };
+      if (kBase >= 7 && wg == 1) named_barrier_arrive(1, 256);
+      float s[kN / 2], alpha[2];
+      uint32_t pa[kN / 16][4], pb[kN / 16][4];  // P of two consecutive tiles: P V reads one, the softmax writes the other
+      auto softmax = [&](int i, uint32_t (&out)[kN / 16][4]) {
+        if (needs_mask(i)) softmax_tile<T, D, kCausal, true, true, kN>(st, s, out, alpha, kN * i, row, t, p);
+        else softmax_tile<T, D, kCausal, true, false, kN>(st, s, out, alpha, kN * i, row, t, p);
+      };
+      // Tile i: S = Q K_iᵀ and O += P_(i-1) V_(i-1) in flight together, tile i's softmax under the second.
+      auto tile = [&](int i, uint32_t (&prev)[kN / 16][4], uint32_t (&next)[kN / 16][4]) {
+        wait_full(i);
+        turn();
+        fence_registers(s);  // every input of both products settled before the first is issued
+        fence_registers(st.acc);
+        fence_fragments(prev);
+        wgmma_fence();
+        issue_qk<T, D, kN>(s, sq_wg, kQPanel, key_tile(i));
+        wgmma_commit();
+        issue_pv<T, D, kN, kVDirect>(st, prev, key_tile(i - 1) + kTile);
+        wgmma_commit();
+        done(false);
+        wgmma_wait<1>();  // S is in; P V may still run
+        fence_registers(s);
+        softmax(i, next);
+        wgmma_wait<0>();
+        fence_registers(st.acc);
+        mbarrier_arrive(empty(ring(i - 1)));
+        rescale<D>(st, alpha);
+      };
+      auto last = [&](uint32_t (&prev)[kN / 16][4]) {  // O += P V for the last tile
+        turn();
+        fence_registers(st.acc);
+        fence_fragments(prev);
+        wgmma_fence();
+        issue_pv<T, D, kN, kVDirect>(st, prev, key_tile(tiles - 1) + kTile);
+        wgmma_commit();
+        done(true);
+        wgmma_wait<0>();
+        fence_registers(st.acc);
+        mbarrier_arrive(empty(ring(tiles - 1)));
+      };
+      wait_full(0);
       turn();
-      fence_registers(s);  // every input of both products settled before the first is issued
-      fence_registers(st.acc);
-      fence_fragments(prev);
+      fence_registers(s);
       wgmma_fence();
-      issue_qk<T, D, kN>(s, sq_wg, kQPanel, key_tile(i));
-      wgmma_commit();
-      issue_pv<T, D, kN, kVDirect>(st, prev, key_tile(i - 1) + kTile);
+      issue_qk<T, D, kN>(s, sq_wg, kQPanel, key_tile(0));
       wgmma_commit();
       done(false);
-      wgmma_wait<1>();  // S is in; P V may still run
+      wgmma_wait<0>();
       fence_registers(s);
-      softmax(i, next);
-      wgmma_wait<0>();
-      fence_registers(st.acc);
-      mbarrier_arrive(empty((i - 1) % kStages));
-      rescale<D>(st, alpha);
-    };
-    auto last = [&](uint32_t (&prev)[kN / 16][4]) {  // O += P V for the last tile
-      turn();
-      fence_registers(st.acc);
-      fence_fragments(prev);
-      wgmma_fence();
-      issue_pv<T, D, kN, kVDirect>(st, prev, key_tile(tiles - 1) + kTile);
-      wgmma_commit();
-      done(true);
-      wgmma_wait<0>();
-      fence_registers(st.acc);
-      mbarrier_arrive(empty((tiles - 1) % kStages));
-    };
-    mbarrier_wait(full(0), 0);
-    turn();
-    fence_registers(s);
-    wgmma_fence();
-    issue_qk<T, D, kN>(s, sq_wg, kQPanel, key_tile(0));
-    wgmma_commit();
-    done(false);
-    wgmma_wait<0>();
-    fence_registers(s);
-    softmax(0, pa);  // O is still 0: nothing to rescale
-    // Two tiles per trip, so that pa and pb swap roles without a copy (register moves into a wgmma's inputs
-    // between its issue and its wait make ptxas serialize every wgmma of the kernel).
-    int i = 1;
-    for (; i + 1 < tiles; i += 2) {
-      tile(i, pa, pb);
-      tile(i + 1, pb, pa);
+      softmax(0, pa);  // O is still 0: nothing to rescale
+      // Two tiles per trip, so that pa and pb swap roles without a copy (register moves into a wgmma's inputs
+      // between its issue and its wait make ptxas serialize every wgmma of the kernel).
+      int i = 1;
+      for (; i + 1 < tiles; i += 2) {
+        tile(i, pa, pb);
+        tile(i + 1, pb, pa);
+      }
+      if (i < tiles) {
+        tile(i, pa, pb);
+        last(pb);
+      } else {
+        last(pa);
+      }
     }
-    if (i < tiles) {
-      tile(i, pa, pb);
-      last(pb);
-    } else {
-      last(pa);
-    }
+    it += tiles;
+    if (kPersistent) mbarrier_arrive(q_empty(qb));  // Q's buffer may take item n + 2
+    store_rows<T, D>(st, o, wk.bh, row, t, p.seqlen_q);
+    if (!kPersistent) break;
   }
-  store_rows<T, D>(st, o, bh, row, t, p.seqlen_q);
 }
 
 template <typename T, int D, int kStep>
 cudaError_t launch_ws(bool causal, const CUtensorMap& q, const CUtensorMap& k, const CUtensorMap& vt, void* o,
                       const AttentionParams& p, int batch_heads, cudaStream_t stream) {
   // the block's rows of Q, the K/Vᵀ stages, alignment room
-  constexpr int kBlockRows = ws_consumers(kStep, D) * kRows;
-  const int smem = kBlockRows * D * 2 + ws_stages(ws_base(kStep)) * 2 * ws_keys(ws_base(kStep)) * D * 2 + 1024;
-  const dim3 grid((p.seqlen_q + kBlockRows - 1) / kBlockRows, batch_heads);
+  constexpr int kBlockRows = ws_consumers(kStep, D) * kRows, kQBufs = ws_persistent(kStep) ? 2 : 1;
+  const int smem = kQBufs * kBlockRows * D * 2 + ws_stages(ws_base(kStep)) * 2 * ws_keys(ws_base(kStep)) * D * 2 +
+                   1024;
+  const int q_blocks = (p.seqlen_q + kBlockRows - 1) / kBlockRows;
+  dim3 grid(q_blocks, batch_heads);
+  if (ws_persistent(kStep)) {  // one block per SM (their registers fill it), none idle
+    int device = 0, sms = 0;
+    cudaGetDevice(&device);
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    grid = dim3(std::min(q_blocks * batch_heads, sms), 1);
+  }
   auto kernel = causal ? hopper_attention_ws_kernel<T, D, true, kStep> : hopper_attention_ws_kernel<T, D, false, kStep>;
   const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
@@ -476,7 +531,8 @@ cudaError_t launch_step(int step, bool causal, const CUtensorMap& q, const CUten
     case 8: return launch_ws<T, D, 8>(causal, q, k, vt, o, p, batch_heads, stream);
     case 9: return launch_ws<T, D, 9>(causal, q, k, vt, o, p, batch_heads, stream);
     case 10: return launch_ws<T, D, 10>(causal, q, k, vt, o, p, batch_heads, stream);
-    default: return launch_ws<T, D, 11>(causal, q, k, vt, o, p, batch_heads, stream);
+    case 11: return launch_ws<T, D, 11>(causal, q, k, vt, o, p, batch_heads, stream);
+    default: return launch_ws<T, D, 12>(causal, q, k, vt, o, p, batch_heads, stream);
   }
 }
 
@@ -486,7 +542,7 @@ cudaError_t launch_step(int step, bool causal, const CUtensorMap& q, const CUten
 cudaError_t hopper_attention_launch(int step, bool bf16, int head_dim, bool causal, const CUtensorMap& q,
                                     const CUtensorMap& k, const CUtensorMap& vt, void* o, const AttentionParams& p,
                                     int batch_heads, cudaStream_t stream) {
-  if (step < 1 || step > 11) return cudaErrorInvalidValue;
+  if (step < 1 || step > 12) return cudaErrorInvalidValue;
   if (bf16) {
     return head_dim == 64 ? launch_step<__nv_bfloat16, 64>(step, causal, q, k, vt, o, p, batch_heads, stream)
                           : launch_step<__nv_bfloat16, 128>(step, causal, q, k, vt, o, p, batch_heads, stream);
@@ -506,8 +562,9 @@ cudaError_t hopper_attention_launch(int step, bool bf16, int head_dim, bool caus
 
 namespace course_hopper {
 struct AttentionParams {
-  int seqlen_q, seqlen_k, heads, kv_heads;
+  int seqlen_q, seqlen_k, heads, kv_heads, batch_heads;
   float scale_log2;
+  int* work_counter;
 };
 cudaError_t hopper_attention_launch(int step, bool bf16, int head_dim, bool causal, const CUtensorMap& q,
                                     const CUtensorMap& k, const CUtensorMap& vt, void* o, const AttentionParams& p,
@@ -530,7 +587,7 @@ inline CUtensorMap map_3d(const torch::Tensor& t, int box_rows) {
 // contiguous fp16 or bf16 on an sm_90 GPU, D = 64 or 128 -> o (B, H, Nq, D).
 torch::Tensor hopper_attention_forward(torch::Tensor q, torch::Tensor k, torch::Tensor vt, int64_t seqlen_k,
                                        bool causal, double scale, int64_t step) {
-  TORCH_CHECK(step >= 1 && step <= 11, "hopper_attention: step must be 1 to 11 (utils.hopper.ATTENTION_STEPS), got ",
+  TORCH_CHECK(step >= 1 && step <= 12, "hopper_attention: step must be 1 to 12 (utils.hopper.ATTENTION_STEPS), got ",
               course::num(step));
   const torch::Tensor* inputs[] = {&q, &k, &vt};
   const char* names[] = {"q", "k", "vt"};
@@ -564,9 +621,13 @@ torch::Tensor hopper_attention_forward(torch::Tensor q, torch::Tensor k, torch::
   course_hopper::check_sm90("hopper_attention", q);
   const c10::cuda::CUDAGuard guard(q.device());
   auto o = torch::empty_like(q);
+  // step 12's blocks take query blocks from this counter
+  auto counter = torch::zeros({step >= 12 ? 1 : 0}, q.options().dtype(torch::kInt32));
   const course_hopper::AttentionParams p{static_cast<int>(q.size(2)), static_cast<int>(seqlen_k),
                                          static_cast<int>(q.size(1)), static_cast<int>(k.size(1)),
-                                         static_cast<float>(scale * 1.4426950408889634)};
+                                         static_cast<int>(q.size(0) * q.size(1)),
+                                         static_cast<float>(scale * 1.4426950408889634),
+                                         step >= 12 ? counter.data_ptr<int>() : nullptr};
   // Q in boxes of the block's rows (128 from step 3; from step 11 one box of 64 per consumer), K of the tile's keys
   // (128 at step 9), Vᵀ of D rows (from step 10: V, as K)
   const CUtensorMap map_q = course_hopper::map_3d(q, step >= 3 && step < 11 ? 128 : 64),
