@@ -49,7 +49,8 @@ def test_compile_check_builds_every_kernel_for_sm80_and_sm90(name):
         spilled = [r for r in results if r.spill_stores or r.spill_loads]
         # ... except the 128 x 128 tiles of steps 5-9 at D = 128: 255 registers, and a few bytes spilled on
         # sm_90, measured faster than 64-key tiles that fit (notebook 06b); and step 9 at D = 64, which trades a
-        # few spilled bytes for the 128-register cap of two blocks per SM (and step 10, which keeps it). More than a few is a regression.
+        # few spilled bytes for the 128-register cap of two blocks per SM (and step 10, which keeps it). More than
+        # a few is a regression.
         if name.startswith("flash_mma"):
             capped = name in (cuda_ext.mma_kernel_name("occupancy"), cuda_ext.mma_kernel_name("one_group"))
             spilled = [r for r in spilled if not ((r.kernel.endswith(", 128>") or capped) and r.spill_stores <= 64

@@ -6,7 +6,7 @@
 //   4. P, rounded to 16 bits, is already in wgmma's register A-fragment layout: O += P V with A from registers
 //      and B = the Vᵀ tile (V transposed by the caller, so every operand is K-major).
 // Step 1 (kStages = 1): loads and multiplies take turns, as in the GEMM's step 2. Step 2 (kStages = 2): two
-// K/Vᵀ buffers, the next tile's copy issued before this tile's multiplies. Steps 3-9 (hopper_attention_ws_kernel):
+// K/Vᵀ buffers, the next tile's copy issued before this tile's multiplies. Steps 3-12 (hopper_attention_ws_kernel):
 // warp specialisation, then FlashAttention-3's refinements one at a time.
 // Causal attention is bottom-right aligned (key c is visible to query r when c <= r + Nk - Nq), tiles past the
 // diagonal are skipped, and TMA's zero fill covers the ragged last tiles.
@@ -261,10 +261,11 @@ __global__ void __launch_bounds__(128) hopper_attention_kernel(const __grid_cons
   store_rows<T, D>(st, o, bh, row, t, p.seqlen_q);
 }
 
-// Steps 3-9: warp specialisation. Three warpgroups per block: warpgroup 0 is the producer (one thread issues every
-// TMA copy, the others leave at once), warpgroups 1 and 2 the consumers, 64 query rows each (128 per block). The
-// producer gives its registers away (setmaxnreg), so each consumer may use up to 240. Each K/Vᵀ stage passes back
-// and forth on two barriers: `full` (its bytes arrived) and `empty` (all 256 consumer threads are done with it).
+// Steps 3-12: warp specialisation. Three warpgroups per block (four from step 11 at D = 64): warpgroup 0 is the
+// producer (one thread issues every TMA copy, the others leave at once), the others the consumers, 64 query rows
+// each. The producer gives its registers away (setmaxnreg), so each of two consumers may use up to 240. Each K/Vᵀ
+// stage passes back and forth on two barriers: `full` (its bytes arrived) and `empty` (every consumer thread is
+// done with it).
 // Step 4 trims the softmax (softmax_tile's kFast, masks only where needed); step 5 deepens the ring from 2 to 4
 // stages; step 6 computes tile i's softmax while tile i-1's P V runs; step 7 makes the consumers take turns;
 // step 8 launches the longest causal rows first; step 9 takes 128 keys per tile (back to 2 stages, which fit).
@@ -283,9 +284,11 @@ __host__ __device__ constexpr int ws_consumers(int step, int d) { return step >=
 // stay in L2). Q gets a ring of its own, two deep: the producer loads the next block's Q and first K/V tiles
 // while the consumers finish this one, so no block starts on an empty pipeline and no launch leaves an SM idle.
 __host__ __device__ constexpr bool ws_persistent(int step) { return step >= 12; }
+__host__ __device__ constexpr int ws_q_buffers(int step) { return ws_persistent(step) ? 2 : 1; }
+__host__ __device__ constexpr int ws_threads(int step, int d) { return 128 * (1 + ws_consumers(step, d)); }
 
 template <typename T, int D, bool kCausal, int kStep>
-__global__ void __launch_bounds__(128 * (1 + ws_consumers(kStep, D)), 1) hopper_attention_ws_kernel(const __grid_constant__ CUtensorMap map_q,
+__global__ void __launch_bounds__(ws_threads(kStep, D), 1) hopper_attention_ws_kernel(const __grid_constant__ CUtensorMap map_q,
                                                                      const __grid_constant__ CUtensorMap map_k,
                                                                      const __grid_constant__ CUtensorMap map_vt,
                                                                      T* __restrict__ o, const AttentionParams p) {
@@ -295,7 +298,7 @@ __global__ void __launch_bounds__(128 * (1 + ws_consumers(kStep, D)), 1) hopper_
   constexpr int kQPanel = kBlockRows * 128, kKPanel = kN * 128;     // 64-column panels of Q (all rows) and K
   constexpr int kTile = kN * D * 2;                                 // bytes of a K tile, and of a Vᵀ tile
   constexpr bool kFast = kBase >= 4, kPersistent = ws_persistent(kStep);
-  constexpr int kQBufs = kPersistent ? 2 : 1;                       // Q's ring: two deep when persistent
+  constexpr int kQBufs = ws_q_buffers(kStep);                       // Q's ring: two deep when persistent
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
   const uint32_t sq = smem_u32(smem), stages = sq + kQBufs * D / 64 * kQPanel;  // Q buffers; kStages x (K, Vᵀ)
@@ -486,7 +489,7 @@ template <typename T, int D, int kStep>
 cudaError_t launch_ws(bool causal, const CUtensorMap& q, const CUtensorMap& k, const CUtensorMap& vt, void* o,
                       const AttentionParams& p, int batch_heads, cudaStream_t stream) {
   // the block's rows of Q, the K/Vᵀ stages, alignment room
-  constexpr int kBlockRows = ws_consumers(kStep, D) * kRows, kQBufs = ws_persistent(kStep) ? 2 : 1;
+  constexpr int kBlockRows = ws_consumers(kStep, D) * kRows, kQBufs = ws_q_buffers(kStep);
   const int smem = kQBufs * kBlockRows * D * 2 + ws_stages(ws_base(kStep)) * 2 * ws_keys(ws_base(kStep)) * D * 2 +
                    1024;
   const int q_blocks = (p.seqlen_q + kBlockRows - 1) / kBlockRows;
@@ -500,7 +503,7 @@ cudaError_t launch_ws(bool causal, const CUtensorMap& q, const CUtensorMap& k, c
   auto kernel = causal ? hopper_attention_ws_kernel<T, D, true, kStep> : hopper_attention_ws_kernel<T, D, false, kStep>;
   const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
-  kernel<<<grid, 128 * (1 + ws_consumers(kStep, D)), smem, stream>>>(q, k, vt, static_cast<T*>(o), p);
+  kernel<<<grid, ws_threads(kStep, D), smem, stream>>>(q, k, vt, static_cast<T*>(o), p);
   return cudaGetLastError();
 }
 
@@ -537,8 +540,8 @@ cudaError_t launch_step(int step, bool causal, const CUtensorMap& q, const CUten
 }
 
 // Plain launcher (no torch types); the wrapper has checked the shapes and built the tensor maps. Steps 1-2: one
-// warpgroup per block (loads and multiplies in turn, then overlapped); steps 3-9: a producer and two consumer
-// warpgroups (Q's tensor map then reads 128 rows at a time).
+// warpgroup per block (loads and multiplies in turn, then overlapped); steps 3-12: a producer and two or three
+// consumer warpgroups (Q's tensor map then reads 128 rows at a time, from step 11 64 per consumer).
 cudaError_t hopper_attention_launch(int step, bool bf16, int head_dim, bool causal, const CUtensorMap& q,
                                     const CUtensorMap& k, const CUtensorMap& vt, void* o, const AttentionParams& p,
                                     int batch_heads, cudaStream_t stream) {
@@ -621,13 +624,14 @@ torch::Tensor hopper_attention_forward(torch::Tensor q, torch::Tensor k, torch::
   course_hopper::check_sm90("hopper_attention", q);
   const c10::cuda::CUDAGuard guard(q.device());
   auto o = torch::empty_like(q);
-  // step 12's blocks take query blocks from this counter
-  auto counter = torch::zeros({step >= 12 ? 1 : 0}, q.options().dtype(torch::kInt32));
+  // step 12's blocks take query blocks from this counter; the other steps need none
+  torch::Tensor counter;
+  if (step >= 12) counter = torch::zeros({1}, q.options().dtype(torch::kInt32));
   const course_hopper::AttentionParams p{static_cast<int>(q.size(2)), static_cast<int>(seqlen_k),
                                          static_cast<int>(q.size(1)), static_cast<int>(k.size(1)),
                                          static_cast<int>(q.size(0) * q.size(1)),
                                          static_cast<float>(scale * 1.4426950408889634),
-                                         step >= 12 ? counter.data_ptr<int>() : nullptr};
+                                         counter.defined() ? counter.data_ptr<int>() : nullptr};
   // Q in boxes of the block's rows (128 from step 3; from step 11 one box of 64 per consumer), K of the tile's keys
   // (128 at step 9), Vᵀ of D rows (from step 10: V, as K)
   const CUtensorMap map_q = course_hopper::map_3d(q, step >= 3 && step < 11 ? 128 : 64),
