@@ -2,6 +2,7 @@
 float64 autograd, a model trained through it, and real runs with 2, 3 and 4 processes on gloo, forward and
 backward (one launch per world size, every case checked inside it: process start-up dominates)."""
 import functools
+import json
 
 import pytest
 import torch
@@ -334,3 +335,22 @@ def test_spawn_hides_the_file_triton_interpreter_leaves_in_main(monkeypatch):
     monkeypatch.setattr(main, "__file__", "/home/me/train.py")
     with _main_without_interpreter_file():
         assert main.__file__ == "/home/me/train.py"
+
+
+def test_gloo_command_line_writes_its_results_with_their_environment(tmp_path):
+    """The command line (the one that makes images/ring_nccl.json on GPUs) records where it measured."""
+    from utils.ring_attention import _main
+
+    path = tmp_path / "ring.json"
+    argv = ["--backend", "gloo", "--world-size", "2", "--seqlen", "64", "--heads", "2", "--head-dim", "16",
+            "--iters", "1", "--json", str(path)]
+    results = _main(argv)
+    stored = json.loads(path.read_text())
+    assert (stored["backend"], stored["world_size"], stored["device"]) == ("gloo", 2, "CPU")
+    env = stored["environment"]
+    assert all(k in env for k in ("gpu", "capability", "torch", "triton", "cuda", "cudnn", "driver", "date",
+                                  "command")), env
+    assert env["torch"] == torch.__version__
+    assert [r["case"]["causal"] for r in stored["results"]] == [False, True, True] == [
+        r["case"]["causal"] for r in results]
+    assert all(r["max_abs_err"] <= r["dtype_tolerance"] for r in stored["results"])

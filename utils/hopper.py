@@ -28,9 +28,11 @@ GEMM_STEPS = ("threads", "tma")
 # step 3 hands the copies to a producer warpgroup and the math to two consumer warpgroups; then FlashAttention-3's
 # refinements: a leaner softmax, a deeper K/V ring, the softmax under the previous tile's P V, consumers in turns,
 # (causal) the longest rows launched first, tiles of 128 keys; and (step 6 again) V read as it is stored, then at
-# D = 64 a third consumer warpgroup; and persistent blocks, one per SM, that take query blocks from a counter.
+# D = 64 a third consumer warpgroup; persistent blocks, one per SM, that take query blocks from a counter; and
+# (step 11 again, causal) the longest query blocks of a group of heads launched first, not one head after another,
+# then each consumer stopping at its own diagonal.
 ATTENTION_STEPS = ("tma", "pipelined", "specialised", "softmax", "stages", "overlap", "pingpong", "heavy_first",
-                   "wide_tiles", "v_direct", "three_consumers", "persistent")
+                   "wide_tiles", "v_direct", "three_consumers", "persistent", "head_groups", "own_diagonal")
 # Not every step paid: the default (and the registry's "cuda_hopper") is the fastest one measured on the H200
 # (images/06c_*_h200.json; tests/test_hopper.py checks it against them).
 DEFAULT_STEP = "three_consumers"

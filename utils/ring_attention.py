@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
+from utils import gpu
 from utils.checks import check_attention_inputs, resolve_scale
 from utils.flash_pytorch_bwd import _compute_dtype, _expand_kv, _safe_lse, _sum_groups, check_backward_inputs
 from utils.reference import causal_mask
@@ -724,15 +725,15 @@ def _main(argv=None):
     parser.add_argument("--iters", type=int, default=None, help="timed repetitions (default: 20 nccl, 3 gloo)")
     parser.add_argument("--json", default=None, help="write results here (default for nccl: images/ring_nccl.json)")
     args = parser.parse_args(argv)
-    gpu = args.backend == "nccl"
-    seqlen = args.seqlen or (65536 if gpu else 256)
+    on_gpu = args.backend == "nccl"
+    seqlen = args.seqlen or (65536 if on_gpu else 256)
     common = dict(batch=1, heads=args.heads, kv_heads=args.kv_heads or args.heads, seqlen=seqlen,
-                  head_dim=args.head_dim, dtype="bfloat16" if gpu else "float32",
-                  iters=args.iters if args.iters is not None else (20 if gpu else 3))
+                  head_dim=args.head_dim, dtype="bfloat16" if on_gpu else "float32",
+                  iters=args.iters if args.iters is not None else (20 if on_gpu else 3))
     cases = [RingCase(causal=False, **common), RingCase(causal=True, layout="zigzag", **common),
              RingCase(causal=True, layout="contiguous", **common)]
     results = run_ring_check(cases, world_size=args.world_size, backend=args.backend)
-    if gpu:
+    if on_gpu:
         name = torch.cuda.get_device_name(0)
     else:
         name = "CPU"
@@ -753,10 +754,10 @@ def _main(argv=None):
             print(f"  error above the {c['dtype']} tolerance {r['dtype_tolerance']}")
         if r.get("grad_rel_err", 0.0) > r["dtype_tolerance"]:
             print(f"  gradient error (relative to the largest gradient) above {r['dtype_tolerance']}")
-    path = args.json or (str(Path(__file__).resolve().parents[1] / "images" / "ring_nccl.json") if gpu else None)
+    path = args.json or (str(Path(__file__).resolve().parents[1] / "images" / "ring_nccl.json") if on_gpu else None)
     if path:
         Path(path).write_text(json.dumps({"device": name, "backend": args.backend, "world_size": args.world_size,
-                                          "results": results}, indent=1))
+                                          "environment": gpu.environment(), "results": results}, indent=1))
         print("wrote", path)
     return results
 

@@ -6,7 +6,7 @@
 //   4. P, rounded to 16 bits, is already in wgmma's register A-fragment layout: O += P V with A from registers
 //      and B = the Vᵀ tile (V transposed by the caller, so every operand is K-major).
 // Step 1 (kStages = 1): loads and multiplies take turns, as in the GEMM's step 2. Step 2 (kStages = 2): two
-// K/Vᵀ buffers, the next tile's copy issued before this tile's multiplies. Steps 3-12 (hopper_attention_ws_kernel):
+// K/Vᵀ buffers, the next tile's copy issued before this tile's multiplies. Steps 3-14 (hopper_attention_ws_kernel):
 // warp specialisation, then FlashAttention-3's refinements one at a time.
 // Causal attention is bottom-right aligned (key c is visible to query r when c <= r + Nk - Nq), tiles past the
 // diagonal are skipped, and TMA's zero fill covers the ragged last tiles.
@@ -27,6 +27,7 @@ struct AttentionParams {
   int seqlen_q, seqlen_k, heads, kv_heads, batch_heads;
   float scale_log2;  // softmax scale * log2(e): exp2 instead of exp
   int* work_counter;  // step 12: the next query block to hand out (zeroed by the caller), else unused
+  int head_group;     // step 13: how many heads' blocks start together (at least 1)
 };
 
 template <typename T>
@@ -261,7 +262,7 @@ __global__ void __launch_bounds__(128) hopper_attention_kernel(const __grid_cons
   store_rows<T, D>(st, o, bh, row, t, p.seqlen_q);
 }
 
-// Steps 3-12: warp specialisation. Three warpgroups per block (four from step 11 at D = 64): warpgroup 0 is the
+// Steps 3-14: warp specialisation. Three warpgroups per block (four from step 11 at D = 64): warpgroup 0 is the
 // producer (one thread issues every TMA copy, the others leave at once), the others the consumers, 64 query rows
 // each. The producer gives its registers away (setmaxnreg), so each of two consumers may use up to 240. Each K/Vᵀ
 // stage passes back and forth on two barriers: `full` (its bytes arrived) and `empty` (every consumer thread is
@@ -283,9 +284,21 @@ __host__ __device__ constexpr int ws_consumers(int step, int d) { return step >=
 // until none are left (under a causal mask the longest first; one head's blocks after each other, so its K and V
 // stay in L2). Q gets a ring of its own, two deep: the producer loads the next block's Q and first K/V tiles
 // while the consumers finish this one, so no block starts on an empty pipeline and no launch leaves an SM idle.
-__host__ __device__ constexpr bool ws_persistent(int step) { return step >= 12; }
+__host__ __device__ constexpr bool ws_persistent(int step) { return step == 12; }
 __host__ __device__ constexpr int ws_q_buffers(int step) { return ws_persistent(step) ? 2 : 1; }
 __host__ __device__ constexpr int ws_threads(int step, int d) { return 128 * (1 + ws_consumers(step, d)); }
+// Step 13 goes back to step 11 and changes the order the blocks start in. Step 8 put the longest query blocks
+// first within each head, but heads still came one after another: the GPU started each head's longest blocks only
+// after the previous head's shortest, and the last heads' long blocks ran alone at the end. Now the blocks of
+// `head_group` heads start together, the longest query block of every head of the group first, so the whole
+// launch ends on short blocks; the group is as many heads as half the L2 cache holds the K and V of (the caller
+// chooses; 1 without a causal mask, where every block is as long).
+__host__ __device__ constexpr bool ws_head_groups(int step) { return step >= 13; }
+// Step 14 keeps step 13 and lets each consumer stop at its own diagonal. A causal block reads keys up to its last
+// row's diagonal, but the first consumer's rows end 64 (at D = 64 with three consumers, 128) keys earlier: its last
+// tile or two are masked out completely, yet it multiplied them anyway. Now it only waits for them and hands them
+// back, leaving the tensor cores to the consumer that needs them.
+__host__ __device__ constexpr bool ws_own_diagonal(int step) { return step >= 14; }
 
 template <typename T, int D, bool kCausal, int kStep>
 __global__ void __launch_bounds__(ws_threads(kStep, D), 1) hopper_attention_ws_kernel(const __grid_constant__ CUtensorMap map_q,
@@ -297,7 +310,7 @@ __global__ void __launch_bounds__(ws_threads(kStep, D), 1) hopper_attention_ws_k
   constexpr int kConsumers = ws_consumers(kStep, D), kBlockRows = kConsumers * kRows;  // query rows per block
   constexpr int kQPanel = kBlockRows * 128, kKPanel = kN * 128;     // 64-column panels of Q (all rows) and K
   constexpr int kTile = kN * D * 2;                                 // bytes of a K tile, and of a Vᵀ tile
-  constexpr bool kFast = kBase >= 4, kPersistent = ws_persistent(kStep);
+  constexpr bool kFast = kBase >= 4, kPersistent = ws_persistent(kStep), kGrouped = ws_head_groups(kStep);
   constexpr int kQBufs = ws_q_buffers(kStep);                       // Q's ring: two deep when persistent
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
@@ -316,9 +329,13 @@ __global__ void __launch_bounds__(ws_threads(kStep, D), 1) hopper_attention_ws_k
   // blockIdx.x) leaves the short ones to fill the GPU at the end instead of a long one running alone.
   struct Work { int q0, bh, bh_kv, tiles; };
   auto work = [&](int w) {
-    const int bh = kPersistent ? w / q_blocks : blockIdx.y;
-    const int x = kPersistent ? w % q_blocks : blockIdx.x;
-    const int q_block = (kPersistent || kBase >= 8) && kCausal ? q_blocks - 1 - x : x;
+    int bh = kPersistent ? w / q_blocks : blockIdx.y, x = kPersistent ? w % q_blocks : blockIdx.x;
+    if constexpr (kGrouped) {  // step 13: w = blockIdx.x; its group of heads, then the query block, then the head
+      const int g = w / (p.head_group * q_blocks), r = w % (p.head_group * q_blocks);
+      const int heads_in_group = min(p.head_group, p.batch_heads - g * p.head_group);
+      bh = g * p.head_group + r % heads_in_group, x = r / heads_in_group;
+    }
+    const int q_block = (kPersistent || kGrouped || kBase >= 8) && kCausal ? q_blocks - 1 - x : x;
     const int q0 = q_block * kBlockRows, b = bh / p.heads, h = bh % p.heads;
     const int k_end = kCausal ? min(p.seqlen_k, max(0, q0 + kBlockRows + diagonal)) : p.seqlen_k;
     return Work{q0, bh, b * p.kv_heads + h / (p.heads / p.kv_heads), (k_end + kN - 1) / kN};
@@ -384,11 +401,13 @@ __global__ void __launch_bounds__(ws_threads(kStep, D), 1) hopper_attention_ws_k
   for (int n = 0;; ++n) {
     const int qb = n % kQBufs;
     mbarrier_wait(q_full(qb), (n / kQBufs) & 1);
-    const int w = kPersistent ? work_slot[qb] : 0;
+    const int w = kPersistent ? work_slot[qb] : blockIdx.x;
     if (w < 0) break;
     const Work wk = work(w);
-    const int tiles = wk.tiles;
     const int q_lo = wk.q0 + kRows * wg;  // this warpgroup's first row
+    // the tiles this consumer multiplies: the block's, or from step 14 (causal) those up to its own diagonal
+    const int own_end = min(p.seqlen_k, max(0, q_lo + kRows + diagonal));
+    const int tiles = ws_own_diagonal(kStep) && kCausal ? min(wk.tiles, (own_end + kN - 1) / kN) : wk.tiles;
     const int row[2] = {q_lo + 16 * (wtid / 32) + lane / 4, q_lo + 16 * (wtid / 32) + lane / 4 + 8};
     const uint32_t sq_wg = sq + qb * D / 64 * kQPanel + wg * kRows * 128;
     auto ring = [&](int i) { return (it + i) % kStages; };  // the stage holding this item's K/V tile i
@@ -478,7 +497,11 @@ __global__ void __launch_bounds__(ws_threads(kStep, D), 1) hopper_attention_ws_k
         last(pa);
       }
     }
-    it += tiles;
+    for (int i = tiles; i < wk.tiles; ++i) {  // step 14: tiles only the other consumers need, handed straight back
+      wait_full(i);  // (arriving before the tile is in would count towards the stage's previous tile)
+      mbarrier_arrive(empty(ring(i)));
+    }
+    it += wk.tiles;
     if (kPersistent) mbarrier_arrive(q_empty(qb));  // Q's buffer may take item n + 2
     store_rows<T, D>(st, o, wk.bh, row, t, p.seqlen_q);
     if (!kPersistent) break;
@@ -494,6 +517,7 @@ cudaError_t launch_ws(bool causal, const CUtensorMap& q, const CUtensorMap& k, c
                    1024;
   const int q_blocks = (p.seqlen_q + kBlockRows - 1) / kBlockRows;
   dim3 grid(q_blocks, batch_heads);
+  if (ws_head_groups(kStep)) grid = dim3(q_blocks * batch_heads, 1);  // one line of blocks, in work-item order
   if (ws_persistent(kStep)) {  // one block per SM (their registers fill it), none idle
     int device = 0, sms = 0;
     cudaGetDevice(&device);
@@ -535,17 +559,19 @@ cudaError_t launch_step(int step, bool causal, const CUtensorMap& q, const CUten
     case 9: return launch_ws<T, D, 9>(causal, q, k, vt, o, p, batch_heads, stream);
     case 10: return launch_ws<T, D, 10>(causal, q, k, vt, o, p, batch_heads, stream);
     case 11: return launch_ws<T, D, 11>(causal, q, k, vt, o, p, batch_heads, stream);
-    default: return launch_ws<T, D, 12>(causal, q, k, vt, o, p, batch_heads, stream);
+    case 12: return launch_ws<T, D, 12>(causal, q, k, vt, o, p, batch_heads, stream);
+    case 13: return launch_ws<T, D, 13>(causal, q, k, vt, o, p, batch_heads, stream);
+    default: return launch_ws<T, D, 14>(causal, q, k, vt, o, p, batch_heads, stream);
   }
 }
 
 // Plain launcher (no torch types); the wrapper has checked the shapes and built the tensor maps. Steps 1-2: one
-// warpgroup per block (loads and multiplies in turn, then overlapped); steps 3-12: a producer and two or three
+// warpgroup per block (loads and multiplies in turn, then overlapped); steps 3-14: a producer and two or three
 // consumer warpgroups (Q's tensor map then reads 128 rows at a time, from step 11 64 per consumer).
 cudaError_t hopper_attention_launch(int step, bool bf16, int head_dim, bool causal, const CUtensorMap& q,
                                     const CUtensorMap& k, const CUtensorMap& vt, void* o, const AttentionParams& p,
                                     int batch_heads, cudaStream_t stream) {
-  if (step < 1 || step > 12) return cudaErrorInvalidValue;
+  if (step < 1 || step > 14) return cudaErrorInvalidValue;
   if (bf16) {
     return head_dim == 64 ? launch_step<__nv_bfloat16, 64>(step, causal, q, k, vt, o, p, batch_heads, stream)
                           : launch_step<__nv_bfloat16, 128>(step, causal, q, k, vt, o, p, batch_heads, stream);
@@ -557,6 +583,7 @@ cudaError_t hopper_attention_launch(int step, bool bf16, int head_dim, bool caus
 }  // namespace course_hopper
 
 #else  // COURSE_TORCH_WRAPPER: host C++ only
+#include <algorithm>
 #include <cuda_runtime_api.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -568,6 +595,7 @@ struct AttentionParams {
   int seqlen_q, seqlen_k, heads, kv_heads, batch_heads;
   float scale_log2;
   int* work_counter;
+  int head_group;
 };
 cudaError_t hopper_attention_launch(int step, bool bf16, int head_dim, bool causal, const CUtensorMap& q,
                                     const CUtensorMap& k, const CUtensorMap& vt, void* o, const AttentionParams& p,
@@ -590,7 +618,7 @@ inline CUtensorMap map_3d(const torch::Tensor& t, int box_rows) {
 // contiguous fp16 or bf16 on an sm_90 GPU, D = 64 or 128 -> o (B, H, Nq, D).
 torch::Tensor hopper_attention_forward(torch::Tensor q, torch::Tensor k, torch::Tensor vt, int64_t seqlen_k,
                                        bool causal, double scale, int64_t step) {
-  TORCH_CHECK(step >= 1 && step <= 12, "hopper_attention: step must be 1 to 12 (utils.hopper.ATTENTION_STEPS), got ",
+  TORCH_CHECK(step >= 1 && step <= 14, "hopper_attention: step must be 1 to 14 (utils.hopper.ATTENTION_STEPS), got ",
               course::num(step));
   const torch::Tensor* inputs[] = {&q, &k, &vt};
   const char* names[] = {"q", "k", "vt"};
@@ -626,12 +654,19 @@ torch::Tensor hopper_attention_forward(torch::Tensor q, torch::Tensor k, torch::
   auto o = torch::empty_like(q);
   // step 12's blocks take query blocks from this counter; the other steps need none
   torch::Tensor counter;
-  if (step >= 12) counter = torch::zeros({1}, q.options().dtype(torch::kInt32));
+  if (step == 12) counter = torch::zeros({1}, q.options().dtype(torch::kInt32));
+  // step 13 starts the blocks of this many heads together under a causal mask: as many as half the L2 cache holds
+  // the K and V of (heads sharing K and V count once), at least 1
+  int l2_bytes = 0;
+  cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, q.device().index());
+  const int64_t kv_bytes = 2 * seqlen_k * d * 2, sharing = q.size(1) / k.size(1);
+  const int head_group = causal ? static_cast<int>(std::clamp<int64_t>(
+      l2_bytes / 2 / kv_bytes * sharing, 1, q.size(0) * q.size(1))) : 1;
   const course_hopper::AttentionParams p{static_cast<int>(q.size(2)), static_cast<int>(seqlen_k),
                                          static_cast<int>(q.size(1)), static_cast<int>(k.size(1)),
                                          static_cast<int>(q.size(0) * q.size(1)),
                                          static_cast<float>(scale * 1.4426950408889634),
-                                         counter.defined() ? counter.data_ptr<int>() : nullptr};
+                                         counter.defined() ? counter.data_ptr<int>() : nullptr, head_group};
   // Q in boxes of the block's rows (128 from step 3; from step 11 one box of 64 per consumer), K of the tile's keys
   // (128 at step 9), Vᵀ of D rows (from step 10: V, as K)
   const CUtensorMap map_q = course_hopper::map_3d(q, step >= 3 && step < 11 ? 128 : 64),
