@@ -39,9 +39,9 @@ REFERENCES = {
     "cuda_mma_steps910": (1, ["utils.bench.cuda_mma", "--steps", "causal_skip", "occupancy", "one_group",
                               "--seqlens", "4096", "8192", "16384", "--name", "06b_steps910_h200"]),
     "hopper": (1, ["utils.bench.cuda_mma", "--worklog", "hopper", "--name", "06c_hopper_h200"]),  # sm_90 only
-    # sm_90 only: the last Hopper steps side by side on every shape, the run the bar is read from
     "hopper_persistent": (1, ["utils.bench.cuda_mma", "--worklog", "hopper", "--steps", "v_direct", "three_consumers",
                               "persistent", "--seqlens", "4096", "8192", "16384", "--name", "06c_persistent_h200"]),
+    # sm_90 only: the last Hopper steps side by side on every shape, the run the bar is read from
     "hopper_final": (1, ["utils.bench.cuda_mma", "--worklog", "hopper", "--steps", "three_consumers", "head_groups",
                          "own_diagonal", "--seqlens", "4096", "8192", "16384", "--name", "06c_diagonal_h200"]),
     "hopper_ncu": (1, ["utils.bench.ncu", "--worklog", "hopper", "--name", "06c_ncu_h200"]),  # needs ncu
@@ -144,8 +144,9 @@ def results_markdown() -> str:
                f"reaches {min(c[0] for c in cuda):.0f}–{max(c[0] for c in cuda):.0f} TFLOP/s at N ≥ 4k "
                f"({min(c[1] for c in cuda):.2f}–{max(c[1] for c in cuda):.2f}× FlashAttention-2).")
     best, vs = {}, {}  # per shape: the best step's TFLOP/s and ratio to cuDNN, over the runs (each side by side)
-    for name in ("06c_hopper_h200.json", "06c_vdirect_h200.json", "06c_three_h200.json", "06c_persistent_h200.json",
-                 "06c_diagonal_h200.json"):
+    hopper_runs = ("06c_hopper_h200.json", "06c_vdirect_h200.json", "06c_three_h200.json", "06c_persistent_h200.json",
+                   "06c_diagonal_h200.json")
+    for name in hopper_runs:
         h = _by(_load(name)["results"], "impl", "head_dim", "causal", "seqlen")
         for (i, d, c, n), value in h.items():
             if i.startswith("h") and n >= 4096 and ("sdpa-cudnn", d, c, n) in h:
@@ -154,8 +155,7 @@ def results_markdown() -> str:
     summary += (f" The Hopper kernel of notebook 06c (`wgmma`, TMA, warp specialisation; its best step per shape) "
                 f"reaches {min(best.values()):.0f}–{max(best.values()):.0f} TFLOP/s at N ≥ 4k, "
                 f"{min(vs.values()):.2f}–{max(vs.values()):.2f}× cuDNN "
-                f"(`images/06c_hopper_h200.json`, `06c_vdirect_h200.json`, `06c_three_h200.json`, "
-                f"`06c_persistent_h200.json`, `06c_diagonal_h200.json`).")
+                "(`images/" + "`, `".join(hopper_runs) + "`).")
     dec = _load("decoding_h200.json")
     decoding = []
     for key, label in (("mha", "MHA, 16 heads"), ("gqa", "GQA, 16 query / 2 KV heads")):

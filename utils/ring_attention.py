@@ -733,10 +733,7 @@ def _main(argv=None):
     cases = [RingCase(causal=False, **common), RingCase(causal=True, layout="zigzag", **common),
              RingCase(causal=True, layout="contiguous", **common)]
     results = run_ring_check(cases, world_size=args.world_size, backend=args.backend)
-    if on_gpu:
-        name = torch.cuda.get_device_name(0)
-    else:
-        name = "CPU"
+    name = gpu.name() or "CPU"
     print(f"ring attention, {args.backend}, {args.world_size} ranks on {name}; B=1 H={common['heads']} "
           f"Hkv={common['kv_heads']} N={seqlen} D={args.head_dim} {common['dtype']}")
     print(f"{'case':22s} {'max err':>9s} {'1-dev err':>9s} {'ring ms':>9s} {'no-ovl ms':>9s} {'1-dev ms':>9s} "

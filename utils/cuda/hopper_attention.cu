@@ -301,10 +301,10 @@ __host__ __device__ constexpr bool ws_head_groups(int step) { return step >= 13;
 __host__ __device__ constexpr bool ws_own_diagonal(int step) { return step >= 14; }
 
 template <typename T, int D, bool kCausal, int kStep>
-__global__ void __launch_bounds__(ws_threads(kStep, D), 1) hopper_attention_ws_kernel(const __grid_constant__ CUtensorMap map_q,
-                                                                     const __grid_constant__ CUtensorMap map_k,
-                                                                     const __grid_constant__ CUtensorMap map_vt,
-                                                                     T* __restrict__ o, const AttentionParams p) {
+__global__ void __launch_bounds__(ws_threads(kStep, D), 1)
+    hopper_attention_ws_kernel(const __grid_constant__ CUtensorMap map_q, const __grid_constant__ CUtensorMap map_k,
+                               const __grid_constant__ CUtensorMap map_vt, T* __restrict__ o,
+                               const AttentionParams p) {
   constexpr int kBase = ws_base(kStep), kN = ws_keys(kBase), kStages = ws_stages(kBase);  // keys/tile, stages
   constexpr bool kVDirect = kStep >= 10;
   constexpr int kConsumers = ws_consumers(kStep, D), kBlockRows = kConsumers * kRows;  // query rows per block
@@ -312,6 +312,8 @@ __global__ void __launch_bounds__(ws_threads(kStep, D), 1) hopper_attention_ws_k
   constexpr int kTile = kN * D * 2;                                 // bytes of a K tile, and of a Vᵀ tile
   constexpr bool kFast = kBase >= 4, kPersistent = ws_persistent(kStep), kGrouped = ws_head_groups(kStep);
   constexpr int kQBufs = ws_q_buffers(kStep);                       // Q's ring: two deep when persistent
+  // a consumer that skips tiles (step 14) would leave the turns' named barriers (step 7) short of arrivals
+  static_assert(!(ws_own_diagonal(kStep) && kBase >= 7), "own_diagonal builds on a step without turns");
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
   const uint32_t sq = smem_u32(smem), stages = sq + kQBufs * D / 64 * kQPanel;  // Q buffers; kStages x (K, Vᵀ)
@@ -421,8 +423,11 @@ __global__ void __launch_bounds__(ws_threads(kStep, D), 1) hopper_attention_ws_k
       for (int i = 0; i < tiles; ++i) {
         wait_full(i);
         const uint32_t sk = key_tile(i);
-        if (needs_mask(i)) attend_tile<T, D, kCausal, kFast, true>(st, sq_wg, kQPanel, sk, sk + kTile, kN * i, row, t, p);
-        else attend_tile<T, D, kCausal, kFast, false>(st, sq_wg, kQPanel, sk, sk + kTile, kN * i, row, t, p);
+        if (needs_mask(i)) {
+          attend_tile<T, D, kCausal, kFast, true>(st, sq_wg, kQPanel, sk, sk + kTile, kN * i, row, t, p);
+        } else {
+          attend_tile<T, D, kCausal, kFast, false>(st, sq_wg, kQPanel, sk, sk + kTile, kN * i, row, t, p);
+        }
         mbarrier_arrive(empty(ring(i)));
       }
     } else if (tiles > 0) {
@@ -435,7 +440,8 @@ __global__ void __launch_bounds__(ws_threads(kStep, D), 1) hopper_attention_ws_k
       auto done = [&](bool last) { if (kBase >= 7 && !(last && wg == 1)) named_barrier_arrive(2 - wg, 256); };
       if (kBase >= 7 && wg == 1) named_barrier_arrive(1, 256);
       float s[kN / 2], alpha[2];
-      uint32_t pa[kN / 16][4], pb[kN / 16][4];  // P of two consecutive tiles: P V reads one, the softmax writes the other
+      // P of two consecutive tiles: P V reads one, the softmax writes the other
+      uint32_t pa[kN / 16][4], pb[kN / 16][4];
       auto softmax = [&](int i, uint32_t (&out)[kN / 16][4]) {
         if (needs_mask(i)) softmax_tile<T, D, kCausal, true, true, kN>(st, s, out, alpha, kN * i, row, t, p);
         else softmax_tile<T, D, kCausal, true, false, kN>(st, s, out, alpha, kN * i, row, t, p);
