@@ -733,7 +733,7 @@ def _main(argv=None):
     cases = [RingCase(causal=False, **common), RingCase(causal=True, layout="zigzag", **common),
              RingCase(causal=True, layout="contiguous", **common)]
     results = run_ring_check(cases, world_size=args.world_size, backend=args.backend)
-    name = gpu.name() or "CPU"
+    name = gpu.name() if on_gpu else "CPU"  # gloo runs on the CPU even where there is a GPU
     print(f"ring attention, {args.backend}, {args.world_size} ranks on {name}; B=1 H={common['heads']} "
           f"Hkv={common['kv_heads']} N={seqlen} D={args.head_dim} {common['dtype']}")
     print(f"{'case':22s} {'max err':>9s} {'1-dev err':>9s} {'ring ms':>9s} {'no-ovl ms':>9s} {'1-dev ms':>9s} "
