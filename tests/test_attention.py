@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from utils.attention import REGISTRY, implementations
-from utils.testing import ATTENTION_SHAPES, assert_attention_matches_reference, random_qkv
+from utils.testing import (ATTENTION_SHAPES, assert_attention_matches_reference, assert_gradients_match_reference,
+                           random_qkv)
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -56,6 +57,28 @@ def test_matches_reference(name, shape, causal, dtype, layout):
     q, k, v = make_inputs(shape, dtype, layout)
     out = assert_attention_matches_reference(IMPLS[name], q, k, v, causal=causal)
     assert out.dtype == dtype and out.device == q.device
+
+
+def grad_cases():
+    """Every differentiable implementation on every shape it takes: float32 on a CPU (the interpreter's bf16 is
+    fp32 anyway), each of its grad_dtypes on a GPU; the largest GPU shape is left to the forward test."""
+    for name in IMPLS:
+        impl = REGISTRY[name]
+        dtypes = impl.grad_dtypes if CUDA else [d for d in impl.grad_dtypes if d == torch.float32]
+        for b, h, hk, nq, nk, d in SHAPES[:-1] if CUDA else SHAPES:
+            if impl.head_dims is not None and d not in impl.head_dims or (hk != h and not impl.gqa):
+                continue
+            for causal in (False, True) if impl.causal else (False,):
+                for dtype in dtypes:
+                    tag = f"{name}-{b}x{h}/{hk}x{nq}x{nk}x{d}-{'causal' if causal else 'full'}-{str(dtype)[6:]}"
+                    yield pytest.param(name, (b, h, hk, nq, nk, d), causal, dtype, id=tag)
+
+
+@pytest.mark.parametrize("name,shape,causal,dtype", list(grad_cases()))
+def test_gradients_match_reference(name, shape, causal, dtype):
+    """dq, dk, dv by autograd through the implementation against float64 autograd through the formula."""
+    q, k, v = make_inputs(shape, dtype, "bhnd")
+    assert_gradients_match_reference(IMPLS[name], q, k, v, causal=causal, sm_scale=None)
 
 
 @pytest.mark.parametrize("name", list(IMPLS))

@@ -11,7 +11,7 @@ from utils.flash_pytorch_bwd import (FlashAttentionPyTorch, attention_gradients,
                                           flash_backward_pytorch, saved_tensor_bytes)
 from utils.flash_pytorch import flash2_attention
 from utils.reference import naive_attention, reference_attention
-from utils.testing import ATTENTION_SHAPES, random_qkv
+from utils.testing import ATTENTION_SHAPES, assert_gradients_close, random_qkv, reference_gradients
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -26,13 +26,6 @@ def ids(shape):
     return "x".join(map(str, shape))
 
 
-def reference_grads(q, k, v, do, causal, sm_scale=None):
-    """Autograd through the naive formula in float64: the ground truth."""
-    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
-    out = naive_attention(q, k, v, causal=causal, sm_scale=sm_scale)
-    return torch.autograd.grad(out, (q, k, v), do.double())
-
-
 def forward_lse(q, k, v, causal, sm_scale=None):
     """(o, lse) in float64 by the formula: the saved state a forward kernel hands to the backward."""
     o = reference_attention(q, k, v, causal=causal, sm_scale=sm_scale)
@@ -45,20 +38,6 @@ def forward_lse(q, k, v, causal, sm_scale=None):
     return o, torch.logsumexp(s, dim=-1)
 
 
-def grad_tol(dtype):
-    # Gradients sum over N terms and pass through two rounded products (P, dS): looser than outputs.
-    return {torch.float64: (1e-9, 1e-7), torch.float32: (2e-4, 2e-4), torch.float16: (2e-2, 2e-2),
-            torch.bfloat16: (6e-2, 6e-2)}[dtype]
-
-
-def assert_grads_close(actual, expected, dtype):
-    atol, rtol = grad_tol(dtype)
-    for name, a, e in zip(("dq", "dk", "dv"), actual, expected):
-        assert a.shape == e.shape, f"{name}: shape {tuple(a.shape)} != {tuple(e.shape)}"
-        scale = max(1.0, e.abs().max().item())   # relative to the gradient's size
-        torch.testing.assert_close(a.double(), e, atol=atol * scale, rtol=rtol, msg=lambda m: f"{name}: {m}")
-
-
 # --- the formulas --------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -69,7 +48,7 @@ def test_formulas_match_autograd(shape, causal):
     do = torch.randn(q.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     o, lse = forward_lse(q, k, v, causal)
     grads = attention_gradients(do, q, k, v, o, lse, causal=causal)
-    assert_grads_close(grads, reference_grads(q, k, v, do, causal), torch.float64)
+    assert_gradients_close(grads, reference_gradients(q, k, v, do, causal=causal), torch.float64)
 
 
 def test_rows_without_keys_get_zero_gradients():
@@ -80,7 +59,7 @@ def test_rows_without_keys_get_zero_gradients():
     for fn in (attention_gradients, flash_backward_pytorch):
         dq, dk, dv = fn(do, q, k, v, o, lse, causal=True)
         assert torch.isfinite(dq).all() and (dq[:, :, :5] == 0).all()
-        assert_grads_close((dq, dk, dv), reference_grads(q, k, v, do, True), torch.float64)
+        assert_gradients_close((dq, dk, dv), reference_gradients(q, k, v, do, causal=True), torch.float64)
 
 
 # --- the tiled PyTorch backward ------------------------------------------------------------------------------
@@ -97,7 +76,7 @@ def test_tiled_pytorch_backward(shape, causal, blocks):
     torch.testing.assert_close(o, o_ref)
     torch.testing.assert_close(lse, lse_ref)
     grads = flash_backward_pytorch(do, q, k, v, o, lse, causal=causal, block_q=blocks[0], block_k=blocks[1])
-    assert_grads_close(grads, reference_grads(q, k, v, do, causal), torch.float64)
+    assert_gradients_close(grads, reference_gradients(q, k, v, do, causal=causal), torch.float64)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -108,7 +87,7 @@ def test_tiled_pytorch_low_precision(dtype):
     assert out.dtype == dtype
     grads = torch.autograd.grad(out, (q, k, v), do)
     assert all(g.dtype == dtype for g in grads)
-    assert_grads_close(grads, reference_grads(q, k, v, do, True, sm_scale=0.3), dtype)
+    assert_gradients_close(grads, reference_gradients(q, k, v, do, causal=True, sm_scale=0.3), dtype)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -184,7 +163,7 @@ def test_triton_backward_matches_autograd(shape, causal, dtype, config):
     o, lse = forward_lse(q, k, v, causal)
     grads = flash_attention_backward(do, q, k, v, o.to(dtype), lse.float(), causal=causal, config=config)
     assert all(g.dtype == dtype and g.device == q.device for g in grads)
-    assert_grads_close(grads, reference_grads(q, k, v, do, causal), dtype)
+    assert_gradients_close(grads, reference_gradients(q, k, v, do, causal=causal), dtype)
 
 
 def test_triton_backward_non_contiguous_and_scale():
@@ -194,7 +173,7 @@ def test_triton_backward_non_contiguous_and_scale():
     do = torch.randn(1, 37, 4, 32, device=DEVICE).transpose(1, 2)
     o, lse = forward_lse(q, k, v, True, sm_scale=0.2)
     grads = flash_attention_backward(do, q, k, v, o.float(), lse.float(), causal=True, sm_scale=0.2, config=SMALL)
-    assert_grads_close(grads, reference_grads(q, k, v, do, True, sm_scale=0.2), torch.float32)
+    assert_gradients_close(grads, reference_gradients(q, k, v, do, causal=True, sm_scale=0.2), torch.float32)
 
 
 def test_triton_backward_bf16_in_interpreter_or_gpu():
@@ -203,7 +182,7 @@ def test_triton_backward_bf16_in_interpreter_or_gpu():
     o, lse = forward_lse(q, k, v, True)
     grads = flash_attention_backward(do, q, k, v, o.to(q.dtype), lse.float(), causal=True)
     assert all(g.dtype == torch.bfloat16 for g in grads)
-    assert_grads_close(grads, reference_grads(q, k, v, do, True), torch.bfloat16)
+    assert_gradients_close(grads, reference_gradients(q, k, v, do, causal=True), torch.bfloat16)
 
 
 @pytest.mark.skipif(CUDA, reason="fp64 dots: checked in the interpreter (NumPy); slow and uncommon on GPUs")
@@ -270,7 +249,7 @@ def test_flash_attention_end_to_end(shape, causal, dtype):
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     do = torch.randn(q.shape, generator=torch.Generator().manual_seed(12)).to(DEVICE, dtype)
     flash_attention(q, k, v, causal=causal).backward(do)
-    assert_grads_close((q.grad, k.grad, v.grad), reference_grads(q, k, v, do, causal), dtype)
+    assert_gradients_close((q.grad, k.grad, v.grad), reference_gradients(q, k, v, do, causal=causal), dtype)
 
 
 @pytest.mark.gpu
@@ -281,7 +260,7 @@ def test_flash_attention_matches_sdpa_gradients_on_gpu():
 
     q, k, v = random_qkv(2, 8, 2048, 2048, 128, kv_heads=2, dtype=torch.bfloat16, device="cuda", seed=13)
     do = torch.randn_like(q)
-    truth = reference_grads(q, k, v, do, True)
+    truth = reference_gradients(q, k, v, do, causal=True)
     errors = {}
     for name, fn in (("ours", flash_attention), ("sdpa", sdpa_attention)):
         qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))

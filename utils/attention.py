@@ -25,6 +25,7 @@ class Implementation:
     causal: bool = True             # supports causal=True
     gqa: bool = True                # supports K/V with fewer heads than Q
     capability: tuple | None = None  # the one GPU generation it runs on (sm_90a code: (9, 0)); None: any
+    grad_dtypes: tuple = ()          # the dtypes it is differentiable in (a backward pass); (): forward only
 
     def available(self, device: torch.device) -> bool:
         if self.runs_on == "any":
@@ -44,9 +45,10 @@ class Implementation:
 
 REGISTRY = {impl.name: impl for impl in [
     Implementation("sdpa", "utils.reference:sdpa_attention", "any",
-                   "torch.nn.functional.scaled_dot_product_attention (PyTorch picks the backend)", "01"),
+                   "torch.nn.functional.scaled_dot_product_attention (PyTorch picks the backend)", "01",
+                   grad_dtypes=(torch.float16, torch.bfloat16, torch.float32)),
     Implementation("naive", "utils.reference:naive_attention", "any",
-                   "matmul, explicit mask, softmax, matmul: the N×N matrices in memory", "01"),
+                   "matmul, explicit mask, softmax, matmul: the N×N matrices in memory", "01", grad_dtypes=(torch.float16, torch.bfloat16, torch.float32)),
     Implementation("flash1_pytorch", "utils.flash_pytorch:flash1_attention", "any",
                    "FlashAttention Algorithm 1: outer loop over K/V blocks, O, l, m updated in HBM per block", "03"),
     Implementation("flash2_pytorch", "utils.flash_pytorch:flash2_attention", "any",
@@ -54,11 +56,11 @@ REGISTRY = {impl.name: impl for impl in [
     Implementation("flash_decoding", "utils.flash_decoding:flash_decoding_attention", "triton",
                    "split-KV flash-decoding: partial outputs per slice of the keys, merged by log-sum-exp", "08"),
     Implementation("triton", "utils.flash_triton:flash_attention", "triton",
-                   "FlashAttention-2 forward in Triton (interpreted on a CPU; bf16 there computed in fp32)", "05",
-                   head_dims=tuple(range(16, 257))),
+                   "FlashAttention-2 forward in Triton (interpreted on a CPU; bf16 there computed in fp32), backward "
+                   "of notebook 07", "05", head_dims=tuple(range(16, 257)), grad_dtypes=(torch.float16, torch.bfloat16, torch.float32)),
     Implementation("flex_triton", "utils.flex:flex_attention", "triton",
                    "notebook 05/07's kernels with score/mask modifiers and block sparsity (here: no mask or causal)",
-                   "10", head_dims=tuple(range(16, 257))),
+                   "10", head_dims=tuple(range(16, 257)), grad_dtypes=(torch.float16, torch.bfloat16, torch.float32)),
     Implementation("cuda_naive", "utils.cuda_ext:flash_naive", "cuda",
                    "CUDA via load_inline, one thread per query row, K/V tiles in shared memory", "06",
                    head_dims=tuple(range(8, 129, 8))),
@@ -67,13 +69,15 @@ REGISTRY = {impl.name: impl for impl in [
                    head_dims=tuple(range(8, 257, 8))),
     Implementation("cuda", "utils.cuda_ext:flash_attention_cuda", "cuda",
                    "CUDA FlashAttention-2 on tensor cores (mma.sync, ldmatrix, swizzle, cp.async; fp32 inputs and "
-                   "pre-sm_80 GPUs run cuda_tiled)", "06b", head_dims=(64, 128)),
+                   "pre-sm_80 GPUs run cuda_tiled), its backward on tensor cores too", "06b", head_dims=(64, 128),
+                   grad_dtypes=(torch.float16, torch.bfloat16)),
     Implementation("cuda_hopper", "utils.hopper:flash_hopper", "cuda",
                    "CUDA FlashAttention-2 on Hopper: TMA copies, wgmma from shared memory and from registers "
                    "(H100/H200 only)", "06c", head_dims=(64, 128), dtypes=(torch.float16, torch.bfloat16),
                    capability=(9, 0)),
     Implementation("flash2_pytorch_autograd", "utils.flash_pytorch_bwd:flash_attention_pytorch", "any",
-                   "differentiable tiled PyTorch: online-softmax forward, FA2-order tiled backward", "07"),
+                   "differentiable tiled PyTorch: online-softmax forward, FA2-order tiled backward", "07",
+                   grad_dtypes=(torch.float16, torch.bfloat16, torch.float32)),
 ]}
 
 

@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CUDA_DIR = ROOT / "utils" / "cuda"
 BUILD_DIR = ROOT / "build"
 
-# name -> (the function Python calls, the headers the .cu file includes). Each .cu file is passed twice to
+# name -> (the function Python calls, or a tuple of them, the headers the .cu file includes). Each .cu file is passed twice to
 # load_inline: as cuda_sources (nvcc compiles the kernels and their plain launcher) and, with
 # COURSE_TORCH_WRAPPER defined, as cpp_sources (the host compiler compiles the torch wrapper and its bindings).
 KERNELS = {
@@ -63,6 +63,9 @@ def mma_kernel_name(step: str) -> str:
 
 
 KERNELS.update({mma_kernel_name(s): (f"{mma_kernel_name(s)}_forward", MMA_HEADERS) for s in MMA_STEPS})
+# Notebook 06b, part 2: MMA_DEFAULT_STEP's forward with the log-sum-exp, and the backward (utils.cuda_backward).
+KERNELS["flash_mma_bwd"] = (("flash_mma_bwd_forward", "flash_mma_bwd_backward"),
+                            (*MMA_HEADERS, "flash_mma_bwd_kernel.cuh"))
 # Notebook 06c: Hopper's wgmma and TMA exist only in sm_90a code, which runs on sm_90 GPUs (H100/H200) alone.
 HOPPER_HEADERS = ("hopper.cuh", "hopper_layout.h", "hopper_host.h", "course_str.h")
 KERNELS["wgmma_gemm"] = ("wgmma_gemm_forward", HOPPER_HEADERS)
@@ -99,7 +102,8 @@ def source_hash(name: str, flags=CUDA_FLAGS) -> str:
     _check_name(name)
     function, headers = KERNELS[name]
     digest = hashlib.sha256()
-    for part in (kernel_source(name), *[(CUDA_DIR / h).read_text() for h in headers], function, WRAPPER_DEFINE,
+    functions = (function,) if isinstance(function, str) else function
+    for part in (kernel_source(name), *[(CUDA_DIR / h).read_text() for h in headers], *functions, WRAPPER_DEFINE,
                  *flags):
         digest.update(part.encode())
         digest.update(b"\0")  # separator: ("ab", "c") and ("a", "bc") must differ
@@ -177,7 +181,7 @@ def load(name: str, *, verbose: bool = False):
             name=ext,
             cpp_sources=WRAPPER_DEFINE + source,  # host compiler: the torch wrapper; bindings are generated here
             cuda_sources=source,                  # nvcc: the kernels and their launcher
-            functions=[function],
+            functions=[function] if isinstance(function, str) else list(function),
             extra_cuda_cflags=flags,
             extra_include_paths=[str(CUDA_DIR)],  # for #include "flash_common.cuh"
             build_directory=str(build_directory),
@@ -405,11 +409,22 @@ def flash_attention_cuda(q, k, v, *, causal=False, sm_scale=None):
 
     What the tensor cores cannot take runs `flash_tiled` (CUDA cores, fp32 arithmetic) instead: float32 inputs
     on any GPU, and every input on GPUs older than sm_80 (with a warning there, e.g. Colab's T4).
+    Differentiable where the tensor cores run (utils.cuda_backward); a gradient asked of the fallback is an error.
     """
     check_attention_inputs(q, k, v, causal=causal, head_dims=MMA_HEAD_DIMS, dtypes=FLASH_DTYPES)
+    wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if wants_grad and (q.dtype == torch.float32 or not q.is_cuda):
+        raise TypeError(f"the CUDA backward (notebook 06b) takes float16 or bfloat16; q has dtype {q.dtype} "
+                        f"and needs a gradient (convert it, or use the registry's 'triton')")
     if q.is_cuda and q.dtype != torch.float32:
         if gpu.capability(q.device) >= (8, 0):
+            if wants_grad:
+                from utils.cuda_backward import flash_mma_attention
+
+                return flash_mma_attention(q, k, v, causal=causal, sm_scale=sm_scale)
             return flash_mma(q, k, v, causal=causal, sm_scale=sm_scale)
+        if wants_grad:
+            check_mma_capability(gpu.capability(q.device))  # the RuntimeError that says why
         warnings.warn(f"{gpu.name(q.device)} has no bf16 mma.sync (sm_80+): running the "
                       f"CUDA-core kernel flash_tiled instead of the tensor-core one", stacklevel=2)
     return flash_tiled(q, k, v, causal=causal, sm_scale=sm_scale)

@@ -45,10 +45,11 @@ def sdpa_attention(q, k, v, *, causal=False, sm_scale=None):
     if not causal or shape.seqlen_q == shape.seqlen_k:
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa)
     mask = causal_mask(shape.seqlen_q, shape.seqlen_k, q.device)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
-    if shape.seqlen_q > shape.seqlen_k:
-        out[:, :, : shape.seqlen_q - shape.seqlen_k] = 0  # queries that see no key (SDPA leaves NaN there)
-    return out
+    sees_a_key = mask.any(-1, keepdim=True)
+    # Queries that see no key (Nq > Nk) output 0. SDPA would give them NaN, which its backward spreads into dk
+    # and dv: let them see every key, then zero their rows, out of place (autograd keeps SDPA's output).
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask | ~sees_a_key, scale=scale, enable_gqa=gqa)
+    return out if shape.seqlen_q <= shape.seqlen_k else torch.where(sees_a_key, out, 0)
 
 
 def reference_attention(q, k, v, *, causal=False, sm_scale=None):

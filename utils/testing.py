@@ -1,9 +1,10 @@
-"""Test helpers: random inputs and closeness checks with dtype-aware tolerances (torch.testing.assert_close)."""
+"""Test helpers: random inputs and closeness checks of outputs and gradients with dtype-aware tolerances
+(torch.testing.assert_close)."""
 from __future__ import annotations
 
 import torch
 
-from utils.reference import reference_attention
+from utils.reference import naive_attention, reference_attention
 
 # Attention outputs are averages of V rows, of order 1 for standard-normal inputs. fp32 allows for TF32 dots
 # on GPUs (10-bit mantissa); fp16 and bf16 for rounding of P before the P·V product.
@@ -78,3 +79,42 @@ def assert_matches_on_odd_shapes(fn, *, dtype, causal, device="cuda", shapes=ODD
         assert_attention_matches_reference(fn, q, k, v, causal=causal)
     q, k, v = random_qkv(1, 2, 300, 300, 64, dtype=dtype, device=device)
     assert_attention_matches_reference(fn, q * 20, k, v, causal=causal, sm_scale=0.3)
+
+
+# Gradients sum over N terms and pass through two rounded products (P, dS): looser than outputs. Each is compared
+# relative to its largest entry.
+GRAD_TOLERANCES = {torch.float64: (1e-9, 1e-7), torch.float32: (2e-4, 2e-4), torch.float16: (2e-2, 2e-2),
+                   torch.bfloat16: (6e-2, 6e-2)}
+
+
+def reference_gradients(q, k, v, do, *, causal=False, sm_scale=None):
+    """(dq, dk, dv) by autograd through the naive formula in float64: the ground truth."""
+    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
+    out = naive_attention(q, k, v, causal=causal, sm_scale=sm_scale)
+    return torch.autograd.grad(out, (q, k, v), do.double())
+
+
+def assert_gradients_close(actual, expected, dtype: torch.dtype):
+    """(dq, dk, dv) against the reference's, each within GRAD_TOLERANCES[dtype] of its largest entry; a failure
+    names the gradient and the worst entries (torch.testing's message)."""
+    if dtype not in GRAD_TOLERANCES:
+        raise TypeError(f"no gradient tolerances for dtype {dtype}; known: {', '.join(map(str, GRAD_TOLERANCES))}")
+    atol, rtol = GRAD_TOLERANCES[dtype]
+    for name, a, e in zip(("dq", "dk", "dv"), actual, expected, strict=True):
+        if a.shape != e.shape:
+            raise AssertionError(f"{name}: shape {tuple(a.shape)} != {tuple(e.shape)}")
+        scale = max(1.0, e.abs().max().item())
+        torch.testing.assert_close(a.double(), e, atol=atol * scale, rtol=rtol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def assert_gradients_match_reference(fn, q, k, v, *, causal=False, sm_scale=None, seed=1):
+    """Differentiate `fn(q, k, v, causal=..., sm_scale=...)` with a random dO and compare the gradients with
+    `reference_gradients`; returns them."""
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(seed)).to(q.device, q.dtype)
+    grads = torch.autograd.grad(fn(q, k, v, causal=causal, sm_scale=sm_scale), (q, k, v), do)
+    for name, g, t in zip(("dq", "dk", "dv"), grads, (q, k, v)):
+        if g.dtype != t.dtype or g.device != t.device:
+            raise AssertionError(f"{name} is {g.dtype} on {g.device}, its input {t.dtype} on {t.device}")
+    assert_gradients_close(grads, reference_gradients(q, k, v, do, causal=causal, sm_scale=sm_scale), q.dtype)
+    return grads

@@ -1,4 +1,4 @@
-"""Backward-pass benchmark (notebook 07): the course's Triton backward against PyTorch SDPA's backends.
+"""Backward-pass benchmark (notebooks 07 and 06b): the course's Triton and CUDA backwards against SDPA's backends.
 
 FLOPs are counted as 2.5× the forward's (`utils.bench.attention_flops(mode="bwd")`: five N×N matmuls instead of
 two), halved when causal, as in the FlashAttention-2 paper. Every number of a table is measured in one run.
@@ -15,7 +15,10 @@ import torch
 from utils.bench import attention_flops, benchmark, peers, tflops
 
 BACKENDS = ("triton", "sdpa_flash", "sdpa_cudnn")                # the default set (notebook 07's)
-KNOWN = BACKENDS + ("sdpa_efficient", "triton_tutorial")         # measured when asked for
+# Measured when asked for; cuda_*: notebook 06b's tensor-core backward in each of its steps (utils.cuda_backward).
+CUDA_BACKENDS = ("cuda_atomic_dq", "cuda_dq_pass", "cuda_narrow_rows", "cuda_two_blocks", "cuda_per_head_dim",
+                 "cuda_unroll_two")  # utils.cuda_backward.BWD_STEPS
+KNOWN = BACKENDS + ("sdpa_efficient", "triton_tutorial") + CUDA_BACKENDS
 DEFAULT_OUT = Path(__file__).resolve().parents[2] / "images" / "07_backward_benchmark.json"
 
 
@@ -47,6 +50,15 @@ def _triton_backward(config=None):
     return prepare
 
 
+def _cuda_backward(step):
+    def prepare(q, k, v, do, causal):
+        from utils.cuda_backward import flash_mma_backward, flash_mma_forward
+
+        o, lse = flash_mma_forward(q, k, v, causal=causal)
+        return lambda: flash_mma_backward(do, q, k, v, o, lse, causal=causal, step=step)
+    return prepare
+
+
 def run_backward_benchmark(seqlens=(2048, 4096, 8192, 16384), head_dims=(64, 128), causal=(False, True), *,
                            batch=4, heads=16, dtype=torch.bfloat16, backends=BACKENDS, config=None,
                            tutorial=None) -> list[dict]:
@@ -62,7 +74,8 @@ def run_backward_benchmark(seqlens=(2048, 4096, 8192, 16384), head_dims=(64, 128
     if not torch.cuda.is_available():
         raise RuntimeError("run_backward_benchmark needs a CUDA GPU")
     capability = torch.cuda.get_device_capability()
-    special = {"triton": lambda: _triton_backward(config), "triton_tutorial": lambda: autograd_backward(tutorial)}
+    special = {"triton": lambda: _triton_backward(config), "triton_tutorial": lambda: autograd_backward(tutorial),
+               **{b: (lambda step=b.removeprefix("cuda_"): _cuda_backward(step)) for b in CUDA_BACKENDS}}
     makers = {b: special[b]() if b in special else _sdpa_backward(b) for b in backends}
     rows = []
     for d in head_dims:
@@ -105,14 +118,14 @@ def ratios(rows: list[dict], numerator="triton", denominator="sdpa_flash") -> di
     return out
 
 
-def format_table(rows: list[dict]) -> str:
-    """A plain-text table: one line per shape, TFLOP/s per backend, the triton / sdpa_flash ratio and, when the
-    tutorial was measured, the triton / triton_tutorial ratio."""
+def format_table(rows: list[dict], course: str = "triton") -> str:
+    """A plain-text table: one line per shape, TFLOP/s per backend, the `course` / sdpa_flash ratio and, when the
+    tutorial was measured, the `course` / triton_tutorial ratio."""
     backends = [b for b in KNOWN if any(r["backend"] == b for r in rows)]
     width = {b: max(11, len(b)) for b in backends}
-    columns = [("triton/flash", "sdpa_flash")] + [("triton/tutorial", "triton_tutorial")] * (
+    columns = [(f"{course}/flash", "sdpa_flash")] + [(f"{course}/tutorial", "triton_tutorial")] * (
         "triton_tutorial" in backends)
-    ratio = {title: ratios(rows, "triton", b) if {"triton", b} <= set(backends) else {} for title, b in columns}
+    ratio = {title: ratios(rows, course, b) if {course, b} <= set(backends) else {} for title, b in columns}
     lines = [f"{'N':>6} {'D':>4} {'causal':>6} " + " ".join(f"{b:>{width[b]}}" for b in backends)
              + "".join(f"  {title:>12}" for title, _ in columns)]
     shapes = sorted({(r["seqlen"], r["head_dim"], r["causal"]) for r in rows}, key=lambda s: (s[1], s[2], s[0]))
@@ -152,7 +165,8 @@ def plot_backward_benchmark(rows: list[dict], title: str = ""):
     if not head_dims:
         raise ValueError("no rows to plot")
     fig, axes = plt.subplots(1, len(head_dims), figsize=(6 * len(head_dims), 4), sharey=True, squeeze=False)
-    colors = {"triton": "C0", "sdpa_flash": "C1", "sdpa_cudnn": "C2", "sdpa_efficient": "C3", "triton_tutorial": "C4"}
+    colors = {"triton": "C0", "sdpa_flash": "C1", "sdpa_cudnn": "C2", "sdpa_efficient": "C3", "triton_tutorial": "C4",
+              **{b: f"C{5 + i}" for i, b in enumerate(CUDA_BACKENDS)}}
     for ax, d in zip(axes[0], head_dims):
         for b in KNOWN:
             for c, style in ((False, "-"), (True, "--")):
@@ -180,11 +194,13 @@ def parse_args(argv=None):
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m utils.bench.backward",
-                                     description="Backward-pass benchmark: Triton against SDPA's backends")
+                                     description="Backward-pass benchmark: the course's kernels against SDPA's backends")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--backends", nargs="+", choices=[b for b in KNOWN if b != "triton_tutorial"],
                         default=list(BACKENDS), help="the tutorial is added by --peers")
+    parser.add_argument("--seqlens", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     peers.add_arguments(parser, choices=("triton-tutorial",))  # warp specialization only changes its forward
     return parser.parse_args(argv)
 
@@ -198,7 +214,8 @@ def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     tutorial = peers.from_args(args).get("triton-tutorial")
     backends = [*args.backends, *(["triton_tutorial"] if tutorial else [])]
-    rows = run_backward_benchmark(dtype=DTYPES[args.dtype], backends=backends, tutorial=tutorial)
+    rows = run_backward_benchmark(tuple(args.seqlens), tuple(args.head_dims), dtype=DTYPES[args.dtype],
+                                  backends=backends, tutorial=tutorial)
     command = "python -m utils.bench.backward " + " ".join(sys.argv[1:] if argv is None else argv)
     env = gpu.environment(command)
     extra = dict(peers={"triton_tutorial": tutorial.provenance()}) if tutorial else {}
@@ -206,7 +223,7 @@ def main(argv=None) -> list[dict]:
                  batch=4, heads=16, dtype=str(DTYPES[args.dtype]).removeprefix("torch."), **extra)
     plot_backward_benchmark(rows, f"{env['gpu']}, {args.dtype}, B=4, H=16").savefig(args.out.with_suffix(".png"),
                                                                                     bbox_inches="tight")
-    print(format_table(rows))
+    print(format_table(rows, course=next((b for b in backends if not b.startswith("sdpa")), "triton")))
     return rows
 
 

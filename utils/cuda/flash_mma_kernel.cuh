@@ -276,6 +276,9 @@ flash_mma_kernel(Params p) {
     const float inv = sum > 0.f ? 1.f / sum : 0.f;  // a row that sees no key outputs 0
     const int row = row0 + 8 * r;
     if (row >= p.seqlen_q) continue;
+    if (p.lse != nullptr && t == 0)  // what the backward needs to rebuild P: log(sum of e^(scale s)), natural log
+      p.lse[static_cast<long long>(blockIdx.y) * p.seqlen_q + row] = sum > 0.f ? m[r] * scale + logf(sum)
+                                                                               : -CUDART_INF_F;
     T* dst = out + row * p.o_stride[2] + 2 * t;
 #pragma unroll
     for (int n = 0; n < kTilesO; ++n)

@@ -1,5 +1,5 @@
 // Plain C++ shared by the kernels (flash_common.cuh) and the torch wrappers (flash_torch.h): the parameters of
-// a forward launch, the dtypes, the head-dim padding rule and the launchers' signatures.
+// a forward launch (and of the mma backward), the dtypes, the head-dim padding rule and the launchers' signatures.
 #pragma once
 #include <cuda_runtime_api.h>
 
@@ -17,6 +17,22 @@ struct Params {
   int batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim;
   float scale_log2;  // sm_scale * log2(e): the kernels use exp2, so the scale absorbs the change of base
   bool causal;
+  float* lse = nullptr;  // when set (the mma forward only): (batch, heads, seqlen_q) log-sum-exp for the backward
+};
+
+// The backward of the mma kernels (flash_mma_bwd_kernel.cuh): the forward's Params and what else it reads and writes.
+constexpr int kLsePad = 128;  // lse2 and delta rows are padded to a multiple of this: tiles of them are read whole
+struct BwdParams {
+  Params fwd;            // q, k, v, their strides and sizes, scale_log2, causal (fwd.o is unused)
+  const void* dout;      // dO, with its own strides
+  long long do_stride[3];
+  const float* lse2;     // (batch * heads, padded_q): lse * log2(e); +inf for rows with no key and the padding
+  const float* delta;    // (batch * heads, padded_q): rowsum(dO * O); 0 in the padding
+  int padded_q;
+  float* dq_accum;       // step 1: fp32 (batch, heads, seqlen_q, D), contiguous and zeroed, unscaled
+  void* dq;              // step 2: (batch, heads, seqlen_q, D), contiguous, in the input dtype
+  void* dk;              // (batch, kv_heads, seqlen_k, D), contiguous
+  void* dv;
 };
 
 constexpr int kMaxHeadDim = 256;

@@ -1,0 +1,127 @@
+"""utils.cuda_backward: the tensor-core backward of notebook 06b. Its steps, inputs and stored run on any machine;
+its gradients against float64 autograd on an sm_80+ GPU (the registry's gradient test covers the default step)."""
+import json
+import math
+import re
+from functools import partial
+
+import pytest
+import torch
+
+from utils import cuda_ext, cuda_backward, gpu
+from utils.bench.backward import CUDA_BACKENDS, ratios
+from utils.cuda_backward import (BWD_DEFAULT_STEP, BWD_STEPS, backward_inputs, flash_mma_attention,
+                                 flash_mma_backward, flash_mma_forward)
+from utils.testing import ODD_SHAPES_64_128, assert_gradients_match_reference, random_qkv
+
+CUDA = torch.cuda.is_available()
+MMA_GPU = CUDA and gpu.capability() >= (8, 0)
+needs_mma = pytest.mark.skipif(not MMA_GPU, reason="needs an sm_80+ GPU (mma.sync with bf16)")
+KERNEL = (cuda_ext.CUDA_DIR / "flash_mma_bwd_kernel.cuh").read_text()
+STORED = cuda_ext.ROOT / "images" / "06b_cuda_backward_h200.json"
+
+
+def test_steps_are_the_kernel_structs_in_order():
+    """BWD_STEPS[i] is launched as `case i + 1`, and each step's struct derives from one before it."""
+    source = cuda_ext.kernel_source("flash_mma_bwd")
+    launched = dict(re.findall(r"case (\d): return launch_flash_mma_bwd<(\w+)>", source))
+    structs = [launched[str(i + 1)] for i in range(len(BWD_STEPS))]
+    assert len(launched) == len(BWD_STEPS) and CUDA_BACKENDS == tuple(f"cuda_{s}" for s in BWD_STEPS)
+    for index, struct in enumerate(structs[1:], start=1):
+        parent = re.search(rf"struct {struct} : (\w+) {{", KERNEL).group(1)
+        assert parent in structs[:index], f"step {index + 1} ({struct}) builds on {parent}"
+    assert f"step <= {len(BWD_STEPS)}" in source  # the wrapper's check of the step number
+
+
+def test_backward_inputs_pad_and_mark_rows_without_keys():
+    do, o = torch.randn(2, 3, 5, 8), torch.randn(2, 3, 5, 8)
+    lse = torch.randn(2, 3, 5)
+    lse[0, 1, 2] = -math.inf  # a query that saw no key
+    lse2, delta = backward_inputs(do, o, lse)
+    assert lse2.shape == delta.shape == (6, cuda_backward.LSE_PAD) and lse2.dtype == delta.dtype == torch.float32
+    torch.testing.assert_close(delta[:, :5], (do * o).sum(-1).reshape(6, 5))
+    assert lse2[1, 2] == math.inf and torch.isinf(lse2[:, 5:]).all() and (delta[:, 5:] == 0).all()
+    torch.testing.assert_close(lse2[0, :5], lse[0, 0] * cuda_backward.LOG2E)
+
+
+def test_validation_before_any_build():
+    q, k, v = random_qkv(1, 2, 16, 16, 64, dtype=torch.bfloat16)
+    o, lse = torch.zeros_like(q), torch.zeros(1, 2, 16)
+    with pytest.raises(ValueError, match="step must be one of"):
+        flash_mma_backward(q, q, k, v, o, lse, step="fast")
+    with pytest.raises(ValueError, match="step must be one of"):
+        flash_mma_attention(q, k, v, step=3)
+    with pytest.raises(TypeError, match="dtype torch.float32"):
+        flash_mma_backward(q.float(), q.float(), k.float(), v.float(), o.float(), lse)
+    with pytest.raises(ValueError, match="head_dim 32"):
+        flash_mma_forward(*(t[..., :32] for t in (q, k, v)))
+    with pytest.raises(ValueError, match="do has shape"):
+        flash_mma_backward(q[:, :1], q, k, v, o, lse)
+    if not CUDA:
+        with pytest.raises(ValueError, match="cuda"):
+            flash_mma_backward(q, q, k, v, o, lse)
+    with pytest.raises(TypeError, match="takes float16 or bfloat16"):  # the registry's cuda, fp32 with a gradient
+        cuda_ext.flash_attention_cuda(*(t.float().requires_grad_() for t in (q, k, v)))
+
+
+def test_stored_run_backs_the_default_step():
+    """The stored H200 run has every step beside SDPA's FlashAttention-2 and cuDNN backwards on each shape, its
+    environment, and the default step is the one with the best geometric mean over it."""
+    data = json.loads(STORED.read_text())
+    env, rows = data["environment"], data["rows"]
+    assert env["gpu"] == "NVIDIA H200" and env["torch"] and env["date"] and env["command"].startswith(
+        "python -m utils.bench.backward")
+    shapes = {(r["seqlen"], r["head_dim"], r["causal"]) for r in rows}
+    assert len(shapes) == 12 and all(n >= 4096 for n, _, _ in shapes)
+    for backend in (*CUDA_BACKENDS, "sdpa_flash", "sdpa_cudnn"):
+        assert {(r["seqlen"], r["head_dim"], r["causal"]) for r in rows if r["backend"] == backend
+                and r["tflops"]} == shapes, backend
+    geomean = {b: math.prod(ratios(rows, b).values()) ** (1 / len(shapes)) for b in CUDA_BACKENDS}
+    assert max(geomean, key=geomean.get) == f"cuda_{BWD_DEFAULT_STEP}", geomean
+
+
+# ---- on an sm_80+ GPU --------------------------------------------------------------------------------------
+
+@needs_mma
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("step", BWD_STEPS)
+def test_every_step_matches_float64_autograd(step, causal, dtype):
+    fn = partial(flash_mma_attention, step=step)
+    for b, h, hk, nq, nk, d in ODD_SHAPES_64_128:
+        q, k, v = random_qkv(b, h, nq, nk, d, kv_heads=hk, dtype=dtype, device="cuda", seed=nq + nk)
+        assert_gradients_match_reference(fn, q, k, v, causal=causal)
+    q, k, v = random_qkv(1, 2, 300, 300, 64, dtype=dtype, device="cuda")
+    assert_gradients_match_reference(fn, q * 20, k, v, causal=causal, sm_scale=0.3)  # scores ~1e3
+
+
+@needs_mma
+def test_forward_is_the_registry_step_and_writes_the_log_sum_exp():
+    q, k, v = random_qkv(2, 4, 333, 200, 128, kv_heads=2, dtype=torch.bfloat16, device="cuda")
+    o, lse = flash_mma_forward(q, k, v, causal=True)
+    assert torch.equal(o, cuda_ext.flash_mma(q, k, v, causal=True))
+    scores = (q.double() @ k.double().repeat_interleave(2, 1).transpose(-2, -1)) / math.sqrt(128)
+    hidden = torch.ones(333, 200, dtype=torch.bool, device="cuda").triu(200 - 333 + 1)
+    expected = torch.logsumexp(scores.masked_fill(hidden, -math.inf), -1)
+    assert torch.isneginf(lse[:, :, :133]).all()  # queries before the diagonal's start see no key
+    torch.testing.assert_close(lse[:, :, 133:].double(), expected[:, :, 133:], atol=1e-3, rtol=1e-4)
+
+
+@needs_mma
+def test_views_at_odd_addresses_and_determinism():
+    """Inputs whose rows start off 16 bytes are copied, not faulted on; the dQ pass (step 2) is bitwise
+    reproducible, the atomics' order is not."""
+    buffer = torch.randn(4 * 2 * 200 * 64 + 1, device="cuda", dtype=torch.float16)
+    q, k, v = (buffer[1:].view(4, 2, 200, 64)[i:i + 1] for i in range(3))
+    assert q.data_ptr() % 16 != 0
+    assert_gradients_match_reference(partial(flash_mma_attention, step="dq_pass"), q, k, v, causal=True)
+    do = torch.randn_like(q)
+    o, lse = flash_mma_forward(q, k, v)
+    first, second = (flash_mma_backward(do, q, k, v, o, lse, step="dq_pass") for _ in range(2))
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    ext = cuda_ext.load("flash_mma_bwd")
+    lse2, delta = backward_inputs(do, o, lse)
+    with pytest.raises(RuntimeError, match="rows must start on 16 bytes"):
+        ext.flash_mma_bwd_backward(do, q, k, v, lse2, delta, False, 0.125, 1)
+    with pytest.raises(RuntimeError, match="step must be 1 to"):
+        ext.flash_mma_bwd_backward(do, *(t.clone() for t in (q, k, v)), lse2, delta, False, 0.125, 9)

@@ -1,0 +1,441 @@
+// FlashAttention-2 backward on tensor cores (notebook 06b, part 2), with the forward's primitives (flash_mma.cuh)
+// and its fragment loaders (flash_mma_kernel.cuh). With P = exp(S·scale − lse), S = Q Kᵀ and D = rowsum(dO ∘ O):
+//
+//   dV = Pᵀ dO      dP = dO Vᵀ      dS = P ∘ (dP − D)      dK = scale · dSᵀ Q      dQ = scale · dS K
+//
+// dkdv kernel: one block per (BC keys, batch, K/V head); warp w owns keys 16w..16w+15 and works in the transposed
+//   frame, Sᵀ = K Qᵀ, so that Pᵀ and dSᵀ come out of the accumulators of one mma as the A operands of the next
+//   (dV += Pᵀ dO, dK += dSᵀ Q): neither leaves the registers. dK and dV accumulate in registers while the block
+//   walks the query blocks that see its keys (of every query head of its GQA group), Q and dO double-buffered.
+//   Step 1 (`BwdAtomicDQ`): dSᵀ also goes to shared memory, every warp takes a slice of dQ += dS K, and adds it
+//   to an fp32 dQ in global memory with atomics (FlashAttention-2's choice: S and dP are computed once).
+// dq kernel (step 2, `BwdDQPass`): one block per (BR queries, batch, head), the forward's loop with two more
+//   mma per tile; it recomputes S and dP, but writes dQ once, with no atomics, and the result is deterministic.
+//
+// lse2 and delta come from the host, fp32, (batch · heads, padded_q) with padded_q a multiple of kLsePad: lse2
+// = lse · log2(e), +inf for rows that see no key and for the padding (so P = 2^(S·scale·log2 e − lse2) is 0
+// there), delta = D (0 in the padding). Bottom-right causal alignment, as the forward.
+#pragma once
+#include "flash_mma_kernel.cuh"
+
+namespace course_flash {
+
+// The steps of the backward's worklog, each the one before with one change (as flash_mma_steps.cuh).
+// Step 1: dQ by fp32 atomics from the dkdv kernel; 64 queries per step of its loop; one block per SM.
+struct BwdAtomicDQ {
+  static constexpr bool kAtomicDQ = true;
+  static constexpr int kUnrollD = 8;                                 // step 6: iterations of the k loops unrolled
+  template <int D> static constexpr int rows() { return 64; }       // BR
+  template <int D> static constexpr int min_blocks() { return 1; }  // blocks per SM asked of ptxas
+};
+// Step 2: dQ by a pass of its own (no atomics: deterministic; S and dP computed twice).
+struct BwdDQPass : BwdAtomicDQ { static constexpr bool kAtomicDQ = false; };
+// Step 3: step 1 with 32 queries per step: Sᵀ and dPᵀ take 16 registers each instead of 32, which ends the
+// spills at D = 128 and leaves registers for fragments loaded ahead.
+struct BwdNarrowRows : BwdAtomicDQ { template <int D> static constexpr int rows() { return 32; } };
+// Step 4: step 3 with two blocks per SM at D = 64 (registers capped at 128).
+struct BwdTwoBlocks : BwdNarrowRows {
+  template <int D> static constexpr int min_blocks() { return D == 64 ? 2 : 1; }
+};
+// Step 5: each head dim with what paid for it: D = 64 step 4's, D = 128 step 1's 64 queries per step.
+struct BwdPerHeadDim : BwdTwoBlocks { template <int D> static constexpr int rows() { return D == 64 ? 32 : 64; } };
+// Step 6: the k loops of Sᵀ = K Qᵀ and dPᵀ = V dOᵀ unrolled twice, not fully. Fully unrolled, the compiler
+// hoisted every fragment address out of the query loop and spilled at D = 128 (ncu: 16 M local-memory requests
+// per launch); with two iterations in flight the mma still overlap the next ldmatrix, and nothing spills.
+struct BwdUnrollTwo : BwdPerHeadDim { static constexpr int kUnrollD = 2; };
+
+using BwdLoad = Step7CausalSkip;  // how tiles are loaded and read: cp.async, swizzled, ldmatrix (06b step 7)
+
+template <typename Step, int D, int kWarpsT = 8, int kStagesT = 2> struct BwdTile {
+  static constexpr int kWarps = kWarpsT, kThreads = 32 * kWarps, kStages = kStagesT;
+  static constexpr int kCols = 16 * kWarps;               // BC: keys per dkdv block, 16 per warp
+  static constexpr int kRows = Step::template rows<D>();  // BR: queries per step of its loop
+  // dSᵀ rows are padded by 8 elements (16 bytes): the 8 rows an ldmatrix phase reads, and the 8 rows g of a
+  // fragment store, then start in 8 different groups of 4 banks (a swizzle needs rows of 64 elements).
+  static constexpr int kDsStride = kRows + 8;
+  // K, V [BC][D]; per stage Q, dO [BR][D] and lse2, delta [BR]; dSᵀ [BC][BR + 8] (step 1)
+  static constexpr int kSmemBytes = 2 * kCols * D * 2 + kStages * (2 * kRows * D * 2 + 2 * kRows * 4) +
+                                    kCols * kDsStride * 2;
+  static_assert(kLsePad % kRows == 0 && kRows % 16 == 0, "query blocks: whole m16 tiles, whole lse2 tiles");
+};
+
+// dst[0..3] += x: one 16-byte atomic on sm_90 (Hopper adds vector atomics to global memory), four before.
+__device__ __forceinline__ void atomic_add4(float* dst, float4 x) {
+#if __CUDA_ARCH__ >= 900
+  atomicAdd(reinterpret_cast<float4*>(dst), x);
+#else
+  atomicAdd(dst, x.x), atomicAdd(dst + 1, x.y), atomicAdd(dst + 2, x.z), atomicAdd(dst + 3, x.w);
+#endif
+}
+
+// 16 bytes at a time, like load_tile: `count` floats (a multiple of 4) of an fp32 row, always in bounds.
+template <int kThreads>
+__device__ __forceinline__ void load_floats(float* dst, const float* src, int count) {
+  for (int i = threadIdx.x * 4; i < count; i += kThreads * 4) cp_async_16(dst + i, src + i, true);
+}
+
+template <typename Step, typename T, int D, typename Tile>
+__global__ void __launch_bounds__(Tile::kThreads, Step::template min_blocks<D>()) flash_bwd_dkdv_kernel(BwdParams bp) {
+  constexpr int BR = Tile::kRows, BC = Tile::kCols, kThreads = Tile::kThreads;
+  constexpr int kTilesS = BR / 8, kTilesD = D / 8;  // n8 accumulator tiles of Sᵀ (queries) and of dK, dV
+  const Params& p = bp.fwd;
+  extern __shared__ __align__(128) unsigned char smem[];
+  T* Ks = reinterpret_cast<T*>(smem);
+  T* Vs = Ks + BC * D;
+  T* Qs = Vs + BC * D;                          // [stage][BR][D]
+  T* dOs = Qs + Tile::kStages * BR * D;         // [stage][BR][D]
+  T* dSs = dOs + Tile::kStages * BR * D;        // [BC][kDsStride]
+  float* lse_s = reinterpret_cast<float*>(dSs + BC * Tile::kDsStride);  // [stage][BR]
+  float* delta_s = lse_s + Tile::kStages * BR;             // [stage][BR]
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int b = blockIdx.y / p.kv_heads, hk = blockIdx.y % p.kv_heads, group = p.heads / p.kv_heads;
+  const int n0 = blockIdx.x * BC, offset = p.seqlen_k - p.seqlen_q;
+  const T* k = static_cast<const T*>(p.k) + b * p.k_stride[0] + hk * p.k_stride[1];
+  const T* v = static_cast<const T*>(p.v) + b * p.v_stride[0] + hk * p.v_stride[1];
+
+  // The query blocks that see any of keys n0..n0+BC-1 (causal: query i sees key j when j <= i + offset).
+  const int m_first = p.causal ? max(0, n0 - offset) / BR : 0;
+  const int m_blocks = (p.seqlen_q + BR - 1) / BR;
+  const int per_head = max(0, m_blocks - m_first), n_iters = group * per_head;
+
+  // Iteration it: query head hk * group + it / per_head, query block m_first + it % per_head.
+  const auto load_q_block = [&](int it, int stage) {
+    const int h = hk * group + it / per_head, q0 = (m_first + it % per_head) * BR;
+    const long long bh = static_cast<long long>(b) * p.heads + h;
+    load_tile<BwdLoad, T, D, BR, kThreads>(Qs + stage * BR * D, static_cast<const T*>(p.q) + b * p.q_stride[0] +
+                                           h * p.q_stride[1], p.q_stride[2], q0, p.seqlen_q);
+    load_tile<BwdLoad, T, D, BR, kThreads>(dOs + stage * BR * D, static_cast<const T*>(bp.dout) +
+                                           b * bp.do_stride[0] + h * bp.do_stride[1], bp.do_stride[2], q0,
+                                           p.seqlen_q);
+    load_floats<kThreads>(lse_s + stage * BR, bp.lse2 + bh * bp.padded_q + q0, BR);
+    load_floats<kThreads>(delta_s + stage * BR, bp.delta + bh * bp.padded_q + q0, BR);
+    cp_async_commit();
+  };
+
+  load_tile<BwdLoad, T, D, BC, kThreads>(Ks, k, p.k_stride[2], n0, p.seqlen_k);
+  load_tile<BwdLoad, T, D, BC, kThreads>(Vs, v, p.v_stride[2], n0, p.seqlen_k);
+  if (n_iters > 0) load_q_block(0, 0);
+  else cp_async_commit();
+
+  float dk[kTilesD][4] = {}, dv[kTilesD][4] = {};
+  const int key0 = n0 + warp * 16 + g;  // this thread's keys: key0 and key0 + 8
+
+  for (int it = 0; it < n_iters; ++it) {
+    const int stage = Tile::kStages == 2 ? it % 2 : 0;
+    const int h = hk * group + it / per_head, q0 = (m_first + it % per_head) * BR;
+    cp_async_wait<0>();
+    __syncthreads();  // this block's tiles have landed, and every warp is done with the other stage
+    if (Tile::kStages == 2 && it + 1 < n_iters) load_q_block(it + 1, 1 - stage);
+    const T* Qt = Qs + stage * BR * D;
+    const T* dOt = dOs + stage * BR * D;
+    const float* lse2 = lse_s + stage * BR;
+    const float* delta = delta_s + stage * BR;
+
+    // Sᵀ = K Qᵀ: this warp's 16 keys against the BR queries of the block.
+    float s[kTilesS][4] = {};
+#pragma unroll (Step::kUnrollD)
+    for (int kk = 0; kk < D / 16; ++kk) {
+      uint32_t ka[4];
+      load_a<BwdLoad, D>(ka, Ks, warp * 16, kk * 16, lane);
+#pragma unroll
+      for (int n = 0; n < kTilesS; n += 2) {
+        uint32_t qb[2][2];
+        load_b_k<BwdLoad, D>(qb, Qt, n * 8, kk * 16, lane);
+        mma_16816<T>(s[n], ka, qb[0]);
+        mma_16816<T>(s[n + 1], ka, qb[1]);
+      }
+    }
+
+    // Pᵀ = 2^(Sᵀ·scale·log2 e − lse2[query]); masked scores (keys past the end, causal) become 0.
+    const bool masked = n0 + BC > p.seqlen_k || (p.causal && n0 + BC - 1 > q0 + offset);
+#pragma unroll
+    for (int n = 0; n < kTilesS; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int col = n * 8 + 2 * t + e % 2, key = key0 + e / 2 * 8;
+        const bool hidden = masked && (key >= p.seqlen_k || (p.causal && key > q0 + col + offset));
+        s[n][e] = hidden ? 0.f : fast_exp2(fmaf(s[n][e], p.scale_log2, -lse2[col]));
+      }
+
+    // dV += Pᵀ dO: the Pᵀ accumulators of n8 tiles 2kk, 2kk + 1 are the A fragment of queries 16kk..16kk+15.
+#pragma unroll
+    for (int kk = 0; kk < BR / 16; ++kk) {
+      const uint32_t pa[4] = {pack2<T>(s[2 * kk][0], s[2 * kk][1]), pack2<T>(s[2 * kk][2], s[2 * kk][3]),
+                              pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                              pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+      for (int n = 0; n < kTilesD; n += 2) {
+        uint32_t ob[2][2];
+        load_b_v<BwdLoad, D>(ob, dOt, n * 8, kk * 16, lane);
+        mma_16816<T>(dv[n], pa, ob[0]);
+        mma_16816<T>(dv[n + 1], pa, ob[1]);
+      }
+    }
+
+    // dPᵀ = V dOᵀ, then dSᵀ = Pᵀ ∘ (dPᵀ − delta[query]) in place of Pᵀ.
+    float dp[kTilesS][4] = {};
+#pragma unroll (Step::kUnrollD)
+    for (int kk = 0; kk < D / 16; ++kk) {
+      uint32_t va[4];
+      load_a<BwdLoad, D>(va, Vs, warp * 16, kk * 16, lane);
+#pragma unroll
+      for (int n = 0; n < kTilesS; n += 2) {
+        uint32_t ob[2][2];
+        load_b_k<BwdLoad, D>(ob, dOt, n * 8, kk * 16, lane);
+        mma_16816<T>(dp[n], va, ob[0]);
+        mma_16816<T>(dp[n + 1], va, ob[1]);
+      }
+    }
+#pragma unroll
+    for (int n = 0; n < kTilesS; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[n][e] *= dp[n][e] - delta[n * 8 + 2 * t + e % 2];
+
+    // dK += dSᵀ Q (the scale is applied once, at the end); step 1 also leaves dSᵀ in shared memory for dQ.
+#pragma unroll
+    for (int kk = 0; kk < BR / 16; ++kk) {
+      const uint32_t da[4] = {pack2<T>(s[2 * kk][0], s[2 * kk][1]), pack2<T>(s[2 * kk][2], s[2 * kk][3]),
+                              pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                              pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+      if constexpr (Step::kAtomicDQ) {  // rows g, g + 8 of this warp's keys; queries 16kk + 2t, 16kk + 8 + 2t
+        T* row = dSs + (warp * 16 + g) * Tile::kDsStride + kk * 16 + 2 * t;
+        *reinterpret_cast<uint32_t*>(row) = da[0];
+        *reinterpret_cast<uint32_t*>(row + 8 * Tile::kDsStride) = da[1];
+        *reinterpret_cast<uint32_t*>(row + 8) = da[2];
+        *reinterpret_cast<uint32_t*>(row + 8 * Tile::kDsStride + 8) = da[3];
+      }
+#pragma unroll
+      for (int n = 0; n < kTilesD; n += 2) {
+        uint32_t qb[2][2];
+        load_b_v<BwdLoad, D>(qb, Qt, n * 8, kk * 16, lane);
+        mma_16816<T>(dk[n], da, qb[0]);
+        mma_16816<T>(dk[n + 1], da, qb[1]);
+      }
+    }
+
+    if constexpr (Step::kAtomicDQ) {
+      // dQ (BR x D) += dS (BR x BC) K (BC x D): warp w takes query rows 16 (w % 4).., and D / (kWarps / 4)
+      // columns; dS is read transposed out of dSᵀ (ldmatrix .trans), K as the B operand like V in the forward.
+      constexpr int kRowTiles = BR / 16, kColsPerWarp = D * kRowTiles / Tile::kWarps;
+      static_assert(Tile::kWarps % kRowTiles == 0 && kColsPerWarp % 16 == 0, "dQ: warps tile BR x D");
+      __syncthreads();  // every warp's dSᵀ is in
+      const int r0 = warp % kRowTiles * 16, c0 = warp / kRowTiles * kColsPerWarp;
+      float dq[kColsPerWarp / 8][4] = {};
+#pragma unroll
+      for (int kk = 0; kk < BC / 16; ++kk) {
+        uint32_t a[4];  // matrices: (keys kk*16.., queries r0..), (keys .., r0+8..), (keys +8, r0..), (+8, +8)
+        ldmatrix_x4_trans(a, dSs + (kk * 16 + lane % 8 + lane / 16 * 8) * Tile::kDsStride + r0 + lane / 8 % 2 * 8);
+#pragma unroll
+        for (int n = 0; n < kColsPerWarp / 8; n += 2) {
+          uint32_t kb[2][2];
+          load_b_v<BwdLoad, D>(kb, Ks, c0 + n * 8, kk * 16, lane);
+          mma_16816<T>(dq[n], a, kb[0]);
+          mma_16816<T>(dq[n + 1], a, kb[1]);
+        }
+      }
+      // Threads t and t ^ 1 swap a pair of values, so that each holds 4 consecutive columns of one row for a
+      // 16-byte atomic: even t columns 2t..2t+3 of row g, odd t columns 2t-2..2t+1 of row g + 8.
+      const bool odd = t & 1;
+      const int row = r0 + g + (odd ? 8 : 0);
+      float* dst = bp.dq_accum + ((static_cast<long long>(b) * p.heads + h) * p.seqlen_q + q0 + row) * D + c0 +
+                   2 * (t & ~1);
+#pragma unroll
+      for (int n = 0; n < kColsPerWarp / 8; ++n) {
+        const float x = __shfl_xor_sync(0xffffffffu, odd ? dq[n][0] : dq[n][2], 1);
+        const float y = __shfl_xor_sync(0xffffffffu, odd ? dq[n][1] : dq[n][3], 1);
+        if (q0 + row < p.seqlen_q)
+          atomic_add4(dst + n * 8, odd ? make_float4(x, y, dq[n][2], dq[n][3]) : make_float4(dq[n][0], dq[n][1], x, y));
+      }
+    }
+    if (Tile::kStages == 1 && it + 1 < n_iters) {  // one stage: the next tiles only once every warp is done
+      __syncthreads();
+      load_q_block(it + 1, 0);
+    }
+  }
+
+  // dK (scaled) and dV of this block's keys: this thread's rows key0 and key0 + 8.
+  const float scale = p.scale_log2 * 0.6931471805599453f;
+  const long long kv_row = static_cast<long long>(b) * p.kv_heads + hk;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int key = key0 + 8 * r;
+    if (key >= p.seqlen_k) continue;
+    T* dk_row = static_cast<T*>(bp.dk) + (kv_row * p.seqlen_k + key) * D + 2 * t;
+    T* dv_row = static_cast<T*>(bp.dv) + (kv_row * p.seqlen_k + key) * D + 2 * t;
+#pragma unroll
+    for (int n = 0; n < kTilesD; ++n) {
+      *reinterpret_cast<uint32_t*>(dk_row + n * 8) = pack2<T>(dk[n][2 * r] * scale, dk[n][2 * r + 1] * scale);
+      *reinterpret_cast<uint32_t*>(dv_row + n * 8) = pack2<T>(dv[n][2 * r], dv[n][2 * r + 1]);
+    }
+  }
+}
+
+// Step 2's dQ pass: the forward's loop (one block per BR queries and head, K and V double-buffered), with
+// P = 2^(S·scale·log2 e − lse2) known up front instead of an online softmax.
+template <int D> struct DQTile {
+  static constexpr int kWarps = 8, kThreads = 256;
+  static constexpr int kRows = 16 * kWarps;  // BR
+  static constexpr int kCols = 64;           // BC
+  static constexpr int kSmemBytes = (2 * kRows + 2 * 2 * kCols) * D * 2;  // Q, dO, 2 stages of K and V
+};
+
+template <typename T, int D>
+__global__ void __launch_bounds__(DQTile<D>::kThreads, 1) flash_bwd_dq_kernel(BwdParams bp) {
+  using Tile = DQTile<D>;
+  constexpr int BR = Tile::kRows, BC = Tile::kCols, kThreads = Tile::kThreads;
+  constexpr int kTilesS = BC / 8, kTilesD = D / 8;
+  const Params& p = bp.fwd;
+  extern __shared__ __align__(128) unsigned char smem[];
+  T* Qs = reinterpret_cast<T*>(smem);
+  T* dOs = Qs + BR * D;
+  T* Ks = dOs + BR * D;
+  T* Vs = Ks + 2 * BC * D;
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int b = blockIdx.y / p.heads, h = blockIdx.y % p.heads, hk = h / (p.heads / p.kv_heads);
+  const int q0 = (p.causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * BR;  // heaviest blocks first
+  const int offset = p.seqlen_k - p.seqlen_q, n_tiles = (kv_end_for_block(p, q0, BR) + BC - 1) / BC;
+  const long long bh = static_cast<long long>(b) * p.heads + h;
+  const T* k = static_cast<const T*>(p.k) + b * p.k_stride[0] + hk * p.k_stride[1];
+  const T* v = static_cast<const T*>(p.v) + b * p.v_stride[0] + hk * p.v_stride[1];
+
+  load_tile<BwdLoad, T, D, BR, kThreads>(Qs, static_cast<const T*>(p.q) + b * p.q_stride[0] + h * p.q_stride[1],
+                                         p.q_stride[2], q0, p.seqlen_q);
+  load_tile<BwdLoad, T, D, BR, kThreads>(dOs, static_cast<const T*>(bp.dout) + b * bp.do_stride[0] +
+                                         h * bp.do_stride[1], bp.do_stride[2], q0, p.seqlen_q);
+  if (n_tiles > 0) {
+    load_tile<BwdLoad, T, D, BC, kThreads>(Ks, k, p.k_stride[2], 0, p.seqlen_k);
+    load_tile<BwdLoad, T, D, BC, kThreads>(Vs, v, p.v_stride[2], 0, p.seqlen_k);
+  }
+  cp_async_commit();
+  cp_async_wait<0>();
+  __syncthreads();
+
+  uint32_t qa[D / 16][4], oa[D / 16][4];  // this warp's 16 rows of Q and dO, as A fragments
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    load_a<BwdLoad, D>(qa[kk], Qs, warp * 16, kk * 16, lane);
+    load_a<BwdLoad, D>(oa[kk], dOs, warp * 16, kk * 16, lane);
+  }
+  const int row0 = q0 + warp * 16 + g;  // this thread's rows: row0 and row0 + 8 (padded lse2 and delta)
+  const float lse2[2] = {bp.lse2[bh * bp.padded_q + row0], bp.lse2[bh * bp.padded_q + row0 + 8]};
+  const float delta[2] = {bp.delta[bh * bp.padded_q + row0], bp.delta[bh * bp.padded_q + row0 + 8]};
+  float dq[kTilesD][4] = {};
+
+  for (int j = 0; j < n_tiles; ++j) {
+    const int c0 = j * BC;
+    if (j > 0) {
+      cp_async_wait<0>();
+      __syncthreads();
+    }
+    if (j + 1 < n_tiles) {
+      load_tile<BwdLoad, T, D, BC, kThreads>(Ks + (j + 1) % 2 * BC * D, k, p.k_stride[2], c0 + BC, p.seqlen_k);
+      load_tile<BwdLoad, T, D, BC, kThreads>(Vs + (j + 1) % 2 * BC * D, v, p.v_stride[2], c0 + BC, p.seqlen_k);
+      cp_async_commit();
+    }
+    const T* Kt = Ks + j % 2 * BC * D;
+    const T* Vt = Vs + j % 2 * BC * D;
+
+    float s[kTilesS][4] = {}, dp[kTilesS][4] = {};  // S = Q Kᵀ and dP = dO Vᵀ
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+#pragma unroll
+      for (int n = 0; n < kTilesS; n += 2) {
+        uint32_t kb[2][2], vb[2][2];
+        load_b_k<BwdLoad, D>(kb, Kt, n * 8, kk * 16, lane);
+        mma_16816<T>(s[n], qa[kk], kb[0]);
+        mma_16816<T>(s[n + 1], qa[kk], kb[1]);
+        load_b_k<BwdLoad, D>(vb, Vt, n * 8, kk * 16, lane);
+        mma_16816<T>(dp[n], oa[kk], vb[0]);
+        mma_16816<T>(dp[n + 1], oa[kk], vb[1]);
+      }
+
+    // dS = P ∘ (dP − delta), P = 0 where masked.
+    const bool masked = c0 + BC > p.seqlen_k || (p.causal && c0 + BC - 1 > q0 + offset);
+#pragma unroll
+    for (int n = 0; n < kTilesS; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = c0 + n * 8 + 2 * t + e % 2, row = row0 + e / 2 * 8;
+        const bool hidden = masked && (key >= p.seqlen_k || (p.causal && key > row + offset));
+        const float prob = hidden ? 0.f : fast_exp2(fmaf(s[n][e], p.scale_log2, -lse2[e / 2]));
+        s[n][e] = prob * (dp[n][e] - delta[e / 2]);
+      }
+
+    // dQ += dS K: dS's accumulators are the A fragments, K the B operand read like V in the forward.
+#pragma unroll
+    for (int kk = 0; kk < BC / 16; ++kk) {
+      const uint32_t da[4] = {pack2<T>(s[2 * kk][0], s[2 * kk][1]), pack2<T>(s[2 * kk][2], s[2 * kk][3]),
+                              pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                              pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+      for (int n = 0; n < kTilesD; n += 2) {
+        uint32_t kb[2][2];
+        load_b_v<BwdLoad, D>(kb, Kt, n * 8, kk * 16, lane);
+        mma_16816<T>(dq[n], da, kb[0]);
+        mma_16816<T>(dq[n + 1], da, kb[1]);
+      }
+    }
+  }
+
+  const float scale = p.scale_log2 * 0.6931471805599453f;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = row0 + 8 * r;
+    if (row >= p.seqlen_q) continue;
+    T* dst = static_cast<T*>(bp.dq) + (bh * p.seqlen_q + row) * D + 2 * t;
+#pragma unroll
+    for (int n = 0; n < kTilesD; ++n)
+      *reinterpret_cast<uint32_t*>(dst + n * 8) = pack2<T>(dq[n][2 * r] * scale, dq[n][2 * r + 1] * scale);
+  }
+}
+
+template <typename Kernel>
+cudaError_t launch_with_smem(Kernel kernel, dim3 grid, int threads, int smem, cudaStream_t stream,
+                             const BwdParams& bp) {
+  if (smem > 48 * 1024) {
+    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (err != cudaSuccess) return err;
+  }
+  kernel<<<grid, threads, smem, stream>>>(bp);
+  return cudaGetLastError();
+}
+
+template <typename Step, typename T, int D>
+cudaError_t launch_bwd_d(const BwdParams& bp, cudaStream_t stream) {
+  const Params& p = bp.fwd;
+  int device = 0, limit = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  // 8 warps and two stages (144 KB at D = 128) where the GPU grants it; 4 warps and one stage (72 KB) elsewhere.
+  using Big = BwdTile<Step, D>;
+  using Small = BwdTile<Step, D, 4, 1>;
+  const bool big = Big::kSmemBytes <= limit;
+  const int cols = big ? Big::kCols : Small::kCols;
+  const dim3 grid((p.seqlen_k + cols - 1) / cols, p.batch * p.kv_heads);
+  cudaError_t err = big ? launch_with_smem(flash_bwd_dkdv_kernel<Step, T, D, Big>, grid, Big::kThreads,
+                                           Big::kSmemBytes, stream, bp)
+                        : launch_with_smem(flash_bwd_dkdv_kernel<Step, T, D, Small>, grid, Small::kThreads,
+                                           Small::kSmemBytes, stream, bp);
+  if (err != cudaSuccess || Step::kAtomicDQ) return err;
+  using DQ = DQTile<D>;
+  if (DQ::kSmemBytes > limit) return cudaErrorInvalidConfiguration;
+  const dim3 dq_grid((p.seqlen_q + DQ::kRows - 1) / DQ::kRows, p.batch * p.heads);
+  return launch_with_smem(flash_bwd_dq_kernel<T, D>, dq_grid, DQ::kThreads, DQ::kSmemBytes, stream, bp);
+}
+
+template <typename Step>
+cudaError_t launch_flash_mma_bwd(const BwdParams& bp, DType dtype, cudaStream_t stream) {
+  const bool wide = bp.fwd.head_dim == 128;
+  if (bp.fwd.head_dim != 64 && !wide) return cudaErrorInvalidValue;
+  switch (dtype) {
+    case DType::kFloat16: return wide ? launch_bwd_d<Step, __half, 128>(bp, stream)
+                                      : launch_bwd_d<Step, __half, 64>(bp, stream);
+    case DType::kBFloat16: return wide ? launch_bwd_d<Step, __nv_bfloat16, 128>(bp, stream)
+                                       : launch_bwd_d<Step, __nv_bfloat16, 64>(bp, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace course_flash

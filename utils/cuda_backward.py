@@ -1,0 +1,114 @@
+"""The backward pass of the course's tensor-core CUDA kernel (notebook 06b, part 2; utils/cuda/flash_mma_bwd.cu).
+
+- `flash_mma_forward(q, k, v)` -> (o, lse): the registry's "cuda" forward (cuda_ext.MMA_DEFAULT_STEP), which also
+  writes the log-sum-exp the backward rebuilds P from.
+- `flash_mma_backward(do, q, k, v, o, lse)` -> (dq, dk, dv), as of one of BWD_STEPS, the backward's worklog
+  (utils/cuda/flash_mma_bwd_kernel.cuh, one struct per step): "atomic_dq" (1) one kernel per block of keys
+  computes dK and dV and adds its share of dQ with fp32 atomics, as FlashAttention-2 does; "dq_pass" (2) the same
+  kernel without dQ, then a kernel per block of queries that recomputes S and dP and writes dQ once (no atomics:
+  deterministic, two more matmuls); "narrow_rows" (3) 32 queries per step instead of 64; "two_blocks" (4) and
+  two blocks per SM at D = 64; "per_head_dim" (5) each head dim with what paid for it (the default, the fastest
+  measured); "unroll_two" (6) partly unrolled k loops, which end the spills at D = 128 and still lose.
+- `flash_mma_attention(q, k, v)`: differentiable attention with both; the registry's "cuda" calls it when a
+  gradient is wanted.
+
+D = rowsum(dO ∘ O) and lse·log2(e) are prepared here in torch (two small element-wise passes), padded so that
+the kernels read them in whole tiles.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from utils import cuda_ext, gpu
+from utils.checks import check_attention_inputs, check_device, resolve_scale
+from utils.flash_pytorch_bwd import check_backward_inputs
+
+BWD_STEPS = ("atomic_dq", "dq_pass", "narrow_rows", "two_blocks", "per_head_dim", "unroll_two")
+BWD_DEFAULT_STEP = "per_head_dim"  # the fastest measured (images/06b_cuda_backward_h200.json)
+LSE_PAD = 128  # kLsePad in utils/cuda/flash_params.h
+LOG2E = 1.4426950408889634
+
+_EXTENSIONS: dict = {}
+
+
+def _extension(q):
+    capability = gpu.capability(q.device)
+    cuda_ext.check_mma_capability(capability)
+    if capability not in _EXTENSIONS:  # load() once: its check for edited sources costs ~30 µs a call
+        _EXTENSIONS[capability] = cuda_ext.load("flash_mma_bwd")
+    return _EXTENSIONS[capability]
+
+
+def flash_mma_forward(q, k, v, *, causal=False, sm_scale=None):
+    """(o, lse): the tensor-core forward of notebook 06b and the natural-log log-sum-exp of the scaled scores,
+    fp32 (batch, heads, seqlen_q), -inf for a query that sees no key. fp16/bf16, D = 64 or 128, sm_80+."""
+    shape = check_attention_inputs(q, k, v, causal=causal, head_dims=cuda_ext.MMA_HEAD_DIMS,
+                                   dtypes=cuda_ext.MMA_DTYPES)
+    scale = resolve_scale(sm_scale, shape.head_dim)
+    check_device("q", q, "cuda")
+    ext = _extension(q)
+    o, lse = ext.flash_mma_bwd_forward(*(cuda_ext._aligned(t) for t in (q, k, v)), causal, scale)
+    return o, lse
+
+
+def backward_inputs(do, o, lse):
+    """(lse2, delta), fp32 (batch · heads, seqlen_q padded to LSE_PAD): lse·log2(e) with +inf for rows that see no
+    key, and rowsum(dO ∘ O); +inf and 0 in the padding, so that P and dS are 0 there."""
+    b, h, n, _ = o.shape
+    padded = math.ceil(n / LSE_PAD) * LSE_PAD
+    lse2 = torch.full((b * h, padded), math.inf, dtype=torch.float32, device=o.device)
+    delta = torch.zeros((b * h, padded), dtype=torch.float32, device=o.device)
+    lse = lse.reshape(b * h, n).float()
+    lse2[:, :n] = torch.where(lse == -math.inf, math.inf, lse * LOG2E)
+    delta[:, :n] = (do.float() * o.float()).sum(-1).reshape(b * h, n)
+    return lse2, delta
+
+
+def flash_mma_backward(do, q, k, v, o, lse, *, causal=False, sm_scale=None, step: str = BWD_DEFAULT_STEP):
+    """Gradients (dq, dk, dv) of attention on tensor cores, from the forward's o and lse (flash_mma_forward).
+
+    q (B, H, Nq, D), k and v (B, Hkv, Nk, D), Hkv dividing H (GQA: dk, dv per K/V head, summed over the query
+    heads of a group); do and o like q; lse fp32 (B, H, Nq). fp16 or bf16, D = 64 or 128, an sm_80+ GPU; causal
+    aligned bottom-right. `step`: one of BWD_STEPS."""
+    if step not in BWD_STEPS:
+        raise ValueError(f"step must be one of {BWD_STEPS}, got {step!r}")
+    _, scale = check_backward_inputs(do, q, k, v, o, lse, causal=causal, sm_scale=sm_scale,
+                                     head_dims=cuda_ext.MMA_HEAD_DIMS, dtypes=cuda_ext.MMA_DTYPES)
+    check_device("q", q, "cuda")
+    ext = _extension(q)
+    lse2, delta = backward_inputs(do, o, lse)
+    dq, dk, dv = ext.flash_mma_bwd_backward(*(cuda_ext._aligned(t) for t in (do, q, k, v)), lse2, delta, causal,
+                                            scale, BWD_STEPS.index(step) + 1)
+    if step != "dq_pass":  # the atomics' accumulator: fp32 and not yet scaled
+        dq = (dq * scale).to(q.dtype)
+    return dq, dk, dv
+
+
+class FlashMmaFunction(torch.autograd.Function):
+    """Autograd: the forward saves (q, k, v, o, lse); the backward runs `flash_mma_backward`."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, sm_scale, step):
+        o, lse = flash_mma_forward(q, k, v, causal=causal, sm_scale=sm_scale)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.causal, ctx.sm_scale, ctx.step = causal, sm_scale, step
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        grads = flash_mma_backward(do, q, k, v, o, lse, causal=ctx.causal, sm_scale=ctx.sm_scale, step=ctx.step)
+        return *grads, None, None, None
+
+
+def flash_mma_attention(q, k, v, *, causal=False, sm_scale=None, step: str = BWD_DEFAULT_STEP):
+    """Differentiable tensor-core attention: `flash_mma_forward`, and `flash_mma_backward` in `step`."""
+    if step not in BWD_STEPS:
+        raise ValueError(f"step must be one of {BWD_STEPS}, got {step!r}")
+    shape = check_attention_inputs(q, k, v, causal=causal, head_dims=cuda_ext.MMA_HEAD_DIMS,
+                                   dtypes=cuda_ext.MMA_DTYPES)
+    resolve_scale(sm_scale, shape.head_dim)  # errors at the call, not inside autograd
+    check_device("q", q, "cuda")
+    return FlashMmaFunction.apply(q, k, v, causal, sm_scale, step)
