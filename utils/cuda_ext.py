@@ -35,8 +35,8 @@ ROOT = Path(__file__).resolve().parents[1]
 CUDA_DIR = ROOT / "utils" / "cuda"
 BUILD_DIR = ROOT / "build"
 
-# name -> (the function Python calls, or a tuple of them, the headers the .cu file includes). Each .cu file is passed twice to
-# load_inline: as cuda_sources (nvcc compiles the kernels and their plain launcher) and, with
+# name -> (the function Python calls, or a tuple of them, the headers the .cu file includes). Each .cu file is
+# passed twice to load_inline: as cuda_sources (nvcc compiles the kernels and their plain launcher) and, with
 # COURSE_TORCH_WRAPPER defined, as cpp_sources (the host compiler compiles the torch wrapper and its bindings).
 KERNELS = {
     "softmax": ("softmax_forward", ("course_str.h",)),
@@ -413,7 +413,7 @@ def flash_attention_cuda(q, k, v, *, causal=False, sm_scale=None):
     """
     check_attention_inputs(q, k, v, causal=causal, head_dims=MMA_HEAD_DIMS, dtypes=FLASH_DTYPES)
     wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    if wants_grad and (q.dtype == torch.float32 or not q.is_cuda):
+    if wants_grad and q.dtype == torch.float32:
         raise TypeError(f"the CUDA backward (notebook 06b) takes float16 or bfloat16; q has dtype {q.dtype} "
                         f"and needs a gradient (convert it, or use the registry's 'triton')")
     if q.is_cuda and q.dtype != torch.float32:

@@ -40,8 +40,8 @@ struct BwdTwoBlocks : BwdNarrowRows {
 // Step 5: each head dim with what paid for it: D = 64 step 4's, D = 128 step 1's 64 queries per step.
 struct BwdPerHeadDim : BwdTwoBlocks { template <int D> static constexpr int rows() { return D == 64 ? 32 : 64; } };
 // Step 6: the k loops of Sᵀ = K Qᵀ and dPᵀ = V dOᵀ unrolled twice, not fully. Fully unrolled, the compiler
-// hoisted every fragment address out of the query loop and spilled at D = 128 (ncu: 16 M local-memory requests
-// per launch); with two iterations in flight the mma still overlap the next ldmatrix, and nothing spills.
+// hoisted every fragment address out of the query loop and spilled at D = 128 (images/06b_ncu_backward_h200.txt);
+// with two iterations in flight the mma still overlap the next ldmatrix, and nothing spills.
 struct BwdUnrollTwo : BwdPerHeadDim { static constexpr int kUnrollD = 2; };
 
 using BwdLoad = Step7CausalSkip;  // how tiles are loaded and read: cp.async, swizzled, ldmatrix (06b step 7)
@@ -72,6 +72,24 @@ __device__ __forceinline__ void atomic_add4(float* dst, float4 x) {
 template <int kThreads>
 __device__ __forceinline__ void load_floats(float* dst, const float* src, int count) {
   for (int i = threadIdx.x * 4; i < count; i += kThreads * 4) cp_async_16(dst + i, src + i, true);
+}
+
+// acc (16 x 8 kTiles, this warp's rows) += rows 16 warp.. of A times rows 0 .. 8 kTiles - 1 of B, transposed, both
+// [rows][D] tiles: Sᵀ = K Qᵀ and dPᵀ = V dOᵀ. `kUnroll`: iterations of the k loop unrolled (step 6).
+template <int D, int kTiles, int kUnroll, typename T>
+__device__ __forceinline__ void mma_a_bt(float (&acc)[kTiles][4], const T* A, const T* B, int warp, int lane) {
+#pragma unroll (kUnroll)
+  for (int kk = 0; kk < D / 16; ++kk) {
+    uint32_t a[4];
+    load_a<BwdLoad, D>(a, A, warp * 16, kk * 16, lane);
+#pragma unroll
+    for (int n = 0; n < kTiles; n += 2) {
+      uint32_t b[2][2];
+      load_b_k<BwdLoad, D>(b, B, n * 8, kk * 16, lane);
+      mma_16816<T>(acc[n], a, b[0]);
+      mma_16816<T>(acc[n + 1], a, b[1]);
+    }
+  }
 }
 
 template <typename Step, typename T, int D, typename Tile>
@@ -134,18 +152,7 @@ __global__ void __launch_bounds__(Tile::kThreads, Step::template min_blocks<D>()
 
     // Sᵀ = K Qᵀ: this warp's 16 keys against the BR queries of the block.
     float s[kTilesS][4] = {};
-#pragma unroll (Step::kUnrollD)
-    for (int kk = 0; kk < D / 16; ++kk) {
-      uint32_t ka[4];
-      load_a<BwdLoad, D>(ka, Ks, warp * 16, kk * 16, lane);
-#pragma unroll
-      for (int n = 0; n < kTilesS; n += 2) {
-        uint32_t qb[2][2];
-        load_b_k<BwdLoad, D>(qb, Qt, n * 8, kk * 16, lane);
-        mma_16816<T>(s[n], ka, qb[0]);
-        mma_16816<T>(s[n + 1], ka, qb[1]);
-      }
-    }
+    mma_a_bt<D, kTilesS, Step::kUnrollD>(s, Ks, Qt, warp, lane);
 
     // Pᵀ = 2^(Sᵀ·scale·log2 e − lse2[query]); masked scores (keys past the end, causal) become 0.
     const bool masked = n0 + BC > p.seqlen_k || (p.causal && n0 + BC - 1 > q0 + offset);
@@ -159,60 +166,27 @@ __global__ void __launch_bounds__(Tile::kThreads, Step::template min_blocks<D>()
       }
 
     // dV += Pᵀ dO: the Pᵀ accumulators of n8 tiles 2kk, 2kk + 1 are the A fragment of queries 16kk..16kk+15.
-#pragma unroll
-    for (int kk = 0; kk < BR / 16; ++kk) {
-      const uint32_t pa[4] = {pack2<T>(s[2 * kk][0], s[2 * kk][1]), pack2<T>(s[2 * kk][2], s[2 * kk][3]),
-                              pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                              pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-#pragma unroll
-      for (int n = 0; n < kTilesD; n += 2) {
-        uint32_t ob[2][2];
-        load_b_v<BwdLoad, D>(ob, dOt, n * 8, kk * 16, lane);
-        mma_16816<T>(dv[n], pa, ob[0]);
-        mma_16816<T>(dv[n + 1], pa, ob[1]);
-      }
-    }
+    mma_c_b<BwdLoad, D, BR / 16>(dv, s, dOt, lane);
 
     // dPᵀ = V dOᵀ, then dSᵀ = Pᵀ ∘ (dPᵀ − delta[query]) in place of Pᵀ.
     float dp[kTilesS][4] = {};
-#pragma unroll (Step::kUnrollD)
-    for (int kk = 0; kk < D / 16; ++kk) {
-      uint32_t va[4];
-      load_a<BwdLoad, D>(va, Vs, warp * 16, kk * 16, lane);
-#pragma unroll
-      for (int n = 0; n < kTilesS; n += 2) {
-        uint32_t ob[2][2];
-        load_b_k<BwdLoad, D>(ob, dOt, n * 8, kk * 16, lane);
-        mma_16816<T>(dp[n], va, ob[0]);
-        mma_16816<T>(dp[n + 1], va, ob[1]);
-      }
-    }
+    mma_a_bt<D, kTilesS, Step::kUnrollD>(dp, Vs, dOt, warp, lane);
 #pragma unroll
     for (int n = 0; n < kTilesS; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[n][e] *= dp[n][e] - delta[n * 8 + 2 * t + e % 2];
 
-    // dK += dSᵀ Q (the scale is applied once, at the end); step 1 also leaves dSᵀ in shared memory for dQ.
+    // dK += dSᵀ Q (the scale is applied once, at the end); step 1 also leaves dSᵀ in shared memory for dQ:
+    // rows g, g + 8 of this warp's keys, queries 8n + 2t and 8n + 2t + 1 of every n8 tile.
+    if constexpr (Step::kAtomicDQ) {
 #pragma unroll
-    for (int kk = 0; kk < BR / 16; ++kk) {
-      const uint32_t da[4] = {pack2<T>(s[2 * kk][0], s[2 * kk][1]), pack2<T>(s[2 * kk][2], s[2 * kk][3]),
-                              pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                              pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-      if constexpr (Step::kAtomicDQ) {  // rows g, g + 8 of this warp's keys; queries 16kk + 2t, 16kk + 8 + 2t
-        T* row = dSs + (warp * 16 + g) * Tile::kDsStride + kk * 16 + 2 * t;
-        *reinterpret_cast<uint32_t*>(row) = da[0];
-        *reinterpret_cast<uint32_t*>(row + 8 * Tile::kDsStride) = da[1];
-        *reinterpret_cast<uint32_t*>(row + 8) = da[2];
-        *reinterpret_cast<uint32_t*>(row + 8 * Tile::kDsStride + 8) = da[3];
-      }
+      for (int n = 0; n < kTilesS; ++n)
 #pragma unroll
-      for (int n = 0; n < kTilesD; n += 2) {
-        uint32_t qb[2][2];
-        load_b_v<BwdLoad, D>(qb, Qt, n * 8, kk * 16, lane);
-        mma_16816<T>(dk[n], da, qb[0]);
-        mma_16816<T>(dk[n + 1], da, qb[1]);
-      }
+        for (int r = 0; r < 2; ++r)
+          *reinterpret_cast<uint32_t*>(dSs + (warp * 16 + g + 8 * r) * Tile::kDsStride + n * 8 + 2 * t) =
+              pack2<T>(s[n][2 * r], s[n][2 * r + 1]);
     }
+    mma_c_b<BwdLoad, D, BR / 16>(dk, s, Qt, lane);
 
     if constexpr (Step::kAtomicDQ) {
       // dQ (BR x D) += dS (BR x BC) K (BC x D): warp w takes query rows 16 (w % 4).., and D / (kWarps / 4)
@@ -364,19 +338,7 @@ __global__ void __launch_bounds__(DQTile<D>::kThreads, 1) flash_bwd_dq_kernel(Bw
       }
 
     // dQ += dS K: dS's accumulators are the A fragments, K the B operand read like V in the forward.
-#pragma unroll
-    for (int kk = 0; kk < BC / 16; ++kk) {
-      const uint32_t da[4] = {pack2<T>(s[2 * kk][0], s[2 * kk][1]), pack2<T>(s[2 * kk][2], s[2 * kk][3]),
-                              pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                              pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-#pragma unroll
-      for (int n = 0; n < kTilesD; n += 2) {
-        uint32_t kb[2][2];
-        load_b_v<BwdLoad, D>(kb, Kt, n * 8, kk * 16, lane);
-        mma_16816<T>(dq[n], da, kb[0]);
-        mma_16816<T>(dq[n + 1], da, kb[1]);
-      }
-    }
+    mma_c_b<BwdLoad, D, BC / 16>(dq, s, Kt, lane);
   }
 
   const float scale = p.scale_log2 * 0.6931471805599453f;

@@ -105,6 +105,28 @@ __device__ __forceinline__ void load_b_v(uint32_t (&b)[2][2], const T* tile, int
   }
 }
 
+// acc (16 x 8 kTilesOut) += C (16 x 16 kSteps) times rows 0 .. 16 kSteps - 1 of a [rows][D] tile, read as the
+// B operand like V. C is the accumulators of an earlier mma: n8 tiles 2kk and 2kk + 1, packed to 16 bits, are
+// the A fragment of k-step kk, so C never leaves the registers. O += P V here; dV += Pᵀ dO, dK += dSᵀ Q and
+// dQ += dS K in the backward (flash_mma_bwd_kernel.cuh).
+template <typename Step, int D, int kSteps, int kTilesOut, typename T>
+__device__ __forceinline__ void mma_c_b(float (&acc)[kTilesOut][4], const float (&c)[2 * kSteps][4], const T* tile,
+                                        int lane) {
+#pragma unroll
+  for (int kk = 0; kk < kSteps; ++kk) {
+    const uint32_t a[4] = {pack2<T>(c[2 * kk][0], c[2 * kk][1]), pack2<T>(c[2 * kk][2], c[2 * kk][3]),
+                           pack2<T>(c[2 * kk + 1][0], c[2 * kk + 1][1]),
+                           pack2<T>(c[2 * kk + 1][2], c[2 * kk + 1][3])};
+#pragma unroll
+    for (int n = 0; n < kTilesOut; n += 2) {
+      uint32_t b[2][2];
+      load_b_v<Step, D>(b, tile, n * 8, kk * 16, lane);
+      mma_16816<T>(acc[n], a, b[0]);
+      mma_16816<T>(acc[n + 1], a, b[1]);
+    }
+  }
+}
+
 template <typename Step, typename T, int D>
 __global__ void __launch_bounds__(MmaTile<Step, D>::kThreads, Step::template min_blocks<D>())
 flash_mma_kernel(Params p) {
@@ -252,19 +274,7 @@ flash_mma_kernel(Params p) {
 
     // O += P V. The S accumulators of n8 tiles 2kk and 2kk + 1 are, packed to 16 bits, exactly the A
     // fragment of keys 16kk..16kk+15: P never leaves the registers.
-#pragma unroll
-    for (int kk = 0; kk < BC / 16; ++kk) {
-      const uint32_t pa[4] = {pack2<T>(s[2 * kk][0], s[2 * kk][1]), pack2<T>(s[2 * kk][2], s[2 * kk][3]),
-                              pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                              pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-#pragma unroll
-      for (int n = 0; n < kTilesO; n += 2) {
-        uint32_t vb[2][2];
-        load_b_v<Step, D>(vb, Vt, n * 8, kk * 16, lane);
-        mma_16816<T>(o[n], pa, vb[0]);
-        mma_16816<T>(o[n + 1], pa, vb[1]);
-      }
-    }
+    mma_c_b<Step, D, BC / 16>(o, s, Vt, lane);
   }
 
   // Finish: the 4 threads of a group add their parts of l, then normalise and store their two rows.
