@@ -156,6 +156,22 @@ def test_tuned_tiles_divide_the_block_mask():
     assert configs(p, torch.float32, torch.device("cpu"))[0].block_m <= 64
 
 
+def test_whole_tiles_are_loaded_without_masks():
+    """EVEN (every tile whole: no packed sequences, lengths multiples of the tiles) drops the kernels' load masks;
+    both ways must match the reference, also with Nq != Nk and a mask that makes partial tiles."""
+    from utils.flex.attention import _even
+
+    assert _even(_Problem(1, 1, 1, 64, 128, 64, 0.1, None, None), 32, 64)
+    assert not _even(_Problem(1, 1, 1, 64, 96, 64, 0.1, None, None), 32, 64)
+    assert not _even(_Problem(1, 1, 1, 63, 128, 64, 0.1, None, None), 32, 64)
+    cu = torch.tensor([0, 64])
+    assert not _even(_Problem(1, 1, 1, 64, 64, 64, 0.1, None, None, cu_q=cu, cu_k=cu), 32, 32)   # packed
+    for nq, nk in ((64, 64), (32, 96), (64, 96 + 5)):   # whole tiles (interpreter tiles: 32), then a ragged end
+        check_against_reference(flex.sliding_window(20), *qkv(1, 2, 1, nq, nk, 32))
+        check_against_reference(flex.document(flex.document_ids([nk // 3, nk - nk // 3], device=DEVICE), causal=False),
+                                *qkv(1, 2, 2, nq, nk, 32))
+
+
 def test_bad_arguments_raise_clear_errors():
     q, k, v = qkv(1, 2, 2, 16, 16, 32)
     with pytest.raises(TypeError, match="modifier must be"):

@@ -2,6 +2,7 @@
 sequences), differentiable, on the kernels of utils.flex.kernels."""
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -70,31 +71,42 @@ def _precision(dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def _even(p: _Problem, block_q: int, block_k: int) -> bool:
+    """Whether every query tile of block_q rows and key tile of block_k rows is whole (the kernels then load
+    without masks): not for packed sequences, whose tiles start inside a sequence."""
+    return p.cu_q is None and p.seqlen_q % block_q == 0 and p.seqlen_k % block_k == 0
+
+
 def _tiles(size: int, sparse: int | None) -> int:
     """A kernel tile no larger than the block mask's, so that it divides it."""
     return size if sparse is None else min(size, sparse)
 
 
 # Tiles for 16-bit inputs with a block mask, the fastest of a sweep on an H200 (bf16, B=2, H=16, N=16k, sliding
-# window 1k and 16 documents; 8 forward, 7 dK/dV and 6 dQ candidates): smaller than notebook 05's and 07's,
-# since sparse rows of tiles are short. Other cases take notebook 05's and 07's choices. The backward's two passes
-# share warps and stages, so they run as one launch: in a second sweep (20 backward candidates, one launch and
-# two) that was 2% faster at D=128 than the best two-launch tiles and level at D=64.
-SPARSE_TILES = {64: (Config(128, 64, 4, 3), BackwardConfig(32, 128, 4, 3, 64, 64, 4, 3)),
-                128: (Config(64, 64, 4, 3), BackwardConfig(64, 128, 8, 2, 128, 64, 8, 2))}
+# window 1k and 16 documents; 9 forward and 10 backward candidates; `python -m utils.bench.flex` times the choice):
+# smaller than notebook 05's and 07's, since sparse rows of tiles are short. Since the kernels load whole tiles
+# without masks (EVEN), 64 x 64 tiles with 4 warps and 2 stages won the backward at both head dims; its two passes
+# share warps and stages, so they run as one launch. Other cases take notebook 05's and 07's choices.
+SPARSE_TILES = {64: (Config(128, 64, 4, 3), BackwardConfig(64, 64, 4, 2, 64, 64, 4, 2)),
+                128: (Config(64, 64, 4, 3), BackwardConfig(64, 64, 4, 2, 64, 64, 4, 2))}
 
 
 def configs(p: _Problem, dtype, device) -> tuple:
     """(forward Config, BackwardConfig) for one problem, within the GPU's shared memory per block."""
     smem = gpu.shared_memory_per_block(device) if device.type == "cuda" else None
-    fwd, bwd = pick_config(p.head_dim, dtype, device), default_config(p.head_dim, dtype, True, smem)
-    d = 64 if p.head_dim <= 64 else 128 if p.head_dim <= 128 else None
-    if device.type != "cuda" or dtype == torch.float32 or d is None or p.block_mask is None:
+    return _configs(p.head_dim, p.block_mask is not None, dtype, device, smem)
+
+
+@functools.lru_cache(maxsize=None)   # asked at every call: at N = 4k the host's time per call is the GPU's
+def _configs(head_dim: int, masked: bool, dtype, device, smem: int | None) -> tuple:
+    fwd, bwd = pick_config(head_dim, dtype, device), default_config(head_dim, dtype, True, smem)
+    d = 64 if head_dim <= 64 else 128 if head_dim <= 128 else None
+    if device.type != "cuda" or dtype == torch.float32 or d is None or not masked:
         return fwd, bwd
     tuned_fwd, tuned_bwd = SPARSE_TILES[d]
-    if smem is None or smem_estimate(tuned_fwd, p.head_dim, 2) <= smem:
+    if smem is None or smem_estimate(tuned_fwd, head_dim, 2) <= smem:
         fwd = tuned_fwd
-    if smem is None or bwd_smem_estimate(tuned_bwd, p.head_dim, 2) <= smem:
+    if smem is None or bwd_smem_estimate(tuned_bwd, head_dim, 2) <= smem:
         bwd = tuned_bwd
     return fwd, bwd
 
@@ -115,7 +127,8 @@ def _forward(q, k, v, p: _Problem):
         *_mask_args(p, transposed=False), *_mod_args(p, q), **_mod_fns(p), CAUSAL=p.causal,
         GROUP=p.heads // p.kv_heads, HEAD_DIM=p.head_dim, BLOCK_D=max(16, triton.next_power_of_2(p.head_dim)),
         BLOCK_M=block_m, BLOCK_N=block_n, SPARSE_M=sm or block_m, SPARSE_N=sn or block_n,
-        PRECISION=_precision(q.dtype), num_warps=config.num_warps, num_stages=config.num_stages)
+        PRECISION=_precision(q.dtype), EVEN=_even(p, block_m, block_n), num_warps=config.num_warps,
+        num_stages=config.num_stages)
     return o, lse
 
 
@@ -147,7 +160,8 @@ def _backward(do, q, k, v, o, lse, p: _Problem):
             SCORE_GRAD=p.modifier.score_grad if p.modifier else None, CAUSAL=p.causal, GROUP=group,
             HEAD_DIM=p.head_dim, BLOCK_D=block_d, BLOCK_M1=block_m1, BLOCK_N1=block_n1, BLOCK_M2=block_m2,
             BLOCK_N2=block_n2, SPARSE_M=sm or block_m1, SPARSE_N=sn or block_n1, PRECISION=_precision(q.dtype),
-            PART=part, num_warps=warps, num_stages=stages)
+            PART=part, EVEN=_even(p, max(block_m1, block_m2), max(block_n1, block_n2)), num_warps=warps,
+            num_stages=stages)
 
     # One launch when both kinds of programs want the same warps and stages, else one launch each.
     if (config.warps1, config.stages1) == (config.warps2, config.stages2):

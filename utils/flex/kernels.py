@@ -19,7 +19,8 @@ LOG2E = tl.constexpr(1.4426950408889634)   # log2(e): exp(x) = exp2(x * log2(e))
 
 @triton.jit
 def _scores(qk, b, h, q_pos, kv_pos, seqlen_k, sm_scale, qk_scale, args,
-            SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+            SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+            EVEN: tl.constexpr):
     """Scores in base 2 (exp2 of them is the softmax's exp), modified and, on partial tiles, masked; and the
     scaled scores given to SCORE_MOD (the backward differentiates the modifier there). q_pos (M, 1) and
     kv_pos (1, N) are positions in the key sequence, clamped to it for the modifiers."""
@@ -39,21 +40,34 @@ def _scores(qk, b, h, q_pos, kv_pos, seqlen_k, sm_scale, qk_scale, args,
 
 
 @triton.jit
+def _load(ptrs, rows_ok, d_ok, other, CHECK_ROWS: tl.constexpr, CHECK_D: tl.constexpr):
+    """tl.load masked only where a mask can be false (rows past the end, columns past the head dim): in the inner
+    loops every mask costs registers and instructions (the fastest flex kernels drop them the same way)."""
+    if CHECK_ROWS and CHECK_D:
+        x = tl.load(ptrs, mask=rows_ok & d_ok, other=other)
+    elif CHECK_ROWS:
+        x = tl.load(ptrs, mask=rows_ok, other=other)
+    elif CHECK_D:
+        x = tl.load(ptrs, mask=d_ok, other=other)
+    else:
+        x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
 def _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, start_n, q_pos, offs_n, offs_d, b, h, seqlen_k,
               stride_kn, stride_vn, sm_scale, qk_scale, args,
               SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, EVEN: tl.constexpr):
     """The online softmax of one key tile (notebook 05's loop body). k_ptrs, v_ptrs point at the first tile:
     moving them by start_n rows is one add per element, where rebuilding them costs several."""
     cols = start_n + offs_n
-    kv_mask = offs_d[None, :] < HEAD_DIM
-    if MASKED:
-        kv_mask = kv_mask & (cols[:, None] < seqlen_k)
-    k = tl.load(k_ptrs + start_n * stride_kn, mask=kv_mask, other=0.0)
-    v = tl.load(v_ptrs + start_n * stride_vn, mask=kv_mask, other=0.0)
+    rows_ok, d_ok = cols[:, None] < seqlen_k, offs_d[None, :] < HEAD_DIM     # full tiles hold no key past the end
+    k = _load(k_ptrs + start_n * stride_kn, rows_ok, d_ok, 0.0, MASKED and not EVEN, HEAD_DIM != BLOCK_D)
+    v = _load(v_ptrs + start_n * stride_vn, rows_ok, d_ok, 0.0, MASKED and not EVEN, HEAD_DIM != BLOCK_D)
     qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
     s, _ = _scores(qk, b, h, q_pos[:, None], cols[None, :], seqlen_k, sm_scale, qk_scale, args,
-                   SCORE_MOD, MASK_MOD, MASKED, CAUSAL)
+                   SCORE_MOD, MASK_MOD, MASKED, CAUSAL, EVEN)
     m_ij = tl.maximum(m_i, tl.max(s, 1))
     m_sub = tl.where(m_ij == float("-inf"), 0.0, m_ij)      # a row that has seen no key: avoid -inf - -inf
     p = tl.math.exp2(s - m_sub[:, None])
@@ -98,14 +112,14 @@ def _tile_start(index, it, first, SUB: tl.constexpr, SPARSE: tl.constexpr, BLOCK
     return first + it * BLOCK
 
 
-@triton.jit(do_not_specialize=["heads", "seqlen_q", "seqlen_k", "mask_sb", "mask_sh", "lse_sb", "lse_sh", "mod_i"])
+@triton.jit(do_not_specialize=["heads", "mask_sb", "mask_sh", "mod_i"])
 def flex_fwd_kernel(Q, K, V, O, LSE, s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
                     s_ob, s_oh, s_om, s_od, heads, seqlen_q, seqlen_k, sm_scale, qk_scale, lse_sb, lse_sh,
                     KV_COUNT, KV_INDEX, FULL_COUNT, FULL_INDEX, mask_sb, mask_sh, n_q_tiles, n_kv_tiles,
                     CU_Q, CU_K, MOD_T, mod_i, mod_f,
                     SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, CAUSAL: tl.constexpr, GROUP: tl.constexpr,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    SPARSE_M: tl.constexpr, SPARSE_N: tl.constexpr, PRECISION: tl.constexpr):
+                    SPARSE_M: tl.constexpr, SPARSE_N: tl.constexpr, PRECISION: tl.constexpr, EVEN: tl.constexpr):
     """One program: BLOCK_M queries of one (batch, head). Grid (cdiv(max Nq, BLOCK_M), batch * heads).
     With a block mask (KV_COUNT given) it visits the tiles of its row's lists; with CU_Q/CU_K (packed
     sequences) the causal range of its own sequence."""
@@ -150,7 +164,7 @@ def flex_fwd_kernel(Q, K, V, O, LSE, s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s
             start_n = _tile_start(index, it, n_full if partial else 0, SUB, SPARSE_N, BLOCK_N)
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, start_n, q_pos, offs_n, offs_d, b, h,
                                       seqlen_k, s_kn, s_vn, sm_scale, qk_scale, args,
-                                      SCORE_MOD, MASK_MOD, partial == 1, CAUSAL, HEAD_DIM, BLOCK_D, PRECISION)
+                                      SCORE_MOD, MASK_MOD, partial == 1, CAUSAL, HEAD_DIM, BLOCK_D, PRECISION, EVEN)
 
     seen = l_i > 0.0             # a query that sees no key: output 0, lse -inf
     acc = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -167,21 +181,22 @@ def flex_fwd_kernel(Q, K, V, O, LSE, s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s
 def _dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, lse2_row, delta_row, m0, kv_pos, offs_d, b, h, seqlen_q, seqlen_k,
                s_qm, s_dom, sm_scale, qk_scale, args,
                SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr, MASKED: tl.constexpr,
-               CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr):
+               CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+               PRECISION: tl.constexpr, EVEN: tl.constexpr):
     """dK, dV of one key tile from one query tile, transposed (keys x queries) so Pᵀ and dSᵀ come out of the
     dots directly."""
     offs_m = m0 + tl.arange(0, BLOCK_M)
-    mask_m = offs_m < seqlen_q
-    mask_md = mask_m[None, :] & (offs_d[:, None] < HEAD_DIM)
-    q_t = tl.load(q_ptrs + m0 * s_qm, mask=mask_md, other=0.0)               # (D, M)
-    lse2 = tl.load(lse2_row + offs_m, mask=mask_m, other=float("inf"))       # rows past the end: P = 0
+    mask_m = offs_m < seqlen_q                                               # query tiles may be ragged
+    CHECK_D: tl.constexpr = HEAD_DIM != BLOCK_D
+    q_t = _load(q_ptrs + m0 * s_qm, mask_m[None, :], offs_d[:, None] < HEAD_DIM, 0.0, not EVEN, CHECK_D)  # (D, M)
+    lse2 = _load(lse2_row + offs_m, mask_m, mask_m, float("inf"), not EVEN, False)   # rows past the end: P = 0
     q_pos = offs_m + (seqlen_k - seqlen_q)
     s_t, raw_t = _scores(tl.dot(k, q_t, input_precision=PRECISION), b, h, q_pos[None, :], kv_pos[:, None],
-                         seqlen_k, sm_scale, qk_scale, args, SCORE_MOD, MASK_MOD, MASKED, CAUSAL)
+                         seqlen_k, sm_scale, qk_scale, args, SCORE_MOD, MASK_MOD, MASKED, CAUSAL, EVEN)
     p_t = tl.math.exp2(s_t - lse2[None, :])                                  # (N, M)
-    do = tl.load(do_ptrs + m0 * s_dom, mask=tl.trans(mask_md), other=0.0)    # (M, D)
+    do = _load(do_ptrs + m0 * s_dom, mask_m[:, None], offs_d[None, :] < HEAD_DIM, 0.0, not EVEN, CHECK_D)  # (M, D)
     dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)            # dV += Pᵀ dO
-    delta = tl.load(delta_row + offs_m, mask=mask_m, other=0.0)
+    delta = _load(delta_row + offs_m, mask_m, mask_m, 0.0, not EVEN, False)
     dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)                # dPᵀ = V dOᵀ
     ds_t = p_t * (dp_t - delta[None, :])                                     # dSᵀ = Pᵀ ∘ (dPᵀ − D)
     if SCORE_GRAD is not None:                                               # chain rule through score_mod
@@ -210,7 +225,7 @@ def _dkdv_program(pid_n, b, hk, Q, K, V, DO, LSE2, DELTA, DK, DV, s_qb, s_qh, s_
                   SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr,
                   CAUSAL: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPARSE_M: tl.constexpr,
-                  SPARSE_N: tl.constexpr, PRECISION: tl.constexpr):
+                  SPARSE_N: tl.constexpr, PRECISION: tl.constexpr, EVEN: tl.constexpr):
     """BLOCK_N keys of one (batch, K/V head), kept on chip with their dK, dV, against the query tiles of every
     query head of its group that see them (the column lists of the block mask)."""
     q_start, seqlen_q = _sequence(CU_Q, b, seqlen_q)
@@ -256,7 +271,8 @@ def _dkdv_program(pid_n, b, hk, Q, K, V, DO, LSE2, DELTA, DK, DV, s_qb, s_qh, s_
                 m0 = _tile_start(index, it, start if partial else split, SUB, SPARSE_M, BLOCK_M)
                 dk, dv = _dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, lse2_row, delta_row, m0, kv_pos, offs_d, b, h,
                                     seqlen_q, seqlen_k, s_qm, s_dom, sm_scale, qk_scale, args, SCORE_MOD,
-                                    SCORE_GRAD, MASK_MOD, partial == 1, CAUSAL, HEAD_DIM, BLOCK_M, PRECISION)
+                                    SCORE_GRAD, MASK_MOD, partial == 1, CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_M, PRECISION,
+                                    EVEN)
     dk *= sm_scale
     dk_off = _offset(b, hk, k_start, s_dkb, s_dkh, s_dkn)
     dv_off = _offset(b, hk, k_start, s_dvb, s_dvh, s_dvn)
@@ -270,16 +286,15 @@ def _dkdv_program(pid_n, b, hk, Q, K, V, DO, LSE2, DELTA, DK, DV, s_qb, s_qh, s_
 def _dq_tile(dq, q, do, lse2, delta, k_ptrs, v_ptrs, start_n, q_pos, offs_n, offs_d, b, h, seqlen_k,
              s_kn, s_vn, sm_scale, qk_scale, args,
              SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr, MASKED: tl.constexpr,
-             CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr):
+             CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+             EVEN: tl.constexpr):
     """dQ of one query tile from one key tile."""
     kv_pos = start_n + offs_n
-    kv_mask = offs_d[:, None] < HEAD_DIM
-    if MASKED:
-        kv_mask = kv_mask & (kv_pos[None, :] < seqlen_k)
-    k_t = tl.load(k_ptrs + start_n * s_kn, mask=kv_mask, other=0.0)          # (D, N)
-    v_t = tl.load(v_ptrs + start_n * s_vn, mask=kv_mask, other=0.0)
+    rows_ok, d_ok = kv_pos[None, :] < seqlen_k, offs_d[:, None] < HEAD_DIM    # as the forward's
+    k_t = _load(k_ptrs + start_n * s_kn, rows_ok, d_ok, 0.0, MASKED and not EVEN, HEAD_DIM != BLOCK_D)   # (D, N)
+    v_t = _load(v_ptrs + start_n * s_vn, rows_ok, d_ok, 0.0, MASKED and not EVEN, HEAD_DIM != BLOCK_D)
     s, raw = _scores(tl.dot(q, k_t, input_precision=PRECISION), b, h, q_pos[:, None], kv_pos[None, :], seqlen_k,
-                     sm_scale, qk_scale, args, SCORE_MOD, MASK_MOD, MASKED, CAUSAL)
+                     sm_scale, qk_scale, args, SCORE_MOD, MASK_MOD, MASKED, CAUSAL, EVEN)
     p = tl.math.exp2(s - lse2[:, None])
     dp = tl.dot(do, v_t, input_precision=PRECISION)                          # dP = dO Vᵀ
     ds = p * (dp - delta[:, None])                                           # dS = P ∘ (dP − D)
@@ -296,7 +311,7 @@ def _dq_program(pid_m, b, h, Q, K, V, DO, LSE2, DELTA, DQ, s_qb, s_qh, s_qm, s_q
                 SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr,
                 CAUSAL: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPARSE_M: tl.constexpr, SPARSE_N: tl.constexpr,
-                PRECISION: tl.constexpr):
+                PRECISION: tl.constexpr, EVEN: tl.constexpr):
     """dQ of BLOCK_M queries of one (batch, head), over the key tiles of its row's lists."""
     q_start, seqlen_q = _sequence(CU_Q, b, seqlen_q)
     k_start, seqlen_k = _sequence(CU_K, b, seqlen_k)
@@ -335,15 +350,15 @@ def _dq_program(pid_m, b, h, Q, K, V, DO, LSE2, DELTA, DQ, s_qb, s_qh, s_qm, s_q
             start_n = _tile_start(index, it, n_full if partial else 0, SUB, SPARSE_N, BLOCK_N)
             dq = _dq_tile(dq, q, do, lse2, delta, k_ptrs, v_ptrs, start_n, q_pos, offs_n, offs_d, b, h, seqlen_k,
                           s_kn, s_vn, sm_scale, qk_scale, args,
-                          SCORE_MOD, SCORE_GRAD, MASK_MOD, partial == 1, CAUSAL, HEAD_DIM, PRECISION)
+                          SCORE_MOD, SCORE_GRAD, MASK_MOD, partial == 1, CAUSAL, HEAD_DIM, BLOCK_D, PRECISION, EVEN)
     dq *= sm_scale
     dq_off = _offset(b, h, q_start, s_dqb, s_dqh, s_dqm)
     tl.store(DQ + dq_off + offs_m[:, None] * s_dqm + offs_d[None, :] * s_dqd, dq.to(DQ.dtype.element_ty),
              mask=io_mask)
 
 
-@triton.jit(do_not_specialize=["kv_heads", "seqlen_q", "seqlen_k", "mask_sb", "mask_sh", "maskt_sb", "maskt_sh",
-                               "lse_sb", "lse_sh", "mod_i", "n_kv_programs", "n_q_programs"])
+@triton.jit(do_not_specialize=["kv_heads", "mask_sb", "mask_sh", "maskt_sb", "maskt_sh", "mod_i",
+                               "n_kv_programs", "n_q_programs"])
 def flex_bwd_kernel(Q, K, V, DO, LSE2, DELTA, DQ, DK, DV, s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd,
                     s_vb, s_vh, s_vn, s_vd, s_dob, s_doh, s_dom, s_dod, s_dqb, s_dqh, s_dqm, s_dqd,
                     s_dkb, s_dkh, s_dkn, s_dkd, s_dvb, s_dvh, s_dvn, s_dvd, kv_heads, seqlen_q, seqlen_k,
@@ -354,7 +369,8 @@ def flex_bwd_kernel(Q, K, V, DO, LSE2, DELTA, DQ, DK, DV, s_qb, s_qh, s_qm, s_qd
                     SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr,
                     CAUSAL: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
-                    SPARSE_M: tl.constexpr, SPARSE_N: tl.constexpr, PRECISION: tl.constexpr, PART: tl.constexpr):
+                    SPARSE_M: tl.constexpr, SPARSE_N: tl.constexpr, PRECISION: tl.constexpr, PART: tl.constexpr,
+                    EVEN: tl.constexpr):
     """The backward's two kinds of programs in one grid (n_kv_programs + n_q_programs * GROUP, batch * kv_heads):
     first the dK/dV programs, one per BLOCK_N1 keys, then the dQ programs, one per BLOCK_M2 queries of each query
     head of the group, so that one launch keeps the GPU busy with both (no tail between two launches).
@@ -369,7 +385,7 @@ def flex_bwd_kernel(Q, K, V, DO, LSE2, DELTA, DQ, DK, DV, s_qb, s_qh, s_qm, s_qd
                       s_dvb, s_dvh, s_dvn, s_dvd, seqlen_q, seqlen_k, sm_scale, qk_scale, lse_sb, lse_sh,
                       Q_COUNT, Q_INDEX, FULL_Q_COUNT, FULL_Q_INDEX, maskt_sb, maskt_sh, n_q_tiles, CU_Q, CU_K,
                       MOD_T, mod_i, mod_f, SCORE_MOD, SCORE_GRAD, MASK_MOD, CAUSAL, GROUP, HEAD_DIM, BLOCK_D,
-                      BLOCK_M1, BLOCK_N1, SPARSE_M, SPARSE_N, PRECISION)
+                      BLOCK_M1, BLOCK_N1, SPARSE_M, SPARSE_N, PRECISION, EVEN)
     elif PART != 1:
         j = pid - n_kv_programs
         h = hk * GROUP + j // n_q_programs
@@ -378,4 +394,4 @@ def flex_bwd_kernel(Q, K, V, DO, LSE2, DELTA, DQ, DK, DV, s_qb, s_qh, s_qm, s_qd
                     seqlen_q, seqlen_k, sm_scale, qk_scale, lse_sb, lse_sh, KV_COUNT, KV_INDEX, FULL_KV_COUNT,
                     FULL_KV_INDEX, mask_sb, mask_sh, n_kv_tiles, CU_Q, CU_K, MOD_T, mod_i, mod_f, SCORE_MOD,
                     SCORE_GRAD, MASK_MOD, CAUSAL, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M2, BLOCK_N2, SPARSE_M, SPARSE_N,
-                    PRECISION)
+                    PRECISION, EVEN)
