@@ -157,8 +157,10 @@ def test_tuned_tiles_divide_the_block_mask():
 
 
 def test_whole_tiles_are_loaded_without_masks():
-    """EVEN (every tile whole: no packed sequences, lengths multiples of the tiles) drops the kernels' load masks;
-    both ways must match the reference, also with Nq != Nk and a mask that makes partial tiles."""
+    """EVEN (every tile of the block mask whole: no packed sequences, lengths multiples of its tiles) drops the
+    kernels' load masks. Both ways must match the reference, with block-mask tiles larger than the kernels' (they
+    walk a listed tile to its end: N = 64 is whole for a kernel tile, not for a 128 x 128 mask tile), Nq != Nk
+    and masks that make partial tiles."""
     from utils.flex.attention import _even
 
     assert _even(_Problem(1, 1, 1, 64, 128, 64, 0.1, None, None), 32, 64)
@@ -166,10 +168,11 @@ def test_whole_tiles_are_loaded_without_masks():
     assert not _even(_Problem(1, 1, 1, 63, 128, 64, 0.1, None, None), 32, 64)
     cu = torch.tensor([0, 64])
     assert not _even(_Problem(1, 1, 1, 64, 64, 64, 0.1, None, None, cu_q=cu, cu_k=cu), 32, 32)   # packed
-    for nq, nk in ((64, 64), (32, 96), (64, 96 + 5)):   # whole tiles (interpreter tiles: 32), then a ragged end
-        check_against_reference(flex.sliding_window(20), *qkv(1, 2, 1, nq, nk, 32))
-        check_against_reference(flex.document(flex.document_ids([nk // 3, nk - nk // 3], device=DEVICE), causal=False),
-                                *qkv(1, 2, 2, nq, nk, 32))
+    for nq, nk in ((128, 128), (128, 256), (64, 64), (32, 96), (64, 101)):
+        for mod, heads in ((flex.sliding_window(20), 1),
+                           (flex.document(flex.document_ids([nk // 3, nk - nk // 3], device=DEVICE), causal=False), 2)):
+            bm = flex.block_mask(mod, 1, 2, nq, nk, device=DEVICE, block_m=128, block_n=128)
+            check_against_reference(mod, *qkv(1, 2, heads, nq, nk, 32), block_mask=bm)
 
 
 def test_bad_arguments_raise_clear_errors():
