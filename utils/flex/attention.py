@@ -98,7 +98,7 @@ def configs(p: _Problem, dtype, device) -> tuple:
     return _configs(p.head_dim, p.block_mask is not None, dtype, device, smem)
 
 
-@functools.lru_cache(maxsize=None)   # asked at every call: at N = 4k the host's time per call is the GPU's
+@functools.lru_cache(maxsize=None)   # asked at every call: at small N the host's time per call is on the clock
 def _configs(head_dim: int, masked: bool, dtype, device, smem: int | None) -> tuple:
     fwd, bwd = pick_config(head_dim, dtype, device), default_config(head_dim, dtype, True, smem)
     d = 64 if head_dim <= 64 else 128 if head_dim <= 128 else None
