@@ -163,11 +163,15 @@ def test_whole_tiles_are_loaded_without_masks():
     and masks that make partial tiles."""
     from utils.flex.attention import _even
 
-    assert _even(_Problem(1, 1, 1, 64, 128, 64, 0.1, None, None), 32, 64)
-    assert not _even(_Problem(1, 1, 1, 64, 96, 64, 0.1, None, None), 32, 64)
-    assert not _even(_Problem(1, 1, 1, 63, 128, 64, 0.1, None, None), 32, 64)
+    def problem(nq, nk):   # a block mask of 32 x 64 tiles
+        bm = flex.block_mask(None, 1, 1, nq, nk, device=DEVICE, block_m=32, block_n=64)
+        return _Problem(1, 1, 1, nq, nk, 64, 0.1, None, bm)
+
+    assert _even(problem(64, 128))
+    assert not _even(problem(64, 96))
+    assert not _even(problem(63, 128))
     cu = torch.tensor([0, 64])
-    assert not _even(_Problem(1, 1, 1, 64, 64, 64, 0.1, None, None, cu_q=cu, cu_k=cu), 32, 32)   # packed
+    assert not _even(_Problem(1, 1, 1, 64, 64, 64, 0.1, None, None, cu_q=cu, cu_k=cu))   # packed
     for nq, nk in ((128, 128), (128, 256), (64, 64), (32, 96), (64, 101)):
         for mod, heads in ((flex.sliding_window(20), 1),
                            (flex.document(flex.document_ids([nk // 3, nk - nk // 3], device=DEVICE), causal=False), 2)):

@@ -71,11 +71,12 @@ def _precision(dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _even(p: _Problem, block_q: int, block_k: int) -> bool:
+def _even(p: _Problem) -> bool:
     """Whether every tile is whole (the kernels then load without masks): the lengths are multiples of the block
-    mask's tiles (block_q x block_k; the kernels walk each listed tile to its end); never for packed sequences,
+    mask's tiles (the kernels walk each listed tile to its end); never for packed sequences (no block mask),
     whose tiles start inside a sequence."""
-    return p.cu_q is None and p.seqlen_q % block_q == 0 and p.seqlen_k % block_k == 0
+    bm = p.block_mask
+    return bm is not None and p.seqlen_q % bm.block_m == 0 and p.seqlen_k % bm.block_n == 0
 
 
 def _tiles(size: int, sparse: int | None) -> int:
@@ -128,8 +129,7 @@ def _forward(q, k, v, p: _Problem):
         *_mask_args(p, transposed=False), *_mod_args(p, q), **_mod_fns(p), CAUSAL=p.causal,
         GROUP=p.heads // p.kv_heads, HEAD_DIM=p.head_dim, BLOCK_D=max(16, triton.next_power_of_2(p.head_dim)),
         BLOCK_M=block_m, BLOCK_N=block_n, SPARSE_M=sm or block_m, SPARSE_N=sn or block_n,
-        PRECISION=_precision(q.dtype), EVEN=_even(p, sm or block_m, sn or block_n), num_warps=config.num_warps,
-        num_stages=config.num_stages)
+        PRECISION=_precision(q.dtype), EVEN=_even(p), num_warps=config.num_warps, num_stages=config.num_stages)
     return o, lse
 
 
@@ -161,8 +161,7 @@ def _backward(do, q, k, v, o, lse, p: _Problem):
             SCORE_GRAD=p.modifier.score_grad if p.modifier else None, CAUSAL=p.causal, GROUP=group,
             HEAD_DIM=p.head_dim, BLOCK_D=block_d, BLOCK_M1=block_m1, BLOCK_N1=block_n1, BLOCK_M2=block_m2,
             BLOCK_N2=block_n2, SPARSE_M=sm or block_m1, SPARSE_N=sn or block_n1, PRECISION=_precision(q.dtype),
-            PART=part, EVEN=_even(p, sm or max(block_m1, block_m2), sn or max(block_n1, block_n2)), num_warps=warps,
-            num_stages=stages)
+            PART=part, EVEN=_even(p), num_warps=warps, num_stages=stages)
 
     # One launch when both kinds of programs want the same warps and stages, else one launch each.
     if (config.warps1, config.stages1) == (config.warps2, config.stages2):
