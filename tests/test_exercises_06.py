@@ -6,7 +6,7 @@ import pytest
 
 from utils.cuda_ext import find_nvcc
 from utils.exercises import check
-from utils.exercises.cuda_kernels import check_load_b_v, check_warp_reductions, host_compiler
+from utils.exercises.cuda_kernels import check_backward_ds, check_load_b_v, check_warp_reductions, host_compiler
 from utils.learner import code_cell
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -16,6 +16,7 @@ pytestmark = pytest.mark.skipif(find_nvcc() is None or host_compiler() is None,
 EXERCISES = {
     "6.5": ("06_cuda_load_inline.ipynb", "# Exercise 6.5", "WARP_REDUCE_CUDA", check_warp_reductions),
     "6b.5": ("06b_cuda_tensor_cores.ipynb", "# Exercise 6b.5", "LOAD_B_V_CUDA", check_load_b_v),
+    "6b.6": ("06b_cuda_tensor_cores.ipynb", "# Exercise 6b.6", "BWD_DS_CUDA", check_backward_ds),
 }
 
 
@@ -53,6 +54,14 @@ WRONG = [
      r"expected \(V\[8\]\[0\], V\[9\]\[0\]\)"),
     ("6b.5", "ldmatrix_x4_trans(", "ldmatrix_x4(", r"b\[0\]\[0\] wrong in lanes 0–31.*holds \(V\[0\]\[0\], V\[0\]\[1\]\)"),
     ("6b.5", "smem_offset<D, kSwizzle>(row, col)", "row * D + col", "swizzled tile"),
+    # the forward's frame: lse2 by the accumulator's row (a key here)
+    ("6b.6", "-lse2[col]", "-lse2[key - key0 + (key0 % 8)]",
+     r"Pᵀ \(probs_t\) \(keys 0..15, queries 0..31.*lane 0 \(g=0, t=0\) s\[0\]\[1\] holds key 0, query 1.*"
+     r"lse2 indexed by the key"),
+    ("6b.6", "key > q0 + col + offset", "key > q0 + col",   # top-left causal alignment
+     r"keys 16..31, queries 0..63, Nq=40, Nk=45, causal\): wrong at keys 16–31.*key 16, query 11: got 0.*visible"),
+    ("6b.6", "key >= p.seqlen_k || ", "", r"keys 112..127.*Nk=120.*wrong at keys 120–127.*must be 0"),
+    ("6b.6", "delta[n * 8 + 2 * t + e % 2]", "delta[e / 2 * 8]", r"dSᵀ \(ds_t\).*wrong at keys 0–15"),
 ]
 
 
@@ -69,3 +78,5 @@ def test_checks_refuse_a_non_string():
         check_warp_reductions(None)
     with pytest.raises(TypeError):
         check_load_b_v(b"source")
+    with pytest.raises(TypeError):
+        check_backward_ds(None)

@@ -92,6 +92,35 @@ __device__ __forceinline__ void mma_a_bt(float (&acc)[kTiles][4], const T* A, co
   }
 }
 
+// The two element-wise steps of the transposed frame (Exercise 6b.6). In a warp's accumulators of Sᵀ = K Qᵀ,
+// s[n][e] of the lane with g = lane / 4, t = lane % 4 holds key key0 + 8 (e / 2), where key0 = the warp's first
+// key + g, and query q0 + 8n + 2t + e % 2: the C layout with keys as rows. So the per-query values lse2 and delta
+// (the block's, from query q0) are indexed by the column.
+// Pᵀ in place of Sᵀ: 2^(s·scale_log2 − lse2[query]), or 0 where the key is hidden from the query: past the end,
+// or causal and key > query + offset (offset = seqlen_k − seqlen_q, the bottom-right alignment). `masked`:
+// whether any key of the tile may be hidden (else no test).
+template <int kTiles>
+__device__ __forceinline__ void probs_t(float (&s)[kTiles][4], const float* lse2, const Params& p, int key0, int q0,
+                                        bool masked, int offset, int t) {
+#pragma unroll
+  for (int n = 0; n < kTiles; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int col = n * 8 + 2 * t + e % 2, key = key0 + e / 2 * 8;
+      const bool hidden = masked && (key >= p.seqlen_k || (p.causal && key > q0 + col + offset));
+      s[n][e] = hidden ? 0.f : fast_exp2(fmaf(s[n][e], p.scale_log2, -lse2[col]));
+    }
+}
+
+// dSᵀ in place of Pᵀ: Pᵀ ∘ (dPᵀ − delta[query]).
+template <int kTiles>
+__device__ __forceinline__ void ds_t(float (&s)[kTiles][4], const float (&dp)[kTiles][4], const float* delta, int t) {
+#pragma unroll
+  for (int n = 0; n < kTiles; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[n][e] *= dp[n][e] - delta[n * 8 + 2 * t + e % 2];
+}
+
 template <typename Step, typename T, int D, typename Tile>
 __global__ void __launch_bounds__(Tile::kThreads, Step::template min_blocks<D>()) flash_bwd_dkdv_kernel(BwdParams bp) {
   constexpr int BR = Tile::kRows, BC = Tile::kCols, kThreads = Tile::kThreads;
@@ -156,14 +185,7 @@ __global__ void __launch_bounds__(Tile::kThreads, Step::template min_blocks<D>()
 
     // Pᵀ = 2^(Sᵀ·scale·log2 e − lse2[query]); masked scores (keys past the end, causal) become 0.
     const bool masked = n0 + BC > p.seqlen_k || (p.causal && n0 + BC - 1 > q0 + offset);
-#pragma unroll
-    for (int n = 0; n < kTilesS; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int col = n * 8 + 2 * t + e % 2, key = key0 + e / 2 * 8;
-        const bool hidden = masked && (key >= p.seqlen_k || (p.causal && key > q0 + col + offset));
-        s[n][e] = hidden ? 0.f : fast_exp2(fmaf(s[n][e], p.scale_log2, -lse2[col]));
-      }
+    probs_t(s, lse2, p, key0, q0, masked, offset, t);
 
     // dV += Pᵀ dO: the Pᵀ accumulators of n8 tiles 2kk, 2kk + 1 are the A fragment of queries 16kk..16kk+15.
     mma_c_b<BwdLoad, D, BR / 16>(dv, s, dOt, lane);
@@ -171,10 +193,7 @@ __global__ void __launch_bounds__(Tile::kThreads, Step::template min_blocks<D>()
     // dPᵀ = V dOᵀ, then dSᵀ = Pᵀ ∘ (dPᵀ − delta[query]) in place of Pᵀ.
     float dp[kTilesS][4] = {};
     mma_a_bt<D, kTilesS, Step::kUnrollD>(dp, Vs, dOt, warp, lane);
-#pragma unroll
-    for (int n = 0; n < kTilesS; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[n][e] *= dp[n][e] - delta[n * 8 + 2 * t + e % 2];
+    ds_t(s, dp, delta, t);
 
     // dK += dSᵀ Q (the scale is applied once, at the end); step 1 also leaves dSᵀ in shared memory for dQ:
     // rows g, g + 8 of this warp's keys, queries 8n + 2t and 8n + 2t + 1 of every n8 tile.

@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -507,3 +508,243 @@ def _check_pv_on_gpu(source: str) -> None:
         v = torch.randn(keys, d, device="cuda", generator=gen).bfloat16()
         assert_rows_close(ext.exercise_pv(p, v, swizzle), p.double() @ v.double(), atol=1e-3, rtol=1e-3,
                           block_rows=8, name=f"O = P V ({keys} keys, D={d}, {'swizzled' if swizzle else 'plain'})")
+
+
+# ---- Exercise 6b.6: Pᵀ and dSᵀ in the backward's transposed frame (notebook 06b) --------------------------------
+
+class _DsCase(NamedTuple):
+    tiles: int        # n8 tiles of queries: BR = 8 tiles
+    k0: int           # the warp's first key
+    q0: int           # the block's first query
+    seqlen_q: int
+    seqlen_k: int
+    causal: bool
+    masked: bool      # the tile may hide keys (the kernel's test); False: none is hidden
+
+    def describe(self) -> str:
+        hidden = "causal" if self.causal else "not causal"
+        return (f"keys {self.k0}..{self.k0 + 15}, queries {self.q0}..{self.q0 + 8 * self.tiles - 1}, "
+                f"Nq={self.seqlen_q}, Nk={self.seqlen_k}, {hidden}")
+
+
+_DS_CASES = [_DsCase(4, 0, 0, 512, 512, False, False),     # nothing hidden
+             _DsCase(8, 48, 32, 256, 256, True, True),     # the causal diagonal crosses the tile
+             _DsCase(4, 112, 0, 100, 120, False, True),    # keys 120.. are past the end
+             _DsCase(8, 16, 0, 40, 45, True, True),        # causal, bottom-right: offset 5; queries 40.. padded
+             _DsCase(4, 32, 96, 100, 100, False, True)]    # queries 100..127 are padding (lse2 = +inf)
+_DS_SCALE_LOG2 = 0.125 * 1.4426950408889634
+
+
+def _ds_data(case: _DsCase, seed: int) -> dict:
+    """Sᵀ and dPᵀ (16 keys x 8·tiles queries), lse2 and delta per query (+inf and 0 for the padding)."""
+    rng = np.random.default_rng(seed)
+    cols = 8 * case.tiles
+    queries = case.q0 + np.arange(cols)
+    lse2 = rng.uniform(-1.0, 3.0, cols).astype(np.float32)
+    lse2[queries >= case.seqlen_q] = np.inf
+    delta = rng.normal(size=cols).astype(np.float32)
+    delta[queries >= case.seqlen_q] = 0.0
+    return dict(s=(rng.normal(size=(16, cols)) * 8).astype(np.float32), dp=rng.normal(size=(16, cols)).astype(np.float32),
+                lse2=lse2, delta=delta)
+
+
+def _ds_expected(case: _DsCase, data: dict, *, lse_by_key=False, delta_by_key=False) -> tuple:
+    """Pᵀ and dSᵀ in float64; the flags give two plausible mistakes, to recognise them in a learner's output."""
+    keys = case.k0 + np.arange(16)[:, None]
+    queries = case.q0 + np.arange(8 * case.tiles)[None, :]
+    hidden = (keys >= case.seqlen_k) | (case.causal & (keys > queries + case.seqlen_k - case.seqlen_q))
+    hidden &= case.masked
+    lse2 = data["lse2"].astype(np.float64)
+    lse = lse2[np.arange(16)][:, None] if lse_by_key else lse2[None, :]
+    with np.errstate(invalid="ignore", over="ignore"):
+        p = np.where(hidden, 0.0, np.exp2(data["s"].astype(np.float64) * _DS_SCALE_LOG2 - lse))
+        delta = data["delta"].astype(np.float64)
+        d = delta[np.arange(16)][:, None] if delta_by_key else delta[None, :]
+        ds = p * (data["dp"].astype(np.float64) - d)
+    return p, ds, hidden
+
+
+_DS_PRELUDE = r"""
+namespace course_flash {
+struct Params { int seqlen_q = 0, seqlen_k = 0; float scale_log2 = 0.f; bool causal = false; };  // what it reads
+inline float fast_exp2(float x) { return exp2f(x); }
+}  // namespace course_flash
+using namespace course_flash;
+"""
+_DS_DRIVER = r"""
+template <int kTiles>
+void run_case(int c, const float* S, const float* dP, const float* lse2, const float* delta, int k0, int q0, int sq,
+              int sk, bool causal, bool masked, float scale_log2) {
+  constexpr int cols = 8 * kTiles;
+  Params p;
+  p.seqlen_q = sq, p.seqlen_k = sk, p.scale_log2 = scale_log2, p.causal = causal;
+  static float P[32][kTiles][4], dS[32][kTiles][4];
+  warp_emulation::run_warp([&](int lane) {
+    const int g = lane / 4, t = lane % 4;
+    float s[kTiles][4], dp[kTiles][4];
+    for (int n = 0; n < kTiles; ++n)  // the C layout: (row g + 8 (e / 2), column 8n + 2t + e % 2)
+      for (int e = 0; e < 4; ++e) {
+        const int at = (g + 8 * (e / 2)) * cols + 8 * n + 2 * t + e % 2;
+        s[n][e] = S[at], dp[n][e] = dP[at];
+      }
+    probs_t<kTiles>(s, lse2, p, k0 + g, q0, masked, sk - sq, t);
+    std::memcpy(P[lane], s, sizeof(s));
+    ds_t<kTiles>(s, dp, delta, t);
+    std::memcpy(dS[lane], s, sizeof(s));
+  });
+  for (int l = 0; l < 32; ++l)
+    for (int n = 0; n < kTiles; ++n)
+      for (int e = 0; e < 4; ++e) std::printf("%d %d %d %d %.9g %.9g\n", c, l, n, e, P[l][n][e], dS[l][n][e]);
+}
+
+int main() {
+@CASES@
+}
+"""
+
+
+def _c_array(values) -> str:
+    return "{" + ", ".join("INFINITY" if x == np.inf else f"{float(x)!r}f" for x in np.ravel(values)) + "}"
+
+
+def _ds_program(source: str, data: list) -> str:
+    calls = []
+    for c, (case, d) in enumerate(zip(_DS_CASES, data)):
+        calls.append(
+            f"  {{ static const float S[] = {_c_array(d['s'])}, dP[] = {_c_array(d['dp'])}, lse2[] = "
+            f"{_c_array(d['lse2'])}, delta[] = {_c_array(d['delta'])};\n"
+            f"    run_case<{case.tiles}>({c}, S, dP, lse2, delta, {case.k0}, {case.q0}, {case.seqlen_q}, "
+            f"{case.seqlen_k}, {str(case.causal).lower()}, {str(case.masked).lower()}, {_DS_SCALE_LOG2!r}f); }}")
+    return _DS_PRELUDE + source + _DS_DRIVER.replace("@CASES@", "\n".join(calls))
+
+
+def _ds_report(what: str, case: _DsCase, got: np.ndarray, want: np.ndarray, ok: np.ndarray, hint: str) -> str:
+    rows, cols = np.nonzero(~ok)
+    r, c = rows[0], cols[0]
+    lane, n, e = 4 * (r % 8) + (c % 8) // 2, c // 8, 2 * (r // 8) + c % 2
+    return (f"{what} ({case.describe()}): wrong at keys {_spans(sorted(set((case.k0 + rows).tolist())))}, queries "
+            f"{_spans(sorted(set((case.q0 + cols).tolist())))} ({len(rows)} of {ok.size}); lane {lane} "
+            f"(g={lane // 4}, t={lane % 4}) s[{n}][{e}] holds key {case.k0 + r}, query {case.q0 + c}: got "
+            f"{got[r, c]:.6g}, expected {want[r, c]:.6g}{hint}")
+
+
+def _ds_hint(case: _DsCase, data: dict, got_p: np.ndarray, got_ds: np.ndarray, p_wrong: bool) -> str:
+    """Why, for the mistakes that have a recognisable output."""
+    p, ds, hidden = _ds_expected(case, data)
+    close = lambda a, b: np.isclose(a, b, rtol=1e-4, atol=1e-6) | (np.isnan(a) & np.isnan(b))
+    if p_wrong:
+        if np.any(hidden & (got_p != 0)):
+            return ". That key is hidden from that query (past the end, or after the diagonal): its P must be 0"
+        if np.any(~hidden & (got_p == 0) & (p != 0)):
+            return ". That key is visible to that query: only past the end and, causal, key > query + offset hide"
+        if close(got_p, _ds_expected(case, data, lse_by_key=True)[0]).all():
+            return (". Every value matches lse2 indexed by the key: in Sᵀ = K Qᵀ the rows are keys and the columns "
+                    "queries, and lse2 belongs to the query")
+        if np.isnan(got_p).any():
+            return ". NaN: a padded query has lse2 = +inf, and 2^(x − inf) is 0 only if x stays finite"
+        return ""
+    if close(got_ds, _ds_expected(case, data, delta_by_key=True)[1]).all():
+        return ". Every value matches delta indexed by the key: delta = rowsum(dO ∘ O) belongs to the query"
+    return ""
+
+
+def check_backward_ds(source: str) -> None:
+    """Exercise 6b.6: `source` defines `probs_t<kTiles>(s, lse2, p, key0, q0, masked, offset, t)` and
+    `ds_t<kTiles>(s, dp, delta, t)`, the element-wise steps of the CUDA backward's dkdv kernel in the transposed
+    frame. Raises AssertionError naming the wrong keys, queries and lanes."""
+    if not isinstance(source, str):
+        raise TypeError("source must be the CUDA source string of the exercise")
+    nvcc_compile(_PV_INCLUDES + source + _DS_KERNEL)
+    data = [_ds_data(case, seed) for seed, case in enumerate(_DS_CASES)]
+    out = run_emulated(_ds_program(source, data))
+    rows = np.array([line.split() for line in out.split("\n") if line], dtype=np.float64)
+    expected_lines = sum(32 * case.tiles * 4 for case in _DS_CASES)
+    if rows.shape != (expected_lines, 6):
+        raise AssertionError(f"the emulation printed {rows.shape[0]} lines, expected {expected_lines}")
+    for c, (case, d) in enumerate(zip(_DS_CASES, data)):
+        got_p, got_ds = (np.full((16, 8 * case.tiles), np.nan) for _ in range(2))
+        for _, lane, n, e, pv, dsv in rows[rows[:, 0] == c]:
+            lane, n, e = int(lane), int(n), int(e)
+            r, col = lane // 4 + 8 * (e // 2), 8 * n + 2 * (lane % 4) + e % 2
+            got_p[r, col], got_ds[r, col] = pv, dsv
+        p, ds, _ = _ds_expected(case, d)
+        for what, got, want in (("Pᵀ (probs_t)", got_p, p), ("dSᵀ (ds_t)", got_ds, ds)):
+            ok = np.isclose(got, want, rtol=1e-5, atol=1e-6)
+            if not ok.all():
+                hint = _ds_hint(case, d, got_p, got_ds, what.startswith("P"))
+                raise AssertionError(_ds_report(what, case, got, want, ok, hint))
+    if _gpu_available():
+        _check_ds_on_gpu(source, data)
+
+
+# One warp: the C fragments of Sᵀ and dPᵀ loaded from global memory, the learner's functions, Pᵀ and dSᵀ stored.
+_DS_KERNEL = r"""
+template <int kTiles>
+__global__ void exercise_ds_kernel(const float* S, const float* dP, const float* lse2, const float* delta, float* P,
+                                   float* dS, Params p, int k0, int q0, bool masked) {
+  constexpr int cols = 8 * kTiles;
+  const int lane = threadIdx.x, g = lane / 4, t = lane % 4;
+  float s[kTiles][4], dp[kTiles][4];
+  for (int n = 0; n < kTiles; ++n)
+    for (int e = 0; e < 4; ++e) {
+      const int at = (g + 8 * (e / 2)) * cols + 8 * n + 2 * t + e % 2;
+      s[n][e] = S[at], dp[n][e] = dP[at];
+    }
+  probs_t<kTiles>(s, lse2, p, k0 + g, q0, masked, p.seqlen_k - p.seqlen_q, t);
+  for (int n = 0; n < kTiles; ++n)
+    for (int e = 0; e < 4; ++e) P[(g + 8 * (e / 2)) * cols + 8 * n + 2 * t + e % 2] = s[n][e];
+  ds_t<kTiles>(s, dp, delta, t);
+  for (int n = 0; n < kTiles; ++n)
+    for (int e = 0; e < 4; ++e) dS[(g + 8 * (e / 2)) * cols + 8 * n + 2 * t + e % 2] = s[n][e];
+}
+
+void exercise_ds_launch(const float* S, const float* dP, const float* lse2, const float* delta, float* P, float* dS,
+                        int tiles, int k0, int q0, int seqlen_q, int seqlen_k, bool causal, bool masked,
+                        float scale_log2) {
+  Params p{};
+  p.seqlen_q = seqlen_q, p.seqlen_k = seqlen_k, p.scale_log2 = scale_log2, p.causal = causal;
+  if (tiles == 4) exercise_ds_kernel<4><<<1, 32>>>(S, dP, lse2, delta, P, dS, p, k0, q0, masked);
+  else exercise_ds_kernel<8><<<1, 32>>>(S, dP, lse2, delta, P, dS, p, k0, q0, masked);
+}
+"""
+
+_DS_CPP = r"""
+#include <torch/extension.h>
+#include <cuda_runtime_api.h>
+void exercise_ds_launch(const float* S, const float* dP, const float* lse2, const float* delta, float* P, float* dS,
+                        int tiles, int k0, int q0, int seqlen_q, int seqlen_k, bool causal, bool masked,
+                        float scale_log2);
+
+std::vector<torch::Tensor> exercise_ds(torch::Tensor s, torch::Tensor dp, torch::Tensor lse2, torch::Tensor delta,
+                                       int64_t k0, int64_t q0, int64_t seqlen_q, int64_t seqlen_k, bool causal,
+                                       bool masked, double scale_log2) {
+  for (const auto& x : {s, dp, lse2, delta})
+    TORCH_CHECK(x.is_cuda() && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
+                "exercise_ds: contiguous fp32 CUDA tensors only");
+  TORCH_CHECK(s.dim() == 2 && s.size(0) == 16 && (s.size(1) == 32 || s.size(1) == 64) && dp.sizes() == s.sizes() &&
+              lse2.numel() == s.size(1) && delta.numel() == s.size(1), "exercise_ds: s and dp 16 x 32 or 16 x 64");
+  auto p = torch::empty_like(s), ds = torch::empty_like(s);
+  exercise_ds_launch(s.data_ptr<float>(), dp.data_ptr<float>(), lse2.data_ptr<float>(), delta.data_ptr<float>(),
+                     p.data_ptr<float>(), ds.data_ptr<float>(), s.size(1) / 8, k0, q0, seqlen_q, seqlen_k, causal,
+                     masked, static_cast<float>(scale_log2));
+  TORCH_CHECK(cudaGetLastError() == cudaSuccess, "exercise_ds: launch failed");
+  return {p, ds};
+}
+"""
+
+
+def _check_ds_on_gpu(source: str, data: list) -> None:
+    import torch
+
+    from utils.exercises import assert_rows_close
+
+    ext = _load_inline("backward_ds", _DS_CPP, _PV_INCLUDES + source + _DS_KERNEL, ["exercise_ds"])
+    for case, d in zip(_DS_CASES, data):
+        args = [torch.from_numpy(d[name]).cuda() for name in ("s", "dp", "lse2", "delta")]
+        p, ds = ext.exercise_ds(*args, case.k0, case.q0, case.seqlen_q, case.seqlen_k, case.causal, case.masked,
+                                _DS_SCALE_LOG2)
+        want_p, want_ds, _ = _ds_expected(case, d)
+        # the GPU's exp2 (ex2.approx) is within 2 ulp: a looser tolerance than the emulation's exp2f
+        for what, got, want in (("Pᵀ", p, want_p), ("dSᵀ", ds, want_ds)):
+            assert_rows_close(got, torch.from_numpy(want), atol=1e-5, rtol=1e-4,
+                              name=f"{what} on the GPU ({case.describe()}), rows = keys from {case.k0}")

@@ -113,9 +113,8 @@ def _configs(head_dim: int, masked: bool, dtype, device, smem: int | None) -> tu
     return fwd, bwd
 
 
-def _forward(q, k, v, p: _Problem):
+def _forward(q, k, v, p: _Problem, config: Config):
     packed = p.cu_q is not None
-    config = configs(p, q.dtype, q.device)[0]
     sm, sn = (p.block_mask.block_m, p.block_mask.block_n) if p.block_mask else (None, None)
     block_m, block_n = _tiles(config.block_m, sm), _tiles(config.block_n, sn)
     o = torch.empty_like(q)
@@ -133,9 +132,8 @@ def _forward(q, k, v, p: _Problem):
     return o, lse
 
 
-def _backward(do, q, k, v, o, lse, p: _Problem):
+def _backward(do, q, k, v, o, lse, p: _Problem, config: BackwardConfig):
     packed = p.cu_q is not None
-    config = configs(p, q.dtype, q.device)[1]
     sm, sn = (p.block_mask.block_m, p.block_mask.block_n) if p.block_mask else (None, None)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     rows = q.shape[0] if packed else p.seqlen_q
@@ -151,13 +149,14 @@ def _backward(do, q, k, v, o, lse, p: _Problem):
     n_kv, n_q = triton.cdiv(p.seqlen_k, block_n1), triton.cdiv(p.seqlen_q, block_m2)
     group = p.heads // p.kv_heads
 
+    by_q, by_kv = _mask_args(p, transposed=False), _mask_args(p, transposed=True)
+
     def launch(part, n_kv_programs, n_programs, warps, stages):
         flex_bwd_kernel[(n_programs, p.batch * p.kv_heads)](
             q, k, v, do, lse2, delta, dq, dk, dv,
             *(s for t in (q, k, v, do, dq, dk, dv) for s in _strides(t, packed)),
             p.kv_heads, p.seqlen_q, p.seqlen_k, p.scale, p.scale * LOG2E, lse_sb, lse_sh,
-            *_mask_args(p, transposed=False)[:6], *_mask_args(p, transposed=True)[:6], *_mask_args(p, False)[6:],
-            n_kv_programs, n_q, *_mod_args(p, q), **_mod_fns(p),
+            *by_q[:6], *by_kv[:6], *by_q[6:], n_kv_programs, n_q, *_mod_args(p, q), **_mod_fns(p),
             SCORE_GRAD=p.modifier.score_grad if p.modifier else None, CAUSAL=p.causal, GROUP=group,
             HEAD_DIM=p.head_dim, BLOCK_D=block_d, BLOCK_M1=block_m1, BLOCK_N1=block_n1, BLOCK_M2=block_m2,
             BLOCK_N2=block_n2, SPARSE_M=sm or block_m1, SPARSE_N=sn or block_n1, PRECISION=_precision(q.dtype),
@@ -177,16 +176,21 @@ class _FlexFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, problem):
         cpu_bf16 = q.device.type == "cpu" and q.dtype == torch.bfloat16   # the interpreter has no bf16 arithmetic
         qf, kf, vf = (t.float() for t in (q, k, v)) if cpu_bf16 else (q, k, v)
-        o, lse = _forward(qf, kf, vf, problem)
+        fwd_config, ctx.config = configs(problem, qf.dtype, qf.device)
+        o, lse = _forward(qf, kf, vf, problem, fwd_config)
         ctx.save_for_backward(qf, kf, vf, o, lse)
         ctx.problem, ctx.dtype = problem, q.dtype
         ctx.mark_non_differentiable(lse)
+        # lse has no gradient: without this, autograd would fill a tensor of zeros for it at every backward
+        ctx.set_materialize_grads(False)
         return o.to(q.dtype), lse
 
     @staticmethod
     def backward(ctx, do, _dlse):
+        if do is None:   # only lse was used
+            return None, None, None, None
         q, k, v, o, lse = ctx.saved_tensors
-        grads = _backward(do.to(q.dtype).contiguous(), q, k, v, o, lse, ctx.problem)
+        grads = _backward(do.to(q.dtype).contiguous(), q, k, v, o, lse, ctx.problem, ctx.config)
         return (*(g.to(ctx.dtype) for g in grads), None)
 
 
