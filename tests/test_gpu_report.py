@@ -55,6 +55,18 @@ def test_collector_counts_outcomes_per_file():
                                                                           "nb.ipynb::Cell 1 (teardown)"]
 
 
+def test_a_rerun_replaces_a_files_old_failures_collection_errors_included():
+    old = dict(files={"tests/a.py": dict(passed=0, failed=1, skipped=0, seconds=1.0),
+                      "tests/b.py": dict(passed=0, failed=1, skipped=0, seconds=1.0)},
+               failures={"tests/a.py (collection)": "ImportError", "tests/b.py::t (call)": "assert"})
+    c = Collector()
+    c.pytest_runtest_logreport(SimpleNamespace(nodeid="tests/a.py::t", when="call", outcome="passed", duration=0.5,
+                                               failed=False, skipped=False))
+    results = summarize(c, old)
+    assert results["failures"] == {"tests/b.py::t (call)": "assert"}
+    assert results["totals"] == dict(passed=1, failed=1, skipped=0)
+
+
 def test_report_paths():
     assert report_path(None) == ROOT / "tests" / "gpu_report.json"
     assert report_path("t4") == ROOT / "tests" / "gpu_report_t4.json"

@@ -90,11 +90,16 @@ class Collector:
             self.failures[f"{report.nodeid} (collection)"] = getattr(report, "longreprtext", "")[-4000:]
 
 
+def _file_of(failure: str) -> str:
+    """The file a failure's key names: 'tests/a.py::t (call)' and 'tests/a.py (collection)' -> 'tests/a.py'."""
+    return failure.split("::")[0].removesuffix(" (collection)")
+
+
 def summarize(collector: Collector, old: dict | None = None) -> dict:
     """A part's results: this run's files on top of `old`'s (a run of some files keeps the others')."""
     files = dict((old or {}).get("files", {}))
     files.update({name: dict(stats, seconds=round(stats["seconds"], 1)) for name, stats in collector.files.items()})
-    failures = {k: v for k, v in (old or {}).get("failures", {}).items() if k.split("::")[0] not in collector.files}
+    failures = {k: v for k, v in (old or {}).get("failures", {}).items() if _file_of(k) not in collector.files}
     failures.update(collector.failures)
     totals = {k: sum(f[k] for f in files.values()) for k in ("passed", "failed", "skipped")}
     return dict(totals=totals, files=dict(sorted(files.items())), failures=failures)
