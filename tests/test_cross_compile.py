@@ -47,13 +47,34 @@ def test_capture_records_launches_instead_of_running_them():
             copy_kernel[(1,)](x, y, 8, "half", BLOCK=16)
 
 
-def test_shared_memory_of_a_compiled_launch():
-    """A kernel without tl.dot needs no shared memory on any target; compiling needs no GPU."""
-    x = torch.ones(8)
-    with cross_compile.capture_launches() as launches:
-        copy_kernel[(1,)](x, x, 8, 1.0, BLOCK=64)
-    assert cross_compile.shared_memory(launches[0], (7, 5)) == 0
-    assert cross_compile.shared_memory(launches[0], (9, 0)) == 0
+SHARED_MEMORY_SCRIPT = """
+import torch
+import triton.language as tl
+from triton.runtime.jit import JITFunction
+from utils import cross_compile
+
+def _copy(X, Y, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(Y + offs, tl.load(X + offs, mask=offs < n), mask=offs < n)
+
+x = torch.ones(8)
+with cross_compile.capture_launches() as launches:
+    JITFunction(_copy)[(1,)](x, x, 8, BLOCK=64)
+print(cross_compile.shared_memory(launches[0], (7, 5)), cross_compile.shared_memory(launches[0], (9, 0)))
+"""
+
+
+def test_shared_memory_of_a_compiled_launch(tmp_path):
+    """A kernel without tl.dot needs no shared memory on any target; compiling needs no GPU. In a process of its
+    own, as the command runs: Triton 3.7's interpreter patches triton.language when a jitted function is called
+    outside a launch and does not undo it, and a compile in that process then fails."""
+    script = tmp_path / "shared_memory.py"
+    script.write_text(SHARED_MEMORY_SCRIPT)
+    env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, "PYTHONPATH": str(ROOT)}
+    run = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.split() == ["0", "0"]
 
 
 def test_backward_tiles_shrink_to_the_gpus_shared_memory(monkeypatch):
