@@ -522,9 +522,8 @@ class _DsCase(NamedTuple):
     masked: bool      # the tile may hide keys (the kernel's test); False: none is hidden
 
     def describe(self) -> str:
-        hidden = "causal" if self.causal else "not causal"
         return (f"keys {self.k0}..{self.k0 + 15}, queries {self.q0}..{self.q0 + 8 * self.tiles - 1}, "
-                f"Nq={self.seqlen_q}, Nk={self.seqlen_k}, {hidden}")
+                f"Nq={self.seqlen_q}, Nk={self.seqlen_k}, {'causal' if self.causal else 'not causal'}")
 
 
 _DS_CASES = [_DsCase(4, 0, 0, 512, 512, False, False),     # nothing hidden
@@ -628,9 +627,9 @@ def _ds_report(what: str, case: _DsCase, got: np.ndarray, want: np.ndarray, ok: 
             f"{got[r, c]:.6g}, expected {want[r, c]:.6g}{hint}")
 
 
-def _ds_hint(case: _DsCase, data: dict, got_p: np.ndarray, got_ds: np.ndarray, p_wrong: bool) -> str:
-    """Why, for the mistakes that have a recognisable output."""
-    p, ds, hidden = _ds_expected(case, data)
+def _ds_hint(case: _DsCase, data: dict, got_p: np.ndarray, got_ds: np.ndarray, p: np.ndarray, hidden: np.ndarray,
+             p_wrong: bool) -> str:
+    """Why, for the mistakes that have a recognisable output (p, hidden: the expected Pᵀ and hidden keys)."""
     close = lambda a, b: np.isclose(a, b, rtol=1e-4, atol=1e-6) | (np.isnan(a) & np.isnan(b))
     if p_wrong:
         if np.any(hidden & (got_p != 0)):
@@ -667,11 +666,11 @@ def check_backward_ds(source: str) -> None:
             lane, n, e = int(lane), int(n), int(e)
             r, col = lane // 4 + 8 * (e // 2), 8 * n + 2 * (lane % 4) + e % 2
             got_p[r, col], got_ds[r, col] = pv, dsv
-        p, ds, _ = _ds_expected(case, d)
+        p, ds, hidden = _ds_expected(case, d)
         for what, got, want in (("Pᵀ (probs_t)", got_p, p), ("dSᵀ (ds_t)", got_ds, ds)):
             ok = np.isclose(got, want, rtol=1e-5, atol=1e-6)
             if not ok.all():
-                hint = _ds_hint(case, d, got_p, got_ds, what.startswith("P"))
+                hint = _ds_hint(case, d, got_p, got_ds, p, hidden, what.startswith("P"))
                 raise AssertionError(_ds_report(what, case, got, want, ok, hint))
     if _gpu_available():
         _check_ds_on_gpu(source, data)

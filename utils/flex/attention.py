@@ -187,7 +187,7 @@ class _FlexFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, _dlse):
-        if do is None:   # only lse was used
+        if do is None:   # nothing downstream of o gave it a gradient (lse never has one)
             return None, None, None, None
         q, k, v, o, lse = ctx.saved_tensors
         grads = _backward(do.to(q.dtype).contiguous(), q, k, v, o, lse, ctx.problem, ctx.config)
