@@ -67,6 +67,17 @@ def test_a_rerun_replaces_a_files_old_failures_collection_errors_included():
     assert results["totals"] == dict(passed=1, failed=1, skipped=0)
 
 
+def test_a_file_cut_before_its_first_outcome_keeps_its_old_results():
+    old = dict(files={"tests/a.py": dict(passed=7, failed=1, skipped=0, seconds=9.0)},
+               failures={"tests/a.py::t (call)": "assert"})
+    c = Collector()   # a test's set-up passed, then the run was cut while it ran
+    c.pytest_runtest_logreport(SimpleNamespace(nodeid="tests/a.py::t", when="setup", outcome="passed",
+                                               duration=0.1, failed=False, skipped=False))
+    results = summarize(c, old)
+    assert results["files"] == old["files"] and results["failures"] == old["failures"]
+    assert results["totals"] == dict(passed=7, failed=1, skipped=0)
+
+
 def test_report_paths():
     assert report_path(None) == ROOT / "tests" / "gpu_report.json"
     assert report_path("t4") == ROOT / "tests" / "gpu_report_t4.json"

@@ -97,9 +97,12 @@ def _file_of(failure: str) -> str:
 
 def summarize(collector: Collector, old: dict | None = None) -> dict:
     """A part's results: this run's files on top of `old`'s (a run of some files keeps the others')."""
+    # A file cut before its first outcome (its first test was still running) has no results: keep old's.
+    ran = {name: stats for name, stats in collector.files.items()
+           if stats["passed"] + stats["failed"] + stats["skipped"]}
     files = dict((old or {}).get("files", {}))
-    files.update({name: dict(stats, seconds=round(stats["seconds"], 1)) for name, stats in collector.files.items()})
-    failures = {k: v for k, v in (old or {}).get("failures", {}).items() if _file_of(k) not in collector.files}
+    files.update({name: dict(stats, seconds=round(stats["seconds"], 1)) for name, stats in ran.items()})
+    failures = {k: v for k, v in (old or {}).get("failures", {}).items() if _file_of(k) not in ran}
     failures.update(collector.failures)
     totals = {k: sum(f[k] for f in files.values()) for k in ("passed", "failed", "skipped")}
     return dict(totals=totals, files=dict(sorted(files.items())), failures=failures)

@@ -120,8 +120,10 @@ def from_states(states: torch.Tensor, block_m: int, block_n: int, seqlen_q: int,
 
 
 def default_blocks(device) -> tuple[int, int]:
-    """128 x 128 tiles on a GPU (the kernels' tiles divide them); 32 x 32 in the interpreter."""
-    return (128, 128) if torch.device(device).type == "cuda" else (32, 32)
+    """64 x 64 tiles on a GPU, the kernels' own tiles (utils.flex.attention.SPARSE_TILES): inside a coarser
+    tile that is partial, some kernel tiles are empty, yet computed (notebook 10, section 6); 32 x 32 in the
+    interpreter."""
+    return (64, 64) if torch.device(device).type == "cuda" else (32, 32)
 
 
 def block_mask(modifier, batch: int, heads: int, seqlen_q: int, seqlen_k: int, *, device,
