@@ -309,6 +309,57 @@ def test_load_without_a_gpu_explains():
         cuda_ext.load("softmax")
 
 
+def test_load_all_validates_names_before_building():
+    for bad in ("softmax", [1], None):
+        with pytest.raises(TypeError, match="names must be a list"):
+            cuda_ext.load_all(bad)
+    with pytest.raises(ValueError, match="unknown kernel file 'nope'"):
+        cuda_ext.load_all(["softmax", "nope"])
+    assert cuda_ext.load_all([]) == {}
+
+
+@pytest.mark.skipif(CUDA, reason="on a GPU the extensions build")
+def test_load_all_and_the_build_command_without_a_gpu_explain():
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+        cuda_ext.load_all(["softmax"])
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+        cuda_ext.main(["build"])
+
+
+def test_load_all_builds_at_once_and_names_a_failed_build(monkeypatch):
+    import threading
+
+    together = threading.Barrier(2, timeout=10)   # broken (an error) unless two builds run at the same time
+    built = []
+
+    def fake_load(name):
+        if name == "flash_tiled":
+            raise RuntimeError("nvcc said no")
+        together.wait()
+        built.append(name)
+        return f"module {name}"
+
+    monkeypatch.setattr(cuda_ext, "load", fake_load)
+    monkeypatch.setattr(cuda_ext.os, "cpu_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    names = ["softmax", "flash_naive", "softmax"]   # a repeated name builds once
+    assert cuda_ext.load_all(names, progress=False) == {"softmax": "module softmax", "flash_naive": "module flash_naive"}
+    assert sorted(built) == ["flash_naive", "softmax"]
+    together.reset()
+    with pytest.raises(RuntimeError, match=r"building flash_tiled.cu failed \(1 of 3 builds failed\): nvcc said no"):
+        cuda_ext.load_all(["softmax", "flash_tiled", "flash_naive"], progress=False)
+
+
+def test_buildable_follows_the_capability():
+    mma = {cuda_ext.mma_kernel_name(s) for s in cuda_ext.MMA_STEPS} | {"flash_mma_bwd"}
+    assert cuda_ext.buildable((9, 0)) == list(KERNELS)
+    assert set(cuda_ext.buildable((8, 0))) == set(KERNELS) - set(cuda_ext.HOPPER_KERNELS)
+    assert set(cuda_ext.buildable((12, 0))) == set(KERNELS) - set(cuda_ext.HOPPER_KERNELS)
+    assert set(cuda_ext.buildable((7, 5))) == set(KERNELS) - set(cuda_ext.HOPPER_KERNELS) - mma
+    with pytest.raises(TypeError, match="capability"):
+        cuda_ext.buildable("sm_90")
+
+
 # ---- on a GPU -----------------------------------------------------------------------------------------------
 
 SOFTMAX_SHAPES = [(1, 1), (3, 7), (5, 1000), (7, 1023), (33, 4096), (2, 5000), (300, 128), (1000, 33),
@@ -408,6 +459,12 @@ def test_flash_torch_checks(name):
     if name == "flash_naive":
         cases.append(("f(z(256), z(256), z(256), False, 0.125)", "head_dim 256"))
     assert_torch_checks(setup, cases)
+
+
+@pytest.mark.gpu
+def test_load_all_returns_what_load_returns():
+    modules = cuda_ext.load_all(["softmax", "flash_naive"], progress=False)
+    assert modules == {"softmax": cuda_ext.load("softmax"), "flash_naive": cuda_ext.load("flash_naive")}
 
 
 @pytest.mark.gpu

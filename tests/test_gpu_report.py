@@ -78,6 +78,24 @@ def test_a_file_cut_before_its_first_outcome_keeps_its_old_results():
     assert results["totals"] == dict(passed=7, failed=1, skipped=0)
 
 
+def test_collected_counts_show_the_files_a_run_cut():
+    c = Collector()
+    c.pytest_collection_finish(SimpleNamespace(items=[SimpleNamespace(nodeid=n) for n in (
+        "tests/a.py::t1", "tests/a.py::t2", "nb.ipynb::Cell 0")]))
+    c.pytest_xdist_node_collection_finished(node=None, ids=["tests/a.py::t1", "tests/a.py::t2", "tests/b.py::t"])
+    c.pytest_runtest_logreport(SimpleNamespace(nodeid="tests/a.py::t1", when="call", outcome="passed",
+                                               duration=0.5, failed=False, skipped=False))
+    old = dict(files={"nb.ipynb": dict(passed=1, failed=0, skipped=0, seconds=1.0)}, failures={})
+    results = summarize(c, old)
+    assert results["files"]["tests/a.py"]["collected"] == 2
+    assert results["files"]["tests/b.py"] == dict(passed=0, failed=0, skipped=0, seconds=0.0, collected=1)
+    assert results["files"]["nb.ipynb"] == old["files"]["nb.ipynb"]   # never started here: old results stay
+    assert gpu_suite.unfinished(results) == {"tests/a.py": (1, 2), "tests/b.py": (0, 1)}
+    c.pytest_runtest_logreport(SimpleNamespace(nodeid="tests/a.py::t2", when="setup", outcome="skipped",
+                                               duration=0.1, failed=False, skipped=True))
+    assert "tests/a.py" not in gpu_suite.unfinished(summarize(c, old))
+
+
 def test_report_paths():
     assert report_path(None) == ROOT / "tests" / "gpu_report.json"
     assert report_path("t4") == ROOT / "tests" / "gpu_report_t4.json"
@@ -101,7 +119,10 @@ def test_report_shape(path: Path):
     assert set(report["parts"]) == set(PARTS), "both parts: the unit tests and the notebooks"
     for name, part in report["parts"].items():
         files = part["files"]
-        assert files and all(set(f) == {"passed", "failed", "skipped", "seconds"} for f in files.values())
+        assert files and all(set(f) in ({"passed", "failed", "skipped", "seconds"},
+                                         {"passed", "failed", "skipped", "seconds", "collected"})
+                             for f in files.values())
+        assert not gpu_suite.unfinished(part), f"{path.name}: files cut before their end (rerun with --files)"
         for key in ("passed", "failed", "skipped"):
             assert part["totals"][key] == sum(f[key] for f in files.values())
         assert part["totals"]["failed"] == len(part["failures"])

@@ -2,6 +2,8 @@
 
 - `load(name)` builds one .cu file into an extension for the GPU at hand and imports it; nothing is compiled
   at import time, and each build is cached (in this process, and on disk under build/torch_extensions/).
+  `load_all(names)` runs several builds at once; `python -m utils.cuda_ext build` builds every extension the
+  GPU at hand runs (`buildable`), so that a workshop's first runs do not wait for them.
 - The extension's name carries a hash of everything that goes into the build (the .cu file, the headers it
   includes, the C++ declarations, the compiler flags), so a changed source can never pick up a stale build.
 - `compile_check()` compiles the kernels alone with nvcc (no GPU, no CUDA build of torch needed) and returns
@@ -192,6 +194,39 @@ def load(name: str, *, verbose: bool = False):
         raise
     _LOADED[ext] = module
     return module
+
+
+def load_all(names, *, progress: bool = True) -> dict:
+    """`load` each of `names`, several builds at a time: a build is mostly one nvcc and one host compiler run
+    over torch's headers, single-threaded, so notebook 06b's ten steps build in about the time of a few.
+    Returns {name: module}; a failed build raises after the others finish, naming the file."""
+    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+        raise TypeError(f"names must be a list of kernel file names, got {names!r}")
+    names = [_check_name(n) for n in dict.fromkeys(names)]
+    if names and not torch.cuda.is_available():
+        load(names[0])  # raises the RuntimeError that explains
+    from tqdm.auto import tqdm
+
+    workers = max(1, min(len(names), (os.cpu_count() or 2) // 2))  # two compiles per build
+    with ThreadPoolExecutor(max_workers=workers) as pool, \
+            tqdm(total=len(names), desc="building CUDA extensions", disable=not progress, leave=False) as bar:
+        futures = {name: pool.submit(load, name) for name in names}
+        for future in futures.values():
+            future.add_done_callback(lambda _: bar.update())
+        errors = {name: f.exception() for name, f in futures.items() if f.exception() is not None}
+    if errors:
+        name, err = next(iter(errors.items()))
+        raise RuntimeError(f"building {name}.cu failed ({len(errors)} of {len(names)} builds failed): {err}") from err
+    return {name: future.result() for name, future in futures.items()}
+
+
+def buildable(capability) -> list[str]:
+    """The kernel files a GPU of this (major, minor) runs: the Hopper ones on sm_90 only, the tensor-core ones
+    (notebook 06b) from sm_80."""
+    capability = check_capability(capability)
+    mma = [mma_kernel_name(s) for s in MMA_STEPS] + ["flash_mma_bwd"]
+    return [name for name in KERNELS
+            if (name not in HOPPER_KERNELS or capability == (9, 0)) and (name not in mma or capability >= (8, 0))]
 
 
 # ---- compile-only checks -------------------------------------------------------------------------------------
@@ -477,9 +512,15 @@ def main(argv=None):
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m utils.cuda_ext")
-    parser.add_argument("what", choices=["softmax", "compile-check"])
+    parser.add_argument("what", choices=["softmax", "compile-check", "build"],
+                        help="build: every extension this GPU runs, into build/torch_extensions/ (before a workshop)")
     parser.add_argument("--out", type=Path, help="write the records as JSON here")
     args = parser.parse_args(argv)
+    if args.what == "build":
+        names = buildable(gpu.capability()) if torch.cuda.is_available() else list(KERNELS)
+        modules = load_all(names)
+        print(f"built {len(modules)} extensions under {BUILD_DIR / 'torch_extensions'}: {', '.join(modules)}")
+        return list(modules)
     if args.what == "softmax":
         from utils import gpu
 

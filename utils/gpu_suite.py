@@ -6,7 +6,8 @@
 
 CPU CI skips every `%%gpu` cell and GPU test, so this is what says the course works where learners run it.
 The report records the machine (GPU, capability, driver, CUDA, cuDNN, torch, Triton), passed / failed /
-skipped and seconds per test file and per notebook, the failures' names, and the git tree ids of utils/ and
+skipped, collected and seconds per test file and per notebook (a file with fewer outcomes than collected tests
+was cut: rerun it with --files), the failures' names, and the git tree ids of utils/ and
 notebooks/ that ran, computed from the files themselves (a copy of the repository without its history works).
 Running one part keeps the other part's results only if they came from the same trees.
 """
@@ -19,6 +20,8 @@ import os
 import sys
 from collections import defaultdict
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PARTS = {"tests": ["tests"], "notebooks": ["notebooks"]}
@@ -56,14 +59,29 @@ def tree_id(path: Path) -> str:
 
 
 class Collector:
-    """A pytest plugin that tallies outcomes per file (a test module or a notebook); `on_file_done(self)` is
-    called as each file finishes, so a run cut short still leaves its results."""
+    """A pytest plugin that tallies outcomes per file (a test module or a notebook) and how many tests each
+    file collected; `on_file_done(self)` is called as each file finishes, so a run cut short still leaves its
+    results, and the counts show which files it cut."""
 
     def __init__(self, on_file_done=None):
         self.files = defaultdict(lambda: dict(passed=0, failed=0, skipped=0, seconds=0.0))
+        self.collected = {}
         self.failures = {}
         self.on_file_done = on_file_done
         self._last = None
+
+    def _count(self, nodeids):
+        counts = defaultdict(int)
+        for nodeid in nodeids:
+            counts[nodeid.split("::")[0]] += 1
+        self.collected.update(counts)
+
+    def pytest_collection_finish(self, session):   # after -k/-m deselection
+        self._count(item.nodeid for item in session.items)
+
+    @pytest.hookimpl(optionalhook=True)   # pytest-xdist's: its workers collect, the controller counts
+    def pytest_xdist_node_collection_finished(self, node, ids):
+        self._count(ids)
 
     def pytest_runtest_logreport(self, report):
         file = report.nodeid.split("::")[0]
@@ -102,10 +120,21 @@ def summarize(collector: Collector, old: dict | None = None) -> dict:
            if stats["passed"] + stats["failed"] + stats["skipped"]}
     files = dict((old or {}).get("files", {}))
     files.update({name: dict(stats, seconds=round(stats["seconds"], 1)) for name, stats in ran.items()})
+    for name, count in collector.collected.items():   # collected: how many of a file's tests were to run
+        if name in ran:
+            files[name]["collected"] = count
+        elif name not in files:                        # cut before its first outcome, with no old results
+            files[name] = dict(passed=0, failed=0, skipped=0, seconds=0.0, collected=count)
     failures = {k: v for k, v in (old or {}).get("failures", {}).items() if _file_of(k) not in ran}
     failures.update(collector.failures)
     totals = {k: sum(f[k] for f in files.values()) for k in ("passed", "failed", "skipped")}
     return dict(totals=totals, files=dict(sorted(files.items())), failures=failures)
+
+
+def unfinished(results: dict) -> dict:
+    """{file: (outcomes, collected)} for the files of a part's results that a run cut before their end."""
+    counts = {name: (f["passed"] + f["failed"] + f["skipped"], f.get("collected")) for name, f in results["files"].items()}
+    return {name: (done, total) for name, (done, total) in counts.items() if total is not None and done < total}
 
 
 def part_args(part: str, pytest_args=()) -> list[str]:
@@ -121,8 +150,6 @@ def part_args(part: str, pytest_args=()) -> list[str]:
 def run_part(part: str, files=(), pytest_args=(), old: dict | None = None, save=lambda results: None):
     """Run one part (all of it, or `files` of it) under pytest; returns (results, pytest's exit code).
     `save(results)` is called as files finish."""
-    import pytest
-
     collector = Collector(on_file_done=lambda c: save(summarize(c, old)))
     code = pytest.main([*(files or PARTS[part]), "-p", "no:cacheprovider", "-q", *part_args(part, pytest_args)],
                        plugins=[collector])
@@ -173,6 +200,8 @@ def main(argv=None) -> int:
         results, code = run_part(part, files, args.pytest_args, parts.get(part) if files else None,
                                  save=lambda r, part=part: save(part, r))
         print(f"{path.name}: {part}: {save(part, results)}")
+        for name, (done, total) in unfinished(results).items():
+            print(f"  cut before its end: {name} ({done} of {total}); rerun it with --files")
         codes.append(code)
     # pytest's 0: all passed; 5: nothing collected (e.g. --files named none of this part's)
     return 0 if codes and all(c in (0, 5) for c in codes) else 1
