@@ -80,6 +80,28 @@ def test_run_records_tflops_and_failures():
     assert failed["error"] == "RuntimeError: No available kernel."
 
 
+def test_rounds_rotate_the_order_and_keep_the_median(tmp_path):
+    args = bm.parse_args(["--impls", "naive", "--sdpa", "flash", "--seqlens", "64", "--head-dims", "16",
+                          "--causal", "no", "--batch", "1", "--heads", "2", "--rounds", "3"])
+    times = {"naive": iter([5.0, 1.0, 2.0]), "sdpa-flash": iter([9.0, 2.0, 3.0])}  # an outlier each
+    calls = []
+
+    def time_ms(fn, q, k, v, causal):
+        calls.append(fn.label)
+        return next(times[fn.label])
+
+    fns = {name: SimpleNamespace(label=name) for name in times}
+    records = bm.run(args, fns, time_ms=time_ms, device="cpu", progress=False)
+    assert calls == ["naive", "sdpa-flash", "sdpa-flash", "naive", "naive", "sdpa-flash"]
+    assert {r["impl"]: r["ms"] for r in records} == {"naive": 2.0, "sdpa-flash": 3.0}
+    data = json.loads(bm.write_json(records, args, tmp_path / "r.json").read_text())
+    assert data["settings"]["rounds"] == 3
+    assert "rounds" not in json.loads(bm.write_json(records, bm.parse_args([]), tmp_path / "s.json").read_text())[
+        "settings"]
+    with pytest.raises(SystemExit):
+        bm.parse_args(["--rounds", "0"])
+
+
 def test_ratio_table_and_format():
     _, records = fake_records()
     rows = bm.ratio_table(records, "naive", ["sdpa-flash"])

@@ -10,6 +10,9 @@ and draw a swizzled tile to see why consecutive rows stop colliding in the same 
 - `chunk_layout(rows, row_bytes, mode)`: for each 16-byte chunk of a tile, the chunk slot it occupies.
 - `bank_conflicts(...)`: how many 16-byte accesses of one column of chunks share a bank group.
 - `wgmma_gemm(a, b)`: a @ b.T in fp32 on an H100/H200 (utils/cuda/wgmma_gemm.cu), validated first.
+- `flash_hopper(q, k, v)`: the attention forward of notebook 06c's worklog, any of its steps.
+- `block_timeline(q, k, v)`: where each block of one launch spends its time, read from the GPU's clock inside
+  the kernel; `timeline_summary` reduces it to medians per phase.
 """
 from __future__ import annotations
 
@@ -30,12 +33,13 @@ GEMM_STEPS = ("threads", "tma")
 # (causal) the longest rows launched first, tiles of 128 keys; and (step 6 again) V read as it is stored, then at
 # D = 64 a third consumer warpgroup; persistent blocks, one per SM, that take query blocks from a counter; and
 # (step 11 again, causal) the longest query blocks of a group of heads launched first, not one head after another,
-# then each consumer stopping at its own diagonal.
+# then each consumer stopping at its own diagonal; and (step 11 again) O stored through shared memory by TMA.
 ATTENTION_STEPS = ("tma", "pipelined", "specialised", "softmax", "stages", "overlap", "pingpong", "heavy_first",
-                   "wide_tiles", "v_direct", "three_consumers", "persistent", "head_groups", "own_diagonal")
+                   "wide_tiles", "v_direct", "three_consumers", "persistent", "head_groups", "own_diagonal",
+                   "tma_store")
 # Not every step paid: the default (and the registry's "cuda_hopper") is the fastest one measured on the H200
 # (images/06c_*_h200.json; tests/test_hopper.py checks it against them).
-DEFAULT_STEP = "three_consumers"
+DEFAULT_STEP = "tma_store"
 
 
 def _check_mode(mode) -> int:
@@ -133,7 +137,7 @@ def wgmma_gemm(a: torch.Tensor, b: torch.Tensor, *, step: str = GEMM_STEPS[-1]) 
 
 
 def flash_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False, sm_scale=None,
-                 step: str = DEFAULT_STEP, module=None):
+                 step: str = DEFAULT_STEP, module=None, timeline: torch.Tensor | None = None):
     """FlashAttention forward with wgmma and TMA (utils/cuda/hopper_attention.cu), on an sm_90 GPU only, as of
     `step` of notebook 06c's worklog (ATTENTION_STEPS; default: DEFAULT_STEP, the fastest).
 
@@ -141,7 +145,7 @@ def flash_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: b
     bottom-right. Steps before "v_direct" get V transposed (every wgmma operand K-major), its length rounded up
     to 8 so that TMA's row stride is a multiple of 16 bytes; from "v_direct" on, V is read as it is stored.
     `module`: the build of hopper_attention.cu to run (default: the course's; exercise 6c.4 passes one with the
-    learner's function inside)."""
+    learner's function inside). `timeline`: block_timeline's buffer (the kernel notes its milestones in it)."""
     from utils import cuda_ext, gpu
     from utils.checks import check_attention_inputs, resolve_scale
 
@@ -159,4 +163,65 @@ def flash_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: b
         vt = torch.zeros(shape.batch, shape.kv_heads, shape.head_dim, padded, device=v.device, dtype=v.dtype)
         vt[..., :shape.seqlen_k] = v.transpose(-1, -2)
     module = module if module is not None else cuda_ext.load("hopper_attention")
-    return module.hopper_attention_forward(q, k, vt, shape.seqlen_k, causal, scale, ATTENTION_STEPS.index(step) + 1)
+    if timeline is None:
+        timeline = torch.empty(0, dtype=torch.int64, device=q.device)
+    return module.hopper_attention_forward(q, k, vt, shape.seqlen_k, causal, scale, ATTENTION_STEPS.index(step) + 1,
+                                           timeline)
+
+
+# A block's milestones, in the order the kernel notes them (kTimelineSlots in hopper_attention.cu, less the last
+# slot, which holds the SM and the tile count); the phases are the gaps between consecutive milestones.
+TIMELINE_MARKS = ("start", "Q arrived", "first K/V arrived", "first softmax done", "main loop done",
+                  "last P V done", "O stored")
+TIMELINE_PHASES = ("wait for Q", "wait for K/V", "first tile", "main loop", "last tile", "store O")
+
+
+def block_timeline(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+                   step: str = DEFAULT_STEP) -> dict:
+    """Run `flash_hopper` once with the kernel's clock on: per block, its first consumer notes the GPU's global
+    nanosecond timer at each of TIMELINE_MARKS. Steps "specialised" (3) on; a persistent block reports its first
+    work item. Returns {"sm", "tiles", "start", "end": (blocks,) int64 tensors, start and end in ns from the first
+    block's start; "phases": (blocks, 6) ns per TIMELINE_PHASES, 0 where a block had no such phase}, on the CPU."""
+    if step not in ATTENTION_STEPS:
+        raise ValueError(f"step must be one of {ATTENTION_STEPS}, got {step!r}")
+    if ATTENTION_STEPS.index(step) < ATTENTION_STEPS.index("specialised"):
+        raise ValueError(f"block_timeline needs a warp-specialised step ({ATTENTION_STEPS[2]!r} or later): the "
+                         f"first consumer notes the milestones; got {step!r}")
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        raise TypeError(f"q must be a 4-d torch.Tensor (batch, heads, seq, head_dim), got {type(q).__name__}")
+    blocks = -(-q.shape[2] // 64) * q.shape[0] * q.shape[1]  # more than any step launches
+    buffer = torch.zeros(blocks, 8, dtype=torch.int64, device=q.device)
+    flash_hopper(q, k, v, causal=causal, step=step, timeline=buffer)
+    marks = buffer[buffer[:, 0] != 0].cpu()  # the rows a block wrote
+    times, last = marks[:, :7], marks[:, 7]
+    seen = times.clone()  # a milestone a block never reached (no tiles) takes the one before it
+    for i in range(1, 7):
+        seen[:, i] = torch.where(times[:, i] == 0, seen[:, i - 1], times[:, i])
+    origin = seen[:, 0].min()
+    return {"sm": last >> 32, "tiles": last & 0xFFFFFFFF, "start": seen[:, 0] - origin, "end": seen[:, 6] - origin,
+            "phases": seen[:, 1:] - seen[:, :-1]}
+
+
+def timeline_summary(timeline: dict) -> dict:
+    """block_timeline's result reduced: the median ns of each phase and of a whole block; the median gap between
+    one block's end and the next block's start on the same SM (the launch); and a least-squares fit of a block's
+    time against its tile count, ns per tile and fixed ns per block (None without a causal mask, where every block
+    has as many tiles)."""
+    if not isinstance(timeline, dict) or not {"sm", "tiles", "start", "end", "phases"} <= timeline.keys():
+        raise TypeError("timeline must be block_timeline's dict")
+    start, end, sm, tiles = (timeline[key].double() for key in ("start", "end", "sm", "tiles"))
+    duration = end - start
+    gaps = []
+    for unit in sm.unique():
+        on = sm == unit
+        order = start[on].argsort()
+        gaps.append(start[on][order][1:] - end[on][order][:-1])
+    gaps = torch.cat(gaps)
+    per_tile = fixed = None  # no fit where every block has as many tiles (no causal mask)
+    if tiles.unique().numel() > 1:
+        design = torch.stack([tiles, torch.ones_like(tiles)], dim=1)
+        per_tile, fixed = torch.linalg.lstsq(design, duration[:, None]).solution[:, 0].tolist()
+    return {"phases_ns": dict(zip(TIMELINE_PHASES, timeline["phases"].double().median(dim=0).values.tolist())),
+            "block_ns": duration.median().item(), "launch_gap_ns": gaps.median().item() if gaps.numel() else 0.0,
+            "ns_per_tile": per_tile, "fixed_ns": fixed, "blocks": int(start.numel()),
+            "span_ns": (end.max() - start.min()).item()}

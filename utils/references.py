@@ -41,9 +41,16 @@ REFERENCES = {
     "hopper": (1, ["utils.bench.cuda_mma", "--worklog", "hopper", "--name", "06c_hopper_h200"]),  # sm_90 only
     "hopper_persistent": (1, ["utils.bench.cuda_mma", "--worklog", "hopper", "--steps", "v_direct", "three_consumers",
                               "persistent", "--seqlens", "4096", "8192", "16384", "--name", "06c_persistent_h200"]),
-    # sm_90 only: the last Hopper steps side by side on every shape, the run the bar is read from
-    "hopper_final": (1, ["utils.bench.cuda_mma", "--worklog", "hopper", "--steps", "three_consumers", "head_groups",
-                         "own_diagonal", "--seqlens", "4096", "8192", "16384", "--name", "06c_diagonal_h200"]),
+    "hopper_diagonal": (1, ["utils.bench.cuda_mma", "--worklog", "hopper", "--steps", "three_consumers",
+                            "head_groups", "own_diagonal", "--seqlens", "4096", "8192", "16384",
+                            "--name", "06c_diagonal_h200"]),
+    # sm_90 only: the last Hopper steps side by side on every shape, each timed in 5 rounds of rotated order;
+    # the run issue 19's bar is read from
+    "hopper_final": (1, ["utils.bench.cuda_mma", "--worklog", "hopper", "--steps", "three_consumers", "own_diagonal",
+                         "tma_store", "--seqlens", "4096", "8192", "16384", "--rounds", "5",
+                         "--name", "06c_tma_store_h200"]),
+    # sm_90 only: where a block's time goes, from the kernel's own clock (notebook 06c, section 9)
+    "hopper_timeline": (1, ["utils.bench.timeline", "--name", "06c_timeline_h200"]),
     "hopper_ncu": (1, ["utils.bench.ncu", "--worklog", "hopper", "--name", "06c_ncu_h200"]),  # needs ncu
     "mma_ncu": (1, ["utils.bench.ncu", "--worklog", "mma", "--steps", "causal_skip", "split_kv", "--head-dim", "128",
                     "--seqlen", "4096", "--name", "06b_ncu_steps78_h200"]),
@@ -149,7 +156,7 @@ def results_markdown() -> str:
                f"({min(c[1] for c in cuda):.2f}–{max(c[1] for c in cuda):.2f}× FlashAttention-2).")
     best, vs = {}, {}  # per shape: the best step's TFLOP/s and ratio to cuDNN, over the runs (each side by side)
     hopper_runs = ("06c_hopper_h200.json", "06c_vdirect_h200.json", "06c_three_h200.json", "06c_persistent_h200.json",
-                   "06c_diagonal_h200.json")
+                   "06c_diagonal_h200.json", "06c_tma_store_h200.json")
     for name in hopper_runs:
         h = _by(_load(name)["results"], "impl", "head_dim", "causal", "seqlen")
         for (i, d, c, n), value in h.items():
@@ -159,7 +166,15 @@ def results_markdown() -> str:
     summary += (f" The Hopper kernel of notebook 06c (`wgmma`, TMA, warp specialisation; its best step per shape) "
                 f"reaches {min(best.values()):.0f}–{max(best.values()):.0f} TFLOP/s at N ≥ 4k, "
                 f"{min(vs.values()):.2f}–{max(vs.values()):.2f}× cuDNN "
-                "(`images/" + "`, `".join(hopper_runs) + "`).")
+                "(`images/" + "`, `".join(hopper_runs) + "`)")
+    from utils.bench.cuda_mma import step_label
+    from utils.hopper import DEFAULT_STEP
+
+    last = _by(_load(hopper_runs[-1])["results"], "impl", "head_dim", "causal", "seqlen")
+    default = [value / last["sdpa-cudnn", d, c, n] for (i, d, c, n), value in last.items()
+               if i == step_label(DEFAULT_STEP, "hopper") and n >= 4096]
+    summary += (f"; its default step, `{DEFAULT_STEP}`, is {min(default):.2f}–{max(default):.2f}× cuDNN in "
+                f"the last run alone.")
     dec = _load("decoding_h200.json")
     decoding = []
     for key, label in (("mha", "MHA, 16 heads"), ("gqa", "GQA, 16 query / 2 KV heads")):

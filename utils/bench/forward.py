@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 
 import torch
@@ -55,11 +56,15 @@ def add_grid_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--causal", choices=["both", "yes", "no"], default="both")
     p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
     p.add_argument("--rep", type=int, default=100, help="do_bench repetitions, ms")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="time every implementation this many times per shape, each round starting one further "
+                        "along the list, and keep the median: a GPU that heats up under load (the H200 slows its "
+                        "clock) then favours no position in the list")
 
 
 def check_grid_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
     """`args`, or a parser error naming the first bad grid option (and the need for something to measure)."""
-    for flag in ("batch", "heads", "warmup", "rep"):
+    for flag in ("batch", "heads", "warmup", "rep", "rounds"):
         if getattr(args, flag) <= 0:
             p.error(f"--{flag} must be positive")
     if any(n <= 0 for n in args.seqlens) or any(d <= 0 for d in args.head_dims):
@@ -122,6 +127,8 @@ def run(args, fns: dict, time_ms=None, device="cuda", progress=True) -> list[dic
     `time_ms(fn, q, k, v, causal)` returns milliseconds (default: utils.bench.benchmark). A failure (an SDPA
     backend that refuses a shape, out of memory) is recorded with tflops None and its error, not raised; so is a
     shape that a peer says it cannot run (`fn.unsupported(...)`), as "not supported: <why>", without running it.
+    With `args.rounds` > 1 (absent: 1), each shape is timed that many times over, round r starting at the r-th
+    implementation, and a record keeps the median.
     """
     from tqdm.auto import tqdm
 
@@ -133,28 +140,39 @@ def run(args, fns: dict, time_ms=None, device="cuda", progress=True) -> list[dic
 
     dtype = DTYPES[args.dtype]
     capability = torch.cuda.get_device_capability() if torch.device(device).type == "cuda" else None
+    rounds = getattr(args, "rounds", 1)
     records = []
     configs = configurations(args)
-    bar = tqdm(total=len(configs) * len(fns), desc="benchmark", disable=not progress)
+    labels = list(fns)
+    bar = tqdm(total=len(configs) * len(fns) * rounds, desc="benchmark", disable=not progress)
     for d, causal, n in configs:
         gen = torch.Generator(device="cpu").manual_seed(0)
         q, k, v = (torch.randn(args.batch, args.heads, n, d, generator=gen).to(device=device, dtype=dtype)
                    for _ in range(3))
         flops = attention_flops(args.batch, args.heads, n, n, d, causal=causal)
-        for label, fn in fns.items():
-            bar.set_postfix_str(f"{label} D={d} N={n}{' causal' if causal else ''}")
-            record = dict(impl=label, head_dim=d, causal=causal, seqlen=n, ms=None, tflops=None, error=None)
-            why = unsupported(fn, d, dtype, causal, n, "fwd", capability)
-            if why is not None:
-                record["error"] = f"not supported: {why}"
-            else:
+        shape = {label: dict(impl=label, head_dim=d, causal=causal, seqlen=n, ms=None, tflops=None, error=None)
+                 for label in labels}
+        times = {label: [] for label in labels}
+        for r in range(rounds):
+            for label in labels[r % len(labels):] + labels[:r % len(labels)]:
+                fn, record = fns[label], shape[label]
+                bar.set_postfix_str(f"{label} D={d} N={n}{' causal' if causal else ''}")
+                bar.update()
+                if record["error"] is not None:
+                    continue
+                why = unsupported(fn, d, dtype, causal, n, "fwd", capability)
+                if why is not None:
+                    record["error"] = f"not supported: {why}"
+                    continue
                 try:
-                    ms = time_ms(fn, q, k, v, causal)
-                    record.update(ms=ms, tflops=tflops(flops, ms))
+                    times[label].append(time_ms(fn, q, k, v, causal))
                 except (RuntimeError, ValueError) as err:  # e.g. "No available kernel", torch.OutOfMemoryError
                     record["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
-            records.append(record)
-            bar.update()
+        for label in labels:
+            if shape[label]["error"] is None and times[label]:
+                ms = statistics.median(times[label])
+                shape[label].update(ms=ms, tflops=tflops(flops, ms))
+            records.append(shape[label])
         del q, k, v
     bar.close()
     return records
@@ -205,6 +223,8 @@ def write_json(records: list[dict], args, path: Path, fns: dict | None = None) -
     """environment, settings and results; plus, when `fns` has peers, "peers": {label: the file's path, SHA-256,
     git ref and Triton version}, so that the run names the exact kernel it measured."""
     settings = dict(batch=args.batch, heads=args.heads, dtype=args.dtype, warmup_ms=args.warmup, rep_ms=args.rep)
+    if getattr(args, "rounds", 1) > 1:
+        settings["rounds"] = args.rounds
     data = dict(environment=gpu.environment(), settings=settings, results=records)
     provenance = {label: fn.provenance() for label, fn in (fns or {}).items() if hasattr(fn, "provenance")}
     if provenance:

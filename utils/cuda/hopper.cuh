@@ -16,6 +16,19 @@ __device__ inline uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
+// The GPU's nanosecond clock, the same on every SM (utils.hopper.block_timeline reads a block's milestones with
+// it; it ticks in steps of 32 ns on the H200), and the SM this thread runs on.
+__device__ inline long long global_timer_ns() {
+  long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+  return t;
+}
+__device__ inline int sm_id() {
+  int s;
+  asm volatile("mov.u32 %0, %%smid;\n" : "=r"(s));
+  return s;
+}
+
 // Ordinary stores to shared memory are seen by the tensor cores (the "async proxy") only after this fence.
 __device__ inline void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
@@ -138,6 +151,16 @@ __device__ inline void tma_load_3d(uint32_t dst, const void* map, int x, int y, 
       "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n"
       ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(z), "r"(bar) : "memory");
 }
+
+// The other direction (step 15): the box at (x, y, z) of `map` from shared address `src` to global memory. Bytes
+// past the tensor's edge are not written. A store joins this thread's bulk group on commit; `wait_read` returns
+// once its reads of shared memory are done (the writes to global memory may still be under way).
+__device__ inline void tma_store_3d(const void* map, int x, int y, int z, uint32_t src) {
+  asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%1, %2, %3}], [%4];\n"
+               ::"l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(z), "r"(src) : "memory");
+}
+__device__ inline void tma_store_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+__device__ inline void tma_store_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
 
 // Warp specialisation: a warpgroup gives registers back (dec) or takes them (inc); all its warps execute it.
 // Takes effect only with a register cap at entry (__launch_bounds__(threads, 1)).

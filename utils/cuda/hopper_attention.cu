@@ -6,7 +6,7 @@
 //   4. P, rounded to 16 bits, is already in wgmma's register A-fragment layout: O += P V with A from registers
 //      and B = the Vᵀ tile (V transposed by the caller, so every operand is K-major).
 // Step 1 (kStages = 1): loads and multiplies take turns, as in the GEMM's step 2. Step 2 (kStages = 2): two
-// K/Vᵀ buffers, the next tile's copy issued before this tile's multiplies. Steps 3-14 (hopper_attention_ws_kernel):
+// K/Vᵀ buffers, the next tile's copy issued before this tile's multiplies. Steps 3-15 (hopper_attention_ws_kernel):
 // warp specialisation, then FlashAttention-3's refinements one at a time.
 // Causal attention is bottom-right aligned (key c is visible to query r when c <= r + Nk - Nq), tiles past the
 // diagonal are skipped, and TMA's zero fill covers the ragged last tiles.
@@ -28,7 +28,15 @@ struct AttentionParams {
   float scale_log2;  // softmax scale * log2(e): exp2 instead of exp
   int* work_counter;  // step 12: the next query block to hand out (zeroed by the caller), else unused
   int head_group;     // step 13: how many heads' blocks start together (at least 1)
+  long long* timeline;  // steps 3-15: kTimelineSlots milestones per block (utils.hopper.block_timeline), or null
 };
+// The milestones of a block's first work item, in ns of the global timer: its start, Q arrived, the first K/V
+// tile arrived, the first tile's softmax done, the main loop done, the last P V done, O stored; and last the SM
+// and the item's tile count (sm << 32 | tiles). Noted by the first consumer's thread 0 (the start by thread 0).
+constexpr int kTimelineSlots = 8;
+__device__ __forceinline__ void note(const AttentionParams& p, int slot, long long value) {
+  if (p.timeline != nullptr) p.timeline[kTimelineSlots * (blockIdx.x + blockIdx.y * gridDim.x) + slot] = value;
+}
 
 template <typename T>
 __device__ inline uint32_t pack2(float lo, float hi) {
@@ -204,6 +212,41 @@ __device__ __forceinline__ void store_rows(RowState<D>& st, T* o, int bh, const 
   }
 }
 
+// Step 15's epilogue. store_rows's 4-byte stores put 8 rows x 16 bytes into each warp's store instruction: 8
+// half-filled 32-byte sectors each, and the store queue backs up (the block's last 3 us at D = 128). Instead, O / l
+// rounded to 16 bits goes into this warpgroup's own Q tile in shared memory (`tile`, 64-column panels
+// `panel_bytes` apart; Q's last S is done, so it is free) in the 128-byte swizzled layout TMA loaded Q in: the
+// same row's 16-byte chunks land in different banks, so no store conflicts. Then one thread has TMA write each
+// 64 x 64 panel to rows q_lo.. of head bh as whole lines; rows past Nq are not written.
+template <typename T, int D>
+__device__ __forceinline__ void store_tile(RowState<D>& st, uint32_t tile, uint32_t panel_bytes,
+                                           const CUtensorMap* map_o, int q_lo, int bh, int wg) {
+  const int wtid = threadIdx.x % 128, lane = wtid % 32, t = lane % 4, r0 = 16 * (wtid / 32) + lane / 4;
+  float inv[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    st.l[i] = quad_sum(st.l[i]);
+    inv[i] = st.l[i] > 0.f ? 1.f / st.l[i] : 0.f;
+  }
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j) {  // columns 8j + 2t and + 1: panel j / 8, bytes 16 (j % 8) + 4t of the row
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const uint32_t v = pack2<T>(st.acc[4 * j + 2 * half] * inv[half], st.acc[4 * j + 2 * half + 1] * inv[half]);
+      const uint32_t at = tile + (j / 8) * panel_bytes + swizzle((r0 + 8 * half) * 128 + 16 * (j % 8) + 4 * t,
+                                                                 Swizzle::k128B);
+      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at), "r"(v) : "memory");
+    }
+  }
+  fence_proxy_async();               // the tile's stores visible to TMA (the async proxy)
+  named_barrier_sync(3 + wg, 128);   // the whole warpgroup's part of O is in (barriers 1-2 are step 7's turns)
+  if (wtid == 0) {
+    for (int panel = 0; panel < D / 64; ++panel) tma_store_3d(map_o, 64 * panel, q_lo, bh, tile + panel * panel_bytes);
+    tma_store_commit();
+    tma_store_wait_read();  // shared memory must outlive TMA's reads of it: the block ends after this
+  }
+}
+
 template <typename T, int D, bool kCausal, int kStages>
 __global__ void __launch_bounds__(128) hopper_attention_kernel(const __grid_constant__ CUtensorMap map_q,
                                                                const __grid_constant__ CUtensorMap map_k,
@@ -262,7 +305,7 @@ __global__ void __launch_bounds__(128) hopper_attention_kernel(const __grid_cons
   store_rows<T, D>(st, o, bh, row, t, p.seqlen_q);
 }
 
-// Steps 3-14: warp specialisation. Three warpgroups per block (four from step 11 at D = 64): warpgroup 0 is the
+// Steps 3-15: warp specialisation. Three warpgroups per block (four from step 11 at D = 64): warpgroup 0 is the
 // producer (one thread issues every TMA copy, the others leave at once), the others the consumers, 64 query rows
 // each. The producer gives its registers away (setmaxnreg), so each of two consumers may use up to 240. Each K/Vᵀ
 // stage passes back and forth on two barriers: `full` (its bytes arrived) and `empty` (every consumer thread is
@@ -293,18 +336,22 @@ __host__ __device__ constexpr int ws_threads(int step, int d) { return 128 * (1 
 // `head_group` heads start together, the longest query block of every head of the group first, so the whole
 // launch ends on short blocks; the group is as many heads as half the L2 cache holds the K and V of (the caller
 // chooses; 1 without a causal mask, where every block is as long).
-__host__ __device__ constexpr bool ws_head_groups(int step) { return step >= 13; }
+__host__ __device__ constexpr bool ws_head_groups(int step) { return step == 13 || step == 14; }
 // Step 14 keeps step 13 and lets each consumer stop at its own diagonal. A causal block reads keys up to its last
 // row's diagonal, but the first consumer's rows end 64 (at D = 64 with three consumers, 128) keys earlier: its last
 // tile or two are masked out completely, yet it multiplied them anyway. Now it only waits for them and hands them
 // back, leaving the tensor cores to the consumer that needs them.
-__host__ __device__ constexpr bool ws_own_diagonal(int step) { return step >= 14; }
+__host__ __device__ constexpr bool ws_own_diagonal(int step) { return step == 14; }
+// Step 15 goes back to step 11 and changes its last act: O leaves through shared memory and a TMA store
+// (store_tile) instead of each thread's 4-byte stores (store_rows). A per-block timeline of step 11 on the H200
+// showed store_rows taking about 3.4 us of a causal 4k block's 42 us at D = 128, and 1.6 of 38 at D = 64.
+__host__ __device__ constexpr bool ws_tma_store(int step) { return step >= 15; }
 
 template <typename T, int D, bool kCausal, int kStep>
 __global__ void __launch_bounds__(ws_threads(kStep, D), 1)
     hopper_attention_ws_kernel(const __grid_constant__ CUtensorMap map_q, const __grid_constant__ CUtensorMap map_k,
-                               const __grid_constant__ CUtensorMap map_vt, T* __restrict__ o,
-                               const AttentionParams p) {
+                               const __grid_constant__ CUtensorMap map_vt, const __grid_constant__ CUtensorMap map_o,
+                               T* __restrict__ o, const AttentionParams p) {
   constexpr int kBase = ws_base(kStep), kN = ws_keys(kBase), kStages = ws_stages(kBase);  // keys/tile, stages
   constexpr bool kVDirect = kStep >= 10;
   constexpr int kConsumers = ws_consumers(kStep, D), kBlockRows = kConsumers * kRows;  // query rows per block
@@ -325,6 +372,7 @@ __global__ void __launch_bounds__(ws_threads(kStep, D), 1)
   auto empty = [&](int s) { return smem_u32(&bars[2 * kQBufs + kStages + s]); };
 
   const int tid = threadIdx.x, warpgroup = tid / 128;
+  if (tid == 0) note(p, 0, global_timer_ns());
   const int q_blocks = (p.seqlen_q + kBlockRows - 1) / kBlockRows, diagonal = p.seqlen_k - p.seqlen_q;
   // A work item: one block of query rows of one (batch, head), and how many K/V tiles it reads. Step 8: with a
   // causal mask the last query blocks have the most keys; launching them first (blocks start in order of
@@ -406,6 +454,8 @@ __global__ void __launch_bounds__(ws_threads(kStep, D), 1)
     const int w = kPersistent ? work_slot[qb] : blockIdx.x;
     if (w < 0) break;
     const Work wk = work(w);
+    auto mark = [&](int slot) { if (tid == 128 && n == 0) note(p, slot, global_timer_ns()); };  // first consumer
+    mark(1);
     const int q_lo = wk.q0 + kRows * wg;  // this warpgroup's first row
     // the tiles this consumer multiplies: the block's, or from step 14 (causal) those up to its own diagonal
     const int own_end = min(p.seqlen_k, max(0, q_lo + kRows + diagonal));
@@ -422,6 +472,7 @@ __global__ void __launch_bounds__(ws_threads(kStep, D), 1)
     if constexpr (kBase <= 5) {
       for (int i = 0; i < tiles; ++i) {
         wait_full(i);
+        if (i == 0) mark(2);
         const uint32_t sk = key_tile(i);
         if (needs_mask(i)) {
           attend_tile<T, D, kCausal, kFast, true>(st, sq_wg, kQPanel, sk, sk + kTile, kN * i, row, t, p);
@@ -429,7 +480,9 @@ __global__ void __launch_bounds__(ws_threads(kStep, D), 1)
           attend_tile<T, D, kCausal, kFast, false>(st, sq_wg, kQPanel, sk, sk + kTile, kN * i, row, t, p);
         }
         mbarrier_arrive(empty(ring(i)));
+        if (i == 0) mark(3);
       }
+      mark(4);
     } else if (tiles > 0) {
       // Step 6: S for tile i is issued together with P V for tile i-1, and the softmax of tile i runs while P V
       // does; O is rescaled only after that wgmma is done. Step 7 adds turns: a consumer issues its wgmma only
@@ -480,6 +533,7 @@ __global__ void __launch_bounds__(ws_threads(kStep, D), 1)
         mbarrier_arrive(empty(ring(tiles - 1)));
       };
       wait_full(0);
+      mark(2);
       turn();
       fence_registers(s);
       wgmma_fence();
@@ -489,6 +543,7 @@ __global__ void __launch_bounds__(ws_threads(kStep, D), 1)
       wgmma_wait<0>();
       fence_registers(s);
       softmax(0, pa);  // O is still 0: nothing to rescale
+      mark(3);
       // Two tiles per trip, so that pa and pb swap roles without a copy (register moves into a wgmma's inputs
       // between its issue and its wait make ptxas serialize every wgmma of the kernel).
       int i = 1;
@@ -496,6 +551,7 @@ __global__ void __launch_bounds__(ws_threads(kStep, D), 1)
         tile(i, pa, pb);
         tile(i + 1, pb, pa);
       }
+      mark(4);
       if (i < tiles) {
         tile(i, pa, pb);
         last(pb);
@@ -503,20 +559,25 @@ __global__ void __launch_bounds__(ws_threads(kStep, D), 1)
         last(pa);
       }
     }
+    mark(5);
     for (int i = tiles; i < wk.tiles; ++i) {  // step 14: tiles only the other consumers need, handed straight back
       wait_full(i);  // (arriving before the tile is in would count towards the stage's previous tile)
       mbarrier_arrive(empty(ring(i)));
     }
     it += wk.tiles;
     if (kPersistent) mbarrier_arrive(q_empty(qb));  // Q's buffer may take item n + 2
-    store_rows<T, D>(st, o, wk.bh, row, t, p.seqlen_q);
+    if constexpr (ws_tma_store(kStep)) store_tile<T, D>(st, sq_wg, kQPanel, &map_o, q_lo, wk.bh, wg);
+    else store_rows<T, D>(st, o, wk.bh, row, t, p.seqlen_q);
+    mark(6);
+    if (tid == 128 && n == 0) note(p, 7, static_cast<long long>(sm_id()) << 32 | wk.tiles);
     if (!kPersistent) break;
   }
 }
 
 template <typename T, int D, int kStep>
-cudaError_t launch_ws(bool causal, const CUtensorMap& q, const CUtensorMap& k, const CUtensorMap& vt, void* o,
-                      const AttentionParams& p, int batch_heads, cudaStream_t stream) {
+cudaError_t launch_ws(bool causal, const CUtensorMap& q, const CUtensorMap& k, const CUtensorMap& vt,
+                      const CUtensorMap& o_map, void* o, const AttentionParams& p, int batch_heads,
+                      cudaStream_t stream) {
   // the block's rows of Q, the K/Vᵀ stages, alignment room
   constexpr int kBlockRows = ws_consumers(kStep, D) * kRows, kQBufs = ws_q_buffers(kStep);
   const int smem = kQBufs * kBlockRows * D * 2 + ws_stages(ws_base(kStep)) * 2 * ws_keys(ws_base(kStep)) * D * 2 +
@@ -533,7 +594,7 @@ cudaError_t launch_ws(bool causal, const CUtensorMap& q, const CUtensorMap& k, c
   auto kernel = causal ? hopper_attention_ws_kernel<T, D, true, kStep> : hopper_attention_ws_kernel<T, D, false, kStep>;
   const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
-  kernel<<<grid, ws_threads(kStep, D), smem, stream>>>(q, k, vt, static_cast<T*>(o), p);
+  kernel<<<grid, ws_threads(kStep, D), smem, stream>>>(q, k, vt, o_map, static_cast<T*>(o), p);
   return cudaGetLastError();
 }
 
@@ -552,38 +613,42 @@ cudaError_t launch_typed(bool causal, const CUtensorMap& q, const CUtensorMap& k
 
 template <typename T, int D>
 cudaError_t launch_step(int step, bool causal, const CUtensorMap& q, const CUtensorMap& k, const CUtensorMap& vt,
-                        void* o, const AttentionParams& p, int batch_heads, cudaStream_t stream) {
+                        const CUtensorMap& o_map, void* o, const AttentionParams& p, int batch_heads,
+                        cudaStream_t stream) {
   switch (step) {
     case 1: return launch_typed<T, D, 1>(causal, q, k, vt, o, p, batch_heads, stream);
     case 2: return launch_typed<T, D, 2>(causal, q, k, vt, o, p, batch_heads, stream);
-    case 3: return launch_ws<T, D, 3>(causal, q, k, vt, o, p, batch_heads, stream);
-    case 4: return launch_ws<T, D, 4>(causal, q, k, vt, o, p, batch_heads, stream);
-    case 5: return launch_ws<T, D, 5>(causal, q, k, vt, o, p, batch_heads, stream);
-    case 6: return launch_ws<T, D, 6>(causal, q, k, vt, o, p, batch_heads, stream);
-    case 7: return launch_ws<T, D, 7>(causal, q, k, vt, o, p, batch_heads, stream);
-    case 8: return launch_ws<T, D, 8>(causal, q, k, vt, o, p, batch_heads, stream);
-    case 9: return launch_ws<T, D, 9>(causal, q, k, vt, o, p, batch_heads, stream);
-    case 10: return launch_ws<T, D, 10>(causal, q, k, vt, o, p, batch_heads, stream);
-    case 11: return launch_ws<T, D, 11>(causal, q, k, vt, o, p, batch_heads, stream);
-    case 12: return launch_ws<T, D, 12>(causal, q, k, vt, o, p, batch_heads, stream);
-    case 13: return launch_ws<T, D, 13>(causal, q, k, vt, o, p, batch_heads, stream);
-    default: return launch_ws<T, D, 14>(causal, q, k, vt, o, p, batch_heads, stream);
+    case 3: return launch_ws<T, D, 3>(causal, q, k, vt, o_map, o, p, batch_heads, stream);
+    case 4: return launch_ws<T, D, 4>(causal, q, k, vt, o_map, o, p, batch_heads, stream);
+    case 5: return launch_ws<T, D, 5>(causal, q, k, vt, o_map, o, p, batch_heads, stream);
+    case 6: return launch_ws<T, D, 6>(causal, q, k, vt, o_map, o, p, batch_heads, stream);
+    case 7: return launch_ws<T, D, 7>(causal, q, k, vt, o_map, o, p, batch_heads, stream);
+    case 8: return launch_ws<T, D, 8>(causal, q, k, vt, o_map, o, p, batch_heads, stream);
+    case 9: return launch_ws<T, D, 9>(causal, q, k, vt, o_map, o, p, batch_heads, stream);
+    case 10: return launch_ws<T, D, 10>(causal, q, k, vt, o_map, o, p, batch_heads, stream);
+    case 11: return launch_ws<T, D, 11>(causal, q, k, vt, o_map, o, p, batch_heads, stream);
+    case 12: return launch_ws<T, D, 12>(causal, q, k, vt, o_map, o, p, batch_heads, stream);
+    case 13: return launch_ws<T, D, 13>(causal, q, k, vt, o_map, o, p, batch_heads, stream);
+    case 14: return launch_ws<T, D, 14>(causal, q, k, vt, o_map, o, p, batch_heads, stream);
+    default: return launch_ws<T, D, 15>(causal, q, k, vt, o_map, o, p, batch_heads, stream);
   }
 }
 
 // Plain launcher (no torch types); the wrapper has checked the shapes and built the tensor maps. Steps 1-2: one
-// warpgroup per block (loads and multiplies in turn, then overlapped); steps 3-14: a producer and two or three
-// consumer warpgroups (Q's tensor map then reads 128 rows at a time, from step 11 64 per consumer).
+// warpgroup per block (loads and multiplies in turn, then overlapped); steps 3-15: a producer and two or three
+// consumer warpgroups (Q's tensor map then reads 128 rows at a time, from step 11 64 per consumer). `o_map`
+// (O in boxes of 64 rows) is step 15's way out; the other steps store through `o`.
 cudaError_t hopper_attention_launch(int step, bool bf16, int head_dim, bool causal, const CUtensorMap& q,
-                                    const CUtensorMap& k, const CUtensorMap& vt, void* o, const AttentionParams& p,
-                                    int batch_heads, cudaStream_t stream) {
-  if (step < 1 || step > 14) return cudaErrorInvalidValue;
+                                    const CUtensorMap& k, const CUtensorMap& vt, const CUtensorMap& o_map, void* o,
+                                    const AttentionParams& p, int batch_heads, cudaStream_t stream) {
+  if (step < 1 || step > 15) return cudaErrorInvalidValue;
   if (bf16) {
-    return head_dim == 64 ? launch_step<__nv_bfloat16, 64>(step, causal, q, k, vt, o, p, batch_heads, stream)
-                          : launch_step<__nv_bfloat16, 128>(step, causal, q, k, vt, o, p, batch_heads, stream);
+    return head_dim == 64
+               ? launch_step<__nv_bfloat16, 64>(step, causal, q, k, vt, o_map, o, p, batch_heads, stream)
+               : launch_step<__nv_bfloat16, 128>(step, causal, q, k, vt, o_map, o, p, batch_heads, stream);
   }
-  return head_dim == 64 ? launch_step<__half, 64>(step, causal, q, k, vt, o, p, batch_heads, stream)
-                        : launch_step<__half, 128>(step, causal, q, k, vt, o, p, batch_heads, stream);
+  return head_dim == 64 ? launch_step<__half, 64>(step, causal, q, k, vt, o_map, o, p, batch_heads, stream)
+                        : launch_step<__half, 128>(step, causal, q, k, vt, o_map, o, p, batch_heads, stream);
 }
 
 }  // namespace course_hopper
@@ -602,10 +667,11 @@ struct AttentionParams {
   float scale_log2;
   int* work_counter;
   int head_group;
+  long long* timeline;
 };
 cudaError_t hopper_attention_launch(int step, bool bf16, int head_dim, bool causal, const CUtensorMap& q,
-                                    const CUtensorMap& k, const CUtensorMap& vt, void* o, const AttentionParams& p,
-                                    int batch_heads, cudaStream_t stream);
+                                    const CUtensorMap& k, const CUtensorMap& vt, const CUtensorMap& o_map, void* o,
+                                    const AttentionParams& p, int batch_heads, cudaStream_t stream);
 
 // A contiguous (batch, heads, rows, cols) tensor seen as 3-d (cols, rows, batch x heads), read in boxes of
 // 64 columns x `box_rows` rows.
@@ -621,10 +687,11 @@ inline CUtensorMap map_3d(const torch::Tensor& t, int box_rows) {
 
 // q (B, H, Nq, D), k (B, Hkv, Nk, D) and vt (B, Hkv, D, Nk padded to a multiple of 8: V transposed; from step
 // 10, V itself, (B, Hkv, Nk, D)), all
-// contiguous fp16 or bf16 on an sm_90 GPU, D = 64 or 128 -> o (B, H, Nq, D).
+// contiguous fp16 or bf16 on an sm_90 GPU, D = 64 or 128 -> o (B, H, Nq, D). `timeline`: empty, or (steps 3-15)
+// int64 room for kTimelineSlots per block of 64 query rows (more than any step launches), filled per block.
 torch::Tensor hopper_attention_forward(torch::Tensor q, torch::Tensor k, torch::Tensor vt, int64_t seqlen_k,
-                                       bool causal, double scale, int64_t step) {
-  TORCH_CHECK(step >= 1 && step <= 14, "hopper_attention: step must be 1 to 14 (utils.hopper.ATTENTION_STEPS), got ",
+                                       bool causal, double scale, int64_t step, torch::Tensor timeline) {
+  TORCH_CHECK(step >= 1 && step <= 15, "hopper_attention: step must be 1 to 15 (utils.hopper.ATTENTION_STEPS), got ",
               course::num(step));
   const torch::Tensor* inputs[] = {&q, &k, &vt};
   const char* names[] = {"q", "k", "vt"};
@@ -655,6 +722,11 @@ torch::Tensor hopper_attention_forward(torch::Tensor q, torch::Tensor k, torch::
               "hopper_attention: empty or too long, q ", course::shape(q.sizes()), ", Nk = ", course::num(seqlen_k));
   TORCH_CHECK(scale > 0 && std::isfinite(scale), "hopper_attention: scale must be finite and positive, got ",
               course::num(scale));
+  const int64_t most_blocks = (q.size(2) + 63) / 64 * q.size(0) * q.size(1);
+  TORCH_CHECK(timeline.numel() == 0 || (step >= 3 && timeline.is_cuda() && timeline.scalar_type() == torch::kInt64 &&
+              timeline.is_contiguous() && timeline.numel() >= most_blocks * 8), "hopper_attention: timeline must be "
+              "empty, or for steps 3-15 a contiguous int64 CUDA tensor of at least ", course::num(most_blocks * 8),
+              " elements, got ", course::shape(timeline.sizes()));
   course_hopper::check_sm90("hopper_attention", q);
   const c10::cuda::CUDAGuard guard(q.device());
   auto o = torch::empty_like(q);
@@ -672,15 +744,18 @@ torch::Tensor hopper_attention_forward(torch::Tensor q, torch::Tensor k, torch::
                                          static_cast<int>(q.size(1)), static_cast<int>(k.size(1)),
                                          static_cast<int>(q.size(0) * q.size(1)),
                                          static_cast<float>(scale * 1.4426950408889634),
-                                         counter.defined() ? counter.data_ptr<int>() : nullptr, head_group};
+                                         counter.defined() ? counter.data_ptr<int>() : nullptr, head_group,
+                                         timeline.numel() ? reinterpret_cast<long long*>(timeline.data_ptr<int64_t>())
+                                                          : nullptr};
   // Q in boxes of the block's rows (128 from step 3; from step 11 one box of 64 per consumer), K of the tile's keys
   // (128 at step 9), Vᵀ of D rows (from step 10: V, as K)
   const CUtensorMap map_q = course_hopper::map_3d(q, step >= 3 && step < 11 ? 128 : 64),
                     map_k = course_hopper::map_3d(k, step == 9 ? 128 : 64),
-                    map_vt = course_hopper::map_3d(vt, step >= 10 ? 64 : static_cast<int>(d));
+                    map_vt = course_hopper::map_3d(vt, step >= 10 ? 64 : static_cast<int>(d)),
+                    map_o = course_hopper::map_3d(o, 64);  // step 15 stores O in boxes of 64 rows
   const cudaError_t err = course_hopper::hopper_attention_launch(
       static_cast<int>(step), q.scalar_type() == torch::kBFloat16, static_cast<int>(d), causal, map_q, map_k, map_vt,
-      o.data_ptr(), p, static_cast<int>(q.size(0) * q.size(1)), c10::cuda::getCurrentCUDAStream());
+      map_o, o.data_ptr(), p, static_cast<int>(q.size(0) * q.size(1)), c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "hopper_attention: launch failed: ", cudaGetErrorString(err));
   return o;
 }
