@@ -1,7 +1,10 @@
 """utils.bench.cuda_mma: the two CUDA worklogs' step labels, their functions, arguments and the worklog table."""
+import json
+import math
+
 import pytest
 
-from utils import hopper
+from utils import cuda_ext, hopper
 from utils.bench import cuda_mma as cm
 from utils.cuda_ext import MMA_STEPS
 
@@ -72,3 +75,24 @@ def test_worklog_table_marks_missing_numbers_and_refuses_an_unmeasured_shape():
     assert "—" in cm.format_worklog(rows) and cm.format_worklog([]) == "(no steps)"
     with pytest.raises(ValueError, match="no records at head_dim=64"):
         cm.worklog_table([_record("s1_mma", 1.0)], head_dim=64, causal=False, seqlen=4096)
+
+
+@pytest.mark.parametrize("worklog,default,stored", [("mma", cuda_ext.MMA_DEFAULT_STEP, "06b_*_h200.json"),
+                                                    ("hopper", hopper.DEFAULT_STEP, "06c_*_h200.json")])
+def test_the_default_step_is_the_fastest_stored(worklog, default, stored):
+    """Each worklog's default step (the registry's kernel) has a geometric-mean TFLOP/s over N >= 4k within 2%
+    (run-to-run noise) of the best step's, in every stored timing run of that worklog that timed it."""
+    runs = [json.loads(p.read_text()) for p in sorted((cuda_ext.ROOT / "images").glob(stored))]
+    runs = [run for run in runs if "utils.bench.cuda_mma" in run["environment"]["command"]]  # timings only
+    labels = {cm.step_label(s, worklog) for s in cm.WORKLOGS[worklog][0]}
+    timed = 0
+    for run in runs:
+        logs = {}
+        for r in run["results"]:
+            if r["impl"] in labels and r["seqlen"] >= 4096 and r["tflops"]:
+                logs.setdefault(r["impl"], []).append(math.log(r["tflops"]))
+        means = {label: math.exp(sum(v) / len(v)) for label, v in logs.items()}
+        if cm.step_label(default, worklog) in means:
+            timed += 1
+            assert means[cm.step_label(default, worklog)] >= 0.98 * max(means.values()), means
+    assert timed, f"no stored run of the {worklog} worklog times its default step {default!r}"

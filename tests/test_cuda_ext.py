@@ -25,11 +25,14 @@ EXPECTED = {
     "flash_tiled": {f"flash_tiled_kernel<{t}, {d}>" for t in DTYPES for d in (32, 64, 128, 256)},
 }
 MMA_STRUCTS = ("Step1Mma", "Step2Ldmatrix", "Step3Swizzle", "Step4CpAsync", "Step5Tiles", "Step6Exp2",
-               "Step7CausalSkip", "Step8SplitKV", "Step9Occupancy", "Step10OneGroup")
-for _index, (_step, _struct) in enumerate(zip(cuda_ext.MMA_STEPS, MMA_STRUCTS, strict=True)):
+               "Step7CausalSkip", "Step8SplitKV", "Step9Occupancy", "Step10OneGroup", "Step11WarpRows")
+# Steps 5-10: 128 x 128 tiles at D = 128 need 160 KB of shared memory, so a half tile for 99 KB GPUs (step 11's
+# 128 x 64 tiles take 96 KB and need none).
+HALF_TILED = MMA_STRUCTS[4:10]
+for _step, _struct in zip(cuda_ext.MMA_STEPS, MMA_STRUCTS, strict=True):
     EXPECTED[cuda_ext.mma_kernel_name(_step)] = {f"flash_mma_kernel<course_flash::{_struct}, {t}, {d}>"
                                                  for t in DTYPES[1:] for d in (64, 128)}
-    if _index >= 4:  # 128 x 128 tiles at D = 128 need 160 KB of shared memory: a half tile for 99 KB GPUs
+    if _struct in HALF_TILED:
         EXPECTED[cuda_ext.mma_kernel_name(_step)] |= {
             f"flash_mma_kernel<course_flash::HalfTile<course_flash::{_struct}>, {t}, 128>" for t in DTYPES[1:]}
 
@@ -39,7 +42,8 @@ BWD_STRUCTS = ("BwdAtomicDQ", "BwdDQPass", "BwdNarrowRows", "BwdTwoBlocks", "Bwd
 _forward = MMA_STRUCTS[cuda_ext.MMA_STEPS.index(cuda_ext.MMA_DEFAULT_STEP)]
 EXPECTED["flash_mma_bwd"] = (
     {f"flash_mma_kernel<course_flash::{_forward}, {t}, {d}>" for t in DTYPES[1:] for d in (64, 128)}
-    | {f"flash_mma_kernel<course_flash::HalfTile<course_flash::{_forward}>, {t}, 128>" for t in DTYPES[1:]}
+    | {f"flash_mma_kernel<course_flash::HalfTile<course_flash::{_forward}>, {t}, 128>" for t in DTYPES[1:]
+       if _forward in HALF_TILED}
     | {f"flash_bwd_dkdv_kernel<course_flash::{s}, {t}, {d}, course_flash::BwdTile<course_flash::{s}, {d}, {w}, {n}> >"
        for s in BWD_STRUCTS for t in DTYPES[1:] for d in (64, 128) for w, n in ((8, 2), (4, 1))}
     | {f"flash_bwd_dq_kernel<{t}, {d}>" for t in DTYPES[1:] for d in (64, 128)})
@@ -60,12 +64,19 @@ def test_compile_check_builds_every_kernel_for_sm80_and_sm90(name):
         spilled = [r for r in results if r.spill_stores or r.spill_loads]
         # ... except the 128 x 128 tiles of steps 5-9 at D = 128: 255 registers, and a few bytes spilled on
         # sm_90, measured faster than 64-key tiles that fit (notebook 06b); and step 9 at D = 64, which trades a
-        # few spilled bytes for the 128-register cap of two blocks per SM (and step 10, which keeps it). More than
-        # a few is a regression.
+        # few spilled bytes for the 128-register cap of two blocks per SM (and step 10, which keeps it); and
+        # step 11's two row tiles (all 255 registers; about 100 bytes at D = 128, a few at D = 64 on sm_80),
+        # whose spills cost less than the alternatives that avoid them (32-key tiles, or its k-loop rolled:
+        # both measured slower). More than that is a regression.
         if name.startswith("flash_mma"):
             capped = name in (cuda_ext.mma_kernel_name("occupancy"), cuda_ext.mma_kernel_name("one_group"))
-            spilled = [r for r in spilled if not ((r.kernel.endswith(", 128>") or capped) and r.spill_stores <= 64
-                                                  and r.spill_loads <= 64)]
+
+            def allowed(r) -> int:  # the bytes a kernel may spill
+                if "Step11WarpRows" in r.kernel:
+                    return 128
+                return 64 if r.kernel.endswith(", 128>") or capped else 0
+
+            spilled = [r for r in spilled if max(r.spill_stores, r.spill_loads) > allowed(r)]
         if name == "flash_mma_bwd":  # the backward's steps 1-5 spill (k loops unrolled fully: notebook 06b);
             # step 6's claim is that at D = 128 nothing does
             spilled = [r for r in spilled if r.kernel.startswith("flash_mma_kernel") or
@@ -251,9 +262,11 @@ def test_mma_steps_are_named_and_registered():
     impl = REGISTRY["cuda"]
     assert impl.load() is cuda_ext.flash_attention_cuda and impl.runs_on == "cuda" and impl.notebook == "06b"
     assert impl.head_dims == cuda_ext.MMA_HEAD_DIMS
-    # Each step's struct derives from the one before: the steps header reads as the worklog.
+    # Each step's struct derives from the one before: the steps header reads as the worklog. Step 11 starts
+    # again from step 7, the last step that paid.
     steps = (cuda_ext.CUDA_DIR / "flash_mma_steps.cuh").read_text()
-    for before, after in zip(MMA_STRUCTS, MMA_STRUCTS[1:]):
+    bases = {**dict(zip(MMA_STRUCTS[1:], MMA_STRUCTS)), "Step11WarpRows": "Step7CausalSkip"}
+    for after, before in bases.items():
         assert f"struct {after} : {before} {{" in steps, after
 
 

@@ -193,30 +193,6 @@ def test_the_attention_kernel_compiles_without_spills_or_serialized_wgmma():
                for r in results if "_ws_" in r.kernel)
 
 
-def test_the_default_step_is_the_fastest_stored():
-    """DEFAULT_STEP's geometric-mean TFLOP/s over N >= 4k is within 2% (run-to-run noise) of the best step's, in
-    every stored run of the worklog that timed it; and it is a step."""
-    import json
-    import math
-
-    from utils.bench.cuda_mma import step_label
-
-    assert hopper.DEFAULT_STEP in hopper.ATTENTION_STEPS
-    runs = [p for p in sorted((cuda_ext.ROOT / "images").glob("06c_*_h200.json"))
-            if "utils.bench.cuda_mma" in json.loads(p.read_text())["environment"]["command"]]  # timings only
-    assert runs, "no stored run of the Hopper worklog"
-    labels = {step_label(s, "hopper") for s in hopper.ATTENTION_STEPS}
-    for path in runs:
-        logs = {}
-        for r in json.loads(path.read_text())["results"]:
-            if r["impl"] in labels and r["seqlen"] >= 4096 and r["tflops"]:
-                logs.setdefault(r["impl"], []).append(math.log(r["tflops"]))
-        means = {label: math.exp(sum(v) / len(v)) for label, v in logs.items()}
-        default = means.get(step_label(hopper.DEFAULT_STEP, "hopper"))
-        if default is not None:
-            assert default >= 0.98 * max(means.values()), (path.name, means)
-
-
 def test_flash_hopper_validates_before_building():
     q = torch.randn(1, 2, 10, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="needs CUDA tensors"):

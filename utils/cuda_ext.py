@@ -48,9 +48,9 @@ KERNELS = {
 # Notebook 06b: the tensor-core kernel, one file per step of its worklog (utils/cuda/flash_mma_steps.cuh), so
 # that the final step alone is built for the registry and the steps build in parallel.
 MMA_STEPS = ("mma", "ldmatrix", "swizzle", "cp_async", "tiles", "exp2", "causal_skip", "split_kv", "occupancy",
-             "one_group")
-# The registry's "cuda" and flash_mma's default: the fastest step measured (images/06b_cuda_mma_h200.json).
-MMA_DEFAULT_STEP = "causal_skip"
+             "one_group", "warp_rows")
+# The registry's "cuda" and flash_mma's default: the fastest step measured (images/06b_step11_h200.json).
+MMA_DEFAULT_STEP = "warp_rows"
 MMA_HEADERS = ("flash_params.h", "flash_common.cuh", "flash_torch.h", "course_str.h", "flash_mma.cuh",
                "flash_mma_steps.cuh", "flash_mma_kernel.cuh", "flash_mma_torch.h")
 MMA_HEAD_DIMS = (64, 128)

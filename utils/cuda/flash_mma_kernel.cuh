@@ -2,7 +2,9 @@
 // switches each optimisation on, and every switch is an `if constexpr` branch marked "Step N" below.
 //
 //   grid:     one block per (BR query rows, batch * head); a block has kWarps warps, each owning 16 rows
-//   shared:   Qs [BR][D]                        the query tile, read once into registers (A fragments)
+//             (from step 11, 16 kRowTiles rows: each K and V fragment read from shared memory serves kRowTiles mma)
+//   shared:   Qs [BR][D]                        the query tile, read once into registers (A fragments; step 11
+//                                               at D = 128 reads it at every k-step: registers go to more rows)
 //             Ks [stages][BC][D], Vs [stages][BC][D]   the current K and V tiles (2 stages from step 4)
 //   registers (per thread, D = 128, BC = 128 from step 5): Q fragments 32 words, S 64 floats, O 64 floats,
 //             m and l for its two rows g and g + 8
@@ -18,8 +20,9 @@ namespace course_flash {
 
 template <typename Step, int D> struct MmaTile {
   static constexpr int kThreads = 32 * Step::kWarps;
-  static constexpr int kRows = 16 * Step::kWarps;  // BR: each warp owns one m16 tile of query rows
+  static constexpr int kRows = 16 * Step::kWarps * Step::kRowTiles;  // BR: each warp owns kRowTiles m16 tiles
   static constexpr int kCols = Step::template block_cols<D>();  // BC
+  static constexpr bool kQInRegs = Step::template q_in_regs<D>();
   static constexpr int kStages = Step::kCpAsync ? 2 : 1;
   static constexpr int kSmemBytes = (kRows + 2 * kStages * kCols) * D * 2;  // 16-bit elements
   static_assert(D == 64 || D == 128, "head dims 64 and 128");
@@ -105,26 +108,42 @@ __device__ __forceinline__ void load_b_v(uint32_t (&b)[2][2], const T* tile, int
   }
 }
 
-// acc (16 x 8 kTilesOut) += C (16 x 16 kSteps) times rows 0 .. 16 kSteps - 1 of a [rows][D] tile, read as the
-// B operand like V. C is the accumulators of an earlier mma: n8 tiles 2kk and 2kk + 1, packed to 16 bits, are
-// the A fragment of k-step kk, so C never leaves the registers. O += P V here; dV += Pᵀ dO, dK += dSᵀ Q and
-// dQ += dS K in the backward (flash_mma_bwd_kernel.cuh).
-template <typename Step, int D, int kSteps, int kTilesOut, typename T>
-__device__ __forceinline__ void mma_c_b(float (&acc)[kTilesOut][4], const float (&c)[2 * kSteps][4], const T* tile,
-                                        int lane) {
+// acc[i] (16 x 8 kTilesOut) += C[i] (16 x 16 kSteps) times rows 0 .. 16 kSteps - 1 of a [rows][D] tile, read as
+// the B operand like V, for each of R m16 row tiles i: every B fragment read serves R mma. C is the accumulators
+// of an earlier mma: n8 tiles 2kk and 2kk + 1, packed to 16 bits, are the A fragment of k-step kk, so C never
+// leaves the registers. O += P V here; dV += Pᵀ dO, dK += dSᵀ Q and dQ += dS K in the backward
+// (flash_mma_bwd_kernel.cuh, one row tile: the overload below).
+template <typename Step, int D, int kSteps, int kTilesOut, int R, typename T>
+__device__ __forceinline__ void mma_c_b(float (&acc)[R][kTilesOut][4], const float (&c)[R][2 * kSteps][4],
+                                        const T* tile, int lane) {
 #pragma unroll
   for (int kk = 0; kk < kSteps; ++kk) {
-    const uint32_t a[4] = {pack2<T>(c[2 * kk][0], c[2 * kk][1]), pack2<T>(c[2 * kk][2], c[2 * kk][3]),
-                           pack2<T>(c[2 * kk + 1][0], c[2 * kk + 1][1]),
-                           pack2<T>(c[2 * kk + 1][2], c[2 * kk + 1][3])};
+    uint32_t a[R][4];
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      a[i][0] = pack2<T>(c[i][2 * kk][0], c[i][2 * kk][1]), a[i][1] = pack2<T>(c[i][2 * kk][2], c[i][2 * kk][3]);
+      a[i][2] = pack2<T>(c[i][2 * kk + 1][0], c[i][2 * kk + 1][1]);
+      a[i][3] = pack2<T>(c[i][2 * kk + 1][2], c[i][2 * kk + 1][3]);
+    }
 #pragma unroll
     for (int n = 0; n < kTilesOut; n += 2) {
       uint32_t b[2][2];
       load_b_v<Step, D>(b, tile, n * 8, kk * 16, lane);
-      mma_16816<T>(acc[n], a, b[0]);
-      mma_16816<T>(acc[n + 1], a, b[1]);
+#pragma unroll
+      for (int i = 0; i < R; ++i) {
+        mma_16816<T>(acc[i][n], a[i], b[0]);
+        mma_16816<T>(acc[i][n + 1], a[i], b[1]);
+      }
     }
   }
+}
+
+template <typename Step, int D, int kSteps, int kTilesOut, typename T>
+__device__ __forceinline__ void mma_c_b(float (&acc)[kTilesOut][4], const float (&c)[2 * kSteps][4], const T* tile,
+                                        int lane) {
+  using Acc = float[1][kTilesOut][4];
+  using C = const float[1][2 * kSteps][4];
+  mma_c_b<Step, D, kSteps, kTilesOut, 1>(reinterpret_cast<Acc&>(acc), reinterpret_cast<C&>(c), tile, lane);
 }
 
 template <typename Step, typename T, int D>
@@ -164,16 +183,24 @@ flash_mma_kernel(Params p) {
   }
   __syncthreads();
 
-  // This warp's 16 query rows stay in registers as D / 16 A fragments for the whole kernel.
-  uint32_t qa[D / 16][4];
+  // This warp's R m16 tiles of query rows (rows warp * 16R + 16i .. + 15 for tile i) stay in registers as
+  // D / 16 A fragments each for the whole kernel, or (step 11 at D = 128) are read from Qs at every k-step.
+  constexpr int R = Step::kRowTiles;
+  constexpr bool kQInRegs = Tile::kQInRegs;
+  uint32_t qa[kQInRegs ? R : 1][kQInRegs ? D / 16 : 1][4];
+  if constexpr (kQInRegs) {
 #pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk) load_a<Step, D>(qa[kk], Qs, warp * 16, kk * 16, lane);
+    for (int i = 0; i < R; ++i)
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) load_a<Step, D>(qa[i][kk], Qs, (warp * R + i) * 16, kk * 16, lane);
+  }
 
-  float o[kTilesO][4] = {};
-  float m[2] = {-CUDART_INF_F, -CUDART_INF_F};  // running max of rows g and g + 8, in units of raw scores
-  float l[2] = {0.f, 0.f};                      // this thread's part of their running sums
+  float o[R][kTilesO][4] = {};
+  float m[R][2], l[R][2];  // running max of rows g and g + 8 of each tile, in units of raw scores; this thread's
+#pragma unroll             // part of their running sums
+  for (int i = 0; i < R; ++i) m[i][0] = m[i][1] = -CUDART_INF_F, l[i][0] = l[i][1] = 0.f;
   const float scale = p.scale_log2 * 0.6931471805599453f;  // sm_scale (Params carries sm_scale * log2(e))
-  const int row0 = q0 + warp * 16 + g;            // this thread's rows: row0 and row0 + 8
+  const int row0 = q0 + warp * 16 * R + g;        // this thread's rows: row0 + 16i and row0 + 16i + 8
 
   for (int j = 0; j < n_tiles; ++j) {
     const int c0 = j * BC;
@@ -203,68 +230,86 @@ flash_mma_kernel(Params p) {
       __syncthreads();
     }
 
-    // S = Q K^T: 16 x BC scores per warp, fp32 accumulators.
-    float s[kTilesS][4] = {};
+    // S = Q K^T: 16R x BC scores per warp, fp32 accumulators. Each K fragment serves R mma.
+    float s[R][kTilesS][4] = {};
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk)
+    for (int kk = 0; kk < D / 16; ++kk) {
+      uint32_t a[R][4];
+#pragma unroll
+      for (int i = 0; i < R; ++i) {
+        if constexpr (kQInRegs) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) a[i][e] = qa[i][kk][e];
+        } else {  // Step 11
+          load_a<Step, D>(a[i], Qs, (warp * R + i) * 16, kk * 16, lane);
+        }
+      }
 #pragma unroll
       for (int n = 0; n < kTilesS; n += 2) {
         uint32_t kb[2][2];
         load_b_k<Step, D>(kb, Kt, n * 8, kk * 16, lane);
-        mma_16816<T>(s[n], qa[kk], kb[0]);
-        mma_16816<T>(s[n + 1], qa[kk], kb[1]);
+#pragma unroll
+        for (int i = 0; i < R; ++i) {
+          mma_16816<T>(s[i][n], a[i], kb[0]);
+          mma_16816<T>(s[i][n + 1], a[i], kb[1]);
+        }
       }
+    }
 
     // Mask keys past the end and, when causal, keys after the diagonal. Step 7 masks only the tiles that
     // cross the diagonal (tiles past it are not visited at all); before, every causal tile is masked.
     const bool crosses_diagonal = p.causal && (!Step::kCausalSkip || c0 + BC - 1 > q0 + offset);
     if (c0 + BC > p.seqlen_k || crosses_diagonal) {
 #pragma unroll
-      for (int n = 0; n < kTilesS; ++n)
+      for (int i = 0; i < R; ++i)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int key = c0 + n * 8 + 2 * t + e % 2, row = row0 + e / 2 * 8;
-          if (key >= p.seqlen_k || (p.causal && key > row + offset)) s[n][e] = -CUDART_INF_F;
-        }
+        for (int n = 0; n < kTilesS; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int key = c0 + n * 8 + 2 * t + e % 2, row = row0 + 16 * i + e / 2 * 8;
+            if (key >= p.seqlen_k || (p.causal && key > row + offset)) s[i][n][e] = -CUDART_INF_F;
+          }
     }
 
-    // Online softmax on the fragments: row r (0: g, 1: g + 8) owns entries 2r, 2r + 1 of every n8 tile.
+    // Online softmax on the fragments: row r (0: g, 1: g + 8) of tile i owns entries 2r, 2r + 1 of every n8 tile.
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float tile_max = -CUDART_INF_F;
+    for (int i = 0; i < R; ++i)
 #pragma unroll
-      for (int n = 0; n < kTilesS; ++n) tile_max = fmaxf(tile_max, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
-      // The rest of the row is held by the other 3 threads of the group (lanes 4g .. 4g + 3).
-      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
-      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
-      const float m_new = fmaxf(m[r], tile_max);
-      const float ref = m_new == -CUDART_INF_F ? 0.f : m_new;  // no visible key yet: every exp is 0
-      float alpha, sum = 0.f;
-      if constexpr (Step::kExp2) {  // Step 6: 2^(s * scale * log2 e - ref * scale * log2 e): FFMA + EX2
-        const float ref_log2 = ref * p.scale_log2;
-        alpha = fast_exp2(m[r] * p.scale_log2 - ref_log2);
+      for (int r = 0; r < 2; ++r) {
+        float tile_max = -CUDART_INF_F;
 #pragma unroll
-        for (int n = 0; n < kTilesS; ++n)
+        for (int n = 0; n < kTilesS; ++n) tile_max = fmaxf(tile_max, fmaxf(s[i][n][2 * r], s[i][n][2 * r + 1]));
+        // The rest of the row is held by the other 3 threads of the group (lanes 4g .. 4g + 3).
+        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+        const float m_new = fmaxf(m[i][r], tile_max);
+        const float ref = m_new == -CUDART_INF_F ? 0.f : m_new;  // no visible key yet: every exp is 0
+        float alpha, sum = 0.f;
+        if constexpr (Step::kExp2) {  // Step 6: 2^(s * scale * log2 e - ref * scale * log2 e): FFMA + EX2
+          const float ref_log2 = ref * p.scale_log2;
+          alpha = fast_exp2(m[i][r] * p.scale_log2 - ref_log2);
 #pragma unroll
-          for (int e = 2 * r; e < 2 * r + 2; ++e) {
-            s[n][e] = fast_exp2(fmaf(s[n][e], p.scale_log2, -ref_log2));
-            sum += s[n][e];
-          }
-      } else {
-        alpha = expf((m[r] - ref) * scale);
+          for (int n = 0; n < kTilesS; ++n)
 #pragma unroll
-        for (int n = 0; n < kTilesS; ++n)
+            for (int e = 2 * r; e < 2 * r + 2; ++e) {
+              s[i][n][e] = fast_exp2(fmaf(s[i][n][e], p.scale_log2, -ref_log2));
+              sum += s[i][n][e];
+            }
+        } else {
+          alpha = expf((m[i][r] - ref) * scale);
 #pragma unroll
-          for (int e = 2 * r; e < 2 * r + 2; ++e) {
-            s[n][e] = expf((s[n][e] - ref) * scale);
-            sum += s[n][e];
-          }
+          for (int n = 0; n < kTilesS; ++n)
+#pragma unroll
+            for (int e = 2 * r; e < 2 * r + 2; ++e) {
+              s[i][n][e] = expf((s[i][n][e] - ref) * scale);
+              sum += s[i][n][e];
+            }
+        }
+        l[i][r] = l[i][r] * alpha + sum;
+        m[i][r] = m_new;
+#pragma unroll
+        for (int n = 0; n < kTilesO; ++n) o[i][n][2 * r] *= alpha, o[i][n][2 * r + 1] *= alpha;
       }
-      l[r] = l[r] * alpha + sum;
-      m[r] = m_new;
-#pragma unroll
-      for (int n = 0; n < kTilesO; ++n) o[n][2 * r] *= alpha, o[n][2 * r + 1] *= alpha;
-    }
 
     if constexpr (Step::kSplitKV) {  // Step 8: now V of tile j (tile j + 1's two groups may stay in flight)
       if (j + 1 < n_tiles) cp_async_wait<2>();
@@ -277,23 +322,25 @@ flash_mma_kernel(Params p) {
     mma_c_b<Step, D, BC / 16>(o, s, Vt, lane);
   }
 
-  // Finish: the 4 threads of a group add their parts of l, then normalise and store their two rows.
+  // Finish: the 4 threads of a group add their parts of l, then normalise and store their rows.
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float sum = l[r];
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    const float inv = sum > 0.f ? 1.f / sum : 0.f;  // a row that sees no key outputs 0
-    const int row = row0 + 8 * r;
-    if (row >= p.seqlen_q) continue;
-    if (p.lse != nullptr && t == 0)  // what the backward needs to rebuild P: log(sum of e^(scale s)), natural log
-      p.lse[static_cast<long long>(blockIdx.y) * p.seqlen_q + row] = sum > 0.f ? m[r] * scale + logf(sum)
-                                                                               : -CUDART_INF_F;
-    T* dst = out + row * p.o_stride[2] + 2 * t;
+  for (int i = 0; i < R; ++i)
 #pragma unroll
-    for (int n = 0; n < kTilesO; ++n)
-      *reinterpret_cast<uint32_t*>(dst + n * 8) = pack2<T>(o[n][2 * r] * inv, o[n][2 * r + 1] * inv);
-  }
+    for (int r = 0; r < 2; ++r) {
+      float sum = l[i][r];
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      const float inv = sum > 0.f ? 1.f / sum : 0.f;  // a row that sees no key outputs 0
+      const int row = row0 + 16 * i + 8 * r;
+      if (row >= p.seqlen_q) continue;
+      if (p.lse != nullptr && t == 0)  // what the backward needs to rebuild P: log(sum of e^(scale s)), natural log
+        p.lse[static_cast<long long>(blockIdx.y) * p.seqlen_q + row] = sum > 0.f ? m[i][r] * scale + logf(sum)
+                                                                                 : -CUDART_INF_F;
+      T* dst = out + row * p.o_stride[2] + 2 * t;
+#pragma unroll
+      for (int n = 0; n < kTilesO; ++n)
+        *reinterpret_cast<uint32_t*>(dst + n * 8) = pack2<T>(o[i][n][2 * r] * inv, o[i][n][2 * r + 1] * inv);
+    }
 }
 
 // Shared memory per block that every sm_80+ GPU grants (sm_86, sm_89, sm_120: 99 KB; A100 163 KB, H100 227 KB).

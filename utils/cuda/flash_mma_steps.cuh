@@ -14,12 +14,14 @@ struct Step1Mma {
   static constexpr bool kLdmatrix = false;    // step 2
   static constexpr bool kSwizzle = false;     // step 3
   static constexpr bool kCpAsync = false;     // step 4
-  static constexpr int kWarps = 4;            // step 5: query rows per block = 16 * kWarps
+  static constexpr int kWarps = 4;            // step 5: query rows per block = 16 * kWarps * kRowTiles
   template <int D> static constexpr int block_cols() { return 64; }  // step 5: keys per tile
   static constexpr bool kExp2 = false;        // step 6
   static constexpr bool kCausalSkip = false;  // step 7
   static constexpr bool kSplitKV = false;     // step 8
   template <int D> static constexpr int min_blocks() { return 1; }  // step 9: blocks per SM asked of ptxas
+  static constexpr int kRowTiles = 1;         // step 11: m16 tiles of query rows per warp
+  template <int D> static constexpr bool q_in_regs() { return true; }  // step 11: Q's A fragments held throughout
 };
 
 // Step 2: ldmatrix. One instruction loads a whole 16x16 A fragment, or two 8-column B fragments, for the
@@ -66,5 +68,18 @@ struct Step9Occupancy : Step8SplitKV {
 // tile, for a wait on V that double buffering had already hidden); step 9's two blocks per SM won 13-17 % back.
 // Keeping the second and dropping the first asks whether the two gains add up.
 struct Step10OneGroup : Step9Occupancy { static constexpr bool kSplitKV = false; };
+
+// Step 11: two m16 tiles of query rows per warp, on step 7. An ldmatrix of K or V now feeds one mma per row
+// tile, so 32 rows a warp halve the shared-memory reads per mma; shared memory was the unit Nsight Compute found
+// busiest at step 7 (63 %). The second tile costs a second O and S in registers, so the tiles shrink to keep a
+// thread's S + O at 128 (D = 64) or 192 floats (D = 128): 4 warps x 32 rows x 64 keys, two blocks of 128 threads
+// per SM, the shape FlashAttention-2 uses on sm_80+ (Dao, 2023; its flash_fwd_launch_template.h). At D = 128
+// the 64 registers of Q's fragments do not fit beside them: Q is read from shared memory at every k-step.
+struct Step11WarpRows : Step7CausalSkip {
+  static constexpr int kWarps = 4;
+  static constexpr int kRowTiles = 2;
+  template <int D> static constexpr bool q_in_regs() { return D == 64; }
+  template <int D> static constexpr int block_cols() { return 64; }
+};
 
 }  // namespace course_flash
