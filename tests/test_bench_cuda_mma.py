@@ -68,6 +68,16 @@ def test_format_worklog_keeps_columns_aligned_for_long_step_names():
                {line.index(f"{row['tflops']:.1f}") + len(f"{row['tflops']:.1f}") for line, row in zip(lines[1:], rows)}) == 1
 
 
+def test_ratio_range_spans_every_shape_of_one_head_dim():
+    records = [_record("s11", 300.0), _record("s7", 200.0), _record("s11", 330.0, causal=True),
+               _record("s7", 300.0, causal=True), _record("s11", 100.0, d=64), _record("s7", 1.0, d=64),
+               _record("s11", 500.0, n=8192), _record("s7", None, n=8192)]   # a missing number is left out
+    assert cm.ratio_range(records, "s11", "s7", head_dim=128) == (1.1, 1.5)
+    assert cm.ratio_range(records, "s11", "s7", head_dim=64) == (100.0, 100.0)
+    with pytest.raises(ValueError, match="no shape at head_dim=96"):
+        cm.ratio_range(records, "s11", "s7", head_dim=96)
+
+
 def test_worklog_table_marks_missing_numbers_and_refuses_an_unmeasured_shape():
     rows = cm.worklog_table([_record("s1_mma", None), _record("s2_ldmatrix", 50.0)], head_dim=128, causal=False,
                             seqlen=4096)

@@ -166,7 +166,7 @@ def test_autotuned_config_is_asked_once_per_shape_class_then_launched_directly(m
     monkeypatch.setattr(flash_triton, "_tuners", {False: FakeAutotuner(), True: FakeAutotuner()})
     monkeypatch.setattr(flash_triton, "_tuned_configs", {})
     monkeypatch.setattr(flash_triton, "_progress_total", flash_triton._progress_total)  # restored afterwards
-    monkeypatch.setattr(flash_triton, "flash_fwd_kernel", type("K", (), {
+    monkeypatch.setattr(flash_triton, "_fwd_launcher", type("K", (), {
         "__getitem__": lambda self, grid: (launched.append(grid), plain[grid])[1]})())
     for nq in (20, 30, 17, 40):  # buckets 32, 32, 32, 64
         q, k, v = qkv(nq=nq, nk=nq, d=32, dtype=torch.float16)

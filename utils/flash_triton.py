@@ -19,6 +19,7 @@ sees no key.
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -27,6 +28,8 @@ import triton.language as tl
 
 from utils import gpu
 from utils.checks import check_attention_inputs, check_bool, resolve_scale
+from utils.launch import FastLauncher
+from utils.triton_utils import cdiv
 
 HEAD_DIMS = tuple(range(16, 257))           # any head dim from 16 to 256
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -201,6 +204,7 @@ def pick_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> Conf
     return fit_config(head_dim, dtype, gpu.shared_memory_per_block(device))
 
 
+@functools.lru_cache(maxsize=None)  # asked at every launch
 def fit_config(head_dim: int, dtype: torch.dtype, smem: int | None) -> Config:
     """The tiles chosen per head dim by measurement on an H200, shrunk until they fit `smem` bytes of shared
     memory per block (None: an H200's choice). utils.cross_compile checks the choice for a T4 by compiling."""
@@ -233,13 +237,13 @@ class Steps(NamedTuple):
 def tunable(q) -> bool:
     """Whether the autotuner may run: 16-bit inputs, head dim <= 128, an sm_80+ GPU (it times on the GPU)."""
     return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 128
-            and gpu.capability(q.device) >= (8, 0))
+            and gpu.capability(q) >= (8, 0))
 
 
 def tma_supported(q, k, v) -> bool:
     """Tensor descriptors need Hopper or newer, 16-bit data, a power-of-two head dim with unit stride, and
     16-byte aligned base addresses and row strides (the TMA unit's rules)."""
-    if not (q.is_cuda and gpu.capability(q.device) >= (9, 0)):
+    if not (q.is_cuda and gpu.capability(q) >= (9, 0)):
         return False
     d = q.shape[-1]
     return (q.dtype in (torch.float16, torch.bfloat16) and d == triton.next_power_of_2(d)
@@ -289,6 +293,7 @@ def _autotuner(with_tma: bool):
 
 
 _tuners = {False: _autotuner(False), True: _autotuner(True)}  # keyed by: may the configs use TMA?
+_fwd_launcher = FastLauncher(flash_fwd_kernel)  # notebook 05b step 3: launches without Triton's dispatch
 
 
 def _launch(q, k, v, causal, scale, config: Config | None = None, steps: Steps | None = None):
@@ -312,7 +317,7 @@ def _launch(q, k, v, causal, scale, config: Config | None = None, steps: Steps |
             global _progress_total
             tuner = _tuners[steps.tma]
             _progress_total = len(tuner.configs)
-            grid = lambda meta: (triton.cdiv(nq, meta["BLOCK_M"]), b * h)  # noqa: E731 (the autotuner's grid)
+            grid = lambda meta: (cdiv(nq, meta["BLOCK_M"]), b * h)  # noqa: E731 (the autotuner's grid)
             tuner[grid](*args, **{k: v for k, v in switches.items() if k != "TMA"}, seqlen_bucket=bucket)
             best = tuner.best_config
             _tuned_configs[key] = (Config(best.kwargs["BLOCK_M"], best.kwargs["BLOCK_N"], best.num_warps,
@@ -321,8 +326,8 @@ def _launch(q, k, v, causal, scale, config: Config | None = None, steps: Steps |
         # Later calls launch directly: the autotuner's own Python costs ~50 µs a call.
         config, switches["TMA"] = _tuned_configs[key]
     config = config or pick_config(d, q.dtype, q.device)
-    flash_fwd_kernel[(triton.cdiv(nq, config.block_m), b * h)](
-        *args, **switches, seqlen_bucket=0, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+    _fwd_launcher[(cdiv(nq, config.block_m), b * h)](
+        *args, 0, **switches, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         num_warps=config.num_warps, num_stages=config.num_stages)
     return o, lse
 
@@ -396,6 +401,11 @@ def flash_attention_forward(q, k, v, *, causal=False, sm_scale=None):
     """(o, lse) without autograd. lse: natural-log log-sum-exp of the scaled scores, fp32, (batch, heads,
     seqlen_q), -inf for a query that sees no key. bf16 on a CPU is computed in fp32 (see the module doc)."""
     _, scale = validate(q, k, v, causal, sm_scale)
+    return _forward(q, k, v, causal, scale)
+
+
+def _forward(q, k, v, causal, scale):
+    """flash_attention_forward on validated inputs and a resolved scale."""
     if q.device.type == "cpu" and q.dtype == torch.bfloat16:  # the interpreter has no bf16 arithmetic
         o, lse = _launch(q.float(), k.float(), v.float(), causal, scale)
         return o.to(torch.bfloat16), lse
@@ -407,15 +417,19 @@ class FlashAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal, sm_scale):
-        o, lse = flash_attention_forward(q, k, v, causal=causal, sm_scale=sm_scale)
+        scale = resolve_scale(sm_scale, q.shape[-1])
+        o, lse = _forward(q, k, v, causal, scale)  # flash_attention validated the inputs
         ctx.save_for_backward(q, k, v, o, lse)
+        ctx.set_materialize_grads(False)  # lse gets no gradient: no tensor of zeros is made for it
         ctx.causal = causal
-        ctx.sm_scale = resolve_scale(sm_scale, q.shape[-1])
+        ctx.sm_scale = scale
         ctx.mark_non_differentiable(lse)
         return o, lse
 
     @staticmethod
     def backward(ctx, do, _dlse):
+        if do is None:  # o took no part in what is differentiated
+            return None, None, None, None, None
         try:
             from utils.flash_triton_bwd import flash_attention_backward
         except ModuleNotFoundError as err:
@@ -435,6 +449,9 @@ def flash_attention(q, k, v, *, causal=False, sm_scale=None, return_lse=False):
     (batch, heads, seqlen_q), natural log, -inf for a query that sees no key).
     """
     check_bool("return_lse", return_lse)
-    validate(q, k, v, causal, sm_scale)  # before autograd, so errors point at the call
-    o, lse = FlashAttentionFunction.apply(q, k, v, causal, sm_scale)
+    _, scale = validate(q, k, v, causal, sm_scale)  # before autograd, so errors point at the call
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        o, lse = FlashAttentionFunction.apply(q, k, v, causal, scale)
+    else:  # nothing to differentiate: skip the autograd Function (~10 µs of host time a call)
+        o, lse = _forward(q, k, v, causal, scale)
     return (o, lse) if return_lse else o

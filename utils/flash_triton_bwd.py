@@ -16,6 +16,7 @@ two versions of the inner loop). Plain pointer arithmetic with masks, any stride
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -25,6 +26,8 @@ import triton.language as tl
 
 from utils import gpu
 from utils.flash_pytorch_bwd import check_backward_inputs
+from utils.launch import FastLauncher
+from utils.triton_utils import cdiv
 
 __all__ = ["flash_attention_backward", "BackwardConfig", "default_config", "HEAD_DIMS", "DTYPES"]
 
@@ -81,6 +84,11 @@ def default_config(head_dim: int, dtype: torch.dtype, causal: bool = False, smem
     (utils.gpu.shared_memory_per_block); the tiles shrink until they fit. None: an H200's choice."""
     if _interpreting():
         return BackwardConfig(32, 32, 4, 1, 32, 32, 4, 1)
+    return _fitted_config(head_dim, dtype, causal, smem)
+
+
+@functools.lru_cache(maxsize=None)  # asked at every launch
+def _fitted_config(head_dim: int, dtype: torch.dtype, causal: bool, smem: int | None) -> BackwardConfig:
     if head_dim > 128:
         preferred = BackwardConfig(16, 32, 4, 1, 32, 16, 4, 1)
     elif dtype in (torch.float32, torch.float64):
@@ -267,6 +275,10 @@ def _bwd_dq(Q, K, V, DO, LSE2, DELTA, DQ,
 
 # --- host side -----------------------------------------------------------------------------------------------
 
+# Launched without Triton's per-call dispatch (utils.launch; notebook 05b measures what that saves).
+_launch_preprocess, _launch_dkdv, _launch_dq = (FastLauncher(k) for k in (_bwd_preprocess, _bwd_dkdv, _bwd_dq))
+
+
 def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, sm_scale=None, config=None):
     """Gradients (dq, dk, dv) of attention from the forward's output `o` and log-sum-exp `lse`.
 
@@ -307,14 +319,14 @@ def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, sm_scale=None
     # fp32 dots would use TF32 (10-bit mantissa) on tensor cores; gradients in fp32 are expected to be exact-ish.
     precision = "ieee" if q.dtype in (torch.float32, torch.float64) else "tf32"
 
-    _bwd_preprocess[(triton.cdiv(nq, 64), b * h)](
+    _launch_preprocess[(cdiv(nq, 64), b * h)](
         o, do, lse, delta, lse2, *o.stride(), *do.stride(), h, nq, d, BLOCK_M=64, BLOCK_D=block_d, ACC=acc)
-    _bwd_dkdv[(triton.cdiv(nk, config.block_n1), b * hk)](
+    _launch_dkdv[(cdiv(nk, config.block_n1), b * hk)](
         q, k, v, do, lse2, delta, dk, dv, *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(),
         *dv.stride(), hk, nq, nk, d, scale * LOG2E, scale,
         GROUP=h // hk, CAUSAL=causal, BLOCK_M=config.block_m1, BLOCK_N=config.block_n1, BLOCK_D=block_d,
         PRECISION=precision, ACC=acc, num_warps=config.warps1, num_stages=config.stages1)
-    _bwd_dq[(triton.cdiv(nq, config.block_m2), b * h)](
+    _launch_dq[(cdiv(nq, config.block_m2), b * h)](
         q, k, v, do, lse2, delta, dq, *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
         h, nq, nk, d, scale * LOG2E, scale,
         GROUP=h // hk, CAUSAL=causal, BLOCK_M=config.block_m2, BLOCK_N=config.block_n2, BLOCK_D=block_d,

@@ -58,26 +58,34 @@ def _index(device) -> int | None:
 def capability(device=None) -> tuple[int, int] | None:
     """(major, minor) of the GPU (or of the emulated one); None without a CUDA GPU. `device`: index, name,
     torch.device or a tensor on it."""
-    if not torch.cuda.is_available():
+    if not _has_cuda(device):
         return None
-    index = _index(device)
-    profile = emulated()
-    return profile.capability if profile else tuple(torch.cuda.get_device_capability(index))
+    index, profile = _index(device), emulated()
+    return profile.capability if profile else _properties(index)[0]
 
 
 def shared_memory_per_block(device=None) -> int | None:
     """Bytes of shared memory one block may use (opt-in limit) on the GPU or the emulated one."""
-    if not torch.cuda.is_available():
+    if not _has_cuda(device):
         return None
-    index = _index(device)
-    profile = emulated()
-    return profile.shared_memory_per_block if profile else _optin_smem(torch.cuda.current_device() if index is None
-                                                                       else index)
+    index, profile = _index(device), emulated()
+    return profile.shared_memory_per_block if profile else _properties(index)[1]
+
+
+def _has_cuda(device) -> bool:
+    """A CUDA tensor, or CUDA already initialised, says so; asking the driver costs microseconds at every launch."""
+    return ((isinstance(device, torch.Tensor) and device.is_cuda) or torch.cuda.is_initialized()
+            or torch.cuda.is_available())
+
+
+def _properties(index: int | None) -> tuple[tuple[int, int], int]:
+    return _device_properties(torch.cuda.current_device() if index is None else index)
 
 
 @functools.lru_cache(maxsize=None)
-def _optin_smem(index: int) -> int:  # cached: kernels ask at every launch
-    return torch.cuda.get_device_properties(index).shared_memory_per_block_optin
+def _device_properties(index: int) -> tuple[tuple[int, int], int]:  # cached: kernels ask at every launch
+    props = torch.cuda.get_device_properties(index)
+    return (props.major, props.minor), props.shared_memory_per_block_optin
 
 
 def name(device=None) -> str | None:

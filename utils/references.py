@@ -29,6 +29,8 @@ REFERENCES = {
     "softmax": (1, ["utils.cuda_ext", "softmax", "--out", "images/06_softmax_h200.json"]),
     "triton_fwd": (1, ["utils.bench.forward", "--worklog", "--sdpa", "flash", "cudnn", "efficient",
                        "--name", "triton_fwd_h200"]),
+    # host time against GPU time at small N (notebook 05b, step 3): the direct launch and Triton's dispatch
+    "host": (1, ["utils.bench.host", "--name", "host_h200"]),
     "triton_sweep": (1, ["utils.bench.forward", "--sweep", "--sdpa", "cudnn", "--seqlens", "2048", "8192",
                          "--name", "triton_sweep_h200"]),
     "cuda_flash": (1, ["utils.bench.forward", "--impls", "cuda_tiled", "cuda_naive", "--sdpa", "flash",

@@ -82,6 +82,17 @@ def worklog_table(records: list[dict], *, head_dim: int, causal: bool, seqlen: i
     return rows
 
 
+def ratio_range(records: list[dict], impl: str, base: str, *, head_dim: int) -> tuple[float, float]:
+    """(least, greatest) over every stored shape of `impl` at `head_dim` (causal and not, each N) of its TFLOP/s
+    divided by `base`'s at the same shape: how a step compares with another, or with a library, in one run."""
+    at = {(r["impl"], r["causal"], r["seqlen"]): r["tflops"] for r in records if r["head_dim"] == head_dim}
+    ratios = [value / at[base, causal, n] for (name, causal, n), value in at.items()
+              if name == impl and value and at.get((base, causal, n))]
+    if not ratios:
+        raise ValueError(f"no shape at head_dim={head_dim} has numbers for both {impl!r} and {base!r}")
+    return min(ratios), max(ratios)
+
+
 def format_worklog(rows: list[dict]) -> str:
     """worklog_table's rows as text."""
     if not rows:

@@ -1,0 +1,49 @@
+"""utils.bench.host: arguments and the host timer's loop (CPU, with a stand-in for the GPU); the records of a
+small run on a GPU."""
+import json
+
+import pytest
+import torch
+
+from utils.bench import host
+
+
+@pytest.mark.parametrize("argv,message", [(["--calls", "0"], "--calls must be positive"),
+                                          (["--seqlens", "0"], "--seqlens must be positive"),
+                                          (["--head-dims", "96"], "invalid choice: 96"),
+                                          (["--name", "a/b"], "bare file name")])
+def test_bad_arguments_are_named(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        host.parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_host_time_is_the_fastest_loop_per_call(monkeypatch):
+    """One call before the loops; each loop drains the GPU first; the fastest loop, per call, in µs."""
+    clock = iter([0.0, 0.004, 1.0, 1.002, 2.0, 2.003])   # loops of 4, 2 and 3 ms
+    events = []
+    monkeypatch.setattr(host.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: events.append("sync"))
+    us = host.host_us(lambda: events.append("call"), calls=2, reps=3)
+    assert us == pytest.approx(1000.0)
+    assert events == ["call"] + ["sync", "call", "call"] * 3 + ["sync"]
+
+
+def test_without_a_gpu_main_says_what_it_needs(monkeypatch, tmp_path):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        host.main(["--out-dir", str(tmp_path)])
+
+
+@pytest.mark.gpu
+@pytest.mark.capability(8, 0)  # bf16 and SDPA's cuDNN backend
+def test_a_small_run_records_every_implementation_and_pass(tmp_path):
+    records = host.main(["--seqlens", "256", "--head-dims", "64", "--calls", "3", "--reps", "2",
+                         "--out-dir", str(tmp_path), "--name", "h"])
+    stored = json.loads((tmp_path / "h.json").read_text())
+    assert stored["results"] == records and stored["environment"]["gpu"]
+    assert {(r["impl"], r["mode"]) for r in records} == {(i, m) for i in host.IMPLS for m in ("fwd", "bwd")}
+    assert len(records) == 2 * 2 * len(host.IMPLS)   # causal and not, forward and backward
+    for r in records:
+        assert r["host_us"] > 0 and r["bench_us"] > 0
+        assert (r["gpu_us"] is not None and r["gpu_us"] > 0) == (r["mode"] == "fwd")

@@ -1,0 +1,185 @@
+"""utils.launch: launching compiled Triton kernels without Triton's per-call dispatch."""
+import pytest
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.jit import JITFunction
+
+from utils import launch
+from utils.launch import FastLauncher, dispatch_by_triton, specialization_key
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+
+
+@triton.jit
+def _scale_rows(X, Y, n, stride_x, stride_y, factor, BLOCK: tl.constexpr, SHIFT: tl.constexpr = 0.0):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    x = tl.load(X + row * stride_x + cols, mask=cols < n, other=0.0)
+    tl.store(Y + row * stride_y + cols, x * factor + SHIFT, mask=cols < n)
+
+
+# --- the key ---------------------------------------------------------------------------------------------------
+
+def test_key_separates_what_triton_specializes_on():
+    base = torch.zeros(64)
+    key = lambda *args: specialization_key(args)  # noqa: E731
+    assert key(base) == key(torch.ones(64))                  # same dtype, both 16-byte aligned
+    assert key(base) != key(base[1:])                        # 4-byte offset: not 16-byte aligned
+    assert key(base) != key(base.half())                     # dtype
+    assert key(16) == key(32) != key(8) != key(1)            # divisible by 16; equal to 1
+    assert key(7) == key(9)
+    assert key(2**31 - 16) != key(2**31 + 16)                # i32 vs i64, both divisible by 16
+    assert key(True) != key(1) and key(0.5) == key(2.0) != key(None)
+
+
+def test_key_is_hashable_and_flat_per_argument():
+    key = specialization_key((torch.zeros(4), 3, 0.5, None, False))
+    assert len(key) == 5 and hash(key) is not None
+
+
+# --- the launcher, with a stand-in for a compiled kernel (runs anywhere) --------------------------------------
+
+class _Param:
+    def __init__(self, name, is_constexpr, default=None):
+        self.name, self.is_constexpr, self.default = name, is_constexpr, default
+
+
+class _FakeCompiled:
+    function, packed_metadata = "fn", "meta"
+
+    def __init__(self, log):
+        self.log = log
+
+    def _init_handles(self):
+        self.log.append("init")
+
+    def run(self, *args):
+        self.log.append(("run", args))
+
+
+class _FakeKernel:
+    """What FastLauncher uses of a JITFunction: params, device_caches, kernel[grid](...) returning the compiled."""
+    __name__ = "fake"
+    device_caches = {}
+
+    def __init__(self):
+        self.params = [_Param("X", False), _Param("n", False), _Param("BLOCK", True), _Param("FLAG", True, 7)]
+        self.log = []
+
+    def __getitem__(self, grid):
+        def launch(*args, **meta):
+            self.log.append(("jit", grid, args, meta))
+            return _FakeCompiled(self.log)
+        return launch
+
+
+class _FakeDriver:
+    class active:
+        get_current_device = staticmethod(lambda: 0)
+        get_current_stream = staticmethod(lambda device: 1234)
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    monkeypatch.setattr(launch, "driver", _FakeDriver)
+    kernel = _FakeKernel()
+    return kernel, FastLauncher(kernel)
+
+
+def test_first_call_goes_through_triton_then_launches_directly(fake):
+    kernel, launcher = fake
+    x = torch.zeros(64)
+    launcher[(3,)](x, 5, BLOCK=32, num_warps=4)
+    launcher[(4, 2)](torch.ones(64), 5, BLOCK=32, num_warps=4)
+    assert kernel.log[0] == ("jit", (3,), (x, 5), dict(BLOCK=32, num_warps=4)) and kernel.log[1] == "init"
+    kind, args = kernel.log[2]
+    # grid padded to 3 dims, the stream, the handles, no metadata or hooks, runtime args then constexprs
+    assert kind == "run" and args[:9] == (4, 2, 1, 1234, "fn", "meta", None, None, None)
+    assert args[10:] == (5, 32, 7) and args[9] is not x and len(launcher.compiled) == 1
+
+
+@pytest.mark.parametrize("change", ["alignment", "dtype", "int class", "meta", "options"])
+def test_a_call_triton_would_compile_apart_is_compiled_apart(fake, change):
+    kernel, launcher = fake
+    x = torch.zeros(64)
+    launcher[(1,)](x, 32, BLOCK=32, num_warps=4)
+    other = {"alignment": ((x[1:], 32), dict(BLOCK=32, num_warps=4)),
+             "dtype": ((x.half(), 32), dict(BLOCK=32, num_warps=4)),
+             "int class": ((x, 33), dict(BLOCK=32, num_warps=4)),
+             "meta": ((x, 32), dict(BLOCK=64, num_warps=4)),
+             "options": ((x, 32), dict(BLOCK=32, num_warps=8))}[change]
+    launcher[(1,)](*other[0], **other[1])
+    assert [entry[0] for entry in kernel.log if entry != "init"] == ["jit", "jit"] and len(launcher.compiled) == 2
+
+
+def test_dispatch_by_triton_and_hooks_bypass_the_cache(fake, monkeypatch):
+    kernel, launcher = fake
+    x = torch.zeros(64)
+    launcher[(1,)](x, 32, BLOCK=32)
+    with dispatch_by_triton():
+        launcher[(1,)](x, 32, BLOCK=32)
+    monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", lambda *a: None)   # as Triton 3.6 keeps it
+    launcher[(1,)](x, 32, BLOCK=32)
+    assert [entry[0] for entry in kernel.log if entry != "init"] == ["jit", "jit", "jit"]
+    if not hasattr(triton.knobs, "HookChain"):  # Triton 3.6 keeps None or a function
+        return
+    chain = triton.knobs.HookChain()                                               # as Triton 3.7 keeps it
+    monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", chain)
+    launcher[(1,)](x, 32, BLOCK=32)                                                # empty: direct
+    chain.add(lambda *a: None)
+    launcher[(1,)](x, 32, BLOCK=32)
+    assert [entry[0] for entry in kernel.log if entry != "init"] == ["jit", "jit", "jit", "run", "jit"]
+
+
+def test_wrong_argument_count_is_named(fake):
+    _, launcher = fake
+    with pytest.raises(TypeError, match="fake takes 2 runtime arguments by position, got 1"):
+        launcher[(1,)](torch.zeros(4), BLOCK=32)
+
+
+def _constexpr_first(BLOCK: tl.constexpr, X):
+    pass
+
+
+def test_a_kernel_with_a_constexpr_before_a_runtime_argument_is_refused():
+    with pytest.raises(ValueError, match="runtime parameters before the constexprs"):
+        FastLauncher(JITFunction(_constexpr_first))
+
+
+# --- the real thing -----------------------------------------------------------------------------------------
+
+def _run(launcher, x, factor=2.0, **meta):
+    y = torch.zeros(x.shape, device=x.device)
+    launcher[(x.shape[0],)](x, y, x.shape[1] - 3, x.stride(0), y.stride(0), factor, BLOCK=64, **meta)
+    return y
+
+
+def _expected(x, factor=2.0, shift=0.0):
+    y = x * factor + shift
+    return torch.where(torch.arange(x.shape[1], device=x.device) < x.shape[1] - 3, y, torch.zeros_like(y))
+
+
+def test_launches_compute_what_the_kernel_computes():
+    """On a GPU the second call takes the direct path; in the interpreter every call is Triton's."""
+    launcher = FastLauncher(_scale_rows)
+    x = torch.randn(5, 64, device=DEVICE)
+    for factor in (2.0, 3.0):   # the second call reuses the compiled kernel with a new runtime value
+        torch.testing.assert_close(_run(launcher, x, factor), _expected(x, factor), rtol=0, atol=0)
+    torch.testing.assert_close(_run(launcher, x, SHIFT=1.5), _expected(x, shift=1.5), rtol=0, atol=0)
+    assert len(launcher.compiled) == (2 if CUDA else 0)
+
+
+@pytest.mark.gpu
+def test_direct_launch_matches_triton_dispatch_on_odd_arguments():
+    launcher = FastLauncher(_scale_rows)
+    base = torch.randn(7 * 67 + 1, device="cuda")
+    for x in (base[: 7 * 64].view(7, 64), base[1: 1 + 7 * 67].view(7, 67)[:, :64]):  # aligned; offset + odd stride
+        for _ in range(2):
+            direct = _run(launcher, x)
+        with dispatch_by_triton():
+            by_triton = _run(launcher, x)
+        torch.testing.assert_close(direct, by_triton, rtol=0, atol=0)
+        torch.testing.assert_close(direct, _expected(x), rtol=0, atol=0)
+    assert len(launcher.compiled) == 2   # the misaligned view got its own kernel

@@ -1,0 +1,127 @@
+"""Host time against GPU time for small attention problems (notebook 05b, step 3), into images/<name>.json.
+
+    python -m utils.bench.host --name host_h200
+
+Per implementation, pass and shape, in µs per call:
+  host   CPU time to issue one call: the fastest of `--reps` loops of `--calls` calls, none waiting for the GPU
+         (the fastest, since on a shared host noise only ever adds time)
+  gpu    GPU time alone: the call replayed from a CUDA graph (triton.testing.do_bench_cudagraph), no Python;
+         forward only (a graph cannot capture autograd's backward)
+  bench  what the course's benchmarks report (utils.bench.benchmark: do_bench, L2 flushed before each call)
+When `host` exceeds what the GPU spends per call, the GPU waits for Python and `bench` rises above `gpu`.
+The course's Triton kernel is measured twice: launched directly (utils.launch, the default) and inside
+`utils.launch.dispatch_by_triton()` (every launch through `kernel[grid]`), beside SDPA's FlashAttention-2 and
+cuDNN backends (forward through F.scaled_dot_product_attention, backward through autograd for all).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+
+from utils import gpu
+from utils.bench import benchmark
+from utils.bench.backward import autograd_backward
+from utils.bench.forward import IMAGES, sdpa_pinned
+
+TRITON_DISPATCH = "triton, Triton's dispatch"
+IMPLS = ("triton", TRITON_DISPATCH, "sdpa-flash", "sdpa-cudnn")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m utils.bench.host", description=__doc__.split("\n\n")[0])
+    p.add_argument("--seqlens", type=int, nargs="+", default=[512, 1024, 2048, 4096])
+    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128], choices=[64, 128])
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--calls", type=int, default=100, help="calls per host-time loop")
+    p.add_argument("--reps", type=int, default=7, help="host-time loops; the fastest is kept")
+    p.add_argument("--name", default="host")
+    p.add_argument("--out-dir", type=Path, default=IMAGES)
+    args = p.parse_args(argv)
+    for flag in ("batch", "heads", "calls", "reps"):
+        if getattr(args, flag) <= 0:
+            p.error(f"--{flag} must be positive")
+    if any(n <= 0 for n in args.seqlens):
+        p.error("--seqlens must be positive")
+    if "/" in args.name or not args.name:
+        p.error("--name must be a bare file name")
+    return args
+
+
+def host_us(fn, calls: int, reps: int) -> float:
+    """The least CPU time per call of `fn` over `reps` loops of `calls` calls (the GPU is drained before each
+    loop, so the launch queue never fills and the CPU never waits on it)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - start) / calls * 1e6)
+    torch.cuda.synchronize()
+    return min(times)
+
+
+def _forward(impl: str):
+    if impl.startswith("sdpa-"):
+        return sdpa_pinned(impl.removeprefix("sdpa-"))
+    from utils.flash_triton import flash_attention
+
+    return flash_attention
+
+
+def measure_case(impl, mode, q, k, v, causal, args) -> dict:
+    from utils.launch import dispatch_by_triton
+
+    context = dispatch_by_triton if impl == TRITON_DISPATCH else nullcontext
+    attention = _forward(impl)
+    if mode == "fwd":
+        call = lambda: attention(q, k, v, causal=causal)  # noqa: E731
+    else:
+        call = autograd_backward(attention)(q, k, v, torch.randn_like(q), causal)
+    with context():
+        record = dict(host_us=host_us(call, args.calls, args.reps), bench_us=benchmark(call) * 1e3, gpu_us=None)
+        if mode == "fwd":
+            import triton.testing
+
+            record["gpu_us"] = triton.testing.do_bench_cudagraph(call, rep=50) * 1e3
+    return record
+
+
+def measure(args, device="cuda") -> list[dict]:
+    records = []
+    for d in args.head_dims:
+        for causal in (False, True):
+            for n in args.seqlens:
+                gen = torch.Generator(device="cpu").manual_seed(0)
+                q, k, v = (torch.randn(args.batch, args.heads, n, d, generator=gen)
+                           .to(device=device, dtype=torch.bfloat16) for _ in range(3))
+                for mode in ("fwd", "bwd"):
+                    for impl in IMPLS:
+                        record = dict(impl=impl, mode=mode, head_dim=d, causal=causal, seqlen=n)
+                        records.append({**record, **measure_case(impl, mode, q, k, v, causal, args)})
+                        print(" ".join(f"{k_}={v_:.1f}" if isinstance(v_, float) else f"{k_}={v_}"
+                                       for k_, v_ in records[-1].items()), flush=True)
+    return records
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("utils.bench.host needs a CUDA GPU")
+    records = measure(args)
+    settings = dict(batch=args.batch, heads=args.heads, dtype="bf16", calls=args.calls, reps=args.reps)
+    path = Path(args.out_dir) / f"{args.name}.json"
+    path.write_text(json.dumps(dict(environment=gpu.environment(), settings=settings, results=records), indent=1))
+    print(f"wrote {path}")
+    return records
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""Launching Triton kernels without Triton's per-call dispatch (notebook 05b, step 3: the host).
+
+`kernel[grid](*args, **meta)` does four things in Python on every call: it binds the arguments, derives each
+one's specialization (a tensor's dtype and 16-byte alignment; an int's type and whether it is 1 or divisible by
+16), hashes those into a key of its cache of compiled kernels, and launches the one found. On the H200 machine
+the course measures on, that took 25-35 µs of host time per call (images/host_h200.json), more than the GPU
+needs for a whole attention forward at N=1k: the GPU waited for Python.
+
+`FastLauncher(kernel)` keeps each compiled kernel that Triton returns under a key it computes more cheaply from
+the same facts, and later calls launch it directly (`CompiledKernel.run`, what Triton itself calls last). The
+key is never coarser than Triton's specialization, so a call never reaches a kernel compiled for other
+arguments; a call it has not seen goes through `kernel[grid]` (which compiles or finds the kernel) and is then
+remembered. It steps aside, so everything behaves as `kernel[grid]` does, when:
+  - the kernel runs in the interpreter (TRITON_INTERPRET=1): there is no compiled kernel;
+  - a launch hook is installed (the proton profiler installs one) or Triton's debug mode is on;
+  - `dispatch_by_triton()` is active (notebook 05b times both paths with it).
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from triton import knobs
+from triton.runtime import driver
+
+_INT32 = (-2**31, 2**31)
+_triton_dispatch = 0   # > 0 inside dispatch_by_triton()
+
+
+def specialization_key(args) -> tuple:
+    """What Triton specializes a kernel on, for positional `args`, as a hashable tuple that separates at least
+    every pair of argument lists Triton separates: tensors by dtype and 16-byte alignment of the data pointer;
+    ints by 32/64-bit, equality to 1 and divisibility by 16; other values (floats, bools, None) by type."""
+    key = []
+    for a in args:
+        if type(a) is int or (isinstance(a, int) and not isinstance(a, bool)):  # the common case first
+            key.append((a % 16 == 0) + 2 * (a == 1) + 4 * (not _INT32[0] <= a < _INT32[1]))  # 3 bits, one int
+        elif isinstance(a, torch.Tensor):
+            key.append((a.dtype, a.data_ptr() % 16 == 0))
+        else:
+            key.append(type(a))
+    return tuple(key)
+
+
+def _hooked(hook) -> bool:
+    """Whether a launch hook is installed: Triton 3.6 keeps None or a function, 3.7 a HookChain of `calls`."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+@contextmanager
+def dispatch_by_triton():
+    """Inside this block every FastLauncher launches through `kernel[grid]`, Triton's own dispatch."""
+    global _triton_dispatch
+    _triton_dispatch += 1
+    try:
+        yield
+    finally:
+        _triton_dispatch -= 1
+
+
+class FastLauncher:
+    """`FastLauncher(kernel)[grid](*args, **meta)` launches like `kernel[grid](*args, **meta)`.
+
+    `args` are the kernel's runtime arguments, by position; `meta` its constexprs and launch options
+    (num_warps, num_stages), by keyword. The grid is a tuple of 1 to 3 ints. The kernel's runtime parameters
+    must come before its constexprs (the launcher takes all of them in signature order and skips constexprs)."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.compiled: dict = {}   # (device, meta, specialization) -> (CompiledKernel, constexpr values)
+        self.interpreted = not hasattr(kernel, "device_caches")   # TRITON_INTERPRET=1: nothing is compiled
+        if self.interpreted:
+            return
+        params = kernel.params
+        n_runtime = sum(not p.is_constexpr for p in params)
+        if any(p.is_constexpr for p in params[:n_runtime]):
+            raise ValueError(f"{kernel.__name__}: FastLauncher needs the runtime parameters before the constexprs")
+        self.n_runtime = n_runtime
+        self.constexprs = [(p.name, p.default) for p in params[n_runtime:]]
+
+    def __getitem__(self, grid):
+        return lambda *args, **meta: self.launch(grid, args, meta)
+
+    def launch(self, grid, args, meta):
+        if (self.interpreted or _triton_dispatch or knobs.runtime.debug
+                or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook)):
+            return self.kernel[grid](*args, **meta)
+        device = driver.active.get_current_device()
+        key = (device, tuple(meta.items()), specialization_key(args))
+        entry = self.compiled.get(key)
+        if entry is None:
+            if len(args) != self.n_runtime:
+                raise TypeError(f"{self.kernel.__name__} takes {self.n_runtime} runtime arguments by position, "
+                                f"got {len(args)}")
+            compiled = self.kernel[grid](*args, **meta)   # compiles, or finds the kernel in Triton's caches
+            compiled._init_handles()
+            self.compiled[key] = compiled, tuple(meta.get(name, default) for name, default in self.constexprs)
+            return compiled
+        compiled, constexprs = entry
+        grid = (*grid, 1, 1)
+        compiled.run(grid[0], grid[1], grid[2], driver.active.get_current_stream(device), compiled.function,
+                     compiled.packed_metadata, None, None, None, *args, *constexprs)
+        return compiled
