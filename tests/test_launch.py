@@ -133,6 +133,18 @@ def test_dispatch_by_triton_and_hooks_bypass_the_cache(fake, monkeypatch):
     assert [entry[0] for entry in kernel.log if entry != "init"] == ["jit", "jit", "jit", "run", "jit"]
 
 
+class _RecordingKernel(_FakeKernel):
+    def __getitem__(self, grid):
+        return lambda *args, **meta: None
+
+
+def test_a_launch_that_returns_nothing_is_not_kept(monkeypatch):
+    """utils.cross_compile replaces JITFunction.run to record launches; kernel[grid] then returns None."""
+    monkeypatch.setattr(launch, "driver", _FakeDriver)
+    launcher = FastLauncher(_RecordingKernel())
+    assert launcher[(1,)](torch.zeros(4), 3, BLOCK=32) is None and launcher.compiled == {}
+
+
 def test_wrong_argument_count_is_named(fake):
     _, launcher = fake
     with pytest.raises(TypeError, match="fake takes 2 runtime arguments by position, got 1"):

@@ -93,6 +93,8 @@ class FastLauncher:
                 raise TypeError(f"{self.kernel.__name__} takes {self.n_runtime} runtime arguments by position, "
                                 f"got {len(args)}")
             compiled = self.kernel[grid](*args, **meta)   # compiles, or finds the kernel in Triton's caches
+            if compiled is None:  # JITFunction.run replaced (utils.cross_compile records launches): nothing to keep
+                return None
             compiled._init_handles()
             self.compiled[key] = compiled, tuple(meta.get(name, default) for name, default in self.constexprs)
             return compiled
