@@ -61,7 +61,9 @@ def capability(device=None) -> tuple[int, int] | None:
     if not _has_cuda(device):
         return None
     index, profile = _index(device), emulated()
-    return profile.capability if profile else _properties(index)[0]
+    if profile:
+        return profile.capability
+    return tuple(torch.cuda.get_device_capability()) if index is None else _capability(index)
 
 
 def shared_memory_per_block(device=None) -> int | None:
@@ -69,7 +71,8 @@ def shared_memory_per_block(device=None) -> int | None:
     if not _has_cuda(device):
         return None
     index, profile = _index(device), emulated()
-    return profile.shared_memory_per_block if profile else _properties(index)[1]
+    return profile.shared_memory_per_block if profile else _optin_smem(torch.cuda.current_device() if index is None
+                                                                       else index)
 
 
 def _has_cuda(device) -> bool:
@@ -78,14 +81,14 @@ def _has_cuda(device) -> bool:
             or torch.cuda.is_available())
 
 
-def _properties(index: int | None) -> tuple[tuple[int, int], int]:
-    return _device_properties(torch.cuda.current_device() if index is None else index)
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:  # cached: kernels ask at every launch
+    return tuple(torch.cuda.get_device_capability(index))
 
 
 @functools.lru_cache(maxsize=None)
-def _device_properties(index: int) -> tuple[tuple[int, int], int]:  # cached: kernels ask at every launch
-    props = torch.cuda.get_device_properties(index)
-    return (props.major, props.minor), props.shared_memory_per_block_optin
+def _optin_smem(index: int) -> int:  # cached: kernels ask at every launch
+    return torch.cuda.get_device_properties(index).shared_memory_per_block_optin
 
 
 def name(device=None) -> str | None:
