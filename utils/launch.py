@@ -2,9 +2,9 @@
 
 `kernel[grid](*args, **meta)` does four things in Python on every call: it binds the arguments, derives each
 one's specialization (a tensor's dtype and 16-byte alignment; an int's type and whether it is 1 or divisible by
-16), hashes those into a key of its cache of compiled kernels, and launches the one found. On the H200 machine
-the course measures on, that took 25-35 µs of host time per call (images/host_h200.json), more than the GPU
-needs for a whole attention forward at N=1k: the GPU waited for Python.
+16), hashes those into a key of its cache of compiled kernels, and launches the one found. At N <= 1k the GPU
+finishes an attention forward sooner than the CPU issues the call, so every microsecond of that is the GPU
+waiting (images/host_h200.json, read in notebook 05b section 7, has the host time of both paths).
 
 `FastLauncher(kernel)` keeps each compiled kernel that Triton returns under a key it computes more cheaply from
 the same facts, and later calls launch it directly (`CompiledKernel.run`, what Triton itself calls last). The
