@@ -86,10 +86,37 @@ def test_tensor_descriptors_keep_the_result(nq, nk, hk, causal):
     if CUDA and not tma_supported(q, k, v):
         pytest.skip("this GPU has no TMA")
     config = Config(64, 32, 4, 2) if CUDA else Config(16, 16, 4, 1)
-    o, lse = flash_triton._launch(q, k, v, causal, 0.2, config, Steps(tma=True))
     o_ref, lse_ref = flash_triton._launch(q, k, v, causal, 0.2, config, Steps(tma=False))
-    assert_close(o, reference_attention(q, k, v, causal=causal, sm_scale=0.2), dtype=dtype)
-    assert torch.equal(o, o_ref) and torch.equal(lse, lse_ref)  # the same arithmetic, only the loads differ
+    assert_close(o_ref, reference_attention(q, k, v, causal=causal, sm_scale=0.2), dtype=dtype)
+    for steps in (Steps(tma=True), Steps(tma=True, host_descriptors=True)):  # made per program, made by the host
+        for _ in range(2):  # on a GPU the second call takes utils.launch's direct path, descriptors included
+            o, lse = flash_triton._launch(q, k, v, causal, 0.2, config, steps)
+            assert torch.equal(o, o_ref) and torch.equal(lse, lse_ref), steps  # the same arithmetic, other loads
+
+
+def test_host_descriptors_cover_strided_views_and_gqa():
+    """Step 4's descriptors describe the (B, H, N, D) tensors as they are: a head-major view (strides not in
+    B, H, N order) and K/V with fewer heads read the right rows; the tile shapes follow the config."""
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    q, k, v = qkv(b=2, h=4, hk=2, nq=40, nk=72, d=32, dtype=dtype)
+    q = q.transpose(1, 2).contiguous().transpose(1, 2)  # (B, N, H, D) memory, viewed as (B, H, N, D)
+    if CUDA and not tma_supported(q, k, v):
+        pytest.skip("this GPU has no TMA")
+    config = Config(64, 32, 4, 2) if CUDA else Config(16, 32, 4, 1)
+    descs = flash_triton.host_descriptors(q, k, v, q, config.block_m, config.block_n)
+    assert [d.block_shape for d in descs] == [[1, 1, config.block_m, 32], [1, 1, config.block_n, 32],
+                                              [1, 1, config.block_n, 32], [1, 1, config.block_m, 32]]
+    assert list(descs[0].strides) == list(q.stride()) and list(descs[1].shape) == list(k.shape)
+    for causal in (False, True):
+        o, _ = flash_triton._launch(q, k, v, causal, 0.2, config, Steps(tma=True, host_descriptors=True))
+        assert_close(o, reference_attention(q, k, v, causal=causal, sm_scale=0.2), dtype=dtype)
+
+
+def test_tma_mode_names_the_kernel_switch():
+    assert [s.tma_mode for s in (Steps(), Steps(tma=True), Steps(tma=True, host_descriptors=True),
+                                 Steps(host_descriptors=True))] == [0, 1, 2, 0]
+    with pytest.raises(ValueError, match="needs tma=True"):
+        flash_triton.variant(None, Steps(host_descriptors=True), "bad")(*qkv(nq=8, nk=8, d=16))
 
 
 def test_fastest_steps_follow_the_inputs():
@@ -137,9 +164,9 @@ def test_worklog_variants_compute_attention_or_refuse_clearly():
 def test_worklog_final_step_runs_what_flash_attention_runs():
     """Like with like: the worklog's last entry is the registry's kernel (Steps.fastest) through `variant`."""
     from utils.flash_triton import WORKLOG, worklog_variant
-    assert WORKLOG["triton 1+2 (final)"] == (None, None)
+    assert list(WORKLOG)[-1] == "triton 1+2+4 (final)" and WORKLOG["triton 1+2+4 (final)"] == (None, None)
     q, k, v = qkv(nq=33, nk=70, d=32, hk=1)
-    assert torch.equal(worklog_variant("triton 1+2 (final)")(q, k, v, causal=True),
+    assert torch.equal(worklog_variant("triton 1+2+4 (final)")(q, k, v, causal=True),
                        flash_attention(q, k, v, causal=True))
 
 
@@ -152,18 +179,18 @@ def test_autotuned_config_is_asked_once_per_shape_class_then_launched_directly(m
     plain = flash_triton.flash_fwd_kernel
 
     class FakeAutotuner:  # stands in for triton.autotune (which needs a GPU): runs the winner, records the call
-        best_config = triton.Config({"BLOCK_M": 16, "BLOCK_N": 32, "TMA": False}, num_warps=4, num_stages=1)
+        best_config = triton.Config({"BLOCK_M": 16, "BLOCK_N": 32, "TMA": 0}, num_warps=4, num_stages=1)
         configs = [best_config]
 
         def __getitem__(self, grid):
             def run(*args, seqlen_bucket, **switches):
                 calls.append(seqlen_bucket)
                 meta = {k: v for k, v in self.best_config.kwargs.items() if k != "TMA"}
-                plain[grid(meta)](*args, **switches, **meta, TMA=False, seqlen_bucket=seqlen_bucket, num_warps=4,
+                plain[grid(meta)](*args, **switches, **meta, TMA=0, seqlen_bucket=seqlen_bucket, num_warps=4,
                                   num_stages=1)
             return run
 
-    monkeypatch.setattr(flash_triton, "_tuners", {False: FakeAutotuner(), True: FakeAutotuner()})
+    monkeypatch.setattr(flash_triton, "_tuners", {mode: FakeAutotuner() for mode in (0, 1, 2)})
     monkeypatch.setattr(flash_triton, "_tuned_configs", {})
     monkeypatch.setattr(flash_triton, "_progress_total", flash_triton._progress_total)  # restored afterwards
     monkeypatch.setattr(flash_triton, "_fwd_launcher", type("K", (), {
@@ -174,7 +201,7 @@ def test_autotuned_config_is_asked_once_per_shape_class_then_launched_directly(m
         assert_close(o, reference_attention(q, k, v, causal=True, sm_scale=0.25), dtype=torch.float16)
     assert calls == [32, 64], calls
     assert len(launched) == 2 and launched[0] == (2, 2)  # nq=30 and 17 went straight to the kernel, 16-row blocks
-    assert flash_triton._tuned_configs[(q.device, torch.float16, 32, True, False, 64)] == (Config(16, 32, 4, 1), False)
+    assert flash_triton._tuned_configs[(q.device, torch.float16, 32, True, 0, 64)] == (Config(16, 32, 4, 1), 0)
 
 
 def test_autotuner_timer_shows_one_progress_bar_per_tuning(monkeypatch):

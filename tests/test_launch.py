@@ -34,6 +34,17 @@ def test_key_separates_what_triton_specializes_on():
     assert key(True) != key(1) and key(0.5) == key(2.0) != key(None)
 
 
+def test_key_separates_host_descriptors_by_tile_and_dtype():
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    x = torch.zeros(2, 3, 64, 32)
+    key = lambda t, tile: specialization_key((TensorDescriptor.from_tensor(t, tile),))  # noqa: E731
+    assert key(x, [1, 1, 16, 32]) == key(torch.ones(2, 3, 64, 32), [1, 1, 16, 32])  # another tensor, same kind
+    assert key(x, [1, 1, 16, 32]) != key(x, [1, 1, 32, 32])                        # tile shape
+    assert key(x, [1, 1, 16, 32]) != key(x.half(), [1, 1, 16, 32])                 # dtype
+    assert key(x, [1, 1, 16, 32]) != key(x[0], [1, 16, 32])                        # rank
+    assert specialization_key((TensorDescriptor.from_tensor(x, [1, 1, 16, 32]),)) != specialization_key((x,))
+
+
 def test_key_is_hashable_and_flat_per_argument():
     key = specialization_key((torch.zeros(4), 3, 0.5, None, False))
     assert len(key) == 5 and hash(key) is not None

@@ -25,6 +25,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from utils import gpu
 from utils.checks import check_attention_inputs, check_bool, resolve_scale
@@ -39,18 +40,23 @@ LN2 = 0.6931471805599453                    # ln(2): back from base 2 to natural
 
 @triton.jit
 def _attend_blocks(acc, l_i, m_i, q, k_ptrs, v_ptrs, offs_m, offs_n, offs_d, lo, hi,
-                   stride_kn, stride_vn, seqlen_k, causal_offset, qk_scale,
+                   stride_kn, stride_vn, seqlen_k, causal_offset, qk_scale, b, h_kv,
                    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr):
     """Online softmax of the Q block against the key blocks [lo, hi). MASKED=False: every key of every block is
     visible to every query of the Q block, so no score is masked (the loop body is pure matmul + softmax).
-    TMA=True: k_ptrs and v_ptrs are tensor descriptors (notebook 05b), which zero-fill rows past seqlen_k."""
+    TMA > 0: k_ptrs and v_ptrs are tensor descriptors (notebook 05b), which zero-fill rows past seqlen_k: one
+    per (batch, head) matrix made by the program (TMA=1), or one per (B, H, N, D) tensor made by the host
+    (TMA=2, indexed by batch b and K/V head h_kv)."""
     if not TMA:
         k_ptrs += lo * stride_kn
         v_ptrs += lo * stride_vn
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
-        if TMA:  # the copy engine fetches the whole tile; no addresses, no masks in the warps
+        if TMA == 2:  # the copy engine fetches the whole tile; no addresses, no masks in the warps
+            k = k_ptrs.load([b, h_kv, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
+            v = v_ptrs.load([b, h_kv, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
+        elif TMA:
             k = k_ptrs.load([start_n, 0])
             v = v_ptrs.load([start_n, 0])
         elif MASKED:  # the last, ragged key block (and, when causal, the blocks crossing the diagonal)
@@ -92,7 +98,7 @@ def _attend_blocks(acc, l_i, m_i, q, k_ptrs, v_ptrs, offs_m, offs_n, offs_d, lo,
 # Sequence lengths and head counts change from call to call: specializing on them (Triton otherwise compiles a
 # variant per "divisible by 16" / "equal to 1") would only multiply compilations.
 @triton.jit(do_not_specialize=["heads", "group", "seqlen_q", "seqlen_k", "seqlen_bucket"])
-def flash_fwd_kernel(Q, K, V, O, LSE,
+def flash_fwd_kernel(Q, K, V, O, LSE, QD, KD, VD, OD,
                      stride_qb, stride_qh, stride_qm, stride_qd,
                      stride_kb, stride_kh, stride_kn, stride_kd,
                      stride_vb, stride_vh, stride_vn, stride_vd,
@@ -100,12 +106,14 @@ def flash_fwd_kernel(Q, K, V, O, LSE,
                      heads, group, seqlen_q, seqlen_k, qk_scale, seqlen_bucket,
                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                     TMA: tl.constexpr = False):
+                     TMA: tl.constexpr = 0):
     """One program: BLOCK_M queries of one (batch, head) against all the keys they may see.
 
     Grid: (cdiv(seqlen_q, BLOCK_M), batch * heads). Query head h reads K/V head h // group (GQA without copies).
     `seqlen_bucket` is not read: it is part of the autotuner's key (sequence lengths rounded to a power of two).
-    TMA=True (notebook 05b): Q, K, V and O move through tensor descriptors, Hopper's TMA copy engine.
+    TMA > 0 (notebook 05b): Q, K, V and O move through tensor descriptors, Hopper's TMA copy engine; TMA=1: the
+    program makes one per (batch, head) matrix; TMA=2: QD, KD, VD, OD, made once by the host over the whole
+    (B, H, N, D) tensors (otherwise they are None).
     """
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -122,7 +130,10 @@ def flash_fwd_kernel(Q, K, V, O, LSE,
     k_base = K + b.to(tl.int64) * stride_kb + h_kv.to(tl.int64) * stride_kh
     v_base = V + b.to(tl.int64) * stride_vb + h_kv.to(tl.int64) * stride_vh
     o_base = O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
-    if TMA:  # one (rows, HEAD_DIM) matrix per head; tiles past its last row read as zeros and are not written
+    if TMA == 2:  # whole tensors, indexed [batch, head, row, 0]; rows past a head's last read as zeros
+        k_ptrs, v_ptrs = KD, VD
+        q = QD.load([b, h, start_m, 0]).reshape(BLOCK_M, BLOCK_D)
+    elif TMA:  # one (rows, HEAD_DIM) matrix per head; tiles past its last row read as zeros and are not written
         q_desc = tl.make_tensor_descriptor(q_base, [seqlen_q, HEAD_DIM], [stride_qm, 1], [BLOCK_M, HEAD_DIM])
         k_ptrs = tl.make_tensor_descriptor(k_base, [seqlen_k, HEAD_DIM], [stride_kn, 1], [BLOCK_N, HEAD_DIM])
         v_ptrs = tl.make_tensor_descriptor(v_base, [seqlen_k, HEAD_DIM], [stride_vn, 1], [BLOCK_N, HEAD_DIM])
@@ -150,10 +161,10 @@ def flash_fwd_kernel(Q, K, V, O, LSE,
         n_end = seqlen_k
     n_full = (n_full // BLOCK_N) * BLOCK_N
     acc, l_i, m_i = _attend_blocks(acc, l_i, m_i, q, k_ptrs, v_ptrs, offs_m, offs_n, offs_d, 0, n_full,
-                                   stride_kn, stride_vn, seqlen_k, causal_offset, qk_scale,
+                                   stride_kn, stride_vn, seqlen_k, causal_offset, qk_scale, b, h_kv,
                                    HEAD_DIM, BLOCK_N, BLOCK_D, False, CAUSAL, DOT_PRECISION, TMA)
     acc, l_i, m_i = _attend_blocks(acc, l_i, m_i, q, k_ptrs, v_ptrs, offs_m, offs_n, offs_d, n_full, n_end,
-                                   stride_kn, stride_vn, seqlen_k, causal_offset, qk_scale,
+                                   stride_kn, stride_vn, seqlen_k, causal_offset, qk_scale, b, h_kv,
                                    HEAD_DIM, BLOCK_N, BLOCK_D, True, CAUSAL, DOT_PRECISION, TMA)
 
     # Rows that saw no key (causal with Nq > Nk) have l = 0: output 0 and lse = -inf, never 0/0.
@@ -161,7 +172,9 @@ def flash_fwd_kernel(Q, K, V, O, LSE,
     acc = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
     tl.store(LSE + pid_bh.to(tl.int64) * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
-    if TMA:
+    if TMA == 2:
+        OD.store([b, h, start_m, 0], acc.to(O.dtype.element_ty).reshape(1, 1, BLOCK_M, BLOCK_D))
+    elif TMA:
         o_desc = tl.make_tensor_descriptor(o_base, [seqlen_q, HEAD_DIM], [stride_om, 1], [BLOCK_M, HEAD_DIM])
         o_desc.store([start_m, 0], acc.to(O.dtype.element_ty))
     else:
@@ -226,12 +239,19 @@ class Steps(NamedTuple):
     """Notebook 05b's speed-ups, each a switch; `Steps.fastest(...)` turns on those that apply to the inputs."""
     autotune: bool = False      # tiles, warps and stages measured per shape class (16-bit, D <= 128, sm_80+)
     tma: bool = False           # TMA loads and stores (Hopper); with autotune: TMA allowed, the tuner decides
+    host_descriptors: bool = False  # with tma: descriptors made once by the host, not by every program (step 4)
 
     @staticmethod
     def fastest(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> "Steps":
         if max(q.shape[2], k.shape[2]) < TUNE_MIN_SEQLEN:  # launch-bound: notebook 05's kernel as it was
             return Steps()
-        return Steps(autotune=tunable(q), tma=tma_supported(q, k, v))
+        tma = tma_supported(q, k, v)
+        return Steps(autotune=tunable(q), tma=tma, host_descriptors=tma)
+
+    @property
+    def tma_mode(self) -> int:
+        """The kernel's TMA switch: 0 pointer loads, 1 descriptors made per program, 2 made by the host."""
+        return 2 if self.tma and self.host_descriptors else int(self.tma)
 
 
 def tunable(q) -> bool:
@@ -254,6 +274,21 @@ def tma_supported(q, k, v) -> bool:
 def _descriptor_memory(size: int, alignment: int, stream):
     """Global scratch where a kernel writes the tensor descriptors it creates (128 bytes per descriptor)."""
     return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def host_descriptors(q, k, v, o, block_m: int, block_n: int) -> tuple:
+    """Step 4: one TMA descriptor per (B, H, N, D) tensor, made here once per call instead of by every program;
+    the kernel indexes a tile as [batch, head, first row, 0]. Tiles past a head's last row read as zeros."""
+    d = q.shape[-1]
+    return tuple(TensorDescriptor.from_tensor(t, [1, 1, rows, d])
+                  for t, rows in ((q, block_m), (k, block_n), (v, block_n), (o, block_m)))
+
+
+def _fit_descriptors(nargs: dict) -> None:
+    """The autotuner's pre-hook: the host descriptors' tile shapes follow the config about to run."""
+    if nargs["QD"] is not None:
+        for name, rows in (("QD", "BLOCK_M"), ("KD", "BLOCK_N"), ("VD", "BLOCK_N"), ("OD", "BLOCK_M")):
+            nargs[name].block_shape = [1, 1, nargs[rows], nargs["BLOCK_D"]]
 
 
 # The autotuner's search: kept small (each config costs a compile, ~1-3 s), measured once per shape class
@@ -285,14 +320,16 @@ def _time_with_progress(kernel_call, quantiles):
             _progress = None
 
 
-def _autotuner(with_tma: bool):
-    configs = [triton.Config({**c.kwargs, "TMA": tma}, num_warps=c.num_warps, num_stages=c.num_stages)
-               for c in TUNE_CONFIGS for tma in ((False, True) if with_tma else (False,))]
+def _autotuner(tma_mode: int):
+    """The tuner for one TMA mode: each tile of TUNE_CONFIGS with pointer loads and, when mode > 0, with TMA."""
+    configs = [triton.Config({**c.kwargs, "TMA": tma}, num_warps=c.num_warps, num_stages=c.num_stages,
+                             pre_hook=_fit_descriptors if tma == 2 else None)
+               for c in TUNE_CONFIGS for tma in dict.fromkeys((0, tma_mode))]
     return triton.autotune(configs, key=["HEAD_DIM", "CAUSAL", "seqlen_bucket"], do_bench=_time_with_progress,
                            cache_results=True)(flash_fwd_kernel)
 
 
-_tuners = {False: _autotuner(False), True: _autotuner(True)}  # keyed by: may the configs use TMA?
+_tuners = {mode: _autotuner(mode) for mode in (0, 1, 2)}  # keyed by Steps.tma_mode: which TMA the configs may use
 _fwd_launcher = FastLauncher(flash_fwd_kernel)  # notebook 05b step 3: launches without Triton's dispatch
 
 
@@ -302,23 +339,26 @@ def _launch(q, k, v, causal, scale, config: Config | None = None, steps: Steps |
     b, h, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
     steps = steps or Steps.fastest(q, k, v)
+    mode = steps.tma_mode
     block_d = max(16, triton.next_power_of_2(d))
     o = torch.empty(b, h, nq, d, device=q.device, dtype=q.dtype)
     lse = torch.empty(b, h, nq, device=q.device, dtype=torch.float32)
-    if steps.tma and q.is_cuda:
+    if mode == 1 and q.is_cuda:
         triton.set_allocator(_descriptor_memory)
-    args = (q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(), h, h // hk, nq, nk, scale * LOG2E)
+    strides = (*q.stride(), *k.stride(), *v.stride(), *o.stride(), h, h // hk, nq, nk, scale * LOG2E)
     switches = dict(HEAD_DIM=d, BLOCK_D=block_d, CAUSAL=causal, DOT_PRECISION="ieee" if q.dtype == torch.float32
-                    else "tf32", TMA=steps.tma)
+                    else "tf32", TMA=mode)
     if config is None and steps.autotune:
         bucket = min(triton.next_power_of_2(max(nq, nk)), 8192)
-        key = (q.device, q.dtype, d, causal, steps.tma, bucket)
+        key = (q.device, q.dtype, d, causal, mode, bucket)
         if key not in _tuned_configs:  # the first call of a shape class: time the configs (or read the disk cache)
             global _progress_total
-            tuner = _tuners[steps.tma]
+            tuner = _tuners[mode]
             _progress_total = len(tuner.configs)
             grid = lambda meta: (cdiv(nq, meta["BLOCK_M"]), b * h)  # noqa: E731 (the autotuner's grid)
-            tuner[grid](*args, **{k: v for k, v in switches.items() if k != "TMA"}, seqlen_bucket=bucket)
+            descs = host_descriptors(q, k, v, o, 16, 16) if mode == 2 else (None,) * 4  # tiles: set per config
+            tuner[grid](q, k, v, o, lse, *descs, *strides, **{k: v for k, v in switches.items() if k != "TMA"},
+                        seqlen_bucket=bucket)
             best = tuner.best_config
             _tuned_configs[key] = (Config(best.kwargs["BLOCK_M"], best.kwargs["BLOCK_N"], best.num_warps,
                                           best.num_stages), best.kwargs["TMA"])
@@ -326,8 +366,10 @@ def _launch(q, k, v, causal, scale, config: Config | None = None, steps: Steps |
         # Later calls launch directly: the autotuner's own Python costs ~50 µs a call.
         config, switches["TMA"] = _tuned_configs[key]
     config = config or pick_config(d, q.dtype, q.device)
+    descs = (host_descriptors(q, k, v, o, config.block_m, config.block_n) if switches["TMA"] == 2
+             else (None,) * 4)
     _fwd_launcher[(cdiv(nq, config.block_m), b * h)](
-        *args, 0, **switches, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        q, k, v, o, lse, *descs, *strides, 0, **switches, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         num_warps=config.num_warps, num_stages=config.num_stages)
     return o, lse
 
@@ -339,7 +381,9 @@ WORKLOG = {
     "triton 05 (fixed tiles)": (NOTEBOOK_05_TILES, Steps()),
     "triton + autotune": (None, Steps(autotune=True)),
     "triton + TMA (fixed tiles)": (NOTEBOOK_05_TILES, Steps(tma=True)),
-    "triton 1+2 (final)": (None, None),
+    "triton 1+2": (None, Steps(autotune=True, tma=True)),
+    "triton + host descriptors (fixed tiles)": (NOTEBOOK_05_TILES, Steps(tma=True, host_descriptors=True)),
+    "triton 1+2+4 (final)": (None, None),
 }
 # The tile sweep behind TUNE_CONFIGS (`python -m utils.bench.forward --sweep`), each with and without TMA.
 SWEEP_CONFIGS = [Config(*c) for c in ((128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 4, 3),
@@ -359,6 +403,8 @@ def variant(config: Config | None, steps: Steps | None, name: str = "variant"):
         _, scale = validate(q, k, v, causal, sm_scale)
         if steps is None:
             return _launch(q, k, v, causal, scale, config, None)[0]
+        if steps.host_descriptors and not steps.tma:
+            raise ValueError(f"{name!r}: host_descriptors describes the TMA path; it needs tma=True")
         if steps.tma and not tma_supported(q, k, v):
             raise ValueError(f"{name!r} needs TMA: a Hopper GPU (sm_90+), 16-bit inputs, a power-of-two head dim "
                              "and 16-byte aligned rows")

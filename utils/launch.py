@@ -22,6 +22,7 @@ from contextlib import contextmanager
 import torch
 from triton import knobs
 from triton.runtime import driver
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 _INT32 = (-2**31, 2**31)
 _triton_dispatch = 0   # > 0 inside dispatch_by_triton()
@@ -30,13 +31,17 @@ _triton_dispatch = 0   # > 0 inside dispatch_by_triton()
 def specialization_key(args) -> tuple:
     """What Triton specializes a kernel on, for positional `args`, as a hashable tuple that separates at least
     every pair of argument lists Triton separates: tensors by dtype and 16-byte alignment of the data pointer;
-    ints by 32/64-bit, equality to 1 and divisibility by 16; other values (floats, bools, None) by type."""
+    ints by 32/64-bit, equality to 1 and divisibility by 16; host tensor descriptors by their tensor's dtype and
+    alignment, rank, tile shape and padding options; other values (floats, bools, None) by type."""
     key = []
     for a in args:
         if type(a) is int or (isinstance(a, int) and not isinstance(a, bool)):  # the common case first
             key.append((a % 16 == 0) + 2 * (a == 1) + 4 * (not _INT32[0] <= a < _INT32[1]))  # 3 bits, one int
         elif isinstance(a, torch.Tensor):
             key.append((a.dtype, a.data_ptr() % 16 == 0))
+        elif isinstance(a, TensorDescriptor):
+            key.append((TensorDescriptor, a.base.dtype, a.base.data_ptr() % 16 == 0, len(a.shape),
+                        tuple(a.block_shape), a.padding, getattr(a, "round_f32_to_tf32", False)))
         else:
             key.append(type(a))
     return tuple(key)
