@@ -2,6 +2,7 @@
 ptxas parsing, validation), and on a GPU the softmax kernels and the TORCH_CHECKs of the C++ wrappers.
 The attention kernels' correctness is tested through the registry, in tests/test_attention.py."""
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -317,6 +318,32 @@ def test_softmax_wrapper_validates_before_building():
 
 
 @pytest.mark.skipif(CUDA, reason="on a GPU the extension builds")
+def test_a_stale_build_lock_is_removed_and_a_live_one_waited_for(tmp_path):
+    """A lock left by a killed build would make load_inline wait forever: wait_for_build_lock removes it once it
+    is old enough, and otherwise waits (saying so once) until the other build releases it."""
+    import threading
+    import time
+
+    from utils.cuda_ext import wait_for_build_lock
+
+    said = []
+    assert wait_for_build_lock(tmp_path, say=said.append) is False and said == []   # no lock: nothing to do
+    lock = tmp_path / "lock"
+    lock.touch()
+    old = time.time() - 700
+    os.utime(lock, (old, old))
+    with pytest.warns(UserWarning, match="did not finish"):
+        assert wait_for_build_lock(tmp_path, stale_after_s=600, say=said.append) is True
+    assert not lock.exists() and said == []
+    lock.touch()   # a build in progress: released by "the other process" a moment later
+    threading.Timer(0.2, lock.unlink).start()
+    assert wait_for_build_lock(tmp_path, stale_after_s=600, poll_s=0.02, say=said.append) is False
+    assert len(said) == 1 and "waiting for another build" in said[0] and str(lock) in said[0]
+    for bad in (0, -1.0, "10", True):
+        with pytest.raises(ValueError, match="stale_after_s must be a positive number"):
+            wait_for_build_lock(tmp_path, stale_after_s=bad)
+
+
 def test_load_without_a_gpu_explains():
     with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
         cuda_ext.load("softmax")

@@ -23,6 +23,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -158,8 +159,41 @@ _LOADED: dict = {}
 _FAILED: dict = {}
 
 
+# torch's load_inline guards a build directory with a lock file and waits, without end, while it exists. A build
+# killed half-way (a notebook interrupt, a timeout) leaves the lock behind, and every later build of that
+# extension would hang. No build of ours takes this long, so a lock this old was left by one that died.
+STALE_LOCK_S = 600.0
+
+
+def wait_for_build_lock(build_directory, stale_after_s: float = STALE_LOCK_S, poll_s: float = 1.0,
+                        say=print) -> bool:
+    """Wait while `build_directory/lock` is held (another process may be building the same extension), saying so
+    once; remove it once it is `stale_after_s` old, with a warning. Returns whether a stale lock was removed."""
+    for arg, value in (("stale_after_s", stale_after_s), ("poll_s", poll_s)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"{arg} must be a positive number of seconds, got {value!r}")
+    lock = Path(build_directory) / "lock"
+    told = False
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return False
+        if age >= stale_after_s:
+            warnings.warn(f"removed {lock}: left {age:.0f} s ago by a build that did not finish (interrupted?); "
+                          "building again", stacklevel=2)
+            lock.unlink(missing_ok=True)
+            return True
+        if not told:
+            say(f"waiting for another build of {lock.parent.name} (its lock {lock} is {age:.0f} s old); a lock "
+                f"left by an interrupted build is removed at {stale_after_s:.0f} s, or delete it yourself")
+            told = True
+        time.sleep(poll_s)
+
+
 def load(name: str, *, verbose: bool = False):
-    """Build (once) and import the extension of utils/cuda/<name>.cu for the current GPU."""
+    """Build (once) and import the extension of utils/cuda/<name>.cu for the current GPU. A build interrupted
+    half-way is started again on the next call (`wait_for_build_lock`)."""
     _check_name(name)
     if not torch.cuda.is_available():
         raise RuntimeError(f"building {name}.cu needs a CUDA GPU and a CUDA build of torch "
@@ -176,6 +210,7 @@ def load(name: str, *, verbose: bool = False):
     verify_ninja_availability()  # a clear error if ninja is missing (pip install ninja)
     build_directory = BUILD_DIR / "torch_extensions" / ext
     build_directory.mkdir(parents=True, exist_ok=True)
+    wait_for_build_lock(build_directory)
     function, _ = KERNELS[name]
     source = kernel_source(name)
     try:
