@@ -285,10 +285,9 @@ def host_descriptors(q, k, v, o, block_m: int, block_n: int) -> tuple:
 
 
 def _fit_descriptors(nargs: dict) -> None:
-    """The autotuner's pre-hook: the host descriptors' tile shapes follow the config about to run."""
-    if nargs["QD"] is not None:
-        for name, rows in (("QD", "BLOCK_M"), ("KD", "BLOCK_N"), ("VD", "BLOCK_N"), ("OD", "BLOCK_M")):
-            nargs[name].block_shape = [1, 1, nargs[rows], nargs["BLOCK_D"]]
+    """The pre-hook of the TMA=2 configs: the host descriptors' tile shapes follow the config about to run."""
+    for name, rows in (("QD", "BLOCK_M"), ("KD", "BLOCK_N"), ("VD", "BLOCK_N"), ("OD", "BLOCK_M")):
+        nargs[name].block_shape = [1, 1, nargs[rows], nargs["BLOCK_D"]]
 
 
 # The autotuner's search: kept small (each config costs a compile, ~1-3 s), measured once per shape class
@@ -345,7 +344,7 @@ def _launch(q, k, v, causal, scale, config: Config | None = None, steps: Steps |
     lse = torch.empty(b, h, nq, device=q.device, dtype=torch.float32)
     if mode == 1 and q.is_cuda:
         triton.set_allocator(_descriptor_memory)
-    strides = (*q.stride(), *k.stride(), *v.stride(), *o.stride(), h, h // hk, nq, nk, scale * LOG2E)
+    scalars = (*q.stride(), *k.stride(), *v.stride(), *o.stride(), h, h // hk, nq, nk, scale * LOG2E)
     switches = dict(HEAD_DIM=d, BLOCK_D=block_d, CAUSAL=causal, DOT_PRECISION="ieee" if q.dtype == torch.float32
                     else "tf32", TMA=mode)
     if config is None and steps.autotune:
@@ -357,7 +356,7 @@ def _launch(q, k, v, causal, scale, config: Config | None = None, steps: Steps |
             _progress_total = len(tuner.configs)
             grid = lambda meta: (cdiv(nq, meta["BLOCK_M"]), b * h)  # noqa: E731 (the autotuner's grid)
             descs = host_descriptors(q, k, v, o, 16, 16) if mode == 2 else (None,) * 4  # tiles: set per config
-            tuner[grid](q, k, v, o, lse, *descs, *strides, **{k: v for k, v in switches.items() if k != "TMA"},
+            tuner[grid](q, k, v, o, lse, *descs, *scalars, **{k: v for k, v in switches.items() if k != "TMA"},
                         seqlen_bucket=bucket)
             best = tuner.best_config
             _tuned_configs[key] = (Config(best.kwargs["BLOCK_M"], best.kwargs["BLOCK_N"], best.num_warps,
@@ -369,7 +368,7 @@ def _launch(q, k, v, causal, scale, config: Config | None = None, steps: Steps |
     descs = (host_descriptors(q, k, v, o, config.block_m, config.block_n) if switches["TMA"] == 2
              else (None,) * 4)
     _fwd_launcher[(cdiv(nq, config.block_m), b * h)](
-        q, k, v, o, lse, *descs, *strides, 0, **switches, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        q, k, v, o, lse, *descs, *scalars, 0, **switches, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         num_warps=config.num_warps, num_stages=config.num_stages)
     return o, lse
 
