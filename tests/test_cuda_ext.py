@@ -317,7 +317,6 @@ def test_softmax_wrapper_validates_before_building():
         cuda_ext.softmax(x)
 
 
-@pytest.mark.skipif(CUDA, reason="on a GPU the extension builds")
 def test_a_stale_build_lock_is_removed_and_a_live_one_waited_for(tmp_path):
     """A lock left by a killed build would make load_inline wait forever: wait_for_build_lock removes it once it
     is old enough, and otherwise waits (saying so once) until the other build releases it."""
@@ -344,6 +343,7 @@ def test_a_stale_build_lock_is_removed_and_a_live_one_waited_for(tmp_path):
             wait_for_build_lock(tmp_path, stale_after_s=bad)
 
 
+@pytest.mark.skipif(CUDA, reason="on a GPU the extension builds")
 def test_load_without_a_gpu_explains():
     with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
         cuda_ext.load("softmax")
