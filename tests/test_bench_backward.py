@@ -1,9 +1,13 @@
 """Helpers of the backward benchmark (notebook 07); the measurement itself needs a GPU."""
+import json
+
 import pytest
 import torch
 
+from utils.bench import backward_tiles
 from utils.bench.backward import (format_table, load_results, plot_backward_benchmark, ratios,
                                   run_backward_benchmark, save_results)
+from utils.flash_triton_bwd import BackwardConfig, _fitted_config
 
 ROWS = [dict(backend=b, seqlen=n, head_dim=64, causal=c, ms=1.0, tflops=t, error=None)
         for n in (2048, 4096) for c in (False, True)
@@ -43,3 +47,57 @@ def test_run_small_on_gpu():
     assert all(r["tflops"] and r["tflops"] > 0 for r in rows), rows
     with pytest.raises(ValueError):
         run_backward_benchmark(backends=("nope",))
+
+
+# ---- the tile sweep behind default_config (utils.bench.backward_tiles) -------------------------------------
+TILE_ROWS = [dict(head_dim=64, causal=False, kernel="dq", tiles=[128, 64, 8, 3], ms=2.0, error=None),
+             dict(head_dim=64, causal=False, kernel="dq", tiles=[64, 64, 4, 3], ms=1.0, error=None),
+             dict(head_dim=64, causal=False, kernel="dq", tiles=[64, 128, 4, 2], ms=None, error="OutOfResources"),
+             dict(head_dim=64, causal=False, kernel="dkdv", tiles=[32, 128, 4, 3], ms=3.0, error=None)]
+
+
+def test_candidate_config_replaces_one_pass_only():
+    base = BackwardConfig()
+    c = backward_tiles.candidate_config(base, "dq", (64, 32, 8, 2))
+    assert (c.block_m2, c.block_n2, c.warps2, c.stages2) == (64, 32, 8, 2)
+    assert (c.block_m1, c.block_n1, c.warps1, c.stages1) == (base.block_m1, base.block_n1, base.warps1, base.stages1)
+    c = backward_tiles.candidate_config(base, "dkdv", (64, 128, 8, 3))
+    assert (c.block_m1, c.block_n1, c.block_m2) == (64, 128, base.block_m2)
+    with pytest.raises(ValueError, match="which must be one of"):
+        backward_tiles.candidate_config(base, "dk", (64, 128, 8, 3))
+    with pytest.raises(ValueError, match="tiles must be"):
+        backward_tiles.candidate_config(base, "dq", (64, 128))
+    with pytest.raises(ValueError, match="power of two"):   # BackwardConfig's own check still applies
+        backward_tiles.candidate_config(base, "dq", (48, 128, 4, 3))
+
+
+def test_fastest_and_table_skip_failed_candidates():
+    assert backward_tiles.fastest(TILE_ROWS, 64, False, "dq") == ((64, 64, 4, 3), 1.0)
+    assert backward_tiles.fastest(TILE_ROWS, 64, False, "dkdv") == ((32, 128, 4, 3), 3.0)
+    with pytest.raises(ValueError, match="no timed dq candidates for head_dim=128"):
+        backward_tiles.fastest(TILE_ROWS, 128, False, "dq")
+    table = backward_tiles.format_table(TILE_ROWS).splitlines()
+    assert table[1] == "d=64  full   dq  : 128x64x8x3 2.00, 64x64x4x3 1.00, 64x128x4x2 failed"
+    assert table[0].startswith("d=64  full   dkdv: 32x128x4x3 1.00")
+
+
+def test_sweep_needs_a_gpu():
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU the sweep runs (python -m utils.bench.backward_tiles)")
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+        backward_tiles.sweep()
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_default_tiles_are_within_tolerance_of_the_stored_fastest(head_dim, causal):
+    """default_config's 16-bit tiles are what the stored H200 sweep measured fastest, give or take its noise."""
+    rows = json.loads(backward_tiles.DEFAULT_OUT.read_text())["rows"]
+    config = _fitted_config(head_dim, torch.bfloat16, causal, None)   # the H200's choice, even in the interpreter
+    for which, fields in backward_tiles.PASSES.items():
+        chosen = tuple(getattr(config, f) for f in fields)
+        timed = {tuple(r["tiles"]): r["ms"] for r in rows
+                 if (r["head_dim"], r["causal"], r["kernel"]) == (head_dim, causal, which) and r["ms"]}
+        _, best = backward_tiles.fastest(rows, head_dim, causal, which)
+        assert chosen in timed, f"{which} tiles {chosen} were not in the sweep"
+        assert timed[chosen] <= best * (1 + backward_tiles.TOLERANCE), (which, chosen, timed[chosen] / best)

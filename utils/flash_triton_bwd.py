@@ -77,8 +77,9 @@ def smem_estimate(config: BackwardConfig, head_dim: int, elem_bytes: int) -> int
 
 def default_config(head_dim: int, dtype: torch.dtype, causal: bool = False, smem: int | None = None
                    ) -> BackwardConfig:
-    """Launch parameters. 16-bit, head dims up to 128: the fastest of a sweep on an H200 (bf16, B=4, H=16,
-    N=8192; 6 dK/dV and 5 dQ candidates each, see notebook 07). Smaller tiles for fp32/fp64 (exact dots, twice
+    """Launch parameters. 16-bit, head dims up to 128: within 3% of the fastest of each pass's candidates in
+    `python -m utils.bench.backward_tiles` on an H200 (images/07_backward_tiles_h200.json: bf16, B=4, H=16,
+    N=8192; the same tiles win causal or not). Smaller tiles for fp32/fp64 (exact dots, twice
     the bytes) and head dims above 128 (registers); mid-sized tiles in the interpreter, where each program is
     NumPy work and fewer, larger tiles run fastest. `smem`: bytes of shared memory per block of the GPU
     (utils.gpu.shared_memory_per_block); the tiles shrink until they fit. None: an H200's choice."""
@@ -95,10 +96,8 @@ def _fitted_config(head_dim: int, dtype: torch.dtype, causal: bool, smem: int | 
         preferred = BackwardConfig(32, 64, 4, 2, 64, 32, 4, 2)
     elif head_dim <= 64:
         preferred = BackwardConfig(32, 128, 4, 3, 128, 64, 8, 3)
-    elif causal:
-        preferred = BackwardConfig(64, 128, 8, 3, 128, 64, 8, 3)
     else:
-        preferred = BackwardConfig(32, 64, 4, 3, 128, 64, 8, 3)
+        preferred = BackwardConfig(64, 128, 8, 3, 128, 64, 8, 3)
     if smem is None:
         return preferred
     elem_bytes = torch.finfo(dtype).bits // 8
@@ -134,6 +133,15 @@ def _bwd_preprocess(O, DO, LSE, DELTA, LSE2,
 
 
 @triton.jit
+def _column_mask(offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Which of the BLOCK_D columns are real. A power-of-two head dim has no padding: a constant-true mask, which
+    the compiler folds away, so loads and stores carry no per-column predicate."""
+    if BLOCK_D == HEAD_DIM:
+        return tl.full([BLOCK_D], 1, tl.int1)
+    return offs_d < HEAD_DIM
+
+
+@triton.jit
 def _dkdv_inner(dk, dv, k, v, Q, DO, LSE2, DELTA, s_qm, s_qd, s_dom, s_dod,
                 offs_n, offs_d, mask_d, N_Q, offset, qk_scale, start, end,
                 BLOCK_M: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr):
@@ -163,9 +171,9 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, LSE2, DELTA, s_qm, s_qd, s_dom, s_dod,
 def _bwd_dkdv(Q, K, V, DO, LSE2, DELTA, DK, DV,
               s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
               s_dob, s_doh, s_dom, s_dod, s_dkb, s_dkh, s_dkn, s_dkd, s_dvb, s_dvh, s_dvn, s_dvd,
-              H_KV, N_Q, N_K, HEAD_DIM, qk_scale, sm_scale,
+              H_KV, N_Q, N_K, qk_scale, sm_scale,
               GROUP: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr):
+              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr):
     pid_n = tl.program_id(0)
     bhk = tl.program_id(1)
     b = (bhk // H_KV).to(tl.int64)
@@ -173,7 +181,7 @@ def _bwd_dkdv(Q, K, V, DO, LSE2, DELTA, DK, DV,
     n0 = pid_n * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < HEAD_DIM
+    mask_d = _column_mask(offs_d, HEAD_DIM, BLOCK_D)
     mask_nd = (offs_n[:, None] < N_K) & mask_d[None, :]
     k = tl.load(K + b * s_kb + hk * s_kh + offs_n[:, None] * s_kn + offs_d[None, :] * s_kd, mask=mask_nd, other=0.0)
     v = tl.load(V + b * s_vb + hk * s_vh + offs_n[:, None] * s_vn + offs_d[None, :] * s_vd, mask=mask_nd, other=0.0)
@@ -233,9 +241,9 @@ def _dq_inner(dq, q, do, lse2, delta, K, V, s_kn, s_kd, s_vn, s_vd,
 def _bwd_dq(Q, K, V, DO, LSE2, DELTA, DQ,
             s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
             s_dob, s_doh, s_dom, s_dod, s_dqb, s_dqh, s_dqm, s_dqd,
-            H, N_Q, N_K, HEAD_DIM, qk_scale, sm_scale,
+            H, N_Q, N_K, qk_scale, sm_scale,
             GROUP: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-            BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr):
+            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
@@ -245,7 +253,7 @@ def _bwd_dq(Q, K, V, DO, LSE2, DELTA, DQ,
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     mask_m = offs_m < N_Q
-    mask_d = offs_d < HEAD_DIM
+    mask_d = _column_mask(offs_d, HEAD_DIM, BLOCK_D)
     mask_md = mask_m[:, None] & mask_d[None, :]
     q = tl.load(Q + b * s_qb + h * s_qh + offs_m[:, None] * s_qm + offs_d[None, :] * s_qd, mask=mask_md, other=0.0)
     do = tl.load(DO + b * s_dob + h * s_doh + offs_m[:, None] * s_dom + offs_d[None, :] * s_dod, mask=mask_md,
@@ -323,12 +331,12 @@ def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, sm_scale=None
         o, do, lse, delta, lse2, *o.stride(), *do.stride(), h, nq, d, BLOCK_M=64, BLOCK_D=block_d, ACC=acc)
     _launch_dkdv[(cdiv(nk, config.block_n1), b * hk)](
         q, k, v, do, lse2, delta, dk, dv, *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(),
-        *dv.stride(), hk, nq, nk, d, scale * LOG2E, scale,
-        GROUP=h // hk, CAUSAL=causal, BLOCK_M=config.block_m1, BLOCK_N=config.block_n1, BLOCK_D=block_d,
+        *dv.stride(), hk, nq, nk, scale * LOG2E, scale,
+        GROUP=h // hk, CAUSAL=causal, BLOCK_M=config.block_m1, BLOCK_N=config.block_n1, HEAD_DIM=d, BLOCK_D=block_d,
         PRECISION=precision, ACC=acc, num_warps=config.warps1, num_stages=config.stages1)
     _launch_dq[(cdiv(nq, config.block_m2), b * h)](
         q, k, v, do, lse2, delta, dq, *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
-        h, nq, nk, d, scale * LOG2E, scale,
-        GROUP=h // hk, CAUSAL=causal, BLOCK_M=config.block_m2, BLOCK_N=config.block_n2, BLOCK_D=block_d,
+        h, nq, nk, scale * LOG2E, scale,
+        GROUP=h // hk, CAUSAL=causal, BLOCK_M=config.block_m2, BLOCK_N=config.block_n2, HEAD_DIM=d, BLOCK_D=block_d,
         PRECISION=precision, ACC=acc, num_warps=config.warps2, num_stages=config.stages2)
     return dq, dk, dv

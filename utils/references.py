@@ -63,6 +63,8 @@ REFERENCES = {
     "mma_ncu": (1, ["utils.bench.ncu", "--worklog", "mma", "--steps", "causal_skip", "split_kv", "--head-dim", "128",
                     "--seqlen", "4096", "--name", "06b_ncu_steps78_h200"]),
     "backward": (1, ["utils.bench.backward", "--out", "images/07_backward_benchmark.json"]),
+    # the tiles of the Triton backward's two passes, each candidate timed in the whole backward (default_config)
+    "backward_tiles": (1, ["utils.bench.backward_tiles", "--out", "images/07_backward_tiles_h200.json"]),
     # notebook 06b's tensor-core backward, every step of its worklog beside SDPA's FA2 and cuDNN backwards
     "cuda_backward": (1, ["utils.bench.backward", "--backends", "cuda_atomic_dq", "cuda_dq_pass", "cuda_narrow_rows",
                           "cuda_two_blocks", "cuda_per_head_dim", "cuda_unroll_two", "sdpa_flash", "sdpa_cudnn",
