@@ -6,7 +6,7 @@ import torch
 
 from utils.bench import backward_tiles
 from utils.bench.backward import (format_table, load_results, plot_backward_benchmark, ratios,
-                                  run_backward_benchmark, save_results)
+                                  run_backward_benchmark, save_results, triton_tiles)
 from utils.flash_triton_bwd import BackwardConfig, _fitted_config
 
 ROWS = [dict(backend=b, seqlen=n, head_dim=64, causal=c, ms=1.0, tflops=t, error=None)
@@ -101,3 +101,14 @@ def test_default_tiles_are_within_tolerance_of_the_stored_fastest(head_dim, caus
         _, best = backward_tiles.fastest(rows, head_dim, causal, which)
         assert chosen in timed, f"{which} tiles {chosen} were not in the sweep"
         assert timed[chosen] <= best * (1 + backward_tiles.TOLERANCE), (which, chosen, timed[chosen] / best)
+
+
+def test_a_run_records_the_tiles_it_measured():
+    tiles = triton_tiles([64, 128], torch.bfloat16)
+    assert sorted(tiles) == ["d128_causal", "d128_full", "d64_causal", "d64_full"]
+    assert tiles["d128_full"] == dict(block_m1=64, block_n1=128, warps1=8, stages1=3,
+                                      block_m2=128, block_n2=64, warps2=8, stages2=3)
+    assert BackwardConfig(**tiles["d64_full"]) == _fitted_config(64, torch.bfloat16, False, None)
+    t4 = triton_tiles([128], torch.bfloat16, smem=64 * 1024)   # a T4's tiles shrink to fit its shared memory
+    assert BackwardConfig(**t4["d128_full"]) == _fitted_config(128, torch.bfloat16, False, 64 * 1024) != \
+        BackwardConfig(**tiles["d128_full"])

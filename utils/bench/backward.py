@@ -142,6 +142,18 @@ def format_table(rows: list[dict], course: str = "triton") -> str:
     return "\n".join(lines)
 
 
+def triton_tiles(head_dims, dtype, smem: int | None = None) -> dict:
+    """{"d64_full": {block_m1: ..., ...}, ...}: the tiles `default_config` gives the Triton backward on a GPU with
+    `smem` bytes of shared memory per block (None: an H200), stored with a run so that the JSON says what it
+    measured."""
+    import dataclasses
+
+    from utils.flash_triton_bwd import _fitted_config
+
+    return {f"d{d}_{'causal' if c else 'full'}": dataclasses.asdict(_fitted_config(d, dtype, c, smem))
+            for d in head_dims for c in (False, True)}
+
+
 def save_results(rows: list[dict], path, environment: dict | None = None, **meta) -> Path:
     """Write {"environment": ..., "meta": meta, "rows": rows} as JSON (environment: utils.gpu.environment)."""
     path = Path(path)
@@ -219,6 +231,9 @@ def main(argv=None) -> list[dict]:
     command = "python -m utils.bench.backward " + " ".join(sys.argv[1:] if argv is None else argv)
     env = gpu.environment(command)
     extra = dict(peers={"triton_tutorial": tutorial.provenance()}) if tutorial else {}
+    if "triton" in backends:
+        extra["configs"] = triton_tiles(args.head_dims, DTYPES[args.dtype],
+                                        gpu.shared_memory_per_block(torch.device("cuda")))
     save_results(rows, args.out, environment=env, gpu=env["gpu"], torch=env["torch"], triton=env["triton"],
                  batch=4, heads=16, dtype=str(DTYPES[args.dtype]).removeprefix("torch."), **extra)
     plot_backward_benchmark(rows, f"{env['gpu']}, {args.dtype}, B=4, H=16").savefig(args.out.with_suffix(".png"),
