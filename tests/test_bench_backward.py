@@ -96,8 +96,7 @@ def test_default_tiles_are_within_tolerance_of_the_stored_fastest(head_dim, caus
     config = _fitted_config(head_dim, torch.bfloat16, causal, None)   # the H200's choice, even in the interpreter
     for which, fields in backward_tiles.PASSES.items():
         chosen = tuple(getattr(config, f) for f in fields)
-        timed = {tuple(r["tiles"]): r["ms"] for r in rows
-                 if (r["head_dim"], r["causal"], r["kernel"]) == (head_dim, causal, which) and r["ms"]}
+        timed = backward_tiles.timings(rows, head_dim, causal, which)
         _, best = backward_tiles.fastest(rows, head_dim, causal, which)
         assert chosen in timed, f"{which} tiles {chosen} were not in the sweep"
         assert timed[chosen] <= best * (1 + backward_tiles.TOLERANCE), (which, chosen, timed[chosen] / best)

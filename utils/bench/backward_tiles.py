@@ -1,7 +1,7 @@
 """The tile sweep behind `utils.flash_triton_bwd.default_config` (notebook 07): each pass's candidates timed in the
 whole backward, the other pass held at the default, one shape per (head dim, masking).
 
-`python -m utils.bench.backward_tiles` writes images/07_backward_tiles_h200.json; tests/test_flash_backward.py
+`python -m utils.bench.backward_tiles` writes images/07_backward_tiles_h200.json; tests/test_bench_backward.py
 checks that every 16-bit default is within `TOLERANCE` of the fastest stored candidate of its pass.
 """
 from __future__ import annotations
@@ -9,10 +9,14 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from utils.bench import benchmark
+
+if TYPE_CHECKING:
+    from utils.flash_triton_bwd import BackwardConfig
 
 # (block_m, block_n, warps, stages) of the dK/dV pass (block_n keys kept, block_m queries looped over) and of the
 # dQ pass (block_m queries kept, block_n keys looped over).
@@ -25,7 +29,7 @@ TOLERANCE = 0.03   # timings of one run move by about this much; closer candidat
 DEFAULT_OUT = Path(__file__).resolve().parents[2] / "images" / "07_backward_tiles_h200.json"
 
 
-def candidate_config(default, which: str, tiles) -> "BackwardConfig":  # noqa: F821 - utils.flash_triton_bwd's
+def candidate_config(default: BackwardConfig, which: str, tiles) -> BackwardConfig:
     """`default` with pass `which` ("dkdv" or "dq") given `tiles` = (block_m, block_n, warps, stages)."""
     if which not in PASSES:
         raise ValueError(f"which must be one of {sorted(PASSES)}, got {which!r}")
@@ -64,24 +68,30 @@ def sweep(head_dims=(64, 128), causal=(False, True), *, seqlen=8192, batch=4, he
     return rows
 
 
+def _case(row: dict) -> tuple:
+    return row["head_dim"], row["causal"], row["kernel"]
+
+
+def timings(rows: list[dict], head_dim: int, causal: bool, which: str) -> dict[tuple, float]:
+    """{tiles: ms} of the candidates of pass `which` timed for this head dim and masking (failed ones left out)."""
+    return {tuple(r["tiles"]): r["ms"] for r in rows if _case(r) == (head_dim, causal, which) and r["ms"]}
+
+
 def fastest(rows: list[dict], head_dim: int, causal: bool, which: str) -> tuple[tuple, float]:
     """(tiles, ms) of the fastest stored candidate of pass `which` for this head dim and masking."""
-    timed = [(r["ms"], tuple(r["tiles"])) for r in rows
-             if r["head_dim"] == head_dim and r["causal"] == causal and r["kernel"] == which and r["ms"]]
+    timed = timings(rows, head_dim, causal, which)
     if not timed:
         raise ValueError(f"no timed {which} candidates for head_dim={head_dim}, causal={causal}")
-    ms, tiles = min(timed)
-    return tiles, ms
+    return min(timed.items(), key=lambda item: item[1])
 
 
 def format_table(rows: list[dict]) -> str:
     """One line per candidate: its time relative to the fastest of its pass and shape (1.00 = fastest)."""
     lines = []
-    for d, c, which in sorted({(r["head_dim"], r["causal"], r["kernel"]) for r in rows}):
+    for d, c, which in sorted({_case(r) for r in rows}):
         best = fastest(rows, d, c, which)[1]
-        cells = [f"{'x'.join(map(str, r['tiles']))} {r['ms'] / best:.2f}" if r["ms"] else
-                 f"{'x'.join(map(str, r['tiles']))} failed" for r in rows
-                 if (r["head_dim"], r["causal"], r["kernel"]) == (d, c, which)]
+        cells = [f"{'x'.join(map(str, r['tiles']))} " + (f"{r['ms'] / best:.2f}" if r["ms"] else "failed")
+                 for r in rows if _case(r) == (d, c, which)]
         lines.append(f"d={d:<3} {'causal' if c else 'full  '} {which:<4}: " + ", ".join(cells))
     return "\n".join(lines)
 
