@@ -7,8 +7,11 @@
   computes dK and dV and adds its share of dQ with fp32 atomics, as FlashAttention-2 does; "dq_pass" (2) the same
   kernel without dQ, then a kernel per block of queries that recomputes S and dP and writes dQ once (no atomics:
   deterministic, two more matmuls); "narrow_rows" (3) 32 queries per step instead of 64; "two_blocks" (4) and
-  two blocks per SM at D = 64; "per_head_dim" (5) each head dim with what paid for it (the default, the fastest
-  measured); "unroll_two" (6) partly unrolled k loops, which end the spills at D = 128 and still lose.
+  two blocks per SM at D = 64; "per_head_dim" (5) each head dim with what paid for it; "unroll_two" (6) partly
+  unrolled k loops, which end the spills at D = 128 and still lose;
+  "mask_after" (7) Pᵀ's exponentials before its mask, which then takes no branch; "warp_tiles" (8) FlashAttention-2's
+  32 x 32 warp tiles, Pᵀ and dSᵀ through shared memory; "hoisted" (9) every copy and ldmatrix address worked out
+  once, before the loop (the default: the fastest measured).
 - `flash_mma_attention(q, k, v)`: differentiable attention with both; the registry's "cuda" calls it when a
   gradient is wanted.
 
@@ -25,8 +28,9 @@ from utils import cuda_ext, gpu
 from utils.checks import check_attention_inputs, check_device, resolve_scale
 from utils.flash_pytorch_bwd import check_backward_inputs
 
-BWD_STEPS = ("atomic_dq", "dq_pass", "narrow_rows", "two_blocks", "per_head_dim", "unroll_two")
-BWD_DEFAULT_STEP = "per_head_dim"  # the fastest measured (images/06b_cuda_backward_h200.json)
+BWD_STEPS = ("atomic_dq", "dq_pass", "narrow_rows", "two_blocks", "per_head_dim", "unroll_two", "mask_after",
+             "warp_tiles", "hoisted")
+BWD_DEFAULT_STEP = "hoisted"  # the fastest measured (images/06b_cuda_backward_h200.json)
 LSE_PAD = 128  # kLsePad in utils/cuda/flash_params.h
 LOG2E = 1.4426950408889634
 

@@ -67,7 +67,8 @@ REFERENCES = {
     "backward_tiles": (1, ["utils.bench.backward_tiles", "--out", "images/07_backward_tiles_h200.json"]),
     # notebook 06b's tensor-core backward, every step of its worklog beside SDPA's FA2 and cuDNN backwards
     "cuda_backward": (1, ["utils.bench.backward", "--backends", "cuda_atomic_dq", "cuda_dq_pass", "cuda_narrow_rows",
-                          "cuda_two_blocks", "cuda_per_head_dim", "cuda_unroll_two", "sdpa_flash", "sdpa_cudnn",
+                          "cuda_two_blocks", "cuda_per_head_dim", "cuda_unroll_two", "cuda_mask_after",
+                          "cuda_warp_tiles", "cuda_hoisted", "sdpa_flash", "sdpa_cudnn",
                           "--seqlens", "4096", "8192", "16384", "--out", "images/06b_cuda_backward_h200.json"]),
     "decoding": (1, ["utils.bench.decoding", "--out", "images"]),
     "launch_floor": (1, ["utils.bench.decoding", "--launch-floor", "--out", "images"]),
@@ -168,6 +169,14 @@ def results_markdown() -> str:
                f"(its registered step, `{MMA_DEFAULT_STEP}`) reaches {min(c[0] for c in cuda):.0f}–"
                f"{max(c[0] for c in cuda):.0f} TFLOP/s at N ≥ 4k ({min(c[1] for c in cuda):.2f}–"
                f"{max(c[1] for c in cuda):.2f}× FlashAttention-2; `images/{mma_run}`).")
+    from utils.bench.backward import ratios as backward_ratios
+    from utils.cuda_backward import BWD_DEFAULT_STEP
+
+    cb = backward_ratios(_load("06b_cuda_backward_h200.json")["rows"], f"cuda_{BWD_DEFAULT_STEP}")  # × FA2
+    by_d = {d: [r for (_, dim, _), r in cb.items() if dim == d] for d in (64, 128)}
+    summary += (f" Its backward (step `{BWD_DEFAULT_STEP}`) reaches " + " and ".join(
+        f"{min(v):.2f}–{max(v):.2f}× (d={d})" for d, v in by_d.items()) + " FlashAttention-2's backward at N ≥ 4k "
+        "(`images/06b_cuda_backward_h200.json`).")
     best, vs = {}, {}  # per shape: the best step's TFLOP/s and ratio to cuDNN, over the runs (each side by side)
     hopper_runs = ("06c_hopper_h200.json", "06c_vdirect_h200.json", "06c_three_h200.json", "06c_persistent_h200.json",
                    "06c_diagonal_h200.json", "06c_tma_store_h200.json")

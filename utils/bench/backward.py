@@ -17,7 +17,7 @@ from utils.bench import attention_flops, benchmark, peers, tflops
 BACKENDS = ("triton", "sdpa_flash", "sdpa_cudnn")                # the default set (notebook 07's)
 # Measured when asked for; cuda_*: notebook 06b's tensor-core backward in each of its steps (utils.cuda_backward).
 CUDA_BACKENDS = ("cuda_atomic_dq", "cuda_dq_pass", "cuda_narrow_rows", "cuda_two_blocks", "cuda_per_head_dim",
-                 "cuda_unroll_two")  # utils.cuda_backward.BWD_STEPS
+                 "cuda_unroll_two", "cuda_mask_after", "cuda_warp_tiles", "cuda_hoisted")  # utils.cuda_backward.BWD_STEPS
 KNOWN = BACKENDS + ("sdpa_efficient", "triton_tutorial") + CUDA_BACKENDS
 DEFAULT_OUT = Path(__file__).resolve().parents[2] / "images" / "07_backward_benchmark.json"
 

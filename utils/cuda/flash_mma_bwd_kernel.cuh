@@ -24,6 +24,9 @@ namespace course_flash {
 // Step 1: dQ by fp32 atomics from the dkdv kernel; 64 queries per step of its loop; one block per SM.
 struct BwdAtomicDQ {
   static constexpr bool kAtomicDQ = true;
+  static constexpr bool kMaskAfter = false;                         // step 7
+  static constexpr bool kWarpTiles = false;                         // step 8
+  static constexpr bool kHoisted = false;                           // step 9
   static constexpr int kUnrollD = 8;                                 // step 6: iterations of the k loops unrolled
   template <int D> static constexpr int rows() { return 64; }       // BR
   template <int D> static constexpr int min_blocks() { return 1; }  // blocks per SM asked of ptxas
@@ -43,6 +46,22 @@ struct BwdPerHeadDim : BwdTwoBlocks { template <int D> static constexpr int rows
 // hoisted every fragment address out of the query loop and spilled at D = 128 (images/06b_ncu_backward_h200.txt);
 // with two iterations in flight the mma still overlap the next ldmatrix, and nothing spills.
 struct BwdUnrollTwo : BwdPerHeadDim { static constexpr int kUnrollD = 2; };
+// Step 7: Pᵀ's exponentials first and its mask after them, only in tiles the mask touches (probs_t, kMaskAfter).
+// Written as `hidden ? 0 : exp2(..)` per element, as in Exercise 6b.6, each exp2 sits behind a branch: in the SASS of
+// step 5's loop, 32 of its 48 convergence barriers (BSSY/BSYNC) wrap one exp2 each.
+struct BwdMaskAfter : BwdPerHeadDim { static constexpr bool kMaskAfter = true; };
+// Step 8: FlashAttention-2's warp tiles (flash_bwd_dkdv_tiled_kernel below). Each warp computes a 32 x 32 tile of
+// Sᵀ and dPᵀ instead of 16 keys x 64 queries, so every fragment read from shared memory serves two mma, not one;
+// Pᵀ and dSᵀ then go through shared memory, where dV, dK and dQ are tiled 32 x D/2, 32 x D/2 and 32 x D/4.
+struct BwdWarpTiles : BwdMaskAfter {
+  static constexpr bool kWarpTiles = true;
+  template <int D> static constexpr int rows() { return 64; }
+  template <int D> static constexpr int min_blocks() { return 1; }
+};
+// Step 9: the addresses worked out once. In step 8's loop, integer instructions outnumber the mma three to one:
+// each copy and each ldmatrix recomputes its row, column and swizzle. Here every thread's copy rows and every
+// lane's ldmatrix offsets are computed before the loop.
+struct BwdHoisted : BwdWarpTiles { static constexpr bool kHoisted = true; };
 
 using BwdLoad = Step7CausalSkip;  // how tiles are loaded and read: cp.async, swizzled, ldmatrix (06b step 7)
 
@@ -98,17 +117,29 @@ __device__ __forceinline__ void mma_a_bt(float (&acc)[kTiles][4], const T* A, co
 // (the block's, from query q0) are indexed by the column.
 // Pᵀ in place of Sᵀ: 2^(s·scale_log2 − lse2[query]), or 0 where the key is hidden from the query: past the end,
 // or causal and key > query + offset (offset = seqlen_k − seqlen_q, the bottom-right alignment). `masked`:
-// whether any key of the tile may be hidden (else no test).
-template <int kTiles>
+// whether any key of the tile may be hidden (else no test). `kMaskAfter` (step 7): every exponential first, then
+// the mask, only where `masked`; as one expression per element, the compiler puts a branch around each exp2.
+template <int kTiles, bool kMaskAfter = false>
 __device__ __forceinline__ void probs_t(float (&s)[kTiles][4], const float* lse2, const Params& p, int key0, int q0,
                                         bool masked, int offset, int t) {
+  if constexpr (kMaskAfter) {
+#pragma unroll
+    for (int n = 0; n < kTiles; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[n][e] = fast_exp2(fmaf(s[n][e], p.scale_log2, -lse2[n * 8 + 2 * t + e % 2]));
+    if (!masked) return;  // most tiles: no key hidden, no test
+  }
 #pragma unroll
   for (int n = 0; n < kTiles; ++n)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int col = n * 8 + 2 * t + e % 2, key = key0 + e / 2 * 8;
       const bool hidden = masked && (key >= p.seqlen_k || (p.causal && key > q0 + col + offset));
-      s[n][e] = hidden ? 0.f : fast_exp2(fmaf(s[n][e], p.scale_log2, -lse2[col]));
+      if constexpr (kMaskAfter) {
+        if (hidden) s[n][e] = 0.f;
+      } else {
+        s[n][e] = hidden ? 0.f : fast_exp2(fmaf(s[n][e], p.scale_log2, -lse2[col]));
+      }
     }
 }
 
@@ -185,7 +216,7 @@ __global__ void __launch_bounds__(Tile::kThreads, Step::template min_blocks<D>()
 
     // Pᵀ = 2^(Sᵀ·scale·log2 e − lse2[query]); masked scores (keys past the end, causal) become 0.
     const bool masked = n0 + BC > p.seqlen_k || (p.causal && n0 + BC - 1 > q0 + offset);
-    probs_t(s, lse2, p, key0, q0, masked, offset, t);
+    probs_t<kTilesS, Step::kMaskAfter>(s, lse2, p, key0, q0, masked, offset, t);
 
     // dV += Pᵀ dO: the Pᵀ accumulators of n8 tiles 2kk, 2kk + 1 are the A fragment of queries 16kk..16kk+15.
     mma_c_b<BwdLoad, D, BR / 16>(dv, s, dOt, lane);
@@ -262,6 +293,335 @@ __global__ void __launch_bounds__(Tile::kThreads, Step::template min_blocks<D>()
       *reinterpret_cast<uint32_t*>(dv_row + n * 8) = pack2<T>(dv[n][2 * r], dv[n][2 * r + 1]);
     }
   }
+}
+
+// Step 8's dkdv kernel: FlashAttention-2's warp tiles. A block owns BC = 128 keys and walks query blocks of
+// BR = 64, as before, but the 8 warps cover each product as a 4 x 2 (or 2 x 4) grid of 32-row tiles:
+//   Sᵀ = K Qᵀ, dPᵀ = V dOᵀ   warp (w % 4, w / 4): keys 32 (w % 4).., queries 32 (w / 4)..    A: K, V   B: Q, dO
+//   dV += Pᵀ dO, dK += dSᵀ Q  warp (w % 4, w / 4): keys 32 (w % 4).., columns D/2 (w / 4)..   A: Pᵀ, dSᵀ (shared)
+//   dQ += dS K (atomics)      warp (w % 2, w / 2): queries 32 (w % 2).., columns D/4 (w / 2)..  A: dS (shared)
+// Two m16 tiles per warp: every B fragment read serves 2 mma (step 5: 1 for Sᵀ and dPᵀ), every A fragment 4 or 8.
+// The price is the round trip of Pᵀ and dSᵀ through shared memory and one more barrier per query block.
+template <typename Step, int D, int kStagesT> struct BwdTiledTile {
+  static constexpr int kWarps = 8, kThreads = 256, kStages = kStagesT, kRows = 64, kCols = 128;  // BR, BC
+  static constexpr int kPStride = kRows + 8;  // Pᵀ and dSᵀ rows padded by 16 bytes, as dSᵀ in step 1
+  // K, V [BC][D]; per stage Q, dO [BR][D] and lse2, delta [BR]; Pᵀ, dSᵀ [BC][BR + 8]
+  static constexpr int kSmemBytes = 2 * kCols * D * 2 + kStages * (2 * kRows * D * 2 + 2 * kRows * 4) +
+                                    2 * kCols * kPStride * 2;
+};
+
+// ldmatrix at a shared-memory address (step 9: the address is worked out by the caller).
+__device__ __forceinline__ void ldmatrix_x4_at(uint32_t (&r)[4], uint32_t address, bool trans) {
+  if (trans)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(address));
+  else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(address));
+}
+
+// Step 9: rows r, r + kPass, r + 2 kPass... of a [kRows][D] tile, with r = threadIdx.x / (D / 8). kPass is a multiple
+// of 8, so all of this thread's chunks share row r's swizzle, and each copy is the one before moved by kPass rows.
+// (load_tile works out the row, the column and the swizzle of every chunk, in a loop whose length it cannot know.)
+template <typename T, int D, int kRows, int kThreads>
+__device__ __forceinline__ void load_rows(T* tile, const T* src, long long stride, int row0, int seqlen) {
+  constexpr int kChunks = D / 8, kPass = kThreads / kChunks;
+  static_assert(kRows % kPass == 0 && kPass % 8 == 0, "whole passes, whole swizzle periods");
+  const int r = threadIdx.x / kChunks, c = threadIdx.x % kChunks * 8;
+  T* to = tile + smem_offset<D, true>(r, c);
+  const T* from = src + (row0 + r) * stride + c;
+#pragma unroll
+  for (int i = 0; i < kRows / kPass; ++i) {
+    const bool valid = row0 + r + i * kPass < seqlen;
+    cp_async_16(to + i * kPass * D, valid ? from + i * kPass * stride : src, valid);
+  }
+}
+
+// Step 9: where a lane's ldmatrix reads in a swizzled [rows][D] tile, in bytes, for the 16 x 16 block at row r0 (a
+// multiple of 8) and column k0 (a multiple of 16): r0·2D + 2·(k0 − k0 % 64) + at[k0 % 64 / 16]. The swizzle only
+// permutes the 8 chunks of one row's 64 columns, and rows 8 apart alike, so four offsets per lane, computed once,
+// cover every block. `row` and `col` are the lane's row and column in the block at (0, 0), as in load_a.
+template <int D> struct LaneOffsets {
+  uint32_t at[4];
+  __device__ __forceinline__ LaneOffsets(int row, int col) {
+#pragma unroll
+    for (int b = 0; b < 4; ++b) at[b] = 2 * smem_offset<D, true>(row, col + 16 * b);
+  }
+  __device__ __forceinline__ uint32_t operator()(int r0, int k0) const {
+    return r0 * 2 * D + 2 * (k0 - k0 % 64) + at[k0 % 64 / 16];
+  }
+};
+
+// A fragments of the 16 x 16 block (rows r0.., columns k0..) of a padded [rows][kStride] tile, as is (Pᵀ in
+// dV += Pᵀ dO) or transposed (dS, read out of dSᵀ, in dQ += dS K: rows of A are columns of the tile).
+template <int kStride, typename T>
+__device__ __forceinline__ void load_a_padded(uint32_t (&a)[4], const T* tile, int r0, int k0, int lane) {
+  ldmatrix_x4(a, tile + (r0 + lane % 8 + lane / 8 % 2 * 8) * kStride + k0 + lane / 16 * 8);
+}
+template <int kStride, typename T>
+__device__ __forceinline__ void load_a_padded_trans(uint32_t (&a)[4], const T* tile, int r0, int k0, int lane) {
+  ldmatrix_x4_trans(a, tile + (k0 + lane % 8 + lane / 16 * 8) * kStride + r0 + lane / 8 % 2 * 8);
+}
+
+// acc[m] (16 x 32, rows 16m of a warp's 32) += A B: two m16 row tiles by four n8 tiles, k = D.
+// `read_a(a, m, kk)` and `read_b(b, nn, kk)` fetch the fragments of k-step kk (b: n8 tiles 2nn, 2nn + 1).
+template <int D, typename T, typename ReadA, typename ReadB>
+__device__ __forceinline__ void mma_tile(float (&acc)[2][4][4], ReadA read_a, ReadB read_b) {
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    uint32_t a[2][4], b[2][2][2];
+#pragma unroll
+    for (int m = 0; m < 2; ++m) read_a(a[m], m, kk);
+#pragma unroll
+    for (int nn = 0; nn < 2; ++nn) read_b(b[nn], nn, kk);
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+      for (int n = 0; n < 4; ++n) mma_16816<T>(acc[m][n], a[m], b[n / 2][n % 2]);
+  }
+}
+
+// Rows g and g + 8 of a warp's two m16 tiles of C, packed to 16 bits, into a padded [rows][kStride] tile.
+template <int kStride, typename T>
+__device__ __forceinline__ void store_tile(T* tile, const float (&c)[2][4][4], int r0, int c0, int g, int t) {
+#pragma unroll
+  for (int m = 0; m < 2; ++m)
+#pragma unroll
+    for (int n = 0; n < 4; ++n)
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
+        *reinterpret_cast<uint32_t*>(tile + (r0 + 16 * m + g + 8 * r) * kStride + c0 + n * 8 + 2 * t) =
+            pack2<T>(c[m][n][2 * r], c[m][n][2 * r + 1]);
+}
+
+__device__ __forceinline__ void b_pair(uint32_t (&b)[2][2], const uint32_t (&r)[4]) {
+  b[0][0] = r[0], b[0][1] = r[1], b[1][0] = r[2], b[1][1] = r[3];
+}
+
+template <typename Step, typename T, int D, typename Tile>
+__global__ void __launch_bounds__(Tile::kThreads, Step::template min_blocks<D>())
+flash_bwd_dkdv_tiled_kernel(BwdParams bp) {
+  constexpr int BR = Tile::kRows, BC = Tile::kCols, kThreads = Tile::kThreads, kS = Tile::kPStride;
+  constexpr int kTilesKV = D / 16, kTilesQ = D / 32;  // n8 tiles of a warp's dK, dV (D / 2) and dQ (D / 4)
+  constexpr bool kHoisted = Step::kHoisted;           // step 9
+  const Params& p = bp.fwd;
+  extern __shared__ __align__(128) unsigned char smem[];
+  T* Ks = reinterpret_cast<T*>(smem);
+  T* Vs = Ks + BC * D;
+  T* Qs = Vs + BC * D;                   // [stage][BR][D]
+  T* dOs = Qs + Tile::kStages * BR * D;  // [stage][BR][D]
+  T* Ps = dOs + Tile::kStages * BR * D;  // Pᵀ [BC][kS]
+  T* dSs = Ps + BC * kS;                 // dSᵀ [BC][kS]
+  float* lse_s = reinterpret_cast<float*>(dSs + BC * kS);  // [stage][BR]
+  float* delta_s = lse_s + Tile::kStages * BR;             // [stage][BR]
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int b = blockIdx.y / p.kv_heads, hk = blockIdx.y % p.kv_heads, group = p.heads / p.kv_heads;
+  const int n0 = blockIdx.x * BC, offset = p.seqlen_k - p.seqlen_q;
+  const T* k = static_cast<const T*>(p.k) + b * p.k_stride[0] + hk * p.k_stride[1];
+  const T* v = static_cast<const T*>(p.v) + b * p.v_stride[0] + hk * p.v_stride[1];
+  const int m_first = p.causal ? max(0, n0 - offset) / BR : 0;
+  const int m_blocks = (p.seqlen_q + BR - 1) / BR;
+  const int per_head = max(0, m_blocks - m_first), n_iters = group * per_head;
+
+  // Query block (h, m): Q, dO, lse2 and delta into a stage. Step 9 copies each with load_rows, and lse2 and delta
+  // with one 16-byte copy each by threads 0 .. BR / 2 - 1.
+  const auto load_q_block = [&](int h, int m, int stage) {
+    const int q0 = m * BR;
+    const long long bh = static_cast<long long>(b) * p.heads + h;
+    const T* q = static_cast<const T*>(p.q) + b * p.q_stride[0] + h * p.q_stride[1];
+    const T* dout = static_cast<const T*>(bp.dout) + b * bp.do_stride[0] + h * bp.do_stride[1];
+    if constexpr (kHoisted) {
+      load_rows<T, D, BR, kThreads>(Qs + stage * BR * D, q, p.q_stride[2], q0, p.seqlen_q);
+      load_rows<T, D, BR, kThreads>(dOs + stage * BR * D, dout, bp.do_stride[2], q0, p.seqlen_q);
+      if (threadIdx.x < BR / 2) {
+        const bool is_lse = threadIdx.x < BR / 4;
+        const int i = threadIdx.x % (BR / 4) * 4;
+        cp_async_16((is_lse ? lse_s : delta_s) + stage * BR + i, (is_lse ? bp.lse2 : bp.delta) + bh * bp.padded_q +
+                    q0 + i, true);
+      }
+    } else {
+      load_tile<BwdLoad, T, D, BR, kThreads>(Qs + stage * BR * D, q, p.q_stride[2], q0, p.seqlen_q);
+      load_tile<BwdLoad, T, D, BR, kThreads>(dOs + stage * BR * D, dout, bp.do_stride[2], q0, p.seqlen_q);
+      load_floats<kThreads>(lse_s + stage * BR, bp.lse2 + bh * bp.padded_q + q0, BR);
+      load_floats<kThreads>(delta_s + stage * BR, bp.delta + bh * bp.padded_q + q0, BR);
+    }
+    cp_async_commit();
+  };
+
+  if constexpr (kHoisted) {
+    load_rows<T, D, BC, kThreads>(Ks, k, p.k_stride[2], n0, p.seqlen_k);
+    load_rows<T, D, BC, kThreads>(Vs, v, p.v_stride[2], n0, p.seqlen_k);
+  } else {
+    load_tile<BwdLoad, T, D, BC, kThreads>(Ks, k, p.k_stride[2], n0, p.seqlen_k);
+    load_tile<BwdLoad, T, D, BC, kThreads>(Vs, v, p.v_stride[2], n0, p.seqlen_k);
+  }
+  if (n_iters > 0) load_q_block(hk * group, m_first, 0);
+  else cp_async_commit();
+
+  const int rk = warp % 4 * 32, cq = warp / 4 * 32;        // this warp's keys and queries in Sᵀ and dPᵀ
+  const int cd = warp / 4 * (D / 2);                       // its columns of dK and dV (keys rk..)
+  const int rq = warp % 2 * 32, cdq = warp / 2 * (D / 4);  // its queries and columns of dQ
+
+  // The fragment reads. Step 9: per-lane offsets (LaneOffsets) computed once, instead of load_a, load_b_k and
+  // load_b_v working out the swizzled address of every lane at every call. A: rows lane % 16, columns 8 (lane / 16);
+  // load_b_k's B: rows lane % 8 + 8 (lane / 16), columns 8 (lane / 8 % 2); load_b_v's B as A, read transposed.
+  const LaneOffsets<D> at_a(lane % 16, lane / 16 * 8), at_b(lane % 8 + lane / 16 * 8, lane / 8 % 2 * 8);
+  const uint32_t k_at = smem_address(Ks), v_at = smem_address(Vs);
+  // Sᵀ and dPᵀ: A = rows rk + 16m of K or V, B = rows cq + 16nn of Q or dO, k-step kk
+  const auto read_rows = [&](uint32_t (&a)[4], const T* tile, uint32_t tile_at, int r0, int k0) {
+    if constexpr (kHoisted) ldmatrix_x4_at(a, tile_at + at_a(r0, k0), false);
+    else load_a<BwdLoad, D>(a, tile, r0, k0, lane);
+  };
+  const auto read_cols = [&](uint32_t (&bf)[2][2], const T* tile, uint32_t tile_at, int n0_, int k0) {
+    if constexpr (kHoisted) {
+      uint32_t r[4];
+      ldmatrix_x4_at(r, tile_at + at_b(n0_, k0), false);
+      b_pair(bf, r);
+    } else {
+      load_b_k<BwdLoad, D>(bf, tile, n0_, k0, lane);
+    }
+  };
+  // dV, dK and dQ: B = columns c0 of rows k0.. of dO, Q or K, transposed (load_b_v). Its columns start at a
+  // warp's cd or cdq, so step 9 keeps the offsets of its own columns (at_a's rows, those columns).
+  const LaneOffsets<D> at_kv(lane % 16, cd + lane / 16 * 8), at_dq(lane % 16, cdq + lane / 16 * 8);
+  const auto read_trans = [&](uint32_t (&bf)[2][2], const T* tile, uint32_t tile_at, const LaneOffsets<D>& at,
+                              int c0, int dc, int k0) {  // dc: c0 minus the warp's first column (at's)
+    if constexpr (kHoisted) {
+      uint32_t r[4];
+      ldmatrix_x4_at(r, tile_at + at(k0, dc), true);
+      b_pair(bf, r);
+    } else {
+      load_b_v<BwdLoad, D>(bf, tile, c0, k0, lane);
+    }
+  };
+  const uint32_t pad_at = (lane % 16 * kS + lane / 16 * 8) * 2;                // Pᵀ, dSᵀ rows as A
+  const uint32_t pad_trans_at = ((lane % 8 + lane / 16 * 8) * kS + lane / 8 % 2 * 8) * 2;  // dSᵀ read as dS
+
+  float dk[2][kTilesKV][4] = {}, dv[2][kTilesKV][4] = {};
+  int h = hk * group, m = m_first;  // this iteration's query block, by a counter (step 1: a division)
+  for (int it = 0; it < n_iters; ++it) {
+    const int stage = Tile::kStages == 2 ? it % 2 : 0;
+    const int q0 = m * BR;
+    const int next_h = m + 1 < m_blocks ? h : h + 1, next_m = m + 1 < m_blocks ? m + 1 : m_first;
+    cp_async_wait<0>();
+    __syncthreads();  // tiles landed; every warp is done with the other stage, and with Pᵀ and dSᵀ
+    if (Tile::kStages == 2 && it + 1 < n_iters) load_q_block(next_h, next_m, 1 - stage);
+    const T* Qt = Qs + stage * BR * D;
+    const T* dOt = dOs + stage * BR * D;
+    const uint32_t q_at = smem_address(Qt), do_at = smem_address(dOt);
+    const float* lse2 = lse_s + stage * BR + cq;
+    const float* delta = delta_s + stage * BR + cq;
+
+    {  // Pᵀ and dSᵀ of this warp's 32 keys x 32 queries, into shared memory
+      float s[2][4][4] = {}, dp[2][4][4] = {};
+      mma_tile<D, T>(s, [&](uint32_t (&a)[4], int mi, int kk) { read_rows(a, Ks, k_at, rk + 16 * mi, kk * 16); },
+                     [&](uint32_t (&bf)[2][2], int nn, int kk) { read_cols(bf, Qt, q_at, cq + 16 * nn, kk * 16); });
+      const bool masked = n0 + BC > p.seqlen_k || (p.causal && n0 + BC - 1 > q0 + offset);
+#pragma unroll
+      for (int mi = 0; mi < 2; ++mi)
+        probs_t<4, Step::kMaskAfter>(s[mi], lse2, p, n0 + rk + 16 * mi + g, q0 + cq, masked, offset, t);
+      store_tile<kS>(Ps, s, rk, cq, g, t);
+      mma_tile<D, T>(dp, [&](uint32_t (&a)[4], int mi, int kk) { read_rows(a, Vs, v_at, rk + 16 * mi, kk * 16); },
+                     [&](uint32_t (&bf)[2][2], int nn, int kk) { read_cols(bf, dOt, do_at, cq + 16 * nn, kk * 16); });
+#pragma unroll
+      for (int mi = 0; mi < 2; ++mi) ds_t(s[mi], dp[mi], delta, t);
+      store_tile<kS>(dSs, s, rk, cq, g, t);
+    }
+    __syncthreads();  // every warp's Pᵀ and dSᵀ are in
+
+    // dV += Pᵀ dO and dK += dSᵀ Q: keys rk.., columns cd.., k = the BR queries
+#pragma unroll
+    for (int kk = 0; kk < BR / 16; ++kk) {
+      uint32_t pa[2][4], sa[2][4];
+#pragma unroll
+      for (int mi = 0; mi < 2; ++mi) {
+        const int at = ((rk + 16 * mi) * kS + kk * 16) * 2;
+        if constexpr (kHoisted) {
+          ldmatrix_x4_at(pa[mi], smem_address(Ps) + pad_at + at, false);
+          ldmatrix_x4_at(sa[mi], smem_address(dSs) + pad_at + at, false);
+        } else {
+          load_a_padded<kS>(pa[mi], Ps, rk + 16 * mi, kk * 16, lane);
+          load_a_padded<kS>(sa[mi], dSs, rk + 16 * mi, kk * 16, lane);
+        }
+      }
+#pragma unroll
+      for (int n = 0; n < kTilesKV; n += 2) {
+        uint32_t ob[2][2], qb[2][2];
+        read_trans(ob, dOt, do_at, at_kv, cd + n * 8, n * 8, kk * 16);
+        read_trans(qb, Qt, q_at, at_kv, cd + n * 8, n * 8, kk * 16);
+#pragma unroll
+        for (int mi = 0; mi < 2; ++mi) {
+          mma_16816<T>(dv[mi][n], pa[mi], ob[0]);
+          mma_16816<T>(dv[mi][n + 1], pa[mi], ob[1]);
+          mma_16816<T>(dk[mi][n], sa[mi], qb[0]);
+          mma_16816<T>(dk[mi][n + 1], sa[mi], qb[1]);
+        }
+      }
+    }
+
+    // dQ += dS K: queries rq.., columns cdq.., k = the BC keys; added to the fp32 dQ with 16-byte atomics
+    float dq[2][kTilesQ][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < BC / 16; ++kk) {
+      uint32_t a[2][4];
+#pragma unroll
+      for (int mi = 0; mi < 2; ++mi) {
+        if constexpr (kHoisted)
+          ldmatrix_x4_at(a[mi], smem_address(dSs) + pad_trans_at + (kk * 16 * kS + rq + 16 * mi) * 2, true);
+        else
+          load_a_padded_trans<kS>(a[mi], dSs, rq + 16 * mi, kk * 16, lane);
+      }
+#pragma unroll
+      for (int n = 0; n < kTilesQ; n += 2) {
+        uint32_t kb[2][2];
+        read_trans(kb, Ks, k_at, at_dq, cdq + n * 8, n * 8, kk * 16);
+#pragma unroll
+        for (int mi = 0; mi < 2; ++mi) {
+          mma_16816<T>(dq[mi][n], a[mi], kb[0]);
+          mma_16816<T>(dq[mi][n + 1], a[mi], kb[1]);
+        }
+      }
+    }
+    const bool odd = t & 1;  // threads t and t ^ 1 swap a pair, as in step 1: 4 consecutive columns each
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi) {
+      const int row = rq + 16 * mi + g + (odd ? 8 : 0);
+      float* dst = bp.dq_accum + ((static_cast<long long>(b) * p.heads + h) * p.seqlen_q + q0 + row) * D + cdq +
+                   2 * (t & ~1);
+#pragma unroll
+      for (int n = 0; n < kTilesQ; ++n) {
+        const float x = __shfl_xor_sync(0xffffffffu, odd ? dq[mi][n][0] : dq[mi][n][2], 1);
+        const float y = __shfl_xor_sync(0xffffffffu, odd ? dq[mi][n][1] : dq[mi][n][3], 1);
+        if (q0 + row < p.seqlen_q)
+          atomic_add4(dst + n * 8, odd ? make_float4(x, y, dq[mi][n][2], dq[mi][n][3])
+                                       : make_float4(dq[mi][n][0], dq[mi][n][1], x, y));
+      }
+    }
+    if (Tile::kStages == 1 && it + 1 < n_iters) {
+      __syncthreads();
+      load_q_block(next_h, next_m, 0);
+    }
+    h = next_h, m = next_m;
+  }
+
+  const float scale = p.scale_log2 * 0.6931471805599453f;
+  const long long kv_row = static_cast<long long>(b) * p.kv_heads + hk;
+#pragma unroll
+  for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int key = n0 + rk + 16 * mi + g + 8 * r;
+      if (key >= p.seqlen_k) continue;
+      T* dk_row = static_cast<T*>(bp.dk) + (kv_row * p.seqlen_k + key) * D + cd + 2 * t;
+      T* dv_row = static_cast<T*>(bp.dv) + (kv_row * p.seqlen_k + key) * D + cd + 2 * t;
+#pragma unroll
+      for (int n = 0; n < kTilesKV; ++n) {
+        *reinterpret_cast<uint32_t*>(dk_row + n * 8) = pack2<T>(dk[mi][n][2 * r] * scale,
+                                                                dk[mi][n][2 * r + 1] * scale);
+        *reinterpret_cast<uint32_t*>(dv_row + n * 8) = pack2<T>(dv[mi][n][2 * r], dv[mi][n][2 * r + 1]);
+      }
+    }
 }
 
 // Step 2's dQ pass: the forward's loop (one block per BR queries and head, K and V double-buffered), with
@@ -389,21 +749,34 @@ cudaError_t launch_bwd_d(const BwdParams& bp, cudaStream_t stream) {
   int device = 0, limit = 0;
   cudaGetDevice(&device);
   cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-  // 8 warps and two stages (144 KB at D = 128) where the GPU grants it; 4 warps and one stage (72 KB) elsewhere.
-  using Big = BwdTile<Step, D>;
-  using Small = BwdTile<Step, D, 4, 1>;
-  const bool big = Big::kSmemBytes <= limit;
-  const int cols = big ? Big::kCols : Small::kCols;
-  const dim3 grid((p.seqlen_k + cols - 1) / cols, p.batch * p.kv_heads);
-  cudaError_t err = big ? launch_with_smem(flash_bwd_dkdv_kernel<Step, T, D, Big>, grid, Big::kThreads,
-                                           Big::kSmemBytes, stream, bp)
-                        : launch_with_smem(flash_bwd_dkdv_kernel<Step, T, D, Small>, grid, Small::kThreads,
-                                           Small::kSmemBytes, stream, bp);
-  if (err != cudaSuccess || Step::kAtomicDQ) return err;
-  using DQ = DQTile<D>;
-  if (DQ::kSmemBytes > limit) return cudaErrorInvalidConfiguration;
-  const dim3 dq_grid((p.seqlen_q + DQ::kRows - 1) / DQ::kRows, p.batch * p.heads);
-  return launch_with_smem(flash_bwd_dq_kernel<T, D>, dq_grid, DQ::kThreads, DQ::kSmemBytes, stream, bp);
+  if constexpr (Step::kWarpTiles) {  // steps 8, 9: two stages (165 KB at D = 128) or one; else step 7's kernel
+    using Two = BwdTiledTile<Step, D, 2>;
+    using One = BwdTiledTile<Step, D, 1>;
+    const dim3 grid((p.seqlen_k + Two::kCols - 1) / Two::kCols, p.batch * p.kv_heads);
+    if (Two::kSmemBytes <= limit)
+      return launch_with_smem(flash_bwd_dkdv_tiled_kernel<Step, T, D, Two>, grid, Two::kThreads,
+                              Two::kSmemBytes, stream, bp);
+    if (One::kSmemBytes <= limit)
+      return launch_with_smem(flash_bwd_dkdv_tiled_kernel<Step, T, D, One>, grid, One::kThreads,
+                              One::kSmemBytes, stream, bp);
+    return launch_bwd_d<BwdMaskAfter, T, D>(bp, stream);
+  } else {
+    // 8 warps and two stages (144 KB at D = 128) where the GPU grants it; 4 warps and one stage (72 KB) elsewhere.
+    using Big = BwdTile<Step, D>;
+    using Small = BwdTile<Step, D, 4, 1>;
+    const bool big = Big::kSmemBytes <= limit;
+    const int cols = big ? Big::kCols : Small::kCols;
+    const dim3 grid((p.seqlen_k + cols - 1) / cols, p.batch * p.kv_heads);
+    cudaError_t err = big ? launch_with_smem(flash_bwd_dkdv_kernel<Step, T, D, Big>, grid, Big::kThreads,
+                                             Big::kSmemBytes, stream, bp)
+                          : launch_with_smem(flash_bwd_dkdv_kernel<Step, T, D, Small>, grid, Small::kThreads,
+                                             Small::kSmemBytes, stream, bp);
+    if (err != cudaSuccess || Step::kAtomicDQ) return err;
+    using DQ = DQTile<D>;
+    if (DQ::kSmemBytes > limit) return cudaErrorInvalidConfiguration;
+    const dim3 dq_grid((p.seqlen_q + DQ::kRows - 1) / DQ::kRows, p.batch * p.heads);
+    return launch_with_smem(flash_bwd_dq_kernel<T, D>, dq_grid, DQ::kThreads, DQ::kSmemBytes, stream, bp);
+  }
 }
 
 template <typename Step>
