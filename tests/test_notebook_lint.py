@@ -4,6 +4,7 @@ CPU CI skips `%%gpu` cells, so an undefined name in one (a missing import, a typ
 earlier cell) would surface only on a learner's GPU. Here each notebook's code cells are joined, in order, into
 one module with the IPython magics taken out, and pyflakes reports what a GPU run would trip over.
 """
+import ast
 import json
 import re
 from pathlib import Path
@@ -91,3 +92,27 @@ def test_lint_finds_what_a_gpu_run_would_hit(tmp_path):
     assert len(problems) == 1 and "undefined name 'undefined_thing'" in problems[0]
     assert cell_of(source, int(problems[0].split()[1].rstrip(":"))) == "code cell 2"
     assert lint("def f(:\n") and "syntax error" in lint("def f(:\n")[0]
+
+
+def imported_from_two_places(source: str) -> list[str]:
+    """Names that one notebook imports from two different places. pyflakes allows the second import (a cell
+    that shows a new version), but a later cell then gets whichever ran last: a %%gpu cell that expects the
+    first fails only on a GPU (notebook 07's `format_table`, from utils.bench.backward and backward_tiles)."""
+    origins: dict[str, set] = {}
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom):
+            for alias in node.names:
+                origins.setdefault(alias.asname or alias.name, set()).add(f"{node.module}.{alias.name}")
+    return [f"{name}: {', '.join(sorted(where))}" for name, where in sorted(origins.items()) if len(where) > 1]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_no_name_is_imported_from_two_places(path):
+    assert not imported_from_two_places(notebook_module(path)), path.name
+
+
+def test_two_origins_of_one_name_are_found():
+    source = ("from utils.bench.backward import format_table\nfrom utils.bench.backward_tiles import format_table\n"
+              "from a import x\nfrom a import x\nfrom b import y as x2\n")
+    assert imported_from_two_places(source) == ["format_table: utils.bench.backward.format_table, "
+                                                 "utils.bench.backward_tiles.format_table"]
