@@ -152,6 +152,21 @@ __device__ __forceinline__ void ds_t(float (&s)[kTiles][4], const float (&dp)[kT
     for (int e = 0; e < 4; ++e) s[n][e] *= dp[n][e] - delta[n * 8 + 2 * t + e % 2];
 }
 
+// What both dkdv kernels' blocks own: `cols` keys from n0 of K/V head hk of batch b, and the query blocks of `rows`
+// that see any of them, blocks m_first.. of every query head of the GQA group (causal: query i sees key j when
+// j <= i + offset): n_iters = group · per_head query blocks in all.
+template <typename T> struct KeyBlock {
+  int b, hk, group, n0, offset, m_first, m_blocks, per_head, n_iters;
+  const T* k;  // K and V of (b, hk)
+  const T* v;
+  __device__ __forceinline__ KeyBlock(const Params& p, int cols, int rows)
+      : b(blockIdx.y / p.kv_heads), hk(blockIdx.y % p.kv_heads), group(p.heads / p.kv_heads), n0(blockIdx.x * cols),
+        offset(p.seqlen_k - p.seqlen_q), m_first(p.causal ? max(0, n0 - offset) / rows : 0),
+        m_blocks((p.seqlen_q + rows - 1) / rows), per_head(max(0, m_blocks - m_first)), n_iters(group * per_head),
+        k(static_cast<const T*>(p.k) + b * p.k_stride[0] + hk * p.k_stride[1]),
+        v(static_cast<const T*>(p.v) + b * p.v_stride[0] + hk * p.v_stride[1]) {}
+};
+
 template <typename Step, typename T, int D, typename Tile>
 __global__ void __launch_bounds__(Tile::kThreads, Step::template min_blocks<D>()) flash_bwd_dkdv_kernel(BwdParams bp) {
   constexpr int BR = Tile::kRows, BC = Tile::kCols, kThreads = Tile::kThreads;
@@ -167,15 +182,10 @@ __global__ void __launch_bounds__(Tile::kThreads, Step::template min_blocks<D>()
   float* delta_s = lse_s + Tile::kStages * BR;             // [stage][BR]
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int b = blockIdx.y / p.kv_heads, hk = blockIdx.y % p.kv_heads, group = p.heads / p.kv_heads;
-  const int n0 = blockIdx.x * BC, offset = p.seqlen_k - p.seqlen_q;
-  const T* k = static_cast<const T*>(p.k) + b * p.k_stride[0] + hk * p.k_stride[1];
-  const T* v = static_cast<const T*>(p.v) + b * p.v_stride[0] + hk * p.v_stride[1];
-
-  // The query blocks that see any of keys n0..n0+BC-1 (causal: query i sees key j when j <= i + offset).
-  const int m_first = p.causal ? max(0, n0 - offset) / BR : 0;
-  const int m_blocks = (p.seqlen_q + BR - 1) / BR;
-  const int per_head = max(0, m_blocks - m_first), n_iters = group * per_head;
+  const KeyBlock<T> kb(p, BC, BR);
+  const int b = kb.b, hk = kb.hk, group = kb.group, n0 = kb.n0, offset = kb.offset, m_first = kb.m_first;
+  const int per_head = kb.per_head, n_iters = kb.n_iters;
+  const T *k = kb.k, *v = kb.v;
 
   // Iteration it: query head hk * group + it / per_head, query block m_first + it % per_head.
   const auto load_q_block = [&](int it, int stage) {
@@ -416,13 +426,10 @@ flash_bwd_dkdv_tiled_kernel(BwdParams bp) {
   float* delta_s = lse_s + Tile::kStages * BR;             // [stage][BR]
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int b = blockIdx.y / p.kv_heads, hk = blockIdx.y % p.kv_heads, group = p.heads / p.kv_heads;
-  const int n0 = blockIdx.x * BC, offset = p.seqlen_k - p.seqlen_q;
-  const T* k = static_cast<const T*>(p.k) + b * p.k_stride[0] + hk * p.k_stride[1];
-  const T* v = static_cast<const T*>(p.v) + b * p.v_stride[0] + hk * p.v_stride[1];
-  const int m_first = p.causal ? max(0, n0 - offset) / BR : 0;
-  const int m_blocks = (p.seqlen_q + BR - 1) / BR;
-  const int per_head = max(0, m_blocks - m_first), n_iters = group * per_head;
+  const KeyBlock<T> kb(p, BC, BR);
+  const int b = kb.b, hk = kb.hk, group = kb.group, n0 = kb.n0, offset = kb.offset, m_first = kb.m_first;
+  const int m_blocks = kb.m_blocks, n_iters = kb.n_iters;
+  const T *k = kb.k, *v = kb.v;
 
   // Query block (h, m): Q, dO, lse2 and delta into a stage. Step 9 copies each with load_rows, and lse2 and delta
   // with one 16-byte copy each by threads 0 .. BR / 2 - 1.
