@@ -152,6 +152,43 @@ __device__ __forceinline__ void ds_t(float (&s)[kTiles][4], const float (&dp)[kT
     for (int e = 0; e < 4; ++e) s[n][e] *= dp[n][e] - delta[n * 8 + 2 * t + e % 2];
 }
 
+// One m16 tile of dQ (rows r0.. of query block q0 of head bh, kTiles n8 tiles from column c0) added to the fp32
+// dQ with 16-byte atomics. Threads t and t ^ 1 swap a pair of values, so that each holds 4 consecutive columns of
+// one row: even t columns 2t..2t+3 of row g, odd t columns 2t-2..2t+1 of row g + 8.
+template <int D, int kTiles>
+__device__ __forceinline__ void add_dq_tile(const BwdParams& bp, const float (&dq)[kTiles][4], long long bh, int q0,
+                                            int r0, int c0, int g, int t) {
+  const bool odd = t & 1;
+  const int row = r0 + g + (odd ? 8 : 0);
+  float* dst = bp.dq_accum + (bh * bp.fwd.seqlen_q + q0 + row) * D + c0 + 2 * (t & ~1);
+#pragma unroll
+  for (int n = 0; n < kTiles; ++n) {
+    const float x = __shfl_xor_sync(0xffffffffu, odd ? dq[n][0] : dq[n][2], 1);
+    const float y = __shfl_xor_sync(0xffffffffu, odd ? dq[n][1] : dq[n][3], 1);
+    if (q0 + row < bp.fwd.seqlen_q)
+      atomic_add4(dst + n * 8, odd ? make_float4(x, y, dq[n][2], dq[n][3]) : make_float4(dq[n][0], dq[n][1], x, y));
+  }
+}
+
+// Rows key0 and key0 + 8 of dK (scaled) and dV, kTiles n8 tiles from column c0, of K/V head kv_row (b · Hkv + hk).
+template <typename T, int D, int kTiles>
+__device__ __forceinline__ void store_dkdv_rows(const BwdParams& bp, const float (&dk)[kTiles][4],
+                                                const float (&dv)[kTiles][4], long long kv_row, int key0, int c0,
+                                                float scale, int t) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int key = key0 + 8 * r;
+    if (key >= bp.fwd.seqlen_k) continue;
+    T* dk_row = static_cast<T*>(bp.dk) + (kv_row * bp.fwd.seqlen_k + key) * D + c0 + 2 * t;
+    T* dv_row = static_cast<T*>(bp.dv) + (kv_row * bp.fwd.seqlen_k + key) * D + c0 + 2 * t;
+#pragma unroll
+    for (int n = 0; n < kTiles; ++n) {
+      *reinterpret_cast<uint32_t*>(dk_row + n * 8) = pack2<T>(dk[n][2 * r] * scale, dk[n][2 * r + 1] * scale);
+      *reinterpret_cast<uint32_t*>(dv_row + n * 8) = pack2<T>(dv[n][2 * r], dv[n][2 * r + 1]);
+    }
+  }
+}
+
 // What both dkdv kernels' blocks own: `cols` keys from n0 of K/V head hk of batch b, and the query blocks of `rows`
 // that see any of them, blocks m_first.. of every query head of the GQA group (causal: query i sees key j when
 // j <= i + offset): n_iters = group · per_head query blocks in all.
@@ -268,19 +305,7 @@ __global__ void __launch_bounds__(Tile::kThreads, Step::template min_blocks<D>()
           mma_16816<T>(dq[n + 1], a, kb[1]);
         }
       }
-      // Threads t and t ^ 1 swap a pair of values, so that each holds 4 consecutive columns of one row for a
-      // 16-byte atomic: even t columns 2t..2t+3 of row g, odd t columns 2t-2..2t+1 of row g + 8.
-      const bool odd = t & 1;
-      const int row = r0 + g + (odd ? 8 : 0);
-      float* dst = bp.dq_accum + ((static_cast<long long>(b) * p.heads + h) * p.seqlen_q + q0 + row) * D + c0 +
-                   2 * (t & ~1);
-#pragma unroll
-      for (int n = 0; n < kColsPerWarp / 8; ++n) {
-        const float x = __shfl_xor_sync(0xffffffffu, odd ? dq[n][0] : dq[n][2], 1);
-        const float y = __shfl_xor_sync(0xffffffffu, odd ? dq[n][1] : dq[n][3], 1);
-        if (q0 + row < p.seqlen_q)
-          atomic_add4(dst + n * 8, odd ? make_float4(x, y, dq[n][2], dq[n][3]) : make_float4(dq[n][0], dq[n][1], x, y));
-      }
+      add_dq_tile<D>(bp, dq, static_cast<long long>(b) * p.heads + h, q0, r0, c0, g, t);
     }
     if (Tile::kStages == 1 && it + 1 < n_iters) {  // one stage: the next tiles only once every warp is done
       __syncthreads();
@@ -290,19 +315,7 @@ __global__ void __launch_bounds__(Tile::kThreads, Step::template min_blocks<D>()
 
   // dK (scaled) and dV of this block's keys: this thread's rows key0 and key0 + 8.
   const float scale = p.scale_log2 * 0.6931471805599453f;
-  const long long kv_row = static_cast<long long>(b) * p.kv_heads + hk;
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int key = key0 + 8 * r;
-    if (key >= p.seqlen_k) continue;
-    T* dk_row = static_cast<T*>(bp.dk) + (kv_row * p.seqlen_k + key) * D + 2 * t;
-    T* dv_row = static_cast<T*>(bp.dv) + (kv_row * p.seqlen_k + key) * D + 2 * t;
-#pragma unroll
-    for (int n = 0; n < kTilesD; ++n) {
-      *reinterpret_cast<uint32_t*>(dk_row + n * 8) = pack2<T>(dk[n][2 * r] * scale, dk[n][2 * r + 1] * scale);
-      *reinterpret_cast<uint32_t*>(dv_row + n * 8) = pack2<T>(dv[n][2 * r], dv[n][2 * r + 1]);
-    }
-  }
+  store_dkdv_rows<T, D>(bp, dk, dv, static_cast<long long>(b) * p.kv_heads + hk, key0, 0, scale, t);
 }
 
 // Step 8's dkdv kernel: FlashAttention-2's warp tiles. A block owns BC = 128 keys and walks query blocks of
@@ -590,21 +603,9 @@ flash_bwd_dkdv_tiled_kernel(BwdParams bp) {
         }
       }
     }
-    const bool odd = t & 1;  // threads t and t ^ 1 swap a pair, as in step 1: 4 consecutive columns each
 #pragma unroll
-    for (int mi = 0; mi < 2; ++mi) {
-      const int row = rq + 16 * mi + g + (odd ? 8 : 0);
-      float* dst = bp.dq_accum + ((static_cast<long long>(b) * p.heads + h) * p.seqlen_q + q0 + row) * D + cdq +
-                   2 * (t & ~1);
-#pragma unroll
-      for (int n = 0; n < kTilesQ; ++n) {
-        const float x = __shfl_xor_sync(0xffffffffu, odd ? dq[mi][n][0] : dq[mi][n][2], 1);
-        const float y = __shfl_xor_sync(0xffffffffu, odd ? dq[mi][n][1] : dq[mi][n][3], 1);
-        if (q0 + row < p.seqlen_q)
-          atomic_add4(dst + n * 8, odd ? make_float4(x, y, dq[mi][n][2], dq[mi][n][3])
-                                       : make_float4(dq[mi][n][0], dq[mi][n][1], x, y));
-      }
-    }
+    for (int mi = 0; mi < 2; ++mi)
+      add_dq_tile<D>(bp, dq[mi], static_cast<long long>(b) * p.heads + h, q0, rq + 16 * mi, cdq, g, t);
     if (Tile::kStages == 1 && it + 1 < n_iters) {
       __syncthreads();
       load_q_block(next_h, next_m, 0);
@@ -613,22 +614,10 @@ flash_bwd_dkdv_tiled_kernel(BwdParams bp) {
   }
 
   const float scale = p.scale_log2 * 0.6931471805599453f;
-  const long long kv_row = static_cast<long long>(b) * p.kv_heads + hk;
 #pragma unroll
   for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int key = n0 + rk + 16 * mi + g + 8 * r;
-      if (key >= p.seqlen_k) continue;
-      T* dk_row = static_cast<T*>(bp.dk) + (kv_row * p.seqlen_k + key) * D + cd + 2 * t;
-      T* dv_row = static_cast<T*>(bp.dv) + (kv_row * p.seqlen_k + key) * D + cd + 2 * t;
-#pragma unroll
-      for (int n = 0; n < kTilesKV; ++n) {
-        *reinterpret_cast<uint32_t*>(dk_row + n * 8) = pack2<T>(dk[mi][n][2 * r] * scale,
-                                                                dk[mi][n][2 * r + 1] * scale);
-        *reinterpret_cast<uint32_t*>(dv_row + n * 8) = pack2<T>(dv[mi][n][2 * r], dv[mi][n][2 * r + 1]);
-      }
-    }
+    store_dkdv_rows<T, D>(bp, dk[mi], dv[mi], static_cast<long long>(b) * p.kv_heads + hk, n0 + rk + 16 * mi + g,
+                          cd, scale, t);
 }
 
 // Step 2's dQ pass: the forward's loop (one block per BR queries and head, K and V double-buffered), with
