@@ -13,11 +13,11 @@ from pathlib import Path
 import torch
 
 from utils.bench import attention_flops, benchmark, peers, tflops
+from utils.cuda_backward import BWD_STEPS, flash_mma_backward, flash_mma_forward
 
 BACKENDS = ("triton", "sdpa_flash", "sdpa_cudnn")                # the default set (notebook 07's)
 # Measured when asked for; cuda_*: notebook 06b's tensor-core backward in each of its steps (utils.cuda_backward).
-CUDA_BACKENDS = ("cuda_atomic_dq", "cuda_dq_pass", "cuda_narrow_rows", "cuda_two_blocks", "cuda_per_head_dim",
-                 "cuda_unroll_two", "cuda_mask_after", "cuda_warp_tiles", "cuda_hoisted")  # utils.cuda_backward.BWD_STEPS
+CUDA_BACKENDS = tuple(f"cuda_{step}" for step in BWD_STEPS)
 KNOWN = BACKENDS + ("sdpa_efficient", "triton_tutorial") + CUDA_BACKENDS
 DEFAULT_OUT = Path(__file__).resolve().parents[2] / "images" / "07_backward_benchmark.json"
 
@@ -52,8 +52,6 @@ def _triton_backward(config=None):
 
 def _cuda_backward(step):
     def prepare(q, k, v, do, causal):
-        from utils.cuda_backward import flash_mma_backward, flash_mma_forward
-
         o, lse = flash_mma_forward(q, k, v, causal=causal)
         return lambda: flash_mma_backward(do, q, k, v, o, lse, causal=causal, step=step)
     return prepare
