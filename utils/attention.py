@@ -69,7 +69,8 @@ REGISTRY = {impl.name: impl for impl in [
                    head_dims=tuple(range(8, 257, 8))),
     Implementation("cuda", "utils.cuda_ext:flash_attention_cuda", "cuda",
                    "CUDA FlashAttention-2 on tensor cores (mma.sync, ldmatrix, swizzle, cp.async; fp32 inputs and "
-                   "pre-sm_80 GPUs run cuda_tiled), its backward on tensor cores too", "06b", head_dims=(64, 128),
+                   "pre-sm_80 GPUs run cuda_tiled), its backward on tensor cores too; head dims other than 64 and 128 "
+                   "padded to them", "06b", head_dims=tuple(range(16, 129, 16)),
                    grad_dtypes=(torch.float16, torch.bfloat16)),
     Implementation("cuda_hopper", "utils.hopper:flash_hopper", "cuda",
                    "CUDA FlashAttention-2 on Hopper: TMA copies, wgmma from shared memory and from registers "

@@ -49,12 +49,15 @@ KERNELS = {
 # Notebook 06b: the tensor-core kernel, one file per step of its worklog (utils/cuda/flash_mma_steps.cuh), so
 # that the final step alone is built for the registry and the steps build in parallel.
 MMA_STEPS = ("mma", "ldmatrix", "swizzle", "cp_async", "tiles", "exp2", "causal_skip", "split_kv", "occupancy",
-             "one_group", "warp_rows")
-# The registry's "cuda" and flash_mma's default: the fastest step measured (images/06b_step11_h200.json).
-MMA_DEFAULT_STEP = "warp_rows"
+             "one_group", "warp_rows", "hoisted", "late_copy")
+# The registry's "cuda" and flash_mma's default: the fastest step measured (images/06b_step13_h200.json).
+MMA_DEFAULT_STEP = "late_copy"
 MMA_HEADERS = ("flash_params.h", "flash_common.cuh", "flash_torch.h", "course_str.h", "flash_mma.cuh",
                "flash_mma_steps.cuh", "flash_mma_kernel.cuh", "flash_mma_torch.h")
 MMA_HEAD_DIMS = (64, 128)
+# The registry's "cuda" takes every multiple of 16 up to 128: a head dim between the kernels' own is zero-padded to
+# the next one (zero columns add nothing to Q Kᵀ, and V's give output columns that are cut off).
+CUDA_HEAD_DIMS = tuple(range(16, 129, 16))
 MMA_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -480,14 +483,21 @@ def flash_attention_cuda(q, k, v, *, causal=False, sm_scale=None):
     What the tensor cores cannot take runs `flash_tiled` (CUDA cores, fp32 arithmetic) instead: float32 inputs
     on any GPU, and every input on GPUs older than sm_80 (with a warning there, e.g. Colab's T4).
     Differentiable where the tensor cores run (utils.cuda_backward); a gradient asked of the fallback is an error.
+    Head dims: any multiple of 16 up to 128 (CUDA_HEAD_DIMS); the tensor cores take 64 and 128, and the others
+    are padded with zeros to the next of those (autograd carries the gradients through the padding).
     """
-    check_attention_inputs(q, k, v, causal=causal, head_dims=MMA_HEAD_DIMS, dtypes=FLASH_DTYPES)
+    shape = check_attention_inputs(q, k, v, causal=causal, head_dims=CUDA_HEAD_DIMS, dtypes=FLASH_DTYPES)
+    tensor_cores = q.is_cuda and q.dtype != torch.float32 and gpu.capability(q.device) >= (8, 0)
+    if tensor_cores and shape.head_dim not in MMA_HEAD_DIMS:
+        d, padded = shape.head_dim, next(n for n in MMA_HEAD_DIMS if n >= shape.head_dim)
+        q, k, v = (torch.nn.functional.pad(t, (0, padded - d)) for t in (q, k, v))
+        return flash_attention_cuda(q, k, v, causal=causal, sm_scale=resolve_scale(sm_scale, d))[..., :d]
     wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     if wants_grad and q.dtype == torch.float32:
         raise TypeError(f"the CUDA backward (notebook 06b) takes float16 or bfloat16; q has dtype {q.dtype} "
                         f"and needs a gradient (convert it, or use the registry's 'triton')")
     if q.is_cuda and q.dtype != torch.float32:
-        if gpu.capability(q.device) >= (8, 0):
+        if tensor_cores:
             if wants_grad:
                 from utils.cuda_backward import flash_mma_attention
 

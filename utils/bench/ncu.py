@@ -22,7 +22,8 @@ from pathlib import Path
 
 from utils.bench.cuda_mma import WORKLOGS, check_steps, step_functions, step_label
 
-SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "WarpStateStats", "Occupancy", "LaunchStats")
+SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "WarpStateStats", "Occupancy", "LaunchStats",
+            "InstructionStats")
 KERNEL_REGEX = {"mma": "regex:flash_mma_kernel", "hopper": "regex:hopper_attention"}
 # (section, metric as ncu names it, short label): the columns of the table
 HEADLINE = (("GPU Speed Of Light Throughput", "Duration", "time µs"),

@@ -2,6 +2,7 @@
 //
 //   mma_16816      D(16x8, fp32) += A(16x16, row-major) * B(16x8, column-major), A and B fp16 or bf16
 //   ldmatrix_x4    four 8x8 matrices of 16-bit elements from shared memory into the fragment layout of mma
+//                  (ldmatrix_x4_at: at an address worked out by the caller, with LaneOffsets)
 //   cp_async_16    16 bytes global -> shared memory without passing through registers (Ampere's cp.async)
 //   smem_offset    where element (row, col) of a [rows][D] tile lives, plain or XOR-swizzled
 //   fast_exp2      the hardware 2^x (MUFU.EX2), one instruction
@@ -56,6 +57,21 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_address(row_address)));
 }
 
+// ldmatrix at a shared-memory address (the forward's step 12 and the backward's step 9 work it out themselves).
+__device__ __forceinline__ void ldmatrix_x4_at(uint32_t (&r)[4], uint32_t address, bool trans) {
+  if (trans)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(address));
+  else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(address));
+}
+
+// An x4 read of two n8 B tiles: matrices 0, 1 are tile 0's two k-halves, matrices 2, 3 tile 1's.
+__device__ __forceinline__ void b_pair(uint32_t (&b)[2][2], const uint32_t (&r)[4]) {
+  b[0][0] = r[0], b[0][1] = r[1], b[1][0] = r[2], b[1][1] = r[3];
+}
+
 // 16 bytes, or 16 zero bytes when !valid (src-size 0: nothing is read, so `src` only has to be some address).
 // `.cg` caches in L2 only: K and V tiles are reused by other blocks through L2, never by this SM's L1.
 __device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool valid) {
@@ -79,6 +95,22 @@ template <int D, bool kSwizzle> __device__ __forceinline__ int smem_offset(int r
   if constexpr (kSwizzle) return row * D + ((((col >> 3) ^ row) & 7) | ((col >> 3) & ~7)) * 8 + (col & 7);
   else return row * D + col;
 }
+
+// Where a lane's ldmatrix reads in a swizzled [rows][D] tile, in bytes, for the 16 x 16 block at row r0 (a multiple
+// of 8) and column k0 (a multiple of 16): r0·2D + 2·(k0 − k0 % 64) + at[k0 % 64 / 16]. The swizzle only permutes
+// the 8 chunks of one row's 64 columns, and rows 8 apart alike, so four offsets per lane, computed once, cover
+// every block (forward step 12, backward step 9). `row` and `col` are the lane's row and column in the block at
+// (0, 0), as in load_a.
+template <int D> struct LaneOffsets {
+  uint32_t at[4];
+  __device__ __forceinline__ LaneOffsets(int row, int col) {
+#pragma unroll
+    for (int b = 0; b < 4; ++b) at[b] = 2 * smem_offset<D, true>(row, col + 16 * b);
+  }
+  __device__ __forceinline__ uint32_t operator()(int r0, int k0) const {
+    return r0 * 2 * D + 2 * (k0 - k0 % 64) + at[k0 % 64 / 16];
+  }
+};
 
 __device__ __forceinline__ float fast_exp2(float x) {  // 2^x on the SFU; 2^-inf = +0
   float y;

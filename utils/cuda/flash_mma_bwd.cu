@@ -1,13 +1,13 @@
 // The tensor-core kernels with a backward pass (notebook 06b, part 2): the forward of the registry's "cuda" step,
-// which also writes the log-sum-exp, and the backward kernels of flash_mma_bwd_kernel.cuh in its two steps
-// (1: dQ by atomics, 2: dQ by a pass of its own). Bound to Python as flash_mma_bwd_forward and
-// flash_mma_bwd_backward (utils/cuda_backward.py).
+// which also writes the log-sum-exp, and the backward kernels of flash_mma_bwd_kernel.cuh, one launcher per step of
+// its worklog (utils.cuda_backward.BWD_STEPS). Bound to Python as flash_mma_bwd_forward and flash_mma_bwd_backward
+// (utils/cuda_backward.py).
 #ifndef COURSE_TORCH_WRAPPER  // the kernels: nvcc, no torch header
 #include "flash_mma_bwd_kernel.cuh"
 
 namespace course_flash {
 // The forward step whose output the backward differentiates: cuda_ext.MMA_DEFAULT_STEP (a test holds them equal).
-using BwdForwardStep = Step11WarpRows;
+using BwdForwardStep = Step13LateCopy;
 
 cudaError_t launch_flash_mma_bwd_forward(const Params& p, DType dtype, cudaStream_t stream) {
   return launch_flash_mma<BwdForwardStep>(p, dtype, stream);

@@ -333,48 +333,6 @@ template <typename Step, int D, int kStagesT> struct BwdTiledTile {
                                     2 * kCols * kPStride * 2;
 };
 
-// ldmatrix at a shared-memory address (step 9: the address is worked out by the caller).
-__device__ __forceinline__ void ldmatrix_x4_at(uint32_t (&r)[4], uint32_t address, bool trans) {
-  if (trans)
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(address));
-  else
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(address));
-}
-
-// Step 9: rows r, r + kPass, r + 2 kPass... of a [kRows][D] tile, with r = threadIdx.x / (D / 8). kPass is a multiple
-// of 8, so all of this thread's chunks share row r's swizzle, and each copy is the one before moved by kPass rows.
-// (load_tile works out the row, the column and the swizzle of every chunk, in a loop whose length it cannot know.)
-template <typename T, int D, int kRows, int kThreads>
-__device__ __forceinline__ void load_rows(T* tile, const T* src, long long stride, int row0, int seqlen) {
-  constexpr int kChunks = D / 8, kPass = kThreads / kChunks;
-  static_assert(kRows % kPass == 0 && kPass % 8 == 0, "whole passes, whole swizzle periods");
-  const int r = threadIdx.x / kChunks, c = threadIdx.x % kChunks * 8;
-  T* to = tile + smem_offset<D, true>(r, c);
-  const T* from = src + (row0 + r) * stride + c;
-#pragma unroll
-  for (int i = 0; i < kRows / kPass; ++i) {
-    const bool valid = row0 + r + i * kPass < seqlen;
-    cp_async_16(to + i * kPass * D, valid ? from + i * kPass * stride : src, valid);
-  }
-}
-
-// Step 9: where a lane's ldmatrix reads in a swizzled [rows][D] tile, in bytes, for the 16 x 16 block at row r0 (a
-// multiple of 8) and column k0 (a multiple of 16): r0·2D + 2·(k0 − k0 % 64) + at[k0 % 64 / 16]. The swizzle only
-// permutes the 8 chunks of one row's 64 columns, and rows 8 apart alike, so four offsets per lane, computed once,
-// cover every block. `row` and `col` are the lane's row and column in the block at (0, 0), as in load_a.
-template <int D> struct LaneOffsets {
-  uint32_t at[4];
-  __device__ __forceinline__ LaneOffsets(int row, int col) {
-#pragma unroll
-    for (int b = 0; b < 4; ++b) at[b] = 2 * smem_offset<D, true>(row, col + 16 * b);
-  }
-  __device__ __forceinline__ uint32_t operator()(int r0, int k0) const {
-    return r0 * 2 * D + 2 * (k0 - k0 % 64) + at[k0 % 64 / 16];
-  }
-};
-
 // A fragments of the 16 x 16 block (rows r0.., columns k0..) of a padded [rows][kStride] tile, as is (Pᵀ in
 // dV += Pᵀ dO) or transposed (dS, read out of dSᵀ, in dQ += dS K: rows of A are columns of the tile).
 template <int kStride, typename T>
@@ -415,10 +373,6 @@ __device__ __forceinline__ void store_tile(T* tile, const float (&c)[2][4][4], i
       for (int r = 0; r < 2; ++r)
         *reinterpret_cast<uint32_t*>(tile + (r0 + 16 * m + g + 8 * r) * kStride + c0 + n * 8 + 2 * t) =
             pack2<T>(c[m][n][2 * r], c[m][n][2 * r + 1]);
-}
-
-__device__ __forceinline__ void b_pair(uint32_t (&b)[2][2], const uint32_t (&r)[4]) {
-  b[0][0] = r[0], b[0][1] = r[1], b[1][0] = r[2], b[1][1] = r[3];
 }
 
 template <typename Step, typename T, int D, typename Tile>

@@ -7,7 +7,8 @@
 //                                               at D = 128 reads it at every k-step: registers go to more rows)
 //             Ks [stages][BC][D], Vs [stages][BC][D]   the current K and V tiles (2 stages from step 4)
 //   registers (per thread, D = 128, BC = 128 from step 5): Q fragments 32 words, S 64 floats, O 64 floats,
-//             m and l for its two rows g and g + 8
+//             m and l for its two rows g and g + 8 (step 11: twice S and O, half the keys per tile)
+//   addresses (step 12): worked out once per thread before the loop (copy_rows, LaneOffsets), moved on per tile
 //
 // Per K/V tile: S = Q K^T (D/16 x BC/8 mma), mask, online softmax on the S fragments (row max over the 4
 // threads of a group by two shuffles), P packed to 16 bits in place as the A operand of O += P V
@@ -29,10 +30,47 @@ template <typename Step, int D> struct MmaTile {
   static_assert(kCols % 16 == 0, "keys per tile: a multiple of the k of mma");
 };
 
+// Step 12: this thread's 16-byte chunks of a [kRows][D] tile, rows r, r + kPass, r + 2 kPass... with
+// r = threadIdx.x / (D / 8). kPass is a multiple of 8, so all of them share row r's swizzle, and each copy is the one
+// before moved by kPass rows, in shared and in global memory. `from` is the thread's first chunk in global memory
+// (first_chunk); rows at or past `rows_left` become zeros (with `src`, any valid address, as their source: nothing
+// is read). load_tile's general loop works out the row, the column and the swizzle of every chunk, in a loop whose
+// trip count it cannot know: about 300 instructions per K/V tile at D = 128, against 16 copies.
+template <typename T, int D, int kRows, int kThreads>
+__device__ __forceinline__ void copy_rows(T* tile, const T* from, const T* src, long long stride, int rows_left) {
+  constexpr int kChunks = D / 8, kPass = kThreads / kChunks;
+  static_assert(kRows % kPass == 0 && kPass % 8 == 0, "whole passes, whole swizzle periods");
+  const int r = threadIdx.x / kChunks;
+  T* to = tile + smem_offset<D, true>(r, threadIdx.x % kChunks * 8);
+#pragma unroll
+  for (int i = 0; i < kRows / kPass; ++i) {
+    const bool valid = r + i * kPass < rows_left;
+    cp_async_16(to + i * kPass * D, valid ? from : src, valid);
+    from += kPass * stride;
+  }
+}
+
+// Where this thread's first chunk of rows row0.. of a (seq, D) matrix lies, for copy_rows.
+template <typename T, int D>
+__device__ __forceinline__ const T* first_chunk(const T* src, long long stride, int row0) {
+  return src + (row0 + threadIdx.x / (D / 8)) * stride + threadIdx.x % (D / 8) * 8;
+}
+
+// copy_rows of rows row0.. of a (seq, D) matrix (the backward's step 9; the forward's step 12 outside its loop).
+template <typename T, int D, int kRows, int kThreads>
+__device__ __forceinline__ void load_rows(T* tile, const T* src, long long stride, int row0, int seqlen) {
+  copy_rows<T, D, kRows, kThreads>(tile, first_chunk<T, D>(src, stride, row0), src, stride, seqlen - row0);
+}
+
 // Copy `rows` rows of a (seq, D) matrix, from row0, into a tile, 16 bytes (8 elements) per thread and step;
 // rows past `seqlen` become zeros (so partial tiles need no care until the mask).
 template <typename Step, typename T, int D, int kRowsInTile, int kThreads>
 __device__ __forceinline__ void load_tile(T* tile, const T* src, long long row_stride, int row0, int seqlen) {
+  if constexpr (Step::kHoisted) {  // Step 12
+    static_assert(Step::kCpAsync && Step::kSwizzle && !Step::kSplitKV, "cp.async into a swizzled tile, one group");
+    load_rows<T, D, kRowsInTile, kThreads>(tile, src, row_stride, row0, seqlen);
+    return;
+  }
   constexpr int kChunks = D / 8;
 #pragma unroll
   for (int idx = threadIdx.x; idx < kRowsInTile * kChunks; idx += kThreads) {
@@ -112,10 +150,11 @@ __device__ __forceinline__ void load_b_v(uint32_t (&b)[2][2], const T* tile, int
 // the B operand like V, for each of R m16 row tiles i: every B fragment read serves R mma. C is the accumulators
 // of an earlier mma: n8 tiles 2kk and 2kk + 1, packed to 16 bits, are the A fragment of k-step kk, so C never
 // leaves the registers. O += P V here; dV += Pᵀ dO, dK += dSᵀ Q and dQ += dS K in the backward
-// (flash_mma_bwd_kernel.cuh, one row tile: the overload below).
-template <typename Step, int D, int kSteps, int kTilesOut, int R, typename T>
-__device__ __forceinline__ void mma_c_b(float (&acc)[R][kTilesOut][4], const float (&c)[R][2 * kSteps][4],
-                                        const T* tile, int lane) {
+// (flash_mma_bwd_kernel.cuh, one row tile: the overload below). `read_b(b, n0, k0)` reads the B fragments of
+// columns n0.. of k-step k0: load_b_v, or (step 12) an ldmatrix at an offset worked out once.
+template <typename T, int kSteps, int kTilesOut, int R, typename ReadB>
+__device__ __forceinline__ void mma_c_read(float (&acc)[R][kTilesOut][4], const float (&c)[R][2 * kSteps][4],
+                                           ReadB read_b) {
 #pragma unroll
   for (int kk = 0; kk < kSteps; ++kk) {
     uint32_t a[R][4];
@@ -128,7 +167,7 @@ __device__ __forceinline__ void mma_c_b(float (&acc)[R][kTilesOut][4], const flo
 #pragma unroll
     for (int n = 0; n < kTilesOut; n += 2) {
       uint32_t b[2][2];
-      load_b_v<Step, D>(b, tile, n * 8, kk * 16, lane);
+      read_b(b, n * 8, kk * 16);
 #pragma unroll
       for (int i = 0; i < R; ++i) {
         mma_16816<T>(acc[i][n], a[i], b[0]);
@@ -136,6 +175,12 @@ __device__ __forceinline__ void mma_c_b(float (&acc)[R][kTilesOut][4], const flo
       }
     }
   }
+}
+
+template <typename Step, int D, int kSteps, int kTilesOut, int R, typename T>
+__device__ __forceinline__ void mma_c_b(float (&acc)[R][kTilesOut][4], const float (&c)[R][2 * kSteps][4],
+                                        const T* tile, int lane) {
+  mma_c_read<T, kSteps>(acc, c, [&](uint32_t (&b)[2][2], int n0, int k0) { load_b_v<Step, D>(b, tile, n0, k0, lane); });
 }
 
 template <typename Step, int D, int kSteps, int kTilesOut, typename T>
@@ -187,12 +232,20 @@ flash_mma_kernel(Params p) {
   // D / 16 A fragments each for the whole kernel, or (step 11 at D = 128) are read from Qs at every k-step.
   constexpr int R = Step::kRowTiles;
   constexpr bool kQInRegs = Tile::kQInRegs;
+  // Step 12: where each lane's ldmatrix reads, worked out once (LaneOffsets, as in the backward's step 9) instead
+  // of at every call of load_a, load_b_k and load_b_v: rows lane % 16 for Q's A fragments and V's B fragments (V
+  // read transposed), rows lane % 8 + 8 (lane / 16) for K's.
+  const LaneOffsets<D> at_rows(lane % 16, lane / 16 * 8), at_keys(lane % 8 + lane / 16 * 8, lane / 8 % 2 * 8);
+  const auto read_q = [&](uint32_t (&a)[4], int r0, int k0) {
+    if constexpr (Step::kHoisted) ldmatrix_x4_at(a, smem_address(Qs) + at_rows(r0, k0), false);
+    else load_a<Step, D>(a, Qs, r0, k0, lane);
+  };
   uint32_t qa[kQInRegs ? R : 1][kQInRegs ? D / 16 : 1][4];
   if constexpr (kQInRegs) {
 #pragma unroll
     for (int i = 0; i < R; ++i)
 #pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) load_a<Step, D>(qa[i][kk], Qs, (warp * R + i) * 16, kk * 16, lane);
+      for (int kk = 0; kk < D / 16; ++kk) read_q(qa[i][kk], (warp * R + i) * 16, kk * 16);
   }
 
   float o[R][kTilesO][4] = {};
@@ -202,6 +255,25 @@ flash_mma_kernel(Params p) {
   const float scale = p.scale_log2 * 0.6931471805599453f;  // sm_scale (Params carries sm_scale * log2(e))
   const int row0 = q0 + warp * 16 * R + g;        // this thread's rows: row0 + 16i and row0 + 16i + 8
 
+  // Step 12: this thread's first chunks of K and V in global memory, moved BC rows on per tile (copy_rows).
+  const T* k_from = first_chunk<T, D>(k, p.k_stride[2], 0);
+  const T* v_from = first_chunk<T, D>(v, p.v_stride[2], 0);
+  // Step 4: the copies of tile j + 1 into the buffer that tile j - 1 used, in one cp.async group (step 8: two).
+  // Issued right after the barrier that starts tile j, or (step 13) once tile j's S = Q K^T is issued.
+  const auto request_next = [&](int j) {
+    if (j + 1 >= n_tiles) return;
+    const int next = (j + 1) % 2 * BC * D, c0 = j * BC;
+    if constexpr (Step::kHoisted) {  // Step 12: each copy starts where the last tile's did, BC rows on
+      k_from += BC * p.k_stride[2], v_from += BC * p.v_stride[2];
+      copy_rows<T, D, BC, kThreads>(Ks + next, k_from, k, p.k_stride[2], p.seqlen_k - c0 - BC);
+      copy_rows<T, D, BC, kThreads>(Vs + next, v_from, v, p.v_stride[2], p.seqlen_k - c0 - BC);
+    } else {
+      load_tile<Step, T, D, BC, kThreads>(Ks + next, k, p.k_stride[2], c0 + BC, p.seqlen_k);
+      if constexpr (Step::kSplitKV) cp_async_commit();
+      load_tile<Step, T, D, BC, kThreads>(Vs + next, v, p.v_stride[2], c0 + BC, p.seqlen_k);
+    }
+    cp_async_commit();
+  };
   for (int j = 0; j < n_tiles; ++j) {
     const int c0 = j * BC;
     const T* Kt = Ks;
@@ -214,13 +286,7 @@ flash_mma_kernel(Params p) {
         cp_async_wait<Step::kSplitKV ? 1 : 0>();
         __syncthreads();
       }
-      if (j + 1 < n_tiles) {
-        const int next = (j + 1) % 2 * BC * D;
-        load_tile<Step, T, D, BC, kThreads>(Ks + next, k, p.k_stride[2], c0 + BC, p.seqlen_k);
-        if constexpr (Step::kSplitKV) cp_async_commit();
-        load_tile<Step, T, D, BC, kThreads>(Vs + next, v, p.v_stride[2], c0 + BC, p.seqlen_k);
-        cp_async_commit();
-      }
+      if (!Step::kLateCopy) request_next(j);
       Kt = Ks + j % 2 * BC * D;
       Vt = Vs + j % 2 * BC * D;
     } else {
@@ -229,6 +295,25 @@ flash_mma_kernel(Params p) {
       load_tile<Step, T, D, BC, kThreads>(Vs, v, p.v_stride[2], c0, p.seqlen_k);
       __syncthreads();
     }
+
+    const auto read_k = [&](uint32_t (&b)[2][2], int n0, int k0) {
+      if constexpr (Step::kHoisted) {  // Step 12
+        uint32_t r[4];
+        ldmatrix_x4_at(r, smem_address(Kt) + at_keys(n0, k0), false);
+        b_pair(b, r);
+      } else {
+        load_b_k<Step, D>(b, Kt, n0, k0, lane);
+      }
+    };
+    const auto read_v = [&](uint32_t (&b)[2][2], int n0, int k0) {
+      if constexpr (Step::kHoisted) {  // Step 12
+        uint32_t r[4];
+        ldmatrix_x4_at(r, smem_address(Vt) + at_rows(k0, n0), true);
+        b_pair(b, r);
+      } else {
+        load_b_v<Step, D>(b, Vt, n0, k0, lane);
+      }
+    };
 
     // S = Q K^T: 16R x BC scores per warp, fp32 accumulators. Each K fragment serves R mma.
     float s[R][kTilesS][4] = {};
@@ -241,13 +326,13 @@ flash_mma_kernel(Params p) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) a[i][e] = qa[i][kk][e];
         } else {  // Step 11
-          load_a<Step, D>(a[i], Qs, (warp * R + i) * 16, kk * 16, lane);
+          read_q(a[i], (warp * R + i) * 16, kk * 16);
         }
       }
 #pragma unroll
       for (int n = 0; n < kTilesS; n += 2) {
         uint32_t kb[2][2];
-        load_b_k<Step, D>(kb, Kt, n * 8, kk * 16, lane);
+        read_k(kb, n * 8, kk * 16);
 #pragma unroll
         for (int i = 0; i < R; ++i) {
           mma_16816<T>(s[i][n], a[i], kb[0]);
@@ -255,6 +340,8 @@ flash_mma_kernel(Params p) {
         }
       }
     }
+
+    if constexpr (Step::kLateCopy) request_next(j);  // Step 13: after S's mma, before the softmax
 
     // Mask keys past the end and, when causal, keys after the diagonal. Step 7 masks only the tiles that
     // cross the diagonal (tiles past it are not visited at all); before, every causal tile is masked.
@@ -319,7 +406,7 @@ flash_mma_kernel(Params p) {
 
     // O += P V. The S accumulators of n8 tiles 2kk and 2kk + 1 are, packed to 16 bits, exactly the A
     // fragment of keys 16kk..16kk+15: P never leaves the registers.
-    mma_c_b<Step, D, BC / 16>(o, s, Vt, lane);
+    mma_c_read<T, BC / 16>(o, s, read_v);
   }
 
   // Finish: the 4 threads of a group add their parts of l, then normalise and store their rows.

@@ -22,6 +22,8 @@ struct Step1Mma {
   template <int D> static constexpr int min_blocks() { return 1; }  // step 9: blocks per SM asked of ptxas
   static constexpr int kRowTiles = 1;         // step 11: m16 tiles of query rows per warp
   template <int D> static constexpr bool q_in_regs() { return true; }  // step 11: Q's A fragments held throughout
+  static constexpr bool kHoisted = false;     // step 12
+  static constexpr bool kLateCopy = false;    // step 13
 };
 
 // Step 2: ldmatrix. One instruction loads a whole 16x16 A fragment, or two 8-column B fragments, for the
@@ -81,5 +83,20 @@ struct Step11WarpRows : Step7CausalSkip {
   template <int D> static constexpr bool q_in_regs() { return D == 64; }
   template <int D> static constexpr int block_cols() { return 64; }
 };
+
+// Step 12: every address worked out once, on step 11. Step 11's loop executes about 6.8 instructions per mma at
+// D = 128 and 10 at D = 64, most of them integer arithmetic: load_tile works out the row, column and swizzle of
+// every 16-byte copy in a loop of unknown trip count, and load_a / load_b_k / load_b_v the swizzled address of
+// every ldmatrix. Here the copies go through copy_rows (a thread's rows are a multiple of 8 apart, so they share
+// one swizzle) and the ldmatrix addresses through LaneOffsets (four offsets per lane cover every 16 x 16 block):
+// the backward's step 9, applied to the forward.
+struct Step12Hoisted : Step11WarpRows { static constexpr bool kHoisted = true; };
+
+// Step 13: the next tile's copies requested after S = Q K^T instead of before it. After each tile's barrier, step 12
+// first issues 16 copies (about a hundred instructions with their addresses and checks) and only then the first
+// mma, so the tensor pipe waits on them. Requested after S's mma, the copies issue beside the softmax, and they
+// still have a whole tile's P V and the next barrier to land. (The buffer they fill is free: every warp passed
+// this tile's barrier, so none still reads tile j - 1.)
+struct Step13LateCopy : Step12Hoisted { static constexpr bool kLateCopy = true; };
 
 }  // namespace course_flash
