@@ -27,7 +27,7 @@ EXPECTED = {
 }
 MMA_STRUCTS = ("Step1Mma", "Step2Ldmatrix", "Step3Swizzle", "Step4CpAsync", "Step5Tiles", "Step6Exp2",
                "Step7CausalSkip", "Step8SplitKV", "Step9Occupancy", "Step10OneGroup", "Step11WarpRows",
-               "Step12Hoisted", "Step13LateCopy")
+               "Step12Hoisted", "Step13LateCopy", "Step14RareRescale", "Step15WholeTiles")
 # Steps 5-10: 128 x 128 tiles at D = 128 need 160 KB of shared memory, so a half tile for 99 KB GPUs (step 11's
 # 128 x 64 tiles take 96 KB and need none).
 HALF_TILED = MMA_STRUCTS[4:10]
@@ -541,6 +541,24 @@ def test_flash_mma_steps_match_reference(step, dtype, causal):
     from utils.testing import assert_matches_on_odd_shapes
 
     assert_matches_on_odd_shapes(partial(cuda_ext.flash_mma, step=step), dtype=dtype, causal=causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.capability(8, 0)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("step", ["late_copy", "rare_rescale"])
+def test_flash_mma_growing_maxima(step, causal):
+    """Step 14 keeps a stale row maximum while it lags the true one by less than 2^8: keys whose scale grows along
+    the sequence make every row's maximum climb tile after tile (by less, then, after an outlier, by more than the
+    threshold), so both the skipped and the taken rescale meet the reference, with the log-sum-exp it stores."""
+    from utils.testing import assert_attention_matches_reference, random_qkv
+
+    for dtype in (torch.float16, torch.bfloat16):
+        q, k, v = random_qkv(2, 4, 700, 1000, 128, dtype=dtype, device="cuda", seed=14)
+        k = k * torch.linspace(0.5, 6.0, 1000, device="cuda", dtype=dtype)[:, None]
+        k[:, :, 811] *= 4  # one key far above every earlier maximum: a rescale long after the first tiles
+        fn = lambda *a, **kw: cuda_ext.flash_mma(*a, step=step, **kw)  # noqa: E731
+        assert_attention_matches_reference(fn, q, k, v, causal=causal)
 
 
 @pytest.mark.gpu

@@ -49,9 +49,9 @@ KERNELS = {
 # Notebook 06b: the tensor-core kernel, one file per step of its worklog (utils/cuda/flash_mma_steps.cuh), so
 # that the final step alone is built for the registry and the steps build in parallel.
 MMA_STEPS = ("mma", "ldmatrix", "swizzle", "cp_async", "tiles", "exp2", "causal_skip", "split_kv", "occupancy",
-             "one_group", "warp_rows", "hoisted", "late_copy")
-# The registry's "cuda" and flash_mma's default: the fastest step measured (images/06b_step13_h200.json).
-MMA_DEFAULT_STEP = "late_copy"
+             "one_group", "warp_rows", "hoisted", "late_copy", "rare_rescale", "whole_tiles")
+# The registry's "cuda" and flash_mma's default: the fastest step measured (images/06b_step15_h200.json).
+MMA_DEFAULT_STEP = "whole_tiles"
 MMA_HEADERS = ("flash_params.h", "flash_common.cuh", "flash_torch.h", "course_str.h", "flash_mma.cuh",
                "flash_mma_steps.cuh", "flash_mma_kernel.cuh", "flash_mma_torch.h")
 MMA_HEAD_DIMS = (64, 128)

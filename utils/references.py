@@ -46,12 +46,18 @@ REFERENCES = {
                             "--seqlens", "4096", "8192", "16384", "--rounds", "3", "--name", "06b_step11_h200"]),
     "mma_ncu_step11": (1, ["utils.bench.ncu", "--worklog", "mma", "--steps", "causal_skip", "warp_rows",
                            "--head-dim", "64", "--seqlen", "4096", "--name", "06b_ncu_step11_h200"]),  # needs ncu
-    # steps 12 and 13 beside step 11, 3 rounds of rotated order: the run issue 18's forward bar is read from, and
-    # the run that made step 13 the registry's "cuda"; then one profiled launch of each at d = 128 (needs ncu)
+    # steps 12 and 13 beside step 11, 3 rounds of rotated order: the run that made step 13 the registry's "cuda";
+    # then one profiled launch of each at d = 128 (needs ncu)
     "cuda_mma_step13": (1, ["utils.bench.cuda_mma", "--steps", "warp_rows", "hoisted", "late_copy", "--seqlens",
                             "4096", "8192", "16384", "--rounds", "3", "--name", "06b_step13_h200"]),
     "mma_ncu_step13": (1, ["utils.bench.ncu", "--worklog", "mma", "--steps", "warp_rows", "hoisted", "late_copy",
                            "--head-dim", "128", "--seqlen", "4096", "--name", "06b_ncu_step13_h200"]),
+    # steps 14 and 15 beside step 13, 3 rounds of rotated order: the run issue 18's forward bar is read from, and
+    # the run that made step 15 the registry's "cuda"; then one profiled launch of each at d = 128 (needs ncu)
+    "cuda_mma_step15": (1, ["utils.bench.cuda_mma", "--steps", "late_copy", "rare_rescale", "whole_tiles",
+                            "--seqlens", "4096", "8192", "16384", "--rounds", "3", "--name", "06b_step15_h200"]),
+    "mma_ncu_step15": (1, ["utils.bench.ncu", "--worklog", "mma", "--steps", "late_copy", "rare_rescale",
+                           "whole_tiles", "--head-dim", "128", "--seqlen", "4096", "--name", "06b_ncu_step15_h200"]),
     "hopper": (1, ["utils.bench.cuda_mma", "--worklog", "hopper", "--name", "06c_hopper_h200"]),  # sm_90 only
     "hopper_persistent": (1, ["utils.bench.cuda_mma", "--worklog", "hopper", "--steps", "v_direct", "three_consumers",
                               "persistent", "--seqlens", "4096", "8192", "16384", "--name", "06c_persistent_h200"]),
@@ -164,7 +170,7 @@ def results_markdown() -> str:
     from utils.bench.cuda_mma import step_label
     from utils.cuda_ext import MMA_DEFAULT_STEP
 
-    mma_run = "06b_step13_h200.json"  # the run of the registry's step (cuda_ext.MMA_DEFAULT_STEP)
+    mma_run = "06b_step15_h200.json"  # the run of the registry's step (cuda_ext.MMA_DEFAULT_STEP)
     m = _by(_load(mma_run)["results"], "impl", "head_dim", "causal", "seqlen")
     final = step_label(MMA_DEFAULT_STEP)
     cuda = [(m[final, d, c, n], m[final, d, c, n] / m["sdpa-flash", d, c, n]) for (i, d, c, n) in m

@@ -7,7 +7,7 @@
 
 namespace course_flash {
 // The forward step whose output the backward differentiates: cuda_ext.MMA_DEFAULT_STEP (a test holds them equal).
-using BwdForwardStep = Step13LateCopy;
+using BwdForwardStep = Step15WholeTiles;
 
 cudaError_t launch_flash_mma_bwd_forward(const Params& p, DType dtype, cudaStream_t stream) {
   return launch_flash_mma<BwdForwardStep>(p, dtype, stream);

@@ -16,14 +16,19 @@
 #pragma once
 #include "flash_mma.cuh"
 #include "flash_mma_steps.cuh"
+#include <type_traits>
 
 namespace course_flash {
+
+// Step 14: a warp rescales O only when one of its rows' maximum grew by more than this, in log2 units (P <= 2^8).
+constexpr float kRescaleLog2 = 8.f;
 
 template <typename Step, int D> struct MmaTile {
   static constexpr int kThreads = 32 * Step::kWarps;
   static constexpr int kRows = 16 * Step::kWarps * Step::kRowTiles;  // BR: each warp owns kRowTiles m16 tiles
   static constexpr int kCols = Step::template block_cols<D>();  // BC
   static constexpr bool kQInRegs = Step::template q_in_regs<D>();
+  static constexpr bool kRareRescale = Step::template rare_rescale<D>();  // step 14
   static constexpr int kStages = Step::kCpAsync ? 2 : 1;
   static constexpr int kSmemBytes = (kRows + 2 * kStages * kCols) * D * 2;  // 16-bit elements
   static_assert(D == 64 || D == 128, "head dims 64 and 128");
@@ -35,8 +40,9 @@ template <typename Step, int D> struct MmaTile {
 // before moved by kPass rows, in shared and in global memory. `from` is the thread's first chunk in global memory
 // (first_chunk); rows at or past `rows_left` become zeros (with `src`, any valid address, as their source: nothing
 // is read). load_tile's general loop works out the row, the column and the swizzle of every chunk, in a loop whose
-// trip count it cannot know: about 300 instructions per K/V tile at D = 128, against 16 copies.
-template <typename T, int D, int kRows, int kThreads>
+// trip count it cannot know: about 400 instructions for a tile's K and V at D = 128 (static SASS), against 16 copies.
+// Step 15: kChecked = false when every row lies inside the sequence (no test, no dummy source).
+template <typename T, int D, int kRows, int kThreads, bool kChecked = true>
 __device__ __forceinline__ void copy_rows(T* tile, const T* from, const T* src, long long stride, int rows_left) {
   constexpr int kChunks = D / 8, kPass = kThreads / kChunks;
   static_assert(kRows % kPass == 0 && kPass % 8 == 0, "whole passes, whole swizzle periods");
@@ -44,7 +50,7 @@ __device__ __forceinline__ void copy_rows(T* tile, const T* from, const T* src, 
   T* to = tile + smem_offset<D, true>(r, threadIdx.x % kChunks * 8);
 #pragma unroll
   for (int i = 0; i < kRows / kPass; ++i) {
-    const bool valid = r + i * kPass < rows_left;
+    const bool valid = !kChecked || r + i * kPass < rows_left;
     cp_async_16(to + i * kPass * D, valid ? from : src, valid);
     from += kPass * stride;
   }
@@ -232,6 +238,7 @@ flash_mma_kernel(Params p) {
   // D / 16 A fragments each for the whole kernel, or (step 11 at D = 128) are read from Qs at every k-step.
   constexpr int R = Step::kRowTiles;
   constexpr bool kQInRegs = Tile::kQInRegs;
+  constexpr bool kRareRescale = Tile::kRareRescale;
   // Step 12: where each lane's ldmatrix reads, worked out once (LaneOffsets, as in the backward's step 9) instead
   // of at every call of load_a, load_b_k and load_b_v: rows lane % 16 for Q's A fragments and V's B fragments (V
   // read transposed), rows lane % 8 + 8 (lane / 16) for K's.
@@ -265,8 +272,13 @@ flash_mma_kernel(Params p) {
     const int next = (j + 1) % 2 * BC * D, c0 = j * BC;
     if constexpr (Step::kHoisted) {  // Step 12: each copy starts where the last tile's did, BC rows on
       k_from += BC * p.k_stride[2], v_from += BC * p.v_stride[2];
-      copy_rows<T, D, BC, kThreads>(Ks + next, k_from, k, p.k_stride[2], p.seqlen_k - c0 - BC);
-      copy_rows<T, D, BC, kThreads>(Vs + next, v_from, v, p.v_stride[2], p.seqlen_k - c0 - BC);
+      const int rows_left = p.seqlen_k - c0 - BC;
+      const auto copy_kv = [&](auto checked) {
+        copy_rows<T, D, BC, kThreads, checked.value>(Ks + next, k_from, k, p.k_stride[2], rows_left);
+        copy_rows<T, D, BC, kThreads, checked.value>(Vs + next, v_from, v, p.v_stride[2], rows_left);
+      };
+      if (Step::kWholeTiles && rows_left >= BC) copy_kv(std::false_type{});  // Step 15: no row past the end
+      else copy_kv(std::true_type{});
     } else {
       load_tile<Step, T, D, BC, kThreads>(Ks + next, k, p.k_stride[2], c0 + BC, p.seqlen_k);
       if constexpr (Step::kSplitKV) cp_async_commit();
@@ -359,22 +371,39 @@ flash_mma_kernel(Params p) {
     }
 
     // Online softmax on the fragments: row r (0: g, 1: g + 8) of tile i owns entries 2r, 2r + 1 of every n8 tile.
+    const auto new_max = [&](int i, int r) {
+      float tile_max = -CUDART_INF_F;
+#pragma unroll
+      for (int n = 0; n < kTilesS; ++n) tile_max = fmaxf(tile_max, fmaxf(s[i][n][2 * r], s[i][n][2 * r + 1]));
+      // The rest of the row is held by the other 3 threads of the group (lanes 4g .. 4g + 3).
+      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+      return fmaxf(m[i][r], tile_max);
+    };
+    float m_new[R][2];
+    bool rescale = true;
+    if constexpr (kRareRescale) {  // Step 14: keep every stale maximum unless one row of the warp outgrew it
+      bool grows = false;               // (from -inf: always; -inf to -inf gives NaN, which is not > 8)
+#pragma unroll
+      for (int i = 0; i < R; ++i)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          m_new[i][r] = new_max(i, r);
+          grows |= (m_new[i][r] - m[i][r]) * p.scale_log2 > kRescaleLog2;
+        }
+      rescale = __any_sync(0xffffffffu, grows);
+    }
 #pragma unroll
     for (int i = 0; i < R; ++i)
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        float tile_max = -CUDART_INF_F;
-#pragma unroll
-        for (int n = 0; n < kTilesS; ++n) tile_max = fmaxf(tile_max, fmaxf(s[i][n][2 * r], s[i][n][2 * r + 1]));
-        // The rest of the row is held by the other 3 threads of the group (lanes 4g .. 4g + 3).
-        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
-        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
-        const float m_new = fmaxf(m[i][r], tile_max);
-        const float ref = m_new == -CUDART_INF_F ? 0.f : m_new;  // no visible key yet: every exp is 0
-        float alpha, sum = 0.f;
+        if constexpr (!kRareRescale) m_new[i][r] = new_max(i, r);
+        const float m_ref = rescale ? m_new[i][r] : m[i][r];  // step 14: the stale maximum, if no rescale
+        const float ref = m_ref == -CUDART_INF_F ? 0.f : m_ref;  // no visible key yet: every exp is 0
+        float alpha = 1.f, sum = 0.f;
         if constexpr (Step::kExp2) {  // Step 6: 2^(s * scale * log2 e - ref * scale * log2 e): FFMA + EX2
           const float ref_log2 = ref * p.scale_log2;
-          alpha = fast_exp2(m[i][r] * p.scale_log2 - ref_log2);
+          if (rescale) alpha = fast_exp2(m[i][r] * p.scale_log2 - ref_log2);
 #pragma unroll
           for (int n = 0; n < kTilesS; ++n)
 #pragma unroll
@@ -383,7 +412,7 @@ flash_mma_kernel(Params p) {
               sum += s[i][n][e];
             }
         } else {
-          alpha = expf((m[i][r] - ref) * scale);
+          if (rescale) alpha = expf((m[i][r] - ref) * scale);
 #pragma unroll
           for (int n = 0; n < kTilesS; ++n)
 #pragma unroll
@@ -392,10 +421,14 @@ flash_mma_kernel(Params p) {
               sum += s[i][n][e];
             }
         }
-        l[i][r] = l[i][r] * alpha + sum;
-        m[i][r] = m_new;
+        if (rescale) {
+          l[i][r] = l[i][r] * alpha + sum;
+          m[i][r] = m_ref;
 #pragma unroll
-        for (int n = 0; n < kTilesO; ++n) o[i][n][2 * r] *= alpha, o[i][n][2 * r + 1] *= alpha;
+          for (int n = 0; n < kTilesO; ++n) o[i][n][2 * r] *= alpha, o[i][n][2 * r + 1] *= alpha;
+        } else {
+          l[i][r] += sum;
+        }
       }
 
     if constexpr (Step::kSplitKV) {  // Step 8: now V of tile j (tile j + 1's two groups may stay in flight)

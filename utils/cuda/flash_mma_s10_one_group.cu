@@ -1,4 +1,4 @@
-// Step 10 of 13: step 9 with one cp.async group for K and V again (step 8 undone).
+// Step 10 of 15: step 9 with one cp.async group for K and V again (step 8 undone).
 // The kernel is flash_mma_kernel.cuh; this file compiles Step10OneGroup (flash_mma_steps.cuh) for fp16 and bf16
 // at D = 64 and 128, and binds it to Python as flash_mma_s10_one_group_forward (notebook 06b).
 #ifndef COURSE_TORCH_WRAPPER  // the kernels: nvcc, no torch header

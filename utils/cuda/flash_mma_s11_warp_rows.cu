@@ -1,4 +1,4 @@
-// Step 11 of 13: two m16 tiles of query rows per warp (32 rows), on step 7.
+// Step 11 of 15: two m16 tiles of query rows per warp (32 rows), on step 7.
 // The kernel is flash_mma_kernel.cuh; this file compiles Step11WarpRows (flash_mma_steps.cuh) for fp16 and bf16
 // at D = 64 and 128, and binds it to Python as flash_mma_s11_warp_rows_forward (notebook 06b).
 #ifndef COURSE_TORCH_WRAPPER  // the kernels: nvcc, no torch header

@@ -1,4 +1,4 @@
-// Step 12 of 13: every address worked out once (copy_rows, LaneOffsets), on step 11.
+// Step 12 of 15: every address worked out once (copy_rows, LaneOffsets), on step 11.
 // The kernel is flash_mma_kernel.cuh; this file compiles Step12Hoisted (flash_mma_steps.cuh) for fp16 and bf16
 // at D = 64 and 128, and binds it to Python as flash_mma_s12_hoisted_forward (notebook 06b).
 #ifndef COURSE_TORCH_WRAPPER  // the kernels: nvcc, no torch header

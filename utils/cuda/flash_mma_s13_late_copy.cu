@@ -1,4 +1,4 @@
-// Step 13 of 13: the next tile's copies requested after S = Q K^T, on step 12.
+// Step 13 of 15: the next tile's copies requested after S = Q K^T, on step 12.
 // The kernel is flash_mma_kernel.cuh; this file compiles Step13LateCopy (flash_mma_steps.cuh) for fp16 and bf16
 // at D = 64 and 128, and binds it to Python as flash_mma_s13_late_copy_forward (notebook 06b).
 #ifndef COURSE_TORCH_WRAPPER  // the kernels: nvcc, no torch header

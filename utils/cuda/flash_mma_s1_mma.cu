@@ -1,4 +1,4 @@
-// Step 1 of 13: mma.sync on tensor cores, fragments read from shared memory word by word.
+// Step 1 of 15: mma.sync on tensor cores, fragments read from shared memory word by word.
 // The kernel is flash_mma_kernel.cuh; this file compiles Step1Mma (flash_mma_steps.cuh) for fp16 and bf16
 // at D = 64 and 128, and binds it to Python as flash_mma_s1_mma_forward (notebook 06b).
 #ifndef COURSE_TORCH_WRAPPER  // the kernels: nvcc, no torch header

@@ -1,4 +1,4 @@
-// Step 2 of 13: fragments loaded with ldmatrix (V with ldmatrix.trans).
+// Step 2 of 15: fragments loaded with ldmatrix (V with ldmatrix.trans).
 // The kernel is flash_mma_kernel.cuh; this file compiles Step2Ldmatrix (flash_mma_steps.cuh) for fp16 and bf16
 // at D = 64 and 128, and binds it to Python as flash_mma_s2_ldmatrix_forward (notebook 06b).
 #ifndef COURSE_TORCH_WRAPPER  // the kernels: nvcc, no torch header

@@ -1,4 +1,4 @@
-// Step 3 of 13: XOR-swizzled shared memory, free of bank conflicts.
+// Step 3 of 15: XOR-swizzled shared memory, free of bank conflicts.
 // The kernel is flash_mma_kernel.cuh; this file compiles Step3Swizzle (flash_mma_steps.cuh) for fp16 and bf16
 // at D = 64 and 128, and binds it to Python as flash_mma_s3_swizzle_forward (notebook 06b).
 #ifndef COURSE_TORCH_WRAPPER  // the kernels: nvcc, no torch header

@@ -1,4 +1,4 @@
-// Step 4 of 13: cp.async double buffering of K and V.
+// Step 4 of 15: cp.async double buffering of K and V.
 // The kernel is flash_mma_kernel.cuh; this file compiles Step4CpAsync (flash_mma_steps.cuh) for fp16 and bf16
 // at D = 64 and 128, and binds it to Python as flash_mma_s4_cp_async_forward (notebook 06b).
 #ifndef COURSE_TORCH_WRAPPER  // the kernels: nvcc, no torch header

@@ -1,4 +1,4 @@
-// Step 5 of 13: 8 warps, 128 query rows and 128 keys per tile.
+// Step 5 of 15: 8 warps, 128 query rows and 128 keys per tile.
 // The kernel is flash_mma_kernel.cuh; this file compiles Step5Tiles (flash_mma_steps.cuh) for fp16 and bf16
 // at D = 64 and 128, and binds it to Python as flash_mma_s5_tiles_forward (notebook 06b).
 #ifndef COURSE_TORCH_WRAPPER  // the kernels: nvcc, no torch header

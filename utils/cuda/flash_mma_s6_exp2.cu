@@ -1,4 +1,4 @@
-// Step 6 of 13: exp2 with the softmax scale folded into one FFMA.
+// Step 6 of 15: exp2 with the softmax scale folded into one FFMA.
 // The kernel is flash_mma_kernel.cuh; this file compiles Step6Exp2 (flash_mma_steps.cuh) for fp16 and bf16
 // at D = 64 and 128, and binds it to Python as flash_mma_s6_exp2_forward (notebook 06b).
 #ifndef COURSE_TORCH_WRAPPER  // the kernels: nvcc, no torch header

@@ -1,4 +1,4 @@
-// Step 7 of 13: causal block skipping; the kernel registered as "cuda" (the fastest step measured).
+// Step 7 of 15: causal block skipping.
 // The kernel is flash_mma_kernel.cuh; this file compiles Step7CausalSkip (flash_mma_steps.cuh) for fp16 and bf16
 // at D = 64 and 128, and binds it to Python as flash_mma_s7_causal_skip_forward (notebook 06b).
 #ifndef COURSE_TORCH_WRAPPER  // the kernels: nvcc, no torch header

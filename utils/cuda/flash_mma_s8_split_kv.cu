@@ -1,4 +1,4 @@
-// Step 8 of 13: K and V in separate cp.async groups.
+// Step 8 of 15: K and V in separate cp.async groups.
 // The kernel is flash_mma_kernel.cuh; this file compiles Step8SplitKV (flash_mma_steps.cuh) for fp16 and bf16
 // at D = 64 and 128, and binds it to Python as flash_mma_s8_split_kv_forward (notebook 06b).
 #ifndef COURSE_TORCH_WRAPPER  // the kernels: nvcc, no torch header

@@ -1,4 +1,4 @@
-// Step 9 of 13: two blocks per SM at D = 64 (registers capped at 128 a thread).
+// Step 9 of 15: two blocks per SM at D = 64 (registers capped at 128 a thread).
 // The kernel is flash_mma_kernel.cuh; this file compiles Step9Occupancy (flash_mma_steps.cuh) for fp16 and bf16
 // at D = 64 and 128, and binds it to Python as flash_mma_s9_occupancy_forward (notebook 06b).
 #ifndef COURSE_TORCH_WRAPPER  // the kernels: nvcc, no torch header

@@ -24,6 +24,8 @@ struct Step1Mma {
   template <int D> static constexpr bool q_in_regs() { return true; }  // step 11: Q's A fragments held throughout
   static constexpr bool kHoisted = false;     // step 12
   static constexpr bool kLateCopy = false;    // step 13
+  template <int D> static constexpr bool rare_rescale() { return false; }  // step 14
+  static constexpr bool kWholeTiles = false;  // step 15
 };
 
 // Step 2: ldmatrix. One instruction loads a whole 16x16 A fragment, or two 8-column B fragments, for the
@@ -84,8 +86,8 @@ struct Step11WarpRows : Step7CausalSkip {
   template <int D> static constexpr int block_cols() { return 64; }
 };
 
-// Step 12: every address worked out once, on step 11. Step 11's loop executes about 6.8 instructions per mma at
-// D = 128 and 10 at D = 64, most of them integer arithmetic: load_tile works out the row, column and swizzle of
+// Step 12: every address worked out once, on step 11. Step 11's loop holds about 6.8 instructions per mma at
+// D = 128 and 10 at D = 64 (static SASS; Nsight Compute counts 6.4 executed at D = 128), most of them integer arithmetic: load_tile works out the row, column and swizzle of
 // every 16-byte copy in a loop of unknown trip count, and load_a / load_b_k / load_b_v the swizzled address of
 // every ldmatrix. Here the copies go through copy_rows (a thread's rows are a multiple of 8 apart, so they share
 // one swizzle) and the ldmatrix addresses through LaneOffsets (four offsets per lane cover every 16 x 16 block):
@@ -98,5 +100,22 @@ struct Step12Hoisted : Step11WarpRows { static constexpr bool kHoisted = true; }
 // still have a whole tile's P V and the next barrier to land. (The buffer they fill is free: every warp passed
 // this tile's barrier, so none still reads tile j - 1.)
 struct Step13LateCopy : Step12Hoisted { static constexpr bool kLateCopy = true; };
+
+// Step 14: O rescaled only when a row's maximum grows by more than 2^8, at D = 128. Each tile, step 13 multiplies all
+// of O by alpha: 128 FMUL a thread at D = 128, one in ten of the loop's instructions, though after the first few
+// tiles the running maximum seldom moves much. Here a warp keeps its stale maxima unless one of its rows' grew by
+// more than kRescaleLog2 (log2 units): P's entries are then at most 2^8, harmless in fp32 and in 16-bit P, and the
+// final 1 / l and the log-sum-exp use the same stale maximum, so it cancels exactly. FlashAttention-4 rescales
+// only when the maximum has moved enough to matter as well (Modal's "We reverse-engineered Flash Attention 4",
+// 2025); the 2^8 is ours. At D = 64 O is half as large, and the vote and the branch cost more than they save (0.96-
+// 1.00x step 13, an exploratory run): D = 64 keeps step 13's softmax.
+struct Step14RareRescale : Step13LateCopy {
+  template <int D> static constexpr bool rare_rescale() { return D == 128; }
+};
+
+// Step 15: whole tiles copied without row checks. copy_rows tests every row against the end of the sequence and
+// selects a dummy source for rows past it: about 50 instructions per K/V tile, for a case that arises in one tile
+// per block at most. A tile that lies wholly inside the sequence now takes a branch without those checks.
+struct Step15WholeTiles : Step14RareRescale { static constexpr bool kWholeTiles = true; };
 
 }  // namespace course_flash

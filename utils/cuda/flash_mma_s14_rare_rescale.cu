@@ -1,0 +1,25 @@
+// Step 14 of 15: O rescaled only when a row's maximum grows by more than 2^8 (D = 128), on step 13.
+// The kernel is flash_mma_kernel.cuh; this file compiles Step14RareRescale (flash_mma_steps.cuh) for fp16 and bf16
+// at D = 64 and 128, and binds it to Python as flash_mma_s14_rare_rescale_forward (notebook 06b).
+#ifndef COURSE_TORCH_WRAPPER  // the kernels: nvcc, no torch header
+#include "flash_mma_kernel.cuh"
+
+namespace course_flash {
+cudaError_t launch_flash_mma_s14_rare_rescale(const Params& p, DType dtype, cudaStream_t stream) {
+  return launch_flash_mma<Step14RareRescale>(p, dtype, stream);
+}
+}  // namespace course_flash
+
+#else  // COURSE_TORCH_WRAPPER: the torch wrapper of Step14RareRescale, host C++ (load_inline cpp_sources)
+#include "flash_mma_torch.h"
+
+namespace course_flash {
+cudaError_t launch_flash_mma_s14_rare_rescale(const Params& p, DType dtype, cudaStream_t stream);
+}
+
+torch::Tensor flash_mma_s14_rare_rescale_forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, bool causal,
+                                               double scale) {
+  using course_flash::launch_flash_mma_s14_rare_rescale;
+  return course_flash::mma_forward("flash_mma_s14_rare_rescale", launch_flash_mma_s14_rare_rescale, q, k, v, causal, scale);
+}
+#endif
