@@ -550,7 +550,8 @@ def test_flash_mma_steps_match_reference(step, dtype, causal):
 def test_flash_mma_growing_maxima(step, causal):
     """Step 14 keeps a stale row maximum while it lags the true one by less than 2^8: keys whose scale grows along
     the sequence make every row's maximum climb tile after tile (by less, then, after an outlier, by more than the
-    threshold), so both the skipped and the taken rescale meet the reference, with the log-sum-exp it stores."""
+    threshold), so both the skipped and the taken rescale meet the reference. (The log-sum-exp computed from the
+    stale maximum is held to the reference by the backward's tests, which differentiate this forward.)"""
     from utils.testing import assert_attention_matches_reference, random_qkv
 
     for dtype in (torch.float16, torch.bfloat16):

@@ -20,6 +20,7 @@ cudaError_t launch_flash_mma_s14_rare_rescale(const Params& p, DType dtype, cuda
 torch::Tensor flash_mma_s14_rare_rescale_forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, bool causal,
                                                double scale) {
   using course_flash::launch_flash_mma_s14_rare_rescale;
-  return course_flash::mma_forward("flash_mma_s14_rare_rescale", launch_flash_mma_s14_rare_rescale, q, k, v, causal, scale);
+  return course_flash::mma_forward("flash_mma_s14_rare_rescale", launch_flash_mma_s14_rare_rescale, q, k, v, causal,
+                                   scale);
 }
 #endif

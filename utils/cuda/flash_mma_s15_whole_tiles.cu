@@ -20,6 +20,7 @@ cudaError_t launch_flash_mma_s15_whole_tiles(const Params& p, DType dtype, cudaS
 torch::Tensor flash_mma_s15_whole_tiles_forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, bool causal,
                                                double scale) {
   using course_flash::launch_flash_mma_s15_whole_tiles;
-  return course_flash::mma_forward("flash_mma_s15_whole_tiles", launch_flash_mma_s15_whole_tiles, q, k, v, causal, scale);
+  return course_flash::mma_forward("flash_mma_s15_whole_tiles", launch_flash_mma_s15_whole_tiles, q, k, v, causal,
+                                   scale);
 }
 #endif

@@ -87,11 +87,12 @@ struct Step11WarpRows : Step7CausalSkip {
 };
 
 // Step 12: every address worked out once, on step 11. Step 11's loop holds about 6.8 instructions per mma at
-// D = 128 and 10 at D = 64 (static SASS; Nsight Compute counts 6.4 executed at D = 128), most of them integer arithmetic: load_tile works out the row, column and swizzle of
-// every 16-byte copy in a loop of unknown trip count, and load_a / load_b_k / load_b_v the swizzled address of
-// every ldmatrix. Here the copies go through copy_rows (a thread's rows are a multiple of 8 apart, so they share
-// one swizzle) and the ldmatrix addresses through LaneOffsets (four offsets per lane cover every 16 x 16 block):
-// the backward's step 9, applied to the forward.
+// D = 128 and 10 at D = 64 (static SASS; Nsight Compute counts 6.4 executed at D = 128), most of them integer
+// arithmetic: load_tile works out the row, column and swizzle of every 16-byte copy in a loop of unknown trip
+// count, and load_a / load_b_k / load_b_v the swizzled address of every ldmatrix. Here the copies go through
+// copy_rows (a thread's rows are a multiple of 8 apart, so they share one swizzle) and the ldmatrix addresses
+// through LaneOffsets (four offsets per lane cover every 16 x 16 block): the backward's step 9, applied to the
+// forward.
 struct Step12Hoisted : Step11WarpRows { static constexpr bool kHoisted = true; };
 
 // Step 13: the next tile's copies requested after S = Q K^T instead of before it. After each tile's barrier, step 12
