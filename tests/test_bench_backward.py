@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from utils.bench import backward_tiles
-from utils.bench.backward import (format_table, load_results, plot_backward_benchmark, ratios,
-                                  run_backward_benchmark, save_results, triton_tiles)
+from utils.bench.backward import (TRITON_LOADS, format_table, load_results, plot_backward_benchmark, ratios,
+                                  run_backward_benchmark, save_results, triton_loads, triton_tiles)
 from utils.flash_triton_bwd import BackwardConfig, _fitted_config
 
 ROWS = [dict(backend=b, seqlen=n, head_dim=64, causal=c, ms=1.0, tflops=t, error=None)
@@ -40,6 +40,12 @@ def test_run_needs_a_gpu():
         run_backward_benchmark()
 
 
+@pytest.mark.parametrize("rounds", [0, 1.5, True])
+def test_rounds_are_checked(rounds):
+    with pytest.raises(ValueError, match="rounds must be a positive int"):
+        run_backward_benchmark(rounds=rounds)
+
+
 @pytest.mark.gpu
 def test_run_small_on_gpu():
     rows = run_backward_benchmark(seqlens=(512,), head_dims=(64,), causal=(True,), batch=1, heads=2,
@@ -47,6 +53,26 @@ def test_run_small_on_gpu():
     assert all(r["tflops"] and r["tflops"] > 0 for r in rows), rows
     with pytest.raises(ValueError):
         run_backward_benchmark(backends=("nope",))
+
+
+@pytest.mark.gpu
+def test_pinned_loads_on_gpu():
+    """triton_pointer and triton_tma time the same backward with its loads pinned; TMA runs on sm_90+ only."""
+    from utils import gpu
+
+    rows = run_backward_benchmark(seqlens=(512,), head_dims=(128,), causal=(False,), batch=1, heads=2,
+                                  backends=("triton", *TRITON_LOADS), rounds=2)
+    by = {r["backend"]: r for r in rows}
+    assert by["triton"]["tflops"] > 0 and by["triton_pointer"]["tflops"] > 0, rows
+    if gpu.capability() >= (9, 0):
+        assert by["triton_tma"]["tflops"] > 0, rows
+    else:
+        assert by["triton_tma"]["ms"] is None and "tma=True needs an sm_90" in by["triton_tma"]["error"], rows
+
+
+def test_a_run_records_where_triton_uses_tma():
+    assert triton_loads([64, 128]) == {"d64_full": False, "d64_causal": False, "d128_full": True,
+                                       "d128_causal": False}
 
 
 # ---- the tile sweep behind default_config (utils.bench.backward_tiles) -------------------------------------

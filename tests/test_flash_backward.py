@@ -141,7 +141,10 @@ def test_autograd_function_is_exposed():
 
 # --- the Triton kernels --------------------------------------------------------------------------------------
 
-from utils.flash_triton_bwd import BackwardConfig, default_config, flash_attention_backward  # noqa: E402
+from utils import gpu  # noqa: E402
+from utils.flash_triton_bwd import (BackwardConfig, default_config, default_tma,  # noqa: E402
+                                    flash_attention_backward)
+from utils.testing import ODD_SHAPES_64_128  # noqa: E402
 
 # Small tiles in the interpreter so that every shape crosses several blocks and both loop kinds run.
 SMALL = BackwardConfig(16, 16, 4, 1, 16, 16, 4, 1)
@@ -227,6 +230,65 @@ def test_triton_backward_validates_inputs():
         BackwardConfig(block_m1=24)
     with pytest.raises(ValueError, match="warps2 must be a positive int"):
         BackwardConfig(warps2=0)
+
+
+def test_tma_argument_is_checked():
+    q, k, v = random_qkv(1, 2, 8, 8, 16, device=DEVICE)
+    do = torch.randn_like(q)
+    o, lse = (t.float() for t in forward_lse(q, k, v, False))
+    with pytest.raises(TypeError, match="tma must be a bool or None, got str"):
+        flash_attention_backward(do, q, k, v, o, lse, tma="yes")
+    with pytest.raises(ValueError, match="tma=True needs an sm_90"):  # fp32: TMA takes 16-bit inputs only
+        flash_attention_backward(do, q, k, v, o, lse, tma=True)
+
+
+def test_default_tma_only_where_it_paid():
+    """TMA beat pointer loads on the H200 at head dim 128 without a mask, and nowhere else (notebook 07, §8)."""
+    assert default_tma(128, False)
+    assert not any(default_tma(d, c) for d in (16, 32, 64, 80, 96, 256) for c in (False, True))
+    assert not default_tma(128, True)
+
+
+HOPPER = CUDA and gpu.capability() >= (9, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="TMA needs an sm_90+ GPU")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+def test_triton_backward_tma_matches_autograd(causal, dtype):
+    """Both load paths on odd shapes (ragged ends read as zeros through the descriptors), GQA, causal or not."""
+    for b, h, hk, nq, nk, d in ODD_SHAPES_64_128:
+        q, k, v = random_qkv(b, h, nq, nk, d, kv_heads=hk, dtype=dtype, device=DEVICE, seed=nq + d)
+        do = torch.randn_like(q)
+        o, lse = forward_lse(q, k, v, causal)
+        truth = reference_gradients(q, k, v, do, causal=causal)
+        for tma in (False, True):
+            grads = flash_attention_backward(do, q, k, v, o.to(dtype), lse.float(), causal=causal, tma=tma)
+            assert_gradients_close(grads, truth, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="TMA needs an sm_90+ GPU")
+def test_default_loads_follow_default_tma(monkeypatch):
+    """tma=None makes descriptors exactly where default_tma says so; unaligned inputs fall back to pointers."""
+    import utils.flash_triton_bwd as bwd
+
+    made = []
+    real = bwd.TensorDescriptor.from_tensor
+    monkeypatch.setattr(bwd.TensorDescriptor, "from_tensor", lambda t, block: made.append(block) or real(t, block))
+    for d in (64, 128):
+        for causal in (False, True):
+            made.clear()
+            q, k, v = random_qkv(1, 2, 256, 256, d, dtype=torch.bfloat16, device=DEVICE)
+            o, lse = forward_lse(q, k, v, causal)
+            flash_attention_backward(torch.randn_like(q), q, k, v, o.to(q.dtype), lse.float(), causal=causal)
+            assert len(made) == (4 if default_tma(d, causal) else 0), (d, causal, made)
+    made.clear()
+    q, k, v = (t[..., 1:129] for t in random_qkv(1, 2, 256, 256, 130, dtype=torch.bfloat16, device=DEVICE))
+    o, lse = forward_lse(q, k, v, False)
+    flash_attention_backward(torch.randn_like(q), q, k, v, o.to(q.dtype), lse.float())  # 2-byte offset: no TMA
+    assert made == []
 
 
 def test_default_config_is_valid_for_every_case():

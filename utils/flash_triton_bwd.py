@@ -12,7 +12,8 @@ atomics are needed (as in the paper's Triton implementation):
 
 Causal masking is aligned bottom-right (query i sees key j <= i + Nk − Nq). Tiles entirely above the diagonal are
 skipped; only tiles that cross it, or the ragged end of the sequence, pay for a mask (a constexpr flag compiles
-two versions of the inner loop). Plain pointer arithmetic with masks, any strides.
+two versions of the inner loop). Pointer arithmetic with masks, any strides; on Hopper, at head dim 128 without a
+mask, the tiles the passes loop over come through TMA descriptors instead (`default_tma`; notebook 07, section 8).
 """
 from __future__ import annotations
 
@@ -23,13 +24,15 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from utils import gpu
 from utils.flash_pytorch_bwd import check_backward_inputs
+from utils.flash_triton import tma_supported
 from utils.launch import FastLauncher
 from utils.triton_utils import cdiv
 
-__all__ = ["flash_attention_backward", "BackwardConfig", "default_config", "HEAD_DIMS", "DTYPES"]
+__all__ = ["flash_attention_backward", "BackwardConfig", "default_config", "default_tma", "HEAD_DIMS", "DTYPES"]
 
 HEAD_DIMS = tuple(range(16, 257))   # as the forward (utils.flash_triton): padded to a power of two
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -68,8 +71,9 @@ SMALL_SMEM_CONFIGS = (BackwardConfig(32, 64, 4, 2, 64, 32, 4, 2), BackwardConfig
 
 def smem_estimate(config: BackwardConfig, head_dim: int, elem_bytes: int) -> int:
     """Shared memory the larger of the two main kernels needs, in bytes: what Triton 3.6 allocates on sm_75
-    (where tl.dot runs on FMA units, and stages add nothing), an upper bound of what it allocates on sm_80+
-    (utils.cross_compile compiles both to check)."""
+    (where tl.dot runs on FMA units, and stages add nothing), an upper bound of what it allocates on sm_80+ with
+    pointer loads (utils.cross_compile compiles both to check). TMA's staging buffers take more (165 KB at head
+    dim 128), which only sm_90's 227 KB per block is asked for."""
     block_d = max(16, triton.next_power_of_2(head_dim))
     return elem_bytes * block_d * max(2 * config.block_m1 + 4 * config.block_n1,
                                       4 * config.block_m2 + 2 * config.block_n2)
@@ -103,6 +107,13 @@ def _fitted_config(head_dim: int, dtype: torch.dtype, causal: bool, smem: int | 
     elem_bytes = torch.finfo(dtype).bits // 8
     fits = [c for c in (preferred, *SMALL_SMEM_CONFIGS) if smem_estimate(c, head_dim, elem_bytes) <= smem]
     return fits[0] if fits else SMALL_SMEM_CONFIGS[-1]
+
+
+def default_tma(head_dim: int, causal: bool) -> bool:
+    """Whether `tma=None` loads the looped-over tiles through TMA (where the inputs allow it): at head dim 128
+    without a mask only, the one case where TMA beat pointer loads on an H200 (images/07_backward_benchmark.json,
+    columns triton_tma and triton_pointer; notebook 07 reads them). Elsewhere TMA was slower."""
+    return head_dim == 128 and not causal
 
 
 # --- kernels -------------------------------------------------------------------------------------------------
@@ -142,23 +153,31 @@ def _column_mask(offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, Q, DO, LSE2, DELTA, s_qm, s_qd, s_dom, s_dod,
+def _dkdv_inner(dk, dv, k, v, Q, DO, LSE2, DELTA, s_qm, s_qd, s_dom, s_dod, QD, DOD, b, h,
                 offs_n, offs_d, mask_d, N_Q, offset, qk_scale, start, end,
-                BLOCK_M: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr):
+                BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr,
+                TMA: tl.constexpr):
     """Accumulate dK_j, dV_j over the Q blocks [start, end): the tiles are transposed (keys × queries) so that
-    Pᵀ and dSᵀ come out of the dots directly."""
+    Pᵀ and dSᵀ come out of the dots directly. TMA: Q and dO tiles come through the host's descriptors QD, DOD
+    (indexed [batch, head, row, 0]; rows past the end read as zeros), else through pointers with masks."""
     for m0 in range(start, end, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         mask_m = offs_m < N_Q
-        q_t = tl.load(Q + offs_m[None, :] * s_qm + offs_d[:, None] * s_qd,
-                      mask=mask_m[None, :] & mask_d[:, None], other=0.0)                 # (D, M)
+        if TMA:
+            q_t = tl.trans(QD.load([b, h, m0, 0]).reshape(BLOCK_M, BLOCK_D))
+        else:
+            q_t = tl.load(Q + offs_m[None, :] * s_qm + offs_d[:, None] * s_qd,
+                          mask=mask_m[None, :] & mask_d[:, None], other=0.0)             # (D, M)
         lse2 = tl.load(LSE2 + offs_m, mask=mask_m, other=float("inf"))                 # rows past the end: P = 0
         s_t = tl.dot(k, q_t, input_precision=PRECISION)                                  # (N, M) = (S_ij)ᵀ
         p_t = tl.exp2(s_t * qk_scale - lse2[None, :])
         if MASKED:  # causal: key j visible to query i iff j <= i + offset
             p_t = tl.where(offs_n[:, None] <= offs_m[None, :] + offset, p_t, 0.0)
-        do = tl.load(DO + offs_m[:, None] * s_dom + offs_d[None, :] * s_dod,
-                     mask=mask_m[:, None] & mask_d[None, :], other=0.0)                  # (M, D)
+        if TMA:
+            do = DOD.load([b, h, m0, 0]).reshape(BLOCK_M, BLOCK_D)
+        else:
+            do = tl.load(DO + offs_m[:, None] * s_dom + offs_d[None, :] * s_dod,
+                         mask=mask_m[:, None] & mask_d[None, :], other=0.0)              # (M, D)
         dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)                    # dV += Pᵀ dO
         delta = tl.load(DELTA + offs_m, mask=mask_m, other=0.0)
         dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)                        # dPᵀ = V dOᵀ
@@ -168,12 +187,13 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, LSE2, DELTA, s_qm, s_qd, s_dom, s_dod,
 
 
 @triton.jit
-def _bwd_dkdv(Q, K, V, DO, LSE2, DELTA, DK, DV,
+def _bwd_dkdv(Q, K, V, DO, LSE2, DELTA, DK, DV, QD, DOD,
               s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
               s_dob, s_doh, s_dom, s_dod, s_dkb, s_dkh, s_dkn, s_dkd, s_dvb, s_dvh, s_dvn, s_dvd,
               H_KV, N_Q, N_K, qk_scale, sm_scale,
               GROUP: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr):
+              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
+              TMA: tl.constexpr):
     pid_n = tl.program_id(0)
     bhk = tl.program_id(1)
     b = (bhk // H_KV).to(tl.int64)
@@ -202,28 +222,34 @@ def _bwd_dkdv(Q, K, V, DO, LSE2, DELTA, DK, DV,
         q_ptr = Q + b * s_qb + h * s_qh
         do_ptr = DO + b * s_dob + h * s_doh
         row = (b * H_KV * GROUP + h) * N_Q
+        h32 = (bhk % H_KV) * GROUP + g  # the descriptors' coordinates are 32-bit
         if CAUSAL:
             dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, LSE2 + row, DELTA + row, s_qm, s_qd, s_dom, s_dod,
-                                 offs_n, offs_d, mask_d, N_Q, offset, qk_scale, start, split,
-                                 BLOCK_M, True, PRECISION)
+                                 QD, DOD, bhk // H_KV, h32, offs_n, offs_d, mask_d, N_Q, offset, qk_scale, start,
+                                 split, BLOCK_M, BLOCK_D, True, PRECISION, TMA)
         dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, LSE2 + row, DELTA + row, s_qm, s_qd, s_dom, s_dod,
-                             offs_n, offs_d, mask_d, N_Q, offset, qk_scale, split, N_Q,
-                             BLOCK_M, False, PRECISION)
+                             QD, DOD, bhk // H_KV, h32, offs_n, offs_d, mask_d, N_Q, offset, qk_scale, split, N_Q,
+                             BLOCK_M, BLOCK_D, False, PRECISION, TMA)
     dk *= sm_scale
     tl.store(DK + b * s_dkb + hk * s_dkh + offs_n[:, None] * s_dkn + offs_d[None, :] * s_dkd, dk, mask=mask_nd)
     tl.store(DV + b * s_dvb + hk * s_dvh + offs_n[:, None] * s_dvn + offs_d[None, :] * s_dvd, dv, mask=mask_nd)
 
 
 @triton.jit
-def _dq_inner(dq, q, do, lse2, delta, K, V, s_kn, s_kd, s_vn, s_vd,
+def _dq_inner(dq, q, do, lse2, delta, K, V, s_kn, s_kd, s_vn, s_vd, KD, VD, b, hk,
               offs_m, offs_d, mask_d, N_K, offset, qk_scale, start, end,
-              BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
-    """Accumulate dQ_i over the K/V blocks [start, end)."""
+              BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+              PRECISION: tl.constexpr, TMA: tl.constexpr):
+    """Accumulate dQ_i over the K/V blocks [start, end). TMA: K and V tiles through the host's descriptors."""
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_kv = (offs_n[None, :] < N_K) & mask_d[:, None]
-        k_t = tl.load(K + offs_n[None, :] * s_kn + offs_d[:, None] * s_kd, mask=mask_kv, other=0.0)   # (D, N)
-        v_t = tl.load(V + offs_n[None, :] * s_vn + offs_d[:, None] * s_vd, mask=mask_kv, other=0.0)   # (D, N)
+        if TMA:
+            k_t = tl.trans(KD.load([b, hk, n0, 0]).reshape(BLOCK_N, BLOCK_D))
+            v_t = tl.trans(VD.load([b, hk, n0, 0]).reshape(BLOCK_N, BLOCK_D))
+        else:
+            mask_kv = (offs_n[None, :] < N_K) & mask_d[:, None]
+            k_t = tl.load(K + offs_n[None, :] * s_kn + offs_d[:, None] * s_kd, mask=mask_kv, other=0.0)  # (D, N)
+            v_t = tl.load(V + offs_n[None, :] * s_vn + offs_d[:, None] * s_vd, mask=mask_kv, other=0.0)  # (D, N)
         s = tl.dot(q, k_t, input_precision=PRECISION)                                    # (M, N)
         p = tl.exp2(s * qk_scale - lse2[:, None])
         if MASKED:  # the ragged last block, and (causal) blocks crossing the diagonal
@@ -238,12 +264,13 @@ def _dq_inner(dq, q, do, lse2, delta, K, V, s_kn, s_kd, s_vn, s_vd,
 
 
 @triton.jit
-def _bwd_dq(Q, K, V, DO, LSE2, DELTA, DQ,
+def _bwd_dq(Q, K, V, DO, LSE2, DELTA, DQ, KD, VD,
             s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
             s_dob, s_doh, s_dom, s_dod, s_dqb, s_dqh, s_dqm, s_dqd,
             H, N_Q, N_K, qk_scale, sm_scale,
             GROUP: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr):
+            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
+            TMA: tl.constexpr):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
@@ -273,10 +300,11 @@ def _bwd_dq(Q, K, V, DO, LSE2, DELTA, DQ,
         split = N_K // BLOCK_N * BLOCK_N
     k_ptr = K + b * s_kb + hk * s_kh
     v_ptr = V + b * s_vb + hk * s_vh
-    dq = _dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, s_kn, s_kd, s_vn, s_vd, offs_m, offs_d, mask_d, N_K,
-                   offset, qk_scale, 0, split, BLOCK_N, False, CAUSAL, PRECISION)
-    dq = _dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, s_kn, s_kd, s_vn, s_vd, offs_m, offs_d, mask_d, N_K,
-                   offset, qk_scale, split, end, BLOCK_N, True, CAUSAL, PRECISION)
+    b32, hk32 = bh // H, bh % H // GROUP  # the descriptors' coordinates are 32-bit
+    dq = _dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, s_kn, s_kd, s_vn, s_vd, KD, VD, b32, hk32, offs_m, offs_d,
+                   mask_d, N_K, offset, qk_scale, 0, split, BLOCK_N, BLOCK_D, False, CAUSAL, PRECISION, TMA)
+    dq = _dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, s_kn, s_kd, s_vn, s_vd, KD, VD, b32, hk32, offs_m, offs_d,
+                   mask_d, N_K, offset, qk_scale, split, end, BLOCK_N, BLOCK_D, True, CAUSAL, PRECISION, TMA)
     dq *= sm_scale
     tl.store(DQ + b * s_dqb + h * s_dqh + offs_m[:, None] * s_dqm + offs_d[None, :] * s_dqd, dq, mask=mask_md)
 
@@ -287,14 +315,17 @@ def _bwd_dq(Q, K, V, DO, LSE2, DELTA, DQ,
 _launch_preprocess, _launch_dkdv, _launch_dq = (FastLauncher(k) for k in (_bwd_preprocess, _bwd_dkdv, _bwd_dq))
 
 
-def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, sm_scale=None, config=None):
+def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, sm_scale=None, config=None, tma=None):
     """Gradients (dq, dk, dv) of attention from the forward's output `o` and log-sum-exp `lse`.
 
     q (B, H, Nq, D), k and v (B, Hkv, Nk, D) with Hkv dividing H (GQA: dk, dv come back with Hkv heads, the
     gradients of the query heads of a group summed); do and o like q; lse float (B, H, Nq), natural log, -inf for
     rows that see no key (their gradients are 0). Head dims 16 to 256 (padded to a power of two). dtypes: fp16, bf16, fp32,
     fp64; in the interpreter bf16 is computed in fp32 (NumPy has no bf16 arithmetic). Any strides.
-    `config`: a BackwardConfig (default: `default_config`).
+    `config`: a BackwardConfig (default: `default_config`). `tma`: load the looped-over tiles (Q and dO in the
+    dK/dV pass, K and V in the dQ pass) through Hopper's TMA copy engine. None: where `default_tma` says it pays
+    and the inputs allow it (`utils.flash_triton.tma_supported`); False: pointer loads; True: TMA, or a
+    ValueError saying why not.
     """
     shape, scale = check_backward_inputs(do, q, k, v, o, lse, causal=causal, sm_scale=sm_scale, dtypes=DTYPES)
     if shape.head_dim not in HEAD_DIMS:
@@ -305,6 +336,13 @@ def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, sm_scale=None
         config = default_config(shape.head_dim, q.dtype, causal, smem)
     elif not isinstance(config, BackwardConfig):
         raise TypeError(f"config must be a BackwardConfig or None, got {type(config).__name__}")
+    if tma is not None and not isinstance(tma, bool):
+        raise TypeError(f"tma must be a bool or None, got {type(tma).__name__}")
+    allowed = tma_supported(q, k, v) and tma_supported(do, k, v)
+    if tma and not allowed:
+        raise ValueError("tma=True needs an sm_90+ GPU, 16-bit inputs, a power-of-two head dim and q, k, v, do "
+                         "with unit last stride and 16-byte aligned addresses and row strides")
+    tma = allowed and default_tma(shape.head_dim, causal) if tma is None else tma
     interpret = _interpreting()
     if q.device.type != "cuda" and not (interpret and q.device.type == "cpu"):
         raise ValueError(f"q is on {q.device}: the kernels need a CUDA device, or CPU tensors with "
@@ -329,14 +367,17 @@ def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, sm_scale=None
 
     _launch_preprocess[(cdiv(nq, 64), b * h)](
         o, do, lse, delta, lse2, *o.stride(), *do.stride(), h, nq, d, BLOCK_M=64, BLOCK_D=block_d, ACC=acc)
+    qd, dod, kd, vd = ((TensorDescriptor.from_tensor(t, [1, 1, rows, d]) if tma else None)
+                       for t, rows in ((q, config.block_m1), (do, config.block_m1), (k, config.block_n2),
+                                       (v, config.block_n2)))
     _launch_dkdv[(cdiv(nk, config.block_n1), b * hk)](
-        q, k, v, do, lse2, delta, dk, dv, *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(),
+        q, k, v, do, lse2, delta, dk, dv, qd, dod, *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(),
         *dv.stride(), hk, nq, nk, scale * LOG2E, scale,
         GROUP=h // hk, CAUSAL=causal, BLOCK_M=config.block_m1, BLOCK_N=config.block_n1, HEAD_DIM=d, BLOCK_D=block_d,
-        PRECISION=precision, ACC=acc, num_warps=config.warps1, num_stages=config.stages1)
+        PRECISION=precision, ACC=acc, TMA=tma, num_warps=config.warps1, num_stages=config.stages1)
     _launch_dq[(cdiv(nq, config.block_m2), b * h)](
-        q, k, v, do, lse2, delta, dq, *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
+        q, k, v, do, lse2, delta, dq, kd, vd, *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
         h, nq, nk, scale * LOG2E, scale,
         GROUP=h // hk, CAUSAL=causal, BLOCK_M=config.block_m2, BLOCK_N=config.block_n2, HEAD_DIM=d, BLOCK_D=block_d,
-        PRECISION=precision, ACC=acc, num_warps=config.warps2, num_stages=config.stages2)
+        PRECISION=precision, ACC=acc, TMA=tma, num_warps=config.warps2, num_stages=config.stages2)
     return dq, dk, dv

@@ -2,12 +2,15 @@
 
 FLOPs are counted as 2.5× the forward's (`utils.bench.attention_flops(mode="bwd")`: five N×N matmuls instead of
 two), halved when causal, as in the FlashAttention-2 paper. Every number of a table is measured in one run.
-Besides the default backends, `--backends` takes sdpa_efficient and `--peers triton-tutorial` the Triton
-tutorial's backward (utils.bench.peers, read from its own file; shapes it cannot run are "not supported").
+Besides the default backends, `--backends` takes sdpa_efficient, triton_pointer and triton_tma (the Triton backward
+with its loads pinned, notebook 07 section 8), and `--peers triton-tutorial` the Triton tutorial's backward
+(utils.bench.peers, read from its own file; shapes it cannot run are "not supported"). `--rounds 3` times each
+shape three times in rotated order and keeps the medians (the stored run's setting).
 """
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 import torch
@@ -16,9 +19,11 @@ from utils.bench import attention_flops, benchmark, peers, tflops
 from utils.cuda_backward import BWD_STEPS, flash_mma_backward, flash_mma_forward
 
 BACKENDS = ("triton", "sdpa_flash", "sdpa_cudnn")                # the default set (notebook 07's)
+# The Triton backward with its tile loads pinned (`tma=`): "triton" picks per shape (flash_triton_bwd.default_tma).
+TRITON_LOADS = {"triton_pointer": False, "triton_tma": True}
 # Measured when asked for; cuda_*: notebook 06b's tensor-core backward in each of its steps (utils.cuda_backward).
 CUDA_BACKENDS = tuple(f"cuda_{step}" for step in BWD_STEPS)
-KNOWN = BACKENDS + ("sdpa_efficient", "triton_tutorial") + CUDA_BACKENDS
+KNOWN = BACKENDS + tuple(TRITON_LOADS) + ("sdpa_efficient", "triton_tutorial") + CUDA_BACKENDS
 DEFAULT_OUT = Path(__file__).resolve().parents[2] / "images" / "07_backward_benchmark.json"
 
 
@@ -40,13 +45,13 @@ def _sdpa_backward(backend_name):
     return autograd_backward(sdpa_pinned(backend_name.removeprefix("sdpa_")))
 
 
-def _triton_backward(config=None):
+def _triton_backward(config=None, tma=None):
     def prepare(q, k, v, do, causal):
         from utils.flash_triton import flash_attention_forward
         from utils.flash_triton_bwd import flash_attention_backward
 
         o, lse = flash_attention_forward(q, k, v, causal=causal)
-        return lambda: flash_attention_backward(do, q, k, v, o, lse, causal=causal, config=config)
+        return lambda: flash_attention_backward(do, q, k, v, o, lse, causal=causal, config=config, tma=tma)
     return prepare
 
 
@@ -59,22 +64,28 @@ def _cuda_backward(step):
 
 def run_backward_benchmark(seqlens=(2048, 4096, 8192, 16384), head_dims=(64, 128), causal=(False, True), *,
                            batch=4, heads=16, dtype=torch.bfloat16, backends=BACKENDS, config=None,
-                           tutorial=None) -> list[dict]:
+                           tutorial=None, rounds=1) -> list[dict]:
     """Time the backward of each backend on each shape; returns rows {backend, seqlen, head_dim, causal, ms,
     tflops, error}. A backend that cannot run a shape gets ms=None and the error's message ("not supported: ..."
     where the tutorial says so beforehand). `tutorial`: the peer (utils.bench.peers.TutorialPeer) that backend
-    "triton_tutorial" runs. Needs a CUDA GPU."""
+    "triton_tutorial" runs. `rounds` > 1: each shape is timed that many times, round r starting at the r-th
+    backend, and a row keeps the median (so no backend is always the one timed first, on a cold GPU). Needs a
+    CUDA GPU."""
     unknown = [b for b in backends if b not in KNOWN]
     if unknown:
         raise ValueError(f"unknown backends {unknown}; known: {', '.join(KNOWN)}")
     if ("triton_tutorial" in backends) != (tutorial is not None):
         raise ValueError("backend 'triton_tutorial' and tutorial= (a utils.bench.peers.TutorialPeer) go together")
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"rounds must be a positive int, got {rounds!r}")
     if not torch.cuda.is_available():
         raise RuntimeError("run_backward_benchmark needs a CUDA GPU")
     capability = torch.cuda.get_device_capability()
     special = {"triton": lambda: _triton_backward(config), "triton_tutorial": lambda: autograd_backward(tutorial),
+               **{b: (lambda tma=tma: _triton_backward(config, tma)) for b, tma in TRITON_LOADS.items()},
                **{b: (lambda step=b.removeprefix("cuda_"): _cuda_backward(step)) for b in CUDA_BACKENDS}}
     makers = {b: special[b]() if b in special else _sdpa_backward(b) for b in backends}
+    names = list(makers)
     rows = []
     for d in head_dims:
         for n in seqlens:
@@ -83,20 +94,31 @@ def run_backward_benchmark(seqlens=(2048, 4096, 8192, 16384), head_dims=(64, 128
                            for _ in range(4))
             for c in causal:
                 flops = attention_flops(batch, heads, n, n, d, causal=c, mode="bwd")
-                for name, prepare in makers.items():
-                    row = dict(backend=name, seqlen=n, head_dim=d, causal=c, ms=None, tflops=None, error=None)
-                    why = None if name != "triton_tutorial" else tutorial.unsupported(
-                        d, dtype, c, seqlen=n, mode="bwd", capability=capability)
-                    if why is not None:
-                        row["error"] = f"not supported: {why}"
-                        rows.append(row)
-                        continue
-                    try:
-                        ms = benchmark(prepare(q, k, v, do, c))
-                        row.update(ms=ms, tflops=tflops(flops, ms))
-                    except Exception as err:  # noqa: BLE001 - a backend missing on this GPU is a result too
-                        row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
-                    rows.append(row)
+                shape = {b: dict(backend=b, seqlen=n, head_dim=d, causal=c, ms=None, tflops=None, error=None)
+                         for b in names}
+                times, kept = {b: [] for b in names}, {}   # kept: closures prepared in round 0, for the rest
+                for r in range(rounds):
+                    for name in names[r % len(names):] + names[:r % len(names)]:
+                        row = shape[name]
+                        why = None if name != "triton_tutorial" else tutorial.unsupported(
+                            d, dtype, c, seqlen=n, mode="bwd", capability=capability)
+                        if why is not None:
+                            row["error"] = f"not supported: {why}"
+                        if row["error"] is not None:
+                            continue
+                        try:
+                            fn = kept.pop(name, None) or makers[name](q, k, v, do, c)
+                            times[name].append(benchmark(fn))
+                            if r + 1 < rounds:
+                                kept[name] = fn
+                        except Exception as err:  # noqa: BLE001 - a backend missing on this GPU is a result too
+                            row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+                kept.clear()
+                for name in names:
+                    if shape[name]["error"] is None and times[name]:
+                        ms = statistics.median(times[name])
+                        shape[name].update(ms=ms, tflops=tflops(flops, ms))
+                    rows.append(shape[name])
             del q, k, v, do
             torch.cuda.empty_cache()
     return rows
@@ -117,12 +139,12 @@ def ratios(rows: list[dict], numerator="triton", denominator="sdpa_flash") -> di
 
 
 def format_table(rows: list[dict], course: str = "triton") -> str:
-    """A plain-text table: one line per shape, TFLOP/s per backend, the `course` / sdpa_flash ratio and, when the
-    tutorial was measured, the `course` / triton_tutorial ratio."""
+    """A plain-text table: one line per shape, TFLOP/s per backend, and the `course` / sdpa_flash, sdpa_cudnn and
+    triton_tutorial ratios of those that were measured."""
     backends = [b for b in KNOWN if any(r["backend"] == b for r in rows)]
     width = {b: max(11, len(b)) for b in backends}
-    columns = [(f"{course}/flash", "sdpa_flash")] + [(f"{course}/tutorial", "triton_tutorial")] * (
-        "triton_tutorial" in backends)
+    columns = [(f"{course}/{b.removeprefix('sdpa_').removeprefix('triton_')}", b)
+               for b in ("sdpa_flash", "sdpa_cudnn", "triton_tutorial") if b in backends]
     ratio = {title: ratios(rows, course, b) if {course, b} <= set(backends) else {} for title, b in columns}
     lines = [f"{'N':>6} {'D':>4} {'causal':>6} " + " ".join(f"{b:>{width[b]}}" for b in backends)
              + "".join(f"  {title:>12}" for title, _ in columns)]
@@ -152,6 +174,14 @@ def triton_tiles(head_dims, dtype, smem: int | None = None) -> dict:
             for d in head_dims for c in (False, True)}
 
 
+def triton_loads(head_dims) -> dict:
+    """{"d64_full": False, ...}: whether backend "triton" loads its tiles through TMA on an sm_90 GPU with aligned
+    16-bit inputs (utils.flash_triton_bwd.default_tma), stored with a run beside its tiles."""
+    from utils.flash_triton_bwd import default_tma
+
+    return {f"d{d}_{'causal' if c else 'full'}": default_tma(d, c) for d in head_dims for c in (False, True)}
+
+
 def save_results(rows: list[dict], path, environment: dict | None = None, **meta) -> Path:
     """Write {"environment": ..., "meta": meta, "rows": rows} as JSON (environment: utils.gpu.environment)."""
     path = Path(path)
@@ -176,7 +206,7 @@ def plot_backward_benchmark(rows: list[dict], title: str = ""):
         raise ValueError("no rows to plot")
     fig, axes = plt.subplots(1, len(head_dims), figsize=(6 * len(head_dims), 4), sharey=True, squeeze=False)
     colors = {"triton": "C0", "sdpa_flash": "C1", "sdpa_cudnn": "C2", "sdpa_efficient": "C3", "triton_tutorial": "C4",
-              **{b: f"C{5 + i}" for i, b in enumerate(CUDA_BACKENDS)}}
+              "triton_pointer": "C5", "triton_tma": "C6", **{b: f"C{7 + i}" for i, b in enumerate(CUDA_BACKENDS)}}
     for ax, d in zip(axes[0], head_dims):
         for b in KNOWN:
             for c, style in ((False, "-"), (True, "--")):
@@ -211,6 +241,7 @@ def parse_args(argv=None):
                         default=list(BACKENDS), help="the tutorial is added by --peers")
     parser.add_argument("--seqlens", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--rounds", type=int, default=1, help="time each shape this often, in rotated order")
     peers.add_arguments(parser, choices=("triton-tutorial",))  # warp specialization only changes its forward
     return parser.parse_args(argv)
 
@@ -225,15 +256,16 @@ def main(argv=None) -> list[dict]:
     tutorial = peers.from_args(args).get("triton-tutorial")
     backends = [*args.backends, *(["triton_tutorial"] if tutorial else [])]
     rows = run_backward_benchmark(tuple(args.seqlens), tuple(args.head_dims), dtype=DTYPES[args.dtype],
-                                  backends=backends, tutorial=tutorial)
+                                  backends=backends, tutorial=tutorial, rounds=args.rounds)
     command = "python -m utils.bench.backward " + " ".join(sys.argv[1:] if argv is None else argv)
     env = gpu.environment(command)
     extra = dict(peers={"triton_tutorial": tutorial.provenance()}) if tutorial else {}
     if "triton" in backends:
         extra["configs"] = triton_tiles(args.head_dims, DTYPES[args.dtype],
                                         gpu.shared_memory_per_block(torch.device("cuda")))
+        extra["tma"] = triton_loads(args.head_dims)
     save_results(rows, args.out, environment=env, gpu=env["gpu"], torch=env["torch"], triton=env["triton"],
-                 batch=4, heads=16, dtype=str(DTYPES[args.dtype]).removeprefix("torch."), **extra)
+                 batch=4, heads=16, dtype=str(DTYPES[args.dtype]).removeprefix("torch."), rounds=args.rounds, **extra)
     plot_backward_benchmark(rows, f"{env['gpu']}, {args.dtype}, B=4, H=16").savefig(args.out.with_suffix(".png"),
                                                                                     bbox_inches="tight")
     print(format_table(rows, course=next((b for b in backends if not b.startswith("sdpa")), "triton")))
