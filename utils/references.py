@@ -74,9 +74,9 @@ REFERENCES = {
     "hopper_ncu": (1, ["utils.bench.ncu", "--worklog", "hopper", "--name", "06c_ncu_h200"]),  # needs ncu
     "mma_ncu": (1, ["utils.bench.ncu", "--worklog", "mma", "--steps", "causal_skip", "split_kv", "--head-dim", "128",
                     "--seqlen", "4096", "--name", "06b_ncu_steps78_h200"]),
-    # the Triton backward as registered and with its loads pinned (notebook 07, section 7), beside SDPA's backwards
-    "backward": (1, ["utils.bench.backward", "--backends", "triton", "triton_pointer", "triton_tma", "sdpa_flash",
-                     "sdpa_cudnn", "--rounds", "3", "--out", "images/07_backward_benchmark.json"]),
+    # the Triton backward as registered and with its loads pinned (notebook 07, sections 8 and 9), beside SDPA's
+    "backward": (1, ["utils.bench.backward", "--backends", "triton", "triton_pointer", "triton_tma", "triton_ws",
+                     "sdpa_flash", "sdpa_cudnn", "--rounds", "3", "--out", "images/07_backward_benchmark.json"]),
     # the tiles of the Triton backward's two passes, each candidate timed in the whole backward (default_config)
     "backward_tiles": (1, ["utils.bench.backward_tiles", "--out", "images/07_backward_tiles_h200.json"]),
     # notebook 06b's tensor-core backward, every step of its worklog beside SDPA's FA2 and cuDNN backwards
