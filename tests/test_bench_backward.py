@@ -57,8 +57,8 @@ def test_run_small_on_gpu():
 
 @pytest.mark.gpu
 def test_pinned_loads_on_gpu():
-    """triton_pointer, triton_tma and triton_ws time the same backward with its loads pinned; TMA (and the
-    warp-specialised loops on it) runs on sm_90+ only."""
+    """triton_pointer, triton_tma and triton_tma_stats time the same backward with its loads pinned; TMA runs on
+    sm_90+ only."""
     from utils import gpu
 
     rows = run_backward_benchmark(seqlens=(512,), head_dims=(128,), causal=(False,), batch=1, heads=2,
@@ -66,9 +66,9 @@ def test_pinned_loads_on_gpu():
     by = {r["backend"]: r for r in rows}
     assert by["triton"]["tflops"] > 0 and by["triton_pointer"]["tflops"] > 0, rows
     if gpu.capability() >= (9, 0):
-        assert by["triton_tma"]["tflops"] > 0 and by["triton_ws"]["tflops"] > 0, rows
+        assert by["triton_tma"]["tflops"] > 0 and by["triton_tma_stats"]["tflops"] > 0, rows
     else:
-        for name in ("triton_tma", "triton_ws"):
+        for name in ("triton_tma", "triton_tma_stats"):
             assert by[name]["ms"] is None and "tma=True needs an sm_90" in by[name]["error"], rows
 
 

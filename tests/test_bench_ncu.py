@@ -85,3 +85,22 @@ def test_format_table_shows_the_headline_and_marks_what_is_missing():
 def test_main_without_ncu_says_what_it_needs():
     with pytest.raises(SystemExit, match="needs Nsight Compute"):
         ncu.main(["--steps", "overlap"])
+
+
+def test_the_triton_backward_worklog_profiles_each_pass_on_its_own():
+    args = ncu.parse_args(["--worklog", "triton_bwd", "--seqlen", "4096", "--causal"])
+    assert args.steps == ["pointer", "tma", "tma_stats"] and args.name == "triton_bwd_ncu"
+    for kernel, regex in (("dkdv", "regex:_bwd_dkdv"), ("dq", "regex:_bwd_dq")):
+        cmd = ncu.ncu_command("/opt/ncu", "triton_bwd", "tma_stats", args, kernel)
+        assert cmd[cmd.index("-k") + 1] == regex and cmd[cmd.index("--launch-skip") + 1] == "1"
+        child = cmd[cmd.index("utils.bench.ncu") - 1:]
+        assert child[child.index("--worklog") + 1] == "triton_bwd" and child[child.index("--steps") + 1] == "tma_stats"
+        assert child[child.index("--seqlen") + 1] == "4096" and "--causal" in child
+    assert ncu.profile_label("tma", "triton_bwd", "dq") == "b2_tma dq"
+    assert ncu.profile_label("overlap", "hopper") == ncu.step_label("overlap", "hopper")
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        ncu.ncu_command("/opt/ncu", "triton_bwd", "tma_stats", args)
+    with pytest.raises(ValueError, match="step must be one of"):
+        ncu.profile_label("overlap", "triton_bwd", "dq")
+    with pytest.raises(SystemExit):
+        ncu.parse_args(["--worklog", "triton_bwd", "--steps", "overlap"])

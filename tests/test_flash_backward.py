@@ -142,7 +142,7 @@ def test_autograd_function_is_exposed():
 # --- the Triton kernels --------------------------------------------------------------------------------------
 
 from utils import gpu  # noqa: E402
-from utils.flash_triton_bwd import (WS_HEAD_DIMS, BackwardConfig, default_config, default_tma,  # noqa: E402
+from utils.flash_triton_bwd import (BackwardConfig, default_config, default_tma,  # noqa: E402
                                     flash_attention_backward)
 from utils.testing import ODD_SHAPES_64_128  # noqa: E402
 
@@ -240,16 +240,15 @@ def test_tma_argument_is_checked():
         flash_attention_backward(do, q, k, v, o, lse, tma="yes")
     with pytest.raises(ValueError, match="tma=True needs an sm_90"):  # fp32: TMA takes 16-bit inputs only
         flash_attention_backward(do, q, k, v, o, lse, tma=True)
-    with pytest.raises(TypeError, match="warp_specialize must be a bool or None, got int"):
-        flash_attention_backward(do, q, k, v, o, lse, warp_specialize=1)
-    with pytest.raises(ValueError, match="warp_specialize=True needs the TMA loads"):
-        flash_attention_backward(do, q, k, v, o, lse, tma=False, warp_specialize=True)
+    with pytest.raises(TypeError, match="tma_stats must be a bool or None, got int"):
+        flash_attention_backward(do, q, k, v, o, lse, tma_stats=1)
+    with pytest.raises(ValueError, match="tma_stats=True needs the TMA loads"):
+        flash_attention_backward(do, q, k, v, o, lse, tma=False, tma_stats=True)
 
 
 def test_default_tma_only_where_it_paid():
-    """TMA with warp-specialised loops beat pointer loads on the H200 at head dim 128, causal or not, and TMA lost
-    at 64 (notebook 07, sections 8 and 9)."""
-    assert WS_HEAD_DIMS == (128,)
+    """The whole dK/dV loop through TMA (tiles, lse₂ and D) beat pointer loads on the H200 at head dim 128, causal
+    or not, and TMA lost at 64 (notebook 07, sections 8 and 9)."""
     assert default_tma(128, False) and default_tma(128, True)
     assert not any(default_tma(d, c) for d in (16, 32, 64, 80, 96, 256) for c in (False, True))
 
@@ -268,53 +267,43 @@ def test_triton_backward_tma_matches_autograd(causal, dtype):
         do = torch.randn_like(q)
         o, lse = forward_lse(q, k, v, causal)
         truth = reference_gradients(q, k, v, do, causal=causal)
-        for tma, ws in ((False, False), (True, False), (True, None)):  # None: specialised where allowed
+        for tma, stats in ((False, False), (True, False), (True, None)):  # None: lse₂ and D too where allowed
             grads = flash_attention_backward(do, q, k, v, o.to(dtype), lse.float(), causal=causal, tma=tma,
-                                             warp_specialize=ws)
+                                             tma_stats=stats)
             assert_gradients_close(grads, truth, dtype)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="TMA needs an sm_90+ GPU")
 @pytest.mark.parametrize("causal", [False, True])
-def test_warp_specialized_backward_matches_pointer_loads(causal):
-    """The warp-specialised loops compute what the pointer loops do: the same dots in the same order, so the
-    gradients agree to rounding, on GQA and on a ragged end (N = 300, a multiple of 4 but not of the tiles)."""
-    for b, h, hk, n in ((2, 4, 4, 1024), (1, 4, 2, 300)):
-        q, k, v = random_qkv(b, h, n, n, 128, kv_heads=hk, dtype=torch.bfloat16, device=DEVICE, seed=n)
+def test_tma_stats_backward_matches_pointer_loads(causal):
+    """lse₂ and D through descriptors compute what the pointer loads do, on GQA, a ragged end (N = 300, a multiple
+    of 4 but not of the tiles), both head dims and 4-warp tiles; N = 302 falls back (None) or says why (True)."""
+    four = BackwardConfig(32, 64, 4, 3, 64, 32, 4, 3)
+    for b, h, hk, n, d, config in ((2, 4, 4, 1024, 128, None), (1, 4, 2, 300, 128, None), (1, 4, 2, 300, 64, None),
+                                   (1, 2, 2, 256, 128, four)):
+        q, k, v = random_qkv(b, h, n, n, d, kv_heads=hk, dtype=torch.bfloat16, device=DEVICE, seed=n + d)
         do = torch.randn_like(q)
         o, lse = forward_lse(q, k, v, causal)
         args = (do, q, k, v, o.to(q.dtype), lse.float())
-        ws = flash_attention_backward(*args, causal=causal, tma=True, warp_specialize=True)
-        pointer = flash_attention_backward(*args, causal=causal, tma=False)
-        for name, got, want in zip(("dq", "dk", "dv"), ws, pointer):
-            torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2, msg=lambda m, name=name: f"{name}: {m}")
+        stats = flash_attention_backward(*args, causal=causal, config=config, tma=True, tma_stats=True)
+        pointer = flash_attention_backward(*args, causal=causal, config=config, tma=False)
+        for name, got, want in zip(("dq", "dk", "dv"), stats, pointer):
+            torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2,
+                                       msg=lambda m, name=name, d=d, n=n: f"{name} (d={d}, N={n}): {m}")
     q, k, v = random_qkv(1, 2, 302, 302, 128, dtype=torch.bfloat16, device=DEVICE)
     o, lse = forward_lse(q, k, v, causal)
-    with pytest.raises(ValueError, match="seqlen_q a multiple of 4"):
-        flash_attention_backward(torch.randn_like(q), q, k, v, o.to(q.dtype), lse.float(), causal=causal,
-                                 warp_specialize=True)
-    with pytest.raises(ValueError, match="a head dim in"):
-        q64, k64, v64 = random_qkv(1, 2, 256, 256, 64, dtype=torch.bfloat16, device=DEVICE)
-        o64, lse64 = forward_lse(q64, k64, v64, causal)
-        flash_attention_backward(torch.randn_like(q64), q64, k64, v64, o64.to(q64.dtype), lse64.float(),
-                                 causal=causal, tma=True, warp_specialize=True)
-    # Tiles with 4 warps a pass: Triton cannot specialise those loops, so None keeps them plain and True says why.
-    q, k, v = random_qkv(1, 2, 256, 256, 128, dtype=torch.bfloat16, device=DEVICE)
-    o, lse = forward_lse(q, k, v, causal)
     args = (torch.randn_like(q), q, k, v, o.to(q.dtype), lse.float())
-    four = BackwardConfig(32, 64, 4, 3, 64, 32, 4, 3)
-    plain = flash_attention_backward(*args, causal=causal, config=four, tma=True, warp_specialize=False)
-    for got, want in zip(flash_attention_backward(*args, causal=causal, config=four), plain):
-        torch.testing.assert_close(got, want, atol=0, rtol=0)
-    with pytest.raises(ValueError, match="at least 8 warps in both passes"):
-        flash_attention_backward(*args, causal=causal, config=four, warp_specialize=True)
+    truth = reference_gradients(q, k, v, args[0], causal=causal)
+    assert_gradients_close(flash_attention_backward(*args, causal=causal, tma=True), truth, torch.bfloat16)
+    with pytest.raises(ValueError, match="seqlen_q a multiple of 4"):
+        flash_attention_backward(*args, causal=causal, tma_stats=True)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="TMA needs an sm_90+ GPU")
 def test_default_loads_follow_default_tma(monkeypatch):
-    """tma=None makes descriptors exactly where default_tma says so (4 tiles, and lse₂ and D for the specialised
+    """tma=None makes descriptors exactly where default_tma says so (4 tiles, and lse₂ and D for the dK/dV
     loops); unaligned inputs fall back to pointers."""
     import utils.flash_triton_bwd as bwd
 

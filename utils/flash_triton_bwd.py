@@ -13,8 +13,8 @@ atomics are needed (as in the paper's Triton implementation):
 Causal masking is aligned bottom-right (query i sees key j <= i + Nk − Nq). Tiles entirely above the diagonal are
 skipped; only tiles that cross it, or the ragged end of the sequence, pay for a mask (a constexpr flag compiles
 two versions of the inner loop). Pointer arithmetic with masks, any strides; on Hopper, at head dim 128, the tiles
-the passes loop over come through TMA descriptors instead (`default_tma`; notebook 07, section 8), and the loops
-are warp-specialised: some warps only issue those loads while the others compute (section 9).
+the passes loop over come through TMA descriptors instead (`default_tma`; notebook 07, section 8), and so do the
+per-row lse₂ and D that the dK/dV loop reads with each Q tile (section 9).
 """
 from __future__ import annotations
 
@@ -33,17 +33,11 @@ from utils.flash_triton import tma_supported
 from utils.launch import FastLauncher
 from utils.triton_utils import cdiv
 
-__all__ = ["flash_attention_backward", "BackwardConfig", "default_config", "default_tma", "WS_HEAD_DIMS", "WS_MIN_WARPS",
-           "HEAD_DIMS", "DTYPES"]
+__all__ = ["flash_attention_backward", "BackwardConfig", "default_config", "default_tma", "HEAD_DIMS", "DTYPES"]
 
 HEAD_DIMS = tuple(range(16, 257))   # as the forward (utils.flash_triton): padded to a power of two
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 LOG2E = 1.4426950408889634
-# Head dims whose loops may be warp-specialised: the one measured (notebook 07, section 9). At 64, Triton 3.7's
-# warp-specialisation pass fails to compile the dK/dV loop; with 4 warps a pass, Triton 3.6's fails at 128 too
-# (images/07_backward_tiles_h200.json), so both passes need WS_MIN_WARPS.
-WS_HEAD_DIMS = (128,)
-WS_MIN_WARPS = 8
 
 
 @dataclass(frozen=True)
@@ -117,11 +111,11 @@ def _fitted_config(head_dim: int, dtype: torch.dtype, causal: bool, smem: int | 
 
 
 def default_tma(head_dim: int, causal: bool) -> bool:
-    """Whether `tma=None` loads the looped-over tiles through TMA, with warp-specialised loops (where the inputs
+    """Whether `tma=None` loads the looped-over tiles, and lse₂ and D with them, through TMA (where the inputs
     allow it): at head dim 128, where that beat pointer loads on an H200 (images/07_backward_benchmark.json,
-    columns triton_ws and triton_pointer; notebook 07, sections 8 and 9). At 64 TMA was slower; causal at 128,
-    TMA alone was too, and only the warp-specialised loops paid."""
-    return head_dim in WS_HEAD_DIMS
+    columns triton_tma_stats and triton_pointer; notebook 07, sections 8 and 9). At 64 TMA was slower; causal
+    at 128, the tiles alone through TMA were too, and only the whole loop through TMA paid."""
+    return head_dim == 128
 
 
 # --- kernels -------------------------------------------------------------------------------------------------
@@ -164,13 +158,13 @@ def _column_mask(offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
 def _dkdv_inner(dk, dv, k, v, Q, DO, LSE2, DELTA, s_qm, s_qd, s_dom, s_dod, QD, DOD, LD, DD, b, h,
                 offs_n, offs_d, mask_d, N_Q, offset, qk_scale, start, end,
                 BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr,
-                TMA: tl.constexpr, WS: tl.constexpr):
+                TMA: tl.constexpr, STATS: tl.constexpr):
     """Accumulate dK_j, dV_j over the Q blocks [start, end): the tiles are transposed (keys × queries) so that
     Pᵀ and dSᵀ come out of the dots directly. TMA: Q and dO tiles come through the host's descriptors QD, DOD
     (indexed [batch, head, row, 0]; rows past the end read as zeros), else through pointers with masks.
-    WS: the loop is warp-specialised, and lse₂ and D come through descriptors LD, DD too, so that every load of
-    the loop is a TMA copy the loading warps can issue."""
-    for m0 in tl.range(start, end, BLOCK_M, warp_specialize=WS):
+    STATS: lse₂ and D come through descriptors LD, DD too (indexed [batch, head, row]), so that every load of
+    the loop is a TMA copy."""
+    for m0 in range(start, end, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         mask_m = offs_m < N_Q
         if TMA:
@@ -178,7 +172,7 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, LSE2, DELTA, s_qm, s_qd, s_dom, s_dod, QD, 
         else:
             q_t = tl.load(Q + offs_m[None, :] * s_qm + offs_d[:, None] * s_qd,
                           mask=mask_m[None, :] & mask_d[:, None], other=0.0)             # (D, M)
-        if WS:
+        if STATS:
             lse2 = LD.load([b, h, m0]).reshape(BLOCK_M)   # rows past the end read 0: their Q and dO rows are 0
         else:
             lse2 = tl.load(LSE2 + offs_m, mask=mask_m, other=float("inf"))             # rows past the end: P = 0
@@ -192,7 +186,7 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, LSE2, DELTA, s_qm, s_qd, s_dom, s_dod, QD, 
             do = tl.load(DO + offs_m[:, None] * s_dom + offs_d[None, :] * s_dod,
                          mask=mask_m[:, None] & mask_d[None, :], other=0.0)              # (M, D)
         dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)                    # dV += Pᵀ dO
-        if WS:
+        if STATS:
             delta = DD.load([b, h, m0]).reshape(BLOCK_M)
         else:
             delta = tl.load(DELTA + offs_m, mask=mask_m, other=0.0)
@@ -209,7 +203,7 @@ def _bwd_dkdv(Q, K, V, DO, LSE2, DELTA, DK, DV, QD, DOD, LD, DD,
               H_KV, N_Q, N_K, qk_scale, sm_scale,
               GROUP: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
-              TMA: tl.constexpr, WS: tl.constexpr):
+              TMA: tl.constexpr, STATS: tl.constexpr):
     pid_n = tl.program_id(0)
     bhk = tl.program_id(1)
     b = (bhk // H_KV).to(tl.int64)
@@ -242,10 +236,10 @@ def _bwd_dkdv(Q, K, V, DO, LSE2, DELTA, DK, DV, QD, DOD, LD, DD,
         if CAUSAL:
             dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, LSE2 + row, DELTA + row, s_qm, s_qd, s_dom, s_dod,
                                  QD, DOD, LD, DD, bhk // H_KV, h32, offs_n, offs_d, mask_d, N_Q, offset, qk_scale,
-                                 start, split, BLOCK_M, BLOCK_D, True, PRECISION, TMA, WS)
+                                 start, split, BLOCK_M, BLOCK_D, True, PRECISION, TMA, STATS)
         dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, LSE2 + row, DELTA + row, s_qm, s_qd, s_dom, s_dod,
                              QD, DOD, LD, DD, bhk // H_KV, h32, offs_n, offs_d, mask_d, N_Q, offset, qk_scale, split,
-                             N_Q, BLOCK_M, BLOCK_D, False, PRECISION, TMA, WS)
+                             N_Q, BLOCK_M, BLOCK_D, False, PRECISION, TMA, STATS)
     dk *= sm_scale
     tl.store(DK + b * s_dkb + hk * s_dkh + offs_n[:, None] * s_dkn + offs_d[None, :] * s_dkd, dk, mask=mask_nd)
     tl.store(DV + b * s_dvb + hk * s_dvh + offs_n[:, None] * s_dvn + offs_d[None, :] * s_dvd, dv, mask=mask_nd)
@@ -255,10 +249,9 @@ def _bwd_dkdv(Q, K, V, DO, LSE2, DELTA, DK, DV, QD, DOD, LD, DD,
 def _dq_inner(dq, q, do, lse2, delta, K, V, s_kn, s_kd, s_vn, s_vd, KD, VD, b, hk,
               offs_m, offs_d, mask_d, N_K, offset, qk_scale, start, end,
               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-              PRECISION: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr):
-    """Accumulate dQ_i over the K/V blocks [start, end). TMA: K and V tiles through the host's descriptors.
-    WS: the loop is warp-specialised (its only loads are those two TMA copies)."""
-    for n0 in tl.range(start, end, BLOCK_N, warp_specialize=WS):
+              PRECISION: tl.constexpr, TMA: tl.constexpr):
+    """Accumulate dQ_i over the K/V blocks [start, end). TMA: K and V tiles through the host's descriptors."""
+    for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         if TMA:
             k_t = tl.trans(KD.load([b, hk, n0, 0]).reshape(BLOCK_N, BLOCK_D))
@@ -287,7 +280,7 @@ def _bwd_dq(Q, K, V, DO, LSE2, DELTA, DQ, KD, VD,
             H, N_Q, N_K, qk_scale, sm_scale,
             GROUP: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
-            TMA: tl.constexpr, WS: tl.constexpr):
+            TMA: tl.constexpr):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
@@ -319,9 +312,9 @@ def _bwd_dq(Q, K, V, DO, LSE2, DELTA, DQ, KD, VD,
     v_ptr = V + b * s_vb + hk * s_vh
     b32, hk32 = bh // H, bh % H // GROUP  # the descriptors' coordinates are 32-bit
     dq = _dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, s_kn, s_kd, s_vn, s_vd, KD, VD, b32, hk32, offs_m, offs_d,
-                   mask_d, N_K, offset, qk_scale, 0, split, BLOCK_N, BLOCK_D, False, CAUSAL, PRECISION, TMA, WS)
+                   mask_d, N_K, offset, qk_scale, 0, split, BLOCK_N, BLOCK_D, False, CAUSAL, PRECISION, TMA)
     dq = _dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, s_kn, s_kd, s_vn, s_vd, KD, VD, b32, hk32, offs_m, offs_d,
-                   mask_d, N_K, offset, qk_scale, split, end, BLOCK_N, BLOCK_D, True, CAUSAL, PRECISION, TMA, WS)
+                   mask_d, N_K, offset, qk_scale, split, end, BLOCK_N, BLOCK_D, True, CAUSAL, PRECISION, TMA)
     dq *= sm_scale
     tl.store(DQ + b * s_dqb + h * s_dqh + offs_m[:, None] * s_dqm + offs_d[None, :] * s_dqd, dq, mask=mask_md)
 
@@ -333,7 +326,7 @@ _launch_preprocess, _launch_dkdv, _launch_dq = (FastLauncher(k) for k in (_bwd_p
 
 
 def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, sm_scale=None, config=None, tma=None,
-                             warp_specialize=None):
+                             tma_stats=None):
     """Gradients (dq, dk, dv) of attention from the forward's output `o` and log-sum-exp `lse`.
 
     q (B, H, Nq, D), k and v (B, Hkv, Nk, D) with Hkv dividing H (GQA: dk, dv come back with Hkv heads, the
@@ -343,10 +336,9 @@ def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, sm_scale=None
     `config`: a BackwardConfig (default: `default_config`). `tma`: load the looped-over tiles (Q and dO in the
     dK/dV pass, K and V in the dQ pass) through Hopper's TMA copy engine. None: where `default_tma` says it pays
     and the inputs allow it (`utils.flash_triton.tma_supported`); False: pointer loads; True: TMA, or a
-    ValueError saying why not. `warp_specialize`: split the warps of each program into ones that only issue the
-    TMA loads and ones that compute, so that loads and math overlap (Triton's `tl.range(warp_specialize=True)`).
-    None: wherever TMA is on, the head dim is in WS_HEAD_DIMS and both passes have WS_MIN_WARPS warps; True:
-    that, or a ValueError saying why not.
+    ValueError saying why not. `tma_stats`: with TMA, load the lse₂ and D of each Q tile of the dK/dV loop
+    through descriptors too. None: wherever TMA is on and seqlen_q is a multiple of 4 (16-byte aligned fp32
+    rows); True: that, or a ValueError saying why not.
     """
     shape, scale = check_backward_inputs(do, q, k, v, o, lse, causal=causal, sm_scale=sm_scale, dtypes=DTYPES)
     if shape.head_dim not in HEAD_DIMS:
@@ -357,7 +349,7 @@ def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, sm_scale=None
         config = default_config(shape.head_dim, q.dtype, causal, smem)
     elif not isinstance(config, BackwardConfig):
         raise TypeError(f"config must be a BackwardConfig or None, got {type(config).__name__}")
-    for name, value in (("tma", tma), ("warp_specialize", warp_specialize)):
+    for name, value in (("tma", tma), ("tma_stats", tma_stats)):
         if value is not None and not isinstance(value, bool):
             raise TypeError(f"{name} must be a bool or None, got {type(value).__name__}")
     if tma or (tma is None and default_tma(shape.head_dim, causal)):  # asked only then: it costs host time
@@ -367,15 +359,12 @@ def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, sm_scale=None
                              "with unit last stride and 16-byte aligned addresses and row strides")
         tma = allowed
     tma = bool(tma)
-    # lse₂ and D go through descriptors too: their rows (seqlen_q fp32 values) must be 16-byte aligned.
-    ws_allowed = (tma and shape.head_dim in WS_HEAD_DIMS and shape.seqlen_q % 4 == 0
-                  and min(config.warps1, config.warps2) >= WS_MIN_WARPS)
-    if warp_specialize and not ws_allowed:
-        raise ValueError(f"warp_specialize=True needs the TMA loads (tma=True, or the default), a head dim in "
-                         f"{WS_HEAD_DIMS} (got {shape.head_dim}), seqlen_q a multiple of 4 (got {shape.seqlen_q}) "
-                         f"and at least {WS_MIN_WARPS} warps in both passes (config has {config.warps1} and "
-                         f"{config.warps2})")
-    ws = ws_allowed if warp_specialize is None else warp_specialize
+    # lse₂ and D through descriptors: their rows (seqlen_q fp32 values) must be 16-byte aligned.
+    stats_allowed = tma and shape.seqlen_q % 4 == 0
+    if tma_stats and not stats_allowed:
+        raise ValueError(f"tma_stats=True needs the TMA loads (tma=True, or the default) and seqlen_q a multiple "
+                         f"of 4 (got {shape.seqlen_q})")
+    stats = stats_allowed if tma_stats is None else tma_stats
     interpret = _interpreting()
     if q.device.type != "cuda" and not (interpret and q.device.type == "cpu"):
         raise ValueError(f"q is on {q.device}: the kernels need a CUDA device, or CPU tensors with "
@@ -403,15 +392,15 @@ def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, sm_scale=None
     qd, dod, kd, vd = ((TensorDescriptor.from_tensor(t, [1, 1, rows, d]) if tma else None)
                        for t, rows in ((q, config.block_m1), (do, config.block_m1), (k, config.block_n2),
                                        (v, config.block_n2)))
-    ld, dd = ((TensorDescriptor.from_tensor(t, [1, 1, config.block_m1]) if ws else None) for t in (lse2, delta))
+    ld, dd = ((TensorDescriptor.from_tensor(t, [1, 1, config.block_m1]) if stats else None) for t in (lse2, delta))
     _launch_dkdv[(cdiv(nk, config.block_n1), b * hk)](
         q, k, v, do, lse2, delta, dk, dv, qd, dod, ld, dd, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
         *dk.stride(), *dv.stride(), hk, nq, nk, scale * LOG2E, scale,
         GROUP=h // hk, CAUSAL=causal, BLOCK_M=config.block_m1, BLOCK_N=config.block_n1, HEAD_DIM=d, BLOCK_D=block_d,
-        PRECISION=precision, ACC=acc, TMA=tma, WS=ws, num_warps=config.warps1, num_stages=config.stages1)
+        PRECISION=precision, ACC=acc, TMA=tma, STATS=stats, num_warps=config.warps1, num_stages=config.stages1)
     _launch_dq[(cdiv(nq, config.block_m2), b * h)](
         q, k, v, do, lse2, delta, dq, kd, vd, *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
         h, nq, nk, scale * LOG2E, scale,
         GROUP=h // hk, CAUSAL=causal, BLOCK_M=config.block_m2, BLOCK_N=config.block_n2, HEAD_DIM=d, BLOCK_D=block_d,
-        PRECISION=precision, ACC=acc, TMA=tma, WS=ws, num_warps=config.warps2, num_stages=config.stages2)
+        PRECISION=precision, ACC=acc, TMA=tma, num_warps=config.warps2, num_stages=config.stages2)
     return dq, dk, dv

@@ -75,8 +75,16 @@ REFERENCES = {
     "mma_ncu": (1, ["utils.bench.ncu", "--worklog", "mma", "--steps", "causal_skip", "split_kv", "--head-dim", "128",
                     "--seqlen", "4096", "--name", "06b_ncu_steps78_h200"]),
     # the Triton backward as registered and with its loads pinned (notebook 07, sections 8 and 9), beside SDPA's
-    "backward": (1, ["utils.bench.backward", "--backends", "triton", "triton_pointer", "triton_tma", "triton_ws",
-                     "sdpa_flash", "sdpa_cudnn", "--rounds", "3", "--out", "images/07_backward_benchmark.json"]),
+    "backward": (1, ["utils.bench.backward", "--backends", "triton", "triton_pointer", "triton_tma",
+                     "triton_tma_stats", "sdpa_flash", "sdpa_cudnn", "--rounds", "3", "--out", "images/07_backward_benchmark.json"]),
+    # one profiled launch of each pass of the Triton backward per load step (notebook 07, sections 8 and 9;
+    # needs ncu): d = 64 without a mask, d = 128 without and with one
+    "backward_ncu_d64": (1, ["utils.bench.ncu", "--worklog", "triton_bwd", "--head-dim", "64", "--seqlen", "4096",
+                             "--steps", "pointer", "tma", "--name", "07_ncu_d64_h200"]),
+    "backward_ncu_d128": (1, ["utils.bench.ncu", "--worklog", "triton_bwd", "--seqlen", "4096",
+                              "--steps", "pointer", "tma", "--name", "07_ncu_d128_h200"]),
+    "backward_ncu_d128_causal": (1, ["utils.bench.ncu", "--worklog", "triton_bwd", "--seqlen", "4096", "--causal",
+                                     "--name", "07_ncu_d128_causal_h200"]),
     # the tiles of the Triton backward's two passes, each candidate timed in the whole backward (default_config)
     "backward_tiles": (1, ["utils.bench.backward_tiles", "--out", "images/07_backward_tiles_h200.json"]),
     # notebook 06b's tensor-core backward, every step of its worklog beside SDPA's FA2 and cuDNN backwards

@@ -2,8 +2,8 @@
 
 FLOPs are counted as 2.5× the forward's (`utils.bench.attention_flops(mode="bwd")`: five N×N matmuls instead of
 two), halved when causal, as in the FlashAttention-2 paper. Every number of a table is measured in one run.
-Besides the default backends, `--backends` takes sdpa_efficient, triton_pointer, triton_tma and triton_ws (the Triton
-backward with its loads pinned, notebook 07 sections 8 and 9), and `--peers triton-tutorial` the Triton tutorial's backward
+Besides the default backends, `--backends` takes sdpa_efficient, triton_pointer, triton_tma and triton_tma_stats (the
+Triton backward with its loads pinned, notebook 07 sections 8 and 9), and `--peers triton-tutorial` the Triton tutorial's backward
 (utils.bench.peers, read from its own file; shapes it cannot run are "not supported"). `--rounds 3` times each
 shape three times in rotated order and keeps the medians (the stored run's setting).
 """
@@ -19,9 +19,9 @@ from utils.bench import attention_flops, benchmark, peers, tflops
 from utils.cuda_backward import BWD_STEPS, flash_mma_backward, flash_mma_forward
 
 BACKENDS = ("triton", "sdpa_flash", "sdpa_cudnn")                # the default set (notebook 07's)
-# The Triton backward with its tile loads pinned, (tma, warp_specialize): "triton" picks per shape
+# The Triton backward with its loads pinned, (tma, tma_stats): "triton" picks per shape
 # (flash_triton_bwd.default_tma).
-TRITON_LOADS = {"triton_pointer": (False, False), "triton_tma": (True, False), "triton_ws": (True, True)}
+TRITON_LOADS = {"triton_pointer": (False, False), "triton_tma": (True, False), "triton_tma_stats": (True, True)}
 # Measured when asked for; cuda_*: notebook 06b's tensor-core backward in each of its steps (utils.cuda_backward).
 CUDA_BACKENDS = tuple(f"cuda_{step}" for step in BWD_STEPS)
 KNOWN = BACKENDS + tuple(TRITON_LOADS) + ("sdpa_efficient", "triton_tutorial") + CUDA_BACKENDS
@@ -46,14 +46,14 @@ def _sdpa_backward(backend_name):
     return autograd_backward(sdpa_pinned(backend_name.removeprefix("sdpa_")))
 
 
-def _triton_backward(config=None, tma=None, warp_specialize=None):
+def _triton_backward(config=None, tma=None, tma_stats=None):
     def prepare(q, k, v, do, causal):
         from utils.flash_triton import flash_attention_forward
         from utils.flash_triton_bwd import flash_attention_backward
 
         o, lse = flash_attention_forward(q, k, v, causal=causal)
         return lambda: flash_attention_backward(do, q, k, v, o, lse, causal=causal, config=config, tma=tma,
-                                                warp_specialize=warp_specialize)
+                                                tma_stats=tma_stats)
     return prepare
 
 
@@ -176,9 +176,8 @@ def triton_tiles(head_dims, dtype, smem: int | None = None) -> dict:
 
 
 def triton_loads(head_dims) -> dict:
-    """{"d64_full": False, ...}: whether backend "triton" loads its tiles through TMA, with warp-specialised loops,
-    on an sm_90 GPU with aligned 16-bit inputs (utils.flash_triton_bwd.default_tma), stored with a run beside its
-    tiles."""
+    """{"d64_full": False, ...}: whether backend "triton" loads its tiles (and lse₂ and D) through TMA on an sm_90
+    GPU with aligned 16-bit inputs (utils.flash_triton_bwd.default_tma), stored with a run beside its tiles."""
     from utils.flash_triton_bwd import default_tma
 
     return {f"d{d}_{'causal' if c else 'full'}": default_tma(d, c) for d in head_dims for c in (False, True)}
@@ -208,7 +207,7 @@ def plot_backward_benchmark(rows: list[dict], title: str = ""):
         raise ValueError("no rows to plot")
     fig, axes = plt.subplots(1, len(head_dims), figsize=(6 * len(head_dims), 4), sharey=True, squeeze=False)
     colors = {"triton": "C0", "sdpa_flash": "C1", "sdpa_cudnn": "C2", "sdpa_efficient": "C3", "triton_tutorial": "C4",
-              "triton_pointer": "C5", "triton_tma": "C6", "triton_ws": "C8",
+              "triton_pointer": "C5", "triton_tma": "C6", "triton_tma_stats": "C8",
               **{b: f"C{9 + i}" for i, b in enumerate(CUDA_BACKENDS)}}
     for ax, d in zip(axes[0], head_dims):
         for b in KNOWN:

@@ -1,7 +1,12 @@
-"""Nsight Compute readings of a CUDA worklog's steps: one profiled launch per step, stored beside the timings.
+"""Nsight Compute readings of a worklog's steps: one profiled launch per step and kernel, stored beside the timings.
 
     python -m utils.bench.ncu --worklog hopper --steps softmax overlap wide_tiles --name 06c_ncu_h200
     python -m utils.bench.ncu --worklog mma --steps tiles exp2 --head-dim 64 --seqlen 4096 --causal
+    python -m utils.bench.ncu --worklog triton_bwd --seqlen 4096 --causal --name 07_ncu_d128_causal_h200
+
+Worklog triton_bwd is notebook 07's Triton backward with its loads pinned per step (TRITON_BWD_STEPS: pointer
+loads, the tiles through TMA, the tiles and lse₂ and D through TMA); each of its two main kernels is profiled on its own
+(TRITON_BWD_KERNELS), so a step gives two rows, "b2_tma dkdv" and "b2_tma dq".
 
 Each step runs in its own process under `ncu --clock-control none` with the sections SECTIONS, filtered to the
 worklog's kernel (KERNEL_REGEX) and skipping its first launch (the one that builds and warms it up). ncu's
@@ -25,6 +30,9 @@ from utils.bench.cuda_mma import WORKLOGS, check_steps, step_functions, step_lab
 SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "WarpStateStats", "Occupancy", "LaunchStats",
             "InstructionStats")
 KERNEL_REGEX = {"mma": "regex:flash_mma_kernel", "hopper": "regex:hopper_attention"}
+TRITON_BWD_STEPS = {"pointer": (False, False), "tma": (True, False), "tma_stats": (True, True)}  # (tma, tma_stats)
+TRITON_BWD_KERNELS = {"dkdv": "regex:_bwd_dkdv", "dq": "regex:_bwd_dq"}
+WORKLOG_NAMES = (*WORKLOGS, "triton_bwd")
 # (section, metric as ncu names it, short label): the columns of the table
 HEADLINE = (("GPU Speed Of Light Throughput", "Duration", "time µs"),
             ("GPU Speed Of Light Throughput", "Compute (SM) Throughput", "SM %"),
@@ -66,21 +74,34 @@ def parse_details(text: str) -> dict:
     return out
 
 
-def ncu_command(ncu: str, worklog: str, step: str, args: argparse.Namespace) -> list[str]:
-    """The ncu command line that profiles `step`'s second launch in a child process."""
-    step_label(step, worklog)  # validates both
+def profile_label(step: str, worklog: str, kernel: str | None = None) -> str:
+    """The row label of one profile: step_label's ('h6_overlap'), or for triton_bwd 'b2_tma dq' (step, kernel)."""
+    if worklog != "triton_bwd":
+        return step_label(step, worklog)
+    if step not in TRITON_BWD_STEPS:
+        raise ValueError(f"step must be one of {tuple(TRITON_BWD_STEPS)}, got {step!r}")
+    if kernel not in TRITON_BWD_KERNELS:
+        raise ValueError(f"kernel must be one of {tuple(TRITON_BWD_KERNELS)} for worklog triton_bwd, got {kernel!r}")
+    return f"b{list(TRITON_BWD_STEPS).index(step) + 1}_{step} {kernel}"
+
+
+def ncu_command(ncu: str, worklog: str, step: str, args: argparse.Namespace, kernel: str | None = None) -> list[str]:
+    """The ncu command line that profiles the second launch of `step`'s kernel (for triton_bwd: of `kernel`,
+    "dkdv" or "dq") in a child process."""
+    profile_label(step, worklog, kernel)  # validates all three
+    regex = TRITON_BWD_KERNELS[kernel] if worklog == "triton_bwd" else KERNEL_REGEX[worklog]
     sections = [a for s in SECTIONS for a in ("--section", s)]
     child = [sys.executable, "-m", "utils.bench.ncu", "--child", "--worklog", worklog, "--steps", step,
              "--head-dim", str(args.head_dim), "--seqlen", str(args.seqlen), "--batch", str(args.batch),
              "--heads", str(args.heads), "--dtype", args.dtype] + (["--causal"] if args.causal else [])
-    return [ncu, "--clock-control", "none", *sections, "--csv", "--page", "details", "-k", KERNEL_REGEX[worklog],
+    return [ncu, "--clock-control", "none", *sections, "--csv", "--page", "details", "-k", regex,
             "--launch-skip", "1", "--launch-count", "1", *child]
 
 
 def format_table(steps: dict) -> str:
     """One row per step, the HEADLINE metrics as columns, units in the header ('—' where ncu did not report
     one; a duration in whatever unit ncu chose is shown in µs)."""
-    lines = [f"{'step':<16s}" + "".join(f"{label:>10s}" for _, _, label in HEADLINE)]
+    lines = [f"{'step':<18s}" + "".join(f"{label:>10s}" for _, _, label in HEADLINE)]
     for label, sections in steps.items():
         cells = []
         for section, metric, _ in HEADLINE:
@@ -88,13 +109,13 @@ def format_table(steps: dict) -> str:
             if isinstance(value, float) and metric == "Duration":
                 value *= TO_MICROSECONDS.get(unit, float("nan"))
             cells.append("—" if value is None else f"{value:.4g}" if isinstance(value, float) else str(value))
-        lines.append(f"{label:<16s}" + "".join(f"{c:>10s}" for c in cells))
+        lines.append(f"{label:<18s}" + "".join(f"{c:>10s}" for c in cells))
     return "\n".join(lines)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m utils.bench.ncu", description=__doc__.split("\n\n")[0])
-    p.add_argument("--worklog", choices=list(WORKLOGS), default="hopper")
+    p.add_argument("--worklog", choices=list(WORKLOG_NAMES), default="hopper")
     p.add_argument("--steps", nargs="+", help="default: every step of the worklog")
     p.add_argument("--head-dim", type=int, default=128, choices=(64, 128))
     p.add_argument("--seqlen", type=int, default=8192)
@@ -106,7 +127,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out-dir", type=Path, default=IMAGES)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # the profiled process
     args = p.parse_args(argv)
-    args.steps = check_steps(p, args.worklog, args.steps)
+    if args.worklog == "triton_bwd":
+        for step in args.steps or ():
+            if step not in TRITON_BWD_STEPS:
+                p.error(f"--steps: {step!r} is not a step of the triton_bwd worklog {tuple(TRITON_BWD_STEPS)}")
+        args.steps = list(args.steps or TRITON_BWD_STEPS)
+    else:
+        args.steps = check_steps(p, args.worklog, args.steps)
     for name in ("seqlen", "batch", "heads"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be positive, got {getattr(args, name)}")
@@ -121,9 +148,21 @@ def _child(args) -> None:
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     q, k, v = (torch.randn(args.batch, args.heads, args.seqlen, args.head_dim, device="cuda", dtype=dtype)
                for _ in range(3))
-    (fn,) = step_functions(args.steps, args.worklog).values()
+    if args.worklog == "triton_bwd":
+        from utils.flash_triton import flash_attention_forward
+        from utils.flash_triton_bwd import flash_attention_backward
+
+        (step,) = args.steps
+        tma, stats = TRITON_BWD_STEPS[step]
+        o, lse = flash_attention_forward(q, k, v, causal=args.causal)
+        do = torch.randn_like(q)
+        fn = lambda: flash_attention_backward(do, q, k, v, o, lse, causal=args.causal, tma=tma,  # noqa: E731
+                                              tma_stats=stats)
+    else:
+        (step_fn,) = step_functions(args.steps, args.worklog).values()
+        fn = lambda: step_fn(q, k, v, causal=args.causal)  # noqa: E731
     for _ in range(2):
-        fn(q, k, v, causal=args.causal)
+        fn()
     torch.cuda.synchronize()
 
 
@@ -138,12 +177,14 @@ def main(argv=None) -> dict:
     from utils import gpu
 
     steps = {}
+    kernels = list(TRITON_BWD_KERNELS) if args.worklog == "triton_bwd" else [None]
     for step in args.steps:
-        proc = subprocess.run(ncu_command(ncu, args.worklog, step, args), capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise SystemExit(f"ncu failed on step {step!r} (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-        steps[step_label(step, args.worklog)] = parse_details(proc.stdout)
-        print(format_table(steps).splitlines()[-1], flush=True)
+        for kernel in kernels:
+            proc = subprocess.run(ncu_command(ncu, args.worklog, step, args, kernel), capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise SystemExit(f"ncu failed on step {step!r} (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+            steps[profile_label(step, args.worklog, kernel)] = parse_details(proc.stdout)
+            print(format_table(steps).splitlines()[-1], flush=True)
     settings = {k: getattr(args, k) for k in ("worklog", "head_dim", "seqlen", "batch", "heads", "dtype", "causal")}
     data = dict(environment=gpu.environment(), settings=settings, sections=list(SECTIONS), steps=steps)
     args.out_dir.mkdir(parents=True, exist_ok=True)
