@@ -4,9 +4,10 @@
     python -m utils.bench.ncu --worklog mma --steps tiles exp2 --head-dim 64 --seqlen 4096 --causal
     python -m utils.bench.ncu --worklog triton_bwd --seqlen 4096 --causal --name 07_ncu_d128_causal_h200
 
-Worklog triton_bwd is notebook 07's Triton backward with its loads pinned per step (TRITON_BWD_STEPS: pointer
-loads, the tiles through TMA, the tiles and lse₂ and D through TMA); each of its two main kernels is profiled on its own
-(TRITON_BWD_KERNELS), so a step gives two rows, "b2_tma dkdv" and "b2_tma dq".
+Worklog triton_bwd is notebook 07's Triton backward with its loads pinned per step, as the backward benchmark's
+pinned backends pin them (TRITON_BWD_STEPS: pointer loads, the tiles through TMA, the tiles and lse₂ and D through
+TMA); each of its two main kernels is profiled on its own (TRITON_BWD_KERNELS), so a step gives two rows,
+"b2_tma dkdv" and "b2_tma dq".
 
 Each step runs in its own process under `ncu --clock-control none` with the sections SECTIONS, filtered to the
 worklog's kernel (KERNEL_REGEX) and skipping its first launch (the one that builds and warms it up). ncu's
@@ -25,12 +26,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+from utils.bench.backward import TRITON_LOADS
 from utils.bench.cuda_mma import WORKLOGS, check_steps, step_functions, step_label
 
 SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "WarpStateStats", "Occupancy", "LaunchStats",
             "InstructionStats")
 KERNEL_REGEX = {"mma": "regex:flash_mma_kernel", "hopper": "regex:hopper_attention"}
-TRITON_BWD_STEPS = {"pointer": (False, False), "tma": (True, False), "tma_stats": (True, True)}  # (tma, tma_stats)
+# step -> (tma, tma_stats): utils.bench.backward's pinned backends, "triton_tma" -> "tma"
+TRITON_BWD_STEPS = {name.removeprefix("triton_"): loads for name, loads in TRITON_LOADS.items()}
 TRITON_BWD_KERNELS = {"dkdv": "regex:_bwd_dkdv", "dq": "regex:_bwd_dq"}
 WORKLOG_NAMES = (*WORKLOGS, "triton_bwd")
 # (section, metric as ncu names it, short label): the columns of the table
