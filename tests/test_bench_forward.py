@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from utils.bench import forward as bm
-from utils.bench import attention_flops
+from utils.bench import attention_flops, error_line, median_rows
 
 
 def test_defaults_are_the_course_benchmark():
@@ -52,6 +52,14 @@ def test_sweep_adds_each_tile_config_with_and_without_tma():
     fns = bm.candidates(bm.parse_args(["--sweep", "--impls", "--sdpa", "flash"]))
     assert len(fns) == 2 * len(SWEEP_CONFIGS) + 1 and "tiles 128x64 w8 s3" in fns and "tiles 128x64 w8 s3 TMA" in fns
     assert fns["tiles 64x64 w4 s3 TMA"].__name__ == "tiles 64x64 w4 s3 TMA"
+
+
+def test_overlap_adds_each_tuned_tile_in_order_and_overlapped():
+    from utils.flash_triton import TUNE_TILES
+    fns = bm.candidates(bm.parse_args(["--overlap", "--impls", "--sdpa", "cudnn"]))
+    assert list(fns) == [*(bm.overlap_label(c, o) for c in TUNE_TILES for o in (False, True)), "sdpa-cudnn"]
+    assert "tiles 128x128 w8 s3 overlapped" in fns and "tiles 64x64 w4 s3 in order" in fns
+    assert fns["tiles 128x64 w8 s3 overlapped"].__name__ == "tiles 128x64 w8 s3 overlapped"
 
 
 def fake_records(tmp_path=None):
@@ -135,3 +143,33 @@ def test_benchmarks_write_into_the_repositorys_images_folder():
     root = Path(__file__).resolve().parents[1]
     assert bm.IMAGES == summary.IMAGES == root / "images"
     assert backward.DEFAULT_OUT.parent == root / "images"
+
+
+def test_error_line_is_one_line_even_for_an_empty_message():
+    assert error_line(ValueError("first\nsecond")) == "ValueError: first"
+    assert error_line(RuntimeError()) == "RuntimeError: "
+    assert error_line(RuntimeError("x" * 300)) == "RuntimeError: " + "x" * 200
+    assert error_line(KeyError("abcdef"), limit=3) == "KeyError: 'ab"
+
+
+def test_median_rows_fill_only_the_rows_that_ran():
+    rows = {name: dict(name=name, ms=None, tflops=None, error=None) for name in ("a", "b", "c")}
+    rows["c"]["error"] = "not supported: d=256"
+    out = median_rows(rows, {"a": [3.0, 1.0, 2.0], "b": [], "c": [5.0]}, flops=4e9)
+    assert [r["name"] for r in out] == ["a", "b", "c"]
+    assert out[0]["ms"] == 2.0 and out[0]["tflops"] == pytest.approx(2.0)
+    assert out[1]["ms"] is None and out[2]["ms"] is None and out[2]["tflops"] is None
+
+
+def test_a_tile_that_does_not_fit_is_recorded_not_raised():
+    """Section 5's overlapped 128x128 tiles ask an H200 for 256 KiB of shared memory: a result, not a crash."""
+    from triton.runtime.errors import OutOfResources
+
+    args = bm.parse_args(["--seqlens", "64", "--head-dims", "16", "--batch", "1", "--heads", "2", "--causal", "no",
+                          "--sdpa", "--impls", "naive", "--dtype", "fp32"])
+
+    def time_ms(fn, q, k, v, causal):
+        raise OutOfResources(262168, 232448, "shared memory")
+
+    (record,) = bm.run(args, {"naive": None}, time_ms=time_ms, device="cpu", progress=False)
+    assert record["tflops"] is None and record["error"].startswith("OutOfResources: out of resource: shared memory")

@@ -113,3 +113,35 @@ def test_the_command_refuses_interpreted_kernels():
     run = subprocess.run([sys.executable, "-m", "utils.cross_compile"], cwd=ROOT, capture_output=True, text=True,
                          env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=120)
     assert run.returncode == 2 and "unset TRITON_INTERPRET" in run.stderr
+
+
+def test_schedule_reads_the_order_of_tensor_core_exponential_and_copy_instructions():
+    ptx = """
+$L__BB0_1:
+	mbarrier.try_wait.parity.shared::cta.b64 %p1, [%r1], %r2;
+	wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%f1}, %rd1, %rd2, 1, 1, 1, 0, 1;
+	wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%f1}, %rd1, %rd2, 1, 1, 1, 0, 1;
+	wgmma.commit_group.sync.aligned;
+	wgmma.wait_group.sync.aligned 1;
+	ex2.approx.f32 %f2, %f3;
+	ex2.approx.f32 %f4, %f5;
+	@%p2 cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%r3], [%rd4, {%r4}], [%r5];
+$L__BB0_2:
+	ex2.approx.f32 %f6, %f7;
+	ret;
+"""
+    assert cross_compile.schedule(ptx) == ["tile? wgmma×2 commit wait(1) ex2×2 tma"]
+    assert cross_compile.schedule("\tret;") == []
+
+
+def test_the_forward_waits_for_its_scores_before_the_exponentials_in_both_loop_orders():
+    """Notebook 05b, section 5: compiled for sm_90, every loop of the forward, in order or overlapped by one
+    tile, waits for all its wgmmas (wait(0)) before the first exponential; the skew buys no overlap."""
+    out = cross_compile.in_fresh_process("--schedule", "--head-dim", "64")
+    blocks = [[part.strip() for part in line.split(":", 1)] for line in out.splitlines()[1:]]
+    assert {name for name, _ in blocks} == {"in order", "overlapped"}
+    loops = [events for _, events in blocks if "ex2" in events and "wgmma" in events]
+    assert len(loops) >= 4
+    for events in loops:
+        before = events.split(" ex2")[0].split()
+        assert "wait(0)" in before and not any(e.startswith("wgmma") for e in before[before.index("wait(0)"):]), events

@@ -92,6 +92,10 @@ def test_tensor_descriptors_keep_the_result(nq, nk, hk, causal):
         for _ in range(2):  # on a GPU the second call takes utils.launch's direct path, descriptors included
             o, lse = flash_triton._launch(q, k, v, causal, 0.2, config, steps)
             assert torch.equal(o, o_ref) and torch.equal(lse, lse_ref), steps  # the same arithmetic, other loads
+    # Section 5's overlapped loop: the same tiles in the same order, the next tile's scores asked for earlier.
+    o, lse = flash_triton._launch(q, k, v, causal, 0.2, config, Steps(tma=True, host_descriptors=True, overlap=True))
+    assert_close(o, o_ref, dtype=dtype)
+    torch.testing.assert_close(lse, lse_ref)
 
 
 def test_host_descriptors_cover_strided_views_and_gqa():
@@ -117,6 +121,15 @@ def test_tma_mode_names_the_kernel_switch():
                                  Steps(host_descriptors=True))] == [0, 1, 2, 0]
     with pytest.raises(ValueError, match="needs tma=True"):
         flash_triton.variant(None, Steps(host_descriptors=True), "bad")(*qkv(nq=8, nk=8, d=16))
+
+
+def test_overlap_needs_the_host_descriptors_and_fixed_tiles():
+    q, k, v = qkv(nq=8, nk=8, d=16)
+    for steps in (Steps(overlap=True), Steps(tma=True, overlap=True),
+                  Steps(autotune=True, tma=True, host_descriptors=True, overlap=True)):
+        with pytest.raises(ValueError, match="overlap skews the host-descriptor loop"):
+            flash_triton.variant(None, steps, "bad")(q, k, v)
+    assert not Steps.fastest(q, k, v).overlap
 
 
 def test_fastest_steps_follow_the_inputs():
@@ -216,12 +229,19 @@ def test_autotuner_timer_shows_one_progress_bar_per_tuning(monkeypatch):
         for i in range(n):
             assert flash_triton._time_with_progress(lambda: None, (0.5, 0.2, 0.8)) == [1.0, 0.9, 1.1]
             bar = flash_triton._progress
-            assert (bar is None) == (i == n - 1) and (bar is None or bar.n == i + 1)
+            assert (bar is None) == (i == n - 1) and (bar is None or bar.disable or bar.n == i + 1)
     assert len(calls) == 2 * n and calls[0]["quantiles"] == (0.5, 0.2, 0.8)
+    import tqdm.auto
+    real = tqdm.auto.tqdm   # a disabled bar (TQDM_DISABLE=1) counts nothing: the tuning still ends its bar
+    monkeypatch.setattr(tqdm.auto, "tqdm", lambda **kw: real(**{**kw, "disable": True}))
+    for i in range(n):
+        flash_triton._time_with_progress(lambda: None, None)
+        assert (flash_triton._progress is None) == (i == n - 1)
+    monkeypatch.setattr(tqdm.auto, "tqdm", real)
     monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         flash_triton._time_with_progress(lambda: None, None)
-    assert flash_triton._progress.n == 1
+    assert flash_triton._progress_left == n - 1   # the failed config counted
     flash_triton._progress.close()
     monkeypatch.setattr(flash_triton, "_progress", None)
 

@@ -179,3 +179,44 @@ def test_main_writes_a_report_per_part(tmp_path, monkeypatch):
     assert gpu_suite.main(["--report", str(report), "--files", "notebooks/00_setup.ipynb", "--emulate", "t4"]) == 0
     assert runs[-1] == ("notebooks", ("notebooks/00_setup.ipynb",), ())
     assert json.loads(report.read_text())["environment"]["command"] == "python -m utils.gpu_suite --emulate t4"
+
+
+def test_workers_are_spread_round_robin_over_the_gpus(monkeypatch):
+    assert [gpu_suite.worker_gpu(f"gw{i}", "0,1,2") for i in range(5)] == ["0", "1", "2", "0", "1"]
+    assert gpu_suite.worker_gpu("gw3", "5,7") == "7"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")
+    assert gpu_suite.visible_gpus(2) == "4,6"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert gpu_suite.visible_gpus(3) == "0,1,2"
+    monkeypatch.setenv(gpu_suite.SPREAD_VAR, "0,1,2,3")
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw6")
+    gpu_suite.spread_to_worker()
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "2"
+    monkeypatch.delenv("PYTEST_XDIST_WORKER")   # the controller (and a run without -n) keeps every GPU
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    gpu_suite.spread_to_worker()
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
+
+
+@pytest.mark.parametrize("count,spread", [(1, None), (4, "0,1,2,3")])
+def test_main_spreads_the_workers_only_over_several_gpus(tmp_path, monkeypatch, count, spread):
+    import torch
+
+    monkeypatch.setenv(gpu_suite.RUNNING_VAR, "")
+    monkeypatch.delenv(gpu_suite.SPREAD_VAR, raising=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr("utils.gpu.environment", lambda command: {"command": command})
+    seen = []
+
+    def fake_run_part(part, files, pytest_args, old, save):
+        seen.append(os.environ.get(gpu_suite.SPREAD_VAR))
+        results = summarize(Collector(), old)
+        save(results)
+        return results, 0
+
+    monkeypatch.setattr(gpu_suite, "run_part", fake_run_part)
+    report = tmp_path / "r.json"
+    assert gpu_suite.main(["--report", str(report), "--part", "tests"]) == 0
+    assert seen == [spread] and json.loads(report.read_text())["environment"]["gpus"] == count

@@ -8,6 +8,7 @@ on CPU: the kernels' launches are captured instead of run (`capture_launches`), 
 needs sm_80), and the shared memory it needs differs from sm_80+'s, so only a compile tells.
 
     python -m utils.cross_compile          # the table for each GPU profile of utils.gpu (a T4 today)
+    python -m utils.cross_compile --schedule   # the forward loop's instruction order on sm_90 (notebook 05b)
 
 The kernels must have been defined without TRITON_INTERPRET (they are then JITFunctions); the launches are
 made with CPU tensors, only their dtypes and sizes matter.
@@ -17,14 +18,17 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
+import subprocess
 import sys
+from pathlib import Path
 from typing import NamedTuple
 from unittest import mock
 
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
-from triton.runtime.jit import JITFunction
+from triton.runtime.jit import JITFunction, mangle_type
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from utils.gpu import Profile
 from utils.launch import dispatch_by_triton
@@ -46,6 +50,8 @@ class Launch(NamedTuple):
 
 
 def _argument_type(value, name: str) -> str:
+    if isinstance(value, TensorDescriptor):
+        return mangle_type(value)   # 'tensordesc<bf16[1, 1, 128, 128]>'
     if isinstance(value, torch.Tensor):
         if value.dtype not in POINTER_TYPES:
             raise TypeError(f"argument {name}: no Triton pointer type for {value.dtype}")
@@ -93,11 +99,81 @@ def capture_launches():
         JITFunction.run = original
 
 
-def shared_memory(launch: Launch, capability: tuple[int, int]) -> int:
-    """Bytes of shared memory the launch's kernel needs per block when compiled for `capability`."""
+def compile_launch(launch: Launch, capability: tuple[int, int]):
+    """The launch's kernel compiled for `capability` (a CompiledKernel: .asm["ptx"], .metadata.shared, ...)."""
     source = triton.compiler.ASTSource(fn=launch.kernel, signature=launch.signature, constexprs=launch.constexprs)
     target = GPUTarget("cuda", capability[0] * 10 + capability[1], 32)
-    return triton.compile(source, target=target, options=launch.options).metadata.shared
+    return triton.compile(source, target=target, options=launch.options)
+
+
+def shared_memory(launch: Launch, capability: tuple[int, int]) -> int:
+    """Bytes of shared memory the launch's kernel needs per block when compiled for `capability`."""
+    return compile_launch(launch, capability).metadata.shared
+
+
+# --- the order of a Hopper kernel's instructions (notebook 05b, section 5) ---------------------------------------
+
+SCHEDULE_EVENTS = (("wgmma.mma_async", "wgmma"), ("wgmma.commit_group", "commit"), ("wgmma.wait_group", "wait"),
+                   ("ex2.approx", "ex2"), ("cp.async.bulk.tensor", "tma"), ("mbarrier.try_wait", "tile?"))
+
+
+def schedule(ptx: str) -> list[str]:
+    """The basic blocks of `ptx` that issue tensor-core work, each as the order of its wgmma, wait, ex2 and TMA
+    instructions with repeats counted: 'wgmma×8 commit wait(0) ex2×66 ...'. `wait(n)` lets n groups of wgmmas
+    stay in flight; `tile?` waits for a TMA copy to land."""
+    blocks, events = [], []
+    for line in ptx.splitlines():
+        words = line.split()
+        if not words:
+            continue
+        if words[0].startswith("$L__BB") and words[0].endswith(":"):   # a new basic block
+            blocks.append(events)
+            events = []
+            continue
+        op = words[1] if words[0].startswith("@") and len(words) > 1 else words[0]   # '@%p1 op ...': predicated
+        for prefix, name in SCHEDULE_EVENTS:
+            if op.startswith(prefix):
+                events.append(f"wait({words[-1].rstrip(';')})" if name == "wait" else name)
+    blocks.append(events)
+    return [_count_repeats(b) for b in blocks if "wgmma" in b]
+
+
+def _count_repeats(events: list[str]) -> str:
+    runs = []
+    for event in events:
+        if runs and runs[-1][0] == event:
+            runs[-1][1] += 1
+        else:
+            runs.append([event, 1])
+    return " ".join(name if n == 1 else f"{name}×{n}" for name, n in runs)
+
+
+def forward_schedules(head_dim: int = 128, tiles=None, capability=(9, 0)) -> dict[str, list[str]]:
+    """The forward kernel with host descriptors (notebook 05b's final loads), compiled for `capability` with its
+    loop in order and overlapped by one tile: {"in order": schedule, "overlapped": schedule}."""
+    from utils import flash_triton
+
+    tiles = tiles or flash_triton.TUNE_TILES[0]
+    q = torch.zeros(1, 2, 1024, head_dim, dtype=torch.bfloat16)
+    out = {}
+    for name, overlap in (("in order", False), ("overlapped", True)):
+        steps = flash_triton.Steps(tma=True, host_descriptors=True, overlap=overlap)
+        (launch,) = _capture(lambda: flash_triton._launch(q, q, q, False, 0.1, tiles, steps))
+        out[name] = schedule(compile_launch(launch, capability).asm["ptx"])
+    return out
+
+
+def in_fresh_process(*args: str, timeout: int = 900) -> str:
+    """`python -m utils.cross_compile *args` in a process without TRITON_INTERPRET (where the kernels are
+    compiled, not interpreted), from a notebook or test that runs interpreted; returns what it printed."""
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    run = subprocess.run([sys.executable, "-m", "utils.cross_compile", *args], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=timeout)
+    if run.returncode != 0:
+        raise RuntimeError(f"python -m utils.cross_compile {' '.join(args)} failed:\n{run.stdout}{run.stderr}")
+    return run.stdout
 
 
 @contextlib.contextmanager
@@ -186,9 +262,22 @@ def main(argv=None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m utils.cross_compile", description=__doc__.split("\n\n")[0])
     parser.add_argument("--profile", choices=sorted(PROFILES), default="t4")
+    parser.add_argument("--schedule", action="store_true", help="instead: the order of the forward loop's "
+                        "instructions on sm_90, in order and overlapped (notebook 05b, section 5)")
+    parser.add_argument("--head-dim", type=int, default=128, choices=(64, 128), help="with --schedule")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         parser.error("unset TRITON_INTERPRET: the kernels must be defined for compiling, not interpreting")
+    if args.schedule:
+        from utils.flash_triton import TUNE_TILES
+
+        t = TUNE_TILES[0]
+        print(f"Triton {triton.__version__}, sm_90: forward, d={args.head_dim}, bf16, host descriptors, tiles "
+              f"{t.block_m}x{t.block_n}, {t.num_warps} warps, {t.num_stages} stages; blocks with wgmma:")
+        for name, blocks in forward_schedules(args.head_dim, t).items():
+            for block in blocks:
+                print(f"  {name + ':':<12} {block}")
+        return 0
     profile = PROFILES[args.profile]
     limit = profile.shared_memory_per_block
     failures = 0

@@ -77,21 +77,48 @@ def _attend_blocks(acc, l_i, m_i, q, k_ptrs, v_ptrs, offs_m, offs_n, offs_d, lo,
             if CAUSAL:
                 keep = keep & (cols[None, :] <= offs_m[:, None] + causal_offset)
             qk = tl.where(keep, qk, float("-inf"))
-        # Running maximum in base-2 units: qk_scale = sm_scale * log2(e), so exp2 below is the softmax's exp.
-        m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-        if MASKED:  # a row that has seen no key yet keeps m = -inf; subtract 0 there instead (-inf - -inf = nan)
-            m_sub = tl.where(m_ij == float("-inf"), 0.0, m_ij)
-        else:
-            m_sub = m_ij
-        p = tl.math.exp2(qk * qk_scale - m_sub[:, None])
-        alpha = tl.math.exp2(m_i - m_sub)                                    # rescales what came before
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        m_i = m_ij
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        acc, l_i, m_i = _online_softmax(qk, v, acc, l_i, m_i, qk_scale, MASKED, DOT_PRECISION)
         if not TMA:
             k_ptrs += BLOCK_N * stride_kn
             v_ptrs += BLOCK_N * stride_vn
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _online_softmax(qk, v, acc, l_i, m_i, qk_scale, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Fold one tile of scores `qk` (fp32, unscaled) and its values `v` into the running maximum m_i, sum l_i
+    and unnormalised output acc; returns the new (acc, l_i, m_i)."""
+    # Running maximum in base-2 units: qk_scale = sm_scale * log2(e), so exp2 below is the softmax's exp.
+    m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+    if MASKED:  # a row that has seen no key yet keeps m = -inf; subtract 0 there instead (-inf - -inf = nan)
+        m_sub = tl.where(m_ij == float("-inf"), 0.0, m_ij)
+    else:
+        m_sub = m_ij
+    p = tl.math.exp2(qk * qk_scale - m_sub[:, None])
+    alpha = tl.math.exp2(m_i - m_sub)                                    # rescales what came before
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+    return acc, l_i, m_ij
+
+
+@triton.jit
+def _attend_blocks_overlapped(acc, l_i, m_i, q, KD, VD, lo, hi, qk_scale, b, h_kv,
+                              BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """_attend_blocks' unmasked loop (host descriptors, TMA=2) skewed by one tile, as FlashAttention-3 overlaps
+    softmax and matmul within a warpgroup: the scores of tile j+1 are asked for before the softmax of tile j,
+    so the tensor cores could work while the exponentials run. Notebook 05b measures it: it did not pay."""
+    if lo < hi:
+        k = KD.load([b, h_kv, lo, 0]).reshape(BLOCK_N, BLOCK_D)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        for start_n in range(lo + BLOCK_N, hi, BLOCK_N):
+            k = KD.load([b, h_kv, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
+            v = VD.load([b, h_kv, start_n - BLOCK_N, 0]).reshape(BLOCK_N, BLOCK_D)
+            qk_next = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)   # tile j+1, before tile j's softmax
+            acc, l_i, m_i = _online_softmax(qk, v, acc, l_i, m_i, qk_scale, False, DOT_PRECISION)
+            qk = qk_next
+        v = VD.load([b, h_kv, hi - BLOCK_N, 0]).reshape(BLOCK_N, BLOCK_D)
+        acc, l_i, m_i = _online_softmax(qk, v, acc, l_i, m_i, qk_scale, False, DOT_PRECISION)
     return acc, l_i, m_i
 
 
@@ -106,14 +133,15 @@ def flash_fwd_kernel(Q, K, V, O, LSE, QD, KD, VD, OD,
                      heads, group, seqlen_q, seqlen_k, qk_scale, seqlen_bucket,
                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                     TMA: tl.constexpr = 0):
+                     TMA: tl.constexpr = 0, OVERLAP: tl.constexpr = False):
     """One program: BLOCK_M queries of one (batch, head) against all the keys they may see.
 
     Grid: (cdiv(seqlen_q, BLOCK_M), batch * heads). Query head h reads K/V head h // group (GQA without copies).
     `seqlen_bucket` is not read: it is part of the autotuner's key (sequence lengths rounded to a power of two).
     TMA > 0 (notebook 05b): Q, K, V and O move through tensor descriptors, Hopper's TMA copy engine; TMA=1: the
     program makes one per (batch, head) matrix; TMA=2: QD, KD, VD, OD, made once by the host over the whole
-    (B, H, N, D) tensors (otherwise they are None).
+    (B, H, N, D) tensors (otherwise they are None). OVERLAP (with TMA=2): the unmasked loop skewed by one tile
+    (_attend_blocks_overlapped; notebook 05b section 5: measured, not kept).
     """
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -160,9 +188,13 @@ def flash_fwd_kernel(Q, K, V, O, LSE, QD, KD, VD, OD,
         n_full = seqlen_k
         n_end = seqlen_k
     n_full = (n_full // BLOCK_N) * BLOCK_N
-    acc, l_i, m_i = _attend_blocks(acc, l_i, m_i, q, k_ptrs, v_ptrs, offs_m, offs_n, offs_d, 0, n_full,
-                                   stride_kn, stride_vn, seqlen_k, causal_offset, qk_scale, b, h_kv,
-                                   HEAD_DIM, BLOCK_N, BLOCK_D, False, CAUSAL, DOT_PRECISION, TMA)
+    if OVERLAP:
+        acc, l_i, m_i = _attend_blocks_overlapped(acc, l_i, m_i, q, k_ptrs, v_ptrs, 0, n_full, qk_scale, b, h_kv,
+                                                  BLOCK_N, BLOCK_D, DOT_PRECISION)
+    else:
+        acc, l_i, m_i = _attend_blocks(acc, l_i, m_i, q, k_ptrs, v_ptrs, offs_m, offs_n, offs_d, 0, n_full,
+                                       stride_kn, stride_vn, seqlen_k, causal_offset, qk_scale, b, h_kv,
+                                       HEAD_DIM, BLOCK_N, BLOCK_D, False, CAUSAL, DOT_PRECISION, TMA)
     acc, l_i, m_i = _attend_blocks(acc, l_i, m_i, q, k_ptrs, v_ptrs, offs_m, offs_n, offs_d, n_full, n_end,
                                    stride_kn, stride_vn, seqlen_k, causal_offset, qk_scale, b, h_kv,
                                    HEAD_DIM, BLOCK_N, BLOCK_D, True, CAUSAL, DOT_PRECISION, TMA)
@@ -240,6 +272,8 @@ class Steps(NamedTuple):
     autotune: bool = False      # tiles, warps and stages measured per shape class (16-bit, D <= 128, sm_80+)
     tma: bool = False           # TMA loads and stores (Hopper); with autotune: TMA allowed, the tuner decides
     host_descriptors: bool = False  # with tma: descriptors made once by the host, not by every program (step 4)
+    overlap: bool = False       # with host descriptors, fixed tiles: the next tile's QK^T before this tile's softmax
+                                # (section 5, measured and not kept; never part of `fastest`)
 
     @staticmethod
     def fastest(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> "Steps":
@@ -295,26 +329,30 @@ def _fit_descriptors(nargs: dict) -> None:
 # first run of a shape class waits. Each of the four tiles was the fastest, or within 1% of it, on some shape of
 # an H200 sweep of eight (notebook 05b); where TMA is allowed each is tried with and without it, since neither
 # wins everywhere. A config that does not fit a GPU's shared memory is skipped by the autotuner.
-TUNE_CONFIGS = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st)
-                for bm, bn, w, st in ((128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3))]
+TUNE_TILES = [Config(*c) for c in ((128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3))]
+TUNE_CONFIGS = [triton.Config({"BLOCK_M": c.block_m, "BLOCK_N": c.block_n}, num_warps=c.num_warps,
+                              num_stages=c.num_stages) for c in TUNE_TILES]
 TUNE_MIN_SEQLEN = 2048      # shorter problems are bound by launch overhead, not tiles: fixed tiles, no TMA
 _progress = None
 _progress_total = len(TUNE_CONFIGS)  # configs in the tuning under way
+_progress_left = 0          # configs of that tuning still to time
 _tuned_configs: dict = {}   # (device, dtype, head dim, causal, TMA allowed, bucket) -> (Config, TMA)
 
 
 def _time_with_progress(kernel_call, quantiles):
     """The autotuner's timer: triton.testing.do_bench, with a progress bar over the configs of one tuning."""
-    global _progress
+    global _progress, _progress_left
     if _progress is None:
         from tqdm.auto import tqdm
         _progress = tqdm(total=_progress_total, leave=False,
                          desc="tuning flash_fwd_kernel (once per shape class, then cached on disk)")
+        _progress_left = _progress_total   # counted here: a disabled bar (TQDM_DISABLE=1) does not count
     try:
         return triton.testing.do_bench(kernel_call, quantiles=quantiles, warmup=5, rep=25)
     finally:
         _progress.update()
-        if _progress.n >= _progress.total:
+        _progress_left -= 1
+        if _progress_left <= 0:
             _progress.close()
             _progress = None
 
@@ -347,6 +385,8 @@ def _launch(q, k, v, causal, scale, config: Config | None = None, steps: Steps |
     scalars = (*q.stride(), *k.stride(), *v.stride(), *o.stride(), h, h // hk, nq, nk, scale * LOG2E)
     switches = dict(HEAD_DIM=d, BLOCK_D=block_d, CAUSAL=causal, DOT_PRECISION="ieee" if q.dtype == torch.float32
                     else "tf32", TMA=mode)
+    if steps.overlap:
+        switches["OVERLAP"] = True
     if config is None and steps.autotune:
         bucket = min(triton.next_power_of_2(max(nq, nk)), 8192)
         key = (q.device, q.dtype, d, causal, mode, bucket)
@@ -404,6 +444,9 @@ def variant(config: Config | None, steps: Steps | None, name: str = "variant"):
             return _launch(q, k, v, causal, scale, config, None)[0]
         if steps.host_descriptors and not steps.tma:
             raise ValueError(f"{name!r}: host_descriptors describes the TMA path; it needs tma=True")
+        if steps.overlap and (steps.autotune or not steps.host_descriptors):
+            raise ValueError(f"{name!r}: overlap skews the host-descriptor loop (tma=True, host_descriptors=True) "
+                             "with fixed tiles; it cannot take autotune=True")
         if steps.tma and not tma_supported(q, k, v):
             raise ValueError(f"{name!r} needs TMA: a Hopper GPU (sm_90+), 16-bit inputs, a power-of-two head dim "
                              "and 16-byte aligned rows")

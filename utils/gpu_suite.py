@@ -3,6 +3,7 @@
     python -m utils.gpu_suite                      # unit tests, then every notebook: tests/gpu_report.json
     python -m utils.gpu_suite --part notebooks     # one part (a long suite can be run in two sittings)
     python -m utils.gpu_suite --emulate t4         # as on Colab's T4 (utils/gpu.py): tests/gpu_report_t4.json
+    python -m utils.gpu_suite -- -n 48             # pytest-xdist; on several GPUs each worker is given one
 
 CPU CI skips every `%%gpu` cell and GPU test, so this is what says the course works where learners run it.
 The report records the machine (GPU, capability, driver, CUDA, cuDNN, torch, Triton), passed / failed /
@@ -29,6 +30,27 @@ TRACKED_DIRS = ("utils", "notebooks")
 IGNORED_NAMES = {".git", "__pycache__", ".ipynb_checkpoints"}   # what git keeps out of those folders
 IGNORED_SUFFIXES = (".pyc",)
 RUNNING_VAR = "COURSE_GPU_SUITE"   # set while the suite runs: tests of the committed reports skip (being rewritten)
+SPREAD_VAR = "COURSE_GPU_SPREAD"   # the GPUs the suite's pytest-xdist workers share out, e.g. "0,1,2,3"
+
+
+def worker_gpu(worker: str, gpus: str) -> str:
+    """The GPU pytest-xdist's worker `worker` ('gw5') runs on, round robin over `gpus` ('0,1,2,3' -> '1')."""
+    ids = gpus.split(",")
+    return ids[int(worker.removeprefix("gw")) % len(ids)]
+
+
+def spread_to_worker() -> None:
+    """In a pytest-xdist worker of a suite spread over several GPUs, make one GPU visible to this process and to
+    the notebook kernels it starts. Called by conftest.py before CUDA starts (CUDA reads the variable once)."""
+    gpus, worker = os.environ.get(SPREAD_VAR), os.environ.get("PYTEST_XDIST_WORKER")
+    if gpus and worker:
+        os.environ["CUDA_VISIBLE_DEVICES"] = worker_gpu(worker, gpus)
+
+
+def visible_gpus(count: int) -> str:
+    """The ids of the `count` GPUs this process sees, as CUDA_VISIBLE_DEVICES names them ('0,1' by default)."""
+    named = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return ",".join(named[:count] if len(named) >= count else map(str, range(count)))
 
 
 def report_path(emulate: str | None) -> Path:
@@ -180,6 +202,9 @@ def main(argv=None) -> int:
         return 2
     path = args.report or report_path(args.emulate)
     os.environ[RUNNING_VAR] = "1"   # inherited by pytest-xdist's workers
+    gpus = torch.cuda.device_count()
+    if gpus > 1:   # the workers share the GPUs out (a run without -n uses the first)
+        os.environ[SPREAD_VAR] = visible_gpus(gpus)
     trees = {d: tree_id(ROOT / d) for d in TRACKED_DIRS}
     old = json.loads(path.read_text()) if path.is_file() else {}
     parts = {name: p for name, p in old.get("parts", {}).items() if old.get("trees") == trees}
@@ -188,8 +213,8 @@ def main(argv=None) -> int:
     def save(name, results):
         parts[name] = results
         totals = {k: sum(p["totals"][k] for p in parts.values()) for k in ("passed", "failed", "skipped")}
-        path.write_text(json.dumps(dict(environment=gpu.environment(command), trees=trees, parts=parts,
-                                        totals=totals), indent=1) + "\n")
+        path.write_text(json.dumps(dict(environment=dict(gpu.environment(command), gpus=gpus), trees=trees,
+                                        parts=parts, totals=totals), indent=1) + "\n")
         return totals
 
     codes = []

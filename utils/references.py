@@ -33,6 +33,9 @@ REFERENCES = {
     "host": (1, ["utils.bench.host", "--name", "host_h200"]),
     "triton_sweep": (1, ["utils.bench.forward", "--sweep", "--sdpa", "cudnn", "--seqlens", "2048", "8192",
                          "--name", "triton_sweep_h200"]),
+    # notebook 05b, section 5: each tuned tile with its loop in order and overlapped by one tile, 3 rounds
+    "triton_overlap": (1, ["utils.bench.forward", "--impls", "triton", "--overlap", "--sdpa", "cudnn", "--seqlens",
+                           "2048", "4096", "8192", "16384", "--rounds", "3", "--name", "05b_overlap_h200"]),
     "cuda_flash": (1, ["utils.bench.forward", "--impls", "cuda_tiled", "cuda_naive", "--sdpa", "flash",
                        "--name", "06_cuda_flash_h200"]),
     "cuda_mma": (1, ["utils.bench.cuda_mma", "--name", "06b_cuda_mma_h200"]),

@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 
+import statistics
+
 import torch
+import torch.utils.benchmark
 
 from utils.checks import positive_int
-import torch.utils.benchmark
 
 _MODES = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}
 
@@ -45,3 +47,18 @@ def tflops(flops: float, ms: float) -> float:
     if ms <= 0:
         raise ValueError(f"ms must be positive, got {ms}")
     return flops / (ms * 1e-3) / 1e12
+
+
+def error_line(err: BaseException, limit: int = 200) -> str:
+    """An exception as one line of a results table: its type and the start of its first line."""
+    first = (str(err).splitlines() or [""])[0]
+    return f"{type(err).__name__}: {first[:limit]}"
+
+
+def median_rows(rows: dict[str, dict], times: dict[str, list[float]], flops: float) -> list[dict]:
+    """The rows of one shape, in order, each without an error given the median of its times (ms) and TFLOP/s."""
+    for name, row in rows.items():
+        if row["error"] is None and times[name]:
+            ms = statistics.median(times[name])
+            row.update(ms=ms, tflops=tflops(flops, ms))
+    return list(rows.values())

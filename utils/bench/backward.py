@@ -10,12 +10,11 @@ shape three times in rotated order and keeps the medians (the stored run's setti
 from __future__ import annotations
 
 import json
-import statistics
 from pathlib import Path
 
 import torch
 
-from utils.bench import attention_flops, benchmark, peers, tflops
+from utils.bench import attention_flops, benchmark, error_line, median_rows, peers
 from utils.cuda_backward import BWD_STEPS, flash_mma_backward, flash_mma_forward
 
 BACKENDS = ("triton", "sdpa_flash", "sdpa_cudnn")                # the default set (notebook 07's)
@@ -114,12 +113,8 @@ def run_backward_benchmark(seqlens=(2048, 4096, 8192, 16384), head_dims=(64, 128
                             if r + 1 < rounds:
                                 kept[name] = fn
                         except Exception as err:  # noqa: BLE001 - a backend missing on this GPU is a result too
-                            row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
-                for name in names:
-                    if shape[name]["error"] is None and times[name]:
-                        ms = statistics.median(times[name])
-                        shape[name].update(ms=ms, tflops=tflops(flops, ms))
-                    rows.append(shape[name])
+                            row["error"] = error_line(err)
+                rows += median_rows(shape, times, flops)
             del q, k, v, do
             torch.cuda.empty_cache()
     return rows

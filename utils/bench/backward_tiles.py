@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from utils.bench import benchmark
+from utils.bench import benchmark, error_line
 
 if TYPE_CHECKING:
     from utils.flash_triton_bwd import BackwardConfig
@@ -63,7 +63,7 @@ def sweep(head_dims=(64, 128), causal=(False, True), *, seqlen=8192, batch=4, he
                         row["ms"] = benchmark(flash_attention_backward, do, q, k, v, o, lse, causal=c,
                                               config=config)
                     except Exception as err:  # noqa: BLE001 - a config that does not fit (shared memory) is a result
-                        row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+                        row["error"] = error_line(err)
                     rows.append(row)
     return rows
 

@@ -16,6 +16,7 @@ import torch
 import triton
 from einops import rearrange
 
+from utils.bench import error_line
 from utils.flash_decoding import choose_num_splits, default_num_sms, flash_decode, flash_decode_paged
 from utils.paged_kv import check_page_size
 from utils.triton_utils import cdiv
@@ -118,7 +119,7 @@ def _measure(fn, q, k, v, ref):
         return err, benchmark(fn, q, k, v)
     except Exception as exc:  # a backend that does not take this shape (or OOM): recorded
         torch.cuda.empty_cache()
-        return f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}", None
+        return error_line(exc, 120), None
 
 
 def _row(method, case, err, ms):
@@ -297,7 +298,7 @@ def measure_launch_floor(*, methods=None, timer=wall_time_us, shape=None, dtype=
         try:
             rows.append({"method": name, "us": float(timer(fn))})
         except Exception as exc:  # a backend that does not take this shape: recorded, not fatal
-            rows.append({"method": name, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"})
+            rows.append({"method": name, "error": error_line(exc, 120)})
     shape["dtype"] = str(dtype).removeprefix("torch.")
     return {"environment": launch_floor_env(command), "shape": shape, "rows": rows}
 

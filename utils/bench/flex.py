@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 import torch
 
+from utils.bench import error_line
 from utils.plotting import pyplot
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -269,8 +270,6 @@ def time_ms(fn, q, k, v, do, *, warmup, rep) -> dict:
     return dict(fwd_ms=fwd, fwd_bwd_ms=both, bwd_ms=both - fwd)
 
 
-def _error(err) -> str:
-    return f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}"
 
 
 def measure_case(case: Case, fns: dict, q, k, v, do, *, warmup=25, rep=100, timer=time_ms) -> list[dict]:
@@ -281,12 +280,12 @@ def measure_case(case: Case, fns: dict, q, k, v, do, *, warmup=25, rep=100, time
         records[name] = dict(case._asdict(), impl=name, fwd_ms=None, fwd_bwd_ms=None, bwd_ms=None,
                              first_call_s=None, error=None)
         if isinstance(fn, Exception):
-            records[name]["error"] = str(fn) if isinstance(fn, Skipped) else _error(fn)
+            records[name]["error"] = str(fn) if isinstance(fn, Skipped) else error_line(fn)
             continue
         try:
             outputs[name], records[name]["first_call_s"] = first_call(fn, q, k, v, do)
         except (RuntimeError, ValueError) as err:   # torch.OutOfMemoryError is a RuntimeError
-            records[name]["error"] = _error(err)
+            records[name]["error"] = error_line(err)
     for name, message in disagreements(outputs).items():
         records[name]["error"] = message            # a wrong kernel posts no time
     del outputs
@@ -295,7 +294,7 @@ def measure_case(case: Case, fns: dict, q, k, v, do, *, warmup=25, rep=100, time
             try:
                 record.update(timer(fns[name], q, k, v, do, warmup=warmup, rep=rep))
             except (RuntimeError, ValueError) as err:
-                record["error"] = _error(err)
+                record["error"] = error_line(err)
     return list(records.values())
 
 

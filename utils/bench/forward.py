@@ -3,6 +3,7 @@
     python -m utils.bench.forward                                  # triton vs SDPA flash/cudnn/efficient, the full grid
     python -m utils.bench.forward --impls triton --seqlens 1024 2048 --head-dims 64 --name quick
     python -m utils.bench.forward --worklog --sdpa flash cudnn --name triton_fwd_h200   # notebook 05b's steps too
+    python -m utils.bench.forward --overlap --sdpa cudnn --name 05b_overlap_h200       # 05b: a step that did not pay
     python -m utils.bench.forward --dtype fp16 --peers triton-tutorial --tutorial PATH --tutorial-ref release/3.6.x
 
 Every configuration is timed in the same run with `utils.bench.benchmark` (triton.testing.do_bench: median,
@@ -17,13 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 
 import torch
+from triton.runtime.errors import OutOfResources
 
 from utils import gpu
-from utils.bench import attention_flops, peers, tflops
+from utils.bench import attention_flops, error_line, median_rows, peers
 
 SDPA_BACKENDS = ("flash", "cudnn", "efficient")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -41,6 +42,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also time notebook 05b's intermediate kernels (utils.flash_triton.WORKLOG)")
     p.add_argument("--sweep", action="store_true",
                    help="also time every tile config of utils.flash_triton.SWEEP_CONFIGS, with and without TMA")
+    p.add_argument("--overlap", action="store_true",
+                   help="also time each tile of utils.flash_triton.TUNE_TILES with host descriptors, its loop in "
+                        "order and overlapped by one tile (notebook 05b, section 5)")
     peers.add_arguments(p)
     p.add_argument("--name", default="bench_fwd", help="output files images/<name>.json and .png")
     p.add_argument("--out-dir", type=Path, default=IMAGES)
@@ -110,10 +114,22 @@ def candidates(args) -> dict:
             for c in SWEEP_CONFIGS:
                 name = f"tiles {c.block_m}x{c.block_n} w{c.num_warps} s{c.num_stages}{' TMA' if tma else ''}"
                 out[name] = variant(c, Steps(tma=tma), name)
+    if getattr(args, "overlap", False):
+        from utils.flash_triton import TUNE_TILES, Steps, variant
+        for c in TUNE_TILES:
+            for overlap in (False, True):
+                name = overlap_label(c, overlap)
+                out[name] = variant(c, Steps(tma=True, host_descriptors=True, overlap=overlap), name)
     for backend in args.sdpa:
         out[f"sdpa-{backend}"] = sdpa_pinned(backend)
     out.update(peers.from_args(args))
     return out
+
+
+def overlap_label(config, overlap: bool) -> str:
+    """The label of one `--overlap` run: 'tiles 128x64 w8 s3 in order' or '... overlapped'."""
+    c = config
+    return f"tiles {c.block_m}x{c.block_n} w{c.num_warps} s{c.num_stages} {'overlapped' if overlap else 'in order'}"
 
 
 def configurations(args):
@@ -166,13 +182,10 @@ def run(args, fns: dict, time_ms=None, device="cuda", progress=True) -> list[dic
                     continue
                 try:
                     times[label].append(time_ms(fn, q, k, v, causal))
-                except (RuntimeError, ValueError) as err:  # e.g. "No available kernel", torch.OutOfMemoryError
-                    record["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
-        for label in labels:
-            if shape[label]["error"] is None and times[label]:
-                ms = statistics.median(times[label])
-                shape[label].update(ms=ms, tflops=tflops(flops, ms))
-            records.append(shape[label])
+                except (RuntimeError, ValueError, OutOfResources) as err:  # "No available kernel", out of memory,
+                    # a tile that needs more shared memory than this GPU has
+                    record["error"] = error_line(err)
+        records += median_rows(shape, times, flops)
         del q, k, v
     bar.close()
     return records

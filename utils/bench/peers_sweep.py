@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from utils import gpu
-from utils.bench import attention_flops, backward, forward, peers, tflops
+from utils.bench import attention_flops, backward, error_line, forward, peers, tflops
 
 DTYPES = forward.DTYPES
 # Far above rounding (fp16 2^-11, bf16 2^-8 of outputs below 1), far below a wrong mask or tile (errors ~0.1-1).
@@ -84,10 +84,6 @@ def max_error(fn, q, k, v, causal) -> float:
     return (out - ref).abs().max().item()
 
 
-def _error(err: BaseException) -> str:
-    return f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}"
-
-
 def run(args, fns: dict, *, time_ms=None, device="cuda", progress=True, done=(), checkpoint=None) -> list[dict]:
     """Measure every fn in every mode on every configuration, skipping the keys in `done`; returns the new
     records. `time_ms(closure)` gives milliseconds (default: utils.bench.benchmark); `checkpoint(records)` is
@@ -131,7 +127,7 @@ def run(args, fns: dict, *, time_ms=None, device="cuda", progress=True, done=(),
                     try:
                         errors[label] = max_error(fn, q, k, v, causal)
                     except Exception as err:  # noqa: BLE001 - "No available kernel", a tutorial assert: a result
-                        errors[label] = _error(err)
+                        errors[label] = error_line(err)
                 if isinstance(errors[label], str):
                     record["error"] = errors[label]
                 else:
@@ -141,7 +137,7 @@ def run(args, fns: dict, *, time_ms=None, device="cuda", progress=True, done=(),
                         record.update(ms=ms, tflops=tflops(flops, ms), max_err=errors[label],
                                       accurate=errors[label] <= TOLERANCE[dtype_name])
                     except Exception as err:  # noqa: BLE001 - out of memory, a backward that refuses the shape
-                        record["error"] = _error(err)
+                        record["error"] = error_line(err)
             records.append(record)
             bar.update()
         del q, k, v, do

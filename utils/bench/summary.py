@@ -15,7 +15,7 @@ import torch
 
 from utils.bench import forward as sweep
 from utils.attention import REGISTRY, implementations
-from utils.bench import attention_flops, benchmark, tflops
+from utils.bench import attention_flops, benchmark, error_line, tflops
 from utils.memory import peak_memory
 from utils.reference import reference_attention
 from utils.testing import random_qkv, tolerances
@@ -69,7 +69,7 @@ def memory_sweep(fns: dict, seqlens, *, batch, heads, head_dim, dtype, device, p
                 try:
                     record["bytes"] = peak_memory(fn, q, k, v)
                 except (RuntimeError, ValueError) as err:  # torch.OutOfMemoryError is a RuntimeError
-                    record["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+                    record["error"] = error_line(err)
             records.append(record)
     return records
 
