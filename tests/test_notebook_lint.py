@@ -2,11 +2,14 @@
 
 CPU CI skips `%%gpu` cells, so an undefined name in one (a missing import, a typo, a variable renamed in an
 earlier cell) would surface only on a learner's GPU. Here each notebook's code cells are joined, in order, into
-one module with the IPython magics taken out, and pyflakes reports what a GPU run would trip over.
+one module with the IPython magics taken out, and pyflakes reports what a GPU run would trip over. A second
+check finds the names a `%%gpu` cell rebinds that a later plain cell reads: on a CPU that cell sees the earlier
+value, on a GPU the `%%gpu` cell's (notebook 07 once read a live benchmark's rows as the stored run's).
 """
 import ast
 import json
 import re
+import symtable
 from pathlib import Path
 
 import pytest
@@ -116,3 +119,77 @@ def test_two_origins_of_one_name_are_found():
               "from a import x\nfrom a import x\nfrom b import y as x2\n")
     assert imported_from_two_places(source) == ["format_table: utils.bench.backward.format_table, "
                                                  "utils.bench.backward_tiles.format_table"]
+
+
+def code_cells(path: Path) -> list[tuple[bool, str]]:
+    """(is it a %%gpu cell, its code with the magics taken out) for each code cell of a notebook."""
+    out = []
+    for cell in json.loads(path.read_text())["cells"]:
+        if cell["cell_type"] == "code":
+            lines = "".join(cell["source"]).splitlines()
+            gpu = bool(lines) and lines[0].startswith("%%gpu")
+            lines = lines[1:] if lines and lines[0].startswith("%%") else lines
+            out.append((gpu, "\n".join("pass" if re.match(r"\s*[%!]", line) else line for line in lines) + "\n"))
+    return out
+
+
+SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef, ast.ListComp, ast.SetComp,
+          ast.DictComp, ast.GeneratorExp)
+
+
+def assigned(source: str) -> set[str]:
+    """The names a cell assigns at module level (imports left out: they rebind to the same module object)."""
+    return {s.get_name() for s in symtable.symtable(source, "cell", "exec").get_symbols() if s.is_assigned()}
+
+
+def read_from_before(source: str) -> set[str]:
+    """The names a cell takes from the cells before it: read at module level before it assigns them, or read
+    in one of its functions, lambdas or comprehensions as globals it does not assign."""
+    first = {}   # name -> (first load, first store) positions at module level
+    stack = list(ast.parse(source).body)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, SCOPES):
+            continue
+        stack.extend(ast.iter_child_nodes(node))
+        if isinstance(node, ast.Name):
+            at, slot = (node.lineno, node.col_offset), 0 if isinstance(node.ctx, ast.Load) else 1
+            pair = first.setdefault(node.id, [(1 << 30, 0), (1 << 30, 0)])
+            pair[slot] = min(pair[slot], at)
+    names = {name for name, (load, store) in first.items() if load < store}
+    table, own = symtable.symtable(source, "cell", "exec"), assigned(source)
+    stack = list(table.get_children())
+    while stack:
+        scope = stack.pop()
+        stack.extend(scope.get_children())
+        names |= {s.get_name() for s in scope.get_symbols()
+                  if s.is_referenced() and s.is_global() and s.get_name() not in own}
+    return names
+
+
+def gpu_cells_change_what_later_cells_read(path: Path) -> list[str]:
+    cells = code_cells(path)
+    found = []
+    for i, (gpu, source) in enumerate(cells):
+        changed = assigned(source) if gpu else set()
+        for j in range(i + 1, len(cells)):
+            if changed and not cells[j][0]:
+                found += [f"code cell {i + 1} (%%gpu) rebinds {name!r}, read by code cell {j + 1}"
+                          for name in sorted(changed & read_from_before(cells[j][1]))]
+                changed -= assigned(cells[j][1])
+    return found
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_gpu_cells_leave_later_cells_the_values_a_cpu_run_gives_them(path):
+    assert not gpu_cells_change_what_later_cells_read(path), path.name
+
+
+def test_a_gpu_cell_that_rebinds_a_later_cells_input_is_found(tmp_path):
+    cells = ["rows = load()\n", "%%gpu\nrows = run_live()\nlive = rows\nfor r in rows:\n    pass\n",
+             "def f():\n    return rows\n", "x = [r for r in range(3)]\nlive = 1\nprint(live)\n",
+             "rows = load()\nprint(rows)\n", "print(rows)\n"]
+    notebook = tmp_path / "nb.ipynb"
+    notebook.write_text(json.dumps({"cells": [{"cell_type": "code", "source": c} for c in cells]}))
+    assert gpu_cells_change_what_later_cells_read(notebook) == [
+        "code cell 2 (%%gpu) rebinds 'rows', read by code cell 3"]
