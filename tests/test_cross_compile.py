@@ -1,6 +1,8 @@
 """utils.cross_compile: launches captured instead of run, compiled for a GPU this machine does not have; and the
-course's kernels, as configured for a T4, within its 64 KiB of shared memory per block."""
+course's kernels, as configured for a T4, within its 64 KiB of shared memory per block; and the order of the
+Hopper instructions of the forward's and the backward's loops."""
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -145,3 +147,15 @@ def test_the_forward_waits_for_its_scores_before_the_exponentials_in_both_loop_o
     for events in loops:
         before = events.split(" ex2")[0].split()
         assert "wait(0)" in before and not any(e.startswith("wgmma") for e in before[before.index("wait(0)"):]), events
+
+
+def test_the_backward_keeps_its_accumulating_products_in_flight_only_with_tma():
+    """Notebook 07, section 8: compiled for sm_90, the backward's passes with pointer loads wait for every
+    product at once (a wait after each commit); with TMA the accumulating products run on (fewer waits)."""
+    out = cross_compile.in_fresh_process("--schedule", "backward", "--head-dim", "64")
+    blocks = [[part.strip() for part in line.split(":", 1)] for line in out.splitlines()[1:]]
+    assert {name for name, _ in blocks} == {"pointer loads, dkdv", "pointer loads, dq", "TMA, dkdv", "TMA, dq"}
+    for name, events in blocks:
+        commits, waits = events.split().count("commit"), len(re.findall(r"wait\(0\)", events))
+        assert (waits == commits) == name.startswith("pointer"), (name, events)
+        assert "wait(0) ex2" in events, f"{name}: the S product is waited for before the exponentials: {events}"

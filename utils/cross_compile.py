@@ -5,10 +5,13 @@ shared memory"), and only there: an H200 (227 KiB) runs what a T4 (64 KiB) refus
 H200 (utils.gpu) cannot see it. Triton compiles for any architecture on any machine, so the course checks it
 on CPU: the kernels' launches are captured instead of run (`capture_launches`), then compiled for the target
 (`shared_memory`), e.g. sm_75 for the T4. On sm_75 Triton lowers tl.dot to FMA instructions (its MMA path
-needs sm_80), and the shared memory it needs differs from sm_80+'s, so only a compile tells.
+needs sm_80), and the shared memory it needs differs from sm_80+'s, so only a compile tells. The same compile
+shows the order of a loop's instructions (`schedule`): where Triton waits for its asynchronous Hopper matrix
+products, which decides what overlaps (notebooks 05b and 07).
 
     python -m utils.cross_compile          # the table for each GPU profile of utils.gpu (a T4 today)
     python -m utils.cross_compile --schedule   # the forward loop's instruction order on sm_90 (notebook 05b)
+    python -m utils.cross_compile --schedule backward --head-dim 64   # the backward's passes (notebook 07)
 
 The kernels must have been defined without TRITON_INTERPRET (they are then JITFunctions); the launches are
 made with CPU tensors, only their dtypes and sizes matter.
@@ -163,6 +166,24 @@ def forward_schedules(head_dim: int = 128, tiles=None, capability=(9, 0)) -> dic
     return out
 
 
+def backward_schedules(head_dim: int = 128, capability=(9, 0)) -> dict[str, dict[str, list[str]]]:
+    """The backward's two passes (notebook 07's default tiles, causal, 16-bit) compiled for `capability` with
+    pointer loads and with TMA: {"pointer loads": {"dkdv": schedule, "dq": schedule}, "TMA": {...}}."""
+    from utils import flash_triton_bwd as bwd
+
+    q = torch.zeros(1, 2, 1024, head_dim, dtype=torch.float16)   # fp16: the interpreter path keeps bf16 for fp32
+    lse = torch.zeros(1, 2, 1024)
+    config = bwd.default_config(head_dim, torch.float16, True, None)
+    out = {}
+    for name, tma in (("pointer loads", False), ("TMA", True)):
+        with mock.patch.object(bwd, "tma_supported", lambda *args: True):   # a CPU tensor has no TMA to ask
+            launches = _capture(lambda: bwd.flash_attention_backward(q, q, q, q, q, lse, causal=True, config=config,
+                                                                     tma=tma, tma_stats=tma))
+        out[name] = {launch.name.removeprefix("_bwd_"): schedule(compile_launch(launch, capability).asm["ptx"])
+                     for launch in launches if launch.name in ("_bwd_dkdv", "_bwd_dq")}
+    return out
+
+
 def in_fresh_process(*args: str, timeout: int = 900) -> str:
     """`python -m utils.cross_compile *args` in a process without TRITON_INTERPRET (where the kernels are
     compiled, not interpreted), from a notebook or test that runs interpreted; returns what it printed."""
@@ -262,12 +283,21 @@ def main(argv=None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m utils.cross_compile", description=__doc__.split("\n\n")[0])
     parser.add_argument("--profile", choices=sorted(PROFILES), default="t4")
-    parser.add_argument("--schedule", action="store_true", help="instead: the order of the forward loop's "
-                        "instructions on sm_90, in order and overlapped (notebook 05b, section 5)")
+    parser.add_argument("--schedule", nargs="?", const="forward", choices=("forward", "backward"),
+                        help="instead: the order of a loop's instructions on sm_90: the forward's, in order and "
+                        "overlapped (notebook 05b, section 5), or the backward's with pointer loads and TMA (07)")
     parser.add_argument("--head-dim", type=int, default=128, choices=(64, 128), help="with --schedule")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         parser.error("unset TRITON_INTERPRET: the kernels must be defined for compiling, not interpreting")
+    if args.schedule == "backward":
+        print(f"Triton {triton.__version__}, sm_90: backward, d={args.head_dim}, fp16, causal, default tiles; "
+              "blocks with wgmma:")
+        for loads, passes in backward_schedules(args.head_dim).items():
+            for which, blocks in passes.items():
+                for block in blocks:
+                    print(f"  {loads + ', ' + which + ':':<24} {block}")
+        return 0
     if args.schedule:
         from utils.flash_triton import TUNE_TILES
 
