@@ -27,15 +27,20 @@ IPYTHON_NAMES = {"display", "get_ipython"}   # defined by IPython in every noteb
 def notebook_module(path: Path) -> str:
     """The notebook's code cells as one Python module: cell magics' first line and line magics / shell
     escapes dropped (a %%gpu cell's body is plain Python), each cell headed by a comment naming it."""
-    cells = [c for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"]
-    parts = []
-    for number, cell in enumerate(cells, 1):
-        lines = "".join(cell["source"]).splitlines()
-        if lines and lines[0].startswith("%%"):
-            lines = lines[1:]
-        lines = ["pass  # magic" if re.match(r"\s*[%!]", line) else line for line in lines]
-        parts.append(f"# --- code cell {number}\n" + "\n".join(lines))
-    return "\n".join(parts) + "\n"
+    return "\n".join(f"# --- code cell {number}\n{source}" for number, (_, source) in enumerate(code_cells(path), 1))
+
+
+def code_cells(path: Path) -> list[tuple[bool, str]]:
+    """(is it a %%gpu cell, its code with the magics taken out) for each code cell of a notebook."""
+    out = []
+    for cell in json.loads(path.read_text())["cells"]:
+        if cell["cell_type"] == "code":
+            lines = "".join(cell["source"]).splitlines()
+            gpu = bool(lines) and lines[0].startswith("%%gpu")
+            lines = lines[1:] if lines and lines[0].startswith("%%") else lines
+            out.append((gpu, "\n".join("pass  # magic" if re.match(r"\s*[%!]", line) else line for line in lines)
+                        + "\n"))
+    return out
 
 
 class Collect(reporter.Reporter):
@@ -119,18 +124,6 @@ def test_two_origins_of_one_name_are_found():
               "from a import x\nfrom a import x\nfrom b import y as x2\n")
     assert imported_from_two_places(source) == ["format_table: utils.bench.backward.format_table, "
                                                  "utils.bench.backward_tiles.format_table"]
-
-
-def code_cells(path: Path) -> list[tuple[bool, str]]:
-    """(is it a %%gpu cell, its code with the magics taken out) for each code cell of a notebook."""
-    out = []
-    for cell in json.loads(path.read_text())["cells"]:
-        if cell["cell_type"] == "code":
-            lines = "".join(cell["source"]).splitlines()
-            gpu = bool(lines) and lines[0].startswith("%%gpu")
-            lines = lines[1:] if lines and lines[0].startswith("%%") else lines
-            out.append((gpu, "\n".join("pass" if re.match(r"\s*[%!]", line) else line for line in lines) + "\n"))
-    return out
 
 
 SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef, ast.ListComp, ast.SetComp,

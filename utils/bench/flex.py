@@ -270,8 +270,6 @@ def time_ms(fn, q, k, v, do, *, warmup, rep) -> dict:
     return dict(fwd_ms=fwd, fwd_bwd_ms=both, bwd_ms=both - fwd)
 
 
-
-
 def measure_case(case: Case, fns: dict, q, k, v, do, *, warmup=25, rep=100, timer=time_ms) -> list[dict]:
     """One record per implementation: built fns ({name: fn or the Exception that stopped building it}) are
     run once, checked against the first that ran, and only those that agree are timed."""

@@ -112,7 +112,7 @@ def candidates(args) -> dict:
         from utils.flash_triton import SWEEP_CONFIGS, Steps, variant
         for tma in (False, True):
             for c in SWEEP_CONFIGS:
-                name = f"tiles {c.block_m}x{c.block_n} w{c.num_warps} s{c.num_stages}{' TMA' if tma else ''}"
+                name = f"{tile_label(c)}{' TMA' if tma else ''}"
                 out[name] = variant(c, Steps(tma=tma), name)
     if getattr(args, "overlap", False):
         from utils.flash_triton import TUNE_TILES, Steps, variant
@@ -126,10 +126,14 @@ def candidates(args) -> dict:
     return out
 
 
+def tile_label(c) -> str:
+    """A tile config as the sweeps label it: 'tiles 128x64 w8 s3' (block_m x block_n, warps, stages)."""
+    return f"tiles {c.block_m}x{c.block_n} w{c.num_warps} s{c.num_stages}"
+
+
 def overlap_label(config, overlap: bool) -> str:
     """The label of one `--overlap` run: 'tiles 128x64 w8 s3 in order' or '... overlapped'."""
-    c = config
-    return f"tiles {c.block_m}x{c.block_n} w{c.num_warps} s{c.num_stages} {'overlapped' if overlap else 'in order'}"
+    return f"{tile_label(config)} {'overlapped' if overlap else 'in order'}"
 
 
 def configurations(args):
