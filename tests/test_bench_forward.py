@@ -57,9 +57,18 @@ def test_sweep_adds_each_tile_config_with_and_without_tma():
 def test_overlap_adds_each_tuned_tile_in_order_and_overlapped():
     from utils.flash_triton import TUNE_TILES
     fns = bm.candidates(bm.parse_args(["--overlap", "--impls", "--sdpa", "cudnn"]))
-    assert list(fns) == [*(bm.overlap_label(c, o) for c in TUNE_TILES for o in (False, True)), "sdpa-cudnn"]
+    assert list(fns) == [*(bm.step_label(c, "overlap", o) for c in TUNE_TILES for o in (False, True)), "sdpa-cudnn"]
     assert "tiles 128x128 w8 s3 overlapped" in fns and "tiles 64x64 w4 s3 in order" in fns
     assert fns["tiles 128x64 w8 s3 overlapped"].__name__ == "tiles 128x64 w8 s3 overlapped"
+
+
+def test_exp2_fma_adds_each_tuned_tile_with_each_share_of_exponentials_on_fma():
+    from utils.flash_triton import TUNE_TILES
+    fns = bm.candidates(bm.parse_args(["--exp2-fma", "--impls", "--sdpa", "cudnn"]))
+    assert list(fns) == [*(bm.step_label(c, "exp2_fma", n) for c in TUNE_TILES for n in (0, 2, 4)), "sdpa-cudnn"]
+    assert "tiles 128x64 w8 s3 exp2 1/4 on FMA" in fns and "tiles 64x64 w4 s3 exp2 on MUFU" in fns
+    with pytest.raises(KeyError):
+        bm.step_label(TUNE_TILES[0], "lazy_rescale", True)
 
 
 def fake_records(tmp_path=None):

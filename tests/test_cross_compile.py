@@ -149,6 +149,19 @@ def test_the_forward_waits_for_its_scores_before_the_exponentials_in_both_loop_o
         assert "wait(0)" in before and not any(e.startswith("wgmma") for e in before[before.index("wait(0)"):]), events
 
 
+def test_exp2_fma_moves_a_share_of_the_unmasked_loops_exponentials_off_mufu():
+    """Notebook 05b, section 5: with 1 in 2 (1 in 4) exponentials on the FMA units, the unmasked loop issues
+    half (a quarter) fewer ex2 for the tile's 64 scores per thread (the 2 others rescale); the masked loop keeps
+    all of them, and the wait before the exponentials stays."""
+    out = cross_compile.in_fresh_process("--schedule", "exp2", "--head-dim", "64")
+    blocks = [[part.strip() for part in line.split(":", 1)] for line in out.splitlines()[1:]]
+    ex2 = {}
+    for name, events in blocks:
+        assert "wait(0) ex2" in events, events
+        ex2.setdefault(name, []).append(int(re.search(r"ex2×(\d+)", events).group(1)))
+    assert ex2 == {"MUFU only": [66, 66], "1/2 on FMA": [34, 66], "1/4 on FMA": [50, 66]}
+
+
 def test_the_backward_keeps_its_accumulating_products_in_flight_only_with_tma():
     """Notebook 07, section 8: compiled for sm_90, the backward's passes with pointer loads wait for every
     product at once (a wait after each commit); with TMA the accumulating products run on (fewer waits)."""

@@ -163,3 +163,35 @@ def test_lab_gpu_module_says_it_needs_a_gpu():
         pytest.skip("this machine has a GPU")
     done = run_lab_gpu()
     assert done.returncode != 0 and "needs a CUDA GPU" in done.stderr
+
+
+# Notebook 05b's exercise 5b.5: its check (a notebook cell) against the stub, plausible wrong answers and a
+# shortcut through torch.exp2 (the special-function unit's answer, which the exercise is about avoiding).
+NB05B = ROOT / "notebooks" / "05b_triton_fast.ipynb"
+EXP2_WRONG = {
+    "not Horner": [("p = p * f + c", "p = p + c * f")],
+    "floor, not nearest": [("j = torch.round(x)", "j = torch.floor(x)")],
+    "no clamp": [("    x = x.clamp(min=-126.0)\n", "")],
+    "torch.exp2": [("    x = x.clamp(min=-126.0)\n", "    return torch.exp2(x)\n")],
+}
+
+
+def run_5b5(learner=False, replace=()):
+    ns = {"torch": torch, "check": check}
+    from utils import flash_triton
+    ns["flash_triton"] = flash_triton
+    exec_cell(code_cell(NB05B, "def exp2_poly(", learner=learner, replace=replace), ns, "5b.5")
+    return exec_cell(code_cell(NB05B, '@check("5b.5'), ns, "5b.5 check")
+
+
+def test_05b_exp2_poly_stub_is_not_yet_and_the_solution_right(capsys):
+    run_5b5(learner=True)
+    assert "5b.5 2^x on the FMA units: not yet" in capsys.readouterr().out
+    run_5b5()
+    assert "5b.5 2^x on the FMA units: right" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("wrong", EXP2_WRONG)
+def test_05b_exp2_poly_wrong_answers_fail(wrong, capsys):
+    with pytest.raises(AssertionError):
+        run_5b5(replace=EXP2_WRONG[wrong])

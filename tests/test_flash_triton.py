@@ -6,6 +6,8 @@ import types
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from utils import flash_triton
 from utils.flash_triton import (Config, Steps, flash_attention, flash_attention_forward, pick_config,
@@ -96,6 +98,54 @@ def test_tensor_descriptors_keep_the_result(nq, nk, hk, causal):
     o, lse = flash_triton._launch(q, k, v, causal, 0.2, config, Steps(tma=True, host_descriptors=True, overlap=True))
     assert_close(o, o_ref, dtype=dtype)
     torch.testing.assert_close(lse, lse_ref)
+
+
+@triton.jit
+def _exp2_fma_kernel(X, Y, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(Y + offs, flash_triton.exp2_fma(tl.load(X + offs)))
+
+
+def test_exp2_fma_is_exp2_to_a_tenth_of_a_permille():
+    """Section 5's exponential on the FMA units: 2^x within 1.1e-4 (relative) down to 2^-125; below that, and
+    at -inf, a tiny positive (never nan, never negative)."""
+    x = torch.cat([torch.linspace(-130.0, 0.0, 4093), torch.tensor([-float("inf"), -0.5, -126.4])])
+    x = x.to(DEVICE)
+    y = torch.empty_like(x)
+    _exp2_fma_kernel[(1,)](x, y, N=4096)
+    exact = torch.exp2(x.double())
+    normal = x > -125
+    assert ((y.double() - exact) / exact)[normal].abs().max() < 1.1e-4
+    assert y[~normal].min() > 0 and y[~normal].max() < 1e-37 and not y.isnan().any()
+
+
+def test_exp2_coefficients_fit_two_to_the_f():
+    f = torch.linspace(-0.5, 0.5, 10001, dtype=torch.float64)
+    c0, c1, c2, c3 = flash_triton._exp2_coefficients()
+    assert ((((c3 * f + c2) * f + c1) * f + c0) / torch.exp2(f) - 1).abs().max() < 1.1e-4
+    assert len(flash_triton._exp2_coefficients(4)) == 5
+
+
+@pytest.mark.parametrize("share", [2, 4])
+@pytest.mark.parametrize("causal", [False, True])
+def test_exp2_fma_keeps_the_result(share, causal):
+    """1 in 2 or 1 in 4 exponentials of the unmasked tiles on the FMA units: the output stays within 16-bit
+    tolerance (ragged blocks, Nq != Nk, GQA); the switch takes 0, 2 or 4 and needs 16-bit inputs."""
+    for dtype in (torch.float16, torch.bfloat16) if CUDA else (torch.float16,):
+        q, k, v = qkv(h=4, hk=2, nq=150, nk=181, d=64, dtype=dtype)
+        config = Config(64, 32, 4, 2) if CUDA else Config(32, 32, 4, 1)
+        o_ref, lse_ref = flash_triton._launch(q, k, v, causal, 0.2, config, Steps())
+        for steps in (Steps(exp2_fma=share), *((Steps(tma=True, host_descriptors=True, exp2_fma=share),)
+                                              if CUDA and tma_supported(q, k, v) else ())):
+            o, lse = flash_triton._launch(q, k, v, causal, 0.2, config, steps)
+            assert_close(o, reference_attention(q, k, v, causal=causal, sm_scale=0.2), dtype=dtype)
+            assert not torch.equal(o, o_ref)   # the switch reached the kernel
+            torch.testing.assert_close(lse, lse_ref, rtol=0, atol=2e-4)
+    with pytest.raises(ValueError, match="exp2_fma computes P to 16-bit accuracy"):
+        flash_triton.variant(None, Steps(exp2_fma=share), "bad")(*qkv(nq=8, nk=8, d=16))
+    for bad in (True, 3, 8):
+        with pytest.raises(ValueError, match="exp2_fma is 0, 2 or 4"):
+            flash_triton.variant(None, Steps(exp2_fma=bad), "bad")(*qkv(nq=8, nk=8, d=16, dtype=torch.float16))
 
 
 def test_host_descriptors_cover_strided_views_and_gqa():

@@ -11,6 +11,7 @@ products, which decides what overlaps (notebooks 05b and 07).
 
     python -m utils.cross_compile          # the table for each GPU profile of utils.gpu (a T4 today)
     python -m utils.cross_compile --schedule   # the forward loop's instruction order on sm_90 (notebook 05b)
+    python -m utils.cross_compile --schedule exp2 --head-dim 64   # ... with exponentials moved to the FMA units
     python -m utils.cross_compile --schedule backward --head-dim 64   # the backward's passes (notebook 07)
 
 The kernels must have been defined without TRITON_INTERPRET (they are then JITFunctions); the launches are
@@ -151,16 +152,22 @@ def _count_repeats(events: list[str]) -> str:
     return " ".join(name if n == 1 else f"{name}×{n}" for name, n in runs)
 
 
-def forward_schedules(head_dim: int = 128, tiles=None, capability=(9, 0)) -> dict[str, list[str]]:
-    """The forward kernel with host descriptors (notebook 05b's final loads), compiled for `capability` with its
-    loop in order and overlapped by one tile: {"in order": schedule, "overlapped": schedule}."""
+# The forward's variants that `--schedule forward` and `--schedule exp2` compile: name -> Steps switches.
+FORWARD_VARIANTS = {"forward": {"in order": {}, "overlapped": {"overlap": True}},
+                    "exp2": {"MUFU only": {}, "1/2 on FMA": {"exp2_fma": 2}, "1/4 on FMA": {"exp2_fma": 4}}}
+
+
+def forward_schedules(head_dim: int = 128, tiles=None, capability=(9, 0), variants=None) -> dict[str, list[str]]:
+    """The forward kernel with host descriptors (notebook 05b's final loads), compiled for `capability` in each
+    of `variants` (default: FORWARD_VARIANTS["forward"], the loop in order and overlapped by one tile):
+    {name: schedule}."""
     from utils import flash_triton
 
     tiles = tiles or flash_triton.TUNE_TILES[0]
     q = torch.zeros(1, 2, 1024, head_dim, dtype=torch.bfloat16)
     out = {}
-    for name, overlap in (("in order", False), ("overlapped", True)):
-        steps = flash_triton.Steps(tma=True, host_descriptors=True, overlap=overlap)
+    for name, switches in (variants or FORWARD_VARIANTS["forward"]).items():
+        steps = flash_triton.Steps(tma=True, host_descriptors=True, **switches)
         (launch,) = _capture(lambda: flash_triton._launch(q, q, q, False, 0.1, tiles, steps))
         out[name] = schedule(compile_launch(launch, capability).asm["ptx"])
     return out
@@ -283,9 +290,10 @@ def main(argv=None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m utils.cross_compile", description=__doc__.split("\n\n")[0])
     parser.add_argument("--profile", choices=sorted(PROFILES), default="t4")
-    parser.add_argument("--schedule", nargs="?", const="forward", choices=("forward", "backward"),
+    parser.add_argument("--schedule", nargs="?", const="forward", choices=("forward", "exp2", "backward"),
                         help="instead: the order of a loop's instructions on sm_90: the forward's, in order and "
-                        "overlapped (notebook 05b, section 5), or the backward's with pointer loads and TMA (07)")
+                        "overlapped or with a share of its exponentials on the FMA units (notebook 05b, section "
+                        "5), or the backward's with pointer loads and TMA (07)")
     parser.add_argument("--head-dim", type=int, default=128, choices=(64, 128), help="with --schedule")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -304,7 +312,7 @@ def main(argv=None) -> int:
         t = TUNE_TILES[0]
         print(f"Triton {triton.__version__}, sm_90: forward, d={args.head_dim}, bf16, host descriptors, tiles "
               f"{t.block_m}x{t.block_n}, {t.num_warps} warps, {t.num_stages} stages; blocks with wgmma:")
-        for name, blocks in forward_schedules(args.head_dim, t).items():
+        for name, blocks in forward_schedules(args.head_dim, t, variants=FORWARD_VARIANTS[args.schedule]).items():
             for block in blocks:
                 print(f"  {name + ':':<12} {block}")
         return 0

@@ -42,7 +42,8 @@ LN2 = 0.6931471805599453                    # ln(2): back from base 2 to natural
 def _attend_blocks(acc, l_i, m_i, q, k_ptrs, v_ptrs, offs_m, offs_n, offs_d, lo, hi,
                    stride_kn, stride_vn, seqlen_k, causal_offset, qk_scale, b, h_kv,
                    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                   MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr):
+                   MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+                   EXP2_FMA: tl.constexpr = 0):
     """Online softmax of the Q block against the key blocks [lo, hi). MASKED=False: every key of every block is
     visible to every query of the Q block, so no score is masked (the loop body is pure matmul + softmax).
     TMA > 0: k_ptrs and v_ptrs are tensor descriptors (notebook 05b), which zero-fill rows past seqlen_k: one
@@ -77,24 +78,63 @@ def _attend_blocks(acc, l_i, m_i, q, k_ptrs, v_ptrs, offs_m, offs_n, offs_d, lo,
             if CAUSAL:
                 keep = keep & (cols[None, :] <= offs_m[:, None] + causal_offset)
             qk = tl.where(keep, qk, float("-inf"))
-        acc, l_i, m_i = _online_softmax(qk, v, acc, l_i, m_i, qk_scale, MASKED, DOT_PRECISION)
+        acc, l_i, m_i = _online_softmax(qk, v, acc, l_i, m_i, qk_scale, MASKED, DOT_PRECISION, EXP2_FMA)
         if not TMA:
             k_ptrs += BLOCK_N * stride_kn
             v_ptrs += BLOCK_N * stride_vn
     return acc, l_i, m_i
 
 
+def _exp2_coefficients(degree: int = 3) -> list[float]:
+    """2^f on [-1/2, 1/2] as a polynomial in f (lowest power first): a least-squares fit at Chebyshev nodes,
+    relative error 1.0e-4 at degree 3, below the rounding of the 16-bit P that multiplies V."""
+    import numpy as np
+
+    f = 0.5 * np.cos(np.pi * (np.arange(256) + 0.5) / 256)
+    return [float(c) for c in np.polynomial.polynomial.polyfit(f, np.exp2(f), degree)]
+
+
+EXP2_C0, EXP2_C1, EXP2_C2, EXP2_C3 = (tl.constexpr(c) for c in _exp2_coefficients())
+
+
 @triton.jit
-def _online_softmax(qk, v, acc, l_i, m_i, qk_scale, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def exp2_fma(x):
+    """2^x for x <= 0 on the FMA units instead of the special-function unit (MUFU) that tl.math.exp2 uses:
+    x = j + f with j an integer and |f| <= 1/2, 2^f by a cubic (Horner: three FMAs), 2^j added to the exponent
+    bits. Results below 2^-126 come out as tiny positives instead of 0."""
+    x = tl.maximum(x, -126.0)           # keeps j + the cubic's exponent inside fp32's exponent field
+    t = x + 12582912.0                  # 1.5 * 2^23: the fp32 add rounds x to an integer in t's low bits
+    j = t - 12582912.0
+    f = x - j
+    p = ((EXP2_C3 * f + EXP2_C2) * f + EXP2_C1) * f + EXP2_C0
+    bits = p.to(tl.int32, bitcast=True) + (t.to(tl.int32, bitcast=True) << 23)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _online_softmax(qk, v, acc, l_i, m_i, qk_scale, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                    EXP2_FMA: tl.constexpr = 0):
     """Fold one tile of scores `qk` (fp32, unscaled) and its values `v` into the running maximum m_i, sum l_i
-    and unnormalised output acc; returns the new (acc, l_i, m_i)."""
+    and unnormalised output acc; returns the new (acc, l_i, m_i). EXP2_FMA = 2 or 4: a half or a quarter of the
+    tile's exponentials on the FMA units (exp2_fma), the rest on MUFU (notebook 05b section 5); 0: all on MUFU."""
     # Running maximum in base-2 units: qk_scale = sm_scale * log2(e), so exp2 below is the softmax's exp.
     m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
     if MASKED:  # a row that has seen no key yet keeps m = -inf; subtract 0 there instead (-inf - -inf = nan)
         m_sub = tl.where(m_ij == float("-inf"), 0.0, m_ij)
     else:
         m_sub = m_ij
-    p = tl.math.exp2(qk * qk_scale - m_sub[:, None])
+    if EXP2_FMA == 2:  # column pairs: a thread's wgmma fragment holds both columns of a pair, so no data moves
+        even, odd = tl.split(tl.reshape(qk * qk_scale - m_sub[:, None], (qk.shape[0], qk.shape[1] // 2, 2)))
+        p = tl.reshape(tl.join(tl.math.exp2(even), exp2_fma(odd)), (qk.shape[0], qk.shape[1]))
+    elif EXP2_FMA == 4:  # column c = 16g + 8j + 2q + r: c, c+1 and c+8 share a thread
+        x = tl.permute(tl.reshape(qk * qk_scale - m_sub[:, None], (qk.shape[0], qk.shape[1] // 16, 2, 4, 2)),
+                       (0, 1, 3, 4, 2))
+        a, b = tl.split(x)
+        b0, b1 = tl.split(b)
+        x = tl.join(tl.math.exp2(a), tl.join(tl.math.exp2(b0), exp2_fma(b1)))
+        p = tl.reshape(tl.permute(x, (0, 1, 4, 2, 3)), (qk.shape[0], qk.shape[1]))
+    else:
+        p = tl.math.exp2(qk * qk_scale - m_sub[:, None])
     alpha = tl.math.exp2(m_i - m_sub)                                    # rescales what came before
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
@@ -133,7 +173,7 @@ def flash_fwd_kernel(Q, K, V, O, LSE, QD, KD, VD, OD,
                      heads, group, seqlen_q, seqlen_k, qk_scale, seqlen_bucket,
                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                     TMA: tl.constexpr = 0, OVERLAP: tl.constexpr = False):
+                     TMA: tl.constexpr = 0, OVERLAP: tl.constexpr = False, EXP2_FMA: tl.constexpr = 0):
     """One program: BLOCK_M queries of one (batch, head) against all the keys they may see.
 
     Grid: (cdiv(seqlen_q, BLOCK_M), batch * heads). Query head h reads K/V head h // group (GQA without copies).
@@ -194,7 +234,7 @@ def flash_fwd_kernel(Q, K, V, O, LSE, QD, KD, VD, OD,
     else:
         acc, l_i, m_i = _attend_blocks(acc, l_i, m_i, q, k_ptrs, v_ptrs, offs_m, offs_n, offs_d, 0, n_full,
                                        stride_kn, stride_vn, seqlen_k, causal_offset, qk_scale, b, h_kv,
-                                       HEAD_DIM, BLOCK_N, BLOCK_D, False, CAUSAL, DOT_PRECISION, TMA)
+                                       HEAD_DIM, BLOCK_N, BLOCK_D, False, CAUSAL, DOT_PRECISION, TMA, EXP2_FMA)
     acc, l_i, m_i = _attend_blocks(acc, l_i, m_i, q, k_ptrs, v_ptrs, offs_m, offs_n, offs_d, n_full, n_end,
                                    stride_kn, stride_vn, seqlen_k, causal_offset, qk_scale, b, h_kv,
                                    HEAD_DIM, BLOCK_N, BLOCK_D, True, CAUSAL, DOT_PRECISION, TMA)
@@ -274,6 +314,7 @@ class Steps(NamedTuple):
     host_descriptors: bool = False  # with tma: descriptors made once by the host, not by every program (step 4)
     overlap: bool = False       # with host descriptors, fixed tiles: the next tile's QK^T before this tile's softmax
                                 # (section 5, measured and not kept; never part of `fastest`)
+    exp2_fma: int = 0           # 16-bit inputs: 1 in 2 or 1 in 4 of the unmasked exponentials on the FMA units
 
     @staticmethod
     def fastest(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> "Steps":
@@ -387,6 +428,8 @@ def _launch(q, k, v, causal, scale, config: Config | None = None, steps: Steps |
                     else "tf32", TMA=mode)
     if steps.overlap:
         switches["OVERLAP"] = True
+    if steps.exp2_fma:
+        switches["EXP2_FMA"] = int(steps.exp2_fma)
     if config is None and steps.autotune:
         bucket = min(triton.next_power_of_2(max(nq, nk)), 8192)
         key = (q.device, q.dtype, d, causal, mode, bucket)
@@ -447,6 +490,11 @@ def variant(config: Config | None, steps: Steps | None, name: str = "variant"):
         if steps.overlap and (steps.autotune or not steps.host_descriptors):
             raise ValueError(f"{name!r}: overlap skews the host-descriptor loop (tma=True, host_descriptors=True) "
                              "with fixed tiles; it cannot take autotune=True")
+        if steps.exp2_fma not in (0, 2, 4) or isinstance(steps.exp2_fma, bool):
+            raise ValueError(f"{name!r}: exp2_fma is 0, 2 or 4 (none, 1 in 2 or 1 in 4 exponentials on the FMA "
+                             f"units), got {steps.exp2_fma!r}")
+        if steps.exp2_fma and q.dtype == torch.float32:
+            raise ValueError(f"{name!r}: exp2_fma computes P to 16-bit accuracy; it needs fp16 or bf16 inputs")
         if steps.tma and not tma_supported(q, k, v):
             raise ValueError(f"{name!r} needs TMA: a Hopper GPU (sm_90+), 16-bit inputs, a power-of-two head dim "
                              "and 16-byte aligned rows")

@@ -4,6 +4,7 @@
     python -m utils.bench.forward --impls triton --seqlens 1024 2048 --head-dims 64 --name quick
     python -m utils.bench.forward --worklog --sdpa flash cudnn --name triton_fwd_h200   # notebook 05b's steps too
     python -m utils.bench.forward --overlap --sdpa cudnn --name 05b_overlap_h200       # 05b: a step that did not pay
+    python -m utils.bench.forward --exp2-fma --sdpa cudnn --name 05b_exp2_h200         # 05b: exponentials on FMA
     python -m utils.bench.forward --dtype fp16 --peers triton-tutorial --tutorial PATH --tutorial-ref release/3.6.x
 
 Every configuration is timed in the same run with `utils.bench.benchmark` (triton.testing.do_bench: median,
@@ -45,6 +46,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--overlap", action="store_true",
                    help="also time each tile of utils.flash_triton.TUNE_TILES with host descriptors, its loop in "
                         "order and overlapped by one tile (notebook 05b, section 5)")
+    p.add_argument("--exp2-fma", action="store_true",
+                   help="also time each tile of utils.flash_triton.TUNE_TILES with host descriptors, every "
+                        "exponential on MUFU, 1 in 2 and 1 in 4 on the FMA units (notebook 05b, section 5)")
     peers.add_arguments(p)
     p.add_argument("--name", default="bench_fwd", help="output files images/<name>.json and .png")
     p.add_argument("--out-dir", type=Path, default=IMAGES)
@@ -114,12 +118,13 @@ def candidates(args) -> dict:
             for c in SWEEP_CONFIGS:
                 name = f"{tile_label(c)}{' TMA' if tma else ''}"
                 out[name] = variant(c, Steps(tma=tma), name)
-    if getattr(args, "overlap", False):
-        from utils.flash_triton import TUNE_TILES, Steps, variant
-        for c in TUNE_TILES:
-            for overlap in (False, True):
-                name = overlap_label(c, overlap)
-                out[name] = variant(c, Steps(tma=True, host_descriptors=True, overlap=overlap), name)
+    for step in STEP_LABELS:   # notebook 05b section 5: one switch off and on, per tile, host descriptors
+        if getattr(args, step, False):
+            from utils.flash_triton import TUNE_TILES, Steps, variant
+            for c in TUNE_TILES:
+                for value in STEP_LABELS[step]:
+                    name = step_label(c, step, value)
+                    out[name] = variant(c, Steps(tma=True, host_descriptors=True, **{step: value}), name)
     for backend in args.sdpa:
         out[f"sdpa-{backend}"] = sdpa_pinned(backend)
     out.update(peers.from_args(args))
@@ -131,9 +136,14 @@ def tile_label(c) -> str:
     return f"tiles {c.block_m}x{c.block_n} w{c.num_warps} s{c.num_stages}"
 
 
-def overlap_label(config, overlap: bool) -> str:
-    """The label of one `--overlap` run: 'tiles 128x64 w8 s3 in order' or '... overlapped'."""
-    return f"{tile_label(config)} {'overlapped' if overlap else 'in order'}"
+# The Steps switches that --overlap and --exp2-fma time in each of their states: the label of each state.
+STEP_LABELS = {"overlap": {False: "in order", True: "overlapped"},
+               "exp2_fma": {0: "exp2 on MUFU", 2: "exp2 1/2 on FMA", 4: "exp2 1/4 on FMA"}}
+
+
+def step_label(config, step: str, value) -> str:
+    """The label of one state of a switch: 'tiles 128x64 w8 s3 in order', '... overlapped', '... exp2 1/4 on FMA'."""
+    return f"{tile_label(config)} {STEP_LABELS[step][value]}"
 
 
 def configurations(args):
