@@ -246,6 +246,27 @@ def test_tma_argument_is_checked():
         flash_attention_backward(do, q, k, v, o, lse, tma=False, tma_stats=True)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", SHAPES, ids=ids)
+def test_atomic_dq_matches_autograd(shape, causal):
+    """dQ added with atomics by the dK/dV pass (no dQ pass; notebook 07): GQA, Nq != Nk, ragged ends, rows that
+    see no key (their dQ stays 0), and on a Hopper GPU with the TMA loads too; dK and dV are unchanged."""
+    b, h, hk, nq, nk, d = shape
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    q, k, v = random_qkv(b, h, nq, nk, d, kv_heads=hk, dtype=dtype, device=DEVICE, seed=11)
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(12)).to(DEVICE, dtype)
+    o, lse = forward_lse(q, k, v, causal)
+    args = (do, q, k, v, o.to(dtype), lse.float())
+    truth = reference_gradients(q, k, v, do, causal=causal)
+    for tma in (False, None):
+        grads = flash_attention_backward(*args, causal=causal, config=None if CUDA else SMALL, tma=tma,
+                                         dq_atomic=True)
+        assert all(g.dtype == dtype and g.shape == t.shape for g, t in zip(grads, (q, k, v)))
+        assert_gradients_close(grads, truth, dtype)
+    with pytest.raises(TypeError, match="dq_atomic must be a bool, got NoneType"):
+        flash_attention_backward(*args, dq_atomic=None)
+
+
 def test_default_tma_only_where_it_paid():
     """The whole dK/dV loop through TMA (tiles, lse₂ and D) beat pointer loads on the H200 at head dim 128, causal
     or not, and TMA lost at 64 (notebook 07, sections 8 and 9)."""

@@ -156,14 +156,15 @@ def _column_mask(offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
 
 @triton.jit
 def _dkdv_inner(dk, dv, k, v, Q, DO, LSE2, DELTA, s_qm, s_qd, s_dom, s_dod, QD, DOD, LD, DD, b, h,
-                offs_n, offs_d, mask_d, N_Q, offset, qk_scale, start, end,
+                offs_n, offs_d, mask_d, N_Q, offset, qk_scale, start, end, DQA, row, sm_scale,
                 BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr,
-                TMA: tl.constexpr, STATS: tl.constexpr):
+                TMA: tl.constexpr, STATS: tl.constexpr, ATOMIC: tl.constexpr):
     """Accumulate dK_j, dV_j over the Q blocks [start, end): the tiles are transposed (keys × queries) so that
     Pᵀ and dSᵀ come out of the dots directly. TMA: Q and dO tiles come through the host's descriptors QD, DOD
     (indexed [batch, head, row, 0]; rows past the end read as zeros), else through pointers with masks.
     STATS: lse₂ and D come through descriptors LD, DD too (indexed [batch, head, row]), so that every load of
-    the loop is a TMA copy."""
+    the loop is a TMA copy. ATOMIC: also add this tile's dQ_i = sm_scale · dS_ij K_j into DQA, a (B·H·N_Q,
+    BLOCK_D) accumulator in global memory whose rows of this head start at `row`, with atomic adds: no dQ pass."""
     for m0 in range(start, end, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         mask_m = offs_m < N_Q
@@ -193,17 +194,21 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, LSE2, DELTA, s_qm, s_qd, s_dom, s_dod, QD, 
         dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)                        # dPᵀ = V dOᵀ
         ds_t = p_t * (dp_t - delta[None, :])                                             # dSᵀ = Pᵀ ∘ (dPᵀ − D)
         dk += tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t), input_precision=PRECISION)       # dK += dSᵀ Q
+        if ATOMIC:  # dQ_i += dS K_j from every key block: programs add into the same rows, in any order
+            dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k, input_precision=PRECISION) * sm_scale  # (M, D)
+            tl.atomic_add(DQA + (row + offs_m[:, None]) * BLOCK_D + offs_d[None, :], dq, mask=mask_m[:, None],
+                          sem="relaxed")
     return dk, dv
 
 
 @triton.jit
-def _bwd_dkdv(Q, K, V, DO, LSE2, DELTA, DK, DV, QD, DOD, LD, DD,
+def _bwd_dkdv(Q, K, V, DO, LSE2, DELTA, DK, DV, QD, DOD, LD, DD, DQA,
               s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
               s_dob, s_doh, s_dom, s_dod, s_dkb, s_dkh, s_dkn, s_dkd, s_dvb, s_dvh, s_dvn, s_dvd,
               H_KV, N_Q, N_K, qk_scale, sm_scale,
               GROUP: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
-              TMA: tl.constexpr, STATS: tl.constexpr):
+              TMA: tl.constexpr, STATS: tl.constexpr, ATOMIC: tl.constexpr = False):
     pid_n = tl.program_id(0)
     bhk = tl.program_id(1)
     b = (bhk // H_KV).to(tl.int64)
@@ -236,10 +241,12 @@ def _bwd_dkdv(Q, K, V, DO, LSE2, DELTA, DK, DV, QD, DOD, LD, DD,
         if CAUSAL:
             dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, LSE2 + row, DELTA + row, s_qm, s_qd, s_dom, s_dod,
                                  QD, DOD, LD, DD, bhk // H_KV, h32, offs_n, offs_d, mask_d, N_Q, offset, qk_scale,
-                                 start, split, BLOCK_M, BLOCK_D, True, PRECISION, TMA, STATS)
+                                 start, split, DQA, row, sm_scale, BLOCK_M, BLOCK_D, True, PRECISION, TMA,
+                                 STATS, ATOMIC)
         dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, LSE2 + row, DELTA + row, s_qm, s_qd, s_dom, s_dod,
                              QD, DOD, LD, DD, bhk // H_KV, h32, offs_n, offs_d, mask_d, N_Q, offset, qk_scale, split,
-                             N_Q, BLOCK_M, BLOCK_D, False, PRECISION, TMA, STATS)
+                             N_Q, DQA, row, sm_scale, BLOCK_M, BLOCK_D, False, PRECISION, TMA, STATS,
+                             ATOMIC)
     dk *= sm_scale
     tl.store(DK + b * s_dkb + hk * s_dkh + offs_n[:, None] * s_dkn + offs_d[None, :] * s_dkd, dk, mask=mask_nd)
     tl.store(DV + b * s_dvb + hk * s_dvh + offs_n[:, None] * s_dvn + offs_d[None, :] * s_dvd, dv, mask=mask_nd)
@@ -326,7 +333,7 @@ _launch_preprocess, _launch_dkdv, _launch_dq = (FastLauncher(k) for k in (_bwd_p
 
 
 def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, sm_scale=None, config=None, tma=None,
-                             tma_stats=None):
+                             tma_stats=None, dq_atomic=False):
     """Gradients (dq, dk, dv) of attention from the forward's output `o` and log-sum-exp `lse`.
 
     q (B, H, Nq, D), k and v (B, Hkv, Nk, D) with Hkv dividing H (GQA: dk, dv come back with Hkv heads, the
@@ -338,7 +345,9 @@ def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, sm_scale=None
     and the inputs allow it (`utils.flash_triton.tma_supported`); False: pointer loads; True: TMA, or a
     ValueError saying why not. `tma_stats`: with TMA, load the lse₂ and D of each Q tile of the dK/dV loop
     through descriptors too. None: wherever TMA is on and seqlen_q is a multiple of 4 (16-byte aligned fp32
-    rows); True: that, or a ValueError saying why not.
+    rows); True: that, or a ValueError saying why not. `dq_atomic`: no dQ pass; the dK/dV pass adds each tile's
+    dQ into an fp32 copy with atomic adds (as FlashAttention-2's CUDA backward does; not deterministic: the order
+    of the additions varies from run to run). Notebook 07 measures it against the separate pass.
     """
     shape, scale = check_backward_inputs(do, q, k, v, o, lse, causal=causal, sm_scale=sm_scale, dtypes=DTYPES)
     if shape.head_dim not in HEAD_DIMS:
@@ -349,6 +358,8 @@ def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, sm_scale=None
         config = default_config(shape.head_dim, q.dtype, causal, smem)
     elif not isinstance(config, BackwardConfig):
         raise TypeError(f"config must be a BackwardConfig or None, got {type(config).__name__}")
+    if not isinstance(dq_atomic, bool):
+        raise TypeError(f"dq_atomic must be a bool, got {type(dq_atomic).__name__}")
     for name, value in (("tma", tma), ("tma_stats", tma_stats)):
         if value is not None and not isinstance(value, bool):
             raise TypeError(f"{name} must be a bool or None, got {type(value).__name__}")
@@ -371,11 +382,10 @@ def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, sm_scale=None
                          "TRITON_INTERPRET=1 set before this module was imported")
     if interpret and q.dtype == torch.bfloat16:
         grads = flash_attention_backward(*(t.float() for t in (do, q, k, v, o)), lse, causal=causal,
-                                         sm_scale=sm_scale, config=config)
+                                         sm_scale=sm_scale, config=config, dq_atomic=dq_atomic)
         return tuple(g.to(torch.bfloat16) for g in grads)
 
     b, h, hk, nq, nk, d = shape
-    dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32   # accumulators, D and lse
@@ -393,11 +403,16 @@ def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, sm_scale=None
                        for t, rows in ((q, config.block_m1), (do, config.block_m1), (k, config.block_n2),
                                        (v, config.block_n2)))
     ld, dd = ((TensorDescriptor.from_tensor(t, [1, 1, config.block_m1]) if stats else None) for t in (lse2, delta))
+    dq_acc = torch.zeros((b, h, nq, block_d), dtype=acc_dtype, device=q.device) if dq_atomic else None
     _launch_dkdv[(cdiv(nk, config.block_n1), b * hk)](
-        q, k, v, do, lse2, delta, dk, dv, qd, dod, ld, dd, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
-        *dk.stride(), *dv.stride(), hk, nq, nk, scale * LOG2E, scale,
+        q, k, v, do, lse2, delta, dk, dv, qd, dod, ld, dd, dq_acc, *q.stride(), *k.stride(), *v.stride(),
+        *do.stride(), *dk.stride(), *dv.stride(), hk, nq, nk, scale * LOG2E, scale,
         GROUP=h // hk, CAUSAL=causal, BLOCK_M=config.block_m1, BLOCK_N=config.block_n1, HEAD_DIM=d, BLOCK_D=block_d,
-        PRECISION=precision, ACC=acc, TMA=tma, STATS=stats, num_warps=config.warps1, num_stages=config.stages1)
+        PRECISION=precision, ACC=acc, TMA=tma, STATS=stats, ATOMIC=dq_atomic, num_warps=config.warps1,
+        num_stages=config.stages1)
+    if dq_atomic:
+        return dq_acc[..., :d].to(q.dtype), dk, dv
+    dq = torch.empty_like(q)
     _launch_dq[(cdiv(nq, config.block_m2), b * h)](
         q, k, v, do, lse2, delta, dq, kd, vd, *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
         h, nq, nk, scale * LOG2E, scale,

@@ -83,6 +83,10 @@ REFERENCES = {
     # the Triton backward as registered and with its loads pinned (notebook 07, sections 8 and 9), beside SDPA's
     "backward": (1, ["utils.bench.backward", "--backends", "triton", "triton_pointer", "triton_tma",
                      "triton_tma_stats", "sdpa_flash", "sdpa_cudnn", "--rounds", "3", "--out", "images/07_backward_benchmark.json"]),
+    # dQ added with atomics by the dK/dV pass against the dQ pass (notebook 07, section 10), beside cuDNN
+    "backward_atomic": (1, ["utils.bench.backward", "--backends", "triton", "triton_atomic_dq", "sdpa_flash",
+                            "sdpa_cudnn", "--seqlens", "4096", "8192", "16384", "--rounds", "3", "--out",
+                            "images/07_backward_atomic_h200.json"]),
     # one profiled launch of each pass of the Triton backward per load step (notebook 07, sections 8 and 9;
     # needs ncu): d = 64 without a mask, d = 128 without and with one
     "backward_ncu_d64": (1, ["utils.bench.ncu", "--worklog", "triton_bwd", "--head-dim", "64", "--seqlen", "4096",

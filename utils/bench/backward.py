@@ -3,7 +3,8 @@
 FLOPs are counted as 2.5× the forward's (`utils.bench.attention_flops(mode="bwd")`: five N×N matmuls instead of
 two), halved when causal, as in the FlashAttention-2 paper. Every number of a table is measured in one run.
 Besides the default backends, `--backends` takes sdpa_efficient, triton_pointer, triton_tma and triton_tma_stats (the
-Triton backward with its loads pinned, notebook 07 sections 8 and 9), and `--peers triton-tutorial` the Triton tutorial's backward
+Triton backward with its loads pinned, notebook 07 sections 8 and 9), triton_atomic_dq (dQ added with atomics by
+the dK/dV pass instead of a dQ pass, section 10), and `--peers triton-tutorial` the Triton tutorial's backward
 (utils.bench.peers, read from its own file; shapes it cannot run are "not supported"). `--rounds 3` times each
 shape three times in rotated order and keeps the medians (the stored run's setting).
 """
@@ -23,7 +24,7 @@ BACKENDS = ("triton", "sdpa_flash", "sdpa_cudnn")                # the default s
 TRITON_LOADS = {"triton_pointer": (False, False), "triton_tma": (True, False), "triton_tma_stats": (True, True)}
 # Measured when asked for; cuda_*: notebook 06b's tensor-core backward in each of its steps (utils.cuda_backward).
 CUDA_BACKENDS = tuple(f"cuda_{step}" for step in BWD_STEPS)
-KNOWN = BACKENDS + tuple(TRITON_LOADS) + ("sdpa_efficient", "triton_tutorial") + CUDA_BACKENDS
+KNOWN = BACKENDS + tuple(TRITON_LOADS) + ("triton_atomic_dq", "sdpa_efficient", "triton_tutorial") + CUDA_BACKENDS
 DEFAULT_OUT = Path(__file__).resolve().parents[2] / "images" / "07_backward_benchmark.json"
 
 
@@ -45,14 +46,14 @@ def _sdpa_backward(backend_name):
     return autograd_backward(sdpa_pinned(backend_name.removeprefix("sdpa_")))
 
 
-def _triton_backward(config=None, tma=None, tma_stats=None):
+def _triton_backward(config=None, tma=None, tma_stats=None, dq_atomic=False):
     def prepare(q, k, v, do, causal):
         from utils.flash_triton import flash_attention_forward
         from utils.flash_triton_bwd import flash_attention_backward
 
         o, lse = flash_attention_forward(q, k, v, causal=causal)
         return lambda: flash_attention_backward(do, q, k, v, o, lse, causal=causal, config=config, tma=tma,
-                                                tma_stats=tma_stats)
+                                                tma_stats=tma_stats, dq_atomic=dq_atomic)
     return prepare
 
 
@@ -83,6 +84,7 @@ def run_backward_benchmark(seqlens=(2048, 4096, 8192, 16384), head_dims=(64, 128
         raise RuntimeError("run_backward_benchmark needs a CUDA GPU")
     capability = torch.cuda.get_device_capability()
     special = {"triton": lambda: _triton_backward(config), "triton_tutorial": lambda: autograd_backward(tutorial),
+               "triton_atomic_dq": lambda: _triton_backward(config, dq_atomic=True),
                **{b: (lambda loads=loads: _triton_backward(config, *loads)) for b, loads in TRITON_LOADS.items()},
                **{b: (lambda step=b.removeprefix("cuda_"): _cuda_backward(step)) for b in CUDA_BACKENDS}}
     makers = {b: special[b]() if b in special else _sdpa_backward(b) for b in backends}
@@ -202,7 +204,7 @@ def plot_backward_benchmark(rows: list[dict], title: str = ""):
         raise ValueError("no rows to plot")
     fig, axes = plt.subplots(1, len(head_dims), figsize=(6 * len(head_dims), 4), sharey=True, squeeze=False)
     colors = {"triton": "C0", "sdpa_flash": "C1", "sdpa_cudnn": "C2", "sdpa_efficient": "C3", "triton_tutorial": "C4",
-              "triton_pointer": "C5", "triton_tma": "C6", "triton_tma_stats": "C8",
+              "triton_pointer": "C5", "triton_tma": "C6", "triton_tma_stats": "C8", "triton_atomic_dq": "C7",
               **{b: f"C{9 + i}" for i, b in enumerate(CUDA_BACKENDS)}}
     for ax, d in zip(axes[0], head_dims):
         for b in KNOWN:
