@@ -62,6 +62,14 @@ def test_overlap_adds_each_tuned_tile_in_order_and_overlapped():
     assert fns["tiles 128x64 w8 s3 overlapped"].__name__ == "tiles 128x64 w8 s3 overlapped"
 
 
+def test_gluon_tiles_adds_the_gluon_kernel_with_each_tile():
+    from utils.flash_gluon import GLUON_TILES
+    fns = bm.candidates(bm.parse_args(["--gluon-tiles", "--impls", "triton", "--sdpa", "cudnn"]))
+    labels = [f"gluon {c.block_m}x{c.block_n} w{c.num_warps} s{c.stages}" for c in GLUON_TILES]
+    assert list(fns) == ["triton", *labels, "sdpa-cudnn"]
+    assert fns["gluon 64x128 w4 s2"].__name__ == "gluon 64x128 w4 s2"
+
+
 def test_exp2_fma_adds_each_tuned_tile_with_each_share_of_exponentials_on_fma():
     from utils.flash_triton import TUNE_TILES
     fns = bm.candidates(bm.parse_args(["--exp2-fma", "--impls", "--sdpa", "cudnn"]))

@@ -195,3 +195,31 @@ def test_05b_exp2_poly_stub_is_not_yet_and_the_solution_right(capsys):
 def test_05b_exp2_poly_wrong_answers_fail(wrong, capsys):
     with pytest.raises(AssertionError):
         run_5b5(replace=EXP2_WRONG[wrong])
+
+
+# Exercise 5b.6: the ring's phases, against the stub and wrong slots or parities.
+RING_WRONG = {
+    "parity off by one": [("return tile % stages, (tile // stages) % 2", "return tile % stages, (tile // stages + 1) % 2")],
+    "parity of the tile": [("return tile % stages, (tile // stages) % 2", "return tile % stages, tile % 2")],
+    "next slot": [("return tile % stages, (tile // stages) % 2", "return (tile + 1) % stages, (tile // stages) % 2")],
+}
+
+
+def run_5b6(learner=False, replace=()):
+    from utils import flash_gluon
+    ns = {"check": check, "flash_gluon": flash_gluon}
+    exec_cell(code_cell(NB05B, "def slot_and_phase(", learner=learner, replace=replace), ns, "5b.6")
+    return exec_cell(code_cell(NB05B, '@check("5b.6'), ns, "5b.6 check")
+
+
+def test_05b_ring_phases_stub_is_not_yet_and_the_solution_right(capsys):
+    run_5b6(learner=True)
+    assert "5b.6 the ring's phases: not yet" in capsys.readouterr().out
+    run_5b6()
+    assert "5b.6 the ring's phases: right" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("wrong", RING_WRONG)
+def test_05b_ring_phases_wrong_answers_fail_naming_the_tile(wrong, capsys):
+    with pytest.raises(AssertionError, match=r"[KV] tile \d+ with \d stages?"):
+        run_5b6(replace=RING_WRONG[wrong])

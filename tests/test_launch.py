@@ -45,6 +45,22 @@ def test_key_separates_host_descriptors_by_tile_and_dtype():
     assert specialization_key((TensorDescriptor.from_tensor(x, [1, 1, 16, 32]),)) != specialization_key((x,))
 
 
+def test_key_separates_gluon_descriptors_by_tile_dtype_and_layout():
+    """utils.flash_gluon launches through FastLauncher with Gluon's descriptors, whose type carries a layout."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+
+    def key(t, tile, swizzle=128):
+        layout = gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=16, rank=4)
+        return specialization_key((GluonDescriptor(t, list(t.shape), list(t.stride()), tile, layout),))
+
+    x = torch.zeros(1, 2, 64, 64, dtype=torch.bfloat16)
+    assert key(x, [1, 1, 64, 64]) == key(x.clone(), [1, 1, 64, 64])
+    assert len({key(x, [1, 1, 64, 64]), key(x, [1, 1, 128, 64]), key(x.half(), [1, 1, 64, 64]),
+                key(x, [1, 1, 64, 64], swizzle=64)}) == 4
+    hash(key(x, [1, 1, 64, 64]))   # the layout's lists are frozen into tuples
+
+
 def test_key_is_hashable_and_flat_per_argument():
     key = specialization_key((torch.zeros(4), 3, 0.5, None, False))
     assert len(key) == 5 and hash(key) is not None

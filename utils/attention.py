@@ -76,6 +76,10 @@ REGISTRY = {impl.name: impl for impl in [
                    "CUDA FlashAttention-2 on Hopper: TMA copies, wgmma from shared memory and from registers "
                    "(H100/H200 only)", "06c", head_dims=(64, 128), dtypes=(torch.float16, torch.bfloat16),
                    capability=(9, 0)),
+    Implementation("gluon", "utils.flash_gluon:flash_attention_gluon", "cuda",
+                   "FlashAttention-3's intra-warpgroup overlap in Gluon (Triton's lower level): explicit wgmma "
+                   "waits, a TMA ring with mbarriers (H100/H200 only)", "05b", head_dims=(64, 128),
+                   dtypes=(torch.float16, torch.bfloat16), capability=(9, 0)),
     Implementation("flash2_pytorch_autograd", "utils.flash_pytorch_bwd:flash_attention_pytorch", "any",
                    "differentiable tiled PyTorch: online-softmax forward, FA2-order tiled backward", "07",
                    grad_dtypes=(torch.float16, torch.bfloat16, torch.float32)),

@@ -12,6 +12,7 @@ products, which decides what overlaps (notebooks 05b and 07).
     python -m utils.cross_compile          # the table for each GPU profile of utils.gpu (a T4 today)
     python -m utils.cross_compile --schedule   # the forward loop's instruction order on sm_90 (notebook 05b)
     python -m utils.cross_compile --schedule exp2 --head-dim 64   # ... with exponentials moved to the FMA units
+    python -m utils.cross_compile --schedule gluon --head-dim 64   # the Gluon forward, per tile (05b section 6)
     python -m utils.cross_compile --schedule backward --head-dim 64   # the backward's passes (notebook 07)
 
 The kernels must have been defined without TRITON_INTERPRET (they are then JITFunctions); the launches are
@@ -54,8 +55,8 @@ class Launch(NamedTuple):
 
 
 def _argument_type(value, name: str) -> str:
-    if isinstance(value, TensorDescriptor):
-        return mangle_type(value)   # 'tensordesc<bf16[1, 1, 128, 128]>'
+    if isinstance(value, TensorDescriptor) or hasattr(value, "layout") and hasattr(value, "block_shape"):
+        return mangle_type(value)   # 'tensordesc<bf16[1, 1, 128, 128]>' (a Gluon one adds its shared layout)
     if isinstance(value, torch.Tensor):
         if value.dtype not in POINTER_TYPES:
             raise TypeError(f"argument {name}: no Triton pointer type for {value.dtype}")
@@ -73,7 +74,8 @@ def describe(kernel: JITFunction, args: tuple, kwargs: dict) -> Launch:
     """The Launch of `kernel[grid](*args, **kwargs)`: Python values typed as Triton would type them (the
     integer 1 and None become constants, as Triton specialises them)."""
     kwargs = dict(kwargs)
-    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    params = {p.name for p in kernel.params}   # a Gluon kernel may take num_warps as a constexpr as well
+    options = {k: kwargs[k] if k in params else kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
     bound = inspect.signature(kernel.fn).bind(*args, **kwargs)
     bound.apply_defaults()
     signature, constexprs = {}, {}
@@ -105,7 +107,11 @@ def capture_launches():
 
 def compile_launch(launch: Launch, capability: tuple[int, int]):
     """The launch's kernel compiled for `capability` (a CompiledKernel: .asm["ptx"], .metadata.shared, ...)."""
-    source = triton.compiler.ASTSource(fn=launch.kernel, signature=launch.signature, constexprs=launch.constexprs)
+    if getattr(launch.kernel, "is_gluon", lambda: False)():
+        from triton.experimental.gluon._runtime import GluonASTSource as Source
+    else:
+        Source = triton.compiler.ASTSource
+    source = Source(fn=launch.kernel, signature=launch.signature, constexprs=launch.constexprs)
     target = GPUTarget("cuda", capability[0] * 10 + capability[1], 32)
     return triton.compile(source, target=target, options=launch.options)
 
@@ -188,6 +194,21 @@ def backward_schedules(head_dim: int = 128, capability=(9, 0)) -> dict[str, dict
                                                                      tma=tma, tma_stats=tma))
         out[name] = {launch.name.removeprefix("_bwd_"): schedule(compile_launch(launch, capability).asm["ptx"])
                      for launch in launches if launch.name in ("_bwd_dkdv", "_bwd_dq")}
+    return out
+
+
+def gluon_schedules(head_dim: int = 64, capability=(9, 0)) -> dict[str, list[str]]:
+    """The Gluon forward (notebook 05b section 6) compiled for `capability` with each tile of GLUON_TILES:
+    {tile label: schedule}. Its loop shows the two products in flight and `wait(1)` before the softmax."""
+    from utils import flash_gluon
+
+    q = torch.zeros(1, 2, 1024, head_dim, dtype=torch.bfloat16)
+    lse = torch.zeros(1, 2, 1024)
+    out = {}
+    for c in flash_gluon.GLUON_TILES:
+        (launch,) = _capture(lambda: flash_gluon._launch(q, q, q, q, lse, False, 0.1, c))
+        out[f"{c.block_m}x{c.block_n} w{c.num_warps} s{c.stages}"] = schedule(compile_launch(launch, capability)
+                                                                              .asm["ptx"])
     return out
 
 
@@ -290,10 +311,11 @@ def main(argv=None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m utils.cross_compile", description=__doc__.split("\n\n")[0])
     parser.add_argument("--profile", choices=sorted(PROFILES), default="t4")
-    parser.add_argument("--schedule", nargs="?", const="forward", choices=("forward", "exp2", "backward"),
+    parser.add_argument("--schedule", nargs="?", const="forward", choices=("forward", "exp2", "backward", "gluon"),
                         help="instead: the order of a loop's instructions on sm_90: the forward's, in order and "
                         "overlapped or with a share of its exponentials on the FMA units (notebook 05b, section "
-                        "5), or the backward's with pointer loads and TMA (07)")
+                        "5), the Gluon forward's per tile (section 6), or the backward's with pointer loads and TMA "
+                        "(07)")
     parser.add_argument("--head-dim", type=int, default=128, choices=(64, 128), help="with --schedule")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -305,6 +327,12 @@ def main(argv=None) -> int:
             for which, blocks in passes.items():
                 for block in blocks:
                     print(f"  {loads + ', ' + which + ':':<24} {block}")
+        return 0
+    if args.schedule == "gluon":
+        print(f"Triton {triton.__version__}, sm_90: Gluon forward, d={args.head_dim}, bf16; blocks with wgmma:")
+        for name, blocks in gluon_schedules(args.head_dim).items():
+            for block in blocks:
+                print(f"  {name + ':':<18} {block}")
         return 0
     if args.schedule:
         from utils.flash_triton import TUNE_TILES

@@ -31,8 +31,9 @@ _triton_dispatch = 0   # > 0 inside dispatch_by_triton()
 def specialization_key(args) -> tuple:
     """What Triton specializes a kernel on, for positional `args`, as a hashable tuple that separates at least
     every pair of argument lists Triton separates: tensors by dtype and 16-byte alignment of the data pointer;
-    ints by 32/64-bit, equality to 1 and divisibility by 16; host tensor descriptors by their tensor's dtype and
-    alignment, rank, tile shape and padding options; other values (floats, bools, None) by type."""
+    ints by 32/64-bit, equality to 1 and divisibility by 16; host tensor descriptors (Triton's and Gluon's) by
+    their tensor's dtype and alignment, rank, tile shape, padding options and, for Gluon's, shared layout;
+    other values (floats, bools, None) by type."""
     key = []
     for a in args:
         if type(a) is int or (isinstance(a, int) and not isinstance(a, bool)):  # the common case first
@@ -42,9 +43,17 @@ def specialization_key(args) -> tuple:
         elif isinstance(a, TensorDescriptor):
             key.append((TensorDescriptor, a.base.dtype, a.base.data_ptr() % 16 == 0, len(a.shape),
                         tuple(a.block_shape), a.padding, getattr(a, "round_f32_to_tf32", False)))
+        elif hasattr(a, "layout") and hasattr(a, "block_shape"):  # a Gluon descriptor: its shared layout is typed
+            key.append((type(a), a.base.dtype, a.base.data_ptr() % 16 == 0, len(a.shape), tuple(a.block_shape),
+                        a.padding, type(a.layout), tuple(_frozen(v) for v in vars(a.layout).values())))
         else:
             key.append(type(a))
     return tuple(key)
+
+
+def _frozen(x):
+    """x with its lists made tuples, so that it can be hashed (a Gluon layout's fields hold lists)."""
+    return tuple(_frozen(i) for i in x) if isinstance(x, (list, tuple)) else x
 
 
 def _hooked(hook) -> bool:

@@ -5,6 +5,7 @@
     python -m utils.bench.forward --worklog --sdpa flash cudnn --name triton_fwd_h200   # notebook 05b's steps too
     python -m utils.bench.forward --overlap --sdpa cudnn --name 05b_overlap_h200       # 05b: a step that did not pay
     python -m utils.bench.forward --exp2-fma --sdpa cudnn --name 05b_exp2_h200         # 05b: exponentials on FMA
+    python -m utils.bench.forward --gluon-tiles --sdpa cudnn flash --name 05b_gluon_h200  # 05b: Gluon, per tile
     python -m utils.bench.forward --dtype fp16 --peers triton-tutorial --tutorial PATH --tutorial-ref release/3.6.x
 
 Every configuration is timed in the same run with `utils.bench.benchmark` (triton.testing.do_bench: median,
@@ -49,6 +50,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--exp2-fma", action="store_true",
                    help="also time each tile of utils.flash_triton.TUNE_TILES with host descriptors, every "
                         "exponential on MUFU, 1 in 2 and 1 in 4 on the FMA units (notebook 05b, section 5)")
+    p.add_argument("--gluon-tiles", action="store_true",
+                   help="also time the Gluon kernel with each tile of utils.flash_gluon.GLUON_TILES (notebook 05b, "
+                        "section 6; H100/H200 only)")
     peers.add_arguments(p)
     p.add_argument("--name", default="bench_fwd", help="output files images/<name>.json and .png")
     p.add_argument("--out-dir", type=Path, default=IMAGES)
@@ -118,6 +122,12 @@ def candidates(args) -> dict:
             for c in SWEEP_CONFIGS:
                 name = f"{tile_label(c)}{' TMA' if tma else ''}"
                 out[name] = variant(c, Steps(tma=tma), name)
+    if getattr(args, "gluon_tiles", False):
+        from utils.flash_gluon import GLUON_TILES
+        from utils.flash_gluon import variant as gluon_variant
+        for c in GLUON_TILES:
+            name = f"gluon {c.block_m}x{c.block_n} w{c.num_warps} s{c.stages}"
+            out[name] = gluon_variant(c, name)
     for step in STEP_LABELS:   # notebook 05b section 5: one switch off and on, per tile, host descriptors
         if getattr(args, step, False):
             from utils.flash_triton import TUNE_TILES, Steps, variant
