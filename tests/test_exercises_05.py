@@ -165,61 +165,41 @@ def test_lab_gpu_module_says_it_needs_a_gpu():
     assert done.returncode != 0 and "needs a CUDA GPU" in done.stderr
 
 
-# Notebook 05b's exercise 5b.5: its check (a notebook cell) against the stub, plausible wrong answers and a
-# shortcut through torch.exp2 (the special-function unit's answer, which the exercise is about avoiding).
+# Notebook 05b's exercises whose checks are notebook cells, each against its stub, plausible wrong answers and its
+# solution. 5b.5 (2^x on the FMA units) counts a shortcut through torch.exp2, the special-function unit's answer
+# the exercise is about avoiding, as wrong; 5b.6 (the ring's phases) must name the tile whose wait goes wrong.
 NB05B = ROOT / "notebooks" / "05b_triton_fast.ipynb"
-EXP2_WRONG = {
-    "not Horner": [("p = p * f + c", "p = p + c * f")],
-    "floor, not nearest": [("j = torch.round(x)", "j = torch.floor(x)")],
-    "no clamp": [("    x = x.clamp(min=-126.0)\n", "")],
-    "torch.exp2": [("    x = x.clamp(min=-126.0)\n", "    return torch.exp2(x)\n")],
+RING_ANSWER = "return tile % stages, (tile // stages) % 2"
+EXERCISES_05B = {
+    "5b.5": dict(cell="def exp2_poly(", right="5b.5 2^x on the FMA units", match=None, wrong={
+        "not Horner": [("p = p * f + c", "p = p + c * f")],
+        "floor, not nearest": [("j = torch.round(x)", "j = torch.floor(x)")],
+        "no clamp": [("    x = x.clamp(min=-126.0)\n", "")],
+        "torch.exp2": [("    x = x.clamp(min=-126.0)\n", "    return torch.exp2(x)\n")]}),
+    "5b.6": dict(cell="def slot_and_phase(", right="5b.6 the ring's phases", match=r"[KV] tile \d+ with \d stages?",
+                 wrong={"parity off by one": [(RING_ANSWER, "return tile % stages, (tile // stages + 1) % 2")],
+                        "parity of the tile": [(RING_ANSWER, "return tile % stages, tile % 2")],
+                        "next slot": [(RING_ANSWER, "return (tile + 1) % stages, (tile // stages) % 2")]}),
 }
 
 
-def run_5b5(learner=False, replace=()):
-    ns = {"torch": torch, "check": check}
-    from utils import flash_triton
-    ns["flash_triton"] = flash_triton
-    exec_cell(code_cell(NB05B, "def exp2_poly(", learner=learner, replace=replace), ns, "5b.5")
-    return exec_cell(code_cell(NB05B, '@check("5b.5'), ns, "5b.5 check")
+def run_05b(number, learner=False, replace=()):
+    from utils import flash_gluon, flash_triton
+    ns = {"torch": torch, "check": check, "flash_triton": flash_triton, "flash_gluon": flash_gluon}
+    exec_cell(code_cell(NB05B, EXERCISES_05B[number]["cell"], learner=learner, replace=replace), ns, number)
+    return exec_cell(code_cell(NB05B, f'@check("{number}'), ns, f"{number} check")
 
 
-def test_05b_exp2_poly_stub_is_not_yet_and_the_solution_right(capsys):
-    run_5b5(learner=True)
-    assert "5b.5 2^x on the FMA units: not yet" in capsys.readouterr().out
-    run_5b5()
-    assert "5b.5 2^x on the FMA units: right" in capsys.readouterr().out
+@pytest.mark.parametrize("number", EXERCISES_05B)
+def test_05b_stub_is_not_yet_and_the_solution_right(number, capsys):
+    run_05b(number, learner=True)
+    assert f"{EXERCISES_05B[number]['right']}: not yet" in capsys.readouterr().out
+    run_05b(number)
+    assert f"{EXERCISES_05B[number]['right']}: right" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("wrong", EXP2_WRONG)
-def test_05b_exp2_poly_wrong_answers_fail(wrong, capsys):
-    with pytest.raises(AssertionError):
-        run_5b5(replace=EXP2_WRONG[wrong])
-
-
-# Exercise 5b.6: the ring's phases, against the stub and wrong slots or parities.
-RING_WRONG = {
-    "parity off by one": [("return tile % stages, (tile // stages) % 2", "return tile % stages, (tile // stages + 1) % 2")],
-    "parity of the tile": [("return tile % stages, (tile // stages) % 2", "return tile % stages, tile % 2")],
-    "next slot": [("return tile % stages, (tile // stages) % 2", "return (tile + 1) % stages, (tile // stages) % 2")],
-}
-
-
-def run_5b6(learner=False, replace=()):
-    from utils import flash_gluon
-    ns = {"check": check, "flash_gluon": flash_gluon}
-    exec_cell(code_cell(NB05B, "def slot_and_phase(", learner=learner, replace=replace), ns, "5b.6")
-    return exec_cell(code_cell(NB05B, '@check("5b.6'), ns, "5b.6 check")
-
-
-def test_05b_ring_phases_stub_is_not_yet_and_the_solution_right(capsys):
-    run_5b6(learner=True)
-    assert "5b.6 the ring's phases: not yet" in capsys.readouterr().out
-    run_5b6()
-    assert "5b.6 the ring's phases: right" in capsys.readouterr().out
-
-
-@pytest.mark.parametrize("wrong", RING_WRONG)
-def test_05b_ring_phases_wrong_answers_fail_naming_the_tile(wrong, capsys):
-    with pytest.raises(AssertionError, match=r"[KV] tile \d+ with \d stages?"):
-        run_5b6(replace=RING_WRONG[wrong])
+@pytest.mark.parametrize("number,wrong", [(n, w) for n, e in EXERCISES_05B.items() for w in e["wrong"]])
+def test_05b_wrong_answers_fail(number, wrong, capsys):
+    exercise = EXERCISES_05B[number]
+    with pytest.raises(AssertionError, match=exercise["match"]):
+        run_05b(number, replace=exercise["wrong"][wrong])
