@@ -1,4 +1,4 @@
-"""utils.flash_gluon (notebook 05b section 6): validation and tile checks on CPU, the tile choice against the
+"""utils.flash_gluon (notebook 05b section 9): validation and tile checks on CPU, the tile choice against the
 stored H200 benchmark, the compiled schedule (compiled for sm_90 on this machine), and on an sm_90 GPU the kernel
 against float64 on odd shapes with every tile."""
 import json

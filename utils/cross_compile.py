@@ -12,7 +12,7 @@ products, which decides what overlaps (notebooks 05b and 07).
     python -m utils.cross_compile          # the table for each GPU profile of utils.gpu (a T4 today)
     python -m utils.cross_compile --schedule   # the forward loop's instruction order on sm_90 (notebook 05b)
     python -m utils.cross_compile --schedule exp2 --head-dim 64   # ... with exponentials moved to the FMA units
-    python -m utils.cross_compile --schedule gluon --head-dim 64   # the Gluon forward, per tile (05b section 6)
+    python -m utils.cross_compile --schedule gluon --head-dim 64   # the Gluon forward, per tile (05b section 9)
     python -m utils.cross_compile --schedule backward --head-dim 64   # the backward's passes (notebook 07)
 
 The kernels must have been defined without TRITON_INTERPRET (they are then JITFunctions); the launches are
@@ -198,7 +198,7 @@ def backward_schedules(head_dim: int = 128, capability=(9, 0)) -> dict[str, dict
 
 
 def gluon_schedules(head_dim: int = 64, capability=(9, 0)) -> dict[str, list[str]]:
-    """The Gluon forward (notebook 05b section 6) compiled for `capability` with each tile of GLUON_TILES:
+    """The Gluon forward (notebook 05b section 9) compiled for `capability` with each tile of GLUON_TILES:
     {tile label: schedule}. Its loop shows the two products in flight and `wait(1)` before the softmax."""
     from utils import flash_gluon
 
@@ -314,7 +314,7 @@ def main(argv=None) -> int:
     parser.add_argument("--schedule", nargs="?", const="forward", choices=("forward", "exp2", "backward", "gluon"),
                         help="instead: the order of a loop's instructions on sm_90: the forward's, in order and "
                         "overlapped or with a share of its exponentials on the FMA units (notebook 05b, section "
-                        "5), the Gluon forward's per tile (section 6), or the backward's with pointer loads and TMA "
+                        "5), the Gluon forward's per tile (section 9), or the backward's with pointer loads and TMA "
                         "(07)")
     parser.add_argument("--head-dim", type=int, default=128, choices=(64, 128), help="with --schedule")
     args = parser.parse_args(argv)

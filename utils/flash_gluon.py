@@ -1,4 +1,4 @@
-"""FlashAttention-3's schedule on Hopper, written in Gluon (notebook 05b section 6; issue 22).
+"""FlashAttention-3's schedule on Hopper, written in Gluon (notebook 05b section 9; issue 22).
 
 Triton's tile language decides by itself where a kernel waits for its asynchronous `wgmma` matrix products, and
 notebook 05b measured what that costs: asking for the next tile's scores before this tile's softmax did not
@@ -229,7 +229,7 @@ class Config(NamedTuple):
     stages: int     # K and V buffers in each ring
 
 
-# The tiles `python -m utils.bench.forward --gluon-tiles` times (notebook 05b section 6). One warpgroup per
+# The tiles `python -m utils.bench.forward --gluon-tiles` times (notebook 05b section 9). One warpgroup per
 # program (4 warps, 64 query rows) keeps the per-iteration barrier local to it and lets 2-3 programs share an SM,
 # whose warp schedulers then interleave one program's softmax with another's products; two warpgroups (8 warps,
 # 128 rows) halve the K/V traffic but step together at every barrier.

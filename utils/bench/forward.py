@@ -52,7 +52,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "exponential on MUFU, 1 in 2 and 1 in 4 on the FMA units (notebook 05b, section 5)")
     p.add_argument("--gluon-tiles", action="store_true",
                    help="also time the Gluon kernel with each tile of utils.flash_gluon.GLUON_TILES (notebook 05b, "
-                        "section 6; H100/H200 only)")
+                        "section 9; H100/H200 only)")
     peers.add_arguments(p)
     p.add_argument("--name", default="bench_fwd", help="output files images/<name>.json and .png")
     p.add_argument("--out-dir", type=Path, default=IMAGES)
