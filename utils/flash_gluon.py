@@ -236,8 +236,8 @@ class Config(NamedTuple):
 GLUON_TILES = (Config(64, 128, 4, 2), Config(64, 64, 4, 2), Config(64, 64, 4, 3), Config(128, 128, 8, 2))
 
 
-def pick_config(head_dim: int, causal: bool) -> Config:
-    """The tile per head dim, from images/05b_gluon_h200.json."""
+def pick_config(head_dim: int) -> Config:
+    """The tile per head dim (causal or not: the same one won both), from images/05b_gluon_h200.json."""
     return GLUON_TILES[0] if head_dim == 64 else GLUON_TILES[1]
 
 
@@ -301,7 +301,7 @@ def flash_attention_gluon_forward(q, k, v, *, causal=False, sm_scale=None, confi
     """(o, lse): o like q, lse (batch, heads, seqlen_q) fp32 natural-log log-sum-exp. `config`: fixed tiles
     (default: pick_config's)."""
     scale = validate(q, k, v, causal, sm_scale)
-    config = pick_config(q.shape[-1], causal) if config is None else check_config(config, q.shape[-1])
+    config = pick_config(q.shape[-1]) if config is None else check_config(config, q.shape[-1])
     q, k, v = (_tma_ready(x) for x in (q, k, v))
     o = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
