@@ -190,3 +190,10 @@ def test_a_tile_that_does_not_fit_is_recorded_not_raised():
 
     (record,) = bm.run(args, {"naive": None}, time_ms=time_ms, device="cpu", progress=False)
     assert record["tflops"] is None and record["error"].startswith("OutOfResources: out of resource: shared memory")
+
+
+def test_ws_tiles_adds_the_warp_specialised_kernel_with_each_tile():
+    from utils.flash_gluon_ws import WS_TILES, ws_label
+    fns = bm.candidates(bm.parse_args(["--ws-tiles", "--impls", "gluon_ws", "--sdpa", "cudnn"]))
+    assert list(fns) == ["gluon_ws", *(ws_label(c) for c in WS_TILES), "sdpa-cudnn"]
+    assert fns["gluon_ws n128 s2 r232"].__name__ == "gluon_ws n128 s2 r232"

@@ -167,9 +167,11 @@ def test_lab_gpu_module_says_it_needs_a_gpu():
 
 # Notebook 05b's exercises whose checks are notebook cells, each against its stub, plausible wrong answers and its
 # solution. 5b.5 (2^x on the FMA units) counts a shortcut through torch.exp2, the special-function unit's answer
-# the exercise is about avoiding, as wrong; 5b.6 (the ring's phases) must name the tile whose wait goes wrong.
+# the exercise is about avoiding, as wrong; 5b.6 (the ring's phases) must name the tile whose wait goes wrong, and
+# 5b.7 (the producer's parity) the tile copied over data still read, or the hang.
 NB05B = ROOT / "notebooks" / "05b_triton_fast.ipynb"
 RING_ANSWER = "return tile % stages, (tile // stages) % 2"
+PARITY_ANSWER = "return (tile // stages + 1) % 2"
 EXERCISES_05B = {
     "5b.5": dict(cell="def exp2_poly(", right="5b.5 2^x on the FMA units", match=None, wrong={
         "not Horner": [("p = p * f + c", "p = p + c * f")],
@@ -180,12 +182,18 @@ EXERCISES_05B = {
                  wrong={"parity off by one": [(RING_ANSWER, "return tile % stages, (tile // stages + 1) % 2")],
                         "parity of the tile": [(RING_ANSWER, "return tile % stages, tile % 2")],
                         "next slot": [(RING_ANSWER, "return (tile + 1) % stages, (tile // stages) % 2")]}),
+    "5b.7": dict(cell="def producer_parity(", right="5b.7 the producer's parity",
+                 match=r"refills slot \d|hang with \d+ tiles", wrong={
+                     "the consumers' parity": [(PARITY_ANSWER, "return (tile // stages) % 2")],
+                     "always 1": [(PARITY_ANSWER, "return 1")],
+                     "parity of the tile": [(PARITY_ANSWER, "return (tile + 1) % 2")]}),
 }
 
 
 def run_05b(number, learner=False, replace=()):
-    from utils import flash_gluon, flash_triton
-    ns = {"torch": torch, "check": check, "flash_triton": flash_triton, "flash_gluon": flash_gluon}
+    from utils import flash_gluon, flash_gluon_ws, flash_triton
+    ns = {"torch": torch, "check": check, "flash_triton": flash_triton, "flash_gluon": flash_gluon,
+          "flash_gluon_ws": flash_gluon_ws}
     exec_cell(code_cell(NB05B, EXERCISES_05B[number]["cell"], learner=learner, replace=replace), ns, number)
     return exec_cell(code_cell(NB05B, f'@check("{number}'), ns, f"{number} check")
 

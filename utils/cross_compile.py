@@ -13,6 +13,7 @@ products, which decides what overlaps (notebooks 05b and 07).
     python -m utils.cross_compile --schedule   # the forward loop's instruction order on sm_90 (notebook 05b)
     python -m utils.cross_compile --schedule exp2 --head-dim 64   # ... with exponentials moved to the FMA units
     python -m utils.cross_compile --schedule gluon --head-dim 64   # the Gluon forward, per tile (05b section 9)
+    python -m utils.cross_compile --schedule gluon_ws   # ... warp-specialised, per tile (05b section 10)
     python -m utils.cross_compile --schedule backward --head-dim 64   # the backward's passes (notebook 07)
 
 The kernels must have been defined without TRITON_INTERPRET (they are then JITFunctions); the launches are
@@ -197,14 +198,24 @@ def backward_schedules(head_dim: int = 128, capability=(9, 0)) -> dict[str, dict
     return out
 
 
-def gluon_schedules(head_dim: int = 64, capability=(9, 0)) -> dict[str, list[str]]:
-    """The Gluon forward (notebook 05b section 9) compiled for `capability` with each tile of GLUON_TILES:
-    {tile label: schedule}. Its loop shows the two products in flight and `wait(1)` before the softmax."""
-    from utils import flash_gluon
+def gluon_schedules(head_dim: int = 64, capability=(9, 0), warp_specialized: bool = False) -> dict[str, list[str]]:
+    """The Gluon forward (notebook 05b section 9) compiled for `capability` with each tile of GLUON_TILES, or
+    with `warp_specialized` the producer/consumer kernel (section 10) with each of WS_TILES: {tile label:
+    schedule}. Their loops show the two products in flight and `wait(1)` before the softmax; the
+    warp-specialised kernel's blocks end with its register split (`setmaxnreg`)."""
+    from utils import flash_gluon, flash_gluon_ws
 
     q = torch.zeros(1, 2, 1024, head_dim, dtype=torch.bfloat16)
     lse = torch.zeros(1, 2, 1024)
     out = {}
+    if warp_specialized:
+        for c in flash_gluon_ws.WS_TILES:
+            (launch,) = _capture(lambda: flash_gluon_ws._launch(q, q, q, q, lse, False, 0.1, c))
+            ptx = compile_launch(launch, capability).asm["ptx"]
+            regs = sorted({int(line.split()[-1].rstrip(";")) for line in ptx.splitlines() if "setmaxnreg" in line})
+            out[flash_gluon_ws.ws_label(c).removeprefix("gluon_ws ")] = schedule(ptx) + [
+                "setmaxnreg to " + ", ".join(map(str, regs))]
+        return out
     for c in flash_gluon.GLUON_TILES:
         (launch,) = _capture(lambda: flash_gluon._launch(q, q, q, q, lse, False, 0.1, c))
         out[f"{c.block_m}x{c.block_n} w{c.num_warps} s{c.stages}"] = schedule(compile_launch(launch, capability)
@@ -311,10 +322,11 @@ def main(argv=None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m utils.cross_compile", description=__doc__.split("\n\n")[0])
     parser.add_argument("--profile", choices=sorted(PROFILES), default="t4")
-    parser.add_argument("--schedule", nargs="?", const="forward", choices=("forward", "exp2", "backward", "gluon"),
+    parser.add_argument("--schedule", nargs="?", const="forward", choices=("forward", "exp2", "backward", "gluon",
+                                                                     "gluon_ws"),
                         help="instead: the order of a loop's instructions on sm_90: the forward's, in order and "
                         "overlapped or with a share of its exponentials on the FMA units (notebook 05b, section "
-                        "5), the Gluon forward's per tile (section 9), or the backward's with pointer loads and TMA "
+                        "5), the Gluon forward's per tile (section 9) and its warp-specialised version's (section 10), or the backward's with pointer loads and TMA "
                         "(07)")
     parser.add_argument("--head-dim", type=int, default=128, choices=(64, 128), help="with --schedule")
     args = parser.parse_args(argv)
@@ -328,9 +340,11 @@ def main(argv=None) -> int:
                 for block in blocks:
                     print(f"  {loads + ', ' + which + ':':<24} {block}")
         return 0
-    if args.schedule == "gluon":
-        print(f"Triton {triton.__version__}, sm_90: Gluon forward, d={args.head_dim}, bf16; blocks with wgmma:")
-        for name, blocks in gluon_schedules(args.head_dim).items():
+    if args.schedule in ("gluon", "gluon_ws"):
+        ws = args.schedule == "gluon_ws"
+        print(f"Triton {triton.__version__}, sm_90: Gluon forward{', warp-specialised' if ws else ''}, "
+              f"d={args.head_dim}, bf16; blocks with wgmma{', then setmaxnreg' if ws else ''}:")
+        for name, blocks in gluon_schedules(args.head_dim, warp_specialized=ws).items():
             for block in blocks:
                 print(f"  {name + ':':<18} {block}")
         return 0

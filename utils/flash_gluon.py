@@ -25,7 +25,7 @@ read rows past a head's end as zeros and clip the output's, as the Triton kernel
 
 Measured on an H200 (images/05b_gluon_h200.json, notebook 05b section 9): at head dim 64, with one warpgroup per
 program (64 query rows, 2-3 programs per SM), level with cuDNN from N = 4k and ahead of the Triton kernel; at 128
-behind the Triton kernel. Gluon is experimental: the kernel compiles with Triton 3.6 and 3.7, whose CTA barrier
+behind the Triton kernel, where utils.flash_gluon_ws (warp-specialised, section 10) is the one to use. Gluon is experimental: the kernel compiles with Triton 3.6 and 3.7, whose CTA barrier
 has two names (`_cta_barrier`).
 """
 from __future__ import annotations

@@ -42,6 +42,10 @@ REFERENCES = {
     # notebook 05b, section 9: the Gluon kernel (FlashAttention-3's wait(1)) per tile, beside the Triton kernel
     "gluon": (1, ["utils.bench.forward", "--impls", "triton", "gluon", "--gluon-tiles", "--sdpa", "cudnn", "flash",
                   "--seqlens", "1024", "2048", "4096", "8192", "16384", "--rounds", "3", "--name", "05b_gluon_h200"]),
+    # notebook 05b, section 10: the warp-specialised Gluon kernel per tile, beside the Gluon and Triton kernels
+    "gluon_ws": (1, ["utils.bench.forward", "--impls", "triton", "gluon", "gluon_ws", "--ws-tiles", "--sdpa", "cudnn",
+                     "flash", "--seqlens", "1024", "2048", "4096", "8192", "16384", "--rounds", "3", "--name",
+                     "05b_gluon_ws_h200"]),
     "cuda_flash": (1, ["utils.bench.forward", "--impls", "cuda_tiled", "cuda_naive", "--sdpa", "flash",
                        "--name", "06_cuda_flash_h200"]),
     "cuda_mma": (1, ["utils.bench.cuda_mma", "--name", "06b_cuda_mma_h200"]),

@@ -6,6 +6,7 @@
     python -m utils.bench.forward --overlap --sdpa cudnn --name 05b_overlap_h200       # 05b: a step that did not pay
     python -m utils.bench.forward --exp2-fma --sdpa cudnn --name 05b_exp2_h200         # 05b: exponentials on FMA
     python -m utils.bench.forward --gluon-tiles --sdpa cudnn flash --name 05b_gluon_h200  # 05b: Gluon, per tile
+    python -m utils.bench.forward --impls gluon gluon_ws --ws-tiles --sdpa cudnn flash --name 05b_gluon_ws_h200  # 05b: WS
     python -m utils.bench.forward --dtype fp16 --peers triton-tutorial --tutorial PATH --tutorial-ref release/3.6.x
 
 Every configuration is timed in the same run with `utils.bench.benchmark` (triton.testing.do_bench: median,
@@ -53,6 +54,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--gluon-tiles", action="store_true",
                    help="also time the Gluon kernel with each tile of utils.flash_gluon.GLUON_TILES (notebook 05b, "
                         "section 9; H100/H200 only)")
+    p.add_argument("--ws-tiles", action="store_true",
+                   help="also time the warp-specialised Gluon kernel with each tile of utils.flash_gluon_ws.WS_TILES "
+                        "(notebook 05b, section 10; H100/H200 only)")
     peers.add_arguments(p)
     p.add_argument("--name", default="bench_fwd", help="output files images/<name>.json and .png")
     p.add_argument("--out-dir", type=Path, default=IMAGES)
@@ -128,6 +132,10 @@ def candidates(args) -> dict:
         for c in GLUON_TILES:
             name = f"gluon {c.block_m}x{c.block_n} w{c.num_warps} s{c.stages}"
             out[name] = gluon_variant(c, name)
+    if getattr(args, "ws_tiles", False):
+        from utils import flash_gluon_ws
+        out.update({flash_gluon_ws.ws_label(c): flash_gluon_ws.variant(c, flash_gluon_ws.ws_label(c))
+                    for c in flash_gluon_ws.WS_TILES})
     for step in STEP_LABELS:   # notebook 05b section 5: one switch off and on, per tile, host descriptors
         if getattr(args, step, False):
             from utils.flash_triton import TUNE_TILES, Steps, variant
