@@ -72,6 +72,22 @@ def test_pinned_loads_on_gpu():
             assert by[name]["ms"] is None and "tma=True needs an sm_90" in by[name]["error"], rows
 
 
+@pytest.mark.gpu
+def test_dq_by_atomics_and_by_bulk_reduce_on_gpu():
+    """triton_atomic_dq and triton_reduce_dq (notebook 07, section 10): the bulk reduce-add needs sm_90+, and
+    says so in the row elsewhere."""
+    from utils import gpu
+
+    rows = run_backward_benchmark(seqlens=(512,), head_dims=(64,), causal=(True,), batch=1, heads=2,
+                                  backends=("triton", "triton_atomic_dq", "triton_reduce_dq"))
+    by = {r["backend"]: r for r in rows}
+    assert by["triton"]["tflops"] > 0 and by["triton_atomic_dq"]["tflops"] > 0, rows
+    if gpu.capability() >= (9, 0):
+        assert by["triton_reduce_dq"]["tflops"] > 0, rows
+    else:
+        assert by["triton_reduce_dq"]["ms"] is None and 'needs an sm_90+' in by["triton_reduce_dq"]["error"], rows
+
+
 def test_a_run_records_where_triton_uses_tma():
     assert triton_loads([64, 128]) == {"d64_full": False, "d64_causal": False, "d128_full": True,
                                        "d128_causal": True}

@@ -136,6 +136,40 @@ $L__BB0_2:
     assert cross_compile.schedule("\tret;") == []
 
 
+def test_schedule_reads_other_kinds_when_asked():
+    ptx = """
+$L__BB0_1:
+	wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%f1}, %rd1, %rd2, 1, 1, 1, 0, 1;
+	bar.sync 	0;
+	mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f1}, {%r1}, {%r2}, {%f1};
+	@%p1 atom.global.gpu.relaxed.add.f32 %f9, [%rd9], %f8;
+	cp.async.bulk.wait_group.read 	0;
+	@%p2 cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.bulk_group [%rd1, {%r1, %r2, %r3, %r4}], [%r5];
+"""
+    assert cross_compile.schedule(ptx) == ["wgmma"]
+    assert cross_compile.schedule(ptx, cross_compile.DQ_EVENTS) == ["wgmma bar mma atomic reduce-wait reduce"]
+
+
+def test_each_way_of_getting_dq_compiles_to_what_notebook_07_reads():
+    """Section 10: at d = 64 the dK/dV pass's added dQ product (32 query rows, under a warpgroup's 64) runs on
+    mma.sync; the atomic adds are 16 per thread and tile, the bulk reduce one per tile after a wait and barriers;
+    at d = 128 the product is a wgmma. Every product of the loop is waited for at once (wait(0))."""
+    for d in (64, 128):
+        lines = cross_compile.in_fresh_process("--schedule", "backward_dq", "--head-dim", str(d)).splitlines()[1:]
+        loops = {name.strip(): events.split() for name, events in (line.split(":", 1) for line in lines)}
+        assert set(loops) == {"dQ pass", "atomic adds", "bulk reduce"}, lines
+        assert not any(e.startswith(("mma", "atomic", "reduce")) for e in loops["dQ pass"]), lines
+        assert loops["atomic adds"].count("wait(0)") == loops["bulk reduce"].count("wait(0)"), lines
+        assert " reduce-wait bar×2 reduce" in " ".join(loops["bulk reduce"]), lines
+        assert not any(e.startswith("atomic") for e in loops["bulk reduce"]), lines
+        if d == 64:
+            assert "mma×32" in loops["atomic adds"] and "atomic×16" in loops["atomic adds"], lines
+        else:
+            assert not any(e.startswith("mma") for e in loops["atomic adds"]), lines
+            assert "atomic×32" in loops["atomic adds"], lines
+            assert loops["atomic adds"].count("wait(0)") == loops["dQ pass"].count("wait(0)") + 1, lines
+
+
 def test_the_forward_waits_for_its_scores_before_the_exponentials_in_both_loop_orders():
     """Notebook 05b, section 5: compiled for sm_90, every loop of the forward, in order or overlapped by one
     tile, waits for all its wgmmas (wait(0)) before the first exponential; the skew buys no overlap."""

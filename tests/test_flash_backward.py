@@ -142,7 +142,7 @@ def test_autograd_function_is_exposed():
 # --- the Triton kernels --------------------------------------------------------------------------------------
 
 from utils import gpu  # noqa: E402
-from utils.flash_triton_bwd import (BackwardConfig, default_config, default_tma,  # noqa: E402
+from utils.flash_triton_bwd import (BackwardConfig, default_config, default_tma, tma_reduce_supported,  # noqa: E402
                                     flash_attention_backward)
 from utils.testing import ODD_SHAPES_64_128  # noqa: E402
 
@@ -258,13 +258,26 @@ def test_atomic_dq_matches_autograd(shape, causal):
     o, lse = forward_lse(q, k, v, causal)
     args = (do, q, k, v, o.to(dtype), lse.float())
     truth = reference_gradients(q, k, v, do, causal=causal)
-    for tma in (False, None):
+    ways = [(False, True), (None, True)] + ([(False, "tma"), (None, "tma")] if tma_reduce_supported(q) else [])
+    for tma, dq_atomic in ways:   # "tma": one bulk reduce-add per tile, with pointer loads and with TMA loads
         grads = flash_attention_backward(*args, causal=causal, config=None if CUDA else SMALL, tma=tma,
-                                         dq_atomic=True)
+                                         dq_atomic=dq_atomic)
         assert all(g.dtype == dtype and g.shape == t.shape for g, t in zip(grads, (q, k, v)))
         assert_gradients_close(grads, truth, dtype)
-    with pytest.raises(TypeError, match="dq_atomic must be a bool, got NoneType"):
+
+
+def test_dq_atomic_is_checked():
+    """dq_atomic takes False, True or "tma"; "tma" needs an sm_90+ GPU and 16-bit inputs, and says so."""
+    q, k, v = random_qkv(1, 2, 16, 16, 32, dtype=torch.float32, seed=3)
+    o, lse = forward_lse(q, k, v, False)
+    args = (torch.randn_like(q), q, k, v, o.to(q.dtype), lse.float())
+    with pytest.raises(TypeError, match='dq_atomic must be a bool or "tma", got NoneType'):
         flash_attention_backward(*args, dq_atomic=None)
+    with pytest.raises(ValueError, match='dq_atomic must be False, True or "tma", got \'reduce\''):
+        flash_attention_backward(*args, dq_atomic="reduce")
+    with pytest.raises(ValueError, match='dq_atomic="tma" needs an sm_90\\+ GPU and fp16/bf16 inputs'):
+        flash_attention_backward(*args, dq_atomic="tma")   # fp32 (and on CPU, no GPU at all)
+    assert not tma_reduce_supported(q.half())
 
 
 def test_default_tma_only_where_it_paid():

@@ -12,8 +12,8 @@ import triton.language as tl
 from utils import flash_triton
 from utils.flash_triton import (Config, Steps, flash_attention, flash_attention_forward, pick_config,
                                 tma_supported, tunable)
-from utils.reference import causal_mask, reference_attention
-from utils.testing import assert_close, random_qkv
+from utils.reference import reference_attention
+from utils.testing import assert_close, random_qkv, reference_lse
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -23,21 +23,12 @@ def qkv(b=1, h=2, nq=40, nk=None, d=32, hk=None, dtype=torch.float32, seed=0):
     return random_qkv(b, h, nq, nk, d, kv_heads=hk, dtype=dtype, device=DEVICE, seed=seed)
 
 
-def reference_lse(q, k, causal, scale):
-    group = q.shape[1] // k.shape[1]
-    k = k.double().repeat_interleave(group, dim=1)
-    scores = q.double() @ k.transpose(-1, -2) * scale
-    if causal:
-        scores = scores.masked_fill(~causal_mask(q.shape[2], k.shape[2], q.device), float("-inf"))
-    return torch.logsumexp(scores, dim=-1)
-
-
 @pytest.mark.parametrize("nq,nk,causal", [(40, 40, False), (40, 40, True), (19, 70, True), (70, 19, True),
                                           (70, 19, False), (1, 33, True)])
 def test_lse_matches_torch_logsumexp(nq, nk, causal):
     q, k, v = qkv(nq=nq, nk=nk, hk=1)
     o, lse = flash_attention(q, k, v, causal=causal, return_lse=True)
-    expected = reference_lse(q, k, causal, 1 / math.sqrt(q.shape[-1]))
+    expected = reference_lse(q, k, causal=causal)
     assert lse.dtype == torch.float32 and lse.shape == q.shape[:3]
     assert torch.equal(torch.isinf(lse), torch.isinf(expected))  # -inf exactly where a query sees no key
     finite = torch.isfinite(expected)
@@ -346,7 +337,7 @@ def test_huge_logits_are_finite_and_right(dtype, q_scale, k_scale):
     q = (q.float() * q_scale).to(dtype)
     k = (k.float() * k_scale).to(dtype)
     assert torch.isfinite(q).all() and torch.isfinite(k).all()
-    logits = reference_lse(q, k, False, 1.0)
+    logits = reference_lse(q, k, causal=False, sm_scale=1.0)
     assert logits.abs().max() > 1e4
     for causal in (False, True):
         out, lse = flash_attention(q, k, v, causal=causal, sm_scale=1.0, return_lse=True)
@@ -436,7 +427,7 @@ def test_large_shapes_on_gpu(dtype, shape):
     for causal in (False, True):
         out, lse = flash_attention(q, k, v, causal=causal, return_lse=True)
         assert_close(out, reference_attention(q, k, v, causal=causal))
-        expected = reference_lse(q, k, causal, 1 / math.sqrt(d))
+        expected = reference_lse(q, k, causal=causal, sm_scale=1 / math.sqrt(d))
         finite = torch.isfinite(expected)
         torch.testing.assert_close(lse[finite].double(), expected[finite], atol=2e-3, rtol=2e-3)
 

@@ -5,7 +5,7 @@ from utils.bench import attention_flops, benchmark, tflops
 from utils.exercises import check
 from utils.plotting import pyplot, save_figure, use_course_style, write_png
 from utils.testing import (ODD_SHAPES_64_128, assert_attention_matches_reference, assert_close,
-                           assert_matches_on_odd_shapes, random_qkv, tolerances)
+                           assert_matches_on_odd_shapes, random_qkv, reference_lse, tolerances)
 from utils.reference import naive_attention
 
 
@@ -209,6 +209,18 @@ def test_assert_matches_on_odd_shapes_runs_every_shape_and_catches_errors():
     with pytest.raises(AssertionError):
         assert_matches_on_odd_shapes(lambda q, k, v, **kw: naive_attention(q, k, v, **kw) * 1.01,
                                      dtype=torch.float32, causal=False, device="cpu", shapes=shapes)
+
+
+def test_reference_lse_is_the_log_of_the_softmax_denominator():
+    """GQA heads share their K head; causal is bottom-right, so with Nq > Nk the first Nq - Nk rows see no key."""
+    q, k, _ = random_qkv(1, 4, 7, 5, 16, kv_heads=2, dtype=torch.float64, seed=4)
+    lse = reference_lse(q, k, sm_scale=0.5)
+    scores = torch.einsum("bhnd,bhmd->bhnm", q, k[:, [0, 0, 1, 1]]) * 0.5
+    torch.testing.assert_close(lse, scores.exp().sum(-1).log())
+    causal = reference_lse(q, k, causal=True)
+    assert torch.isneginf(causal[..., :2]).all() and torch.isfinite(causal[..., 2:]).all()
+    row = q[0, 3, 4] @ k[0, 1, :3].T / 4   # the fifth query sees the first three keys; 1/sqrt(16) by default
+    torch.testing.assert_close(causal[0, 3, 4], torch.logsumexp(row, 0))
 
 
 def test_pyplot_is_styled_and_never_needs_a_display():

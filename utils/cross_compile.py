@@ -128,10 +128,16 @@ SCHEDULE_EVENTS = (("wgmma.mma_async", "wgmma"), ("wgmma.commit_group", "commit"
                    ("ex2.approx", "ex2"), ("cp.async.bulk.tensor", "tma"), ("mbarrier.try_wait", "tile?"))
 
 
-def schedule(ptx: str) -> list[str]:
+# What `--schedule backward_dq` adds (notebook 07, section 10): the ways the dK/dV pass can hand dQ on.
+DQ_EVENTS = SCHEDULE_EVENTS + (("mma.sync", "mma"), ("atom.global", "atomic"), ("red.global", "atomic"),
+                               ("cp.reduce.async.bulk", "reduce"), ("cp.async.bulk.wait_group", "reduce-wait"),
+                               ("bar.sync", "bar"))
+
+
+def schedule(ptx: str, kinds=SCHEDULE_EVENTS) -> list[str]:
     """The basic blocks of `ptx` that issue tensor-core work, each as the order of its wgmma, wait, ex2 and TMA
-    instructions with repeats counted: 'wgmma×8 commit wait(0) ex2×66 ...'. `wait(n)` lets n groups of wgmmas
-    stay in flight; `tile?` waits for a TMA copy to land."""
+    instructions (or of `kinds`: (PTX prefix, name) pairs) with repeats counted: 'wgmma×8 commit wait(0) ex2×66
+    ...'. `wait(n)` lets n groups of wgmmas stay in flight; `tile?` waits for a TMA copy to land."""
     blocks, events = [], []
     for line in ptx.splitlines():
         words = line.split()
@@ -142,7 +148,7 @@ def schedule(ptx: str) -> list[str]:
             events = []
             continue
         op = words[1] if words[0].startswith("@") and len(words) > 1 else words[0]   # '@%p1 op ...': predicated
-        for prefix, name in SCHEDULE_EVENTS:
+        for prefix, name in kinds:
             if op.startswith(prefix):
                 events.append(f"wait({words[-1].rstrip(';')})" if name == "wait" else name)
     blocks.append(events)
@@ -195,6 +201,26 @@ def backward_schedules(head_dim: int = 128, capability=(9, 0)) -> dict[str, dict
                                                                      tma=tma, tma_stats=tma))
         out[name] = {launch.name.removeprefix("_bwd_"): schedule(compile_launch(launch, capability).asm["ptx"])
                      for launch in launches if launch.name in ("_bwd_dkdv", "_bwd_dq")}
+    return out
+
+
+def backward_dq_schedules(head_dim: int = 64, capability=(9, 0)) -> dict[str, list[str]]:
+    """The dK/dV pass (notebook 07's default tiles and loads, not causal, 16-bit) compiled for `capability` with
+    each way of getting dQ: the separate pass, an atomic add per element, a bulk reduce-add per tile (section
+    10). {name: schedule with DQ_EVENTS}."""
+    from utils import flash_triton_bwd as bwd
+
+    q = torch.zeros(1, 2, 1024, head_dim, dtype=torch.float16)
+    lse = torch.zeros(1, 2, 1024)
+    config = bwd.default_config(head_dim, torch.float16, False, None)
+    out = {}
+    for name, dq_atomic in (("dQ pass", False), ("atomic adds", True), ("bulk reduce", "tma")):
+        with mock.patch.object(bwd, "tma_supported", lambda *args: True), \
+                mock.patch.object(bwd, "tma_reduce_supported", lambda q: True):   # CPU tensors: no GPU to ask
+            launches = _capture(lambda: bwd.flash_attention_backward(
+                q, q, q, q, q, lse, config=config, tma=bwd.default_tma(head_dim, False), dq_atomic=dq_atomic))
+        (dkdv,) = (launch for launch in launches if launch.name == "_bwd_dkdv")
+        out[name] = schedule(compile_launch(dkdv, capability).asm["ptx"], DQ_EVENTS)
     return out
 
 
@@ -322,12 +348,13 @@ def main(argv=None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m utils.cross_compile", description=__doc__.split("\n\n")[0])
     parser.add_argument("--profile", choices=sorted(PROFILES), default="t4")
-    parser.add_argument("--schedule", nargs="?", const="forward", choices=("forward", "exp2", "backward", "gluon",
-                                                                     "gluon_ws"),
+    parser.add_argument("--schedule", nargs="?", const="forward", choices=("forward", "exp2", "backward",
+                                                                     "backward_dq", "gluon", "gluon_ws"),
                         help="instead: the order of a loop's instructions on sm_90: the forward's, in order and "
                         "overlapped or with a share of its exponentials on the FMA units (notebook 05b, section "
-                        "5), the Gluon forward's per tile (section 9) and its warp-specialised version's (section 10), or the backward's with pointer loads and TMA "
-                        "(07)")
+                        "5), the Gluon forward's per tile (section 9) and its warp-specialised version's (section 10), the "
+                        "backward's with pointer loads and TMA (07), or its dK/dV loop with each way of getting dQ "
+                        "(07, section 10)")
     parser.add_argument("--head-dim", type=int, default=128, choices=(64, 128), help="with --schedule")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -339,6 +366,13 @@ def main(argv=None) -> int:
             for which, blocks in passes.items():
                 for block in blocks:
                     print(f"  {loads + ', ' + which + ':':<24} {block}")
+        return 0
+    if args.schedule == "backward_dq":
+        print(f"Triton {triton.__version__}, sm_90: the backward's dK/dV pass, d={args.head_dim}, fp16, default tiles "
+              "and loads; blocks with wgmma:")
+        for name, blocks in backward_dq_schedules(args.head_dim).items():
+            for block in blocks:
+                print(f"  {name + ':':<13} {block}")
         return 0
     if args.schedule in ("gluon", "gluon_ws"):
         ws = args.schedule == "gluon_ws"

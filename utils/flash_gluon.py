@@ -88,20 +88,25 @@ def _softmax(s, m_i, l_i, qk_scale, offs_m, start_n, seqlen_k, causal_offset, ma
     return p, alpha, l_i, m_new
 
 
+@gluon.jit
+def _program_rows(heads, group, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
+    """(batch·heads index, batch, head, K/V head, first query row) of this program; causal programs take the
+    longest rows first, so that the last wave is short."""
+    pid_m = gl.program_id(0)
+    if CAUSAL:
+        pid_m = gl.num_programs(0) - 1 - pid_m
+    pid_bh = gl.program_id(1)
+    h = pid_bh % heads
+    return pid_bh, pid_bh // heads, h, h // group, pid_m * BLOCK_M
+
+
 @gluon.jit(do_not_specialize=["heads", "group", "seqlen_q", "seqlen_k"])
 def gluon_fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, heads, group, seqlen_q, seqlen_k, qk_scale,
                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                      STAGES: gl.constexpr, CAUSAL: gl.constexpr, num_warps: gl.constexpr):
     """One program: BLOCK_M queries of one (batch, head). Grid (cdiv(seqlen_q, BLOCK_M), batch * heads);
     causal programs run the longest rows first."""
-    pid_m = gl.program_id(0)
-    if CAUSAL:
-        pid_m = gl.num_programs(0) - 1 - pid_m
-    pid_bh = gl.program_id(1)
-    b = pid_bh // heads
-    h = pid_bh % heads
-    h_kv = h // group
-    start_m = pid_m * BLOCK_M
+    pid_bh, b, h, h_kv, start_m = _program_rows(heads, group, BLOCK_M, CAUSAL)
     dtype: gl.constexpr = q_desc.dtype
 
     # Register layouts: the wgmma accumulators of S (BLOCK_M x BLOCK_N) and O (BLOCK_M x HEAD_DIM), one warp per
@@ -251,9 +256,15 @@ def check_config(config, head_dim: int) -> Config:
         raise TypeError(f"config must be a utils.flash_gluon.Config, got {type(config).__name__}")
     if config.num_warps not in (4, 8) or config.block_m != 16 * config.num_warps:
         raise ValueError(f"config: block_m must be 16 * num_warps with 4 or 8 warps, got {config}")
+    return check_rings(config, head_dim, config.block_m)
+
+
+def check_rings(config, head_dim: int, block_m: int):
+    """The checks both Gluon forwards share: key tiles of 64 or 128, 1 to 4 buffers per ring, and a Q tile of
+    block_m rows plus both rings within shared memory. Returns `config`."""
     if config.block_n not in (64, 128) or config.stages not in (1, 2, 3, 4):
         raise ValueError(f"config: block_n must be 64 or 128 and stages 1 to 4, got {config}")
-    smem = 2 * head_dim * (config.block_m + 2 * config.stages * config.block_n)
+    smem = 2 * head_dim * (block_m + 2 * config.stages * config.block_n)
     if smem > SMEM_LIMIT:
         raise ValueError(f"config: {smem // 1024} KiB of shared memory at head_dim {head_dim} exceeds the "
                          f"{SMEM_LIMIT // 1024} KiB of a block; use fewer stages or smaller tiles ({config})")
@@ -262,8 +273,14 @@ def check_config(config, head_dim: int) -> Config:
 
 def variant(config: Config, name: str):
     """fn(q, k, v, *, causal=False, sm_scale=None) running the kernel with fixed tiles (the benchmark's lines)."""
+    return fixed_tiles(flash_attention_gluon_forward, config, name)
+
+
+def fixed_tiles(forward, config, name: str):
+    """fn(q, k, v, *, causal=False, sm_scale=None) returning `forward(..., config=config)`'s output alone, named
+    `name`: a Gluon forward with fixed tiles as the benchmark and the tests call an attention function."""
     def attention(q, k, v, *, causal=False, sm_scale=None):
-        return flash_attention_gluon_forward(q, k, v, causal=causal, sm_scale=sm_scale, config=config)[0]
+        return forward(q, k, v, causal=causal, sm_scale=sm_scale, config=config)[0]
     attention.__name__ = name
     return attention
 
@@ -302,11 +319,16 @@ def flash_attention_gluon_forward(q, k, v, *, causal=False, sm_scale=None, confi
     (default: pick_config's)."""
     scale = validate(q, k, v, causal, sm_scale)
     config = pick_config(q.shape[-1]) if config is None else check_config(config, q.shape[-1])
-    q, k, v = (_tma_ready(x) for x in (q, k, v))
-    o = torch.empty_like(q)
-    lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
+    q, k, v, o, lse = tma_buffers(q, k, v)
     _launch(q, k, v, o, lse, causal, scale, config)
     return o, lse
+
+
+def tma_buffers(q, k, v):
+    """(q, k, v, o, lse) for a Gluon forward's launch: the inputs as TMA takes them (_tma_ready) and the empty
+    outputs it writes, o like q and an fp32 lse per query row."""
+    q, k, v = (_tma_ready(x) for x in (q, k, v))
+    return q, k, v, torch.empty_like(q), torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
 
 
 def _launch(q, k, v, o, lse, causal: bool, scale: float, config: Config) -> None:

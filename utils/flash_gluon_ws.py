@@ -23,7 +23,6 @@ from __future__ import annotations
 import random
 from typing import NamedTuple
 
-import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -128,14 +127,7 @@ def gluon_ws_kernel(q_desc, k_desc, v_desc, o_desc, LSE, heads, group, seqlen_q,
     """One program: 128 queries of one (batch, head), longest causal rows first. Grid (cdiv(seqlen_q, 128),
     batch * heads); launched with 4 warps (the first consumer) plus the worker partitions' 4 + 1."""
     BLOCK_M: gl.constexpr = 2 * q_desc.block_type.shape[2]
-    pid_m = gl.program_id(0)
-    if CAUSAL:
-        pid_m = gl.num_programs(0) - 1 - pid_m
-    pid_bh = gl.program_id(1)
-    b = pid_bh // heads
-    h = pid_bh % heads
-    h_kv = h // group
-    start_m = pid_m * BLOCK_M
+    pid_bh, b, h, h_kv, start_m = fg._program_rows(heads, group, BLOCK_M, CAUSAL)
     causal_offset = seqlen_k - seqlen_q
     if CAUSAL:
         n_keys = gl.minimum(gl.maximum(start_m + BLOCK_M + causal_offset, 0), seqlen_k)
@@ -200,32 +192,21 @@ def check_config(config, head_dim: int) -> WSConfig:
     of 8 from 24 to 256)."""
     if not isinstance(config, WSConfig):
         raise TypeError(f"config must be a utils.flash_gluon_ws.WSConfig, got {type(config).__name__}")
-    if config.block_n not in (64, 128) or config.stages not in (1, 2, 3, 4):
-        raise ValueError(f"config: block_n must be 64 or 128 and stages 1 to 4, got {config}")
     if not 24 <= config.consumer_regs <= 256 or config.consumer_regs % 8:
         raise ValueError(f"config: consumer_regs must be a multiple of 8 from 24 to 256, got {config}")
-    smem = 2 * head_dim * (BLOCK_M + 2 * config.stages * config.block_n)
-    if smem > fg.SMEM_LIMIT:
-        raise ValueError(f"config: {smem // 1024} KiB of shared memory at head_dim {head_dim} exceeds the "
-                         f"{fg.SMEM_LIMIT // 1024} KiB of a block; use fewer stages or smaller tiles ({config})")
-    return config
+    return fg.check_rings(config, head_dim, BLOCK_M)
 
 
 def variant(config: WSConfig, name: str):
     """fn(q, k, v, *, causal=False, sm_scale=None) running the kernel with fixed tiles (the benchmark's lines)."""
-    def attention(q, k, v, *, causal=False, sm_scale=None):
-        return flash_attention_gluon_ws_forward(q, k, v, causal=causal, sm_scale=sm_scale, config=config)[0]
-    attention.__name__ = name
-    return attention
+    return fg.fixed_tiles(flash_attention_gluon_ws_forward, config, name)
 
 
 def flash_attention_gluon_ws_forward(q, k, v, *, causal=False, sm_scale=None, config: WSConfig | None = None):
     """(o, lse) as utils.flash_gluon.flash_attention_gluon_forward; `config`: fixed tiles (default: pick_config's)."""
     scale = fg.validate(q, k, v, causal, sm_scale)
     config = pick_config(q.shape[-1]) if config is None else check_config(config, q.shape[-1])
-    q, k, v = (fg._tma_ready(x) for x in (q, k, v))
-    o = torch.empty_like(q)
-    lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
+    q, k, v, o, lse = fg.tma_buffers(q, k, v)
     _launch(q, k, v, o, lse, causal, scale, config)
     return o, lse
 

@@ -33,7 +33,8 @@ from utils.flash_triton import tma_supported
 from utils.launch import FastLauncher
 from utils.triton_utils import cdiv
 
-__all__ = ["flash_attention_backward", "BackwardConfig", "default_config", "default_tma", "HEAD_DIMS", "DTYPES"]
+__all__ = ["flash_attention_backward", "BackwardConfig", "default_config", "default_tma", "tma_reduce_supported",
+           "HEAD_DIMS", "DTYPES"]
 
 HEAD_DIMS = tuple(range(16, 257))   # as the forward (utils.flash_triton): padded to a power of two
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -118,6 +119,12 @@ def default_tma(head_dim: int, causal: bool) -> bool:
     return head_dim == 128
 
 
+def tma_reduce_supported(q) -> bool:
+    """Whether `dq_atomic="tma"` can run: an sm_90+ GPU and 16-bit inputs. The fp32 dQ copy the TMA engine adds
+    into is the course's own, allocated aligned, so the inputs' strides do not matter."""
+    return q.is_cuda and gpu.capability(q) >= (9, 0) and q.dtype in (torch.float16, torch.bfloat16)
+
+
 # --- kernels -------------------------------------------------------------------------------------------------
 
 @triton.jit
@@ -164,7 +171,9 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, LSE2, DELTA, s_qm, s_qd, s_dom, s_dod, QD, 
     (indexed [batch, head, row, 0]; rows past the end read as zeros), else through pointers with masks.
     STATS: lse₂ and D come through descriptors LD, DD too (indexed [batch, head, row]), so that every load of
     the loop is a TMA copy. ATOMIC: also add this tile's dQ_i = sm_scale · dS_ij K_j into DQA, a (B·H·N_Q,
-    BLOCK_D) accumulator in global memory whose rows of this head start at `row`, with atomic adds: no dQ pass."""
+    BLOCK_D) accumulator in global memory whose rows of this head start at `row`, with atomic adds: no dQ pass.
+    ATOMIC == 2: DQA is a TMA descriptor of that accumulator, (B, H, N_Q, BLOCK_D), and each tile is one bulk
+    reduce-add."""
     for m0 in range(start, end, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         mask_m = offs_m < N_Q
@@ -196,8 +205,11 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, LSE2, DELTA, s_qm, s_qd, s_dom, s_dod, QD, 
         dk += tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t), input_precision=PRECISION)       # dK += dSᵀ Q
         if ATOMIC:  # dQ_i += dS K_j from every key block: programs add into the same rows, in any order
             dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k, input_precision=PRECISION) * sm_scale  # (M, D)
-            tl.atomic_add(DQA + (row + offs_m[:, None]) * BLOCK_D + offs_d[None, :], dq, mask=mask_m[:, None],
-                          sem="relaxed")
+            if ATOMIC == 2:   # one bulk reduce-add of the tile by the TMA engine (rows past the end are clipped)
+                DQA.atomic_add([b, h, m0, 0], dq.reshape(1, 1, BLOCK_M, BLOCK_D))
+            else:
+                tl.atomic_add(DQA + (row + offs_m[:, None]) * BLOCK_D + offs_d[None, :], dq, mask=mask_m[:, None],
+                              sem="relaxed")
     return dk, dv
 
 
@@ -345,9 +357,11 @@ def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, sm_scale=None
     and the inputs allow it (`utils.flash_triton.tma_supported`); False: pointer loads; True: TMA, or a
     ValueError saying why not. `tma_stats`: with TMA, load the lse₂ and D of each Q tile of the dK/dV loop
     through descriptors too. None: wherever TMA is on and seqlen_q is a multiple of 4 (16-byte aligned fp32
-    rows); True: that, or a ValueError saying why not. `dq_atomic`: no dQ pass; the dK/dV pass adds each tile's
-    dQ into an fp32 copy with atomic adds (as FlashAttention-2's CUDA backward does; not deterministic: the order
-    of the additions varies from run to run). Notebook 07 measures it against the separate pass.
+    rows); True: that, or a ValueError saying why not. `dq_atomic`: True: no dQ pass; the dK/dV pass adds each
+    tile's dQ into an fp32 copy with one atomic add per element (as FlashAttention-2's CUDA backward does; not
+    deterministic: the order of the additions varies from run to run). "tma": the same, each tile added by one
+    bulk reduce-add of the TMA engine (as FlashAttention-3 does; sm_90+ and 16-bit inputs, or a ValueError).
+    Notebook 07, section 10, measures both against the separate pass.
     """
     shape, scale = check_backward_inputs(do, q, k, v, o, lse, causal=causal, sm_scale=sm_scale, dtypes=DTYPES)
     if shape.head_dim not in HEAD_DIMS:
@@ -358,8 +372,10 @@ def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, sm_scale=None
         config = default_config(shape.head_dim, q.dtype, causal, smem)
     elif not isinstance(config, BackwardConfig):
         raise TypeError(f"config must be a BackwardConfig or None, got {type(config).__name__}")
-    if not isinstance(dq_atomic, bool):
-        raise TypeError(f"dq_atomic must be a bool, got {type(dq_atomic).__name__}")
+    if not isinstance(dq_atomic, (bool, str)):
+        raise TypeError(f"dq_atomic must be a bool or \"tma\", got {type(dq_atomic).__name__}")
+    if isinstance(dq_atomic, str) and dq_atomic != "tma":
+        raise ValueError(f"dq_atomic must be False, True or \"tma\", got {dq_atomic!r}")
     for name, value in (("tma", tma), ("tma_stats", tma_stats)):
         if value is not None and not isinstance(value, bool):
             raise TypeError(f"{name} must be a bool or None, got {type(value).__name__}")
@@ -370,6 +386,10 @@ def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, sm_scale=None
                              "with unit last stride and 16-byte aligned addresses and row strides")
         tma = allowed
     tma = bool(tma)
+    reduce = dq_atomic == "tma"
+    if reduce and not tma_reduce_supported(q):
+        raise ValueError(f"dq_atomic=\"tma\" needs an sm_90+ GPU and fp16/bf16 inputs (got {q.dtype} on "
+                         f"{q.device})")
     # lse₂ and D through descriptors: their rows (seqlen_q fp32 values) must be 16-byte aligned.
     stats_allowed = tma and shape.seqlen_q % 4 == 0
     if tma_stats and not stats_allowed:
@@ -404,12 +424,13 @@ def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, sm_scale=None
                                        (v, config.block_n2)))
     ld, dd = ((TensorDescriptor.from_tensor(t, [1, 1, config.block_m1]) if stats else None) for t in (lse2, delta))
     dq_acc = torch.zeros((b, h, nq, block_d), dtype=acc_dtype, device=q.device) if dq_atomic else None
+    dqa = TensorDescriptor.from_tensor(dq_acc, [1, 1, config.block_m1, block_d]) if reduce else dq_acc
     _launch_dkdv[(cdiv(nk, config.block_n1), b * hk)](
-        q, k, v, do, lse2, delta, dk, dv, qd, dod, ld, dd, dq_acc, *q.stride(), *k.stride(), *v.stride(),
+        q, k, v, do, lse2, delta, dk, dv, qd, dod, ld, dd, dqa, *q.stride(), *k.stride(), *v.stride(),
         *do.stride(), *dk.stride(), *dv.stride(), hk, nq, nk, scale * LOG2E, scale,
         GROUP=h // hk, CAUSAL=causal, BLOCK_M=config.block_m1, BLOCK_N=config.block_n1, HEAD_DIM=d, BLOCK_D=block_d,
-        PRECISION=precision, ACC=acc, TMA=tma, STATS=stats, ATOMIC=dq_atomic, num_warps=config.warps1,
-        num_stages=config.stages1)
+        PRECISION=precision, ACC=acc, TMA=tma, STATS=stats, ATOMIC=2 if reduce else int(dq_atomic),
+        num_warps=config.warps1, num_stages=config.stages1)
     if dq_atomic:
         return dq_acc[..., :d].to(q.dtype), dk, dv
     dq = torch.empty_like(q)

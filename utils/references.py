@@ -94,6 +94,10 @@ REFERENCES = {
     "backward_atomic": (1, ["utils.bench.backward", "--backends", "triton", "triton_atomic_dq", "sdpa_flash",
                             "sdpa_cudnn", "--seqlens", "4096", "8192", "16384", "--rounds", "3", "--out",
                             "images/07_backward_atomic_h200.json"]),
+    # and with one TMA bulk reduce-add per tile instead of an atomic add per element (section 10)
+    "backward_reduce": (1, ["utils.bench.backward", "--backends", "triton", "triton_atomic_dq", "triton_reduce_dq",
+                            "sdpa_flash", "sdpa_cudnn", "--seqlens", "4096", "8192", "16384", "--rounds", "3",
+                            "--out", "images/07_backward_reduce_h200.json"]),
     # one profiled launch of each pass of the Triton backward per load step (notebook 07, sections 8 and 9;
     # needs ncu): d = 64 without a mask, d = 128 without and with one
     "backward_ncu_d64": (1, ["utils.bench.ncu", "--worklog", "triton_bwd", "--head-dim", "64", "--seqlen", "4096",

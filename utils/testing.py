@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from utils.reference import naive_attention, reference_attention
+import math
+
+from utils.reference import causal_mask, naive_attention, reference_attention
 
 # Attention outputs are averages of V rows, of order 1 for standard-normal inputs. fp32 allows for TF32 dots
 # on GPUs (10-bit mantissa); fp16 and bf16 for rounding of P before the P·V product.
@@ -79,6 +81,17 @@ def assert_matches_on_odd_shapes(fn, *, dtype, causal, device="cuda", shapes=ODD
         assert_attention_matches_reference(fn, q, k, v, causal=causal)
     q, k, v = random_qkv(1, 2, 300, 300, 64, dtype=dtype, device=device)
     assert_attention_matches_reference(fn, q * 20, k, v, causal=causal, sm_scale=0.3)
+
+
+def reference_lse(q, k, *, causal=False, sm_scale=None) -> torch.Tensor:
+    """The float64 log-sum-exp of each query row's scaled scores (B, H, Nq), with GQA and bottom-right causal
+    alignment: what a forward that returns lse must match; -inf for rows that see no key."""
+    scale = 1 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
+    k = k.double().repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    scores = q.double() @ k.transpose(-1, -2) * scale
+    if causal:
+        scores = scores.masked_fill(~causal_mask(q.shape[2], k.shape[2], q.device), float("-inf"))
+    return torch.logsumexp(scores, dim=-1)
 
 
 # Gradients sum over N terms and pass through two rounded products (P, dS): looser than outputs. Each is compared

@@ -3,10 +3,13 @@
 FLOPs are counted as 2.5× the forward's (`utils.bench.attention_flops(mode="bwd")`: five N×N matmuls instead of
 two), halved when causal, as in the FlashAttention-2 paper. Every number of a table is measured in one run.
 Besides the default backends, `--backends` takes sdpa_efficient, triton_pointer, triton_tma and triton_tma_stats (the
-Triton backward with its loads pinned, notebook 07 sections 8 and 9), triton_atomic_dq (dQ added with atomics by
-the dK/dV pass instead of a dQ pass, section 10), and `--peers triton-tutorial` the Triton tutorial's backward
-(utils.bench.peers, read from its own file; shapes it cannot run are "not supported"). `--rounds 3` times each
-shape three times in rotated order and keeps the medians (the stored run's setting).
+Triton backward with its loads pinned, notebook 07 sections 8 and 9), triton_atomic_dq and triton_reduce_dq (dQ
+added by the dK/dV pass instead of a dQ pass, with an atomic add per element or a TMA bulk reduce-add per tile,
+section 10), and `--peers triton-tutorial` the Triton tutorial's backward (utils.bench.peers, read from its own
+file; shapes it cannot run are "not supported"). `--rounds 3` times each shape three times in rotated order and
+keeps the medians (the stored run's setting). Each backend is timed as a closure without arguments, so
+utils.bench.benchmark takes torch's Timer: back-to-back calls with the GPU synchronised around each block of
+them, no L2 flush; the same for every backend.
 """
 from __future__ import annotations
 
@@ -24,7 +27,8 @@ BACKENDS = ("triton", "sdpa_flash", "sdpa_cudnn")                # the default s
 TRITON_LOADS = {"triton_pointer": (False, False), "triton_tma": (True, False), "triton_tma_stats": (True, True)}
 # Measured when asked for; cuda_*: notebook 06b's tensor-core backward in each of its steps (utils.cuda_backward).
 CUDA_BACKENDS = tuple(f"cuda_{step}" for step in BWD_STEPS)
-KNOWN = BACKENDS + tuple(TRITON_LOADS) + ("triton_atomic_dq", "sdpa_efficient", "triton_tutorial") + CUDA_BACKENDS
+KNOWN = (BACKENDS + tuple(TRITON_LOADS) + ("triton_atomic_dq", "triton_reduce_dq", "sdpa_efficient", "triton_tutorial")
+         + CUDA_BACKENDS)
 DEFAULT_OUT = Path(__file__).resolve().parents[2] / "images" / "07_backward_benchmark.json"
 
 
@@ -85,6 +89,7 @@ def run_backward_benchmark(seqlens=(2048, 4096, 8192, 16384), head_dims=(64, 128
     capability = torch.cuda.get_device_capability()
     special = {"triton": lambda: _triton_backward(config), "triton_tutorial": lambda: autograd_backward(tutorial),
                "triton_atomic_dq": lambda: _triton_backward(config, dq_atomic=True),
+               "triton_reduce_dq": lambda: _triton_backward(config, dq_atomic="tma"),
                **{b: (lambda loads=loads: _triton_backward(config, *loads)) for b, loads in TRITON_LOADS.items()},
                **{b: (lambda step=b.removeprefix("cuda_"): _cuda_backward(step)) for b in CUDA_BACKENDS}}
     makers = {b: special[b]() if b in special else _sdpa_backward(b) for b in backends}
@@ -205,6 +210,7 @@ def plot_backward_benchmark(rows: list[dict], title: str = ""):
     fig, axes = plt.subplots(1, len(head_dims), figsize=(6 * len(head_dims), 4), sharey=True, squeeze=False)
     colors = {"triton": "C0", "sdpa_flash": "C1", "sdpa_cudnn": "C2", "sdpa_efficient": "C3", "triton_tutorial": "C4",
               "triton_pointer": "C5", "triton_tma": "C6", "triton_tma_stats": "C8", "triton_atomic_dq": "C7",
+              "triton_reduce_dq": "k",
               **{b: f"C{9 + i}" for i, b in enumerate(CUDA_BACKENDS)}}
     for ax, d in zip(axes[0], head_dims):
         for b in KNOWN:

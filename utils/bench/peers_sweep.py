@@ -9,7 +9,9 @@ Why a module of its own: utils.bench.forward times one dtype's forward and utils
 grid, each with a stored format that notebooks read; this comparison needs both passes and both dtypes as one set
 of records {impl, mode, dtype, head_dim, causal, seqlen, ms, tflops, max_err, error}. It reuses their parts: the
 candidates (utils.bench.forward.candidates: registry names, pinned SDPA, peers from utils.bench.peers), the FLOP
-counts and do_bench. Every implementation is timed the same way, through its autograd function:
+counts and utils.bench.benchmark (given closures without arguments, that is torch's Timer: back-to-back calls with
+the GPU synchronised around each block of them, no L2 flush). Every implementation is timed the same way, through
+its autograd function:
 
     fwd      fn(q, k, v, causal=...) on inputs that need no gradient
     bwd      torch.autograd.grad of one stored forward output: the backward alone, as the tutorial times it
