@@ -114,20 +114,24 @@ def ring_gradients(q, k, v, do, **kwargs):
 @pytest.mark.parametrize("local", ["flash_triton", "flash_decoding"])
 def test_simulated_ring_with_triton_kernels_on_gpu(local):
     """bf16: the output within bf16's tolerance; the gradients (Triton backward per block) no further from float64
-    truth than twice SDPA's own."""
+    truth than SDPA's own error plus the rounding of the ring's bf16 partial sums: autograd adds the world_size
+    partial gradients of a block in bf16, each addition off by up to half a unit in the last place (2^-9 of the
+    largest gradient). A wrong block or mask is off by far more."""
     from utils.reference import sdpa_attention
 
+    world = 4
     q, k, v = random_qkv(1, 8, 2048, 2048, 64, kv_heads=2, dtype=torch.bfloat16, device="cuda")
-    out = simulate_ring_attention(q, k, v, world_size=4, causal=True, local_attention=local)
+    out = simulate_ring_attention(q, k, v, world_size=world, causal=True, local_attention=local)
     assert_close(out, reference_attention(q, k, v, causal=True), dtype=torch.bfloat16)
-    do = torch.randn_like(q)
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(5)).to("cuda", torch.bfloat16)
     truth = reference_gradients(q, k, v, do, True)
-    ours = ring_gradients(q, k, v, do, world_size=4, causal=True, local_attention=local)
+    ours = ring_gradients(q, k, v, do, world_size=world, causal=True, local_attention=local)
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     sdpa = torch.autograd.grad(sdpa_attention(*leaves, causal=True), leaves, do)
     for name, g, s, t in zip(("dq", "dk", "dv"), ours, sdpa, truth):
         error, sdpa_error = (g.double() - t).abs().max().item(), (s.double() - t).abs().max().item()
-        assert g.dtype == torch.bfloat16 and error <= 2 * sdpa_error + 1e-3, (name, error, sdpa_error)
+        partial_sums = world * 2 ** -9 * t.abs().max().item()
+        assert g.dtype == torch.bfloat16 and error <= sdpa_error + partial_sums + 1e-3, (name, error, sdpa_error)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
