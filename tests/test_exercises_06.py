@@ -80,3 +80,27 @@ def test_checks_refuse_a_non_string():
         check_load_b_v(b"source")
     with pytest.raises(TypeError):
         check_backward_ds(None)
+
+
+@pytest.mark.skipif(host_compiler() is None, reason="needs a host C++ compiler")
+def test_builds_of_one_program_at_once_all_get_a_whole_binary(tmp_path, monkeypatch):
+    """Two notebooks (or two test runs) checking the same answer at once build the same program: each build
+    writes its own files and renames the binary into place, so none runs or overwrites a half-written one; a
+    failed build leaves nothing behind."""
+    import subprocess
+    from concurrent.futures import ThreadPoolExecutor
+
+    from utils.exercises import cuda_kernels
+
+    monkeypatch.setattr(cuda_kernels, "BUILD_DIR", tmp_path)
+
+    def build(program):
+        return cuda_kernels.build_host(program, prefix="p", flags=["-std=c++17"], what="the test")
+
+    with ThreadPoolExecutor(6) as pool:
+        binaries = list(pool.map(lambda _: build("int main() { return 7; }"), range(6)))
+    assert len(set(binaries)) == 1 and subprocess.run([binaries[0]]).returncode == 7
+    assert [p.name for p in tmp_path.iterdir()] == [binaries[0].name]
+    with pytest.raises(RuntimeError, match="^the test"):
+        build("int main( {")
+    assert [p.name for p in tmp_path.iterdir()] == [binaries[0].name]

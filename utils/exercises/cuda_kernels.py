@@ -13,10 +13,12 @@ The references are computed here, from scratch; none of the course's kernels is 
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 from typing import NamedTuple
 
@@ -155,8 +157,10 @@ def build_host(program: str, *, prefix: str, flags: list, what: str, note: str =
     """Compile C++ `program` with the host compiler (utils/cuda on the include path) and return the binary.
 
     Builds are cached under build/exercises/ by a hash of the compiler, flags, program and `depends` (the text
-    of headers it includes). A stub raises NotImplementedError, another compile error a RuntimeError that
-    starts with `what` and ends with the compiler's message and `note`."""
+    of headers it includes). Each build writes files of its own and renames the binary into place, so that
+    processes building the same program at once (two notebooks, two test runs) never run or overwrite a
+    half-written one. A stub raises NotImplementedError, another compile error a RuntimeError that starts with
+    `what` and ends with the compiler's message and `note`."""
     compiler = host_compiler()
     if compiler is None:
         raise RuntimeError("no host C++ compiler (c++, g++ or clang++): the CPU part of this check needs one")
@@ -164,12 +168,18 @@ def build_host(program: str, *, prefix: str, flags: list, what: str, note: str =
     binary = BUILD_DIR / f"{prefix}_{digest}"
     if not binary.is_file():
         BUILD_DIR.mkdir(parents=True, exist_ok=True)
-        cpp = BUILD_DIR / f"{prefix}_{digest}.cpp"
+        mine = f"{prefix}_{digest}.{os.getpid()}.{threading.get_ident()}"   # this build's own files
+        cpp, built = BUILD_DIR / f"{mine}.cpp", BUILD_DIR / mine
         cpp.write_text(program)
-        proc = subprocess.run([compiler, *flags, f"-I{CUDA_DIR}", str(cpp), "-o", str(binary)],
-                              capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise _compiler_error(what, proc.stderr + note) from None
+        try:
+            proc = subprocess.run([compiler, *flags, f"-I{CUDA_DIR}", str(cpp), "-o", str(built)],
+                                  capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise _compiler_error(what, proc.stderr + note) from None
+            os.replace(built, binary)   # atomic: others see no binary or a whole one
+        finally:
+            cpp.unlink(missing_ok=True)
+            built.unlink(missing_ok=True)
     return binary
 
 
