@@ -186,42 +186,41 @@ def forward_schedules(head_dim: int = 128, tiles=None, capability=(9, 0), varian
     return out
 
 
+def _backward_launches(head_dim: int, causal: bool, **options) -> dict[str, Launch]:
+    """The backward's main launches, {"dkdv": ..., "dq": ...} (no "dq" with dq_atomic), as
+    flash_attention_backward(**options) makes them with notebook 07's default tiles for 16-bit inputs (fp16: the
+    interpreter path keeps bf16 for fp32). CPU tensors have no GPU to ask whether TMA runs: it is said to."""
+    from utils import flash_triton_bwd as bwd
+
+    q = torch.zeros(1, 2, 1024, head_dim, dtype=torch.float16)
+    lse = torch.zeros(1, 2, 1024)
+    config = bwd.default_config(head_dim, torch.float16, causal, None)
+    with mock.patch.object(bwd, "tma_supported", lambda *args: True), \
+            mock.patch.object(bwd, "tma_reduce_supported", lambda q: True):
+        launches = _capture(lambda: bwd.flash_attention_backward(q, q, q, q, q, lse, causal=causal, config=config,
+                                                                 **options))
+    return {launch.name.removeprefix("_bwd_"): launch for launch in launches
+            if launch.name in ("_bwd_dkdv", "_bwd_dq")}
+
+
 def backward_schedules(head_dim: int = 128, capability=(9, 0)) -> dict[str, dict[str, list[str]]]:
     """The backward's two passes (notebook 07's default tiles, causal, 16-bit) compiled for `capability` with
     pointer loads and with TMA: {"pointer loads": {"dkdv": schedule, "dq": schedule}, "TMA": {...}}."""
-    from utils import flash_triton_bwd as bwd
-
-    q = torch.zeros(1, 2, 1024, head_dim, dtype=torch.float16)   # fp16: the interpreter path keeps bf16 for fp32
-    lse = torch.zeros(1, 2, 1024)
-    config = bwd.default_config(head_dim, torch.float16, True, None)
-    out = {}
-    for name, tma in (("pointer loads", False), ("TMA", True)):
-        with mock.patch.object(bwd, "tma_supported", lambda *args: True):   # a CPU tensor has no TMA to ask
-            launches = _capture(lambda: bwd.flash_attention_backward(q, q, q, q, q, lse, causal=True, config=config,
-                                                                     tma=tma, tma_stats=tma))
-        out[name] = {launch.name.removeprefix("_bwd_"): schedule(compile_launch(launch, capability).asm["ptx"])
-                     for launch in launches if launch.name in ("_bwd_dkdv", "_bwd_dq")}
-    return out
+    return {name: {which: schedule(compile_launch(launch, capability).asm["ptx"])
+                   for which, launch in _backward_launches(head_dim, True, tma=tma, tma_stats=tma).items()}
+            for name, tma in (("pointer loads", False), ("TMA", True))}
 
 
 def backward_dq_schedules(head_dim: int = 64, capability=(9, 0)) -> dict[str, list[str]]:
     """The dK/dV pass (notebook 07's default tiles and loads, not causal, 16-bit) compiled for `capability` with
     each way of getting dQ: the separate pass, an atomic add per element, a bulk reduce-add per tile (section
     10). {name: schedule with DQ_EVENTS}."""
-    from utils import flash_triton_bwd as bwd
+    from utils.flash_triton_bwd import default_tma
 
-    q = torch.zeros(1, 2, 1024, head_dim, dtype=torch.float16)
-    lse = torch.zeros(1, 2, 1024)
-    config = bwd.default_config(head_dim, torch.float16, False, None)
-    out = {}
-    for name, dq_atomic in (("dQ pass", False), ("atomic adds", True), ("bulk reduce", "tma")):
-        with mock.patch.object(bwd, "tma_supported", lambda *args: True), \
-                mock.patch.object(bwd, "tma_reduce_supported", lambda q: True):   # CPU tensors: no GPU to ask
-            launches = _capture(lambda: bwd.flash_attention_backward(
-                q, q, q, q, q, lse, config=config, tma=bwd.default_tma(head_dim, False), dq_atomic=dq_atomic))
-        (dkdv,) = (launch for launch in launches if launch.name == "_bwd_dkdv")
-        out[name] = schedule(compile_launch(dkdv, capability).asm["ptx"], DQ_EVENTS)
-    return out
+    tma = default_tma(head_dim, False)
+    return {name: schedule(compile_launch(_backward_launches(head_dim, False, tma=tma, dq_atomic=dq_atomic)["dkdv"],
+                                          capability).asm["ptx"], DQ_EVENTS)
+            for name, dq_atomic in (("dQ pass", False), ("atomic adds", True), ("bulk reduce", "tma"))}
 
 
 def gluon_schedules(head_dim: int = 64, capability=(9, 0), warp_specialized: bool = False) -> dict[str, list[str]]:

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 
-import math
-
+from utils.checks import resolve_scale
 from utils.reference import causal_mask, naive_attention, reference_attention
 
 # Attention outputs are averages of V rows, of order 1 for standard-normal inputs. fp32 allows for TF32 dots
@@ -86,7 +85,7 @@ def assert_matches_on_odd_shapes(fn, *, dtype, causal, device="cuda", shapes=ODD
 def reference_lse(q, k, *, causal=False, sm_scale=None) -> torch.Tensor:
     """The float64 log-sum-exp of each query row's scaled scores (B, H, Nq), with GQA and bottom-right causal
     alignment: what a forward that returns lse must match; -inf for rows that see no key."""
-    scale = 1 / math.sqrt(q.shape[-1]) if sm_scale is None else sm_scale
+    scale = resolve_scale(sm_scale, q.shape[-1])
     k = k.double().repeat_interleave(q.shape[1] // k.shape[1], dim=1)
     scores = q.double() @ k.transpose(-1, -2) * scale
     if causal:
