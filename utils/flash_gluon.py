@@ -100,6 +100,21 @@ def _program_rows(heads, group, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
     return pid_bh, pid_bh // heads, h, h // group, pid_m * BLOCK_M
 
 
+@gluon.jit
+def _key_tiles(start_m, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """(causal_offset, n_unmasked, n_tiles): the keys the BLOCK_M queries from start_m see, in tiles of BLOCK_N:
+    [0, n_unmasked) whole unmasked tiles, then masked ones up to n_tiles. Bottom-right alignment: query i sees
+    keys j <= i + causal_offset."""
+    causal_offset = seqlen_k - seqlen_q
+    if CAUSAL:
+        n_keys = gl.minimum(gl.maximum(start_m + BLOCK_M + causal_offset, 0), seqlen_k)
+        n_unmasked = gl.minimum(gl.maximum(start_m + causal_offset + 1, 0), seqlen_k) // BLOCK_N
+    else:
+        n_keys = seqlen_k
+        n_unmasked = seqlen_k // BLOCK_N
+    return causal_offset, n_unmasked, gl.cdiv(n_keys, BLOCK_N)
+
+
 @gluon.jit(do_not_specialize=["heads", "group", "seqlen_q", "seqlen_k"])
 def gluon_fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, heads, group, seqlen_q, seqlen_k, qk_scale,
                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -130,15 +145,7 @@ def gluon_fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, heads, group, seqlen_q
         mbarrier.init(k_bars.index(i), count=1)
         mbarrier.init(v_bars.index(i), count=1)
 
-    # The keys this block sees: [0, n_unmasked) whole unmasked tiles, then masked tiles up to n_tiles.
-    causal_offset = seqlen_k - seqlen_q          # bottom-right alignment: query i sees keys j <= i + offset
-    if CAUSAL:
-        n_keys = gl.minimum(gl.maximum(start_m + BLOCK_M + causal_offset, 0), seqlen_k)
-        n_unmasked = gl.minimum(gl.maximum(start_m + causal_offset + 1, 0), seqlen_k) // BLOCK_N
-    else:
-        n_keys = seqlen_k
-        n_unmasked = seqlen_k // BLOCK_N
-    n_tiles = gl.cdiv(n_keys, BLOCK_N)
+    causal_offset, n_unmasked, n_tiles = _key_tiles(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
 
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [b, h, start_m, 0], q_bar, q_smem)

@@ -128,14 +128,8 @@ def gluon_ws_kernel(q_desc, k_desc, v_desc, o_desc, LSE, heads, group, seqlen_q,
     batch * heads); launched with 4 warps (the first consumer) plus the worker partitions' 4 + 1."""
     BLOCK_M: gl.constexpr = 2 * q_desc.block_type.shape[2]
     pid_bh, b, h, h_kv, start_m = fg._program_rows(heads, group, BLOCK_M, CAUSAL)
-    causal_offset = seqlen_k - seqlen_q
-    if CAUSAL:
-        n_keys = gl.minimum(gl.maximum(start_m + BLOCK_M + causal_offset, 0), seqlen_k)
-        n_unmasked = gl.minimum(gl.maximum(start_m + causal_offset + 1, 0), seqlen_k) // BLOCK_N
-    else:
-        n_keys = seqlen_k
-        n_unmasked = seqlen_k // BLOCK_N
-    n_tiles = gl.cdiv(n_keys, BLOCK_N)   # both consumers walk the program's tiles (a fully masked one is a no-op)
+    # Both consumers walk the program's tiles (a fully masked one is a no-op).
+    _, n_unmasked, n_tiles = fg._key_tiles(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
