@@ -15,6 +15,7 @@ products, which decides what overlaps (notebooks 05b and 07).
     python -m utils.cross_compile --schedule gluon --head-dim 64   # the Gluon forward, per tile (05b section 9)
     python -m utils.cross_compile --schedule gluon_ws   # ... warp-specialised, per tile (05b section 10)
     python -m utils.cross_compile --schedule backward --head-dim 64   # the backward's passes (notebook 07)
+    python -m utils.cross_compile --schedule gluon_bwd --head-dim 64  # the one-kernel Gluon backward (07 sec. 11)
 
 The kernels must have been defined without TRITON_INTERPRET (they are then JITFunctions); the launches are
 made with CPU tensors, only their dtypes and sizes matter.
@@ -248,6 +249,20 @@ def gluon_schedules(head_dim: int = 64, capability=(9, 0), warp_specialized: boo
     return out
 
 
+def gluon_bwd_schedule(head_dim: int = 64, causal: bool = False, capability=(9, 0)) -> tuple[list[str], int]:
+    """The one-kernel Gluon backward (notebook 07 section 11) compiled for `capability` with its default tiles:
+    (schedule with DQ_EVENTS, bytes of shared memory). Its consumer loop shows the dQ slices' reduce-adds issued
+    at the end of a tile and their wait (reduce-wait) at the next tile, before the two consumers meet (bar)."""
+    from utils import flash_gluon_bwd as gb
+
+    q = torch.zeros(1, 2, 1024, head_dim, dtype=torch.bfloat16)
+    acc, stats = torch.zeros(2, 1024, head_dim), torch.zeros(2, 1024)
+    config = gb.pick_config(head_dim)
+    (launch,) = _capture(lambda: gb._launch(q, q, q, q, q, q, acc, stats, stats, causal, 0.1, config))
+    compiled = compile_launch(launch, capability)
+    return schedule(compiled.asm["ptx"], DQ_EVENTS), compiled.metadata.shared
+
+
 def in_fresh_process(*args: str, timeout: int = 900) -> str:
     """`python -m utils.cross_compile *args` in a process without TRITON_INTERPRET (where the kernels are
     compiled, not interpreted), from a notebook or test that runs interpreted; returns what it printed."""
@@ -348,12 +363,12 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m utils.cross_compile", description=__doc__.split("\n\n")[0])
     parser.add_argument("--profile", choices=sorted(PROFILES), default="t4")
     parser.add_argument("--schedule", nargs="?", const="forward", choices=("forward", "exp2", "backward",
-                                                                     "backward_dq", "gluon", "gluon_ws"),
+                                                                     "backward_dq", "gluon", "gluon_ws", "gluon_bwd"),
                         help="instead: the order of a loop's instructions on sm_90: the forward's, in order and "
                         "overlapped or with a share of its exponentials on the FMA units (notebook 05b, section "
                         "5), the Gluon forward's per tile (section 9) and its warp-specialised version's (section 10), the "
-                        "backward's with pointer loads and TMA (07), or its dK/dV loop with each way of getting dQ "
-                        "(07, section 10)")
+                        "backward's with pointer loads and TMA (07), its dK/dV loop with each way of getting dQ "
+                        "(07, section 10), or the one-kernel Gluon backward's (07, section 11)")
     parser.add_argument("--head-dim", type=int, default=128, choices=(64, 128), help="with --schedule")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -372,6 +387,13 @@ def main(argv=None) -> int:
         for name, blocks in backward_dq_schedules(args.head_dim).items():
             for block in blocks:
                 print(f"  {name + ':':<13} {block}")
+        return 0
+    if args.schedule == "gluon_bwd":
+        blocks, shared = gluon_bwd_schedule(args.head_dim)
+        print(f"Triton {triton.__version__}, sm_90: Gluon backward, d={args.head_dim}, bf16, default tiles, "
+              f"{shared} bytes of shared memory; blocks with wgmma:")
+        for block in blocks:
+            print(f"  {block}")
         return 0
     if args.schedule in ("gluon", "gluon_ws"):
         ws = args.schedule == "gluon_ws"

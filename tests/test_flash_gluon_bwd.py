@@ -1,0 +1,133 @@
+"""utils.flash_gluon_bwd (notebook 07 section 11): validation and configs on CPU, the per-row statistics the
+kernel's producer loads, the compiled kernel's schedule (compiled for sm_90 on this machine), and on an sm_90 GPU
+the gradients against float64 autograd on odd shapes, directly and through the Gluon forwards' autograd."""
+import math
+
+import pytest
+import torch
+
+from utils import flash_gluon_bwd as gb
+from utils import gpu
+
+on_hopper = pytest.mark.skipif(not torch.cuda.is_available() or gpu.capability() != (9, 0),
+                               reason="needs an sm_90 GPU (H100/H200)")
+
+
+def _inputs(shape=(1, 2, 2, 16, 16, 64), dtype=torch.bfloat16, device="cpu"):
+    b, h, hk, nq, nk, d = shape
+    q, do, o = (torch.randn(b, h, nq, d, dtype=dtype, device=device) for _ in range(3))
+    k, v = (torch.randn(b, hk, nk, d, dtype=dtype, device=device) for _ in range(2))
+    return do, q, k, v, o, torch.zeros(b, h, nq, device=device)
+
+
+def test_inputs_are_checked_before_anything_is_built():
+    do, q, k, v, o, lse = _inputs()
+    with pytest.raises(ValueError, match="q is on cpu"):
+        gb.flash_attention_gluon_backward(do, q, k, v, o, lse)
+    with pytest.raises(TypeError, match="q has dtype torch.float32"):
+        gb.flash_attention_gluon_backward(do.float(), q.float(), k.float(), v.float(), o.float(), lse)
+    with pytest.raises(ValueError, match="head_dim 32"):
+        gb.flash_attention_gluon_backward(*(t[..., :32] for t in (do, q, k, v, o)), lse)
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        gb.flash_attention_gluon_backward(do, q, k, v, o, lse, causal=1)
+    with pytest.raises(ValueError, match="lse must have shape"):
+        gb.flash_attention_gluon_backward(do, q, k, v, o, lse[:, :1])
+    with pytest.raises(ValueError, match="do has shape"):
+        gb.flash_attention_gluon_backward(do[:, :, :8], q, k, v, o, lse)
+
+
+@pytest.mark.parametrize("config,head_dim,error,match", [
+    ((64, 2, 240), 64, TypeError, "config must be a BwdConfig"),
+    (gb.BwdConfig(32, 2, 240), 64, ValueError, "block_m must be 64 or 128"),
+    (gb.BwdConfig(128, 2, 240), 128, ValueError, "must be 64 at head dim 128"),
+    (gb.BwdConfig(64, 4, 240), 64, ValueError, "stages must be 1, 2 or 3"),
+    (gb.BwdConfig(64, 2, 244), 64, ValueError, "consumer_regs must be a multiple of 8"),
+])
+def test_bad_configs_are_named(config, head_dim, error, match):
+    with pytest.raises(error, match=match):
+        gb.check_config(config, head_dim)
+
+
+def test_the_picked_configs_are_valid_and_use_wide_tiles_where_registers_allow():
+    assert gb.check_config(gb.pick_config(64), 64).block_m == 128
+    assert gb.check_config(gb.pick_config(128), 128).block_m == 64
+
+
+@pytest.mark.parametrize("nq", [16, 13, 1])
+def test_stats_are_base2_lse_and_rowsum_with_rows_padded_to_16_bytes(nq):
+    """_stats: D = rowsum(dO ∘ O), lse2 = lse·log2(e) with +inf where lse = -inf (a row that sees no key), each
+    (batch·heads) row padded with zeros to a multiple of 4 floats, which TMA needs."""
+    b, h, d = 2, 3, 64
+    o, do = torch.randn(b, h, nq, d), torch.randn(b, h, nq, d)
+    lse = torch.randn(b, h, nq)
+    lse[0, 1, 0] = float("-inf")
+    lse2, delta = gb._stats(o, do, lse, h)
+    width = 4 * math.ceil(nq / 4)
+    assert lse2.shape == delta.shape == (b * h, width)
+    want_lse2 = (lse * math.log2(math.e)).reshape(b * h, nq)
+    want_lse2[1, 0] = float("inf")
+    torch.testing.assert_close(lse2[:, :nq], want_lse2)
+    torch.testing.assert_close(delta[:, :nq], (o * do).sum(-1).reshape(b * h, nq), rtol=1e-5, atol=1e-5)
+    assert (lse2[:, nq:] == 0).all() and (delta[:, nq:] == 0).all()
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_the_compiled_loop_does_five_products_and_waits_for_a_reduce_one_tile_later(head_dim):
+    """Compiled for sm_90 here, in a process without the interpreter. Per tile the consumer issues Sᵀ and dPᵀ
+    (2 commits at the loop's head), then dV, dK and dQ's slices (two chained products each: the two key halves);
+    it reduce-adds the dQ slices at the end of the tile and waits for them (reduce-wait) only at the next tile,
+    before the consumers meet; the kernel fits the 227 KiB of shared memory an H100/H200 gives a block."""
+    from utils.cross_compile import in_fresh_process
+
+    printed = in_fresh_process("--schedule", "gluon_bwd", "--head-dim", str(head_dim))
+    header, *blocks = printed.splitlines()
+    shared = int(header.split(" bytes of shared memory")[0].rsplit(" ", 1)[1])
+    assert shared <= 227 * 1024, header
+    slices = head_dim // 2 // gb.DQ_COLS
+    tail = [b.split() for b in blocks if "reduce" in b.split() or any(e.startswith("reduce×") for e in b.split())]
+    assert tail, printed
+    for events in tail:
+        assert events.index("reduce-wait") < min(i for i, e in enumerate(events) if e.startswith("reduce")
+                                                 and e != "reduce-wait"), events
+        assert ("reduce" if slices == 1 else f"reduce×{slices}") in events, events
+        assert sum(e == "commit" for e in events) == 2 + 2 * slices, events   # dV, dK, then dQ (after Sᵀ, dPᵀ)
+
+
+@on_hopper
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_gradients_match_float64_on_odd_shapes(dtype, causal):
+    """GQA, Nq != Nk both ways (rows that see no key), one query, lengths not a multiple of a tile or of 4."""
+    from utils.flash_triton import flash_attention_forward
+    from utils.testing import ODD_SHAPES_64_128, assert_gradients_close, random_qkv, reference_gradients
+
+    for b, h, hk, nq, nk, d in ODD_SHAPES_64_128:
+        q, k, v = random_qkv(b, h, nq, nk, d, kv_heads=hk, dtype=dtype, device="cuda", seed=nq + nk)
+        do = torch.randn_like(q)
+        o, lse = flash_attention_forward(q, k, v, causal=causal)
+        grads = gb.flash_attention_gluon_backward(do, q, k, v, o, lse, causal=causal)
+        assert_gradients_close(grads, reference_gradients(q, k, v, do, causal=causal), dtype)
+
+
+@on_hopper
+@pytest.mark.parametrize("config", [gb.BwdConfig(64, 2, 240), gb.BwdConfig(128, 1, 232), gb.BwdConfig(64, 3, 240)],
+                         ids=["64x2", "128x1", "64x3"])
+def test_every_config_gives_the_same_gradients(config):
+    from utils.flash_triton import flash_attention_forward
+    from utils.testing import assert_gradients_close, random_qkv, reference_gradients
+
+    q, k, v = random_qkv(2, 4, 777, 1000, 64, kv_heads=2, dtype=torch.bfloat16, device="cuda", seed=3)
+    do = torch.randn_like(q)
+    o, lse = flash_attention_forward(q, k, v, causal=True)
+    grads = gb.flash_attention_gluon_backward(do, q, k, v, o, lse, causal=True, config=config)
+    assert_gradients_close(grads, reference_gradients(q, k, v, do, causal=True), torch.bfloat16)
+
+
+@on_hopper
+@pytest.mark.parametrize("name", ["gluon", "gluon_ws"])
+def test_the_gluon_forwards_differentiate_through_it(name):
+    from utils.attention import REGISTRY
+    from utils.testing import assert_gradients_match_reference, random_qkv
+
+    q, k, v = random_qkv(1, 4, 300, 200, 128, kv_heads=2, dtype=torch.bfloat16, device="cuda", seed=5)
+    assert_gradients_match_reference(REGISTRY[name].load(), q, k, v, causal=True)

@@ -1,0 +1,360 @@
+"""The whole FlashAttention backward in ONE warp-specialised Gluon kernel (notebook 07, section 11).
+
+Notebook 07's Triton backward runs two kernels: dK, dV per key block, then a dQ pass per query block that
+recomputes S and dP. That is seven matrix products per tile where five would do, and section 10 measured the
+five-product versions (dQ added atomically) slower still: the adds sat on the critical path. This kernel takes
+FlashAttention-3's division of labour (Shah et al. 2024, section 3.3 and appendix B) and writes it for this
+course:
+
+    one program per (block of 128 keys, batch, K/V head), four partitions:
+    producer (1 warp)     K, V once; then, per tile of query rows, Q, dO, lse2 and D by TMA into a ring of
+                          STAGES slots (full/empty mbarriers; a slot is free when both consumers are done)
+    consumer W = 0, 1     64 of the 128 keys each: dK, dV in registers; per tile
+    (a warpgroup each)      Sᵀ = K Qᵀ and dPᵀ = V dOᵀ issued together; Pᵀ = exp2(Sᵀ·scale - lse2);
+                            dV += Pᵀ dO; dSᵀ = Pᵀ ∘ (dPᵀ - D); dK += dSᵀ Q; dSᵀ to shared memory;
+                            both consumers meet (named barrier 15, 256 threads), then consumer W computes
+                            columns [W·D/2, (W+1)·D/2) of dQ = dS K over all 128 keys and adds them to an
+                            fp32 accumulator in global memory with TMA bulk reduce-adds
+                            (cp.reduce.async.bulk.tensor): one instruction per 32 columns, off the warps
+
+What made it fast (measured on an H200, notebook 07 section 11 reads the stored run):
+  - each consumer adds its own half of dQ's COLUMNS rather than a partial sum over its 64 keys: half the
+    reduce traffic into L2 and no partials to add;
+  - the reduce is issued from shared memory and waited for one tile later (the builtin below: Gluon 3.6 has no
+    wrapper for it; a register-to-global reduce waits for its own staging copy every time);
+  - lse2 and D arrive by TMA with Q and dO and are read from shared memory when needed: held in registers
+    across the wgmma waits they made the head-dim-128 loop spill.
+
+Gluon has no interpreter: the kernel runs on sm_90 (H100/H200) only; utils.cross_compile compiles it on a CPU.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+import triton
+from triton._C.libtriton import ir
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                             warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from utils import flash_gluon as fg
+from utils import flash_triton_bwd as tb
+from utils import gpu
+from utils.checks import check_device
+from utils.flash_pytorch_bwd import check_backward_inputs
+from utils.launch import FastLauncher
+
+SUB_N = 64              # keys per consumer warpgroup
+BLOCK_N = 2 * SUB_N     # keys per program
+DQ_COLS = 32            # columns per dQ reduce: an fp32 TMA box row of 128 bytes (the 128-byte swizzle)
+_barrier = fg._cta_barrier
+
+
+class BwdConfig(NamedTuple):
+    block_m: int          # query rows per tile (the N of the Sᵀ, dPᵀ products)
+    stages: int           # ring slots for Q, dO, lse2, D
+    consumer_regs: int    # registers per consumer thread (setmaxnreg); the producer keeps 24
+
+
+def pick_config(head_dim: int) -> BwdConfig:
+    """Measured best on an H200 (notebook 07 section 11): 128-row tiles at head dim 64; at 128 the registers
+    of dK, dV (64 keys × 128 fp32 each) leave room for 64-row tiles only."""
+    return BwdConfig(128, 2, 240) if head_dim == 64 else BwdConfig(64, 2, 240)
+
+
+def check_config(config, head_dim: int) -> BwdConfig:
+    """`config` as a BwdConfig, or a ValueError/TypeError naming what does not fit `head_dim`."""
+    if not isinstance(config, BwdConfig):
+        raise TypeError(f"config must be a BwdConfig, got {type(config).__name__}")
+    if config.block_m not in (64, 128):
+        raise ValueError(f"config.block_m must be 64 or 128, got {config.block_m}")
+    if head_dim == 128 and config.block_m != 64:
+        raise ValueError("config.block_m must be 64 at head dim 128: Sᵀ, dPᵀ of 128 rows do not fit the "
+                         "registers beside dK, dV")
+    if config.stages not in (1, 2, 3):
+        raise ValueError(f"config.stages must be 1, 2 or 3, got {config.stages}")
+    if config.consumer_regs not in range(160, 241, 8):
+        raise ValueError(f"config.consumer_regs must be a multiple of 8 in [160, 240], got {config.consumer_regs}")
+    return config
+
+
+@builtin
+def _tma_reduce_add(desc, coord, src, _semantic=None):
+    """Add shared-memory tile `src` into global memory at `coord` of `desc` (cp.reduce.async.bulk.tensor, its own
+    bulk group: tma.store_wait(n) waits for it to have READ `src`)."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, desc.handle, coord, src.handle)
+
+
+@gluon.jit
+def _pair_barrier(x):
+    """bar.sync over both consumer warpgroups (256 threads). Barrier 15: Triton's partitions use the low ids.
+    `x` only gives the inline assembly a (scalar) operand."""
+    gl.inline_asm_elementwise("bar.sync 15, 256; mov.b32 $0, 0;", "=r,r", [x], dtype=gl.int32, is_pure=False,
+                              pack=1)
+
+
+@gluon.jit
+def _tile(t, hk, first_m, n_m, GROUP: gl.constexpr, BLOCK_M: gl.constexpr):
+    """(query head, first row) of tile t: the query heads of the K/V head's group in turn, each its row blocks."""
+    n = gl.maximum(n_m, 1)
+    return hk * GROUP + t // n, (first_m + t % n) * BLOCK_M
+
+
+@gluon.jit
+def _producer(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem, lse_smem,
+              delta_smem, kv_bar, full, empty, b, hk, heads, first_m, n_m, n_tiles, start_n,
+              GROUP: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    SUB: gl.constexpr = k_desc.block_type.shape[2]
+    mbarrier.expect(kv_bar, 2 * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
+    for w in gl.static_range(2):
+        tma.async_copy_global_to_shared(k_desc, [b, hk, start_n + w * SUB, 0], kv_bar, k_smem.index(w))
+        tma.async_copy_global_to_shared(v_desc, [b, hk, start_n + w * SUB, 0], kv_bar, v_smem.index(w))
+    tile_bytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes + lse_desc.block_type.nbytes
+                                + delta_desc.block_type.nbytes)
+    for t in range(n_tiles):
+        slot = t % STAGES
+        mbarrier.wait(empty.index(slot), ((t // STAGES) & 1) ^ 1)   # a fresh slot passes at once
+        h, row = _tile(t, hk, first_m, n_m, GROUP, BLOCK_M)
+        bar = full.index(slot)
+        mbarrier.expect(bar, tile_bytes)
+        # Rows past seqlen_q read as zeros: Q = dO = 0, lse2 = D = 0 give P = 1 but dS = 0 and P dO = 0.
+        tma.async_copy_global_to_shared(q_desc, [b, h, row, 0], bar, q_smem.index(slot))
+        tma.async_copy_global_to_shared(do_desc, [b, h, row, 0], bar, do_smem.index(slot))
+        tma.async_copy_global_to_shared(lse_desc, [b * heads + h, row], bar, lse_smem.index(slot))
+        tma.async_copy_global_to_shared(delta_desc, [b * heads + h, row], bar, delta_smem.index(slot))
+
+
+@gluon.jit
+def _consumer(dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
+              stage_smem, kv_bar, full, empty, b, hk, heads, first_m, n_m, n_tiles, start_n, seqlen_q, seqlen_k,
+              qk_scale, sm_scale, W: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
+              BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    SUB: gl.constexpr = dk_desc.block_type.shape[2]
+    dtype: gl.constexpr = dk_desc.dtype
+    DQC: gl.constexpr = dq_desc.block_type.shape[2]    # 32 columns per reduce
+    NS: gl.constexpr = HEAD_DIM // 2 // DQC           # dQ reduces per tile and consumer: 1 (d 64), 2 (128)
+    # Sᵀ, dPᵀ: (keys × queries) accumulators; dK, dV: (keys × D); Pᵀ and dSᵀ enter the dV, dK products from
+    # registers; each dQ slice is (queries × 32).
+    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, BLOCK_M, 16])
+    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, HEAD_DIM, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, DQC, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+    col_st: gl.constexpr = gl.SliceLayout(0, st_layout)
+    k = k_smem.index(W).reshape([SUB, HEAD_DIM])
+    v = v_smem.index(W).reshape([SUB, HEAD_DIM])
+    k0 = k_smem.index(0).reshape([SUB, HEAD_DIM])
+    k1 = k_smem.index(1).reshape([SUB, HEAD_DIM])
+    key0 = start_n + W * SUB
+    offs_n = key0 + gl.arange(0, SUB, layout=gl.SliceLayout(1, st_layout))
+    causal_offset = seqlen_k - seqlen_q
+    ragged = key0 + SUB > seqlen_k
+    st_zero = gl.zeros([SUB, BLOCK_M], gl.float32, st_layout)
+    dq_zero = gl.zeros([BLOCK_M, DQC], gl.float32, dq_layout)
+    dk = gl.zeros([SUB, HEAD_DIM], gl.float32, kv_layout)
+    dv = gl.zeros([SUB, HEAD_DIM], gl.float32, kv_layout)
+    mbarrier.wait(kv_bar, 0)
+    for t in range(n_tiles):
+        slot = t % STAGES
+        h, start_m = _tile(t, hk, first_m, n_m, GROUP, BLOCK_M)
+        mbarrier.wait(full.index(slot), (t // STAGES) & 1)
+        q = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
+        do = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
+        st = warpgroup_mma(k, q.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+        dpt = warpgroup_mma(v, do.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+        st, _, _ = warpgroup_mma_wait(1, deps=(st, k, q))
+        lse2 = lse_smem.index(slot).reshape([BLOCK_M]).load(col_st)
+        masked = ragged
+        if CAUSAL:   # query i sees key j <= i + seqlen_k - seqlen_q; only the tiles on the diagonal need it
+            masked = masked | (start_m + causal_offset < key0 + SUB - 1)
+        if masked:
+            offs_m = start_m + gl.arange(0, BLOCK_M, layout=col_st)
+            keep = offs_n[:, None] < seqlen_k
+            if CAUSAL:
+                keep = keep & (offs_n[:, None] <= offs_m[None, :] + causal_offset)
+            st = gl.where(keep, st, float("-inf"))
+        pt = gl.exp2(st * qk_scale - lse2[None, :])
+        dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), do, dv, is_async=True)
+        dpt, _, _ = warpgroup_mma_wait(1, deps=(dpt, v, do))
+        delta = delta_smem.index(slot).reshape([BLOCK_M]).load(col_st)
+        dst = (pt * (dpt - delta[None, :])).to(dtype)
+        dk = warpgroup_mma(gl.convert_layout(dst, op_layout), q, dk, is_async=True)
+        buf = (t % 2) * 2       # dSᵀ double-buffered: the other consumer may still read the previous tile's
+        ds_smem.index(buf + W).store(dst)
+        fence_async_shared()
+        tma.store_wait(0)       # the previous tile's reduces have read the staging buffers
+        _pair_barrier(t)        # both halves of dSᵀ are in place (and every thread of ours passed store_wait)
+        dv, _ = warpgroup_mma_wait(1, deps=(dv, do))   # dV done, dK still running
+        ds0 = ds_smem.index(buf).permute((1, 0))
+        ds1 = ds_smem.index(buf + 1).permute((1, 0))
+        row = (b * heads + h)
+        for c in gl.static_range(NS):   # dQ[:, cols] = dS K[:, cols] over both key halves
+            acc = warpgroup_mma(ds0, k0.slice(W * (HEAD_DIM // 2) + c * DQC, DQC, dim=1), dq_zero,
+                                use_acc=False, is_async=True)
+            acc = warpgroup_mma(ds1, k1.slice(W * (HEAD_DIM // 2) + c * DQC, DQC, dim=1), acc,
+                                is_async=True)
+            if c == 0:   # dK was issued first: it is done too
+                acc, dk, _, _, _ = warpgroup_mma_wait(0, deps=(acc, dk, q, ds0, ds1))
+            else:
+                acc, _, _ = warpgroup_mma_wait(0, deps=(acc, ds0, ds1))
+            stage_smem.index(W * NS + c).reshape([BLOCK_M, DQC]).store(acc * sm_scale)
+        fence_async_shared()
+        _barrier()                                     # every warp's part of dQ is staged
+        for c in gl.static_range(NS):
+            _tma_reduce_add(dq_desc, [row, start_m, W * (HEAD_DIM // 2) + c * DQC],
+                            stage_smem.index(W * NS + c))
+        mbarrier.arrive(empty.index(slot))             # done with Q, dO, lse2, D of this tile
+    # dK and dV leave through this consumer's K and V buffers, once the other consumer's dQ products are done
+    # with this K half.
+    _pair_barrier(n_tiles)
+    k.store((dk * sm_scale).to(dtype))
+    v.store(dv.to(dtype))
+    fence_async_shared()
+    _barrier()
+    tma.async_copy_shared_to_global(dk_desc, [b, hk, key0, 0], k_smem.index(W))
+    tma.async_copy_shared_to_global(dv_desc, [b, hk, key0, 0], v_smem.index(W))
+    tma.store_wait(0)
+
+
+@gluon.jit(do_not_specialize=["heads", "seqlen_q", "seqlen_k"])
+def gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc,
+                     heads, seqlen_q, seqlen_k, qk_scale, sm_scale,
+                     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                     CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+    SUB: gl.constexpr = k_desc.block_type.shape[2]
+    pid_n = gl.program_id(0)
+    pid_bh = gl.program_id(1)
+    heads_kv = heads // GROUP
+    b = pid_bh // heads_kv
+    hk = pid_bh % heads_kv
+    start_n = pid_n * (2 * SUB)
+    if CAUSAL:   # the first query block that sees a key of this block (bottom-right aligned mask)
+        first_m = gl.maximum(start_n - (seqlen_k - seqlen_q), 0) // BLOCK_M
+    else:
+        first_m = 0
+    n_m = gl.maximum(gl.cdiv(seqlen_q, BLOCK_M) - first_m, 0)
+    n_tiles = GROUP * n_m
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + lse_desc.block_type.shape, lse_desc.layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + delta_desc.block_type.shape, delta_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [2] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [2] + v_desc.block_type.shape, v_desc.layout)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([SUB, BLOCK_M], dtype)
+    ds_smem = gl.allocate_shared_memory(dtype, [4, SUB, BLOCK_M], ds_layout)      # [tile parity · 2 + consumer]
+    stage_smem = gl.allocate_shared_memory(gl.float32, [HEAD_DIM // dq_desc.block_type.shape[2]] + dq_desc.block_type.shape,
+                                           dq_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(full.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)       # one arrive per consumer
+    fence_async_shared()
+    # (Tuples written inline: a tuple kept in a variable turns its constexpr ints into tensors.)
+    gl.warp_specialize([
+        (_consumer, (dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
+                     stage_smem, kv_bar, full, empty, b, hk, heads, first_m, n_m, n_tiles, start_n, seqlen_q,
+                     seqlen_k, qk_scale, sm_scale, 0, GROUP, HEAD_DIM, BLOCK_M, STAGES, CAUSAL)),
+        (_consumer, (dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
+                     stage_smem, kv_bar, full, empty, b, hk, heads, first_m, n_m, n_tiles, start_n, seqlen_q,
+                     seqlen_k, qk_scale, sm_scale, 1, GROUP, HEAD_DIM, BLOCK_M, STAGES, CAUSAL)),
+        (_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
+                     lse_smem, delta_smem, kv_bar, full, empty, b, hk, heads, first_m, n_m, n_tiles, start_n,
+                     GROUP, BLOCK_M, STAGES))],
+        [4, 1], [CONSUMER_REGS, 24])
+
+
+_launcher = FastLauncher(gluon_bwd_kernel)
+
+
+def _row_descriptor(x: torch.Tensor, block_m: int) -> TensorDescriptor:
+    """A TMA descriptor over a (B·H, N) fp32 tensor of per-row statistics; tile [bh, row] is `block_m` rows."""
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    return TensorDescriptor(x, list(x.shape), list(x.stride()), [1, block_m], layout)
+
+
+def _stats(o, do, lse, heads):
+    """(lse2, D) as (B·H, N') fp32, N' = N rounded up to 4 so that a row is 16-byte aligned (TMA): notebook 07's
+    preprocess kernel (D = rowsum(dO ∘ O); lse2 = lse·log2(e), +inf where no key is visible)."""
+    b, _, nq, d = o.shape
+    delta = torch.empty((b * heads, nq), dtype=torch.float32, device=o.device)
+    lse2 = torch.empty_like(delta)
+    tb._launch_preprocess[(triton.cdiv(nq, 64), b * heads)](
+        o, do, lse, delta, lse2, *o.stride(), *do.stride(), heads, nq, d,
+        BLOCK_M=64, BLOCK_D=d, ACC=triton.language.float32)
+    if nq % 4:
+        lse2, delta = (F.pad(x, (0, 4 - nq % 4)) for x in (lse2, delta))
+    return lse2, delta
+
+
+def flash_attention_gluon_backward(do, q, k, v, o, lse, *, causal=False, sm_scale=None,
+                                   config: BwdConfig | None = None):
+    """(dq, dk, dv) of softmax(Q Kᵀ · sm_scale) V for the forward's o and lse (natural log, (B, H, Nq)).
+
+    fp16/bf16, head dim 64 or 128, GQA, Nq != Nk (bottom-right causal mask), on an sm_90 GPU. `config`: tiles
+    (default: pick_config's)."""
+    shape, scale = check_backward_inputs(do, q, k, v, o, lse, causal=causal, sm_scale=sm_scale,
+                                         head_dims=fg.HEAD_DIMS, dtypes=fg.DTYPES)
+    check_device("q", q, "cuda")
+    if gpu.capability(q) != (9, 0):
+        raise ValueError(f"q is on a GPU of compute capability {gpu.capability(q)}; "
+                         "flash_attention_gluon_backward's wgmma code runs on sm_90 (H100/H200) only")
+    b, h, _, nq, _, d = shape
+    config = pick_config(d) if config is None else check_config(config, d)
+    q, k, v, do = (fg._tma_ready(x) for x in (q, k, v, do))
+    lse2, delta = _stats(o, do, lse.float().contiguous(), h)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    dq_acc = torch.zeros((b * h, nq, d), dtype=torch.float32, device=q.device)
+    _launch(q, k, v, do, dk, dv, dq_acc, lse2, delta, causal, scale, config)
+    return dq_acc.view(b, h, nq, d).to(q.dtype), dk, dv
+
+
+def _launch(q, k, v, do, dk, dv, dq_acc, lse2, delta, causal: bool, scale: float, config: BwdConfig) -> None:
+    """The kernel on checked inputs (utils.cross_compile captures this launch to compile it on a CPU)."""
+    b, h, nq, d = q.shape
+    hk, nk = k.shape[1], k.shape[2]
+    dq_desc = TensorDescriptor(dq_acc, list(dq_acc.shape), list(dq_acc.stride()), [1, config.block_m, DQ_COLS],
+                               gl.NVMMASharedLayout.get_default_for([1, config.block_m, DQ_COLS], gl.float32))
+    grid = (triton.cdiv(nk, BLOCK_N), b * hk)
+    _launcher[grid](fg._descriptor(q, config.block_m), fg._descriptor(k, SUB_N), fg._descriptor(v, SUB_N),
+                    fg._descriptor(do, config.block_m), fg._descriptor(dk, SUB_N), fg._descriptor(dv, SUB_N),
+                    dq_desc, _row_descriptor(lse2, config.block_m), _row_descriptor(delta, config.block_m),
+                    h, nq, nk, scale * fg.LOG2E, scale, GROUP=h // hk, HEAD_DIM=d, BLOCK_M=config.block_m,
+                    STAGES=config.stages, CAUSAL=causal, CONSUMER_REGS=config.consumer_regs, num_warps=4)
+
+
+class GluonAttentionFunction(torch.autograd.Function):
+    """Autograd for the Gluon forwards: `forward` is flash_gluon's or flash_gluon_ws's (o, lse) function; the
+    backward is this module's kernel."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, sm_scale, forward):
+        o, lse = forward(q, k, v, causal=causal, sm_scale=sm_scale)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.causal, ctx.sm_scale = causal, sm_scale
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = flash_attention_gluon_backward(do, q, k, v, o, lse, causal=ctx.causal, sm_scale=ctx.sm_scale)
+        return dq, dk, dv, None, None, None
+
+
+def differentiable(forward, q, k, v, causal, sm_scale):
+    """O = forward(q, k, v, ...)[0], through GluonAttentionFunction when a gradient is wanted (skipping the
+    autograd Function otherwise: ~10 µs of host time a call)."""
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v)):
+        return GluonAttentionFunction.apply(q, k, v, causal, sm_scale, forward)
+    return forward(q, k, v, causal=causal, sm_scale=sm_scale)[0]
