@@ -1,6 +1,8 @@
-"""utils.flash_gluon_bwd (notebook 07 section 11): validation and configs on CPU, the per-row statistics the
-kernel's producer loads, the compiled kernel's schedule (compiled for sm_90 on this machine), and on an sm_90 GPU
+"""utils.flash_gluon_bwd (notebook 07 section 11): validation and configs on CPU, the synchronisation replayed
+under random interleavings (and each of its rules shown necessary), the per-row statistics the kernel's producer
+loads, the compiled kernel's schedule (compiled for sm_90 on this machine), and on an sm_90 GPU
 the gradients against float64 autograd on odd shapes, directly and through the Gluon forwards' autograd."""
+import itertools
 import math
 
 import pytest
@@ -51,6 +53,23 @@ def test_bad_configs_are_named(config, head_dim, error, match):
 def test_the_picked_configs_are_valid_and_use_wide_tiles_where_registers_allow():
     assert gb.check_config(gb.pick_config(64), 64).block_m == 128
     assert gb.check_config(gb.pick_config(128), 128).block_m == 64
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3])
+def test_the_kernels_protocol_never_hangs_reads_stale_tiles_or_overwrites_early(stages):
+    for n_tiles, seed in itertools.product(range(0, 9), range(40)):
+        gb.replay_protocol(n_tiles, stages, seed)
+
+
+@pytest.mark.parametrize("broken,match", [
+    (dict(ds_buffers=1), "dSᵀ slot 0 of consumer"),                 # tile t+1's dSᵀ over the one still read
+    (dict(wait_reduces=False), "overwritten before the TMA read it"),  # staging reused too early
+    (dict(last_meeting=False), "already holds dK"),                    # dK over the K the other one reads
+], ids=["one dS slot", "no store_wait", "no last meeting"])
+def test_each_rule_of_the_protocol_is_needed(broken, match):
+    with pytest.raises(AssertionError, match=match):
+        for stages, n_tiles, seed in itertools.product(range(1, 4), range(1, 9), range(40)):
+            gb.replay_protocol(n_tiles, stages, seed, **broken)
 
 
 @pytest.mark.parametrize("nq", [16, 13, 1])

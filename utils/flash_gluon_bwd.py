@@ -29,6 +29,7 @@ Gluon has no interpreter: the kernel runs on sm_90 (H100/H200) only; utils.cross
 """
 from __future__ import annotations
 
+import random
 from typing import NamedTuple
 
 import torch
@@ -358,3 +359,96 @@ def differentiable(forward, q, k, v, causal, sm_scale):
     if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v)):
         return GluonAttentionFunction.apply(q, k, v, causal, sm_scale, forward)
     return forward(q, k, v, causal=causal, sm_scale=sm_scale)[0]
+
+
+def replay_protocol(n_tiles: int, stages: int, seed: int = 0, *, ds_buffers: int = 2, wait_reduces: bool = True,
+                    last_meeting: bool = True) -> None:
+    """Replay the kernel's synchronisation in one random interleaving of the producer, the two consumers, the
+    TMA copies landing and the TMA engine reading the staged dQ tiles. Shared buffers hold the tile they were
+    last written for; every read checks it sees its own tile, from its first to its last step.
+
+    The kernel's rules, which the keyword arguments break on purpose (the tests plant each bug):
+    `ds_buffers` = 2: dSᵀ alternates between two slots per consumer, so a consumer writing tile t+1's dSᵀ
+    never overwrites tile t's while the other consumer's dQ products still read it; `wait_reduces`: before the
+    consumers meet, each waits until the TMA engine has read its previous staged dQ (tma.store_wait(0));
+    `last_meeting`: after the loop the consumers meet once more before dK overwrites the K half that the
+    other consumer's dQ products read. Raises AssertionError naming the tile and the buffer on a stale read,
+    an early overwrite or a hang."""
+    rng = random.Random(seed)
+    full, released, holds = [0] * stages, [0] * stages, [None] * stages   # the Q/dO/lse2/D ring
+    ds = {(b, w): None for b in range(ds_buffers) for w in (0, 1)}       # dSᵀ slots: the tile written last
+    staged, reading = [None, None], [[], []]                            # staged dQ; tiles the TMA still reads
+    k_half = ["K", "K"]                                                  # K halves: "K", then "dK"
+    met = [0, 0]                                                         # meetings reached per consumer
+    landing = []
+
+    def producer():
+        for t in range(n_tiles):
+            s = t % stages
+            while (released[s] // 2) % 2 == ((t // stages) & 1) ^ 1:
+                yield f"the producer waits for slot {s} (tile {t})"
+            assert released[s] >= 2 * (t // stages), f"tile {t}: slot {s} refilled while tile {t - stages} is read"
+            landing.append((s, t))
+            yield None
+
+    def meet(w, what):
+        met[w] += 1
+        while met[1 - w] < met[w]:
+            yield f"consumer {w} waits for the other at {what}"
+
+    def consumer(w):
+        for t in range(n_tiles):
+            s = t % stages
+            while full[s] % 2 == (t // stages) % 2:
+                yield f"consumer {w} waits for tile {t}"
+            assert holds[s] == t, f"consumer {w}, tile {t}: slot {s} holds tile {holds[s]}"
+            ds[t % ds_buffers, w] = t                                    # dSᵀ of its 64 keys
+            yield None
+            while wait_reduces and reading[w]:
+                yield f"consumer {w} waits for the TMA to read its staged dQ"
+            yield from meet(w, f"tile {t}")
+            for step in range(2):                                        # dQ = dS K: both halves, two steps
+                for half in (0, 1):
+                    assert ds[t % ds_buffers, half] == t, (
+                        f"consumer {w}, tile {t}: dSᵀ slot {t % ds_buffers} of consumer {half} holds tile "
+                        f"{ds[t % ds_buffers, half]}")
+                    assert k_half[half] == "K", f"consumer {w}, tile {t}: K half {half} already holds dK"
+                yield None
+            assert staged[w] not in reading[w], (f"consumer {w}, tile {t}: staged dQ of tile {staged[w]} "
+                                                 "overwritten before the TMA read it")
+            staged[w] = t
+            reading[w].append(t)                                         # the reduce-adds, issued
+            released[s] += 1
+            yield None
+        if last_meeting:
+            yield from meet(w, "the end")
+        k_half[w] = "dK"
+        yield None
+
+    live, blocked = [producer(), consumer(0), consumer(1)], {}
+    while live:
+        movers = [a for a in live if a not in blocked]
+        events = [e for e in ("land", "read0", "read1") if (landing if e == "land" else reading[int(e[-1])])]
+        if events and (not movers or rng.random() < 0.4):
+            event = rng.choice(events)
+            if event == "land":
+                s, t = landing.pop(rng.randrange(len(landing)))
+                holds[s], full[s] = t, full[s] + 1
+            else:
+                w = int(event[-1])
+                t = reading[w].pop(0)
+                assert staged[w] == t, f"the TMA reads consumer {w}'s dQ of tile {t}, finds tile {staged[w]}"
+            blocked.clear()
+            continue
+        if not movers:
+            raise AssertionError(f"hang with {n_tiles} tiles and {stages} stages: {'; '.join(blocked.values())}")
+        agent = rng.choice(movers)
+        try:
+            waits = next(agent)
+        except StopIteration:
+            live.remove(agent)
+            continue
+        if waits:
+            blocked[agent] = waits
+        else:
+            blocked.clear()
