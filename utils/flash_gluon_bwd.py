@@ -25,7 +25,9 @@ What made it fast (measured on an H200, notebook 07 section 11 reads the stored 
   - lse2 and D arrive by TMA with Q and dO and are read from shared memory when needed: held in registers
     across the wgmma waits they made the head-dim-128 loop spill.
 
-Gluon has no interpreter: the kernel runs on sm_90 (H100/H200) only; utils.cross_compile compiles it on a CPU.
+The reduce-adds from the programs of one head arrive in any order, so dQ's last bits vary from run to run
+(notebook 07's dQ pass is deterministic); dK and dV do not. Gluon has no interpreter: the kernel runs on sm_90
+(H100/H200) only; utils.cross_compile compiles it on a CPU, and replay_protocol replays its synchronisation.
 """
 from __future__ import annotations
 
