@@ -254,8 +254,8 @@ def gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
     v_smem = gl.allocate_shared_memory(dtype, [2] + v_desc.block_type.shape, v_desc.layout)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([SUB, BLOCK_M], dtype)
     ds_smem = gl.allocate_shared_memory(dtype, [4, SUB, BLOCK_M], ds_layout)      # [tile parity · 2 + consumer]
-    stage_smem = gl.allocate_shared_memory(gl.float32, [HEAD_DIM // dq_desc.block_type.shape[2]] + dq_desc.block_type.shape,
-                                           dq_desc.layout)
+    DQC: gl.constexpr = dq_desc.block_type.shape[2]
+    stage_smem = gl.allocate_shared_memory(gl.float32, [HEAD_DIM // DQC] + dq_desc.block_type.shape, dq_desc.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())

@@ -222,8 +222,8 @@ def plot_backward_benchmark(rows: list[dict], title: str = ""):
         raise ValueError("no rows to plot")
     fig, axes = plt.subplots(1, len(head_dims), figsize=(6 * len(head_dims), 4), sharey=True, squeeze=False)
     colors = {"triton": "C0", "sdpa_flash": "C1", "sdpa_cudnn": "C2", "sdpa_efficient": "C3", "triton_tutorial": "C4",
-              "gluon_bwd": "m", "triton_pointer": "C5", "triton_tma": "C6", "triton_tma_stats": "C8", "triton_atomic_dq": "C7",
-              "triton_reduce_dq": "k",
+              "gluon_bwd": "m", "triton_pointer": "C5", "triton_tma": "C6", "triton_tma_stats": "C8",
+              "triton_atomic_dq": "C7", "triton_reduce_dq": "k",
               **{b: f"C{9 + i}" for i, b in enumerate(CUDA_BACKENDS)}}
     for ax, d in zip(axes[0], head_dims):
         for b in KNOWN:
