@@ -315,10 +315,42 @@ def _tma_ready(x: torch.Tensor) -> torch.Tensor:
 def validate(q, k, v, causal, sm_scale) -> float:
     """The inputs' checks (utils.checks), then the GPU generation; returns the softmax scale."""
     check_attention_inputs(q, k, v, causal=causal, head_dims=HEAD_DIMS, dtypes=DTYPES, runs_on="cuda")
-    if gpu.capability(q) != (9, 0):
-        raise ValueError(f"q is on a GPU of compute capability {gpu.capability(q)}; flash_attention_gluon's "
-                         "wgmma code runs on sm_90 (H100/H200) only")
+    check_sm90(q, "flash_attention_gluon")
     return resolve_scale(sm_scale, q.shape[-1])
+
+
+def check_sm90(q: torch.Tensor, who: str) -> None:
+    """A ValueError unless CUDA tensor q is on an sm_90 GPU, where `who`'s wgmma code runs."""
+    if gpu.capability(q) != (9, 0):
+        raise ValueError(f"q is on a GPU of compute capability {gpu.capability(q)}; {who}'s wgmma code runs on "
+                         "sm_90 (H100/H200) only")
+
+
+def interleave(agents, events, rng, hang: str, p_event: float = 0.5) -> None:
+    """Run generator `agents` in a random order (the protocol replays of the warp-specialised kernels): a step
+    yields None, or a string saying what the agent waits for. `events()` lists what may happen asynchronously
+    now (callables: a copy lands, ...); one is taken with probability `p_event` while an agent can move, and
+    always when none can. AssertionError `hang` with every agent's wait when nothing can happen."""
+    live, blocked = list(agents), {}
+    while live:
+        movers = [a for a in live if a not in blocked]
+        ready = events()
+        if ready and (not movers or rng.random() < p_event):
+            rng.choice(ready)()
+            blocked.clear()
+            continue
+        if not movers:
+            raise AssertionError(f"{hang}: {'; '.join(blocked.values())}")
+        agent = rng.choice(movers)
+        try:
+            waits = next(agent)
+        except StopIteration:
+            live.remove(agent)
+            continue
+        if waits:
+            blocked[agent] = waits
+        else:
+            blocked.clear()
 
 
 def flash_attention_gluon_forward(q, k, v, *, causal=False, sm_scale=None, config: Config | None = None):

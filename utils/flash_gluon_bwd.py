@@ -47,7 +47,6 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from utils import flash_gluon as fg
 from utils import flash_triton_bwd as tb
-from utils import gpu
 from utils.checks import check_device
 from utils.flash_pytorch_bwd import check_backward_inputs
 from utils.launch import FastLauncher
@@ -310,9 +309,7 @@ def flash_attention_gluon_backward(do, q, k, v, o, lse, *, causal=False, sm_scal
     shape, scale = check_backward_inputs(do, q, k, v, o, lse, causal=causal, sm_scale=sm_scale,
                                          head_dims=fg.HEAD_DIMS, dtypes=fg.DTYPES)
     check_device("q", q, "cuda")
-    if gpu.capability(q) != (9, 0):
-        raise ValueError(f"q is on a GPU of compute capability {gpu.capability(q)}; "
-                         "flash_attention_gluon_backward's wgmma code runs on sm_90 (H100/H200) only")
+    fg.check_sm90(q, "flash_attention_gluon_backward")
     b, h, _, nq, _, d = shape
     config = pick_config(d) if config is None else check_config(config, d)
     q, k, v, do = (fg._tma_ready(x) for x in (q, k, v, do))
@@ -427,30 +424,16 @@ def replay_protocol(n_tiles: int, stages: int, seed: int = 0, *, ds_buffers: int
         k_half[w] = "dK"
         yield None
 
-    live, blocked = [producer(), consumer(0), consumer(1)], {}
-    while live:
-        movers = [a for a in live if a not in blocked]
-        events = [e for e in ("land", "read0", "read1") if (landing if e == "land" else reading[int(e[-1])])]
-        if events and (not movers or rng.random() < 0.4):
-            event = rng.choice(events)
-            if event == "land":
-                s, t = landing.pop(rng.randrange(len(landing)))
-                holds[s], full[s] = t, full[s] + 1
-            else:
-                w = int(event[-1])
-                t = reading[w].pop(0)
-                assert staged[w] == t, f"the TMA reads consumer {w}'s dQ of tile {t}, finds tile {staged[w]}"
-            blocked.clear()
-            continue
-        if not movers:
-            raise AssertionError(f"hang with {n_tiles} tiles and {stages} stages: {'; '.join(blocked.values())}")
-        agent = rng.choice(movers)
-        try:
-            waits = next(agent)
-        except StopIteration:
-            live.remove(agent)
-            continue
-        if waits:
-            blocked[agent] = waits
-        else:
-            blocked.clear()
+    def land():
+        s, t = landing.pop(rng.randrange(len(landing)))
+        holds[s], full[s] = t, full[s] + 1
+
+    def read(w):   # the TMA engine reads consumer w's oldest staged dQ
+        t = reading[w].pop(0)
+        assert staged[w] == t, f"the TMA reads consumer {w}'s dQ of tile {t}, finds tile {staged[w]}"
+
+    def events():
+        return ([land] if landing else []) + [lambda w=w: read(w) for w in (0, 1) if reading[w]]
+
+    fg.interleave([producer(), consumer(0), consumer(1)], events, rng,
+                  f"hang with {n_tiles} tiles and {stages} stages", p_event=0.4)

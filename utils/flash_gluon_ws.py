@@ -257,23 +257,9 @@ def replay_protocol(n_tiles: int, stages: int, empty_parity, seed: int = 0) -> N
             released[r, s] += 1
             yield None
 
-    live, blocked = [producer(), consumer(), consumer()], {}
-    while live:
-        movers = [a for a in live if a not in blocked]
-        if landing and (not movers or rng.random() < 0.5):       # a copy lands
-            r, s, t = landing.pop(rng.randrange(len(landing)))
-            holds[r, s], full[r, s] = t, full[r, s] + 1
-            blocked.clear()
-            continue
-        if not movers:
-            raise AssertionError(f"hang with {n_tiles} tiles and {stages} stages: {'; '.join(blocked.values())}")
-        agent = rng.choice(movers)
-        try:
-            waits = next(agent)
-        except StopIteration:
-            live.remove(agent)
-            continue
-        if waits:
-            blocked[agent] = waits
-        else:
-            blocked.clear()
+    def land():
+        r, s, t = landing.pop(rng.randrange(len(landing)))
+        holds[r, s], full[r, s] = t, full[r, s] + 1
+
+    fg.interleave([producer(), consumer(), consumer()], lambda: [land] if landing else [], rng,
+                  f"hang with {n_tiles} tiles and {stages} stages")
