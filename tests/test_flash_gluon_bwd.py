@@ -13,6 +13,7 @@ from utils import gpu
 
 on_hopper = pytest.mark.skipif(not torch.cuda.is_available() or gpu.capability() != (9, 0),
                                reason="needs an sm_90 GPU (H100/H200)")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the preprocess kernel: compiled, or interpreted on CPU
 
 
 def _inputs(shape=(1, 2, 2, 16, 16, 64), dtype=torch.bfloat16, device="cpu"):
@@ -77,8 +78,8 @@ def test_stats_are_base2_lse_and_rowsum_with_rows_padded_to_16_bytes(nq):
     """_stats: D = rowsum(dO ∘ O), lse2 = lse·log2(e) with +inf where lse = -inf (a row that sees no key), each
     (batch·heads) row padded with zeros to a multiple of 4 floats, which TMA needs."""
     b, h, d = 2, 3, 64
-    o, do = torch.randn(b, h, nq, d), torch.randn(b, h, nq, d)
-    lse = torch.randn(b, h, nq)
+    o, do = torch.randn(b, h, nq, d, device=DEVICE), torch.randn(b, h, nq, d, device=DEVICE)
+    lse = torch.randn(b, h, nq, device=DEVICE)
     lse[0, 1, 0] = float("-inf")
     lse2, delta = gb._stats(o, do, lse, h)
     width = 4 * math.ceil(nq / 4)

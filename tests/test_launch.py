@@ -58,7 +58,7 @@ def test_key_separates_gluon_descriptors_by_tile_dtype_and_layout():
     assert key(x, [1, 1, 64, 64]) == key(x.clone(), [1, 1, 64, 64])
     assert len({key(x, [1, 1, 64, 64]), key(x, [1, 1, 128, 64]), key(x.half(), [1, 1, 64, 64]),
                 key(x, [1, 1, 64, 64], swizzle=64)}) == 4
-    hash(key(x, [1, 1, 64, 64]))   # the layout's lists are frozen into tuples
+    hash(key(x, [1, 1, 64, 64]))   # the layout, a frozen dataclass, is part of the key
 
 
 def test_key_is_hashable_and_flat_per_argument():

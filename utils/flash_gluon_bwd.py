@@ -280,10 +280,15 @@ def gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
 _launcher = FastLauncher(gluon_bwd_kernel)
 
 
+# The statistics' and dQ's shared layouts (unswizzled rows; DQ_COLS fp32 = 128-byte rows, 128-byte swizzle), built
+# once: at N <= 1k the host's time per call is the time of the call.
+_ROW_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+_DQ_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=3)
+
+
 def _row_descriptor(x: torch.Tensor, block_m: int) -> TensorDescriptor:
     """A TMA descriptor over a (B·H, N) fp32 tensor of per-row statistics; tile [bh, row] is `block_m` rows."""
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-    return TensorDescriptor(x, list(x.shape), list(x.stride()), [1, block_m], layout)
+    return TensorDescriptor(x, list(x.shape), list(x.stride()), [1, block_m], _ROW_LAYOUT)
 
 
 def _stats(o, do, lse, heads):
@@ -325,7 +330,7 @@ def _launch(q, k, v, do, dk, dv, dq_acc, lse2, delta, causal: bool, scale: float
     b, h, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
     dq_desc = TensorDescriptor(dq_acc, list(dq_acc.shape), list(dq_acc.stride()), [1, config.block_m, DQ_COLS],
-                               gl.NVMMASharedLayout.get_default_for([1, config.block_m, DQ_COLS], gl.float32))
+                               _DQ_LAYOUT)
     grid = (triton.cdiv(nk, BLOCK_N), b * hk)
     _launcher[grid](fg._descriptor(q, config.block_m), fg._descriptor(k, SUB_N), fg._descriptor(v, SUB_N),
                     fg._descriptor(do, config.block_m), fg._descriptor(dk, SUB_N), fg._descriptor(dv, SUB_N),

@@ -45,15 +45,10 @@ def specialization_key(args) -> tuple:
                         tuple(a.block_shape), a.padding, getattr(a, "round_f32_to_tf32", False)))
         elif hasattr(a, "layout") and hasattr(a, "block_shape"):  # a Gluon descriptor: its shared layout is typed
             key.append((type(a), a.base.dtype, a.base.data_ptr() % 16 == 0, len(a.shape), tuple(a.block_shape),
-                        a.padding, type(a.layout), tuple(_frozen(v) for v in vars(a.layout).values())))
+                        a.padding, a.layout))  # Gluon's layouts are frozen dataclasses: hashed and compared by value
         else:
             key.append(type(a))
     return tuple(key)
-
-
-def _frozen(x):
-    """x with its lists made tuples, so that it can be hashed (a Gluon layout's fields hold lists)."""
-    return tuple(_frozen(i) for i in x) if isinstance(x, (list, tuple)) else x
 
 
 def _hooked(hook) -> bool:
