@@ -45,6 +45,8 @@ def test_inputs_are_checked_before_anything_is_built():
     (gb.BwdConfig(128, 2, 240), 128, ValueError, "must be 64 at head dim 128"),
     (gb.BwdConfig(64, 4, 240), 64, ValueError, "stages must be 1, 2 or 3"),
     (gb.BwdConfig(64, 2, 244), 64, ValueError, "consumer_regs must be a multiple of 8"),
+    (gb.BwdConfig(64, 2, 240, 1), 64, TypeError, "prefetch_s must be a bool"),
+    (gb.BwdConfig(128, 1, 240, True), 64, ValueError, "prefetch_s needs stages >= 2"),
 ])
 def test_bad_configs_are_named(config, head_dim, error, match):
     with pytest.raises(error, match=match):
@@ -56,10 +58,17 @@ def test_the_picked_configs_are_valid_and_use_wide_tiles_where_registers_allow()
     assert gb.check_config(gb.pick_config(128), 128).block_m == 64
 
 
-@pytest.mark.parametrize("stages", [1, 2, 3])
-def test_the_kernels_protocol_never_hangs_reads_stale_tiles_or_overwrites_early(stages):
+@pytest.mark.parametrize("stages,prefetch_s", [(1, False), (2, False), (3, False), (2, True), (3, True)])
+def test_the_kernels_protocol_never_hangs_reads_stale_tiles_or_overwrites_early(stages, prefetch_s):
     for n_tiles, seed in itertools.product(range(0, 9), range(40)):
-        gb.replay_protocol(n_tiles, stages, seed)
+        gb.replay_protocol(n_tiles, stages, seed, prefetch_s=prefetch_s)
+
+
+def test_prefetching_s_with_one_stage_hangs():
+    """Why check_config wants two stages for prefetch_s: the consumers would wait for tile 1 in the slot that
+    tile 0 still holds."""
+    with pytest.raises(AssertionError, match="hang with 2 tiles and 1 stages"):
+        gb.replay_protocol(2, 1, 0, prefetch_s=True)
 
 
 @pytest.mark.parametrize("broken,match", [
@@ -93,24 +102,31 @@ def test_stats_are_base2_lse_and_rowsum_with_rows_padded_to_16_bytes(nq):
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_the_compiled_loop_does_five_products_and_waits_for_a_reduce_one_tile_later(head_dim):
-    """Compiled for sm_90 here, in a process without the interpreter. Per tile the consumer issues Sᵀ and dPᵀ
-    (2 commits at the loop's head), then dV, dK and dQ's slices (two chained products each: the two key halves);
-    it reduce-adds the dQ slices at the end of the tile and waits for them (reduce-wait) only at the next tile,
-    before the consumers meet; the kernel fits the 227 KiB of shared memory an H100/H200 gives a block."""
+    """Compiled for sm_90 here, in a process without the interpreter. Per tile the consumer issues Sᵀ and dPᵀ,
+    then dV, dK and its dQ block (one chain of two products: the two key halves); it reduce-adds the block's two
+    64 × 32 boxes at the end of the tile and waits for them (reduce-wait) only at the next tile, before the
+    consumers meet. With prefetch_s (head dim 64) the next tile's Sᵀ is issued between the dQ block's wait and
+    its reduce-adds, and waited for at the tile's end. The kernel fits the 227 KiB of shared memory an
+    H100/H200 gives a block."""
     from utils.cross_compile import in_fresh_process
 
     printed = in_fresh_process("--schedule", "gluon_bwd", "--head-dim", str(head_dim))
     header, *blocks = printed.splitlines()
     shared = int(header.split(" bytes of shared memory")[0].rsplit(" ", 1)[1])
     assert shared <= 227 * 1024, header
-    slices = head_dim // 2 // gb.DQ_COLS
-    tail = [b.split() for b in blocks if "reduce" in b.split() or any(e.startswith("reduce×") for e in b.split())]
+    prefetch = gb.pick_config(head_dim).prefetch_s
+    tail = [b.split() for b in blocks if "reduce×2" in b.split()]
     assert tail, printed
     for events in tail:
-        assert events.index("reduce-wait") < min(i for i, e in enumerate(events) if e.startswith("reduce")
-                                                 and e != "reduce-wait"), events
-        assert ("reduce" if slices == 1 else f"reduce×{slices}") in events, events
-        assert sum(e == "commit" for e in events) == 2 + 2 * slices, events   # dV, dK, then dQ (after Sᵀ, dPᵀ)
+        reduce = events.index("reduce×2")
+        assert events.index("reduce-wait") < reduce, events
+        dq_wait = max(i for i, e in enumerate(events[:reduce]) if e == "wait(0)")
+        assert events[dq_wait - 4:dq_wait] == ["wgmma×4", "commit", "wgmma×4", "commit"], events   # the dQ chain
+        # dV, dK, the dQ chain (Sᵀ, dPᵀ at the loop's head), and with prefetch_s the next tile's Sᵀ
+        assert sum(e == "commit" for e in events) == 4 + prefetch, events
+        if prefetch:
+            assert "tile?" in events[dq_wait:reduce] and "commit" in events[dq_wait:reduce], events
+            assert events[-1] == "wait(0)", events
 
 
 @on_hopper
@@ -130,13 +146,16 @@ def test_gradients_match_float64_on_odd_shapes(dtype, causal):
 
 
 @on_hopper
-@pytest.mark.parametrize("config", [gb.BwdConfig(64, 2, 240), gb.BwdConfig(128, 1, 232), gb.BwdConfig(64, 3, 240)],
-                         ids=["64x2", "128x1", "64x3"])
-def test_every_config_gives_the_same_gradients(config):
+@pytest.mark.parametrize("config,head_dim", [
+    (gb.BwdConfig(64, 2, 240), 64), (gb.BwdConfig(128, 1, 232), 64), (gb.BwdConfig(64, 3, 240, True), 64),
+    (gb.BwdConfig(128, 2, 240, False), 64), (gb.BwdConfig(64, 3, 240, True), 128)],
+    ids=["64x2 d64", "128x1 d64", "64x3 prefetch d64", "128x2 no prefetch d64", "64x3 prefetch d128"])
+def test_every_config_gives_the_same_gradients(config, head_dim):
+    """The dQ block's split (rows of a 128-row tile, else columns) and prefetch_s, beside the picked configs."""
     from utils.flash_triton import flash_attention_forward
     from utils.testing import assert_gradients_close, random_qkv, reference_gradients
 
-    q, k, v = random_qkv(2, 4, 777, 1000, 64, kv_heads=2, dtype=torch.bfloat16, device="cuda", seed=3)
+    q, k, v = random_qkv(2, 4, 777, 1000, head_dim, kv_heads=2, dtype=torch.bfloat16, device="cuda", seed=3)
     do = torch.randn_like(q)
     o, lse = flash_attention_forward(q, k, v, causal=True)
     grads = gb.flash_attention_gluon_backward(do, q, k, v, o, lse, causal=True, config=config)

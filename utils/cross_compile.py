@@ -251,7 +251,7 @@ def gluon_schedules(head_dim: int = 64, capability=(9, 0), warp_specialized: boo
 
 def gluon_bwd_schedule(head_dim: int = 64, causal: bool = False, capability=(9, 0)) -> tuple[list[str], int]:
     """The one-kernel Gluon backward (notebook 07 section 11) compiled for `capability` with its default tiles:
-    (schedule with DQ_EVENTS, bytes of shared memory). Its consumer loop shows the dQ slices' reduce-adds issued
+    (schedule with DQ_EVENTS, bytes of shared memory). Its consumer loop shows the dQ block's reduce-adds issued
     at the end of a tile and their wait (reduce-wait) at the next tile, before the two consumers meet (bar)."""
     from utils import flash_gluon_bwd as gb
 

@@ -13,13 +13,20 @@ course:
     (a warpgroup each)      Sᵀ = K Qᵀ and dPᵀ = V dOᵀ issued together; Pᵀ = exp2(Sᵀ·scale - lse2);
                             dV += Pᵀ dO; dSᵀ = Pᵀ ∘ (dPᵀ - D); dK += dSᵀ Q; dSᵀ to shared memory;
                             both consumers meet (named barrier 15, 256 threads), then consumer W computes
-                            columns [W·D/2, (W+1)·D/2) of dQ = dS K over all 128 keys and adds them to an
-                            fp32 accumulator in global memory with TMA bulk reduce-adds
-                            (cp.reduce.async.bulk.tensor): one instruction per 32 columns, off the warps
+                            its half of the tile's dQ = dS K over all 128 keys (rows [64W, 64W + 64) of a
+                            128-row tile, else columns [W·D/2, (W+1)·D/2)) and adds it to an fp32
+                            accumulator in global memory with TMA bulk reduce-adds
+                            (cp.reduce.async.bulk.tensor): one instruction per 64 × 32 box, off the warps
 
 What made it fast (measured on an H200, notebook 07 section 11 reads the stored run):
-  - each consumer adds its own half of dQ's COLUMNS rather than a partial sum over its 64 keys: half the
-    reduce traffic into L2 and no partials to add;
+  - each consumer adds its own half of dQ rather than a partial sum over its 64 keys: half the reduce
+    traffic into L2 and no partials to add;
+  - that half is one 64 × 64 block, computed by one chain of N = 64 products: slices 32 columns wide
+    (N = 32) read a 64 × 16 tile of dS from shared memory for half the work, and at head dim 128 the
+    consumers' reads of shared memory, not the tensor cores, set the pace (0.87-0.91 → 1.01-1.04× cuDNN);
+  - at head dim 64 (prefetch_s) the next tile's Sᵀ is issued as soon as dQ is staged, so the tensor cores
+    work through the reduce, the release of the ring slot and the loop's turn (0.93-0.97 → 1.07-1.10×); at 128 the
+    extra live registers cost more than the overlap gives;
   - the reduce is issued from shared memory and waited for one tile later (the builtin below: Gluon 3.6 has no
     wrapper for it; a register-to-global reduce waits for its own staging copy every time);
   - lse2 and D arrive by TMA with Q and dO and are read from shared memory when needed: held in registers
@@ -53,20 +60,23 @@ from utils.launch import FastLauncher
 
 SUB_N = 64              # keys per consumer warpgroup
 BLOCK_N = 2 * SUB_N     # keys per program
-DQ_COLS = 32            # columns per dQ reduce: an fp32 TMA box row of 128 bytes (the 128-byte swizzle)
+DQ_ROWS = 64            # rows of a dQ reduce box
+DQ_COLS = 32            # columns of a dQ reduce box: an fp32 TMA box row of 128 bytes (the 128-byte swizzle)
 _barrier = fg._cta_barrier
 
 
 class BwdConfig(NamedTuple):
-    block_m: int          # query rows per tile (the N of the Sᵀ, dPᵀ products)
-    stages: int           # ring slots for Q, dO, lse2, D
-    consumer_regs: int    # registers per consumer thread (setmaxnreg); the producer keeps 24
+    block_m: int               # query rows per tile (the N of the Sᵀ, dPᵀ products)
+    stages: int                # ring slots for Q, dO, lse2, D
+    consumer_regs: int         # registers per consumer thread (setmaxnreg); the producer keeps 24
+    prefetch_s: bool = False   # issue the next tile's Sᵀ once dQ is staged (waits for that tile: stages >= 2)
 
 
 def pick_config(head_dim: int) -> BwdConfig:
-    """Measured best on an H200 (notebook 07 section 11): 128-row tiles at head dim 64; at 128 the registers
-    of dK, dV (64 keys × 128 fp32 each) leave room for 64-row tiles only."""
-    return BwdConfig(128, 2, 240) if head_dim == 64 else BwdConfig(64, 2, 240)
+    """Measured best on an H200 (notebook 07 section 11): 128-row tiles and Sᵀ prefetched at head dim 64; at
+    128 the registers of dK, dV (64 keys × 128 fp32 each) leave room for 64-row tiles only, and none for a
+    prefetched Sᵀ beside the dQ block."""
+    return BwdConfig(128, 2, 240, True) if head_dim == 64 else BwdConfig(64, 2, 240, False)
 
 
 def check_config(config, head_dim: int) -> BwdConfig:
@@ -82,6 +92,11 @@ def check_config(config, head_dim: int) -> BwdConfig:
         raise ValueError(f"config.stages must be 1, 2 or 3, got {config.stages}")
     if config.consumer_regs not in range(160, 241, 8):
         raise ValueError(f"config.consumer_regs must be a multiple of 8 in [160, 240], got {config.consumer_regs}")
+    if not isinstance(config.prefetch_s, bool):
+        raise TypeError(f"config.prefetch_s must be a bool, got {type(config.prefetch_s).__name__}")
+    if config.prefetch_s and config.stages < 2:
+        raise ValueError("config.prefetch_s needs stages >= 2: a consumer waits for the next tile before it frees "
+                         "the slot of this one")
     return config
 
 
@@ -136,19 +151,26 @@ def _producer(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_
 def _consumer(dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
               stage_smem, kv_bar, full, empty, b, hk, heads, first_m, n_m, n_tiles, start_n, seqlen_q, seqlen_k,
               qk_scale, sm_scale, W: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
-              BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+              BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PREFETCH_S: gl.constexpr):
     SUB: gl.constexpr = dk_desc.block_type.shape[2]
     dtype: gl.constexpr = dk_desc.dtype
-    DQC: gl.constexpr = dq_desc.block_type.shape[2]    # 32 columns per reduce
-    NS: gl.constexpr = HEAD_DIM // 2 // DQC           # dQ reduces per tile and consumer: 1 (d 64), 2 (128)
+    # This consumer's half of the tile's dQ: a (DQR × COLS) block at rows r0, columns c0; it leaves in NB boxes
+    # of DQR × DQC.
+    DQR: gl.constexpr = dq_desc.block_type.shape[1]
+    DQC: gl.constexpr = dq_desc.block_type.shape[2]
+    SPLIT_ROWS: gl.constexpr = BLOCK_M == 2 * DQR
+    COLS: gl.constexpr = HEAD_DIM if SPLIT_ROWS else HEAD_DIM // 2
+    r0: gl.constexpr = W * DQR if SPLIT_ROWS else 0
+    c0: gl.constexpr = 0 if SPLIT_ROWS else W * COLS
+    NB: gl.constexpr = COLS // DQC
     # Sᵀ, dPᵀ: (keys × queries) accumulators; dK, dV: (keys × D); Pᵀ and dSᵀ enter the dV, dK products from
-    # registers; each dQ slice is (queries × 32).
+    # registers.
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, BLOCK_M, 16])
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, HEAD_DIM, 16])
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, DQC, 16])
+                                                        instr_shape=[16, COLS, 16])
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
     col_st: gl.constexpr = gl.SliceLayout(0, st_layout)
     k = k_smem.index(W).reshape([SUB, HEAD_DIM])
@@ -160,19 +182,30 @@ def _consumer(dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, lse_sm
     causal_offset = seqlen_k - seqlen_q
     ragged = key0 + SUB > seqlen_k
     st_zero = gl.zeros([SUB, BLOCK_M], gl.float32, st_layout)
-    dq_zero = gl.zeros([BLOCK_M, DQC], gl.float32, dq_layout)
+    dq_zero = gl.zeros([DQR, COLS], gl.float32, dq_layout)
+    # The staging boxes, seen as one (DQR × COLS) block per consumer (the 128-byte swizzle lays a wider block
+    # out as its 32-column boxes one after the other).
+    block_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+    dq_block = stage_smem._reinterpret(gl.float32, [2, DQR, COLS], block_layout).index(W)
     dk = gl.zeros([SUB, HEAD_DIM], gl.float32, kv_layout)
     dv = gl.zeros([SUB, HEAD_DIM], gl.float32, kv_layout)
     mbarrier.wait(kv_bar, 0)
+    if PREFETCH_S:   # tile 0's Sᵀ (a program without tiles computes one on stale shared memory and drops it)
+        mbarrier.wait(full.index(0), 0, pred=n_tiles > 0)
+        st = warpgroup_mma(k, q_smem.index(0).reshape([BLOCK_M, HEAD_DIM]).permute((1, 0)), st_zero,
+                           use_acc=False, is_async=True)
+        st, _ = warpgroup_mma_wait(0, deps=(st, k))
     for t in range(n_tiles):
         slot = t % STAGES
         h, start_m = _tile(t, hk, first_m, n_m, GROUP, BLOCK_M)
-        mbarrier.wait(full.index(slot), (t // STAGES) & 1)
         q = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
         do = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
-        st = warpgroup_mma(k, q.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+        if not PREFETCH_S:
+            mbarrier.wait(full.index(slot), (t // STAGES) & 1)
+            st = warpgroup_mma(k, q.permute((1, 0)), st_zero, use_acc=False, is_async=True)
         dpt = warpgroup_mma(v, do.permute((1, 0)), st_zero, use_acc=False, is_async=True)
-        st, _, _ = warpgroup_mma_wait(1, deps=(st, k, q))
+        if not PREFETCH_S:
+            st, _, _ = warpgroup_mma_wait(1, deps=(st, k, q))
         lse2 = lse_smem.index(slot).reshape([BLOCK_M]).load(col_st)
         masked = ragged
         if CAUSAL:   # query i sees key j <= i + seqlen_k - seqlen_q; only the tiles on the diagonal need it
@@ -195,25 +228,30 @@ def _consumer(dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, lse_sm
         tma.store_wait(0)       # the previous tile's reduces have read the staging buffers
         _pair_barrier(t)        # both halves of dSᵀ are in place (and every thread of ours passed store_wait)
         dv, _ = warpgroup_mma_wait(1, deps=(dv, do))   # dV done, dK still running
-        ds0 = ds_smem.index(buf).permute((1, 0))
-        ds1 = ds_smem.index(buf + 1).permute((1, 0))
-        row = (b * heads + h)
-        for c in gl.static_range(NS):   # dQ[:, cols] = dS K[:, cols] over both key halves
-            acc = warpgroup_mma(ds0, k0.slice(W * (HEAD_DIM // 2) + c * DQC, DQC, dim=1), dq_zero,
-                                use_acc=False, is_async=True)
-            acc = warpgroup_mma(ds1, k1.slice(W * (HEAD_DIM // 2) + c * DQC, DQC, dim=1), acc,
-                                is_async=True)
-            if c == 0:   # dK was issued first: it is done too
-                acc, dk, _, _, _ = warpgroup_mma_wait(0, deps=(acc, dk, q, ds0, ds1))
-            else:
-                acc, _, _ = warpgroup_mma_wait(0, deps=(acc, ds0, ds1))
-            stage_smem.index(W * NS + c).reshape([BLOCK_M, DQC]).store(acc * sm_scale)
+        if SPLIT_ROWS:   # dS rows r0.. (dSᵀ columns), each key half
+            ds0 = ds_smem.index(buf).slice(r0, DQR, dim=1).permute((1, 0))
+            ds1 = ds_smem.index(buf + 1).slice(r0, DQR, dim=1).permute((1, 0))
+        else:
+            ds0 = ds_smem.index(buf).permute((1, 0))
+            ds1 = ds_smem.index(buf + 1).permute((1, 0))
+        # dQ block = dS K[:, c0:c0 + COLS] over both key halves; dK was issued first: it is done too.
+        acc = warpgroup_mma(ds0, k0.slice(c0, COLS, dim=1), dq_zero, use_acc=False, is_async=True)
+        acc = warpgroup_mma(ds1, k1.slice(c0, COLS, dim=1), acc, is_async=True)
+        acc, dk, _, _, _ = warpgroup_mma_wait(0, deps=(acc, dk, q, ds0, ds1))
+        dq_block.store(acc * sm_scale)
+        if PREFETCH_S:   # the next tile's Sᵀ runs while dQ leaves (past the last tile: as in the prologue)
+            nslot = (t + 1) % STAGES
+            mbarrier.wait(full.index(nslot), ((t + 1) // STAGES) & 1, pred=t + 1 < n_tiles)
+            st = warpgroup_mma(k, q_smem.index(nslot).reshape([BLOCK_M, HEAD_DIM]).permute((1, 0)), st_zero,
+                               use_acc=False, is_async=True)
         fence_async_shared()
         _barrier()                                     # every warp's part of dQ is staged
-        for c in gl.static_range(NS):
-            _tma_reduce_add(dq_desc, [row, start_m, W * (HEAD_DIM // 2) + c * DQC],
-                            stage_smem.index(W * NS + c))
+        row = (b * heads + h)
+        for c in gl.static_range(NB):
+            _tma_reduce_add(dq_desc, [row, start_m + r0, c0 + c * DQC], stage_smem.index(W * NB + c))
         mbarrier.arrive(empty.index(slot))             # done with Q, dO, lse2, D of this tile
+        if PREFETCH_S:
+            st, _ = warpgroup_mma_wait(0, deps=(st, k))
     # dK and dV leave through this consumer's K and V buffers, once the other consumer's dQ products are done
     # with this K half.
     _pair_barrier(n_tiles)
@@ -230,7 +268,7 @@ def _consumer(dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, lse_sm
 def gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc,
                      heads, seqlen_q, seqlen_k, qk_scale, sm_scale,
                      GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                     CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                     CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, PREFETCH_S: gl.constexpr):
     SUB: gl.constexpr = k_desc.block_type.shape[2]
     pid_n = gl.program_id(0)
     pid_bh = gl.program_id(1)
@@ -253,8 +291,9 @@ def gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
     v_smem = gl.allocate_shared_memory(dtype, [2] + v_desc.block_type.shape, v_desc.layout)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([SUB, BLOCK_M], dtype)
     ds_smem = gl.allocate_shared_memory(dtype, [4, SUB, BLOCK_M], ds_layout)      # [tile parity · 2 + consumer]
-    DQC: gl.constexpr = dq_desc.block_type.shape[2]
-    stage_smem = gl.allocate_shared_memory(gl.float32, [HEAD_DIM // DQC] + dq_desc.block_type.shape, dq_desc.layout)
+    DQ_BOX: gl.constexpr = dq_desc.block_type.shape[1] * dq_desc.block_type.shape[2]
+    stage_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M * HEAD_DIM // DQ_BOX] + dq_desc.block_type.shape,
+                                           dq_desc.layout)   # the tile's dQ, in reduce boxes
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -267,10 +306,10 @@ def gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
     gl.warp_specialize([
         (_consumer, (dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
                      stage_smem, kv_bar, full, empty, b, hk, heads, first_m, n_m, n_tiles, start_n, seqlen_q,
-                     seqlen_k, qk_scale, sm_scale, 0, GROUP, HEAD_DIM, BLOCK_M, STAGES, CAUSAL)),
+                     seqlen_k, qk_scale, sm_scale, 0, GROUP, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, PREFETCH_S)),
         (_consumer, (dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
                      stage_smem, kv_bar, full, empty, b, hk, heads, first_m, n_m, n_tiles, start_n, seqlen_q,
-                     seqlen_k, qk_scale, sm_scale, 1, GROUP, HEAD_DIM, BLOCK_M, STAGES, CAUSAL)),
+                     seqlen_k, qk_scale, sm_scale, 1, GROUP, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, PREFETCH_S)),
         (_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
                      lse_smem, delta_smem, kv_bar, full, empty, b, hk, heads, first_m, n_m, n_tiles, start_n,
                      GROUP, BLOCK_M, STAGES))],
@@ -329,14 +368,15 @@ def _launch(q, k, v, do, dk, dv, dq_acc, lse2, delta, causal: bool, scale: float
     """The kernel on checked inputs (utils.cross_compile captures this launch to compile it on a CPU)."""
     b, h, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
-    dq_desc = TensorDescriptor(dq_acc, list(dq_acc.shape), list(dq_acc.stride()), [1, config.block_m, DQ_COLS],
+    dq_desc = TensorDescriptor(dq_acc, list(dq_acc.shape), list(dq_acc.stride()), [1, DQ_ROWS, DQ_COLS],
                                _DQ_LAYOUT)
     grid = (triton.cdiv(nk, BLOCK_N), b * hk)
     _launcher[grid](fg._descriptor(q, config.block_m), fg._descriptor(k, SUB_N), fg._descriptor(v, SUB_N),
                     fg._descriptor(do, config.block_m), fg._descriptor(dk, SUB_N), fg._descriptor(dv, SUB_N),
                     dq_desc, _row_descriptor(lse2, config.block_m), _row_descriptor(delta, config.block_m),
                     h, nq, nk, scale * fg.LOG2E, scale, GROUP=h // hk, HEAD_DIM=d, BLOCK_M=config.block_m,
-                    STAGES=config.stages, CAUSAL=causal, CONSUMER_REGS=config.consumer_regs, num_warps=4)
+                    STAGES=config.stages, CAUSAL=causal, CONSUMER_REGS=config.consumer_regs,
+                    PREFETCH_S=config.prefetch_s, num_warps=4)
 
 
 class GluonAttentionFunction(torch.autograd.Function):
@@ -365,11 +405,13 @@ def differentiable(forward, q, k, v, causal, sm_scale):
     return forward(q, k, v, causal=causal, sm_scale=sm_scale)[0]
 
 
-def replay_protocol(n_tiles: int, stages: int, seed: int = 0, *, ds_buffers: int = 2, wait_reduces: bool = True,
-                    last_meeting: bool = True) -> None:
+def replay_protocol(n_tiles: int, stages: int, seed: int = 0, *, prefetch_s: bool = False, ds_buffers: int = 2,
+                    wait_reduces: bool = True, last_meeting: bool = True) -> None:
     """Replay the kernel's synchronisation in one random interleaving of the producer, the two consumers, the
     TMA copies landing and the TMA engine reading the staged dQ tiles. Shared buffers hold the tile they were
-    last written for; every read checks it sees its own tile, from its first to its last step.
+    last written for; every read checks it sees its own tile, from its first to its last step. With
+    `prefetch_s` the consumers wait for tile t+1 (whose Sᵀ they issue early) before they free tile t's slot, as
+    the kernel does with BwdConfig.prefetch_s: with one stage that waits forever, which check_config forbids.
 
     The kernel's rules, which the keyword arguments break on purpose (the tests plant each bug):
     `ds_buffers` = 2: dSᵀ alternates between two slots per consumer, so a consumer writing tile t+1's dSᵀ
@@ -400,11 +442,17 @@ def replay_protocol(n_tiles: int, stages: int, seed: int = 0, *, ds_buffers: int
         while met[1 - w] < met[w]:
             yield f"consumer {w} waits for the other at {what}"
 
+    def wait_tile(w, t):
+        while full[t % stages] % 2 == (t // stages) % 2:
+            yield f"consumer {w} waits for tile {t}"
+
     def consumer(w):
+        if prefetch_s and n_tiles:
+            yield from wait_tile(w, 0)
         for t in range(n_tiles):
             s = t % stages
-            while full[s] % 2 == (t // stages) % 2:
-                yield f"consumer {w} waits for tile {t}"
+            if not prefetch_s:
+                yield from wait_tile(w, t)
             assert holds[s] == t, f"consumer {w}, tile {t}: slot {s} holds tile {holds[s]}"
             ds[t % ds_buffers, w] = t                                    # dSᵀ of its 64 keys
             yield None
@@ -421,6 +469,9 @@ def replay_protocol(n_tiles: int, stages: int, seed: int = 0, *, ds_buffers: int
             assert staged[w] not in reading[w], (f"consumer {w}, tile {t}: staged dQ of tile {staged[w]} "
                                                  "overwritten before the TMA read it")
             staged[w] = t
+            if prefetch_s and t + 1 < n_tiles:                           # the next tile's Sᵀ, issued
+                yield from wait_tile(w, t + 1)
+                assert holds[(t + 1) % stages] == t + 1, f"consumer {w}: tile {t + 1} not in its slot"
             reading[w].append(t)                                         # the reduce-adds, issued
             released[s] += 1
             yield None
