@@ -399,6 +399,17 @@ def test_versus_takes_the_best_accurate_tutorial_variant():
     assert "no shape" in peers_sweep.format_versus([])
 
 
+def test_versus_the_course_takes_its_fastest_accurate_kernel_per_shape():
+    records = [record("triton", 300.0), record("gluon", 360.0), record("triton-tutorial", 200.0),
+               record("triton", 300.0, n=2048), record("gluon", 900.0, accurate=False, n=2048),
+               record("triton-tutorial", 400.0, n=2048), record("gluon", 100.0, causal=True)]
+    rows = peers_sweep.versus(records, ("triton", "gluon"))
+    assert [(r["seqlen"], r["impl"], r["ratio"]) for r in rows] == [(1024, "gluon", 1.8), (2048, "triton", 0.75)]
+    assert peers_sweep.versus(records, ("gluon",)) == peers_sweep.versus(records, "gluon")
+    text = peers_sweep.format_versus(rows, ("triton", "gluon"))
+    assert text.startswith("best of triton, gluon / tutorial") and "min 0.75x at fwd fp16 D=64 N=2048" in text
+
+
 # ---- the real tutorial ----------------------------------------------------------------------------------------
 
 REAL = os.environ.get(peers.ENV_VAR) or str(Path(__file__).resolve().parents[1] / ".peer" / "06-fused-attention.py")

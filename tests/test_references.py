@@ -42,6 +42,7 @@ def test_readme_results_equal_the_json():
     assert update_readme(check=True), "README's results differ from images/*.json: python -m utils.references --readme"
     text = results_markdown()
     assert "| course Triton forward" in text and "SDPA cuDNN backward" in text and "torch 2.11" in text
+    assert "Gluon backward of notebook 07" in text and "the tutorial's backward at N ≥ 2k" in text
 
 
 def test_list_and_no_gpu(capsys):

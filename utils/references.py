@@ -123,8 +123,10 @@ REFERENCES = {
     "decoding_paged": (1, ["utils.bench.decoding", "--paged", "--out", "images"]),
     "decoding_latency": (1, ["utils.bench.decoding", "--latency", "--out", "images"]),
     "flex": (1, ["utils.bench.flex"]),
-    # the Triton tutorial beside the course: needs TRITON_TUTORIAL_ATTENTION (see utils.bench.peers)
-    "peers": (1, ["utils.bench.peers_sweep", "--name", "peers_h200"]),
+    # the Triton tutorial beside the course, from the file of the GPU machine's Triton (3.6: release/3.6.x) put in
+    # the ignored .peer/ (utils.bench.peers says how); the sweep records the file's SHA-256
+    "peers": (1, ["utils.bench.peers_sweep", "--tutorial", ".peer/06-fused-attention.py", "--tutorial-ref",
+                  "release/3.6.x", "--impls", "triton", "gluon", "gluon_ws", "--name", "peers_h200"]),
     "summary": (1, ["utils.bench.summary"]),
     "ring_nccl": (2, ["utils.ring_attention", "--backend", "nccl", "--world-size", "2"]),
     "ring_comm": (2, ["utils.bench.ring_comm", "--backend", "nccl", "--world-size", "2", "--out", "images"]),
@@ -171,6 +173,49 @@ def _fmt_k(n: int) -> str:
     return f"{n // 1024}k"
 
 
+def _span(values) -> str:
+    return f"{min(values):.2f}–{max(values):.2f}×"
+
+
+def _gluon_and_tutorial() -> str:
+    """README's sentences on the Gluon kernels (05b, 07) against cuDNN and on the course against the Triton
+    tutorial (images/peers_h200.json: the course's fastest kernel per shape, fp16, the tutorial's one dtype)."""
+    from utils.bench.backward import ratios as backward_ratios
+    from utils.bench.peers_sweep import versus
+
+    g = _by(_load("05b_gluon_ws_h200.json")["results"], "impl", "head_dim", "causal", "seqlen")
+    fwd = [max(g.get((i, d, c, n), 0) for i in ("gluon", "gluon_ws")) / value
+           for (i, d, c, n), value in g.items() if i == "sdpa-cudnn" and n >= 4096]
+    bwd = [r for (n, _, _), r in backward_ratios(_load("07_gluon_bwd_h200.json")["rows"], "gluon_bwd",
+                                                 "sdpa_cudnn").items() if n >= 4096]
+    peers = _load("peers_h200.json")
+    course = tuple(dict.fromkeys(r["impl"] for r in peers["results"]
+                                 if not r["impl"].startswith(("sdpa-", "triton-tutorial"))))
+    rows = versus(peers["results"], course)
+    ref = next(iter(peers["peers"].values()))["ref"]
+    text = (f"The Gluon kernels go further: the forwards of notebook 05b (`gluon`, `gluon_ws`: the faster per "
+            f"shape) are {_span(fwd)} cuDNN at N ≥ 4k (`images/05b_gluon_ws_h200.json`), and the one-kernel "
+            f"Gluon backward of notebook 07 is {_span(bwd)} cuDNN's backward at N ≥ 4k "
+            f"(`images/07_gluon_bwd_h200.json`). "
+            f"Beside the official Triton tutorial's fused attention (its {ref} file, fp16: the one dtype it "
+            f"supports; `images/peers_h200.json`, one run with SDPA's backends), the course's fastest kernel per "
+            f"shape (of `{'`, `'.join(course)}`) is")
+    parts = []
+    for mode, name in (("fwd", "forward"), ("bwd", "backward")):
+        values = [r["ratio"] for r in rows if r["mode"] == mode and r["seqlen"] >= 2048]
+        parts.append(f"{_span(values)} the tutorial's {name}")
+    below = [r for r in rows if r["ratio"] < 1.0]
+    text += " " + " and ".join(parts) + " at N ≥ 2k"
+    if below:
+        text += ("; it is below the tutorial on " + ", ".join(
+            f"the {'forward' if r['mode'] == 'fwd' else 'backward'} at d={r['head_dim']}"
+            f"{' causal' if r['causal'] else ''}, N={_fmt_k(r['seqlen'])} ({r['ratio']:.2f}×)" for r in below)
+            + f": {len(below)} of {len(rows)} shapes")
+        if all(r["seqlen"] <= 1024 for r in below):
+            text += " (at N ≤ 1k the CPU's time per call, not the kernel's, sets the pace: notebook 05b, section 7)"
+    return text + "."
+
+
 def results_markdown() -> str:
     """README's results section, every number read from images/*.json."""
     fwd = _load("triton_fwd_h200.json")
@@ -212,7 +257,8 @@ def results_markdown() -> str:
             if i == final and n >= 4096 and ("sdpa-flash", d, c, n) in m]
     summary = (f"On N ≥ 2k the Triton forward is {min(fa2):.2f}–{max(fa2):.2f}× SDPA's FlashAttention-2 "
                f"backend, and {min(ratios):.2f}–{max(ratios):.2f}× cuDNN at N ≥ 4k; the backward is "
-               f"{min(bratio):.2f}–{max(bratio):.2f}× cuDNN's. The CUDA tensor-core kernel of notebook 06b "
+               f"{min(bratio):.2f}–{max(bratio):.2f}× cuDNN's. {_gluon_and_tutorial()} "
+               f"The CUDA tensor-core kernel of notebook 06b "
                f"(its registered step, `{MMA_DEFAULT_STEP}`) reaches {min(c[0] for c in cuda):.0f}–"
                f"{max(c[0] for c in cuda):.0f} TFLOP/s at N ≥ 4k ({min(c[1] for c in cuda):.2f}–"
                f"{max(c[1] for c in cuda):.2f}× FlashAttention-2; `images/{mma_run}`).")

@@ -203,27 +203,33 @@ def format_tables(records: list[dict]) -> str:
     return "\n\n".join(blocks)
 
 
-def versus(records: list[dict], impl: str = "triton", others=tuple(peers.PEERS)) -> list[dict]:
+def versus(records: list[dict], impl="triton", others=tuple(peers.PEERS)) -> list[dict]:
     """Per shape where `impl` and at least one of `others` ran accurately: impl's TFLOP/s over the best of the
-    others' (the tutorial with and without warp specialization): the issue's bar is >= 1.0 everywhere."""
+    others' (the tutorial with and without warp specialization): the issue's bar is >= 1.0 everywhere. `impl`
+    may be a tuple of names: per shape the fastest of them that ran accurately (the course's best kernel);
+    each row names it."""
+    group = (impl,) if isinstance(impl, str) else tuple(impl)
     good = {key(r): r["tflops"] for r in records if r["tflops"] and r["accurate"]}
-    rows = []
+    ours = {}  # shape -> (TFLOP/s, name) of the fastest of `group`
     for r in records:
-        if r["impl"] != impl or key(r) not in good:
-            continue
-        best = max((good.get((o, *key(r)[1:])) or 0.0, o) for o in others)
+        if r["impl"] in group and key(r) in good:
+            ours[key(r)[1:]] = max(ours.get(key(r)[1:], (0.0, "")), (r["tflops"], r["impl"]))
+    rows = []
+    for shape, (value, name) in ours.items():
+        best = max((good.get((o, *shape)) or 0.0, o) for o in others)
         if best[0]:
-            rows.append(dict(zip(KEY[1:], key(r)[1:]), tflops=r["tflops"], peer=best[1], peer_tflops=best[0],
-                             ratio=r["tflops"] / best[0]))
+            rows.append(dict(zip(KEY[1:], shape), impl=name, tflops=value, peer=best[1], peer_tflops=best[0],
+                             ratio=value / best[0]))
     return rows
 
 
-def format_versus(rows: list[dict], impl: str = "triton") -> str:
+def format_versus(rows: list[dict], impl="triton") -> str:
+    label = impl if isinstance(impl, str) else "best of " + ", ".join(impl)
     if not rows:
-        return f"{impl} vs the tutorial: no shape where both ran accurately"
+        return f"{label} vs the tutorial: no shape where both ran accurately"
     worst = min(rows, key=lambda r: r["ratio"])
     below = [r for r in rows if r["ratio"] < 1.0]
-    return (f"{impl} / tutorial (best of its variants): min {worst['ratio']:.2f}x at {worst['mode']} "
+    return (f"{label} / tutorial (best of its variants): min {worst['ratio']:.2f}x at {worst['mode']} "
             f"{worst['dtype']} D={worst['head_dim']}{' causal' if worst['causal'] else ''} N={worst['seqlen']}; "
             f"below 1.0 on {len(below)} of {len(rows)} shapes")
 
@@ -283,7 +289,9 @@ def main(argv=None) -> list[dict]:
     png = plot(records, args.out_dir / f"{args.name}.png", title=f"{env.get('gpu', '')}, B={args.batch}, "
                f"H={args.heads}: forward and backward TFLOP/s")
     print(format_tables(records))
-    print(format_versus(versus(records)))
+    course = [name for name in args.impls if any(r["impl"] == name for r in records)]
+    for impl in course + ([tuple(course)] if len(course) > 1 else []):
+        print(format_versus(versus(records, impl), impl))
     print(f"wrote {json_path} and {png}")
     return records
 
