@@ -363,6 +363,8 @@ def test_sweep_json_resume_and_plot(fake, tmp_path):
     assert [p.name for p in tmp_path.iterdir() if p.suffix != ".py"] == ["s.json"]  # no partial file left
     kept, earlier = peers_sweep.resume_from(path, args, fns)
     assert kept == records and earlier == [data["environment"]]
+    again = small_sweep(fake, "--modes", "fwd", "--resume", "--remeasure", "fwd")   # every fwd record dropped
+    assert peers_sweep.resume_from(path, again, fns)[0] == []
     with pytest.raises(ValueError, match="measured with"):
         peers_sweep.resume_from(path, small_sweep(fake, "--rep", "7"), fns)
     other = write(tmp_path, FAKE + "\n# another version\n", "other.py")
@@ -372,6 +374,31 @@ def test_sweep_json_resume_and_plot(fake, tmp_path):
     assert png.read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(ValueError, match="no records"):
         peers_sweep.plot([], tmp_path / "e.png")
+
+
+def test_sweep_rounds_take_turns_and_keep_the_median(fake):
+    """Round r starts at the r-th closure; each record keeps its timings and their median."""
+    args = small_sweep(fake, "--modes", "bwd", "--dtypes", "fp16", "--causal", "no", "--rounds", "3")
+    fns = {"a": naive_attention, "b": naive_attention}
+    closures, calls = {}, []
+
+    def time_ms(closure):
+        if closure not in closures:
+            closures[closure] = "ab"[len(closures)]
+        calls.append(closures[closure])
+        return float(len(calls))
+
+    records = peers_sweep.run(args, fns, time_ms=time_ms, device="cpu", progress=False)
+    assert "".join(calls) == "abbaab"
+    by = {r["impl"]: r for r in records}
+    assert by["a"]["rounds"] == [1.0, 4.0, 5.0] and by["a"]["ms"] == 4.0
+    assert by["b"]["rounds"] == [2.0, 3.0, 6.0] and by["b"]["ms"] == 3.0
+    with pytest.raises(SystemExit):
+        peers_sweep.parse_args(["--remeasure", "bwd"])        # goes with --resume
+    nothing = small_sweep(fake, "--dtypes", "fp32", "--rounds", "2")      # the tutorial cannot run fp32
+    records = peers_sweep.run(nothing, {"triton-tutorial": forward.candidates(nothing)["triton-tutorial"]},
+                              time_ms=time_ms, device="cpu", progress=False)
+    assert all(r["error"].startswith("not supported") for r in records)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU error")

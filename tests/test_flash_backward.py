@@ -358,6 +358,67 @@ def test_default_loads_follow_default_tma(monkeypatch):
     assert made == []
 
 
+def test_checks_and_choices_are_kept_for_cuda_calls_only():
+    """On the CPU (the interpreter) every call is checked: there is no key to keep its choices under."""
+    import utils.flash_triton_bwd as bwd
+
+    q, k, v = random_qkv(1, 2, 8, 8, 16)
+    o, lse = (t.float() for t in forward_lse(q, k, v, False))
+    assert bwd._call_key(torch.randn_like(q), q, k, v, o, lse, False, None, None, None, None, False) is None
+
+
+def _shifted(t):
+    """A copy of `t` one element past a 16-byte boundary: same shape and strides, another alignment."""
+    return torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)[1:].view(t.shape).copy_(t)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="the checks and choices are kept for CUDA calls only")
+def test_a_kind_of_call_is_checked_once_and_others_apart(monkeypatch):
+    """A second call of a kind (shapes, strides, dtypes, device, alignment, options) reuses the first one's checks,
+    choices and bound launches (bitwise the same gradients); a call that differs in alignment, strides or options
+    gets its own, and a bad argument is still refused after good calls of the same shapes."""
+    import utils.flash_triton_bwd as bwd
+    from utils.launch import Bound, dispatch_by_triton
+
+    q, k, v = random_qkv(2, 4, 200, 200, 64, dtype=torch.float16, device=DEVICE)
+    do = torch.randn_like(q)
+    o, lse = forward_lse(q, k, v, True)
+    args = (do, q, k, v, o.to(q.dtype), lse.float())
+    truth = reference_gradients(q, k, v, do, causal=True)
+    bwd._KINDS.clear()
+    first = flash_attention_backward(*args, causal=True)
+    calls, run = [], Bound.__call__
+
+    def counted(self, stream, *head):
+        calls.append(len(head))
+        run(self, stream, *head)
+
+    monkeypatch.setattr(Bound, "__call__", counted)
+    again = flash_attention_backward(*(t.clone() for t in args), causal=True)
+    assert len(bwd._KINDS) == 1 and calls == [5, 13, 9]   # the three launches bound by the first call
+    with dispatch_by_triton():                             # Triton's own dispatch: the same kernels
+        through_triton = flash_attention_backward(*args, causal=True)
+    assert len(calls) == 3
+    for a, b, c in zip(first, again, through_triton):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+        torch.testing.assert_close(a, c, atol=0, rtol=0)
+    others = {"alignment": ([_shifted(t) for t in args], True),
+              "strides": ([t.transpose(1, 2).contiguous().transpose(1, 2) for t in args[:5]] + [args[5]], True)}
+    for n, (what, (other, causal)) in enumerate(others.items(), start=2):
+        assert_gradients_close(flash_attention_backward(*other, causal=causal), truth, torch.float16)
+        assert len(bwd._KINDS) == n, what
+    flash_attention_backward(*args, causal=True, dq_atomic=True)
+    assert len(bwd._KINDS) == 4
+    with pytest.raises(TypeError, match="tma must be a bool or None, got int"):
+        flash_attention_backward(*args, causal=True, tma=1)       # 1 == True: kept apart all the same
+    with pytest.raises(TypeError, match="sm_scale"):
+        flash_attention_backward(*args, causal=True, sm_scale="0.1")
+    with pytest.raises(TypeError, match="do has dtype"):
+        flash_attention_backward(args[0].float(), *args[1:], causal=True)
+    assert len(bwd._KINDS) == 4
+
+
 def test_default_config_is_valid_for_every_case():
     for d in (16, 64, 80, 128, 256):
         for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):

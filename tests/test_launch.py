@@ -160,6 +160,31 @@ def test_dispatch_by_triton_and_hooks_bypass_the_cache(fake, monkeypatch):
     assert [entry[0] for entry in kernel.log if entry != "init"] == ["jit", "jit", "jit", "run", "jit"]
 
 
+def test_bind_launches_once_and_fixes_all_but_the_leading_arguments(fake):
+    kernel, launcher = fake
+    x = torch.zeros(64)
+    bound = launcher.bind((3, 2), (x, 5), dict(BLOCK=32), head=1)
+    assert kernel.log[0] == ("jit", (3, 2), (x, 5), dict(BLOCK=32))            # this call's launch
+    y = torch.ones(64)
+    bound(99, y)                                                                # stream 99, a new X
+    kind, args = kernel.log[-1]
+    assert kind == "run" and args[:9] == (3, 2, 1, 99, "fn", "meta", None, None, None)
+    assert args[9] is y and args[10:] == (5, 32, 7)                            # n, BLOCK, FLAG's default
+
+
+def test_bind_gives_nothing_to_keep_where_launches_go_through_triton(fake, monkeypatch):
+    kernel, launcher = fake
+    x = torch.zeros(64)
+    assert launch.direct()
+    with dispatch_by_triton():
+        assert not launch.direct() and launcher.bind((1,), (x, 5), dict(BLOCK=32), head=1) is None
+    monkeypatch.setattr(triton.knobs.runtime, "launch_exit_hook", lambda *a: None)   # a profiler's hook
+    assert not launch.direct() and launcher.bind((1,), (x, 5), dict(BLOCK=32), head=1) is None
+    assert [entry[0] for entry in kernel.log] == ["jit", "jit"]                  # both still launched
+    recording = FastLauncher(_RecordingKernel())                                # utils.cross_compile
+    assert recording.bind((1,), (x, 5), dict(BLOCK=32), head=1) is None
+
+
 class _RecordingKernel(_FakeKernel):
     def __getitem__(self, grid):
         return lambda *args, **meta: None

@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -28,8 +29,10 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from utils import gpu
+from utils.checks import AttentionShape
 from utils.flash_pytorch_bwd import check_backward_inputs
 from utils.flash_triton import tma_supported
+from utils import launch
 from utils.launch import FastLauncher
 from utils.triton_utils import cdiv
 
@@ -344,25 +347,46 @@ def _bwd_dq(Q, K, V, DO, LSE2, DELTA, DQ, KD, VD,
 _launch_preprocess, _launch_dkdv, _launch_dq = (FastLauncher(k) for k in (_bwd_preprocess, _bwd_dkdv, _bwd_dq))
 
 
-def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, sm_scale=None, config=None, tma=None,
-                             tma_stats=None, dq_atomic=False):
-    """Gradients (dq, dk, dv) of attention from the forward's output `o` and log-sum-exp `lse`.
+class Choices(NamedTuple):
+    """What flash_attention_backward checked and decided for one kind of call."""
+    shape: AttentionShape
+    scale: float
+    config: BackwardConfig
+    tma: bool
+    stats: bool
+    dq_atomic: bool | str
+    upcast: bool          # bf16 in the interpreter: computed in fp32
+    causal: bool
 
-    q (B, H, Nq, D), k and v (B, Hkv, Nk, D) with Hkv dividing H (GQA: dk, dv come back with Hkv heads, the
-    gradients of the query heads of a group summed); do and o like q; lse float (B, H, Nq), natural log, -inf for
-    rows that see no key (their gradients are 0). Head dims 16 to 256 (padded to a power of two). dtypes: fp16, bf16, fp32,
-    fp64; in the interpreter bf16 is computed in fp32 (NumPy has no bf16 arithmetic). Any strides.
-    `config`: a BackwardConfig (default: `default_config`). `tma`: load the looped-over tiles (Q and dO in the
-    dK/dV pass, K and V in the dQ pass) through Hopper's TMA copy engine. None: where `default_tma` says it pays
-    and the inputs allow it (`utils.flash_triton.tma_supported`); False: pointer loads; True: TMA, or a
-    ValueError saying why not. `tma_stats`: with TMA, load the lse₂ and D of each Q tile of the dK/dV loop
-    through descriptors too. None: wherever TMA is on and seqlen_q is a multiple of 4 (16-byte aligned fp32
-    rows); True: that, or a ValueError saying why not. `dq_atomic`: True: no dQ pass; the dK/dV pass adds each
-    tile's dQ into an fp32 copy with one atomic add per element (as FlashAttention-2's CUDA backward does; not
-    deterministic: the order of the additions varies from run to run). "tma": the same, each tile added by one
-    bulk reduce-add of the TMA engine (as FlashAttention-3 does; sm_90+ and 16-bit inputs, or a ValueError).
-    Notebook 07, section 10, measures both against the separate pass.
-    """
+
+class _Kind:
+    """One kind of call seen on a GPU: its Choices and, once its first call has launched them, its bound launches
+    (utils.launch.Bound): later calls of the kind pass only their tensors."""
+    __slots__ = ("choices", "launches", "device")
+
+    def __init__(self, choices: Choices):
+        self.choices, self.launches, self.device = choices, None, None
+
+
+_KINDS: dict = {}   # _call_key -> _Kind: one small entry per kind of call seen, as Triton's own caches
+
+
+def _call_key(do, q, k, v, o, lse, causal, sm_scale, config, tma, tma_stats, dq_atomic):
+    """Everything the checks, the choices and Triton's specialization of the launches depend on, for CUDA tensors
+    and options of the expected types; None otherwise (such a call is checked every time)."""
+    tensors = (do, q, k, v, o, lse)
+    if not (all(type(t) is torch.Tensor and t.is_cuda for t in tensors) and type(causal) is bool
+            and type(sm_scale) in (float, int, type(None)) and type(config) in (BackwardConfig, type(None))
+            and all(x is None or x is True or x is False for x in (tma, tma_stats))   # 1 == True: `is`
+            and (dq_atomic is True or dq_atomic is False or dq_atomic == "tma")):
+        return None
+    return (causal, sm_scale, config, tma, tma_stats, dq_atomic, *(t.shape for t in tensors),
+            *(t.stride() for t in tensors), *(t.dtype for t in tensors), *(t.device for t in tensors),
+            *(t.data_ptr() % 16 == 0 for t in tensors))
+
+
+def _choose(do, q, k, v, o, lse, causal, sm_scale, config, tma, tma_stats, dq_atomic) -> Choices:
+    """flash_attention_backward's checks (a ValueError or TypeError naming the argument) and choices."""
     shape, scale = check_backward_inputs(do, q, k, v, o, lse, causal=causal, sm_scale=sm_scale, dtypes=DTYPES)
     if shape.head_dim not in HEAD_DIMS:
         raise ValueError(f"head_dim {shape.head_dim} is not supported by the Triton backward; supported: "
@@ -400,43 +424,103 @@ def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, sm_scale=None
     if q.device.type != "cuda" and not (interpret and q.device.type == "cpu"):
         raise ValueError(f"q is on {q.device}: the kernels need a CUDA device, or CPU tensors with "
                          "TRITON_INTERPRET=1 set before this module was imported")
-    if interpret and q.dtype == torch.bfloat16:
+    return Choices(shape, scale, config, tma, stats, dq_atomic, interpret and q.dtype == torch.bfloat16, causal)
+
+
+def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, sm_scale=None, config=None, tma=None,
+                             tma_stats=None, dq_atomic=False):
+    """Gradients (dq, dk, dv) of attention from the forward's output `o` and log-sum-exp `lse`.
+
+    q (B, H, Nq, D), k and v (B, Hkv, Nk, D) with Hkv dividing H (GQA: dk, dv come back with Hkv heads, the
+    gradients of the query heads of a group summed); do and o like q; lse float (B, H, Nq), natural log, -inf for
+    rows that see no key (their gradients are 0). Head dims 16 to 256 (padded to a power of two). dtypes: fp16, bf16, fp32,
+    fp64; in the interpreter bf16 is computed in fp32 (NumPy has no bf16 arithmetic). Any strides.
+    `config`: a BackwardConfig (default: `default_config`). `tma`: load the looped-over tiles (Q and dO in the
+    dK/dV pass, K and V in the dQ pass) through Hopper's TMA copy engine. None: where `default_tma` says it pays
+    and the inputs allow it (`utils.flash_triton.tma_supported`); False: pointer loads; True: TMA, or a
+    ValueError saying why not. `tma_stats`: with TMA, load the lse₂ and D of each Q tile of the dK/dV loop
+    through descriptors too. None: wherever TMA is on and seqlen_q is a multiple of 4 (16-byte aligned fp32
+    rows); True: that, or a ValueError saying why not. `dq_atomic`: True: no dQ pass; the dK/dV pass adds each
+    tile's dQ into an fp32 copy with one atomic add per element (as FlashAttention-2's CUDA backward does; not
+    deterministic: the order of the additions varies from run to run). "tma": the same, each tile added by one
+    bulk reduce-add of the TMA engine (as FlashAttention-3 does; sm_90+ and 16-bit inputs, or a ValueError).
+    Notebook 07, section 10, measures both against the separate pass.
+
+    The checks, the choices and the launches' fixed arguments are made once per kind of call (shapes, strides,
+    dtypes, device, 16-byte alignment, options) and kept for the next call of that kind on a GPU, which then
+    passes only its tensors (utils.launch.Bound): at N <= 1k the host's time per call is the call's time
+    (notebook 05b, section 7).
+    """
+    key = _call_key(do, q, k, v, o, lse, causal, sm_scale, config, tma, tma_stats, dq_atomic)
+    kind = _KINDS.get(key) if key is not None else None
+    if kind is None:
+        kind = _Kind(_choose(do, q, k, v, o, lse, causal, sm_scale, config, tma, tma_stats, dq_atomic))
+        if key is not None:
+            _KINDS[key] = kind
+    if kind.choices.upcast:  # the interpreter has no bf16 arithmetic: computed in fp32
         grads = flash_attention_backward(*(t.float() for t in (do, q, k, v, o)), lse, causal=causal,
                                          sm_scale=sm_scale, config=config, dq_atomic=dq_atomic)
         return tuple(g.to(torch.bfloat16) for g in grads)
-
+    shape, scale, config, tma, stats, dq_atomic = kind.choices[:6]
     b, h, hk, nq, nk, d = shape
-    dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
+    block_d = max(16, triton.next_power_of_2(d))
     acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32   # accumulators, D and lse
-    acc = tl.float64 if q.dtype == torch.float64 else tl.float32
+    # This call's tensors: the launches' leading arguments (the rest is fixed by the kind of call).
     lse = lse.to(acc_dtype).contiguous()
     delta = torch.empty((b, h, nq), dtype=acc_dtype, device=q.device)
     lse2 = torch.empty_like(delta)
-    block_d = max(16, triton.next_power_of_2(d))
-    # fp32 dots would use TF32 (10-bit mantissa) on tensor cores; gradients in fp32 are expected to be exact-ish.
-    precision = "ieee" if q.dtype in (torch.float32, torch.float64) else "tf32"
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    dq = None if dq_atomic else torch.empty_like(q)
+    qd = dod = kd = vd = ld = dd = dq_acc = None
+    if tma:
+        qd, dod = (TensorDescriptor.from_tensor(t, [1, 1, config.block_m1, d]) for t in (q, do))
+        kd, vd = (TensorDescriptor.from_tensor(t, [1, 1, config.block_n2, d]) for t in (k, v))
+    if stats:
+        ld, dd = (TensorDescriptor.from_tensor(t, [1, 1, config.block_m1]) for t in (lse2, delta))
+    if dq_atomic:
+        dq_acc = torch.zeros((b, h, nq, block_d), dtype=acc_dtype, device=q.device)
+    dqa = TensorDescriptor.from_tensor(dq_acc, [1, 1, config.block_m1, block_d]) if dq_atomic == "tma" else dq_acc
+    heads = ((o, do, lse, delta, lse2), (q, k, v, do, lse2, delta, dk, dv, qd, dod, ld, dd, dqa),
+             (q, k, v, do, lse2, delta, dq, kd, vd))[:2 if dq_atomic else 3]
 
-    _launch_preprocess[(cdiv(nq, 64), b * h)](
-        o, do, lse, delta, lse2, *o.stride(), *do.stride(), h, nq, d, BLOCK_M=64, BLOCK_D=block_d, ACC=acc)
-    qd, dod, kd, vd = ((TensorDescriptor.from_tensor(t, [1, 1, rows, d]) if tma else None)
-                       for t, rows in ((q, config.block_m1), (do, config.block_m1), (k, config.block_n2),
-                                       (v, config.block_n2)))
-    ld, dd = ((TensorDescriptor.from_tensor(t, [1, 1, config.block_m1]) if stats else None) for t in (lse2, delta))
-    dq_acc = torch.zeros((b, h, nq, block_d), dtype=acc_dtype, device=q.device) if dq_atomic else None
-    dqa = TensorDescriptor.from_tensor(dq_acc, [1, 1, config.block_m1, block_d]) if reduce else dq_acc
-    _launch_dkdv[(cdiv(nk, config.block_n1), b * hk)](
-        q, k, v, do, lse2, delta, dk, dv, qd, dod, ld, dd, dqa, *q.stride(), *k.stride(), *v.stride(),
-        *do.stride(), *dk.stride(), *dv.stride(), hk, nq, nk, scale * LOG2E, scale,
-        GROUP=h // hk, CAUSAL=causal, BLOCK_M=config.block_m1, BLOCK_N=config.block_n1, HEAD_DIM=d, BLOCK_D=block_d,
-        PRECISION=precision, ACC=acc, TMA=tma, STATS=stats, ATOMIC=2 if reduce else int(dq_atomic),
-        num_warps=config.warps1, num_stages=config.stages1)
+    device = launch.driver.active.get_current_device() if key is not None else None
+    if kind.launches is not None and kind.device == device and launch.direct():
+        stream = launch.driver.active.get_current_stream(device)
+        for bound, head in zip(kind.launches, heads):
+            bound(stream, *head)
+    else:
+        launches = _launches(kind.choices, q, k, v, do, o, dk, dv, dq)
+        bound = [launcher.bind(grid, (*head, *tail), meta, head=len(head))
+                 for (launcher, grid, tail, meta), head in zip(launches, heads)]
+        if key is not None and None not in bound:
+            kind.launches, kind.device = bound, device
     if dq_atomic:
         return dq_acc[..., :d].to(q.dtype), dk, dv
-    dq = torch.empty_like(q)
-    _launch_dq[(cdiv(nq, config.block_m2), b * h)](
-        q, k, v, do, lse2, delta, dq, kd, vd, *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
-        h, nq, nk, scale * LOG2E, scale,
-        GROUP=h // hk, CAUSAL=causal, BLOCK_M=config.block_m2, BLOCK_N=config.block_n2, HEAD_DIM=d, BLOCK_D=block_d,
-        PRECISION=precision, ACC=acc, TMA=tma, num_warps=config.warps2, num_stages=config.stages2)
     return dq, dk, dv
+
+
+def _launches(choices: Choices, q, k, v, do, o, dk, dv, dq) -> list[tuple]:
+    """(launcher, grid, trailing arguments, constexprs and options) of each launch of a kind of call; the
+    trailing arguments (strides, sizes, scales) follow the leading tensors that flash_attention_backward makes."""
+    (b, h, hk, nq, nk, d), scale, config, tma, stats, dq_atomic = choices[:6]
+    block_d = max(16, triton.next_power_of_2(d))
+    acc = tl.float64 if q.dtype == torch.float64 else tl.float32
+    # fp32 dots would use TF32 (10-bit mantissa) on tensor cores; gradients in fp32 are expected to be exact-ish.
+    precision = "ieee" if q.dtype in (torch.float32, torch.float64) else "tf32"
+    common = dict(GROUP=h // hk, CAUSAL=choices.causal, HEAD_DIM=d, BLOCK_D=block_d, PRECISION=precision, ACC=acc,
+                  TMA=tma)
+    scales = (scale * LOG2E, scale)
+    launches = [(_launch_preprocess, (cdiv(nq, 64), b * h), (*o.stride(), *do.stride(), h, nq, d),
+                 dict(BLOCK_M=64, BLOCK_D=block_d, ACC=acc)),
+                (_launch_dkdv, (cdiv(nk, config.block_n1), b * hk),
+                 (*q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), hk, nq, nk,
+                  *scales),
+                 dict(common, BLOCK_M=config.block_m1, BLOCK_N=config.block_n1, STATS=stats,
+                      ATOMIC=2 if dq_atomic == "tma" else int(dq_atomic), num_warps=config.warps1,
+                      num_stages=config.stages1))]
+    if not dq_atomic:
+        launches.append((_launch_dq, (cdiv(nq, config.block_m2), b * h),
+                         (*q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), h, nq, nk, *scales),
+                         dict(common, BLOCK_M=config.block_m2, BLOCK_N=config.block_n2, num_warps=config.warps2,
+                              num_stages=config.stages2)))
+    return launches

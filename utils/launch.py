@@ -14,10 +14,16 @@ remembered. It steps aside, so everything behaves as `kernel[grid]` does, when:
   - the kernel runs in the interpreter (TRITON_INTERPRET=1): there is no compiled kernel;
   - a launch hook is installed (the proton profiler installs one) or Triton's debug mode is on;
   - `dispatch_by_triton()` is active (notebook 05b times both paths with it).
+
+A caller that launches the same kinds of call again and again (utils.flash_triton_bwd: one entry per shapes,
+strides, dtypes and alignment) goes one step further: `launcher.bind(grid, args, meta, head=n)` launches once and
+returns a `Bound` launch whose grid, trailing arguments (all but the first n) and constexprs are fixed, so a later
+call passes only the first n (its fresh tensors) and the stream. The caller checks `direct()` before each use.
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
+from typing import Any, NamedTuple
 
 import torch
 from triton import knobs
@@ -56,6 +62,13 @@ def _hooked(hook) -> bool:
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
+def direct() -> bool:
+    """Whether launches may skip Triton's dispatch now: not the interpreter's kernels (FastLauncher checks that),
+    no launch hook, no debug mode, not inside dispatch_by_triton()."""
+    return not (_triton_dispatch or knobs.runtime.debug or _hooked(knobs.runtime.launch_enter_hook)
+                or _hooked(knobs.runtime.launch_exit_hook))
+
+
 @contextmanager
 def dispatch_by_triton():
     """Inside this block every FastLauncher launches through `kernel[grid]`, Triton's own dispatch."""
@@ -90,9 +103,18 @@ class FastLauncher:
     def __getitem__(self, grid):
         return lambda *args, **meta: self.launch(grid, args, meta)
 
+    def bind(self, grid, args, meta, head: int) -> "Bound | None":
+        """Launch as `self[grid](*args, **meta)` does and return that launch with everything but `args[:head]`
+        fixed; None where there is no compiled kernel to bind (the interpreter, or not direct())."""
+        compiled = self.launch(grid, args, meta)
+        if self.interpreted or compiled is None or not direct():
+            return None
+        grid = (*grid, 1, 1)
+        constexprs = tuple(meta.get(name, default) for name, default in self.constexprs)
+        return Bound(compiled, grid[0], grid[1], grid[2], (*args[head:], *constexprs))
+
     def launch(self, grid, args, meta):
-        if (self.interpreted or _triton_dispatch or knobs.runtime.debug
-                or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook)):
+        if self.interpreted or not direct():
             return self.kernel[grid](*args, **meta)
         device = driver.active.get_current_device()
         key = (device, tuple(meta.items()), specialization_key(args))
@@ -112,3 +134,18 @@ class FastLauncher:
         compiled.run(grid[0], grid[1], grid[2], driver.active.get_current_stream(device), compiled.function,
                      compiled.packed_metadata, None, None, None, *args, *constexprs)
         return compiled
+
+
+class Bound(NamedTuple):
+    """A compiled kernel with its grid and trailing arguments fixed: `bound(stream, *head)` launches it on `stream`
+    (driver.active.get_current_stream(device)) with `head`, the leading runtime arguments. The caller vouches that
+    `head` is specialized as the arguments it was bound with were (same dtypes and pointer alignment)."""
+    compiled: Any
+    x: int
+    y: int
+    z: int
+    tail: tuple
+
+    def __call__(self, stream, *head):
+        c = self.compiled
+        c.run(self.x, self.y, self.z, stream, c.function, c.packed_metadata, None, None, None, *head, *self.tail)

@@ -4,6 +4,7 @@ backends (cuDNN, FlashAttention-2, efficient) and the official Triton tutorial's
     python -m utils.bench.peers_sweep --tutorial .peer/06-fused-attention.py --tutorial-ref release/3.6.x \\
         --name peers_h200
     python -m utils.bench.peers_sweep ... --resume     # go on where an interrupted run stopped
+    python -m utils.bench.peers_sweep ... --resume --remeasure bwd --rounds 3   # the backward again, 3 rounds
 
 Why a module of its own: utils.bench.forward times one dtype's forward and utils.bench.backward a fixed backward
 grid, each with a stored format that notebooks read; this comparison needs both passes and both dtypes as one set
@@ -11,7 +12,10 @@ of records {impl, mode, dtype, head_dim, causal, seqlen, ms, tflops, max_err, er
 candidates (utils.bench.forward.candidates: registry names, pinned SDPA, peers from utils.bench.peers), the FLOP
 counts and utils.bench.benchmark (given closures without arguments, that is torch's Timer: back-to-back calls with
 the GPU synchronised around each block of them, no L2 flush). Every implementation is timed the same way, through
-its autograd function:
+its autograd function, `--rounds` times per shape (each round starting one further along the list), and the
+median kept, with the timings in the record (at N = 1k the backward is bound by the host's Python, whose time
+per call drifts by tens of percent from one timing to the next: rounds spread that drift over every
+implementation alike):
 
     fwd      fn(q, k, v, causal=...) on inputs that need no gradient
     bwd      torch.autograd.grad of one stored forward output: the backward alone, as the tutorial times it
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 
 import torch
@@ -53,7 +58,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--name", default="peers", help="output files <out-dir>/<name>.json and .png")
     p.add_argument("--out-dir", type=Path, default=forward.IMAGES)
     p.add_argument("--resume", action="store_true", help="keep the records of <name>.json and measure the rest")
-    return forward.check_grid_arguments(p, p.parse_args(argv))
+    p.add_argument("--remeasure", nargs="+", default=[], choices=MODES,
+                   help="with --resume: measure these modes again, every implementation (their records are dropped)")
+    args = forward.check_grid_arguments(p, p.parse_args(argv))
+    if args.remeasure and not args.resume:
+        p.error("--remeasure goes with --resume")
+    return args
 
 
 def configurations(args) -> list[tuple]:
@@ -116,32 +126,46 @@ def run(args, fns: dict, *, time_ms=None, device="cuda", progress=True, done=(),
                                                                                    dtype=DTYPES[dtype_name])
                        for _ in range(4))
         errors = {}  # label -> max_err, or the message of the failure of its first run
+        timed = {}   # (label, mode) -> (its record, its closure, its timings so far)
+        shape = f"{dtype_name} D={d} N={n}{' causal' if causal else ''}"
         for label, mode in todo:
             fn = fns[label]
-            bar.set_postfix_str(f"{label} {mode} {dtype_name} D={d} N={n}{' causal' if causal else ''}")
+            bar.set_postfix_str(f"{label} {shape}")
             record = dict(impl=label, mode=mode, dtype=dtype_name, head_dim=d, causal=causal, seqlen=n, ms=None,
                           tflops=None, max_err=None, accurate=None, error=None)
+            records.append(record)
             why = forward.unsupported(fn, d, DTYPES[dtype_name], causal, n, mode, capability)
             if why is not None:
                 record["error"] = f"not supported: {why}"
-            else:
-                if label not in errors:
+                continue
+            if label not in errors:
+                try:
+                    errors[label] = max_error(fn, q, k, v, causal)
+                except Exception as err:  # noqa: BLE001 - "No available kernel", a tutorial assert: a result
+                    errors[label] = error_line(err)
+            if isinstance(errors[label], str):
+                record["error"] = errors[label]
+                continue
+            try:
+                timed[label, mode] = record, prepare(fn, mode, q, k, v, do, causal), []
+            except Exception as err:  # noqa: BLE001 - out of memory, a backward that refuses the shape
+                record["error"] = error_line(err)
+        turns = list(timed.items())
+        for turn in range(args.rounds if turns else 0):  # the implementations take turns, each round starting one further along
+            for (label, mode), (record, closure, times) in turns[turn % len(turns):] + turns[:turn % len(turns)]:
+                if record["error"] is None:
+                    bar.set_postfix_str(f"{label} {mode} {shape}, round {turn + 1} of {args.rounds}")
                     try:
-                        errors[label] = max_error(fn, q, k, v, causal)
-                    except Exception as err:  # noqa: BLE001 - "No available kernel", a tutorial assert: a result
-                        errors[label] = error_line(err)
-                if isinstance(errors[label], str):
-                    record["error"] = errors[label]
-                else:
-                    try:
-                        ms = time_ms(prepare(fn, mode, q, k, v, do, causal))
-                        flops = attention_flops(args.batch, args.heads, n, n, d, causal=causal, mode=mode)
-                        record.update(ms=ms, tflops=tflops(flops, ms), max_err=errors[label],
-                                      accurate=errors[label] <= TOLERANCE[dtype_name])
+                        times.append(time_ms(closure))
                     except Exception as err:  # noqa: BLE001 - out of memory, a backward that refuses the shape
                         record["error"] = error_line(err)
-            records.append(record)
-            bar.update()
+        for (label, mode), (record, _, times) in timed.items():
+            if record["error"] is None:
+                ms = statistics.median(times)
+                flops = attention_flops(args.batch, args.heads, n, n, d, causal=causal, mode=mode)
+                record.update(ms=ms, tflops=tflops(flops, ms), max_err=errors[label],
+                              accurate=errors[label] <= TOLERANCE[dtype_name], rounds=times)
+        bar.update(len(todo))
         del q, k, v, do
         if torch.device(device).type == "cuda":
             torch.cuda.empty_cache()
@@ -173,8 +197,9 @@ def write_json(records: list[dict], args, path: Path, fns: dict, earlier: list |
 
 
 def resume_from(path: Path, args, fns: dict) -> tuple[list[dict], list[dict]]:
-    """(records, earlier environments) of a previous run of the same sweep; ValueError if its settings or its
-    tutorial file differ, since its numbers would not compare with the new ones."""
+    """(records, earlier environments) of a previous run of the same sweep, less the records of the modes
+    --remeasure names; ValueError if its settings or its tutorial file differ, since its numbers would not
+    compare with the new ones."""
     data = json.loads(Path(path).read_text())
     if data.get("settings") != settings(args):
         raise ValueError(f"{path} was measured with {data.get('settings')}, not {settings(args)}; "
@@ -184,7 +209,8 @@ def resume_from(path: Path, args, fns: dict) -> tuple[list[dict], list[dict]]:
         if before is not None and before["sha256"] != now["sha256"]:
             raise ValueError(f"{path} measured {label} from another file ({before['path']}, sha256 "
                              f"{before['sha256'][:12]}); drop --resume or give another --name")
-    return data["results"], [*data.get("earlier", []), data["environment"]]
+    kept = [r for r in data["results"] if r["mode"] not in args.remeasure]
+    return kept, [*data.get("earlier", []), data["environment"]]
 
 
 def format_tables(records: list[dict]) -> str:
