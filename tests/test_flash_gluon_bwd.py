@@ -170,3 +170,51 @@ def test_the_gluon_forwards_differentiate_through_it(name):
 
     q, k, v = random_qkv(1, 4, 300, 200, 128, kv_heads=2, dtype=torch.bfloat16, device="cuda", seed=5)
     assert_gradients_match_reference(REGISTRY[name].load(), q, k, v, causal=True)
+
+
+def test_calls_on_a_cpu_or_with_nq_not_a_multiple_of_4_are_checked_every_time():
+    """No kind (utils.launch.kind_key) for CPU tensors, nor where the statistics are padded between launches."""
+    assert gb._call_key(*_inputs(), False, None, None) is None
+    do, q, k, v, o, lse = _inputs((1, 2, 2, 13, 16, 64))
+    assert gb._call_key(do, q, k, v, o, lse, False, None, None) is None
+
+
+@on_hopper
+def test_a_kind_of_call_is_checked_once_and_launched_bound(monkeypatch):
+    """A second call of a kind reuses the first one's checks, config and two bound launches, and so does nothing
+    through Triton's own dispatch differently: dK and dV come out bitwise the same (dQ is summed by reduce-adds
+    whose order varies). Nq not a multiple of 4 and bad arguments are not kept."""
+    from utils.flash_triton import flash_attention_forward
+    from utils.launch import Bound, dispatch_by_triton
+    from utils.testing import assert_gradients_close, random_qkv, reference_gradients
+
+    q, k, v = random_qkv(2, 4, 256, 256, 64, dtype=torch.bfloat16, device="cuda", seed=1)
+    do = torch.randn_like(q)
+    o, lse = flash_attention_forward(q, k, v, causal=True)
+    args = (do, q, k, v, o, lse)
+    gb._KINDS.clear()
+    first = gb.flash_attention_gluon_backward(*args, causal=True)
+    calls, run = [], Bound.__call__
+
+    def counted(self, stream, *head):
+        calls.append(len(head))
+        run(self, stream, *head)
+
+    monkeypatch.setattr(Bound, "__call__", counted)
+    again = gb.flash_attention_gluon_backward(*(t.clone() for t in args), causal=True)
+    assert len(gb._KINDS) == 1 and calls == [5, 9]      # preprocess, then the kernel's nine descriptors
+    with dispatch_by_triton():
+        through_triton = gb.flash_attention_gluon_backward(*args, causal=True)
+    assert len(calls) == 2
+    truth = reference_gradients(q, k, v, do, causal=True)
+    for grads in (first, again, through_triton):
+        assert_gradients_close(grads, truth, torch.bfloat16)
+        for a, b in zip(first[1:], grads[1:]):
+            torch.testing.assert_close(a, b, atol=0, rtol=0)
+    q, k, v, do = (t[:, :, :13] for t in (q, k, v, do))       # 13 query rows: their statistics are padded
+    o, lse = flash_attention_forward(q, k, v, causal=True)
+    assert_gradients_close(gb.flash_attention_gluon_backward(do, q, k, v, o, lse, causal=True),
+                           reference_gradients(q, k, v, do, causal=True), torch.bfloat16)
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        gb.flash_attention_gluon_backward(*args, causal=1)
+    assert len(gb._KINDS) == 1

@@ -185,6 +185,29 @@ def test_bind_gives_nothing_to_keep_where_launches_go_through_triton(fake, monke
     assert recording.bind((1,), (x, 5), dict(BLOCK=32), head=1) is None
 
 
+def test_a_kind_binds_its_launches_once_and_runs_them_after(fake):
+    kernel, launcher = fake
+    kind = launch.Kind("choices")
+    specs = lambda: [(launcher, (2,), (5,), dict(BLOCK=32))]   # noqa: E731 - the trailing arguments and meta
+    x, y = torch.zeros(64), torch.ones(64)
+    kind.launch([(x,)], specs, keep=True)
+    kind.launch([(y,)], lambda: pytest.fail("a kept kind asked for its specs"), keep=True)
+    assert [entry[0] for entry in kernel.log if entry != "init"] == ["jit", "run"]
+    assert kernel.log[-1][1][9] is y and kind.device == 0 and kind.choices == "choices"
+    with dispatch_by_triton():                                 # through Triton, kept launches untouched
+        kind.launch([(y,)], specs, keep=True)
+    assert kernel.log[-1][0] == "jit" and kind.launches is not None
+    other = launch.Kind("cpu call")
+    other.launch([(x,)], specs, keep=False)                    # no key: never kept
+    assert other.launches is None
+
+
+def test_kind_key_is_none_unless_every_tensor_is_on_a_gpu():
+    x = torch.zeros(4)
+    assert launch.kind_key((x, x), (True, None)) is None
+    assert launch.kind_key((x, "not a tensor"), ()) is None
+
+
 class _RecordingKernel(_FakeKernel):
     def __getitem__(self, grid):
         return lambda *args, **meta: None

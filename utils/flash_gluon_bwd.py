@@ -56,6 +56,7 @@ from utils import flash_gluon as fg
 from utils import flash_triton_bwd as tb
 from utils.checks import check_device
 from utils.flash_pytorch_bwd import check_backward_inputs
+from utils import launch
 from utils.launch import FastLauncher
 
 SUB_N = 64              # keys per consumer warpgroup
@@ -336,12 +337,43 @@ def _stats(o, do, lse, heads):
     b, _, nq, d = o.shape
     delta = torch.empty((b * heads, nq), dtype=torch.float32, device=o.device)
     lse2 = torch.empty_like(delta)
-    tb._launch_preprocess[(triton.cdiv(nq, 64), b * heads)](
-        o, do, lse, delta, lse2, *o.stride(), *do.stride(), heads, nq, d,
-        BLOCK_M=64, BLOCK_D=d, ACC=triton.language.float32)
+    head, (launcher, grid, tail, meta) = _preprocess(o, do, lse, delta, lse2, heads)
+    launcher[grid](*head, *tail, **meta)
     if nq % 4:
         lse2, delta = (F.pad(x, (0, 4 - nq % 4)) for x in (lse2, delta))
     return lse2, delta
+
+
+def _preprocess(o, do, lse, delta, lse2, heads) -> tuple:
+    """The preprocess launch: (its leading arguments, (launcher, grid, trailing arguments, constexprs))."""
+    b, _, nq, d = o.shape
+    return (o, do, lse, delta, lse2), (tb._launch_preprocess, (triton.cdiv(nq, 64), b * heads),
+                                       (*o.stride(), *do.stride(), heads, nq, d),
+                                       dict(BLOCK_M=64, BLOCK_D=d, ACC=triton.language.float32))
+
+
+_KINDS: dict = {}   # _call_key -> launch.Kind of (shape, scale, config): one entry per kind of call seen
+
+
+def _call_key(do, q, k, v, o, lse, causal, sm_scale, config):
+    """What the checks, the config and the launches depend on (utils.launch.kind_key), for CUDA tensors, options
+    of the expected types and Nq a multiple of 4 (otherwise the statistics are padded between the two launches);
+    None otherwise (such a call is checked every time)."""
+    if not (type(causal) is bool and type(sm_scale) in (float, int, type(None))
+            and type(config) in (BwdConfig, type(None)) and type(q) is torch.Tensor and q.dim() == 4
+            and q.shape[2] % 4 == 0):
+        return None
+    return launch.kind_key((do, q, k, v, o, lse), (causal, sm_scale, config))
+
+
+def _choose(do, q, k, v, o, lse, causal, sm_scale, config) -> tuple:
+    """flash_attention_gluon_backward's checks (a ValueError or TypeError naming the argument) and its
+    (shape, scale, config)."""
+    shape, scale = check_backward_inputs(do, q, k, v, o, lse, causal=causal, sm_scale=sm_scale,
+                                         head_dims=fg.HEAD_DIMS, dtypes=fg.DTYPES)
+    check_device("q", q, "cuda")
+    fg.check_sm90(q, "flash_attention_gluon_backward")
+    return shape, scale, pick_config(shape.head_dim) if config is None else check_config(config, shape.head_dim)
 
 
 def flash_attention_gluon_backward(do, q, k, v, o, lse, *, causal=False, sm_scale=None,
@@ -349,34 +381,50 @@ def flash_attention_gluon_backward(do, q, k, v, o, lse, *, causal=False, sm_scal
     """(dq, dk, dv) of softmax(Q Kᵀ · sm_scale) V for the forward's o and lse (natural log, (B, H, Nq)).
 
     fp16/bf16, head dim 64 or 128, GQA, Nq != Nk (bottom-right causal mask), on an sm_90 GPU. `config`: tiles
-    (default: pick_config's)."""
-    shape, scale = check_backward_inputs(do, q, k, v, o, lse, causal=causal, sm_scale=sm_scale,
-                                         head_dims=fg.HEAD_DIMS, dtypes=fg.DTYPES)
-    check_device("q", q, "cuda")
-    fg.check_sm90(q, "flash_attention_gluon_backward")
-    b, h, _, nq, _, d = shape
-    config = pick_config(d) if config is None else check_config(config, d)
+    (default: pick_config's). As the Triton backward (utils.flash_triton_bwd), the checks, the config and the two
+    launches are kept per kind of call (utils.launch.Kind), so a later call of a kind passes only its tensors."""
+    key = _call_key(do, q, k, v, o, lse, causal, sm_scale, config)
+    kind = _KINDS.get(key) if key is not None else None
+    if kind is None:
+        kind = launch.Kind(_choose(do, q, k, v, o, lse, causal, sm_scale, config))
+        if key is not None:
+            _KINDS[key] = kind
+    (b, h, _, nq, _, d), scale, config = kind.choices
     q, k, v, do = (fg._tma_ready(x) for x in (q, k, v, do))
-    lse2, delta = _stats(o, do, lse.float().contiguous(), h)
+    lse = lse.float().contiguous()
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     dq_acc = torch.zeros((b * h, nq, d), dtype=torch.float32, device=q.device)
-    _launch(q, k, v, do, dk, dv, dq_acc, lse2, delta, causal, scale, config)
+    if key is None:   # checked every time; the statistics may need padding between the launches
+        lse2, delta = _stats(o, do, lse, h)
+        _launch(q, k, v, do, dk, dv, dq_acc, lse2, delta, causal, scale, config)
+    else:
+        delta = torch.empty((b * h, nq), dtype=torch.float32, device=q.device)
+        lse2 = torch.empty_like(delta)
+        pre_head, pre = _preprocess(o, do, lse, delta, lse2, h)
+        head, main = _main(q, k, v, do, dk, dv, dq_acc, lse2, delta, causal, scale, config)
+        kind.launch((pre_head, head), lambda: (pre, main), keep=True)
     return dq_acc.view(b, h, nq, d).to(q.dtype), dk, dv
 
 
-def _launch(q, k, v, do, dk, dv, dq_acc, lse2, delta, causal: bool, scale: float, config: BwdConfig) -> None:
-    """The kernel on checked inputs (utils.cross_compile captures this launch to compile it on a CPU)."""
+def _main(q, k, v, do, dk, dv, dq_acc, lse2, delta, causal: bool, scale: float, config: BwdConfig) -> tuple:
+    """The kernel's launch on checked inputs: (its descriptors, made per call; (launcher, grid, trailing
+    arguments, constexprs and options))."""
     b, h, nq, d = q.shape
     hk, nk = k.shape[1], k.shape[2]
     dq_desc = TensorDescriptor(dq_acc, list(dq_acc.shape), list(dq_acc.stride()), [1, DQ_ROWS, DQ_COLS],
                                _DQ_LAYOUT)
-    grid = (triton.cdiv(nk, BLOCK_N), b * hk)
-    _launcher[grid](fg._descriptor(q, config.block_m), fg._descriptor(k, SUB_N), fg._descriptor(v, SUB_N),
-                    fg._descriptor(do, config.block_m), fg._descriptor(dk, SUB_N), fg._descriptor(dv, SUB_N),
-                    dq_desc, _row_descriptor(lse2, config.block_m), _row_descriptor(delta, config.block_m),
-                    h, nq, nk, scale * fg.LOG2E, scale, GROUP=h // hk, HEAD_DIM=d, BLOCK_M=config.block_m,
-                    STAGES=config.stages, CAUSAL=causal, CONSUMER_REGS=config.consumer_regs,
-                    PREFETCH_S=config.prefetch_s, num_warps=4)
+    head = (fg._descriptor(q, config.block_m), fg._descriptor(k, SUB_N), fg._descriptor(v, SUB_N),
+            fg._descriptor(do, config.block_m), fg._descriptor(dk, SUB_N), fg._descriptor(dv, SUB_N),
+            dq_desc, _row_descriptor(lse2, config.block_m), _row_descriptor(delta, config.block_m))
+    return head, (_launcher, (triton.cdiv(nk, BLOCK_N), b * hk), (h, nq, nk, scale * fg.LOG2E, scale),
+                  dict(GROUP=h // hk, HEAD_DIM=d, BLOCK_M=config.block_m, STAGES=config.stages, CAUSAL=causal,
+                       CONSUMER_REGS=config.consumer_regs, PREFETCH_S=config.prefetch_s, num_warps=4))
+
+
+def _launch(q, k, v, do, dk, dv, dq_acc, lse2, delta, causal: bool, scale: float, config: BwdConfig) -> None:
+    """The kernel on checked inputs (utils.cross_compile captures this launch to compile it on a CPU)."""
+    head, (launcher, grid, tail, meta) = _main(q, k, v, do, dk, dv, dq_acc, lse2, delta, causal, scale, config)
+    launcher[grid](*head, *tail, **meta)
 
 
 class GluonAttentionFunction(torch.autograd.Function):

@@ -359,30 +359,18 @@ class Choices(NamedTuple):
     causal: bool
 
 
-class _Kind:
-    """One kind of call seen on a GPU: its Choices and, once its first call has launched them, its bound launches
-    (utils.launch.Bound): later calls of the kind pass only their tensors."""
-    __slots__ = ("choices", "launches", "device")
-
-    def __init__(self, choices: Choices):
-        self.choices, self.launches, self.device = choices, None, None
-
-
-_KINDS: dict = {}   # _call_key -> _Kind: one small entry per kind of call seen, as Triton's own caches
+_KINDS: dict = {}   # _call_key -> launch.Kind of Choices: one small entry per kind of call seen, as Triton's own caches
 
 
 def _call_key(do, q, k, v, o, lse, causal, sm_scale, config, tma, tma_stats, dq_atomic):
     """Everything the checks, the choices and Triton's specialization of the launches depend on, for CUDA tensors
     and options of the expected types; None otherwise (such a call is checked every time)."""
-    tensors = (do, q, k, v, o, lse)
-    if not (all(type(t) is torch.Tensor and t.is_cuda for t in tensors) and type(causal) is bool
-            and type(sm_scale) in (float, int, type(None)) and type(config) in (BackwardConfig, type(None))
+    if not (type(causal) is bool and type(sm_scale) in (float, int, type(None))
+            and type(config) in (BackwardConfig, type(None))
             and all(x is None or x is True or x is False for x in (tma, tma_stats))   # 1 == True: `is`
             and (dq_atomic is True or dq_atomic is False or dq_atomic == "tma")):
         return None
-    return (causal, sm_scale, config, tma, tma_stats, dq_atomic, *(t.shape for t in tensors),
-            *(t.stride() for t in tensors), *(t.dtype for t in tensors), *(t.device for t in tensors),
-            *(t.data_ptr() % 16 == 0 for t in tensors))
+    return launch.kind_key((do, q, k, v, o, lse), (causal, sm_scale, config, tma, tma_stats, dq_atomic))
 
 
 def _choose(do, q, k, v, o, lse, causal, sm_scale, config, tma, tma_stats, dq_atomic) -> Choices:
@@ -454,7 +442,7 @@ def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, sm_scale=None
     key = _call_key(do, q, k, v, o, lse, causal, sm_scale, config, tma, tma_stats, dq_atomic)
     kind = _KINDS.get(key) if key is not None else None
     if kind is None:
-        kind = _Kind(_choose(do, q, k, v, o, lse, causal, sm_scale, config, tma, tma_stats, dq_atomic))
+        kind = launch.Kind(_choose(do, q, k, v, o, lse, causal, sm_scale, config, tma, tma_stats, dq_atomic))
         if key is not None:
             _KINDS[key] = kind
     if kind.choices.upcast:  # the interpreter has no bf16 arithmetic: computed in fp32
@@ -483,17 +471,7 @@ def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, sm_scale=None
     heads = ((o, do, lse, delta, lse2), (q, k, v, do, lse2, delta, dk, dv, qd, dod, ld, dd, dqa),
              (q, k, v, do, lse2, delta, dq, kd, vd))[:2 if dq_atomic else 3]
 
-    device = launch.driver.active.get_current_device() if key is not None else None
-    if kind.launches is not None and kind.device == device and launch.direct():
-        stream = launch.driver.active.get_current_stream(device)
-        for bound, head in zip(kind.launches, heads):
-            bound(stream, *head)
-    else:
-        launches = _launches(kind.choices, q, k, v, do, o, dk, dv, dq)
-        bound = [launcher.bind(grid, (*head, *tail), meta, head=len(head))
-                 for (launcher, grid, tail, meta), head in zip(launches, heads)]
-        if key is not None and None not in bound:
-            kind.launches, kind.device = bound, device
+    kind.launch(heads, lambda: _launches(kind.choices, q, k, v, do, o, dk, dv, dq), keep=key is not None)
     if dq_atomic:
         return dq_acc[..., :d].to(q.dtype), dk, dv
     return dq, dk, dv

@@ -15,10 +15,11 @@ remembered. It steps aside, so everything behaves as `kernel[grid]` does, when:
   - a launch hook is installed (the proton profiler installs one) or Triton's debug mode is on;
   - `dispatch_by_triton()` is active (notebook 05b times both paths with it).
 
-A caller that launches the same kinds of call again and again (utils.flash_triton_bwd: one entry per shapes,
-strides, dtypes and alignment) goes one step further: `launcher.bind(grid, args, meta, head=n)` launches once and
-returns a `Bound` launch whose grid, trailing arguments (all but the first n) and constexprs are fixed, so a later
-call passes only the first n (its fresh tensors) and the stream. The caller checks `direct()` before each use.
+A caller that makes the same kinds of call again and again (the backwards of utils.flash_triton_bwd and
+utils.flash_gluon_bwd) goes one step further. `launcher.bind(grid, args, meta, head=n)` launches once and returns a
+`Bound` launch whose grid, trailing arguments (all but the first n) and constexprs are fixed, so a later call
+passes only the first n (its fresh tensors) and the stream. `Kind` keeps a caller's checked choices and bound
+launches for one kind of call (`kind_key`: shapes, strides, dtypes, devices, alignment and options).
 """
 from __future__ import annotations
 
@@ -134,6 +135,41 @@ class FastLauncher:
         compiled.run(grid[0], grid[1], grid[2], driver.active.get_current_stream(device), compiled.function,
                      compiled.packed_metadata, None, None, None, *args, *constexprs)
         return compiled
+
+
+def kind_key(tensors, options: tuple) -> tuple | None:
+    """A key of everything a caller's checks and launches depend on: its `options` (hashable values whose types
+    the caller has checked) and each tensor's shape, strides, dtype, device and 16-byte alignment (what Triton
+    specializes a pointer on). None unless every one is a CUDA tensor: a call on a CPU is checked every time."""
+    if not all(type(t) is torch.Tensor and t.is_cuda for t in tensors):
+        return None
+    return (*options, *(t.shape for t in tensors), *(t.stride() for t in tensors), *(t.dtype for t in tensors),
+            *(t.device for t in tensors), *(t.data_ptr() % 16 == 0 for t in tensors))
+
+
+class Kind:
+    """What a caller keeps for one kind of call: its checked `choices` and, once its first call has launched
+    them, its bound launches (and the device they were bound on)."""
+    __slots__ = ("choices", "launches", "device")
+
+    def __init__(self, choices):
+        self.choices, self.launches, self.device = choices, None, None
+
+    def launch(self, heads, specs, keep: bool) -> None:
+        """Launch a call: `heads` holds each launch's leading arguments, made by this call. A kind seen before
+        (on the current device, with launches direct) runs its bound launches; otherwise `specs()` gives each
+        launch's (FastLauncher, grid, trailing arguments, constexprs and options), and with `keep` (a CUDA call
+        with a kind_key) the launches are bound and kept."""
+        device = driver.active.get_current_device() if keep else None
+        if self.launches is not None and self.device == device and direct():
+            stream = driver.active.get_current_stream(device)
+            for bound, head in zip(self.launches, heads):
+                bound(stream, *head)
+            return
+        bound = [launcher.bind(grid, (*head, *tail), meta, head=len(head))
+                 for (launcher, grid, tail, meta), head in zip(specs(), heads)]
+        if keep and None not in bound:
+            self.launches, self.device = bound, device
 
 
 class Bound(NamedTuple):
