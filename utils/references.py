@@ -126,7 +126,8 @@ REFERENCES = {
     # the Triton tutorial beside the course, from the file of the GPU machine's Triton (3.6: release/3.6.x) put in
     # the ignored .peer/ (utils.bench.peers says how); the sweep records the file's SHA-256
     "peers": (1, ["utils.bench.peers_sweep", "--tutorial", ".peer/06-fused-attention.py", "--tutorial-ref",
-                  "release/3.6.x", "--impls", "triton", "gluon", "gluon_ws", "--rounds", "3", "--name", "peers_h200"]),
+                  "release/3.6.x", "--impls", "triton", "gluon", "gluon_ws", "--name", "peers_h200",
+                  "--rounds", "3"]),
     "summary": (1, ["utils.bench.summary"]),
     "ring_nccl": (2, ["utils.ring_attention", "--backend", "nccl", "--world-size", "2"]),
     "ring_comm": (2, ["utils.bench.ring_comm", "--backend", "nccl", "--world-size", "2", "--out", "images"]),
