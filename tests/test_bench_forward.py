@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from utils.bench import forward as bm
-from utils.bench import attention_flops, error_line, median_rows
+from utils.bench import attention_flops, error_line, median_rows, rotated
 
 
 def test_defaults_are_the_course_benchmark():
@@ -197,3 +197,8 @@ def test_ws_tiles_adds_the_warp_specialised_kernel_with_each_tile():
     fns = bm.candidates(bm.parse_args(["--ws-tiles", "--impls", "gluon_ws", "--sdpa", "cudnn"]))
     assert list(fns) == ["gluon_ws", *(ws_label(c) for c in WS_TILES), "sdpa-cudnn"]
     assert fns["gluon_ws n128 s2 r232"].__name__ == "gluon_ws n128 s2 r232"
+
+
+def test_rotated_starts_round_r_at_the_rth_item():
+    assert [rotated(["a", "b", "c"], r) for r in range(4)] == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"],
+                                                               ["a", "b", "c"]]

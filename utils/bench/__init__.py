@@ -62,3 +62,9 @@ def median_rows(rows: dict[str, dict], times: dict[str, list[float]], flops: flo
             ms = statistics.median(times[name])
             row.update(ms=ms, tflops=tflops(flops, ms))
     return list(rows.values())
+
+
+def rotated(items: list, r: int) -> list:
+    """`items` starting at the r-th (cyclically): round r of a timing in rounds, so that no position in the list
+    (the first, cold; the last, on a GPU heated by the others) is always the same implementation's."""
+    return items[r % len(items):] + items[:r % len(items)]

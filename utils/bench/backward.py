@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from utils.bench import attention_flops, benchmark, error_line, median_rows, peers
+from utils.bench import attention_flops, benchmark, error_line, median_rows, peers, rotated
 from utils.cuda_backward import BWD_STEPS, flash_mma_backward, flash_mma_forward
 
 BACKENDS = ("triton", "sdpa_flash", "sdpa_cudnn")                # the default set (notebook 07's)
@@ -119,7 +119,7 @@ def run_backward_benchmark(seqlens=(2048, 4096, 8192, 16384), head_dims=(64, 128
                          for b in names}
                 times, kept = {b: [] for b in names}, {}   # kept: closures prepared in round 0, for the rest
                 for r in range(rounds):
-                    for name in names[r % len(names):] + names[:r % len(names)]:
+                    for name in rotated(names, r):
                         row = shape[name]
                         why = None if name != "triton_tutorial" else tutorial.unsupported(
                             d, dtype, c, seqlen=n, mode="bwd", capability=capability)

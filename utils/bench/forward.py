@@ -27,7 +27,7 @@ import torch
 from triton.runtime.errors import OutOfResources
 
 from utils import gpu
-from utils.bench import attention_flops, error_line, median_rows, peers
+from utils.bench import attention_flops, error_line, median_rows, peers, rotated
 
 SDPA_BACKENDS = ("flash", "cudnn", "efficient")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -202,7 +202,7 @@ def run(args, fns: dict, time_ms=None, device="cuda", progress=True) -> list[dic
                  for label in labels}
         times = {label: [] for label in labels}
         for r in range(rounds):
-            for label in labels[r % len(labels):] + labels[:r % len(labels)]:
+            for label in rotated(labels, r):
                 fn, record = fns[label], shape[label]
                 bar.set_postfix_str(f"{label} D={d} N={n}{' causal' if causal else ''}")
                 bar.update()

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from utils import gpu
-from utils.bench import attention_flops, backward, error_line, forward, peers, tflops
+from utils.bench import attention_flops, backward, error_line, forward, peers, rotated, tflops
 
 DTYPES = forward.DTYPES
 # Far above rounding (fp16 2^-11, bf16 2^-8 of outputs below 1), far below a wrong mask or tile (errors ~0.1-1).
@@ -151,8 +151,8 @@ def run(args, fns: dict, *, time_ms=None, device="cuda", progress=True, done=(),
             except Exception as err:  # noqa: BLE001 - out of memory, a backward that refuses the shape
                 record["error"] = error_line(err)
         turns = list(timed.items())
-        for turn in range(args.rounds if turns else 0):  # the implementations take turns, each round starting one further along
-            for (label, mode), (record, closure, times) in turns[turn % len(turns):] + turns[:turn % len(turns)]:
+        for turn in range(args.rounds if turns else 0):  # the implementations take turns
+            for (label, mode), (record, closure, times) in rotated(turns, turn):
                 if record["error"] is None:
                     bar.set_postfix_str(f"{label} {mode} {shape}, round {turn + 1} of {args.rounds}")
                     try:
