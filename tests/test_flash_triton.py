@@ -311,7 +311,8 @@ def test_gqa_reads_kv_in_place(monkeypatch):
     """K/V reach the kernel as they are: the same storage, with fewer heads than Q (no repeat_interleave)."""
     seen = []
     launch = flash_triton._launch
-    monkeypatch.setattr(flash_triton, "_launch", lambda q, k, v, *a: seen.append((k, v)) or launch(q, k, v, *a))
+    monkeypatch.setattr(flash_triton, "_launch",
+                        lambda q, k, v, *a, **kw: seen.append((k, v)) or launch(q, k, v, *a, **kw))
     q, k, v = qkv(h=8, hk=2, nq=20, d=32)
     out = flash_attention(q, k, v)
     assert_close(out, reference_attention(q, k, v))
@@ -437,6 +438,59 @@ def test_mismatched_devices_on_gpu():
     q, k, v = random_qkv(1, 2, 8, 8, 32, device="cuda")
     with pytest.raises(ValueError, match="k is on cpu"):
         flash_attention(q, k.cpu(), v)
+
+
+def _shifted(t):
+    """A copy of `t` one element past a 16-byte boundary: same shape and strides, another alignment."""
+    return torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)[1:].view(t.shape).copy_(t)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="the checks and the launch are kept for CUDA calls only")
+def test_a_kind_of_call_is_checked_once_and_others_apart(monkeypatch):
+    """A second forward of a kind (shapes, strides, dtypes, device, alignment, options, emulated GPU) skips the
+    checks and runs the launch bound by the first: bitwise the same output, as Triton's own dispatch gives.
+    A call that differs in any of those gets its own kind, and a bad argument is still refused."""
+    from utils import gpu
+    from utils.launch import Bound, dispatch_by_triton
+
+    q, k, v = random_qkv(2, 4, 300, 300, 64, dtype=torch.float16, device="cuda")
+    flash_triton._KINDS.clear()
+    first = flash_attention(q, k, v, causal=True, return_lse=True)
+    checked, calls, run, validate = [], [], Bound.__call__, flash_triton.validate
+    monkeypatch.setattr(flash_triton, "validate", lambda *a: checked.append(a) or validate(*a))
+
+    def counted(bound, stream, *head):
+        calls.append(len(head))
+        run(bound, stream, *head)
+
+    monkeypatch.setattr(Bound, "__call__", counted)
+    again = flash_attention(*(t.clone() for t in (q, k, v)), causal=True, return_lse=True)
+    assert len(flash_triton._KINDS) == 1 and calls == [9] and not checked   # q, k, v, o, lse, 4 descriptors
+    with dispatch_by_triton():                                              # Triton's own dispatch
+        through_triton = flash_attention(q, k, v, causal=True, return_lse=True)
+    assert calls == [9]
+    for a, b, c in zip(first, again, through_triton):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+        torch.testing.assert_close(a, c, atol=0, rtol=0)
+    others = {"alignment": ([_shifted(t) for t in (q, k, v)], {}),
+              "strides": ([t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v)], {}),
+              "causal": ((q, k, v), dict(causal=False)), "scale": ((q, k, v), dict(sm_scale=0.2))}
+    for n, (what, (tensors, options)) in enumerate(others.items(), start=2):
+        options = {"causal": True, **options}
+        expected = reference_attention(*tensors, **options)
+        assert_close(flash_attention(*tensors, **options), expected, dtype=torch.float16)
+        assert len(flash_triton._KINDS) == n and len(checked) == n - 1, what
+    monkeypatch.setenv(gpu.EMULATE_VAR, "t4")                               # the T4's tiles: another kind
+    assert_close(flash_attention(q, k, v, causal=True), first[0], dtype=torch.float16)
+    assert len(flash_triton._KINDS) == 6
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        flash_attention(q, k, v, causal=1)
+    with pytest.raises(ValueError, match="sm_scale must be finite and positive"):
+        flash_attention(q, k, v, causal=True, sm_scale=-1.0)
+    with pytest.raises(TypeError, match="k has dtype"):
+        flash_attention(q, k.float(), v, causal=True)
+    assert len(flash_triton._KINDS) == 6
 
 
 def test_pick_config_fits_the_gpus_shared_memory(monkeypatch):

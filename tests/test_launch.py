@@ -193,13 +193,16 @@ def test_a_kind_binds_its_launches_once_and_runs_them_after(fake):
     kind.launch([(x,)], specs, keep=True)
     kind.launch([(y,)], lambda: pytest.fail("a kept kind asked for its specs"), keep=True)
     assert [entry[0] for entry in kernel.log if entry != "init"] == ["jit", "run"]
-    assert kernel.log[-1][1][9] is y and kind.device == 0 and kind.choices == "choices"
+    assert kernel.log[-1][1][9] is y and kind.device == 0 and kind.choices == "choices" and kind.ready()
+    kind.run([(x,)])                                           # the bound launch alone (the forward's fast path)
+    assert kernel.log[-1][0] == "run" and kernel.log[-1][1][9] is x and kernel.log[-1][1][3] == 1234
     with dispatch_by_triton():                                 # through Triton, kept launches untouched
+        assert not kind.ready()
         kind.launch([(y,)], specs, keep=True)
     assert kernel.log[-1][0] == "jit" and kind.launches is not None
     other = launch.Kind("cpu call")
     other.launch([(x,)], specs, keep=False)                    # no key: never kept
-    assert other.launches is None
+    assert other.launches is None and not other.ready()
 
 
 def test_kind_key_is_none_unless_every_tensor_is_on_a_gpu():

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from utils import gpu
+from utils import gpu, launch
 from utils.checks import check_attention_inputs, check_bool, resolve_scale
 from utils.launch import FastLauncher
 from utils.triton_utils import cdiv
@@ -411,16 +411,21 @@ _tuners = {mode: _autotuner(mode) for mode in (0, 1, 2)}  # keyed by Steps.tma_m
 _fwd_launcher = FastLauncher(flash_fwd_kernel)  # notebook 05b step 3: launches without Triton's dispatch
 
 
-def _launch(q, k, v, causal, scale, config: Config | None = None, steps: Steps | None = None):
+def _launch(q, k, v, causal, scale, config: Config | None = None, steps: Steps | None = None,
+            kind: launch.Kind | None = None):
     """Run the kernel on validated inputs; returns (o, lse). `config` fixes the block sizes (tests, the
-    worklog); `steps` picks notebook 05b's switches (default: `Steps.fastest`)."""
+    worklog); `steps` picks notebook 05b's switches (default: `Steps.fastest`); `kind` (flash_attention's
+    calls, neither given) keeps the launch bound once a call of its kind has made it."""
     b, h, nq, d = q.shape
+    o = torch.empty(b, h, nq, d, device=q.device, dtype=q.dtype)
+    lse = torch.empty(b, h, nq, device=q.device, dtype=torch.float32)
+    if kind is not None and kind.ready():   # seen before: only this call's tensors (and descriptors) are new
+        kind.run([(q, k, v, o, lse, *_descriptors(q, k, v, o, kind.choices.tiles))])
+        return o, lse
     hk, nk = k.shape[1], k.shape[2]
     steps = steps or Steps.fastest(q, k, v)
     mode = steps.tma_mode
     block_d = max(16, triton.next_power_of_2(d))
-    o = torch.empty(b, h, nq, d, device=q.device, dtype=q.dtype)
-    lse = torch.empty(b, h, nq, device=q.device, dtype=torch.float32)
     if mode == 1 and q.is_cuda:
         triton.set_allocator(_descriptor_memory)
     scalars = (*q.stride(), *k.stride(), *v.stride(), *o.stride(), h, h // hk, nq, nk, scale * LOG2E)
@@ -448,12 +453,22 @@ def _launch(q, k, v, causal, scale, config: Config | None = None, steps: Steps |
         # Later calls launch directly: the autotuner's own Python costs ~50 µs a call.
         config, switches["TMA"] = _tuned_configs[key]
     config = config or pick_config(d, q.dtype, q.device)
-    descs = (host_descriptors(q, k, v, o, config.block_m, config.block_n) if switches["TMA"] == 2
-             else (None,) * 4)
-    _fwd_launcher[(cdiv(nq, config.block_m), b * h)](
-        q, k, v, o, lse, *descs, *scalars, 0, **switches, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        num_warps=config.num_warps, num_stages=config.num_stages)
+    tiles = (config.block_m, config.block_n) if switches["TMA"] == 2 else None
+    head = (q, k, v, o, lse, *_descriptors(q, k, v, o, tiles))
+    grid = (cdiv(nq, config.block_m), b * h)
+    meta = dict(**switches, BLOCK_M=config.block_m, BLOCK_N=config.block_n, num_warps=config.num_warps,
+                num_stages=config.num_stages)
+    if kind is None:
+        _fwd_launcher[grid](*head, *scalars, 0, **meta)
+    else:
+        kind.choices = kind.choices._replace(tiles=tiles)
+        kind.launch([head], lambda: [(_fwd_launcher, grid, (*scalars, 0), meta)], keep=True)
     return o, lse
+
+
+def _descriptors(q, k, v, o, tiles: tuple | None) -> tuple:
+    """The kernel's four descriptor arguments: host descriptors of (block_m, block_n) tiles, or four Nones."""
+    return (None,) * 4 if tiles is None else host_descriptors(q, k, v, o, *tiles)
 
 
 # Notebook 05b's worklog: the kernel before each step and the final one, all timed through `variant` (the same
@@ -526,6 +541,37 @@ def validate(q, k, v, causal, sm_scale):
     return shape, resolve_scale(sm_scale, shape.head_dim)
 
 
+class Choices(NamedTuple):
+    """What a kind of call keeps: the scale its checks resolved and, once launched, its host descriptors' tiles
+    (None: the kernel takes no host descriptors)."""
+    scale: float
+    tiles: tuple | None = None
+
+
+_KINDS: dict = {}   # _call_key -> launch.Kind of Choices: one small entry per kind of call seen, as Triton's caches
+
+
+def _call_key(q, k, v, causal, sm_scale):
+    """Everything the checks and the launch depend on (utils.launch.kind_key), for CUDA tensors and options of the
+    expected types; None otherwise (such a call is checked every time)."""
+    if not (type(causal) is bool and type(sm_scale) in (float, int, type(None))):
+        return None
+    return launch.kind_key((q, k, v), (causal, sm_scale))
+
+
+def _kind(q, k, v, causal, sm_scale) -> launch.Kind:
+    """The kind of this call: `validate` runs on its first call (a ValueError or TypeError naming the argument);
+    later calls of a kind (same shapes, strides, dtypes, device, alignment and options) skip the checks and
+    the choices, and launch the kernel bound by the first (notebook 05b, section 7)."""
+    key = _call_key(q, k, v, causal, sm_scale)
+    kind = _KINDS.get(key) if key is not None else None
+    if kind is None:
+        kind = launch.Kind(Choices(validate(q, k, v, causal, sm_scale)[1]))
+        if key is not None:
+            _KINDS[key] = kind
+    return kind
+
+
 def triton_interpreting() -> bool:
     """Whether this module's kernels were defined for the interpreter."""
     from triton.runtime.interpreter import InterpretedFunction  # not imported by `import triton` on a GPU
@@ -536,29 +582,27 @@ def triton_interpreting() -> bool:
 def flash_attention_forward(q, k, v, *, causal=False, sm_scale=None):
     """(o, lse) without autograd. lse: natural-log log-sum-exp of the scaled scores, fp32, (batch, heads,
     seqlen_q), -inf for a query that sees no key. bf16 on a CPU is computed in fp32 (see the module doc)."""
-    _, scale = validate(q, k, v, causal, sm_scale)
-    return _forward(q, k, v, causal, scale)
+    return _forward(q, k, v, causal, _kind(q, k, v, causal, sm_scale))
 
 
-def _forward(q, k, v, causal, scale):
-    """flash_attention_forward on validated inputs and a resolved scale."""
+def _forward(q, k, v, causal, kind):
+    """flash_attention_forward on checked inputs (`kind`: their kind of call)."""
     if q.device.type == "cpu" and q.dtype == torch.bfloat16:  # the interpreter has no bf16 arithmetic
-        o, lse = _launch(q.float(), k.float(), v.float(), causal, scale)
+        o, lse = _launch(q.float(), k.float(), v.float(), causal, kind.choices.scale)
         return o.to(torch.bfloat16), lse
-    return _launch(q, k, v, causal, scale)
+    return _launch(q, k, v, causal, kind.choices.scale, kind=kind)
 
 
 class FlashAttentionFunction(torch.autograd.Function):
     """Autograd wrapper: forward runs the Triton kernel; backward is notebook 07's kernel."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, sm_scale):
-        scale = resolve_scale(sm_scale, q.shape[-1])
-        o, lse = _forward(q, k, v, causal, scale)  # flash_attention validated the inputs
+    def forward(ctx, q, k, v, causal, kind):
+        o, lse = _forward(q, k, v, causal, kind)  # flash_attention checked the inputs: `kind` is their kind
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.set_materialize_grads(False)  # lse gets no gradient: no tensor of zeros is made for it
         ctx.causal = causal
-        ctx.sm_scale = scale
+        ctx.sm_scale = kind.choices.scale
         ctx.mark_non_differentiable(lse)
         return o, lse
 
@@ -585,9 +629,9 @@ def flash_attention(q, k, v, *, causal=False, sm_scale=None, return_lse=False):
     (batch, heads, seqlen_q), natural log, -inf for a query that sees no key).
     """
     check_bool("return_lse", return_lse)
-    _, scale = validate(q, k, v, causal, sm_scale)  # before autograd, so errors point at the call
+    kind = _kind(q, k, v, causal, sm_scale)  # the checks before autograd, so errors point at the call
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        o, lse = FlashAttentionFunction.apply(q, k, v, causal, scale)
+        o, lse = FlashAttentionFunction.apply(q, k, v, causal, kind)
     else:  # nothing to differentiate: skip the autograd Function (~10 µs of host time a call)
-        o, lse = _forward(q, k, v, causal, scale)
+        o, lse = _forward(q, k, v, causal, kind)
     return (o, lse) if return_lse else o

@@ -15,14 +15,16 @@ remembered. It steps aside, so everything behaves as `kernel[grid]` does, when:
   - a launch hook is installed (the proton profiler installs one) or Triton's debug mode is on;
   - `dispatch_by_triton()` is active (notebook 05b times both paths with it).
 
-A caller that makes the same kinds of call again and again (the backwards of utils.flash_triton_bwd and
-utils.flash_gluon_bwd) goes one step further. `launcher.bind(grid, args, meta, head=n)` launches once and returns a
-`Bound` launch whose grid, trailing arguments (all but the first n) and constexprs are fixed, so a later call
-passes only the first n (its fresh tensors) and the stream. `Kind` keeps a caller's checked choices and bound
+A caller that makes the same kinds of call again and again (the Triton forward of utils.flash_triton, the
+backwards of utils.flash_triton_bwd and utils.flash_gluon_bwd) goes one step further.
+`launcher.bind(grid, args, meta, head=n)` launches once and returns a `Bound` launch whose grid, trailing
+arguments (all but the first n) and constexprs are fixed, so a later call passes only the first n (its fresh
+tensors) and the stream. `Kind` keeps a caller's checked choices and bound
 launches for one kind of call (`kind_key`: shapes, strides, dtypes, devices, alignment and options).
 """
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 
@@ -30,6 +32,8 @@ import torch
 from triton import knobs
 from triton.runtime import driver
 from triton.tools.tensor_descriptor import TensorDescriptor
+
+from utils.gpu import EMULATE_VAR
 
 _INT32 = (-2**31, 2**31)
 _triton_dispatch = 0   # > 0 inside dispatch_by_triton()
@@ -139,12 +143,13 @@ class FastLauncher:
 
 def kind_key(tensors, options: tuple) -> tuple | None:
     """A key of everything a caller's checks and launches depend on: its `options` (hashable values whose types
-    the caller has checked) and each tensor's shape, strides, dtype, device and 16-byte alignment (what Triton
-    specializes a pointer on). None unless every one is a CUDA tensor: a call on a CPU is checked every time."""
+    the caller has checked), each tensor's shape, strides, dtype, device and 16-byte alignment (what Triton
+    specializes a pointer on), and the GPU profile emulated (utils.gpu: a T4's tiles and refusals). None unless
+    every one is a CUDA tensor: a call on a CPU is checked every time."""
     if not all(type(t) is torch.Tensor and t.is_cuda for t in tensors):
         return None
     return (*options, *(t.shape for t in tensors), *(t.stride() for t in tensors), *(t.dtype for t in tensors),
-            *(t.device for t in tensors), *(t.data_ptr() % 16 == 0 for t in tensors))
+            *(t.device for t in tensors), *(t.data_ptr() % 16 == 0 for t in tensors), os.environ.get(EMULATE_VAR))
 
 
 class Kind:
@@ -155,21 +160,28 @@ class Kind:
     def __init__(self, choices):
         self.choices, self.launches, self.device = choices, None, None
 
+    def ready(self) -> bool:
+        """Whether the bound launches may run now: bound, on the current device, and launches direct."""
+        return self.launches is not None and self.device == driver.active.get_current_device() and direct()
+
+    def run(self, heads) -> None:
+        """Run the bound launches (where `ready()`), each with its leading arguments from `heads`."""
+        stream = driver.active.get_current_stream(self.device)
+        for bound, head in zip(self.launches, heads):
+            bound(stream, *head)
+
     def launch(self, heads, specs, keep: bool) -> None:
         """Launch a call: `heads` holds each launch's leading arguments, made by this call. A kind seen before
         (on the current device, with launches direct) runs its bound launches; otherwise `specs()` gives each
-        launch's (FastLauncher, grid, trailing arguments, constexprs and options), and with `keep` (a CUDA call
-        with a kind_key) the launches are bound and kept."""
-        device = driver.active.get_current_device() if keep else None
-        if self.launches is not None and self.device == device and direct():
-            stream = driver.active.get_current_stream(device)
-            for bound, head in zip(self.launches, heads):
-                bound(stream, *head)
+        launch's (FastLauncher, grid, trailing arguments, constexprs and options), and with `keep` (a call
+        with a kind_key) the launches are bound and kept: a launch on a CPU binds nothing."""
+        if keep and self.ready():
+            self.run(heads)
             return
         bound = [launcher.bind(grid, (*head, *tail), meta, head=len(head))
                  for (launcher, grid, tail, meta), head in zip(specs(), heads)]
         if keep and None not in bound:
-            self.launches, self.device = bound, device
+            self.launches, self.device = bound, driver.active.get_current_device()
 
 
 class Bound(NamedTuple):
