@@ -19,8 +19,8 @@ A caller that makes the same kinds of call again and again (the Triton forward o
 backwards of utils.flash_triton_bwd and utils.flash_gluon_bwd) goes one step further.
 `launcher.bind(grid, args, meta, head=n)` launches once and returns a `Bound` launch whose grid, trailing
 arguments (all but the first n) and constexprs are fixed, so a later call passes only the first n (its fresh
-tensors) and the stream. `Kind` keeps a caller's checked choices and bound
-launches for one kind of call (`kind_key`: shapes, strides, dtypes, devices, alignment and options).
+tensors) and the stream. `Kind` keeps a caller's checked choices and bound launches for one kind of call
+(`kind_key`: shapes, strides, dtypes, devices, alignment, options and the GPU profile emulated).
 """
 from __future__ import annotations
 
