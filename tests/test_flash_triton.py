@@ -440,6 +440,58 @@ def test_mismatched_devices_on_gpu():
         flash_attention(q, k.cpu(), v)
 
 
+class _Replaying:
+    """A FastLauncher stand-in for the kind path on any device: `bind` launches through the kernel itself (the
+    interpreter on a CPU) and returns a bound launch that runs it again with fresh leading arguments."""
+
+    def __init__(self, kernel):
+        self.kernel, self.heads = kernel, []
+
+    def bind(self, grid, args, meta, head):
+        self.kernel[grid](*args, **meta)
+
+        def bound(stream, *fresh):
+            self.heads.append(fresh)
+            self.kernel[grid](*fresh, *args[head:], **meta)
+        return bound
+
+
+class _OneDevice:
+    class active:
+        get_current_device = staticmethod(lambda: 0)
+        get_current_stream = staticmethod(lambda device: 0)
+
+
+def test_a_kind_of_call_replays_its_first_launch_with_fresh_tensors(monkeypatch):
+    """The forward's kind path with the GPU-only parts stood in (a key for any device, a launcher that replays):
+    the second call of a kind skips `validate` and the choices, hands the bound launch q, k, v, O, lse and four
+    (empty) descriptor slots, and gets the same output; another option is another kind, checked on its first
+    call."""
+    from utils import launch
+
+    monkeypatch.setattr(launch, "driver", _OneDevice)
+    monkeypatch.setattr(launch, "kind_key", lambda tensors, options: (*options, *(
+        (t.shape, t.stride(), t.dtype, t.device) for t in tensors)))
+    replay = _Replaying(flash_triton._fwd_launcher.kernel)
+    monkeypatch.setattr(flash_triton, "_fwd_launcher", replay)
+    monkeypatch.setattr(flash_triton, "_KINDS", {})
+    q, k, v = qkv(nq=20, nk=30, d=32)
+    first = flash_attention(q, k, v, causal=True)
+    checked, validate = [], flash_triton.validate
+    monkeypatch.setattr(flash_triton, "validate", lambda *a: checked.append(a) or validate(*a))
+    fresh = [t.clone() for t in (q, k, v)]
+    with monkeypatch.context() as m:   # nor are the steps and tiles chosen again
+        m.setattr(flash_triton.Steps, "fastest", staticmethod(lambda *a: pytest.fail("the choices were made again")))
+        again = flash_attention(*fresh, causal=True)
+    (head,) = replay.heads
+    assert not checked and len(flash_triton._KINDS) == 1 and len(head) == 9 and head[3] is not head[4]
+    assert all(a is b for a, b in zip(head[:3], fresh)) and head[5:] == (None,) * 4
+    torch.testing.assert_close(again, first, atol=0, rtol=0)
+    assert_close(again, reference_attention(q, k, v, causal=True))
+    assert_close(flash_attention(q, k, v, causal=False), reference_attention(q, k, v))
+    assert len(checked) == 1 and len(flash_triton._KINDS) == 2 and len(replay.heads) == 1
+
+
 def _shifted(t):
     """A copy of `t` one element past a 16-byte boundary: same shape and strides, another alignment."""
     return torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)[1:].view(t.shape).copy_(t)
