@@ -11,7 +11,7 @@ from utils.flash_pytorch_bwd import (FlashAttentionPyTorch, attention_gradients,
                                           flash_backward_pytorch, saved_tensor_bytes)
 from utils.flash_pytorch import flash2_attention
 from utils.reference import naive_attention, reference_attention
-from utils.testing import ATTENTION_SHAPES, assert_gradients_close, random_qkv, reference_gradients
+from utils.testing import ATTENTION_SHAPES, assert_gradients_close, misaligned, random_qkv, reference_gradients
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -367,11 +367,6 @@ def test_checks_and_choices_are_kept_for_cuda_calls_only():
     assert bwd._call_key(torch.randn_like(q), q, k, v, o, lse, False, None, None, None, None, False) is None
 
 
-def _shifted(t):
-    """A copy of `t` one element past a 16-byte boundary: same shape and strides, another alignment."""
-    return torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)[1:].view(t.shape).copy_(t)
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="the checks and choices are kept for CUDA calls only")
 def test_a_kind_of_call_is_checked_once_and_others_apart(monkeypatch):
@@ -403,7 +398,7 @@ def test_a_kind_of_call_is_checked_once_and_others_apart(monkeypatch):
     for a, b, c in zip(first, again, through_triton):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
         torch.testing.assert_close(a, c, atol=0, rtol=0)
-    others = {"alignment": ([_shifted(t) for t in args], True),
+    others = {"alignment": ([misaligned(t) for t in args], True),
               "strides": ([t.transpose(1, 2).contiguous().transpose(1, 2) for t in args[:5]] + [args[5]], True)}
     for n, (what, (other, causal)) in enumerate(others.items(), start=2):
         assert_gradients_close(flash_attention_backward(*other, causal=causal), truth, torch.float16)

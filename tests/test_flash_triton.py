@@ -13,7 +13,7 @@ from utils import flash_triton
 from utils.flash_triton import (Config, Steps, flash_attention, flash_attention_forward, pick_config,
                                 tma_supported, tunable)
 from utils.reference import reference_attention
-from utils.testing import assert_close, random_qkv, reference_lse
+from utils.testing import assert_close, misaligned, random_qkv, reference_lse
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -492,11 +492,6 @@ def test_a_kind_of_call_replays_its_first_launch_with_fresh_tensors(monkeypatch)
     assert len(checked) == 1 and len(flash_triton._KINDS) == 2 and len(replay.heads) == 1
 
 
-def _shifted(t):
-    """A copy of `t` one element past a 16-byte boundary: same shape and strides, another alignment."""
-    return torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)[1:].view(t.shape).copy_(t)
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="the checks and the launch are kept for CUDA calls only")
 def test_a_kind_of_call_is_checked_once_and_others_apart(monkeypatch):
@@ -525,7 +520,7 @@ def test_a_kind_of_call_is_checked_once_and_others_apart(monkeypatch):
     for a, b, c in zip(first, again, through_triton):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
         torch.testing.assert_close(a, c, atol=0, rtol=0)
-    others = {"alignment": ([_shifted(t) for t in (q, k, v)], {}),
+    others = {"alignment": ([misaligned(t) for t in (q, k, v)], {}),
               "strides": ([t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v)], {}),
               "causal": ((q, k, v), dict(causal=False)), "scale": ((q, k, v), dict(sm_scale=0.2))}
     for n, (what, (tensors, options)) in enumerate(others.items(), start=2):

@@ -5,7 +5,7 @@ from utils.bench import attention_flops, benchmark, tflops
 from utils.exercises import check
 from utils.plotting import pyplot, save_figure, use_course_style, write_png
 from utils.testing import (ODD_SHAPES_64_128, assert_attention_matches_reference, assert_close,
-                           assert_matches_on_odd_shapes, random_qkv, reference_lse, tolerances)
+                           assert_matches_on_odd_shapes, misaligned, random_qkv, reference_lse, tolerances)
 from utils.reference import naive_attention
 
 
@@ -57,6 +57,14 @@ def test_random_qkv_shapes_and_seed():
     q, k, v = random_qkv(2, 8, 5, 7, 16, kv_heads=2, dtype=torch.float16)
     assert q.shape == (2, 8, 5, 16) and k.shape == v.shape == (2, 2, 7, 16) and q.dtype == torch.float16
     assert torch.equal(random_qkv(seed=3)[0], random_qkv(seed=3)[0])
+
+
+def test_misaligned_keeps_shape_strides_and_values_but_not_the_alignment():
+    for dtype in (torch.float16, torch.float32):
+        x = torch.randn(2, 3, 5, dtype=dtype)
+        y = misaligned(x)
+        assert y.shape == x.shape and y.stride() == x.stride() and torch.equal(x, y)
+        assert x.data_ptr() % 16 == 0 and y.data_ptr() % 16 == y.element_size()
 
 
 def test_assert_attention_matches_reference_catches_wrong_results():

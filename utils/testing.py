@@ -56,6 +56,12 @@ def random_qkv(batch=2, heads=4, seqlen_q=128, seqlen_k=None, head_dim=64, *, kv
     return rand(heads, seqlen_q), rand(kv_heads, seqlen_k), rand(kv_heads, seqlen_k)
 
 
+def misaligned(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of `t` one element past a 16-byte boundary: same shape, strides and values, another
+    alignment (Triton specializes a pointer on it; a kernel's cache of kinds of call must keep it apart)."""
+    return torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)[1:].view(t.shape).copy_(t)
+
+
 def assert_attention_matches_reference(fn, q, k, v, *, causal=False, sm_scale=None):
     """Run `fn(q, k, v, causal=..., sm_scale=...)` and compare it with the float64 reference."""
     out = fn(q, k, v, causal=causal, sm_scale=sm_scale)
