@@ -367,6 +367,11 @@ def test_sweep_json_resume_and_plot(fake, tmp_path):
     assert peers_sweep.resume_from(path, again, fns)[0] == []
     with pytest.raises(ValueError, match="measured with"):
         peers_sweep.resume_from(path, small_sweep(fake, "--rep", "7"), fns)
+    for field in peers_sweep.ENVIRONMENT:   # another GPU, profile or version: its numbers do not compare
+        moved = tmp_path / f"moved_{field}.json"
+        moved.write_text(json.dumps(dict(data, environment=dict(data["environment"], **{field: "elsewhere"}))))
+        with pytest.raises(ValueError, match=f"measured with {field} 'elsewhere'"):
+            peers_sweep.resume_from(moved, args, fns)
     other = write(tmp_path, FAKE + "\n# another version\n", "other.py")
     with pytest.raises(ValueError, match="from another file"):
         peers_sweep.resume_from(path, args, {"triton-tutorial": peers.load_tutorial(other).peer("triton-tutorial")})

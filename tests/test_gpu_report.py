@@ -174,6 +174,7 @@ def test_main_writes_a_report_per_part(tmp_path, monkeypatch):
     assert gpu_suite.main(["--report", str(report), "--", "-n", "4"]) == 0
     assert runs == [("tests", (), ("-n", "4")), ("notebooks", (), ("-n", "4"))]
     data = json.loads(report.read_text())
+    assert data["environment"]["command"] == "python -m utils.gpu_suite -- -n 4"   # how it ran: pytest-xdist
     assert set(data["parts"]) == {"tests", "notebooks"} and data["trees"] == {"utils": "utils" * 5,
                                                                              "notebooks": "notebooks" * 5}
     assert gpu_suite.main(["--report", str(report), "--files", "notebooks/00_setup.ipynb", "--emulate", "t4"]) == 0

@@ -205,6 +205,25 @@ def test_a_kind_binds_its_launches_once_and_runs_them_after(fake):
     assert other.launches is None and not other.ready()
 
 
+def test_kind_of_checks_a_kind_once_and_never_keeps_a_call_without_a_key():
+    kinds, checked = {}, []
+
+    def choose(what):
+        checked.append(what)
+        if what == "bad":
+            raise ValueError("bad argument")
+        return what
+
+    first = launch.kind_of(kinds, "key", lambda: choose("ok"))
+    assert launch.kind_of(kinds, "key", lambda: choose("again")) is first and checked == ["ok"]
+    assert first.choices == "ok" and first.launches is None and kinds == {"key": first}
+    unkeyed = [launch.kind_of(kinds, None, lambda: choose("cpu")) for _ in range(2)]
+    assert unkeyed[0] is not unkeyed[1] and checked == ["ok", "cpu", "cpu"] and list(kinds) == ["key"]
+    with pytest.raises(ValueError, match="bad argument"):
+        launch.kind_of(kinds, "other", lambda: choose("bad"))
+    assert list(kinds) == ["key"]   # a call whose checks fail leaves no kind behind
+
+
 def test_kind_key_is_none_unless_every_tensor_is_on_a_gpu():
     x = torch.zeros(4)
     assert launch.kind_key((x, x), (True, None)) is None

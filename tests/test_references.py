@@ -45,6 +45,22 @@ def test_readme_results_equal_the_json():
     assert "Gluon backward of notebook 07" in text and "the tutorial's backward at N ≥ 2k" in text
 
 
+def test_readme_course_against_sdpa_is_the_fastest_course_kernel_per_shape():
+    """The peers run's forward against FlashAttention-2, computed here from the records themselves."""
+    results = json.loads((IMAGES / "peers_h200.json").read_text())["results"]
+    fast = {}
+    for r in results:
+        if r["mode"] == "fwd" and r["seqlen"] >= 1024 and r["tflops"] and r["accurate"]:
+            shape = (r["dtype"], r["head_dim"], r["causal"], r["seqlen"])
+            if r["impl"] in ("triton", "gluon", "gluon_ws"):
+                fast[shape] = max(fast.get(shape, 0.0), r["tflops"])
+    fa2 = {(r["dtype"], r["head_dim"], r["causal"], r["seqlen"]): r["tflops"] for r in results
+           if r["impl"] == "sdpa-flash" and r["mode"] == "fwd" and r["tflops"] and r["accurate"]}
+    ratios = [fast[s] / fa2[s] for s in fast if s in fa2]
+    assert len(ratios) == 2 * 2 * 2 * 5   # dtypes, head dims, masks, N 1k-16k
+    assert f"{min(ratios):.2f}–{max(ratios):.2f}× FlashAttention-2 at N ≥ 1k" in results_markdown()
+
+
 def test_list_and_no_gpu(capsys):
     assert main(["--list"]) == 0
     assert "ring_nccl" in capsys.readouterr().out

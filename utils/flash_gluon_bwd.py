@@ -384,11 +384,7 @@ def flash_attention_gluon_backward(do, q, k, v, o, lse, *, causal=False, sm_scal
     (default: pick_config's). As the Triton backward (utils.flash_triton_bwd), the checks, the config and the two
     launches are kept per kind of call (utils.launch.Kind), so a later call of a kind passes only its tensors."""
     key = _call_key(do, q, k, v, o, lse, causal, sm_scale, config)
-    kind = _KINDS.get(key) if key is not None else None
-    if kind is None:
-        kind = launch.Kind(_choose(do, q, k, v, o, lse, causal, sm_scale, config))
-        if key is not None:
-            _KINDS[key] = kind
+    kind = launch.kind_of(_KINDS, key, lambda: _choose(do, q, k, v, o, lse, causal, sm_scale, config))
     (b, h, _, nq, _, d), scale, config = kind.choices
     q, k, v, do = (fg._tma_ready(x) for x in (q, k, v, do))
     lse = lse.float().contiguous()

@@ -563,13 +563,8 @@ def _kind(q, k, v, causal, sm_scale) -> launch.Kind:
     """The kind of this call: `validate` runs on its first call (a ValueError or TypeError naming the argument);
     later calls of a kind (same shapes, strides, dtypes, device, alignment and options) skip the checks and
     the choices, and launch the kernel bound by the first (notebook 05b, section 7)."""
-    key = _call_key(q, k, v, causal, sm_scale)
-    kind = _KINDS.get(key) if key is not None else None
-    if kind is None:
-        kind = launch.Kind(Choices(validate(q, k, v, causal, sm_scale)[1]))
-        if key is not None:
-            _KINDS[key] = kind
-    return kind
+    return launch.kind_of(_KINDS, _call_key(q, k, v, causal, sm_scale),
+                          lambda: Choices(validate(q, k, v, causal, sm_scale)[1]))
 
 
 def triton_interpreting() -> bool:

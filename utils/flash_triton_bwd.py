@@ -440,11 +440,8 @@ def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, sm_scale=None
     (notebook 05b, section 7).
     """
     key = _call_key(do, q, k, v, o, lse, causal, sm_scale, config, tma, tma_stats, dq_atomic)
-    kind = _KINDS.get(key) if key is not None else None
-    if kind is None:
-        kind = launch.Kind(_choose(do, q, k, v, o, lse, causal, sm_scale, config, tma, tma_stats, dq_atomic))
-        if key is not None:
-            _KINDS[key] = kind
+    kind = launch.kind_of(_KINDS, key, lambda: _choose(do, q, k, v, o, lse, causal, sm_scale, config, tma,
+                                                       tma_stats, dq_atomic))
     if kind.choices.upcast:  # the interpreter has no bf16 arithmetic: computed in fp32
         grads = flash_attention_backward(*(t.float() for t in (do, q, k, v, o)), lse, causal=causal,
                                          sm_scale=sm_scale, config=config, dq_atomic=dq_atomic)

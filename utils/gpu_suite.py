@@ -208,7 +208,8 @@ def main(argv=None) -> int:
     trees = {d: tree_id(ROOT / d) for d in TRACKED_DIRS}
     old = json.loads(path.read_text()) if path.is_file() else {}
     parts = {name: p for name, p in old.get("parts", {}).items() if old.get("trees") == trees}
-    command = "python -m utils.gpu_suite" + (f" --emulate {args.emulate}" if args.emulate else "")
+    command = " ".join(["python -m utils.gpu_suite", *(["--emulate", args.emulate] if args.emulate else []),
+                        *(["--", *args.pytest_args] if args.pytest_args else [])])   # -n: run by pytest-xdist
 
     def save(name, results):
         parts[name] = results

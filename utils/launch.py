@@ -20,7 +20,8 @@ backwards of utils.flash_triton_bwd and utils.flash_gluon_bwd) goes one step fur
 `launcher.bind(grid, args, meta, head=n)` launches once and returns a `Bound` launch whose grid, trailing
 arguments (all but the first n) and constexprs are fixed, so a later call passes only the first n (its fresh
 tensors) and the stream. `Kind` keeps a caller's checked choices and bound launches for one kind of call
-(`kind_key`: shapes, strides, dtypes, devices, alignment, options and the GPU profile emulated).
+(`kind_key`: shapes, strides, dtypes, devices, alignment, options and the GPU profile emulated); `kind_of`
+finds a call's Kind, or checks the call and keeps a new one.
 """
 from __future__ import annotations
 
@@ -182,6 +183,17 @@ class Kind:
                  for (launcher, grid, tail, meta), head in zip(specs(), heads)]
         if keep and None not in bound:
             self.launches, self.device = bound, driver.active.get_current_device()
+
+
+def kind_of(kinds: dict, key, choose) -> Kind:
+    """The Kind kept in `kinds` under `key`, or a new Kind of `choose()` (the caller's checks and choices, which
+    raise on a bad argument), kept under `key` unless it is None (a call that is checked every time)."""
+    kind = kinds.get(key) if key is not None else None
+    if kind is None:
+        kind = Kind(choose())
+        if key is not None:
+            kinds[key] = kind
+    return kind
 
 
 class Bound(NamedTuple):

@@ -214,7 +214,15 @@ def _gluon_and_tutorial() -> str:
             + f": {len(below)} of {len(rows)} shapes")
         if all(r["seqlen"] <= 1024 for r in below):
             text += " (at N ≤ 1k the CPU's time per call, not the kernel's, sets the pace: notebook 05b, section 7)"
-    return text + "."
+
+    def spread(mode, sdpa, shortest):   # the course's fastest per shape over one SDPA backend, both dtypes
+        return _span([r["ratio"] for r in versus(peers["results"], course, (sdpa,))
+                      if r["mode"] == mode and r["seqlen"] >= shortest])
+
+    return text + (f". In the same run, fp16 and bf16, the course's fastest forward per shape is "
+                   f"{spread('fwd', 'sdpa-cudnn', 4096)} cuDNN at N ≥ 4k and {spread('fwd', 'sdpa-flash', 1024)} "
+                   f"FlashAttention-2 at N ≥ 1k, and its fastest backward {spread('bwd', 'sdpa-cudnn', 4096)} "
+                   f"cuDNN's at N ≥ 4k.")
 
 
 def results_markdown() -> str:

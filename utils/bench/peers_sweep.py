@@ -45,6 +45,7 @@ DTYPES = forward.DTYPES
 TOLERANCE = {"fp16": 1e-2, "bf16": 4e-2, "fp32": 1e-3}
 MODES = ("fwd", "bwd", "fwd_bwd")
 KEY = ("impl", "mode", "dtype", "head_dim", "causal", "seqlen")
+ENVIRONMENT = ("gpu", "emulated", "torch", "triton", "cudnn")   # what a resumed run must share with the new one
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -198,12 +199,17 @@ def write_json(records: list[dict], args, path: Path, fns: dict, earlier: list |
 
 def resume_from(path: Path, args, fns: dict) -> tuple[list[dict], list[dict]]:
     """(records, earlier environments) of a previous run of the same sweep, less the records of the modes
-    --remeasure names; ValueError if its settings or its tutorial file differ, since its numbers would not
-    compare with the new ones."""
+    --remeasure names; ValueError if its settings, its machine (GPU, emulated profile, torch, Triton, cuDNN) or
+    its tutorial file differ, since its numbers would not compare with the new ones."""
     data = json.loads(Path(path).read_text())
     if data.get("settings") != settings(args):
         raise ValueError(f"{path} was measured with {data.get('settings')}, not {settings(args)}; "
                          f"drop --resume or give another --name")
+    before, now = data.get("environment", {}), gpu.environment()
+    for field in ENVIRONMENT:
+        if before.get(field) != now[field]:
+            raise ValueError(f"{path} was measured with {field} {before.get(field)!r}, this machine has "
+                             f"{now[field]!r}; drop --resume or give another --name")
     for label, now in provenance(fns).items():
         before = data.get("peers", {}).get(label)
         if before is not None and before["sha256"] != now["sha256"]:
