@@ -365,6 +365,8 @@ def test_sweep_json_resume_and_plot(fake, tmp_path):
     assert kept == records and earlier == [data["environment"]]
     again = small_sweep(fake, "--modes", "fwd", "--resume", "--remeasure", "fwd")   # every fwd record dropped
     assert peers_sweep.resume_from(path, again, fns)[0] == []
+    fp32 = small_sweep(fake, "--modes", "fwd", "--resume", "--remeasure", "fwd", "--dtypes", "fp32")
+    assert peers_sweep.resume_from(path, fp32, fns)[0] == [r for r in records if r["dtype"] == "fp16"]  # its grid's
     with pytest.raises(ValueError, match="measured with"):
         peers_sweep.resume_from(path, small_sweep(fake, "--rep", "7"), fns)
     for field in peers_sweep.ENVIRONMENT:   # another GPU, profile or version: its numbers do not compare

@@ -224,6 +224,45 @@ def test_kind_of_checks_a_kind_once_and_never_keeps_a_call_without_a_key():
     assert list(kinds) == ["key"]   # a call whose checks fail leaves no kind behind
 
 
+def test_rebase_copies_a_descriptor_onto_another_tensor_without_its_checks():
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    x, y = torch.zeros(2, 3, 64, 32), torch.ones(2, 3, 64, 32)
+    template = launch.rebase(TensorDescriptor.from_tensor(x, [1, 1, 16, 32]), None)
+    assert template.base is None and template.block_shape == [1, 1, 16, 32]
+    copy = launch.rebase(template, y)
+    assert copy == TensorDescriptor.from_tensor(y, [1, 1, 16, 32]) and copy.base is y and template.base is None
+    assert specialization_key((copy,)) == specialization_key((TensorDescriptor.from_tensor(y, [1, 1, 16, 32]),))
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=32, rank=4)
+    gluon = GluonDescriptor(x, list(x.shape), list(x.stride()), [1, 1, 16, 32], layout)
+    assert launch.rebase(launch.rebase(gluon, None), y) == GluonDescriptor(y, list(y.shape), list(y.stride()),
+                                                                           [1, 1, 16, 32], layout)
+    assert launch.rebase(None, y) is None
+
+
+def test_a_kind_makes_its_descriptors_once_and_copies_them_onto_later_tensors(fake):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    kernel, launcher = fake
+    made = []
+
+    def make(*tensors):
+        made.append(tensors)
+        return (TensorDescriptor.from_tensor(tensors[0], [1, 16]), None)
+
+    kind = launch.Kind("choices")
+    x, y = torch.zeros(4, 64), torch.ones(4, 64)
+    first = kind.descriptors((x, None), lambda: make(x))
+    assert first[0].base is x and first[1] is None and len(made) == 1
+    assert kind.templates[0].base is None and kind.templates[1] is None     # the first call's x is not kept alive
+    later = kind.descriptors((y, None), lambda: pytest.fail("a kind made its descriptors twice"))
+    assert later == (TensorDescriptor.from_tensor(y, [1, 16]), None) and later[0].base is y
+    kind.launch([(x,)], lambda: [(launcher, (1,), (5,), dict(BLOCK=32))], keep=True)   # new launches: new templates
+    assert kind.templates is None and kind.descriptors((y, None), lambda: make(y))[0].base is y and len(made) == 2
+    with pytest.raises(ValueError, match="2 descriptors for 1 tensors"):
+        launch.Kind("other").descriptors((x,), lambda: make(x))
+
+
 def test_kind_key_is_none_unless_every_tensor_is_on_a_gpu():
     x = torch.zeros(4)
     assert launch.kind_key((x, x), (True, None)) is None

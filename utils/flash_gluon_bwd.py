@@ -397,30 +397,35 @@ def flash_attention_gluon_backward(do, q, k, v, o, lse, *, causal=False, sm_scal
         delta = torch.empty((b * h, nq), dtype=torch.float32, device=q.device)
         lse2 = torch.empty_like(delta)
         pre_head, pre = _preprocess(o, do, lse, delta, lse2, h)
-        head, main = _main(q, k, v, do, dk, dv, dq_acc, lse2, delta, causal, scale, config)
-        kind.launch((pre_head, head), lambda: (pre, main), keep=True)
+        tensors = (q, k, v, do, dk, dv, dq_acc, lse2, delta)
+        head = kind.descriptors(tensors, lambda: _descriptors(*tensors, config))   # ~5 µs each, made once
+        kind.launch((pre_head, head), lambda: (pre, _main(q, k, causal, scale, config)), keep=True)
     return dq_acc.view(b, h, nq, d).to(q.dtype), dk, dv
 
 
-def _main(q, k, v, do, dk, dv, dq_acc, lse2, delta, causal: bool, scale: float, config: BwdConfig) -> tuple:
-    """The kernel's launch on checked inputs: (its descriptors, made per call; (launcher, grid, trailing
-    arguments, constexprs and options))."""
-    b, h, nq, d = q.shape
-    hk, nk = k.shape[1], k.shape[2]
+def _descriptors(q, k, v, do, dk, dv, dq_acc, lse2, delta, config: BwdConfig) -> tuple:
+    """The kernel's nine descriptor arguments, its leading ones."""
     dq_desc = TensorDescriptor(dq_acc, list(dq_acc.shape), list(dq_acc.stride()), [1, DQ_ROWS, DQ_COLS],
                                _DQ_LAYOUT)
-    head = (fg._descriptor(q, config.block_m), fg._descriptor(k, SUB_N), fg._descriptor(v, SUB_N),
+    return (fg._descriptor(q, config.block_m), fg._descriptor(k, SUB_N), fg._descriptor(v, SUB_N),
             fg._descriptor(do, config.block_m), fg._descriptor(dk, SUB_N), fg._descriptor(dv, SUB_N),
             dq_desc, _row_descriptor(lse2, config.block_m), _row_descriptor(delta, config.block_m))
-    return head, (_launcher, (triton.cdiv(nk, BLOCK_N), b * hk), (h, nq, nk, scale * fg.LOG2E, scale),
-                  dict(GROUP=h // hk, HEAD_DIM=d, BLOCK_M=config.block_m, STAGES=config.stages, CAUSAL=causal,
-                       CONSUMER_REGS=config.consumer_regs, PREFETCH_S=config.prefetch_s, num_warps=4))
+
+
+def _main(q, k, causal: bool, scale: float, config: BwdConfig) -> tuple:
+    """The kernel's launch on checked inputs but its descriptors: (launcher, grid, trailing arguments,
+    constexprs and options)."""
+    b, h, nq, d = q.shape
+    hk, nk = k.shape[1], k.shape[2]
+    return (_launcher, (triton.cdiv(nk, BLOCK_N), b * hk), (h, nq, nk, scale * fg.LOG2E, scale),
+            dict(GROUP=h // hk, HEAD_DIM=d, BLOCK_M=config.block_m, STAGES=config.stages, CAUSAL=causal,
+                 CONSUMER_REGS=config.consumer_regs, PREFETCH_S=config.prefetch_s, num_warps=4))
 
 
 def _launch(q, k, v, do, dk, dv, dq_acc, lse2, delta, causal: bool, scale: float, config: BwdConfig) -> None:
     """The kernel on checked inputs (utils.cross_compile captures this launch to compile it on a CPU)."""
-    head, (launcher, grid, tail, meta) = _main(q, k, v, do, dk, dv, dq_acc, lse2, delta, causal, scale, config)
-    launcher[grid](*head, *tail, **meta)
+    launcher, grid, tail, meta = _main(q, k, causal, scale, config)
+    launcher[grid](*_descriptors(q, k, v, do, dk, dv, dq_acc, lse2, delta, config), *tail, **meta)
 
 
 class GluonAttentionFunction(torch.autograd.Function):

@@ -446,8 +446,8 @@ def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, sm_scale=None
         grads = flash_attention_backward(*(t.float() for t in (do, q, k, v, o)), lse, causal=causal,
                                          sm_scale=sm_scale, config=config, dq_atomic=dq_atomic)
         return tuple(g.to(torch.bfloat16) for g in grads)
-    shape, scale, config, tma, stats, dq_atomic = kind.choices[:6]
-    b, h, hk, nq, nk, d = shape
+    b, h, hk, nq, nk, d = kind.choices.shape
+    dq_atomic = kind.choices.dq_atomic
     block_d = max(16, triton.next_power_of_2(d))
     acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32   # accumulators, D and lse
     # This call's tensors: the launches' leading arguments (the rest is fixed by the kind of call).
@@ -456,15 +456,10 @@ def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, sm_scale=None
     lse2 = torch.empty_like(delta)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     dq = None if dq_atomic else torch.empty_like(q)
-    qd = dod = kd = vd = ld = dd = dq_acc = None
-    if tma:
-        qd, dod = (TensorDescriptor.from_tensor(t, [1, 1, config.block_m1, d]) for t in (q, do))
-        kd, vd = (TensorDescriptor.from_tensor(t, [1, 1, config.block_n2, d]) for t in (k, v))
-    if stats:
-        ld, dd = (TensorDescriptor.from_tensor(t, [1, 1, config.block_m1]) for t in (lse2, delta))
-    if dq_atomic:
-        dq_acc = torch.zeros((b, h, nq, block_d), dtype=acc_dtype, device=q.device)
-    dqa = TensorDescriptor.from_tensor(dq_acc, [1, 1, config.block_m1, block_d]) if dq_atomic == "tma" else dq_acc
+    dq_acc = torch.zeros((b, h, nq, block_d), dtype=acc_dtype, device=q.device) if dq_atomic else None
+    qd, dod, kd, vd, ld, dd, dqd = kind.descriptors((q, do, k, v, lse2, delta, dq_acc), lambda: _descriptors(
+        kind.choices, q, do, k, v, lse2, delta, dq_acc))
+    dqa = dqd if dq_atomic == "tma" else dq_acc
     heads = ((o, do, lse, delta, lse2), (q, k, v, do, lse2, delta, dk, dv, qd, dod, ld, dd, dqa),
              (q, k, v, do, lse2, delta, dq, kd, vd))[:2 if dq_atomic else 3]
 
@@ -472,6 +467,20 @@ def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, sm_scale=None
     if dq_atomic:
         return dq_acc[..., :d].to(q.dtype), dk, dv
     return dq, dk, dv
+
+
+def _descriptors(choices: Choices, q, do, k, v, lse2, delta, dq_acc) -> tuple:
+    """A call's host TMA descriptors, None where its choices load through pointers: Q and dO (tiles of block_m1
+    rows), K and V (block_n2 rows), lse₂ and D (block_m1 values), and the fp32 dQ copy the TMA engine adds into."""
+    config, tma, stats = choices.config, choices.tma, choices.stats
+
+    def tile(t, rows):   # a box of `rows` rows of one (batch, head) of a (B, H, N, D) tensor
+        return TensorDescriptor.from_tensor(t, [1, 1, rows, t.shape[-1]])
+
+    return (*(tile(t, config.block_m1) if tma else None for t in (q, do)),
+            *(tile(t, config.block_n2) if tma else None for t in (k, v)),
+            *(TensorDescriptor.from_tensor(t, [1, 1, config.block_m1]) if stats else None for t in (lse2, delta)),
+            tile(dq_acc, config.block_m1) if choices.dq_atomic == "tma" else None)
 
 
 def _launches(choices: Choices, q, k, v, do, o, dk, dv, dq) -> list[tuple]:

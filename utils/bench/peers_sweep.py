@@ -60,7 +60,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out-dir", type=Path, default=forward.IMAGES)
     p.add_argument("--resume", action="store_true", help="keep the records of <name>.json and measure the rest")
     p.add_argument("--remeasure", nargs="+", default=[], choices=MODES,
-                   help="with --resume: measure these modes again, every implementation (their records are dropped)")
+                   help="with --resume: measure these modes again on this run's grid (dtypes, head dims, causal, "
+                        "seqlens), every implementation (those records are dropped; the others are kept)")
     args = forward.check_grid_arguments(p, p.parse_args(argv))
     if args.remeasure and not args.resume:
         p.error("--remeasure goes with --resume")
@@ -199,7 +200,7 @@ def write_json(records: list[dict], args, path: Path, fns: dict, earlier: list |
 
 def resume_from(path: Path, args, fns: dict) -> tuple[list[dict], list[dict]]:
     """(records, earlier environments) of a previous run of the same sweep, less the records of the modes
-    --remeasure names; ValueError if its settings, its machine (GPU, emulated profile, torch, Triton, cuDNN) or
+    --remeasure names on this run's grid; ValueError if its settings, its machine (GPU, emulated profile, torch, Triton, cuDNN) or
     its tutorial file differ, since its numbers would not compare with the new ones."""
     data = json.loads(Path(path).read_text())
     if data.get("settings") != settings(args):
@@ -215,7 +216,9 @@ def resume_from(path: Path, args, fns: dict) -> tuple[list[dict], list[dict]]:
         if before is not None and before["sha256"] != now["sha256"]:
             raise ValueError(f"{path} measured {label} from another file ({before['path']}, sha256 "
                              f"{before['sha256'][:12]}); drop --resume or give another --name")
-    kept = [r for r in data["results"] if r["mode"] not in args.remeasure]
+    grid = set(configurations(args))
+    kept = [r for r in data["results"] if r["mode"] not in args.remeasure
+            or (r["dtype"], r["head_dim"], r["causal"], r["seqlen"]) not in grid]
     return kept, [*data.get("earlier", []), data["environment"]]
 
 
