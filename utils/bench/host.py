@@ -5,13 +5,16 @@
 Per implementation, pass and shape, in µs per call:
   host   CPU time to issue one call: the fastest of `--reps` loops of `--calls` calls, none waiting for the GPU
          (the fastest, since on a shared host noise only ever adds time)
-  gpu    GPU time alone: the call replayed from a CUDA graph (triton.testing.do_bench_cudagraph), no Python;
-         forward only (a graph cannot capture autograd's backward)
+  gpu    GPU time alone. Forward: the call replayed from a CUDA graph (triton.testing.do_bench_cudagraph), no
+         Python. Backward (a graph cannot capture autograd's engine): the sum of the kernels a call runs, as
+         torch.profiler records them over `--calls` calls
   bench  what the course's benchmarks report (utils.bench.benchmark: do_bench, L2 flushed before each call)
 When `host` exceeds what the GPU spends per call, the GPU waits for Python and `bench` rises above `gpu`.
 The course's Triton kernel is measured twice: launched directly (utils.launch, the default) and inside
 `utils.launch.dispatch_by_triton()` (every launch through `kernel[grid]`), beside SDPA's FlashAttention-2 and
-cuDNN backends (forward through F.scaled_dot_product_attention, backward through autograd for all).
+cuDNN backends (forward through F.scaled_dot_product_attention, backward through autograd for all), and
+beside the registry names of `--impls` (the Gluon kernels: gluon, gluon_ws) and the `--peers` (the Triton
+tutorial's attention, read from its own file: utils.bench.peers).
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ from pathlib import Path
 import torch
 
 from utils import gpu
-from utils.bench import benchmark
+from utils.bench import benchmark, error_line, peers
 from utils.bench.backward import autograd_backward
 from utils.bench.forward import IMAGES, sdpa_pinned
 
@@ -40,6 +43,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--calls", type=int, default=100, help="calls per host-time loop")
     p.add_argument("--reps", type=int, default=7, help="host-time loops; the fastest is kept")
+    p.add_argument("--impls", nargs="*", default=[], help="registry names timed besides the four, e.g. gluon_ws")
+    peers.add_arguments(p)
     p.add_argument("--name", default="host")
     p.add_argument("--out-dir", type=Path, default=IMAGES)
     args = p.parse_args(argv)
@@ -68,33 +73,52 @@ def host_us(fn, calls: int, reps: int) -> float:
     return min(times)
 
 
-def _forward(impl: str):
-    if impl.startswith("sdpa-"):
-        return sdpa_pinned(impl.removeprefix("sdpa-"))
+def implementations(args) -> dict:
+    """{label: attention(q, k, v, causal=...)}: IMPLS, then args.impls (registry names), then args.peers."""
+    from utils.attention import REGISTRY
     from utils.flash_triton import flash_attention
 
-    return flash_attention
+    fns = {"triton": flash_attention, TRITON_DISPATCH: flash_attention,
+           **{impl: sdpa_pinned(impl.removeprefix("sdpa-")) for impl in IMPLS if impl.startswith("sdpa-")}}
+    for name in args.impls:
+        if name not in REGISTRY:
+            raise ValueError(f"unknown implementation {name!r}; registered: {', '.join(REGISTRY)}")
+        fns[name] = REGISTRY[name].load()
+    return {**fns, **peers.from_args(args)}
 
 
-def measure_case(impl, mode, q, k, v, causal, args) -> dict:
+def kernel_us(call, calls: int) -> float:
+    """GPU time of one call of `call`: the kernels `calls` calls run (torch.profiler's CUDA activity), summed,
+    per call. Kernels that overlap (several streams) would count twice; the implementations here use one."""
+    call()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            call()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()) / calls
+
+
+def measure_case(impl, attention, mode, q, k, v, causal, args) -> dict:
     from utils.launch import dispatch_by_triton
 
     context = dispatch_by_triton if impl == TRITON_DISPATCH else nullcontext
-    attention = _forward(impl)
     if mode == "fwd":
         call = lambda: attention(q, k, v, causal=causal)  # noqa: E731
     else:
         call = autograd_backward(attention)(q, k, v, torch.randn_like(q), causal)
     with context():
-        record = dict(host_us=host_us(call, args.calls, args.reps), bench_us=benchmark(call) * 1e3, gpu_us=None)
+        record = dict(host_us=host_us(call, args.calls, args.reps), bench_us=benchmark(call) * 1e3)
         if mode == "fwd":
             import triton.testing
 
             record["gpu_us"] = triton.testing.do_bench_cudagraph(call, rep=50) * 1e3
+        else:
+            record["gpu_us"] = kernel_us(call, args.calls)
     return record
 
 
-def measure(args, device="cuda") -> list[dict]:
+def measure(args, fns: dict, device="cuda") -> list[dict]:
     records = []
     for d in args.head_dims:
         for causal in (False, True):
@@ -103,11 +127,15 @@ def measure(args, device="cuda") -> list[dict]:
                 q, k, v = (torch.randn(args.batch, args.heads, n, d, generator=gen)
                            .to(device=device, dtype=torch.bfloat16) for _ in range(3))
                 for mode in ("fwd", "bwd"):
-                    for impl in IMPLS:
+                    for impl, attention in fns.items():
                         record = dict(impl=impl, mode=mode, head_dim=d, causal=causal, seqlen=n)
-                        records.append({**record, **measure_case(impl, mode, q, k, v, causal, args)})
+                        try:
+                            record.update(measure_case(impl, attention, mode, q, k, v, causal, args))
+                        except (ValueError, RuntimeError) as err:   # a shape a peer refuses, out of memory
+                            record.update(host_us=None, bench_us=None, gpu_us=None, error=error_line(err))
+                        records.append(record)
                         print(" ".join(f"{k_}={v_:.1f}" if isinstance(v_, float) else f"{k_}={v_}"
-                                       for k_, v_ in records[-1].items()), flush=True)
+                                       for k_, v_ in record.items()), flush=True)
     return records
 
 
@@ -115,10 +143,13 @@ def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("utils.bench.host needs a CUDA GPU")
-    records = measure(args)
+    fns = implementations(args)
+    records = measure(args, fns)
     settings = dict(batch=args.batch, heads=args.heads, dtype="bf16", calls=args.calls, reps=args.reps)
+    provenance = {label: fn.provenance() for label, fn in fns.items() if hasattr(fn, "provenance")}
     path = Path(args.out_dir) / f"{args.name}.json"
-    path.write_text(json.dumps(dict(environment=gpu.environment(), settings=settings, results=records), indent=1))
+    path.write_text(json.dumps(dict(environment=gpu.environment(), settings=settings, peers=provenance,
+                                    results=records), indent=1))
     print(f"wrote {path}")
     return records
 
