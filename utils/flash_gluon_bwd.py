@@ -398,7 +398,7 @@ def flash_attention_gluon_backward(do, q, k, v, o, lse, *, causal=False, sm_scal
         lse2 = torch.empty_like(delta)
         pre_head, pre = _preprocess(o, do, lse, delta, lse2, h)
         tensors = (q, k, v, do, dk, dv, dq_acc, lse2, delta)
-        head = kind.descriptors(tensors, lambda: _descriptors(*tensors, config))   # ~5 µs each, made once
+        head = kind.descriptors(tensors, lambda: _descriptors(*tensors, config))   # made once, then copied
         kind.launch((pre_head, head), lambda: (pre, _main(q, k, causal, scale, config)), keep=True)
     return dq_acc.view(b, h, nq, d).to(q.dtype), dk, dv
 

@@ -23,7 +23,7 @@ tensors) and the stream. `Kind` keeps a caller's checked choices and bound launc
 (`kind_key`: shapes, strides, dtypes, devices, alignment, options and the GPU profile emulated); `kind_of`
 finds a call's Kind, or checks the call and keeps a new one. A Kind also keeps the host TMA descriptors of its
 first call as templates: a later call copies them onto its own tensors (`rebase`) instead of constructing and
-checking each one again (~5 µs a descriptor; the Gluon backward passes nine).
+checking each one again (notebook 05b section 7 times both; the Gluon backward passes nine descriptors).
 """
 from __future__ import annotations
 
