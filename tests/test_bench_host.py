@@ -11,6 +11,7 @@ from utils.bench import host
 @pytest.mark.parametrize("argv,message", [(["--calls", "0"], "--calls must be positive"),
                                           (["--seqlens", "0"], "--seqlens must be positive"),
                                           (["--head-dims", "96"], "invalid choice: 96"),
+                                          (["--dtype", "fp32"], "invalid choice: 'fp32'"),
                                           (["--name", "a/b"], "bare file name")])
 def test_bad_arguments_are_named(argv, message, capsys):
     with pytest.raises(SystemExit):

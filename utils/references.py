@@ -29,8 +29,11 @@ REFERENCES = {
     "softmax": (1, ["utils.cuda_ext", "softmax", "--out", "images/06_softmax_h200.json"]),
     "triton_fwd": (1, ["utils.bench.forward", "--worklog", "--sdpa", "flash", "cudnn", "efficient",
                        "--name", "triton_fwd_h200"]),
-    # host time against GPU time at small N (notebook 05b, step 3): the direct launch and Triton's dispatch
-    "host": (1, ["utils.bench.host", "--name", "host_h200"]),
+    # host time against GPU time at small N (notebook 05b, step 3): the direct launch and Triton's dispatch, the
+    # Gluon kernels and the Triton tutorial (.peer/, as for "peers" below; fp16, the one dtype it takes)
+    "host": (1, ["utils.bench.host", "--name", "host_h200", "--impls", "gluon", "gluon_ws", "--dtype", "fp16",
+                 "--peers", "triton-tutorial", "--tutorial", ".peer/06-fused-attention.py", "--tutorial-ref",
+                 "release/3.6.x"]),
     "triton_sweep": (1, ["utils.bench.forward", "--sweep", "--sdpa", "cudnn", "--seqlens", "2048", "8192",
                          "--name", "triton_sweep_h200"]),
     # notebook 05b, section 5: each tuned tile with its loop in order and overlapped by one tile, 3 rounds

@@ -14,7 +14,7 @@ The course's Triton kernel is measured twice: launched directly (utils.launch, t
 `utils.launch.dispatch_by_triton()` (every launch through `kernel[grid]`), beside SDPA's FlashAttention-2 and
 cuDNN backends (forward through F.scaled_dot_product_attention, backward through autograd for all), and
 beside the registry names of `--impls` (the Gluon kernels: gluon, gluon_ws) and the `--peers` (the Triton
-tutorial's attention, read from its own file: utils.bench.peers).
+tutorial's attention, read from its own file: utils.bench.peers; `--dtype fp16`, the only dtype it takes).
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ import torch
 from utils import gpu
 from utils.bench import benchmark, error_line, peers
 from utils.bench.backward import autograd_backward
-from utils.bench.forward import IMAGES, sdpa_pinned
+from utils.bench.forward import DTYPES, IMAGES, sdpa_pinned
 
 TRITON_DISPATCH = "triton, Triton's dispatch"
 IMPLS = ("triton", TRITON_DISPATCH, "sdpa-flash", "sdpa-cudnn")
@@ -39,6 +39,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m utils.bench.host", description=__doc__.split("\n\n")[0])
     p.add_argument("--seqlens", type=int, nargs="+", default=[512, 1024, 2048, 4096])
     p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128], choices=[64, 128])
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"],
+                   help="fp16 to time the Triton tutorial, whose kernel takes no bf16")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--calls", type=int, default=100, help="calls per host-time loop")
@@ -125,13 +127,13 @@ def measure(args, fns: dict, device="cuda") -> list[dict]:
             for n in args.seqlens:
                 gen = torch.Generator(device="cpu").manual_seed(0)
                 q, k, v = (torch.randn(args.batch, args.heads, n, d, generator=gen)
-                           .to(device=device, dtype=torch.bfloat16) for _ in range(3))
+                           .to(device=device, dtype=DTYPES[args.dtype]) for _ in range(3))
                 for mode in ("fwd", "bwd"):
                     for impl, attention in fns.items():
                         record = dict(impl=impl, mode=mode, head_dim=d, causal=causal, seqlen=n)
                         try:
                             record.update(measure_case(impl, attention, mode, q, k, v, causal, args))
-                        except (ValueError, RuntimeError) as err:   # a shape a peer refuses, out of memory
+                        except (TypeError, ValueError, RuntimeError) as err:  # a dtype or shape refused, OOM
                             record.update(host_us=None, bench_us=None, gpu_us=None, error=error_line(err))
                         records.append(record)
                         print(" ".join(f"{k_}={v_:.1f}" if isinstance(v_, float) else f"{k_}={v_}"
@@ -145,7 +147,7 @@ def main(argv=None) -> list[dict]:
         raise SystemExit("utils.bench.host needs a CUDA GPU")
     fns = implementations(args)
     records = measure(args, fns)
-    settings = dict(batch=args.batch, heads=args.heads, dtype="bf16", calls=args.calls, reps=args.reps)
+    settings = dict(batch=args.batch, heads=args.heads, dtype=args.dtype, calls=args.calls, reps=args.reps)
     provenance = {label: fn.provenance() for label, fn in fns.items() if hasattr(fn, "provenance")}
     path = Path(args.out_dir) / f"{args.name}.json"
     path.write_text(json.dumps(dict(environment=gpu.environment(), settings=settings, peers=provenance,
