@@ -41,6 +41,30 @@ def test_implementations_are_the_four_then_registry_names_then_peers(tmp_path, c
     assert "skipping triton-tutorial" in capsys.readouterr().err
 
 
+def test_records_are_in_the_chosen_dtype_and_a_refusal_is_recorded(monkeypatch):
+    """Inputs in --dtype; an implementation that refuses them (the tutorial takes no bf16) gets its error in the
+    record and the run goes on with the next one."""
+    seen = []
+
+    def measure_case(impl, attention, mode, q, k, v, causal, args):
+        seen.append(q.dtype)
+        if impl == "picky":
+            raise TypeError("q has dtype torch.bfloat16; supported: float16")
+        return dict(host_us=1.0, bench_us=2.0, gpu_us=0.5)
+
+    monkeypatch.setattr(host, "measure_case", measure_case)
+    args = host.parse_args(["--seqlens", "16", "--head-dims", "64", "--batch", "1", "--heads", "1"])
+    records = host.measure(args, {"picky": None, "fine": None}, device="cpu")
+    assert set(seen) == {torch.bfloat16} and len(records) == 2 * 2 * 2   # causal or not, fwd and bwd, two impls
+    assert all(r["error"].startswith("TypeError: q has dtype") and r["host_us"] is None
+               for r in records if r["impl"] == "picky")
+    assert all("error" not in r and r["host_us"] == 1.0 for r in records if r["impl"] == "fine")
+    seen.clear()
+    host.measure(host.parse_args(["--seqlens", "16", "--head-dims", "64", "--dtype", "fp16"]), {"fine": None},
+                 device="cpu")
+    assert set(seen) == {torch.float16}
+
+
 def test_kernel_time_is_the_profiled_kernels_per_call(monkeypatch):
     """One call before profiling; `calls` calls profiled; every kernel's device time summed, per call."""
     events = []
