@@ -88,6 +88,23 @@ def test_dq_by_atomics_and_by_bulk_reduce_on_gpu():
         assert by["triton_reduce_dq"]["ms"] is None and 'needs an sm_90+' in by["triton_reduce_dq"]["error"], rows
 
 
+@pytest.mark.gpu
+def test_the_gluon_backwards_launch_orders_on_gpu():
+    """gluon_bwd_by_head and gluon_bwd_grouped (notebook 07, section 11) time the Gluon backward with its launch
+    order pinned: on sm_90 only, and the rows say so elsewhere."""
+    from utils import gpu
+
+    backends = ("gluon_bwd", "gluon_bwd_by_head", "gluon_bwd_grouped")
+    rows = run_backward_benchmark(seqlens=(1024,), head_dims=(128,), causal=(True,), batch=2, heads=3,
+                                  backends=backends)
+    assert [r["backend"] for r in rows] == list(backends), rows
+    for r in rows:
+        if gpu.capability() == (9, 0):
+            assert r["tflops"] > 0, rows
+        else:
+            assert r["ms"] is None and "sm_90" in r["error"], rows
+
+
 def test_a_run_records_where_triton_uses_tma():
     assert triton_loads([64, 128]) == {"d64_full": False, "d64_causal": False, "d128_full": True,
                                        "d128_causal": True}

@@ -47,6 +47,8 @@ def test_inputs_are_checked_before_anything_is_built():
     (gb.BwdConfig(64, 2, 244), 64, ValueError, "consumer_regs must be a multiple of 8"),
     (gb.BwdConfig(64, 2, 240, 1), 64, TypeError, "prefetch_s must be a bool"),
     (gb.BwdConfig(128, 1, 240, True), 64, ValueError, "prefetch_s needs stages >= 2"),
+    (gb.BwdConfig(64, 2, 240, False, 4.0), 128, TypeError, "bh_group must be an int"),
+    (gb.BwdConfig(64, 2, 240, False, -1), 128, ValueError, "bh_group must be >= 0"),
 ])
 def test_bad_configs_are_named(config, head_dim, error, match):
     with pytest.raises(error, match=match):
@@ -56,6 +58,8 @@ def test_bad_configs_are_named(config, head_dim, error, match):
 def test_the_picked_configs_are_valid_and_use_wide_tiles_where_registers_allow():
     assert gb.check_config(gb.pick_config(64), 64).block_m == 128
     assert gb.check_config(gb.pick_config(128), 128).block_m == 64
+    # launched in groups of (batch, head)s where it measured faster: causal at head dim 128 only
+    assert [gb.pick_config(d, causal).bh_group for d in (64, 128) for causal in (False, True)] == [0, 0, 0, 4]
 
 
 @pytest.mark.parametrize("stages,prefetch_s", [(1, False), (2, False), (3, False), (2, True), (3, True)])
@@ -148,10 +152,15 @@ def test_gradients_match_float64_on_odd_shapes(dtype, causal):
 @on_hopper
 @pytest.mark.parametrize("config,head_dim", [
     (gb.BwdConfig(64, 2, 240), 64), (gb.BwdConfig(128, 1, 232), 64), (gb.BwdConfig(64, 3, 240, True), 64),
-    (gb.BwdConfig(128, 2, 240, False), 64), (gb.BwdConfig(64, 3, 240, True), 128)],
-    ids=["64x2 d64", "128x1 d64", "64x3 prefetch d64", "128x2 no prefetch d64", "64x3 prefetch d128"])
+    (gb.BwdConfig(128, 2, 240, False), 64), (gb.BwdConfig(64, 3, 240, True), 128),
+    (gb.BwdConfig(128, 2, 240, True, 3), 64), (gb.BwdConfig(64, 2, 240, False, 3), 128),
+    (gb.BwdConfig(64, 2, 240, False, 8), 128)],
+    ids=["64x2 d64", "128x1 d64", "64x3 prefetch d64", "128x2 no prefetch d64", "64x3 prefetch d128",
+         "groups of 3 d64", "groups of 3 d128", "one group of 4 d128"])
 def test_every_config_gives_the_same_gradients(config, head_dim):
-    """The dQ block's split (rows of a 128-row tile, else columns) and prefetch_s, beside the picked configs."""
+    """The dQ block's split (rows of a 128-row tile, else columns), prefetch_s and the launch order (bh_group:
+    4 (batch, K/V head)s in groups of 3, the last group short, or in one group larger than there are), beside the
+    picked configs."""
     from utils.flash_triton import flash_attention_forward
     from utils.testing import assert_gradients_close, random_qkv, reference_gradients
 

@@ -257,7 +257,7 @@ def gluon_bwd_schedule(head_dim: int = 64, causal: bool = False, capability=(9, 
 
     q = torch.zeros(1, 2, 1024, head_dim, dtype=torch.bfloat16)
     acc, stats = torch.zeros(2, 1024, head_dim), torch.zeros(2, 1024)
-    config = gb.pick_config(head_dim)
+    config = gb.pick_config(head_dim, causal)
     (launch,) = _capture(lambda: gb._launch(q, q, q, q, q, q, acc, stats, stats, causal, 0.1, config))
     compiled = compile_launch(launch, capability)
     return schedule(compiled.asm["ptx"], DQ_EVENTS), compiled.metadata.shared

@@ -102,7 +102,8 @@ REFERENCES = {
                             "sdpa_flash", "sdpa_cudnn", "--seqlens", "4096", "8192", "16384", "--rounds", "3",
                             "--out", "images/07_backward_reduce_h200.json"]),
     # the one-kernel warp-specialised Gluon backward (section 11; sm_90) beside the Triton backward and SDPA's
-    "backward_gluon": (1, ["utils.bench.backward", "--backends", "triton", "gluon_bwd", "sdpa_flash", "sdpa_cudnn",
+    "backward_gluon": (1, ["utils.bench.backward", "--backends", "triton", "gluon_bwd", "gluon_bwd_by_head",
+                           "gluon_bwd_grouped", "sdpa_flash", "sdpa_cudnn",
                            "--seqlens", "1024", "2048", "4096", "8192", "16384", "--rounds", "3", "--out",
                            "images/07_gluon_bwd_h200.json"]),
     # one profiled launch of each pass of the Triton backward per load step (notebook 07, sections 8 and 9;

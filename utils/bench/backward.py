@@ -5,7 +5,8 @@ two), halved when causal, as in the FlashAttention-2 paper. Every number of a ta
 Besides the default backends, `--backends` takes sdpa_efficient, triton_pointer, triton_tma and triton_tma_stats (the
 Triton backward with its loads pinned, notebook 07 sections 8 and 9), triton_atomic_dq and triton_reduce_dq (dQ
 added by the dK/dV pass instead of a dQ pass, with an atomic add per element or a TMA bulk reduce-add per tile,
-section 10), gluon_bwd (the one-kernel warp-specialised Gluon backward of section 11, sm_90 only), and
+section 10), gluon_bwd (the one-kernel warp-specialised Gluon backward of section 11, sm_90 only; gluon_bwd_by_head
+and gluon_bwd_grouped: its programs launched head by head, or in groups of 4 heads, on every shape), and
 `--peers triton-tutorial` the Triton tutorial's backward (utils.bench.peers, read from its own
 file; shapes it cannot run are "not supported"). `--rounds 3` times each shape three times in rotated order and
 keeps the medians (the stored run's setting). Each backend is timed as a closure without arguments, so
@@ -28,8 +29,10 @@ BACKENDS = ("triton", "sdpa_flash", "sdpa_cudnn")                # the default s
 TRITON_LOADS = {"triton_pointer": (False, False), "triton_tma": (True, False), "triton_tma_stats": (True, True)}
 # Measured when asked for; cuda_*: notebook 06b's tensor-core backward in each of its steps (utils.cuda_backward).
 CUDA_BACKENDS = tuple(f"cuda_{step}" for step in BWD_STEPS)
-KNOWN = (BACKENDS + tuple(TRITON_LOADS) + ("triton_atomic_dq", "triton_reduce_dq", "gluon_bwd", "sdpa_efficient",
-                                          "triton_tutorial") + CUDA_BACKENDS)
+# The Gluon backward with its launch order pinned (BwdConfig.bh_group): "gluon_bwd" picks per shape (pick_config).
+GLUON_ORDERS = {"gluon_bwd_by_head": 0, "gluon_bwd_grouped": 4}
+KNOWN = (BACKENDS + tuple(TRITON_LOADS) + ("triton_atomic_dq", "triton_reduce_dq", "gluon_bwd", *GLUON_ORDERS,
+                                          "sdpa_efficient", "triton_tutorial") + CUDA_BACKENDS)
 DEFAULT_OUT = Path(__file__).resolve().parents[2] / "images" / "07_backward_benchmark.json"
 
 
@@ -62,14 +65,16 @@ def _triton_backward(config=None, tma=None, tma_stats=None, dq_atomic=False):
     return prepare
 
 
-def _gluon_backward():
-    """Notebook 07 section 11's one-kernel Gluon backward, after the Triton forward's (o, lse)."""
+def _gluon_backward(bh_group=None):
+    """Notebook 07 section 11's one-kernel Gluon backward, after the Triton forward's (o, lse); `bh_group`: its
+    launch order pinned (None: pick_config's)."""
     def prepare(q, k, v, do, causal):
-        from utils.flash_gluon_bwd import flash_attention_gluon_backward
+        from utils.flash_gluon_bwd import flash_attention_gluon_backward, pick_config
         from utils.flash_triton import flash_attention_forward
 
         o, lse = flash_attention_forward(q, k, v, causal=causal)
-        return lambda: flash_attention_gluon_backward(do, q, k, v, o, lse, causal=causal)
+        config = None if bh_group is None else pick_config(q.shape[-1], causal)._replace(bh_group=bh_group)
+        return lambda: flash_attention_gluon_backward(do, q, k, v, o, lse, causal=causal, config=config)
     return prepare
 
 
@@ -103,6 +108,7 @@ def run_backward_benchmark(seqlens=(2048, 4096, 8192, 16384), head_dims=(64, 128
                "triton_atomic_dq": lambda: _triton_backward(config, dq_atomic=True),
                "triton_reduce_dq": lambda: _triton_backward(config, dq_atomic="tma"),
                "gluon_bwd": _gluon_backward,
+               **{b: (lambda g=g: _gluon_backward(g)) for b, g in GLUON_ORDERS.items()},
                **{b: (lambda loads=loads: _triton_backward(config, *loads)) for b, loads in TRITON_LOADS.items()},
                **{b: (lambda step=b.removeprefix("cuda_"): _cuda_backward(step)) for b in CUDA_BACKENDS}}
     makers = {b: special[b]() if b in special else _sdpa_backward(b) for b in backends}
@@ -222,7 +228,8 @@ def plot_backward_benchmark(rows: list[dict], title: str = ""):
         raise ValueError("no rows to plot")
     fig, axes = plt.subplots(1, len(head_dims), figsize=(6 * len(head_dims), 4), sharey=True, squeeze=False)
     colors = {"triton": "C0", "sdpa_flash": "C1", "sdpa_cudnn": "C2", "sdpa_efficient": "C3", "triton_tutorial": "C4",
-              "gluon_bwd": "m", "triton_pointer": "C5", "triton_tma": "C6", "triton_tma_stats": "C8",
+              "gluon_bwd": "m", "gluon_bwd_by_head": "tab:pink", "gluon_bwd_grouped": "tab:olive",
+              "triton_pointer": "C5", "triton_tma": "C6", "triton_tma_stats": "C8",
               "triton_atomic_dq": "C7", "triton_reduce_dq": "k",
               **{b: f"C{9 + i}" for i, b in enumerate(CUDA_BACKENDS)}}
     for ax, d in zip(axes[0], head_dims):
@@ -282,6 +289,11 @@ def main(argv=None) -> list[dict]:
         extra["configs"] = triton_tiles(args.head_dims, DTYPES[args.dtype],
                                         gpu.shared_memory_per_block(torch.device("cuda")))
         extra["tma"] = triton_loads(args.head_dims)
+    if any(b.startswith("gluon_bwd") for b in backends):   # gluon_bwd's picked tiles and launch order
+        from utils.flash_gluon_bwd import pick_config
+
+        extra["gluon_configs"] = {f"d{d}_{'causal' if c else 'full'}": pick_config(d, c)._asdict()
+                                  for d in args.head_dims for c in (False, True)}
     save_results(rows, args.out, environment=env, gpu=env["gpu"], torch=env["torch"], triton=env["triton"],
                  batch=4, heads=16, dtype=str(DTYPES[args.dtype]).removeprefix("torch."), rounds=args.rounds, **extra)
     plot_backward_benchmark(rows, f"{env['gpu']}, {args.dtype}, B=4, H=16").savefig(args.out.with_suffix(".png"),
