@@ -32,8 +32,8 @@ What made it fast (measured on an H200, notebook 07 section 11 reads the stored 
   - lse2 and D arrive by TMA with Q and dO and are read from shared memory when needed: held in registers
     across the wgmma waits they made the head-dim-128 loop spill.
   - causal at head dim 128, the programs are launched four (batch, K/V head)s at a time, key block by key
-    block (BwdConfig.bh_group): residents of about the same length walk the same query tiles together, where
-    head by head a head's long programs run beside the next heads' short ones (1.02-1.08× at every length).
+    block (BwdConfig.bh_group), not head by head: programs of about the same length side by side (1.02-1.08×
+    at every length; notebook 07 section 11 says what is known of why).
 
 The reduce-adds from the programs of one head arrive in any order, so dQ's last bits vary from run to run
 (notebook 07's dQ pass is deterministic); dK and dV do not. Gluon has no interpreter: the kernel runs on sm_90
@@ -74,14 +74,14 @@ class BwdConfig(NamedTuple):
     stages: int                # ring slots for Q, dO, lse2, D
     consumer_regs: int         # registers per consumer thread (setmaxnreg); the producer keeps 24
     prefetch_s: bool = False   # issue the next tile's Sᵀ once dQ is staged (waits for that tile: stages >= 2)
-    bh_group: int = 0          # > 0: launch order key block by key block over groups of this many (batch, K/V head)s
+    bh_group: int = 0          # > 0: launched key block by key block over groups of this many (batch, K/V head)s
 
 
 def pick_config(head_dim: int, causal: bool = False) -> BwdConfig:
     """Measured best on an H200 (notebook 07 section 11): 128-row tiles and Sᵀ prefetched at head dim 64; at
     128 the registers of dK, dV (64 keys × 128 fp32 each) leave room for 64-row tiles only, and none for a
-    prefetched Sᵀ beside the dQ block. Causal at 128: programs launched in groups of 4 (batch, head)s
-    (`bh_group`; at 64 the grouping measured slower)."""
+    prefetched Sᵀ beside the dQ block. Causal at 128: programs launched four (batch, K/V head)s at a time
+    (`bh_group`; at 64, and without a mask, the grouping measured within a few percent either way)."""
     if head_dim == 64:
         return BwdConfig(128, 2, 240, True)
     return BwdConfig(64, 2, 240, False, bh_group=4 if causal else 0)
@@ -286,10 +286,8 @@ def gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
     pid_n = gl.program_id(0)
     pid_bh = gl.program_id(1)
     # Causal programs differ in length (key block 0 sees every query, the last block a few). Launched head by
-    # head, a head's long programs still run beside the short ones of the next heads: the residents read Q, dO
-    # and add dQ all over several heads' rows. With BH_GROUP, program i of the grid takes key block
-    # i // BH_GROUP of (batch, head) i % BH_GROUP of its group: residents of similar length, walking the same
-    # query tiles together.
+    # head, a head's long programs run beside the next heads' short ones. With BH_GROUP, program i of the grid
+    # takes key block i // BH_GROUP of (batch, head) i % BH_GROUP of its group: residents of similar length.
     if BH_GROUP > 0:
         n_blocks = gl.num_programs(0)
         pid = pid_n + pid_bh * n_blocks
