@@ -414,6 +414,49 @@ def test_a_kind_of_call_is_checked_once_and_others_apart(monkeypatch):
     assert len(bwd._KINDS) == 4
 
 
+def test_backward_for_forward_gives_flash_attention_backwards_gradients():
+    """Called as utils.flash_triton's autograd Function calls it: bitwise the gradients of
+    flash_attention_backward, and a kind kept in the forward's only where the call has a key (CUDA; a CPU call
+    in the interpreter has none)."""
+    import utils.flash_triton_bwd as bwd
+    from utils.launch import Kind
+
+    q, k, v = random_qkv(1, 2, 24, 40, 16, kv_heads=1, seed=6, device=DEVICE)
+    do = torch.randn_like(q)
+    o, lse = (t.float() for t in forward_lse(q, k, v, True))
+    forward_kind = Kind(None)
+    got = bwd.backward_for_forward(forward_kind, do, q, k, v, o, lse, causal=True, sm_scale=0.3)
+    expected = flash_attention_backward(do, q, k, v, o, lse, causal=True, sm_scale=0.3)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    assert len(forward_kind.derived) == (1 if CUDA else 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="kinds are kept for CUDA calls only")
+def test_autograd_keeps_the_backward_kinds_in_the_forward_kind():
+    """Through autograd the backward's kinds of call live in the forward's, keyed by dO alone: the second call
+    of a dO layout takes the kept kind (bitwise the gradients of flash_attention_backward), and a dO of other
+    strides or another alignment gets a kind of its own."""
+    from utils import flash_triton
+
+    q, k, v = (t.requires_grad_() for t in random_qkv(2, 4, 200, 200, 64, dtype=torch.float16, device=DEVICE,
+                                                        seed=5))
+    o, lse = flash_triton.flash_attention(q, k, v, causal=True, return_lse=True)
+    forward_kind = flash_triton._KINDS[flash_triton._call_key(q, k, v, True, None)]
+    forward_kind.derived.clear()
+    do = torch.randn_like(o)
+    layouts = {"contiguous": do, "strides": do.transpose(1, 2).contiguous().transpose(1, 2),
+               "alignment": misaligned(do)}
+    for n, (what, g) in enumerate(layouts.items(), start=1):
+        expected = flash_attention_backward(g, *(t.detach() for t in (q, k, v, o)), lse, causal=True)
+        for _ in range(2):   # the first call checks and keeps the kind, the second takes it
+            got = torch.autograd.grad(o, (q, k, v), g, retain_graph=True)
+            for a, b in zip(got, expected):
+                torch.testing.assert_close(a, b, atol=0, rtol=0)
+        assert len(forward_kind.derived) == n, what
+
+
 def test_default_config_is_valid_for_every_case():
     for d in (16, 64, 80, 128, 256):
         for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from utils import flash_triton
+from utils import flash_triton, launch
 from utils.flash_triton import (Config, Steps, flash_attention, flash_attention_forward, pick_config,
                                 tma_supported, tunable)
 from utils.reference import reference_attention
@@ -387,17 +387,18 @@ def test_pick_config():
 def test_backward_calls_the_notebook_07_module_with_the_saved_tensors(monkeypatch):
     calls = []
 
-    def fake_backward(do, q, k, v, o, lse, *, causal, sm_scale):
-        calls.append(dict(do=do, q=q, o=o, lse=lse, causal=causal, sm_scale=sm_scale))
+    def fake_backward(kind, do, q, k, v, o, lse, *, causal, sm_scale):
+        calls.append(dict(kind=kind, do=do, q=q, o=o, lse=lse, causal=causal, sm_scale=sm_scale))
         return 2 * q, 3 * k, 4 * v
 
     monkeypatch.setitem(sys.modules, "utils.flash_triton_bwd",
-                        types.SimpleNamespace(flash_attention_backward=fake_backward))
+                        types.SimpleNamespace(backward_for_forward=fake_backward))
     q, k, v = (t.requires_grad_() for t in qkv(nq=16, nk=24, hk=1))
     o, lse = flash_attention(q, k, v, causal=True, sm_scale=0.3, return_lse=True)
     o.sum().backward()
     (call,) = calls
     assert call["causal"] is True and call["sm_scale"] == 0.3 and torch.equal(call["lse"], lse)
+    assert isinstance(call["kind"], launch.Kind) and call["kind"].choices.scale == 0.3   # the forward's kind
     assert torch.equal(call["o"], o.detach()) and torch.equal(call["do"], torch.ones_like(o))
     assert torch.equal(q.grad, 2 * q.detach()) and torch.equal(k.grad, 3 * k.detach())
 

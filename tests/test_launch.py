@@ -203,6 +203,7 @@ def test_a_kind_binds_its_launches_once_and_runs_them_after(fake):
     other = launch.Kind("cpu call")
     other.launch([(x,)], specs, keep=False)                    # no key: never kept
     assert other.launches is None and not other.ready()
+    assert kind.derived == other.derived == {} and kind.derived is not other.derived   # a dict of its own each
 
 
 def test_kind_of_checks_a_kind_once_and_never_keeps_a_call_without_a_key():

@@ -45,6 +45,26 @@ def test_readme_results_equal_the_json():
     assert "Gluon backward of notebook 07" in text and "the tutorial's backward at N ≥ 2k" in text
 
 
+def test_readme_counts_the_shapes_where_the_course_is_below_the_tutorial():
+    """The count README gives, computed here from the peers run's records: per fp16 shape, the course's fastest
+    kernel against the tutorial's fastest variant."""
+    results = json.loads((IMAGES / "peers_h200.json").read_text())["results"]
+    best = {}
+    for r in results:
+        if r["accurate"] and r["ms"] and (r["impl"] in ("triton", "gluon", "gluon_ws")
+                                          or r["impl"].startswith("triton-tutorial")):
+            who = "tutorial" if r["impl"].startswith("triton-tutorial") else "course"
+            shape = (r["mode"], r["dtype"], r["head_dim"], r["causal"], r["seqlen"])
+            best[who, shape] = min(best.get((who, shape), float("inf")), r["ms"])
+    shapes = [s for who, s in best if who == "tutorial" and ("course", s) in best]
+    below = sum(best["course", s] > best["tutorial", s] for s in shapes)
+    text = results_markdown()
+    if below:
+        assert f": {below} of {len(shapes)} shapes" in text
+    else:
+        assert f"at least its speed on all {len(shapes)} shapes" in text
+
+
 def test_readme_course_against_sdpa_is_the_fastest_course_kernel_per_shape():
     """The peers run's forward against FlashAttention-2, computed here from the records themselves."""
     results = json.loads((IMAGES / "peers_h200.json").read_text())["results"]

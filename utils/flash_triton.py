@@ -590,7 +590,8 @@ def _forward(q, k, v, causal, kind):
 
 
 class FlashAttentionFunction(torch.autograd.Function):
-    """Autograd wrapper: forward runs the Triton kernel; backward is notebook 07's kernel."""
+    """Autograd wrapper: forward runs the Triton kernel; backward is notebook 07's kernel, given the forward's
+    kind of call (utils.flash_triton_bwd.backward_for_forward)."""
 
     @staticmethod
     def forward(ctx, q, k, v, causal, kind):
@@ -599,6 +600,7 @@ class FlashAttentionFunction(torch.autograd.Function):
         ctx.set_materialize_grads(False)  # lse gets no gradient: no tensor of zeros is made for it
         ctx.causal = causal
         ctx.sm_scale = kind.choices.scale
+        ctx.kind = kind  # the backward keeps its kinds of call in the forward's
         ctx.mark_non_differentiable(lse)
         return o, lse
 
@@ -607,14 +609,14 @@ class FlashAttentionFunction(torch.autograd.Function):
         if do is None:  # o took no part in what is differentiated
             return None, None, None, None, None
         try:
-            from utils.flash_triton_bwd import flash_attention_backward
+            from utils.flash_triton_bwd import backward_for_forward
         except ModuleNotFoundError as err:
             if err.name != "utils.flash_triton_bwd":
                 raise
             raise NotImplementedError("the backward pass of flash_attention lives in utils/flash_triton_bwd.py "
                                       "(notebook 07), which is not there yet") from None
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = flash_attention_backward(do, q, k, v, o, lse, causal=ctx.causal, sm_scale=ctx.sm_scale)
+        dq, dk, dv = backward_for_forward(ctx.kind, do, q, k, v, o, lse, causal=ctx.causal, sm_scale=ctx.sm_scale)
         return dq, dk, dv, None, None
 
 

@@ -357,6 +357,9 @@ class Choices(NamedTuple):
     dq_atomic: bool | str
     upcast: bool          # bf16 in the interpreter: computed in fp32
     causal: bool
+    acc: torch.dtype      # of the accumulators, D and lse₂
+    block_d: int          # the head dim padded to a power of two
+    lse_ready: bool       # lse is already of dtype `acc` and contiguous
 
 
 _KINDS: dict = {}   # _call_key -> launch.Kind of Choices: one small entry per kind of call seen, as Triton's own caches
@@ -412,7 +415,9 @@ def _choose(do, q, k, v, o, lse, causal, sm_scale, config, tma, tma_stats, dq_at
     if q.device.type != "cuda" and not (interpret and q.device.type == "cpu"):
         raise ValueError(f"q is on {q.device}: the kernels need a CUDA device, or CPU tensors with "
                          "TRITON_INTERPRET=1 set before this module was imported")
-    return Choices(shape, scale, config, tma, stats, dq_atomic, interpret and q.dtype == torch.bfloat16, causal)
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return Choices(shape, scale, config, tma, stats, dq_atomic, interpret and q.dtype == torch.bfloat16, causal,
+                   acc, max(16, triton.next_power_of_2(shape.head_dim)), lse.dtype == acc and lse.is_contiguous())
 
 
 def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, sm_scale=None, config=None, tma=None,
@@ -446,25 +451,47 @@ def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, sm_scale=None
         grads = flash_attention_backward(*(t.float() for t in (do, q, k, v, o)), lse, causal=causal,
                                          sm_scale=sm_scale, config=config, dq_atomic=dq_atomic)
         return tuple(g.to(torch.bfloat16) for g in grads)
-    b, h, hk, nq, nk, d = kind.choices.shape
-    dq_atomic = kind.choices.dq_atomic
-    block_d = max(16, triton.next_power_of_2(d))
-    acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32   # accumulators, D and lse
+    return _run(kind, key is not None, do, q, k, v, o, lse)
+
+
+def backward_for_forward(forward_kind: launch.Kind, do, q, k, v, o, lse, *, causal, sm_scale):
+    """flash_attention_backward of what a forward of kind `forward_kind` saved (utils.flash_triton's autograd
+    Function calls this). That kind fixes the shapes, strides, dtypes and alignment of q, k, v, o and lse, so
+    the backward's kinds of call are kept in it under the key of dO alone: one tensor's key instead of six, and
+    less host time where a call's host time is its time (N <= 1k: notebook 05b, section 7)."""
+    key = launch.kind_key((do,), ())
+    kind = forward_kind.derived.get(key) if key is not None else None
+    if kind is not None:
+        return _run(kind, True, do, q, k, v, o, lse)
+    grads = flash_attention_backward(do, q, k, v, o, lse, causal=causal, sm_scale=sm_scale)  # checks, keeps
+    kept = key is not None and _KINDS.get(_call_key(do, q, k, v, o, lse, causal, sm_scale, None, None, None, False))
+    if kept:
+        forward_kind.derived[key] = kept
+    return grads
+
+
+def _run(kind: launch.Kind, keep: bool, do, q, k, v, o, lse) -> tuple:
+    """The gradients of a checked call of `kind`: this call's tensors made (outputs, D and lse₂, descriptors)
+    and handed to the kind's launches (bound and kept with `keep`: a call with a key)."""
+    c = kind.choices
+    b, h, _, nq, _, d = c.shape
     # This call's tensors: the launches' leading arguments (the rest is fixed by the kind of call).
-    lse = lse.to(acc_dtype).contiguous()
-    delta = torch.empty((b, h, nq), dtype=acc_dtype, device=q.device)
+    if not c.lse_ready:
+        lse = lse.to(c.acc).contiguous()
+    delta = torch.empty((b, h, nq), dtype=c.acc, device=q.device)
     lse2 = torch.empty_like(delta)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    dq = None if dq_atomic else torch.empty_like(q)
-    dq_acc = torch.zeros((b, h, nq, block_d), dtype=acc_dtype, device=q.device) if dq_atomic else None
-    qd, dod, kd, vd, ld, dd, dqd = kind.descriptors((q, do, k, v, lse2, delta, dq_acc), lambda: _descriptors(
-        kind.choices, q, do, k, v, lse2, delta, dq_acc))
-    dqa = dqd if dq_atomic == "tma" else dq_acc
+    dq = None if c.dq_atomic else torch.empty_like(q)
+    dq_acc = torch.zeros((b, h, nq, c.block_d), dtype=c.acc, device=q.device) if c.dq_atomic else None
+    qd = dod = kd = vd = ld = dd = dqd = None
+    if c.tma or c.dq_atomic == "tma":   # host TMA descriptors: made at the kind's first call, then copied
+        qd, dod, kd, vd, ld, dd, dqd = kind.descriptors((q, do, k, v, lse2, delta, dq_acc), lambda: _descriptors(
+            c, q, do, k, v, lse2, delta, dq_acc))
+    dqa = dqd if c.dq_atomic == "tma" else dq_acc
     heads = ((o, do, lse, delta, lse2), (q, k, v, do, lse2, delta, dk, dv, qd, dod, ld, dd, dqa),
-             (q, k, v, do, lse2, delta, dq, kd, vd))[:2 if dq_atomic else 3]
-
-    kind.launch(heads, lambda: _launches(kind.choices, q, k, v, do, o, dk, dv, dq), keep=key is not None)
-    if dq_atomic:
+             (q, k, v, do, lse2, delta, dq, kd, vd))[:2 if c.dq_atomic else 3]
+    kind.launch(heads, lambda: _launches(c, q, k, v, do, o, dk, dv, dq), keep=keep)
+    if c.dq_atomic:
         return dq_acc[..., :d].to(q.dtype), dk, dv
     return dq, dk, dv
 
@@ -487,7 +514,7 @@ def _launches(choices: Choices, q, k, v, do, o, dk, dv, dq) -> list[tuple]:
     """(launcher, grid, trailing arguments, constexprs and options) of each launch of a kind of call; the
     trailing arguments (strides, sizes, scales) follow the leading tensors that flash_attention_backward makes."""
     (b, h, hk, nq, nk, d), scale, config, tma, stats, dq_atomic = choices[:6]
-    block_d = max(16, triton.next_power_of_2(d))
+    block_d = choices.block_d
     acc = tl.float64 if q.dtype == torch.float64 else tl.float32
     # fp32 dots would use TF32 (10-bit mantissa) on tensor cores; gradients in fp32 are expected to be exact-ish.
     precision = "ieee" if q.dtype in (torch.float32, torch.float64) else "tf32"

@@ -169,11 +169,12 @@ def rebase(descriptor, base):
 
 class Kind:
     """What a caller keeps for one kind of call: its checked `choices`, once its first call has launched them
-    its bound launches (and the device they were bound on), and its descriptors' templates."""
-    __slots__ = ("choices", "launches", "device", "templates")
+    its bound launches (and the device they were bound on), its descriptors' templates, and `derived`: the kinds
+    of the calls that follow one of this kind (a forward's backward), under the key of what else they take."""
+    __slots__ = ("choices", "launches", "device", "templates", "derived")
 
     def __init__(self, choices):
-        self.choices, self.launches, self.device, self.templates = choices, None, None, None
+        self.choices, self.launches, self.device, self.templates, self.derived = choices, None, None, None, {}
 
     def descriptors(self, tensors, make) -> tuple:
         """This call's host TMA descriptors, one per tensor of `tensors` (None where there is none): `make()`'s

@@ -205,19 +205,21 @@ def _gluon_and_tutorial() -> str:
             f"Beside the official Triton tutorial's fused attention (its {ref} file, fp16: the one dtype it "
             f"supports; `images/peers_h200.json`, one run with SDPA's backends), the course's fastest kernel per "
             f"shape (of `{'`, `'.join(course)}`) is")
-    parts = []
-    for mode, name in (("fwd", "forward"), ("bwd", "backward")):
-        values = [r["ratio"] for r in rows if r["mode"] == mode and r["seqlen"] >= 2048]
-        parts.append(f"{_span(values)} the tutorial's {name}")
+    def against_tutorial(long):   # the spans of the forward's and the backward's ratios, N >= 2k or below
+        return " and ".join(
+            _span([r["ratio"] for r in rows if r["mode"] == mode and (r["seqlen"] >= 2048) == long])
+            + f" the tutorial's {name}" for mode, name in (("fwd", "forward"), ("bwd", "backward")))
+
+    short = sorted({_fmt_k(r["seqlen"]) for r in rows if r["seqlen"] < 2048})
+    text += f" {against_tutorial(True)} at N ≥ 2k"
+    if short:
+        text += (f", and {against_tutorial(False)} at N = {', '.join(short)}, where the CPU's time per call, not "
+                 "the kernel's, sets the pace (notebook 05b, section 7)")
     below = [r for r in rows if r["ratio"] < 1.0]
-    text += " " + " and ".join(parts) + " at N ≥ 2k"
-    if below:
-        text += ("; it is below the tutorial on " + ", ".join(
-            f"the {'forward' if r['mode'] == 'fwd' else 'backward'} at d={r['head_dim']}"
-            f"{' causal' if r['causal'] else ''}, N={_fmt_k(r['seqlen'])} ({r['ratio']:.2f}×)" for r in below)
-            + f": {len(below)} of {len(rows)} shapes")
-        if all(r["seqlen"] <= 1024 for r in below):
-            text += " (at N ≤ 1k the CPU's time per call, not the kernel's, sets the pace: notebook 05b, section 7)"
+    text += ("; it is below the tutorial on " + ", ".join(
+        f"the {'forward' if r['mode'] == 'fwd' else 'backward'} at d={r['head_dim']}"
+        f"{' causal' if r['causal'] else ''}, N={_fmt_k(r['seqlen'])} ({r['ratio']:.2f}×)" for r in below)
+        + f": {len(below)} of {len(rows)} shapes") if below else f": at least its speed on all {len(rows)} shapes"
 
     def spread(mode, sdpa, shortest):   # the course's fastest per shape over one SDPA backend, both dtypes
         return _span([r["ratio"] for r in versus(peers["results"], course, (sdpa,))
