@@ -14,8 +14,9 @@ LAB_ARGS ?= $(if $(filter 0,$(shell id -u)),--allow-root)
 lab: $(STAMP)
 	$(BIN)/jupyter lab $(LAB_ARGS) notebooks/
 
+# Both cores (or all): pytest-xdist; a notebook's cells stay on one worker (conftest.py).
 test: $(STAMP)
-	$(BIN)/pytest
+	$(BIN)/pytest -n auto
 
 install: $(STAMP)
 

@@ -6,6 +6,12 @@
   kernel it starts) is given one GPU, round robin, before CUDA starts here.
 - Notebook cells that start with `%%gpu`, and tests marked `@pytest.mark.gpu`, are reported as skipped on a
   machine without a CUDA GPU (in Jupyter the `%%gpu` magic skips them with a message).
+- Tests marked `@pytest.mark.full` are the slow checks (every compile of a template, every learner notebook)
+  that `make test` on a CPU samples instead of running all: they run on a CUDA machine (so in the GPU suite,
+  which runs before every release) or anywhere with `pytest --full`.
+- Under pytest-xdist (`make test` runs `pytest -n auto`), a notebook's cells stay together on one worker, in
+  order, since they share one kernel; the notebooks are handed out first (the longest units of work), then the
+  unit tests one by one.
 """
 import os
 
@@ -23,10 +29,16 @@ if not CUDA:
     fix_interpreter_scalars()
 
 
+def pytest_addoption(parser):
+    parser.addoption("--full", action="store_true", default=False,
+                     help="also run the tests marked full (always run on a CUDA machine)")
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU; skipped without one")
     config.addinivalue_line("markers", "capability(major, minor): needs a GPU at least this new (the emulated one "
                                        "under COURSE_EMULATE_GPU); skipped on older ones, as on a T4")
+    config.addinivalue_line("markers", "full: a slow check that make test on a CPU samples; run on a GPU or with --full")
 
 
 def is_gpu_cell(item) -> bool:
@@ -34,7 +46,26 @@ def is_gpu_cell(item) -> bool:
     return cell is not None and cell.get("source", "").lstrip().startswith("%%gpu")
 
 
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist's default distribution (`-n` alone), with each notebook kept whole on one worker."""
+    if config.getoption("dist") != "load":
+        return None   # a --dist the caller chose
+    from xdist.scheduler import LoadScopeScheduling
+
+    class NotebooksWhole(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = nodeid.split("::")[0]
+            return file if file.endswith(".ipynb") else nodeid
+
+    return NotebooksWhole(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
+    if not CUDA and not config.getoption("--full"):
+        skip_full = pytest.mark.skip(reason="a full-suite check: runs on a GPU or with pytest --full")
+        for item in items:
+            if "full" in item.keywords:
+                item.add_marker(skip_full)
     if CUDA:
         from utils import gpu
 

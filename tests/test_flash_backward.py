@@ -11,7 +11,8 @@ from utils.flash_pytorch_bwd import (FlashAttentionPyTorch, attention_gradients,
                                           flash_backward_pytorch, saved_tensor_bytes)
 from utils.flash_pytorch import flash2_attention
 from utils.reference import naive_attention, reference_attention
-from utils.testing import ATTENTION_SHAPES, assert_gradients_close, misaligned, random_qkv, reference_gradients
+from utils.testing import (ATTENTION_SHAPES, assert_gradients_close, misaligned, pairwise, random_qkv,
+                           reference_gradients)
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -155,10 +156,12 @@ def triton_dtypes():
     return (torch.float32, torch.float16, torch.bfloat16) if CUDA else (torch.float32,)
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "default" if c is None else "small")
-@pytest.mark.parametrize("dtype", triton_dtypes(), ids=str)
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("shape", SHAPES, ids=ids)
+# A covering design of strength 2 (as tests/test_attention.py explains): every pair of shape, causal, dtype and
+# tile configuration at least once, rather than their full product.
+@pytest.mark.parametrize("shape,causal,dtype,config", [
+    pytest.param(r["shape"], r["causal"], r["dtype"], r["config"],
+                 id=f"{ids(r['shape'])}-{r['causal']}-{r['dtype']}-{'default' if r['config'] is None else 'small'}")
+    for r in pairwise(dict(shape=SHAPES, causal=[False, True], dtype=triton_dtypes(), config=CONFIGS))])
 def test_triton_backward_matches_autograd(shape, causal, dtype, config):
     b, h, hk, nq, nk, d = shape
     q, k, v = random_qkv(b, h, nq, nk, d, kv_heads=hk, dtype=dtype, device=DEVICE, seed=7)

@@ -130,16 +130,37 @@ def test_report_shape(path: Path):
     assert notebooks == {p.name for p in (ROOT / "notebooks").glob("*.ipynb")}, "every notebook ran"
     assert report["totals"] == {k: sum(p["totals"][k] for p in report["parts"].values())
                                 for k in ("passed", "failed", "skipped")}
+    if path == report_path(None) or "runs" in report:   # reports since the suite timed itself
+        assert report["runs"] and all(run["seconds"] > 0 for run in report["runs"]), "each run's wall-clock time"
 
 
-@pytest.mark.parametrize("part,given,expected", [
-    ("notebooks", ["-n", "4"], ["-n", "4", "--dist", "loadfile"]),
-    ("notebooks", ["-n8", "-x"], ["-n8", "-x", "--dist", "loadfile"]),
-    ("notebooks", ["-n", "4", "--dist", "loadscope"], ["-n", "4", "--dist", "loadscope"]),
-    ("notebooks", ["-x"], ["-x"]),
-    ("tests", ["-n", "4"], ["-n", "4"])])
-def test_notebooks_run_whole_on_one_worker(part, given, expected):
-    assert gpu_suite.part_args(part, given) == expected
+def test_notebooks_run_whole_on_one_worker():
+    """conftest.py's scheduler for pytest-xdist: a notebook's cells are one unit of work, a test is one by itself."""
+    import conftest
+    from xdist.scheduler import LoadScopeScheduling
+
+    config = SimpleNamespace(getoption=lambda name: "load", getvalue={"tx": ["2*popen"]}.get,
+                             option=SimpleNamespace(loadscopereorder=True))
+    sched = conftest.pytest_xdist_make_scheduler(config, log=None)
+    assert isinstance(sched, LoadScopeScheduling)
+    assert sched._split_scope("notebooks/05a_triton_debugging.ipynb::Cell 12") == "notebooks/05a_triton_debugging.ipynb"
+    assert sched._split_scope("tests/test_x.py::test_y[a::b]") == "tests/test_x.py::test_y[a::b]"
+    config.getoption = lambda name: "loadfile"
+    assert conftest.pytest_xdist_make_scheduler(config, log=None) is None   # a --dist of the caller's choice
+
+
+def test_one_run_is_split_into_its_parts():
+    c = Collector()
+    for nodeid, outcome in (("tests/a.py::t", "passed"), ("notebooks/00_setup.ipynb::Cell 0", "passed"),
+                            ("notebooks/00_setup.ipynb::Cell 1", "failed")):
+        c.pytest_runtest_logreport(SimpleNamespace(nodeid=nodeid, when="call", outcome=outcome, duration=1.0,
+                                                   failed=outcome == "failed", skipped=False, longreprtext="x"))
+    c.pytest_collectreport(SimpleNamespace(nodeid="", failed=True, longreprtext="import error"))
+    tests, notebooks = summarize(c, part="tests"), summarize(c, part="notebooks")
+    assert set(tests["files"]) == {"tests/a.py", "collection"} and tests["totals"]["failed"] == 1
+    assert set(notebooks["files"]) == {"notebooks/00_setup.ipynb"}
+    assert notebooks["totals"] == dict(passed=1, failed=1, skipped=0) and len(notebooks["failures"]) == 1
+    assert gpu_suite.part_of("tests/a.py") == "tests" and gpu_suite.part_of("collection") is None
 
 
 def test_a_run_of_some_files_keeps_the_others_results():
@@ -163,22 +184,26 @@ def test_main_writes_a_report_per_part(tmp_path, monkeypatch):
     monkeypatch.setattr("utils.gpu.environment", lambda command: {"command": command})
     runs = []
 
-    def fake_run_part(part, files, pytest_args, old, save):
-        runs.append((part, tuple(files), tuple(pytest_args)))
-        results = summarize(Collector(), old)
+    def fake_run_parts(parts, files, pytest_args, old, save):
+        runs.append((tuple(parts), tuple(files), tuple(pytest_args)))
+        results = {part: summarize(Collector(), old.get(part), part) for part in parts}
         save(results)
         return results, 0
 
-    monkeypatch.setattr(gpu_suite, "run_part", fake_run_part)
+    monkeypatch.setattr(gpu_suite, "run_parts", fake_run_parts)
     report = tmp_path / "r.json"
     assert gpu_suite.main(["--report", str(report), "--", "-n", "4"]) == 0
-    assert runs == [("tests", (), ("-n", "4")), ("notebooks", (), ("-n", "4"))]
+    assert runs == [(("tests", "notebooks"), (), ("-n", "4"))]   # one session: the workers share both parts
     data = json.loads(report.read_text())
     assert data["environment"]["command"] == "python -m utils.gpu_suite -- -n 4"   # how it ran: pytest-xdist
     assert set(data["parts"]) == {"tests", "notebooks"} and data["trees"] == {"utils": "utils" * 5,
                                                                              "notebooks": "notebooks" * 5}
+    assert [run["files"] for run in data["runs"]] == [[]] and data["runs"][0]["seconds"] >= 0
+    assert gpu_suite.main(["--report", str(report), "--files", "notebooks/00_setup.ipynb"]) == 0
+    assert runs[-1] == (("notebooks",), ("notebooks/00_setup.ipynb",), ())
+    assert [run["files"] for run in json.loads(report.read_text())["runs"]] == [[], ["notebooks/00_setup.ipynb"]]
+    assert gpu_suite.main(["--report", str(report), "--part", "tests", "--files", "notebooks/00_setup.ipynb"]) == 2
     assert gpu_suite.main(["--report", str(report), "--files", "notebooks/00_setup.ipynb", "--emulate", "t4"]) == 0
-    assert runs[-1] == ("notebooks", ("notebooks/00_setup.ipynb",), ())
     assert json.loads(report.read_text())["environment"]["command"] == "python -m utils.gpu_suite --emulate t4"
 
 
@@ -211,13 +236,13 @@ def test_main_spreads_the_workers_only_over_several_gpus(tmp_path, monkeypatch, 
     monkeypatch.setattr("utils.gpu.environment", lambda command: {"command": command})
     seen = []
 
-    def fake_run_part(part, files, pytest_args, old, save):
+    def fake_run_parts(parts, files, pytest_args, old, save):
         seen.append(os.environ.get(gpu_suite.SPREAD_VAR))
-        results = summarize(Collector(), old)
+        results = {part: summarize(Collector(), old.get(part), part) for part in parts}
         save(results)
         return results, 0
 
-    monkeypatch.setattr(gpu_suite, "run_part", fake_run_part)
+    monkeypatch.setattr(gpu_suite, "run_parts", fake_run_parts)
     report = tmp_path / "r.json"
     assert gpu_suite.main(["--report", str(report), "--part", "tests"]) == 0
     assert seen == [spread] and json.loads(report.read_text())["environment"]["gpus"] == count

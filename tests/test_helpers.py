@@ -5,7 +5,7 @@ from utils.bench import attention_flops, benchmark, tflops
 from utils.exercises import check
 from utils.plotting import pyplot, save_figure, use_course_style, write_png
 from utils.testing import (ODD_SHAPES_64_128, assert_attention_matches_reference, assert_close,
-                           assert_matches_on_odd_shapes, misaligned, random_qkv, reference_lse, tolerances)
+                           assert_matches_on_odd_shapes, misaligned, pairwise, random_qkv, reference_lse, tolerances)
 from utils.reference import naive_attention
 
 
@@ -41,6 +41,32 @@ def test_tflops():
     assert tflops(2e12, 1000.0) == pytest.approx(2.0)
     with pytest.raises(ValueError):
         tflops(1.0, 0.0)
+
+
+@pytest.mark.parametrize("axes", [dict(a=[1, 2, 3], b="xy", c=[True, False]), dict(shape=range(11), causal=[0, 1],
+                                  dtype="abc", layout="xy"), dict(a=[1, 2, 3, 4], b=[5, 6, 7], c=[8, 9, 10], d=[0, 1])])
+def test_pairwise_covers_every_pair_of_values_in_fewer_rows(axes):
+    axes = {name: list(values) for name, values in axes.items()}
+    rows = pairwise(axes)
+    names = list(axes)
+    for i, x in enumerate(names):
+        assert {row[x] for row in rows} == set(axes[x])
+        for y in names[i + 1:]:
+            missing = {(a, b) for a in axes[x] for b in axes[y]} - {(row[x], row[y]) for row in rows}
+            assert not missing, f"pairs of {x} and {y} never tried: {missing}"
+    full = 1
+    for values in axes.values():
+        full *= len(values)
+    assert len(rows) < full and pairwise(axes) == rows  # smaller than the product, and the same every time
+    longest = sorted(len(v) for v in axes.values())[-2:]
+    assert len(rows) <= 2 * longest[0] * longest[1]
+
+
+def test_pairwise_of_one_axis_and_bad_axes():
+    assert pairwise(dict(a=[1, 2])) == [dict(a=1), dict(a=2)]
+    for bad in ({}, dict(a=[]), dict(a="xy", b=3), [("a", [1])]):
+        with pytest.raises(ValueError, match="axes must|axis"):
+            pairwise(bad)
 
 
 def test_tolerances_and_assert_close():

@@ -365,7 +365,9 @@ def _compile_one(nvcc: str, name: str, arch: str) -> list[KernelResources]:
         if not result:
             raise RuntimeError(f"no ptxas report in the output of nvcc for {name}.cu ({arch})")
         cache.parent.mkdir(parents=True, exist_ok=True)
-        cache.write_text(json.dumps([asdict(r) for r in result]))
+        partial = cache.with_suffix(f".{os.getpid()}.tmp")   # whole or absent for a parallel reader
+        partial.write_text(json.dumps([asdict(r) for r in result]))
+        os.replace(partial, cache)
     _CHECKED[key] = result
     return result
 

@@ -1,16 +1,18 @@
 """Run the whole test suite on a CUDA machine and write the report the repository keeps (tests/gpu_report*.json).
 
-    python -m utils.gpu_suite                      # unit tests, then every notebook: tests/gpu_report.json
+    python -m utils.gpu_suite -- -n 16             # unit tests and every notebook: tests/gpu_report.json
     python -m utils.gpu_suite --part notebooks     # one part (a long suite can be run in two sittings)
     python -m utils.gpu_suite --emulate t4         # as on Colab's T4 (utils/gpu.py): tests/gpu_report_t4.json
-    python -m utils.gpu_suite -- -n 48             # pytest-xdist; on several GPUs each worker is given one
 
-CPU CI skips every `%%gpu` cell and GPU test, so this is what says the course works where learners run it.
+With -n (pytest-xdist) the unit tests and the notebooks run in one session, shared out together over the
+workers (each notebook whole on one worker); on several GPUs each worker is given one.
+CPU CI skips every `%%gpu` cell and GPU test, and samples the checks marked `full` (conftest.py); this suite
+runs them all, so this is what says the course works where learners run it.
 The report records the machine (GPU, capability, driver, CUDA, cuDNN, torch, Triton), passed / failed /
 skipped, collected and seconds per test file and per notebook (a file with fewer outcomes than collected tests
 was cut: rerun it with --files), the failures' names, and the git tree ids of utils/ and
-notebooks/ that ran, computed from the files themselves (a copy of the repository without its history works).
-Running one part keeps the other part's results only if they came from the same trees.
+notebooks/ that ran, computed from the files themselves (a copy of the repository without its history works),
+and each run's wall-clock seconds (`runs`). Running one part keeps the other part's results only if they came from the same trees.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import hashlib
 import json
 import os
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -135,20 +138,31 @@ def _file_of(failure: str) -> str:
     return failure.split("::")[0].removesuffix(" (collection)")
 
 
-def summarize(collector: Collector, old: dict | None = None) -> dict:
-    """A part's results: this run's files on top of `old`'s (a run of some files keeps the others')."""
+def part_of(file: str) -> str | None:
+    """The part a file of the run belongs to ('tests/a.py' -> 'tests'), or None (a collection error's 'collection')."""
+    return next((name for name, (folder,) in PARTS.items() if file.startswith(folder + "/")), None)
+
+
+def summarize(collector: Collector, old: dict | None = None, part: str | None = None) -> dict:
+    """A part's results (`part`: only its files; None: every file): this run's files on top of `old`'s (a run of
+    some files keeps the others')."""
+    def mine(file: str) -> bool:   # a collection error outside both folders counts with the tests
+        return part is None or (part_of(file) or "tests") == part
+
     # A file cut before its first outcome (its first test was still running) has no results: keep old's.
     ran = {name: stats for name, stats in collector.files.items()
-           if stats["passed"] + stats["failed"] + stats["skipped"]}
+           if stats["passed"] + stats["failed"] + stats["skipped"] and mine(name)}
     files = dict((old or {}).get("files", {}))
     files.update({name: dict(stats, seconds=round(stats["seconds"], 1)) for name, stats in ran.items()})
     for name, count in collector.collected.items():   # collected: how many of a file's tests were to run
+        if not mine(name):
+            continue
         if name in ran:
             files[name]["collected"] = count
         elif name not in files:                        # cut before its first outcome, with no old results
             files[name] = dict(passed=0, failed=0, skipped=0, seconds=0.0, collected=count)
     failures = {k: v for k, v in (old or {}).get("failures", {}).items() if _file_of(k) not in ran}
-    failures.update(collector.failures)
+    failures.update({k: v for k, v in collector.failures.items() if mine(_file_of(k))})
     totals = {k: sum(f[k] for f in files.values()) for k in ("passed", "failed", "skipped")}
     return dict(totals=totals, files=dict(sorted(files.items())), failures=failures)
 
@@ -159,23 +173,20 @@ def unfinished(results: dict) -> dict:
     return {name: (done, total) for name, (done, total) in counts.items() if total is not None and done < total}
 
 
-def part_args(part: str, pytest_args=()) -> list[str]:
-    """pytest's arguments for one part: a notebook's cells share one kernel, so under pytest-xdist (-n) each
-    notebook must run whole on one worker (--dist loadfile), or its cells fail on names defined elsewhere."""
-    args = list(pytest_args)
-    xdist = any(a == "-n" or a.startswith(("-n", "--numprocesses")) for a in args)
-    if part == "notebooks" and xdist and not any(a.startswith("--dist") for a in args):
-        args += ["--dist", "loadfile"]
-    return args
+def run_parts(parts, files=(), pytest_args=(), old: dict | None = None, save=lambda results: None):
+    """Run `parts` (all of their files, or `files` of them) in one pytest session, so that pytest-xdist's workers
+    share the unit tests and the notebooks out together; returns ({part: results}, pytest's exit code).
+    `old` is {part: results} kept from the same trees; `save({part: results})` is called as files finish."""
+    old = old or {}
 
+    def results(collector):
+        return {part: summarize(collector, old.get(part) if files else None, part) for part in parts}
 
-def run_part(part: str, files=(), pytest_args=(), old: dict | None = None, save=lambda results: None):
-    """Run one part (all of it, or `files` of it) under pytest; returns (results, pytest's exit code).
-    `save(results)` is called as files finish."""
-    collector = Collector(on_file_done=lambda c: save(summarize(c, old)))
-    code = pytest.main([*(files or PARTS[part]), "-p", "no:cacheprovider", "-q", *part_args(part, pytest_args)],
-                       plugins=[collector])
-    return summarize(collector, old), int(code)
+    collector = Collector(on_file_done=lambda c: save(results(c)))
+    paths = list(files) or [PARTS[part][0] for part in parts]
+    # Under -n, conftest.py keeps each notebook whole on one worker (its cells share one kernel).
+    code = pytest.main([*paths, "-p", "no:cacheprovider", "-q", *pytest_args], plugins=[collector])
+    return results(collector), int(code)
 
 
 def main(argv=None) -> int:
@@ -185,7 +196,7 @@ def main(argv=None) -> int:
     parser.add_argument("--report", type=Path, default=None, help="default: tests/gpu_report[_<profile>].json")
     parser.add_argument("--files", nargs="+", default=[], help="run only these test files / notebooks; the "
                         "report keeps the other files' results from the same trees")
-    parser.add_argument("pytest_args", nargs="*", help="passed on to pytest (after --), e.g. -- -n 4 --dist loadfile")
+    parser.add_argument("pytest_args", nargs="*", help="passed on to pytest (after --), e.g. -- -n 16")
     args = parser.parse_args(argv)
 
     from utils import gpu
@@ -211,26 +222,32 @@ def main(argv=None) -> int:
     command = " ".join(["python -m utils.gpu_suite", *(["--emulate", args.emulate] if args.emulate else []),
                         *(["--", *args.pytest_args] if args.pytest_args else [])])   # -n: run by pytest-xdist
 
-    def save(name, results):
-        parts[name] = results
+    runs = old.get("runs", []) if old.get("trees") == trees else []
+
+    def save(results, seconds=None):
+        parts.update(results)
         totals = {k: sum(p["totals"][k] for p in parts.values()) for k in ("passed", "failed", "skipped")}
+        done = runs + ([dict(files=args.files, seconds=round(seconds, 1))] if seconds is not None else [])
         path.write_text(json.dumps(dict(environment=dict(gpu.environment(command), gpus=gpus), trees=trees,
-                                        parts=parts, totals=totals), indent=1) + "\n")
+                                        parts=parts, totals=totals, runs=done), indent=1) + "\n")
         return totals
 
-    codes = []
-    for part in (list(PARTS) if args.part == "all" else [args.part]):
-        files = [f for f in args.files if f.startswith(PARTS[part][0] + "/")]
-        if args.files and not files:
-            continue
-        results, code = run_part(part, files, args.pytest_args, parts.get(part) if files else None,
-                                 save=lambda r, part=part: save(part, r))
-        print(f"{path.name}: {part}: {save(part, results)}")
-        for name, (done, total) in unfinished(results).items():
+    chosen = [part for part in (list(PARTS) if args.part == "all" else [args.part])
+              if not args.files or any(part_of(f) == part for f in args.files)]
+    if not chosen:
+        print(f"--files names nothing of {args.part}: {args.files}", file=sys.stderr)
+        return 2
+    files = [f for f in args.files if part_of(f) in chosen]
+    start = time.monotonic()
+    results, code = run_parts(chosen, files, args.pytest_args, {p: parts.get(p) for p in chosen}, save=save)
+    seconds = time.monotonic() - start
+    totals = save(results, seconds)
+    print(f"{path.name}: {totals} in {seconds / 60:.1f} minutes")
+    for part in chosen:
+        for name, (done, total) in unfinished(results[part]).items():
             print(f"  cut before its end: {name} ({done} of {total}); rerun it with --files")
-        codes.append(code)
-    # pytest's 0: all passed; 5: nothing collected (e.g. --files named none of this part's)
-    return 0 if codes and all(c in (0, 5) for c in codes) else 1
+    # pytest's 0: all passed; 5: nothing collected
+    return 0 if code in (0, 5) else 1
 
 
 if __name__ == "__main__":

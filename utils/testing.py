@@ -136,3 +136,41 @@ def assert_gradients_match_reference(fn, q, k, v, *, causal=False, sm_scale=None
             raise AssertionError(f"{name} is {g.dtype} on {g.device}, its input {t.dtype} on {t.device}")
     assert_gradients_close(grads, reference_gradients(q, k, v, do, causal=causal, sm_scale=sm_scale), q.dtype)
     return grads
+
+
+def pairwise(axes: dict) -> list[dict]:
+    """A covering design of strength 2: rows (one value per axis) in which every pair of values of every two axes
+    appears at least once, far fewer rows than the full product when there are several axes.
+
+    `axes` maps an axis name to its values (a non-empty sequence). Greedy and deterministic: each row starts
+    from the first pair not yet covered, and every other axis takes the value that covers the most new pairs
+    (the first such value on a tie). A single axis gives one row per value."""
+    if not isinstance(axes, dict) or not axes:
+        raise ValueError(f"axes must be a non-empty dict of name -> values, got {axes!r}")
+    names = list(axes)
+    values = []
+    for name in names:
+        if isinstance(axes[name], (str, bytes)) or not hasattr(axes[name], "__len__") or not len(axes[name]):
+            raise ValueError(f"axis {name!r} must be a non-empty sequence of values, got {axes[name]!r}")
+        values.append(list(axes[name]))
+    if len(names) == 1:
+        return [{names[0]: v} for v in values[0]]
+    # a pair is (axis i, value index a, axis j, value index b) with i < j
+    todo = {(i, a, j, b) for i in range(len(names)) for j in range(i + 1, len(names))
+            for a in range(len(values[i])) for b in range(len(values[j]))}
+    rows = []
+    while todo:
+        i, a, j, b = min(todo)
+        row = {i: a, j: b}
+        for axis in range(len(names)):
+            if axis in row:
+                continue
+
+            def gain(c, axis=axis):
+                return sum((min(axis, o), c if axis < o else row[o], max(axis, o), row[o] if axis < o else c)
+                           in todo for o in row)
+
+            row[axis] = max(range(len(values[axis])), key=lambda c: (gain(c), -c))
+        todo -= {(p, row[p], q, row[q]) for p in row for q in row if p < q}
+        rows.append({names[axis]: values[axis][row[axis]] for axis in range(len(names))})
+    return rows
