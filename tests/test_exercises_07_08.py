@@ -1,6 +1,7 @@
 """The kernel exercises of notebooks 07 (the dQ and dK/dV loops of the Triton backward) and 08 (the log-sum-exp merge inside
-the merge kernel): each check says "not yet" on the learner's stub, fails on a plausible wrong answer, and passes
-on the solution. The exercise cells run as a learner sees them, in the Triton interpreter on the CPU."""
+the merge kernel, and in PyTorch): each check says "not yet" on the learner's stub, fails on a plausible wrong
+answer, and passes on the solution. The exercise cells run as a learner sees them, in the Triton interpreter on
+the CPU."""
 from pathlib import Path
 
 import pytest
@@ -9,7 +10,7 @@ import triton
 import triton.language as tl
 
 from utils.exercises import check
-from utils.exercises.decoding import check_merge_kernel, decode_partials, split_bounds
+from utils.exercises.decoding import check_merge_kernel, check_merge_splits, decode_partials, split_bounds
 from utils.exercises.triton_backward import attention_grads_float64, check_dkdv_kernel, check_dq_kernel
 from utils.learner import code_cell, exec_cell
 
@@ -83,6 +84,45 @@ def test_merge_exercise_stub_solution():
 def test_merge_exercise_wrong_answers_fail_and_say_why(edits, says):
     result = outcome(check_merge_kernel, kernel_from(*MERGE, replace=edits))
     assert result.startswith("wrong: ") and says in result, result
+
+
+MERGE_SPLITS = ("08_decoding_and_ring.ipynb", "def merge_splits(")
+# exercise 8.2's solution before issue 74: an empty split's weight is 0, but 0 · NaN is NaN
+OLD_MERGE_SPLITS = [("    o_parts = torch.where(weights.unsqueeze(-1) > 0, o_parts, 0.0)   # an empty split's "
+                     "output is garbage\n", "")]
+
+
+def merge_splits_from(*, learner=False, replace=()):
+    """Exercise 8.2's cell run as in the notebook (it runs its own check): (the check's outcome, merge_splits)."""
+    namespace = {"torch": torch, "check": check, "check_merge_splits": check_merge_splits}
+    try:
+        exec_cell(code_cell(NOTEBOOKS / MERGE_SPLITS[0], MERGE_SPLITS[1], learner=learner, replace=replace),
+                  namespace, "exercise 8.2")
+    except AssertionError as err:
+        return f"wrong: {err}", namespace["merge_splits"]
+    return namespace["_"], namespace["merge_splits"]
+
+
+def test_merge_splits_exercise_stub_solution():
+    assert merge_splits_from(learner=True)[0] == "not yet"
+    result, merge_splits = merge_splits_from()
+    assert result == "right"
+    check_merge_splits(merge_splits)
+
+
+def test_merge_splits_check_fails_the_old_solution_that_lets_nan_through():
+    """A split with no key has lse = -inf and an output nobody wrote (NaN here): weight 0 times NaN is NaN."""
+    result, merge_splits = merge_splits_from(replace=OLD_MERGE_SPLITS)
+    assert result.startswith("wrong: ") and "rows with an empty split" in result, result
+    with pytest.raises(AssertionError, match="rows with an empty split"):
+        check_merge_splits(merge_splits)
+    o_parts, lse_parts, _, _ = decode_partials()
+    assert merge_splits(o_parts, lse_parts)[0].isnan().any()       # what the old solution gave
+
+
+def test_merge_splits_check_rejects_what_is_not_a_function():
+    with pytest.raises(TypeError, match="merge_splits"):
+        check_merge_splits(None)
 
 
 def test_references_are_exact():

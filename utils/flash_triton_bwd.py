@@ -1,7 +1,7 @@
 """FlashAttention-2 backward kernels in Triton.
 
 Three launches, in the order of FlashAttention-2 (Dao, 2023, Algorithm 2), with the dQ pass split off so that no
-atomics are needed (as in the paper's Triton implementation):
+atomics are needed (the design of Triton's fused-attention tutorial, which recomputes P in a second loop for dQ):
 
 1. `_bwd_preprocess`: D = rowsum(dO ∘ O) per query row, and the log-sum-exp in base 2 (rows that see no key get
    +inf, so that P = 2^(S·log2e − lse₂) is exactly 0 there);

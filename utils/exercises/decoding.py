@@ -1,9 +1,11 @@
-"""Checks of notebook 08's kernel exercise: the log-sum-exp merge of split-KV partials, inside a Triton kernel.
+"""Checks of notebook 08's merge exercises: the log-sum-exp merge of split-KV partials, in PyTorch (8.2) and
+inside a Triton kernel (8.5).
 
-The learner's `merge_kernel` gets, per (batch, head, query) row, S normalised partial outputs and their
-log-sum-exps and writes the merged output and log-sum-exp. The check builds the partials itself, in float64,
-from a decode problem with ragged cache lengths (one of them empty), GQA, a causal mask over the new tokens and
-large logits, and compares with attention over all keys computed here from scratch.
+The learner's `merge_splits` (8.2) takes S normalised partial outputs and their log-sum-exps per (batch, head,
+query) row and returns the merged output and log-sum-exp; `merge_kernel` (8.5) does the same in one program per
+row. The checks build the partials themselves, in float64, from a decode problem with ragged cache lengths (one
+of them empty), GQA, a causal mask over the new tokens and large logits, and compare with attention over all
+keys computed here from scratch.
 """
 from __future__ import annotations
 
@@ -72,15 +74,13 @@ def run_merge_kernel(kernel, o_parts, lse_parts, *, device="cpu"):
     return o.reshape(*lead, d).cpu(), lse.reshape(lead).cpu()
 
 
-def check_merge_kernel(kernel, *, device="cpu") -> None:
-    """Assert that `kernel` merges split-KV partials; the message names the wrong (batch, head) query rows and
-    what their splits have in common (an empty split, log-sum-exps beyond fp32's exp range)."""
-    o_parts, lse_parts, o_ref, lse_ref = decode_partials()
-    o, lse = run_merge_kernel(kernel, o_parts, lse_parts, device=device)
+def _assert_merged(o, lse, lse_parts, o_ref, lse_ref, tol_o, tol_lse) -> None:
+    """Assert that the merged (o, lse) match the reference; the message names the wrong (batch, head) query rows
+    and what their splits have in common (an empty split, log-sum-exps beyond fp32's exp range)."""
     empty = (lse_parts == -math.inf).any(-1)
     large = lse_parts.max(-1).values > FP32_EXP_LIMIT
-    for got, expected, name, tol in ((o, o_ref, "merged o", 1e-4), (lse[..., None], lse_ref[..., None],
-                                                                    "merged lse", 1e-5)):
+    for got, expected, name, tol in ((o, o_ref, "merged o", tol_o), (lse[..., None], lse_ref[..., None],
+                                                                    "merged lse", tol_lse)):
         try:
             assert_rows_close(got, expected, atol=tol, rtol=tol, name=name)
         except AssertionError as err:
@@ -89,3 +89,25 @@ def check_merge_kernel(kernel, *, device="cpu") -> None:
                      f"{int((bad & large).sum())} of the {int(large.sum())} rows whose lse passes {FP32_EXP_LIMIT} "
                      "(exp overflows fp32)", f"{int((bad & ~empty & ~large).sum())} other rows"]
             raise AssertionError(f"{err}\n  wrong: " + "; ".join(notes)) from None
+
+
+def check_merge_splits(merge_splits) -> None:
+    """Assert that `merge_splits(o_parts, lse_parts)` (exercise 8.2) returns the merged (o, lse). The partials
+    are `decode_partials`': an empty split's output is NaN and must get no weight (0 · NaN is NaN), and a
+    sequence with no key must merge to o = 0, lse = -inf."""
+    if not callable(merge_splits):
+        raise TypeError(f"merge_splits must be a function, got {type(merge_splits).__name__}")
+    o_parts, lse_parts, o_ref, lse_ref = decode_partials()
+    got = merge_splits(o_parts.clone(), lse_parts.clone())
+    assert isinstance(got, tuple) and len(got) == 2, "merge_splits must return a tuple (o, lse)"
+    o, lse = got
+    assert isinstance(o, torch.Tensor) and isinstance(lse, torch.Tensor), "o and lse must be tensors"
+    _assert_merged(o, lse, lse_parts, o_ref, lse_ref, 1e-8, 1e-8)
+
+
+def check_merge_kernel(kernel, *, device="cpu") -> None:
+    """Assert that `kernel` merges split-KV partials; the message names the wrong (batch, head) query rows and
+    what their splits have in common (an empty split, log-sum-exps beyond fp32's exp range)."""
+    o_parts, lse_parts, o_ref, lse_ref = decode_partials()
+    o, lse = run_merge_kernel(kernel, o_parts, lse_parts, device=device)
+    _assert_merged(o, lse, lse_parts, o_ref, lse_ref, 1e-4, 1e-5)
