@@ -468,6 +468,29 @@ def test_unchecked_values_refused_during_graph_capture(monkeypatch):
 
 
 @pytest.mark.gpu
+def test_a_table_rewritten_by_a_graph_replay_is_guarded_by_the_kernel():
+    """A CUDA graph's replay writes the table without bumping its version counter, so the check is skipped: the
+    kernel does not follow the page id outside the pool (past the pool lies real memory, a kernel that did would
+    give finite numbers); the sequence that reads it gets NaN rows, the other the same as before."""
+    store_k, store_v = (torch.randn(10, 2, 16, 32, device="cuda") for _ in range(2))
+    k, v = store_k[1:9], store_v[1:9]                      # pools of 8 pages in stores of 10
+    table = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32, device="cuda")
+    lengths = torch.tensor([40, 20], dtype=torch.int32, device="cuda")
+    q = torch.randn(2, 4, 1, 32, device="cuda")
+    source = table.clone()
+    rewrite = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(rewrite):
+        table.copy_(source)                                # recorded, not run: the version is bumped now, once
+    good = flash_decode_paged(q, k, v, table, lengths)     # checked and stamped
+    version = table._version
+    source[0, 2] = 8                                       # one past the pool
+    rewrite.replay()
+    assert table._version == version and int(table[0, 2]) == 8
+    out = flash_decode_paged(q, k, v, table, lengths)
+    assert torch.isnan(out[0]).all() and torch.equal(out[1], good[1])
+
+
+@pytest.mark.gpu
 def test_paged_decode_in_a_cuda_graph():
     """Checked once outside, the paged decode is captured and replayed; the replay follows new query values."""
     k, v = (torch.randn(8, 8, 64, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
