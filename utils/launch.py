@@ -266,7 +266,7 @@ def keep(kinds: OrderedDict, key, kind: Kind) -> None:
     MAX_KINDS (a forgotten kind's next call is checked and bound again)."""
     kinds[key] = kind
     kinds.move_to_end(key)
-    if len(kinds) > MAX_KINDS:
+    while len(kinds) > MAX_KINDS:
         kinds.popitem(last=False)
 
 
