@@ -460,6 +460,30 @@ def test_autograd_keeps_the_backward_kinds_in_the_forward_kind():
         assert len(forward_kind.derived) == n, what
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="kinds are kept for CUDA calls only")
+def test_the_kinds_of_call_kept_stay_at_the_bound(monkeypatch):
+    """Under autograd with shapes and dO layouts that vary, the forward's kinds, the backward's and the ones kept
+    in each forward kind stay at launch.MAX_KINDS (here 2), and the gradients stay right."""
+    import utils.flash_triton_bwd as bwd
+    from utils import flash_triton, launch
+
+    monkeypatch.setattr(launch, "MAX_KINDS", 2)
+    monkeypatch.setattr(flash_triton, "_KINDS", launch.kind_cache())
+    monkeypatch.setattr(bwd, "_KINDS", launch.kind_cache())
+    for n in (64, 72, 80, 88):
+        q, k, v = (t.requires_grad_() for t in random_qkv(1, 2, n, n, 64, dtype=torch.float16, device=DEVICE,
+                                                            seed=n))
+        o = flash_triton.flash_attention(q, k, v, causal=True)
+        do = torch.randn_like(o)
+        for g in (do, do.transpose(1, 2).contiguous().transpose(1, 2), misaligned(do)):
+            got = torch.autograd.grad(o, (q, k, v), g, retain_graph=True)
+            assert_gradients_close(got, reference_gradients(q, k, v, g, causal=True), torch.float16)
+        forward_kind = flash_triton._KINDS[flash_triton._call_key(q, k, v, True, None)]
+        assert len(forward_kind.derived) == 2
+    assert len(flash_triton._KINDS) == len(bwd._KINDS) == 2
+
+
 def test_default_config_is_valid_for_every_case():
     for d in (16, 64, 80, 128, 256):
         for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):

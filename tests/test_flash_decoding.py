@@ -77,6 +77,27 @@ def test_cache_entries_past_the_length_are_ignored():
     assert torch.equal(flash_decode(q, k2, v2, cache_seqlens=seqlens, num_splits=2), out)
 
 
+@pytest.mark.filterwarnings("ignore:All-NaN slice:RuntimeWarning")   # the interpreter's max of NaN rows
+def test_lengths_written_without_a_version_bump_never_reach_past_the_cache():
+    """Lengths changed after their check without a version bump (a kernel's write, a CUDA graph's replay; here
+    through `.data`) are not checked again: the kernel still reads nothing past the cache, and gives the
+    sequence whose length lies outside [0, Nk] NaN rows. The cache is a view of a longer one, so that reading
+    past it would give finite numbers."""
+    q, k, v = random_qkv(2, 2, 2, 64, 32, device=DEVICE, seed=3)
+    k, v = k[:, :, :48], v[:, :, :48]                               # Nk = 48 in a store of 64 positions
+    seqlens = torch.tensor([40, 48], device=DEVICE, dtype=torch.int32)
+    for splits in (1, 2):
+        good, good_lse = flash_decode(q, k, v, cache_seqlens=seqlens, num_splits=splits, return_lse=True)
+        version = seqlens._version
+        for value in (60, -1):
+            seqlens.data[0] = value                                 # the stamp still vouches for the values
+            out, lse = flash_decode(q, k, v, cache_seqlens=seqlens, num_splits=splits, return_lse=True)
+            seqlens.data[0] = 40
+            assert seqlens._version == version
+            assert torch.isnan(out[0]).all() and torch.isnan(lse[0]).all(), (splits, value)
+            assert torch.equal(out[1], good[1]) and torch.equal(lse[1], good_lse[1])
+
+
 def test_splits_do_not_change_the_answer():
     q, k, v = random_qkv(1, 4, 1, 300, 64, kv_heads=1, device=DEVICE, seed=4)
     outs = [flash_decode(q, k, v, num_splits=s) for s in (1, 2, 5, 16)]

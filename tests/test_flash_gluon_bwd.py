@@ -227,3 +227,23 @@ def test_a_kind_of_call_is_checked_once_and_launched_bound(monkeypatch):
     with pytest.raises(TypeError, match="causal must be a bool"):
         gb.flash_attention_gluon_backward(*args, causal=1)
     assert len(gb._KINDS) == 1
+
+
+@on_hopper
+def test_the_kinds_of_call_kept_stay_at_the_bound(monkeypatch):
+    """A new kind per shape, never more than launch.MAX_KINDS (here 2): the least recently used is forgotten."""
+    from utils import launch
+    from utils.flash_triton import flash_attention_forward
+    from utils.testing import assert_gradients_close, random_qkv, reference_gradients
+
+    monkeypatch.setattr(launch, "MAX_KINDS", 2)
+    monkeypatch.setattr(gb, "_KINDS", launch.kind_cache())
+    keys = []
+    for n in (64, 128, 192, 256):
+        q, k, v = random_qkv(1, 2, n, n, 64, dtype=torch.bfloat16, device="cuda", seed=n)
+        do = torch.randn_like(q)
+        o, lse = flash_attention_forward(q, k, v, causal=True)
+        assert_gradients_close(gb.flash_attention_gluon_backward(do, q, k, v, o, lse, causal=True),
+                               reference_gradients(q, k, v, do, causal=True), torch.bfloat16)
+        keys.append(gb._call_key(do, q, k, v, o, lse, True, None, None))
+    assert None not in keys and list(gb._KINDS) == keys[2:]

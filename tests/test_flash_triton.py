@@ -475,7 +475,7 @@ def test_a_kind_of_call_replays_its_first_launch_with_fresh_tensors(monkeypatch)
         (t.shape, t.stride(), t.dtype, t.device) for t in tensors)))
     replay = _Replaying(flash_triton._fwd_launcher.kernel)
     monkeypatch.setattr(flash_triton, "_fwd_launcher", replay)
-    monkeypatch.setattr(flash_triton, "_KINDS", {})
+    monkeypatch.setattr(flash_triton, "_KINDS", launch.kind_cache())
     q, k, v = qkv(nq=20, nk=30, d=32)
     first = flash_attention(q, k, v, causal=True)
     checked, validate = [], flash_triton.validate
@@ -491,6 +491,18 @@ def test_a_kind_of_call_replays_its_first_launch_with_fresh_tensors(monkeypatch)
     assert_close(again, reference_attention(q, k, v, causal=True))
     assert_close(flash_attention(q, k, v, causal=False), reference_attention(q, k, v))
     assert len(checked) == 1 and len(flash_triton._KINDS) == 2 and len(replay.heads) == 1
+
+
+def test_the_forward_keeps_its_kinds_of_call_up_to_the_bound(monkeypatch):
+    """One kind per new shape, but never more than launch.MAX_KINDS (here 2): the least recently used goes."""
+    monkeypatch.setattr(launch, "kind_key", lambda tensors, options: (*options, *(
+        (t.shape, t.stride(), t.dtype, t.device) for t in tensors)))   # a key on the CPU too
+    monkeypatch.setattr(launch, "MAX_KINDS", 2)
+    monkeypatch.setattr(flash_triton, "_KINDS", launch.kind_cache())
+    shapes = [qkv(nq=n, nk=n, d=16) for n in (8, 9, 10, 11)]
+    for q, k, v in shapes:
+        assert_close(flash_attention(q, k, v), reference_attention(q, k, v))
+    assert list(flash_triton._KINDS) == [flash_triton._call_key(*shapes[i], False, None) for i in (2, 3)]
 
 
 @pytest.mark.gpu

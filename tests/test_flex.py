@@ -2,6 +2,8 @@
 packed sequences; the errors a bad argument gets. On a CPU the kernels run in the Triton interpreter."""
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from utils import flex
 from utils.flex.attention import SPARSE_TILES, _Problem, configs
@@ -52,6 +54,47 @@ def test_every_modifier_forward_and_backward(index):
 def test_odd_shapes(shape, mod):
     mod = {"causal": flex.causal(), "window": flex.sliding_window(9), "softcap": flex.softcap(2.0)}[mod]
     check_against_reference(mod, *qkv(*shape))
+
+
+@triton.jit
+def _note_positions(q_idx, kv_idx, args):
+    """Keep the largest position given in the slot just past the table (args[0], args[1] entries long)."""
+    tl.atomic_max(args[0] + args[1] + 0 * (q_idx + kv_idx), tl.maximum(q_idx, kv_idx).to(tl.float32))
+
+
+@triton.jit
+def _position_scale(score, b, h, q_idx, kv_idx, args):
+    _note_positions(q_idx, kv_idx, args)
+    return score * tl.load(args[0] + q_idx) * tl.load(args[0] + kv_idx)
+
+
+@triton.jit
+def _position_scale_grad(score, b, h, q_idx, kv_idx, args):
+    _note_positions(q_idx, kv_idx, args)
+    return tl.load(args[0] + q_idx) * tl.load(args[0] + kv_idx) + 0 * score
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["score_mod", "with_mask_mod"])
+@pytest.mark.parametrize("nq, nk", [(40, 70), (70, 70), (1, 50)])
+def test_modifiers_get_no_position_past_the_last_key(masked, nq, nk):
+    """Ragged tiles hold rows past the last query and keys past the last key: the modifiers (score_mod, its
+    derivative, mask_mod) get them clamped to the last key, so a score_mod that indexes a per-position table
+    never reads past its end. The one here scales by table[q] · table[kv] and notes the largest position it is
+    given, forward and backward."""
+    buf = torch.full((nk + 1,), -1.0, device=DEVICE)   # the table, then the slot for the largest position
+    buf[:nk] = 0.5 + torch.rand(nk, generator=torch.Generator().manual_seed(nq)).to(DEVICE)
+    table = buf[:nk]
+    mod = flex.Modifier("position scale", score_mod=_position_scale, score_grad=_position_scale_grad,
+                        torch_score=lambda s, b, h, q, kv: s * table[q] * table[kv], tensor=table, int_arg=nk,
+                        indexed_by="position", mask_mod=flex.causal().mask_mod if masked else None,
+                        torch_mask=flex.causal().torch_mask if masked else None)
+    q, k, v = qkv(1, 2, 1, nq, nk, 16)
+    o = flex.flex_attention(q, k, v, mod)
+    assert buf[nk].item() == nk - 1, "the forward gave a modifier a position past the last key"
+    buf[nk] = -1.0
+    torch.autograd.grad(o, (q, k, v), torch.randn_like(o))
+    assert buf[nk].item() == nk - 1, "the backward gave a modifier a position past the last key"
+    check_against_reference(mod, q, k, v)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -207,7 +207,7 @@ def test_a_kind_binds_its_launches_once_and_runs_them_after(fake):
 
 
 def test_kind_of_checks_a_kind_once_and_never_keeps_a_call_without_a_key():
-    kinds, checked = {}, []
+    kinds, checked = launch.kind_cache(), []
 
     def choose(what):
         checked.append(what)
@@ -223,6 +223,25 @@ def test_kind_of_checks_a_kind_once_and_never_keeps_a_call_without_a_key():
     with pytest.raises(ValueError, match="bad argument"):
         launch.kind_of(kinds, "other", lambda: choose("bad"))
     assert list(kinds) == ["key"]   # a call whose checks fail leaves no kind behind
+
+
+def test_a_kind_cache_keeps_the_kinds_used_most_recently_up_to_its_bound():
+    """A program whose shapes vary makes a new kind per shape: the cache stays at MAX_KINDS, forgetting the
+    least recently used (here every shape but the first, which is asked for again and again)."""
+    kinds, made = launch.kind_cache(), []
+    hot = launch.kind_of(kinds, ("shape", 0), lambda: "hot")
+    for n in range(1, 3 * launch.MAX_KINDS):
+        launch.kind_of(kinds, ("shape", n), lambda: made.append(n))
+        assert launch.kind_of(kinds, ("shape", 0), lambda: pytest.fail("the hot kind was forgotten")) is hot
+        assert len(kinds) == min(n + 1, launch.MAX_KINDS)
+    last = 3 * launch.MAX_KINDS - 1                                     # the last shape's n
+    assert list(kinds) == [("shape", n) for n in range(last - launch.MAX_KINDS + 2, last + 1)] + [("shape", 0)]
+    launch.kind_of(kinds, ("shape", 1), lambda: made.append("again"))   # forgotten: checked again
+    assert made[-1] == "again" and len(made) == 3 * launch.MAX_KINDS and len(kinds) == launch.MAX_KINDS
+    derived = launch.Kind(None).derived                                  # a forward's backward kinds, too
+    for n in range(2 * launch.MAX_KINDS):
+        launch.keep(derived, n, launch.Kind(n))
+    assert list(derived) == list(range(launch.MAX_KINDS, 2 * launch.MAX_KINDS))
 
 
 def test_rebase_copies_a_descriptor_onto_another_tensor_without_its_checks():
@@ -280,6 +299,59 @@ def test_a_launch_that_returns_nothing_is_not_kept(monkeypatch):
     monkeypatch.setattr(launch, "driver", _FakeDriver)
     launcher = FastLauncher(_RecordingKernel())
     assert launcher[(1,)](torch.zeros(4), 3, BLOCK=32) is None and launcher.compiled == {}
+
+
+class _OtherRunCompiled(_FakeCompiled):
+    """A compiled kernel of a Triton whose launcher takes another argument before the kernel's."""
+
+    def run(self, gridX, gridY, gridZ, stream, function, kernel_metadata, launch_metadata, launch_cooperative_grid,
+            launch_enter_hook, launch_exit_hook, *args):
+        pytest.fail("a launcher of another signature was called directly")
+
+
+class _OtherRunKernel(_FakeKernel):
+    def __getitem__(self, grid):
+        def launch(*args, **meta):
+            self.log.append(("jit", grid, args, meta))
+            return _OtherRunCompiled(self.log)
+        return launch
+
+
+def test_a_triton_whose_run_differs_launches_through_triton_with_one_warning(monkeypatch):
+    monkeypatch.setattr(launch, "driver", _FakeDriver)
+    monkeypatch.setattr(launch, "_warned_run", False)
+    kernels = [_OtherRunKernel(), _OtherRunKernel()]
+    launchers = [FastLauncher(kernel) for kernel in kernels]
+    x = torch.zeros(64)
+    with pytest.warns(RuntimeWarning, match="CompiledKernel.run.*launch_cooperative_grid") as caught:
+        for launcher in launchers:
+            launcher[(1,)](x, 5, BLOCK=32)
+            launcher[(2,)](x, 5, BLOCK=32)
+            assert launcher.bind((3,), (x, 5), dict(BLOCK=32), head=1) is None
+    assert len([w for w in caught if w.category is RuntimeWarning]) == 1    # once, for all launchers
+    for kernel, launcher in zip(kernels, launchers):
+        assert [entry[1] for entry in kernel.log if entry != "init"] == [(1,), (2,), (3,)]   # every one by Triton
+        assert launcher.compiled == {}
+    kind = launch.Kind(None)
+    kind.launch([(x,)], lambda: [(launchers[0], (4,), (5,), dict(BLOCK=32))], keep=True)
+    assert kind.launches is None and kernels[0].log[-1][:2] == ("jit", (4,))
+
+
+def test_runs_directly_accepts_the_launchers_of_the_triton_installed(monkeypatch):
+    """Triton's CUDA launcher as installed (3.7 names its parameters; older ones take them as *args), and the
+    stand-in above; not a launcher that takes another argument, or no *args."""
+    from types import SimpleNamespace
+
+    from triton.backends.nvidia.driver import CudaLauncher
+
+    monkeypatch.setattr(launch, "_warned_run", True)   # no warning wanted here
+    compiled = lambda run: SimpleNamespace(run=run, function=None, packed_metadata=None)  # noqa: E731
+    assert launch.runs_directly(compiled(CudaLauncher.__call__.__get__(object())))
+    assert launch.runs_directly(compiled(lambda gridX, gridY, gridZ, stream, function, *args: None))
+    assert launch.runs_directly(_FakeCompiled([]))
+    assert not launch.runs_directly(_OtherRunCompiled([]))
+    assert not launch.runs_directly(compiled(lambda gridX, gridY, gridZ, stream, function, meta: None))
+    assert not launch.runs_directly(SimpleNamespace(run=lambda *args: None))   # no function, no packed_metadata
 
 
 def test_wrong_argument_count_is_named(fake):

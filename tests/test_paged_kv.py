@@ -420,6 +420,43 @@ def test_lengths_and_tables_are_read_once_until_written():
         assert reads.call_count - before == 4
 
 
+@pytest.mark.filterwarnings("ignore:All-NaN slice:RuntimeWarning")   # the interpreter's max of NaN rows
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_a_table_written_without_a_version_bump_is_never_followed_out_of_the_pool(causal):
+    """A kernel or a CUDA graph's replay writes a checked table or lengths without bumping their version counter
+    (here: through `.data`), so the host check is skipped. The kernel still reads nothing outside the pool and
+    the table: the rows that would see such a page, or a sequence whose length passes the table's reach, come
+    out NaN; the other rows are unchanged. Outside the pool and the table lie real memory (the pool and the
+    table are views into larger tensors), so that a kernel following the ids would give finite numbers."""
+    gen = torch.Generator().manual_seed(9)
+    store_k, store_v = (torch.randn(10, 2, 16, 32, generator=gen).to(DEVICE) for _ in range(2))
+    k, v = store_k[1:9], store_v[1:9]                         # a pool of 8 pages: pages -1 and 8 are in the store
+    store_table = torch.full((2, 5), 4, dtype=torch.int32, device=DEVICE)
+    table = store_table[:, :3]                                # 3 pages per sequence: a reach of 48 positions
+    table[0], table[1, :2] = torch.tensor([3, 5, 0]), torch.tensor([6, 2])
+    lengths = torch.tensor([40, 20], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(2, 4, 10, 32, generator=gen).to(DEVICE)   # 10 new tokens: causal rows 0, 1 stop at key 31
+    for splits in (1, 3):
+        def decode():
+            return flash_decode_paged(q, k, v, table, lengths, causal=causal, num_splits=splits, return_lse=True)
+
+        good, good_lse = decode()                             # checked, and stamped with the versions
+        versions = table._version, lengths._version
+        for entry, value in (("page", 8), ("page", -1), ("length", 49), ("length", -3)):
+            target, index, seq = (table, (0, 2), 0) if entry == "page" else (lengths, 1, 1)
+            before = int(target[index])
+            target.data[index] = value                        # no version bump: the stamp still vouches
+            out, lse = decode()
+            target.data[index] = before
+            assert (table._version, lengths._version) == versions
+            # the rows that see the last page of sequence 0 (positions 32 to 39), or all of sequence 1
+            lost = torch.zeros(2, 4, 10, dtype=torch.bool, device=DEVICE)
+            lost[seq, :, 2 if causal and entry == "page" else 0:] = True
+            assert torch.isnan(out[lost]).all() and torch.isnan(lse[lost]).all(), (splits, entry, value)
+            assert torch.equal(out[~lost], good[~lost]) and torch.equal(lse[~lost], good_lse[~lost])
+        assert torch.equal(decode()[0], good)
+
+
 def test_unchecked_values_refused_during_graph_capture(monkeypatch):
     """Inside CUDA-graph capture a host read would fail obscurely: a clear error says to call once before."""
     import utils.flash_decoding as fd
@@ -428,6 +465,29 @@ def test_unchecked_values_refused_during_graph_capture(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     with pytest.raises(RuntimeError, match="cache_seqlens's values are read on the host.*call once"):
         fd._check_seqlens(torch.tensor([3, 4]), 2, 16, torch.device("cpu"))
+
+
+@pytest.mark.gpu
+def test_a_table_rewritten_by_a_graph_replay_is_guarded_by_the_kernel():
+    """A CUDA graph's replay writes the table without bumping its version counter, so the check is skipped: the
+    kernel does not follow the page id outside the pool (past the pool lies real memory, a kernel that did would
+    give finite numbers); the sequence that reads it gets NaN rows, the other the same as before."""
+    store_k, store_v = (torch.randn(10, 2, 16, 32, device="cuda") for _ in range(2))
+    k, v = store_k[1:9], store_v[1:9]                      # pools of 8 pages in stores of 10
+    table = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32, device="cuda")
+    lengths = torch.tensor([40, 20], dtype=torch.int32, device="cuda")
+    q = torch.randn(2, 4, 1, 32, device="cuda")
+    source = table.clone()
+    rewrite = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(rewrite):
+        table.copy_(source)                                # recorded, not run: the version is bumped now, once
+    good = flash_decode_paged(q, k, v, table, lengths)     # checked and stamped
+    version = table._version
+    source[0, 2] = 8                                       # one past the pool
+    rewrite.replay()
+    assert table._version == version and int(table[0, 2]) == 8
+    out = flash_decode_paged(q, k, v, table, lengths)
+    assert torch.isnan(out[0]).all() and torch.equal(out[1], good[1])
 
 
 @pytest.mark.gpu

@@ -39,12 +39,14 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 def _split_kv_kernel(Q, K, V, O, LSE, SEQLENS, BLOCK_TABLE,
                      sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
                      sob, soh, son, sos, sod, slb, slh, sln, sls, stb, stp,
-                     kv_heads, group, n_q, n_k, qk_scale,
+                     kv_heads, group, n_q, n_k, n_pages, qk_scale,
                      CAUSAL: tl.constexpr, HAS_SEQLENS: tl.constexpr, IEEE: tl.constexpr, PAGE_SIZE: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
     # BLOCK_TABLE None (a constexpr): K, V are caches (B, Hkv, N, D). Otherwise they are pools of pages
     # (pages, Hkv, PAGE_SIZE, D), skb/svb step from page to page, and BLOCK_TABLE[b, j] is the page holding
     # positions [j·PAGE_SIZE, (j+1)·PAGE_SIZE) of sequence b. BLOCK_N divides PAGE_SIZE: a tile never straddles pages.
+    # A length outside [0, n_k] or a page id outside [0, n_pages) (values written since the host checked them:
+    # see _STAMP) is never followed into memory: the rows that would read there come out NaN (`lost`).
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
     row_block = tl.program_id(2)
@@ -62,8 +64,11 @@ def _split_kv_kernel(Q, K, V, O, LSE, SEQLENS, BLOCK_TABLE,
     d = tl.arange(0, D_PAD)
     d_ok = d < HEAD_DIM
 
+    lost = tl.zeros([BLOCK_M], tl.int1)   # rows that would read past the cache or the pool: NaN at the end
     if HAS_SEQLENS:
-        seqlen = tl.load(SEQLENS + b)
+        given = tl.load(SEQLENS + b)
+        seqlen = tl.minimum(tl.maximum(given, 0), n_k)
+        lost = lost | (given != seqlen)
     else:
         seqlen = n_k
     # This split's slice of the cache: a whole number of BLOCK_N tiles, the same count for every split.
@@ -93,6 +98,13 @@ def _split_kv_kernel(Q, K, V, O, LSE, SEQLENS, BLOCK_TABLE,
             k_tile, v_tile, pos = k_base, v_base, cols
         else:  # the one extra step of a paged cache: which page holds this tile (int64: page * stride is large)
             page = tl.load(BLOCK_TABLE + b * stb + (start // PAGE_SIZE) * stp).to(tl.int64)
+            outside = (page < 0) | (page >= n_pages)
+            if CAUSAL:
+                lost = lost | (outside & (start <= i + seqlen - n_q))   # the rows that see this tile
+            else:
+                lost = lost | outside
+            col_ok = col_ok & ~outside
+            page = tl.where(outside, 0, page)
             k_tile, v_tile, pos = k_base + page * skb, v_base + page * svb, cols % PAGE_SIZE
         k = tl.load(k_tile + pos[None, :] * skn + d[:, None] * skd, mask=col_ok[None, :] & d_ok[:, None], other=0.0)
         if IEEE:  # fp32 inputs: exact fp32 products, not TF32 (large logits would lose the softmax)
@@ -119,6 +131,8 @@ def _split_kv_kernel(Q, K, V, O, LSE, SEQLENS, BLOCK_TABLE,
     l_safe = tl.where(l == 0.0, 1.0, l)  # rows that saw no key in this slice: o = 0, lse = -inf
     o = acc / l_safe[:, None]
     lse = tl.where(l == 0.0, float("-inf"), (m + tl.log2(l_safe)) * 0.6931471805599453)
+    o = tl.where(lost[:, None], float("nan"), o)
+    lse = tl.where(lost, float("nan"), lse)
     o_ptrs = O + b * sob + h[:, None] * soh + i[:, None] * son + split * sos + d[None, :] * sod
     tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     tl.store(LSE + b * slb + h * slh + i * sln + split * sls, lse, mask=row_ok)
@@ -219,6 +233,9 @@ def merge_partials(o_parts: torch.Tensor, lse_parts: torch.Tensor, *, out_dtype=
 # (bumped by every in-place write, through any view), so a server's lengths and block table, passed to every layer
 # of a step, are read once per step; a changed tensor is checked again. Inference-mode tensors have no version
 # counter: they are checked at every call. The stamp is an attribute of the tensor, so it lives and dies with it.
+# A write that bumps no version counter (a kernel's, a CUDA graph's replay, a write through `.data`) escapes the
+# stamp, so the kernel guards itself too: it follows no length or page id outside the cache, the table or the
+# pool, and writes NaN for the rows that would have read there.
 _STAMP = "_flash_decoding_checked"
 
 
@@ -274,6 +291,7 @@ def flash_decode(q, k_cache, v_cache, *, sm_scale=None, num_splits=None, cache_s
     - `cache_seqlens`: (B,) ints, how many cache entries of each sequence are valid (None: all Nk);
     - `causal`: new token i sees cache entries j <= i + L - Nq, L the sequence's length (bottom-right);
     - `return_lse`: also return the natural-log log-sum-exp (B, H, Nq) in fp32 (-inf where no key was seen).
+    A length outside [0, Nk] that escaped the check (see flash_decode_paged) gives its sequence NaN rows.
     fp16, bf16 and fp32; on the CPU through the Triton interpreter, which has no bf16 arithmetic, so there bf16
     inputs are computed in fp32 and the output is rounded to bf16.
     """
@@ -324,7 +342,7 @@ def _decode(q, k, v, seqlens, block_table, shape, *, scale, causal, num_splits, 
     _split_kv_kernel[(b * shape.kv_heads, num_splits, row_blocks)](
         q, k, v, o_dst, lse_dst, seqlens if seqlens is not None else q, block_table,
         *q.stride(), *k.stride(), *v.stride(), *o_dst.stride(), *lse_dst.stride(), *table_strides,
-        shape.kv_heads, group, nq, shape.seqlen_k, scale * LOG2E,
+        shape.kv_heads, group, nq, shape.seqlen_k, 0 if block_table is None else k.shape[0], scale * LOG2E,
         CAUSAL=causal, HAS_SEQLENS=seqlens is not None, IEEE=q.dtype == torch.float32, PAGE_SIZE=page_size,
         BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, D_PAD=d_pad, num_warps=num_warps, num_stages=num_stages)
     if num_splits == 1:
@@ -404,7 +422,11 @@ def flash_decode_paged(q, k_pages, v_pages, block_table, cache_seqlens, *, sm_sc
     - the page size is a power of two from 16 to 256; the kernel's key tile is cut to fit in one page.
     Other arguments and the result as in `flash_decode`. Sequences may share pages (a common prefix). A pool kept
     as (pages, page_size, Hkv, D) can be passed as `.transpose(1, 2)`: the kernel follows strides. Like
-    `flash_decode`'s check of `cache_seqlens`, the check of the table reads its values (on a GPU, a sync).
+    `flash_decode`'s check of `cache_seqlens`, the check of the table reads its values (on a GPU, a sync), once
+    until an in-place write bumps the tensor's version counter. A table or lengths changed since without one (by
+    a kernel, or a CUDA graph's replay) are not checked again; the kernel still reads nothing outside the pool
+    and the table. Instead a query row that would see a position on a page outside the pool, and every row of a
+    sequence whose length lies outside [0, the table's reach], gets NaN (output and lse).
     """
     num_pages, kv_heads, page_size = _check_paged_inputs(q, k_pages, v_pages, causal=causal)
     batch, heads, seqlen_q, head_dim = q.shape

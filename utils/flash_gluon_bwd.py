@@ -375,7 +375,7 @@ def _preprocess(o, do, lse, delta, lse2, heads) -> tuple:
                                        dict(BLOCK_M=64, BLOCK_D=d, ACC=triton.language.float32))
 
 
-_KINDS: dict = {}   # _call_key -> launch.Kind of (shape, scale, config): one entry per kind of call seen
+_KINDS = launch.kind_cache()   # _call_key -> launch.Kind of (shape, scale, config): the MAX_KINDS used most recently
 
 
 def _call_key(do, q, k, v, o, lse, causal, sm_scale, config):

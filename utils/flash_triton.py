@@ -549,7 +549,7 @@ class Choices(NamedTuple):
     tiles: tuple | None = None
 
 
-_KINDS: dict = {}   # _call_key -> launch.Kind of Choices: one small entry per kind of call seen, as Triton's caches
+_KINDS = launch.kind_cache()   # _call_key -> launch.Kind of Choices: the launch.MAX_KINDS used most recently
 
 
 def _call_key(q, k, v, causal, sm_scale):

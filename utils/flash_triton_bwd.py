@@ -362,7 +362,7 @@ class Choices(NamedTuple):
     lse_ready: bool       # lse is already of dtype `acc` and contiguous
 
 
-_KINDS: dict = {}   # _call_key -> launch.Kind of Choices: one small entry per kind of call seen, as Triton's own caches
+_KINDS = launch.kind_cache()   # _call_key -> launch.Kind of Choices: the launch.MAX_KINDS used most recently
 
 
 def _call_key(do, q, k, v, o, lse, causal, sm_scale, config, tma, tma_stats, dq_atomic):
@@ -462,11 +462,12 @@ def backward_for_forward(forward_kind: launch.Kind, do, q, k, v, o, lse, *, caus
     key = launch.kind_key((do,), ())
     kind = forward_kind.derived.get(key) if key is not None else None
     if kind is not None:
+        forward_kind.derived.move_to_end(key)   # a kind_cache(): the least recently used go first
         return _run(kind, True, do, q, k, v, o, lse)
     grads = flash_attention_backward(do, q, k, v, o, lse, causal=causal, sm_scale=sm_scale)  # checks, keeps
     kept = key is not None and _KINDS.get(_call_key(do, q, k, v, o, lse, causal, sm_scale, None, None, None, False))
     if kept:
-        forward_kind.derived[key] = kept
+        launch.keep(forward_kind.derived, key, kept)
     return grads
 
 

@@ -12,6 +12,8 @@ key is never coarser than Triton's specialization, so a call never reaches a ker
 arguments; a call it has not seen goes through `kernel[grid]` (which compiles or finds the kernel) and is then
 remembered. It steps aside, so everything behaves as `kernel[grid]` does, when:
   - the kernel runs in the interpreter (TRITON_INTERPRET=1): there is no compiled kernel;
+  - the installed Triton's `CompiledKernel.run` takes other arguments than this module passes (`runs_directly`;
+    a RuntimeWarning says so, once);
   - a launch hook is installed (the proton profiler installs one) or Triton's debug mode is on;
   - `dispatch_by_triton()` is active (notebook 05b times both paths with it).
 
@@ -24,10 +26,14 @@ tensors) and the stream. `Kind` keeps a caller's checked choices and bound launc
 finds a call's Kind, or checks the call and keeps a new one. A Kind also keeps the host TMA descriptors of its
 first call as templates: a later call copies them onto its own tensors (`rebase`) instead of constructing and
 checking each one again (notebook 05b section 7 times both; the Gluon backward passes nine descriptors).
+A caller's kinds live in a `kind_cache()`, which keeps the MAX_KINDS used most recently.
 """
 from __future__ import annotations
 
+import inspect
 import os
+import warnings
+from collections import OrderedDict
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 
@@ -40,6 +46,12 @@ from utils.gpu import EMULATE_VAR
 
 _INT32 = (-2**31, 2**31)
 _triton_dispatch = 0   # > 0 inside dispatch_by_triton()
+MAX_KINDS = 128        # kinds of call a kind_cache() keeps: a program whose shapes vary does not grow it without end
+# What this module passes CompiledKernel.run before the kernel's arguments, named as Triton 3.7 names them
+# (older launchers take the same values, unnamed, in *args).
+RUN_PARAMETERS = ("gridX", "gridY", "gridZ", "stream", "function", "kernel_metadata", "launch_metadata",
+                  "launch_enter_hook", "launch_exit_hook")
+_warned_run = False    # runs_directly has warned
 
 
 def specialization_key(args) -> tuple:
@@ -77,6 +89,29 @@ def direct() -> bool:
                 or _hooked(knobs.runtime.launch_exit_hook))
 
 
+def runs_directly(compiled) -> bool:
+    """Whether `compiled.run`, Triton's private launcher, takes what FastLauncher and Bound pass it: positional
+    parameters named as the first of RUN_PARAMETERS, then *args (and no keyword-only one without a default).
+    If not (another Triton), a RuntimeWarning, once per process; the caller then launches through `kernel[grid]`."""
+    global _warned_run
+    try:
+        signature = inspect.signature(compiled.run)
+    except (TypeError, ValueError):   # a callable whose signature Python cannot read
+        signature = None
+    if signature is not None and hasattr(compiled, "function") and hasattr(compiled, "packed_metadata"):
+        params = signature.parameters.values()
+        positional = tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+        if (positional == RUN_PARAMETERS[:len(positional)] and any(p.kind is p.VAR_POSITIONAL for p in params)
+                and all(p.default is not p.empty for p in params if p.kind is p.KEYWORD_ONLY)):
+            return True
+    if not _warned_run:
+        _warned_run = True
+        warnings.warn(f"this Triton's CompiledKernel.run{signature or '(?)'} differs from what utils.launch passes "
+                      f"({', '.join(RUN_PARAMETERS)}, *args): its kernels launch through kernel[grid]",
+                      RuntimeWarning, stacklevel=3)
+    return False
+
+
 @contextmanager
 def dispatch_by_triton():
     """Inside this block every FastLauncher launches through `kernel[grid]`, Triton's own dispatch."""
@@ -99,6 +134,7 @@ class FastLauncher:
         self.kernel = kernel
         self.compiled: dict = {}   # (device, meta, specialization) -> (CompiledKernel, constexpr values)
         self.interpreted = not hasattr(kernel, "device_caches")   # TRITON_INTERPRET=1: nothing is compiled
+        self.by_triton = self.interpreted   # every launch through kernel[grid]: also when not runs_directly
         if self.interpreted:
             return
         params = kernel.params
@@ -113,16 +149,17 @@ class FastLauncher:
 
     def bind(self, grid, args, meta, head: int) -> "Bound | None":
         """Launch as `self[grid](*args, **meta)` does and return that launch with everything but `args[:head]`
-        fixed; None where there is no compiled kernel to bind (the interpreter, or not direct())."""
+        fixed; None where there is no compiled kernel to bind (the interpreter, not direct(), or a Triton whose
+        CompiledKernel.run differs: runs_directly)."""
         compiled = self.launch(grid, args, meta)
-        if self.interpreted or compiled is None or not direct():
+        if self.by_triton or compiled is None or not direct():
             return None
         grid = (*grid, 1, 1)
         constexprs = tuple(meta.get(name, default) for name, default in self.constexprs)
         return Bound(compiled, grid[0], grid[1], grid[2], (*args[head:], *constexprs))
 
     def launch(self, grid, args, meta):
-        if self.interpreted or not direct():
+        if self.by_triton or not direct():
             return self.kernel[grid](*args, **meta)
         device = driver.active.get_current_device()
         key = (device, tuple(meta.items()), specialization_key(args))
@@ -135,6 +172,9 @@ class FastLauncher:
             if compiled is None:  # JITFunction.run replaced (utils.cross_compile records launches): nothing to keep
                 return None
             compiled._init_handles()
+            if not runs_directly(compiled):
+                self.by_triton = True
+                return compiled
             self.compiled[key] = compiled, tuple(meta.get(name, default) for name, default in self.constexprs)
             return compiled
         compiled, constexprs = entry
@@ -170,11 +210,13 @@ def rebase(descriptor, base):
 class Kind:
     """What a caller keeps for one kind of call: its checked `choices`, once its first call has launched them
     its bound launches (and the device they were bound on), its descriptors' templates, and `derived`: the kinds
-    of the calls that follow one of this kind (a forward's backward), under the key of what else they take."""
+    of the calls that follow one of this kind (a forward's backward), under the key of what else they take (a
+    `kind_cache()`)."""
     __slots__ = ("choices", "launches", "device", "templates", "derived")
 
     def __init__(self, choices):
-        self.choices, self.launches, self.device, self.templates, self.derived = choices, None, None, None, {}
+        self.choices, self.launches, self.device, self.templates = choices, None, None, None
+        self.derived = kind_cache()
 
     def descriptors(self, tensors, make) -> tuple:
         """This call's host TMA descriptors, one per tensor of `tensors` (None where there is none): `make()`'s
@@ -214,14 +256,31 @@ class Kind:
             self.launches, self.device, self.templates = bound, driver.active.get_current_device(), None
 
 
-def kind_of(kinds: dict, key, choose) -> Kind:
-    """The Kind kept in `kinds` under `key`, or a new Kind of `choose()` (the caller's checks and choices, which
-    raise on a bad argument), kept under `key` unless it is None (a call that is checked every time)."""
+def kind_cache() -> OrderedDict:
+    """An empty cache of kinds of call for kind_of, which keeps the MAX_KINDS used most recently."""
+    return OrderedDict()
+
+
+def keep(kinds: OrderedDict, key, kind: Kind) -> None:
+    """Keep `kind` under `key` in `kinds` as the most recently used, forgetting the least recently used beyond
+    MAX_KINDS (a forgotten kind's next call is checked and bound again)."""
+    kinds[key] = kind
+    kinds.move_to_end(key)
+    while len(kinds) > MAX_KINDS:
+        kinds.popitem(last=False)
+
+
+def kind_of(kinds: OrderedDict, key, choose) -> Kind:
+    """The Kind kept in `kinds` (a `kind_cache()`) under `key`, or a new Kind of `choose()` (the caller's checks
+    and choices, which raise on a bad argument), kept under `key` unless it is None (a call that is checked every
+    time)."""
     kind = kinds.get(key) if key is not None else None
     if kind is None:
         kind = Kind(choose())
         if key is not None:
-            kinds[key] = kind
+            keep(kinds, key, kind)
+    else:
+        kinds.move_to_end(key)   # the least recently used go first
     return kind
 
 

@@ -20,14 +20,22 @@ LOG2E = tl.constexpr(1.4426950408889634)   # log2(e): exp(x) = exp2(x * log2(e))
 
 
 @triton.jit
+def _mod_pos(pos, seqlen_k):
+    """A position as the modifiers get it: at most the last key's. Ragged tiles hold rows past the last query and
+    keys past the last key, whose scores are never stored or are masked; clamped, they never lead a modifier
+    that indexes a per-position table (document ids) past its end."""
+    return tl.minimum(pos, seqlen_k - 1)
+
+
+@triton.jit
 def _scores(qk, b, h, q_pos, kv_pos, seqlen_k, sm_scale, qk_scale, args,
             SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
     """Scores in base 2 (exp2 of them is the softmax's exp), modified and, on partial tiles, masked; and the
     scaled scores given to SCORE_MOD (the backward differentiates the modifier there). q_pos (M, 1) and
-    kv_pos (1, N) are positions in the key sequence, clamped to it for the modifiers."""
+    kv_pos (1, N) are positions in the key sequence, clamped to it for the modifiers (_mod_pos)."""
     raw = qk * sm_scale
     if SCORE_MOD is not None:
-        s = SCORE_MOD(raw, b, h, q_pos, kv_pos, args) * LOG2E
+        s = SCORE_MOD(raw, b, h, _mod_pos(q_pos, seqlen_k), _mod_pos(kv_pos, seqlen_k), args) * LOG2E
     else:
         s = qk * qk_scale
     if MASKED:
@@ -35,7 +43,7 @@ def _scores(qk, b, h, q_pos, kv_pos, seqlen_k, sm_scale, qk_scale, args,
         if CAUSAL:
             keep = keep & (kv_pos <= q_pos)
         if MASK_MOD is not None:
-            keep = keep & MASK_MOD(b, h, tl.minimum(q_pos, seqlen_k - 1), tl.minimum(kv_pos, seqlen_k - 1), args)
+            keep = keep & MASK_MOD(b, h, _mod_pos(q_pos, seqlen_k), _mod_pos(kv_pos, seqlen_k), args)
         s = tl.where(keep, s, float("-inf"))
     return s, raw
 
@@ -201,7 +209,8 @@ def _dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, lse2_row, delta_row, m0, kv_pos, o
     dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)                # dPᵀ = V dOᵀ
     ds_t = p_t * (dp_t - delta[None, :])                                     # dSᵀ = Pᵀ ∘ (dPᵀ − D)
     if SCORE_GRAD is not None:                                               # chain rule through score_mod
-        ds_t = ds_t * SCORE_GRAD(raw_t, b, h, q_pos[None, :], kv_pos[:, None], args)
+        ds_t = ds_t * SCORE_GRAD(raw_t, b, h, _mod_pos(q_pos, seqlen_k)[None, :], _mod_pos(kv_pos, seqlen_k)[:, None],
+                                 args)
     dk += tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t), input_precision=PRECISION)   # dK += dSᵀ Q
     return dk, dv
 
@@ -300,7 +309,7 @@ def _dq_tile(dq, q, do, lse2, delta, k_ptrs, v_ptrs, start_n, q_pos, offs_n, off
     dp = tl.dot(do, v_t, input_precision=PRECISION)                          # dP = dO Vᵀ
     ds = p * (dp - delta[:, None])                                           # dS = P ∘ (dP − D)
     if SCORE_GRAD is not None:
-        ds = ds * SCORE_GRAD(raw, b, h, q_pos[:, None], kv_pos[None, :], args)
+        ds = ds * SCORE_GRAD(raw, b, h, _mod_pos(q_pos, seqlen_k)[:, None], _mod_pos(kv_pos, seqlen_k)[None, :], args)
     return dq + tl.dot(ds.to(k_t.dtype), tl.trans(k_t), input_precision=PRECISION)   # dQ += dS K
 
 

@@ -8,7 +8,9 @@ uses. Triton functions cannot capture Python values, so a modifier's parameters 
 
 Positions: `q_idx` is the query's position in the key sequence, `i + Nk - Nq` (the course's bottom-right
 alignment; the same as `flex_attention`'s q_idx when Nq == Nk). Scores reaching `score_mod` are already scaled by
-`sm_scale`, as in `flex_attention`.
+`sm_scale`, as in `flex_attention`. On ragged tiles the kernels give every rule positions of at most Nk - 1 (rows
+and keys past the end, masked or never stored, get the last key's), so a table with one entry per key is never read
+past its end.
 """
 from __future__ import annotations
 
