@@ -302,6 +302,28 @@ def test_flash_mma_validates_before_building():
         cuda_ext.flash_attention_cuda(q, q, q)
 
 
+def _many_heads(batch, heads, d, dtype):
+    """A (batch, heads, 1, d) tensor that takes the memory of one row: enough for the checks, never launched."""
+    return torch.empty(1, 1, 1, d, dtype=dtype).expand(batch, heads, 1, d)
+
+
+def test_cuda_wrappers_refuse_more_batch_heads_than_a_grid_has():
+    """Every attention kernel puts its (batch, head) pairs on the grid's y dimension, at most 65,535 blocks: more is
+    a ValueError that names the limit and the sizes, raised before a build (a launch would fail, or worse)."""
+    cases = ((8, torch.float32, (cuda_ext.flash_naive, cuda_ext.flash_tiled)),
+             (64, torch.float16, (cuda_ext.flash_mma, cuda_ext.flash_attention_cuda)))
+    for d, dtype, fns in cases:
+        for fn in fns:
+            for batch, heads in ((65536, 1), (256, 257)):
+                many = _many_heads(batch, heads, d, dtype)
+                with pytest.raises(ValueError, match=rf"batch x heads = {batch} x {heads} = {batch * heads} .*"
+                                                     r"at most 65535 rows \(gridDim.y\)"):
+                    fn(many, many, many)
+            fits = _many_heads(65535, 1, d, dtype)  # the limit itself is allowed: on the CPU, the device error
+            with pytest.raises(ValueError, match="needs CUDA tensors"):
+                fn(fits, fits, fits)
+
+
 def test_check_mma_capability():
     for ok in ((8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0)):
         cuda_ext.check_mma_capability(ok)
@@ -503,6 +525,7 @@ def test_flash_torch_checks(name):
         ("f(z(264), z(264), z(264), False, 0.125)", "head_dim 264 is not supported"),
         ("f(z(60), z(60), z(60), False, 0.125)", "head_dim 60 is not supported"),
         ("f(q, q, q, False, -1.0)", "scale must be finite and positive"),
+        ("f(*[q[:1, :1].expand(65536, 1, 16, 64)] * 3, False, 0.125)", "batch x heads = 65536 x 1 is more"),
     ]
     if name == "flash_naive":
         cases.append(("f(z(256), z(256), z(256), False, 0.125)", "head_dim 256"))
@@ -594,6 +617,7 @@ def test_flash_mma_torch_checks():
         ("f(q, q.half(), q, False, 0.125)", "k has dtype"),
         ("f(q, q[:, :3], q[:, :3], False, 0.125)", "not a multiple"),
         ("f(q, q, q, False, 0.0)", "scale must be finite and positive"),
+        ("f(*[q[:1, :1].expand(65536, 1, 16, 64)] * 3, False, 0.125)", "batch x heads = 65536 x 1 is more"),
         # the extension itself refuses rows off 16 bytes (flash_mma copies them before calling it)
         ("f(q, torch.randn(1 + q.numel(), device='cuda', dtype=q.dtype)[1:].view(q.shape), q, False, 0.125)",
          "k rows must start on 16 bytes"),
@@ -617,7 +641,20 @@ def test_wgmma_gemm_torch_checks():
         ("f(a[:32], a, 2)", "a's dims must be positive multiples of 64"),
         ("f(a, a.half(), 2)", "a is BFloat16 but b is Half"),
         ("f(a, a[:, :64].contiguous(), 2)", "a has K = 128 but b has K = 64"),
+        ("f(torch.empty(65536 * 64, 64, device='cuda', dtype=a.dtype), a[:, :64].contiguous(), 1)",
+         "a has 4194304 rows, more than the grid has"),
     ])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA or gpu.capability() != (9, 0), reason="wgmma needs an sm_90 GPU")
+def test_hopper_attention_torch_check_of_batch_heads():
+    """Steps with a row of blocks per (batch, head) refuse more than gridDim.y holds, even called directly."""
+    setup = ('f = cuda_ext.load("hopper_attention").hopper_attention_forward\n'
+             'q = torch.zeros(65536, 1, 8, 64, device="cuda", dtype=torch.bfloat16)\n'
+             'none = torch.empty(0, dtype=torch.int64, device="cuda")')
+    assert_torch_checks(setup, [(f"f(q, q, q, 8, False, 0.125, {step}, none)",
+                                 f"batch x heads = 65536 x 1 is more than step {step}'s grid") for step in (1, 3, 15)])
 
 
 @pytest.mark.gpu

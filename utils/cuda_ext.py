@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from utils import gpu
-from utils.checks import check_attention_inputs, check_capability, check_device, resolve_scale
+from utils.checks import CUDA_GRID_Y, check_attention_inputs, check_capability, check_device, resolve_scale
 
 ROOT = Path(__file__).resolve().parents[1]
 CUDA_DIR = ROOT / "utils" / "cuda"
@@ -422,7 +422,8 @@ def softmax(x, variant: str = "warp"):
 
 
 def _flash(name, q, k, v, causal, sm_scale, head_dims):
-    shape = check_attention_inputs(q, k, v, causal=causal, head_dims=head_dims, dtypes=FLASH_DTYPES)
+    shape = check_attention_inputs(q, k, v, causal=causal, head_dims=head_dims, dtypes=FLASH_DTYPES,
+                                   max_batch_heads=CUDA_GRID_Y)
     scale = resolve_scale(sm_scale, shape.head_dim)
     check_device("q", q, "cuda")
     # Any strides work except along head_dim, where the kernels read consecutive elements.
@@ -467,7 +468,8 @@ def flash_mma(q, k, v, *, causal=False, sm_scale=None, step: str = MMA_DEFAULT_S
     bottom-right. Needs an sm_80+ GPU; on a T4 (sm_75) it refuses with a RuntimeError (flash_tiled runs there).
     """
     name = mma_kernel_name(step)
-    shape = check_attention_inputs(q, k, v, causal=causal, head_dims=MMA_HEAD_DIMS, dtypes=MMA_DTYPES)
+    shape = check_attention_inputs(q, k, v, causal=causal, head_dims=MMA_HEAD_DIMS, dtypes=MMA_DTYPES,
+                                   max_batch_heads=CUDA_GRID_Y)
     scale = resolve_scale(sm_scale, shape.head_dim)
     check_device("q", q, "cuda")
     capability = gpu.capability(q.device)
@@ -486,7 +488,8 @@ def flash_attention_cuda(q, k, v, *, causal=False, sm_scale=None):
     Head dims: any multiple of 16 up to 128 (CUDA_HEAD_DIMS); the tensor cores take 64 and 128, and the others
     are padded with zeros to the next of those (autograd carries the gradients through the padding).
     """
-    shape = check_attention_inputs(q, k, v, causal=causal, head_dims=CUDA_HEAD_DIMS, dtypes=FLASH_DTYPES)
+    shape = check_attention_inputs(q, k, v, causal=causal, head_dims=CUDA_HEAD_DIMS, dtypes=FLASH_DTYPES,
+                                   max_batch_heads=CUDA_GRID_Y)
     tensor_cores = q.is_cuda and q.dtype != torch.float32 and gpu.capability(q.device) >= (8, 0)
     if tensor_cores and shape.head_dim not in MMA_HEAD_DIMS:
         d, padded = shape.head_dim, next(n for n in MMA_HEAD_DIMS if n >= shape.head_dim)
