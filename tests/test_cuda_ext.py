@@ -7,6 +7,8 @@ import re
 import shutil
 import subprocess
 import sys
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -371,6 +373,107 @@ def test_a_stale_build_lock_is_removed_and_a_live_one_waited_for(tmp_path):
     for bad in (0, -1.0, "10", True):
         with pytest.raises(ValueError, match="stale_after_s must be a positive number"):
             wait_for_build_lock(tmp_path, stale_after_s=bad)
+
+
+# A process that starts load("softmax") with load_inline faked (no compiler): torch's lock file is made, as the real
+# one makes it before compiling, and then the process is killed with SIGKILL, so that nothing of it cleans up.
+_KILLED_MID_BUILD = """
+import os, signal, sys
+from pathlib import Path
+import torch
+import torch.utils.cpp_extension as cpp
+from utils import cuda_ext
+cuda_ext.BUILD_DIR = Path(sys.argv[1])
+torch.cuda.is_available = lambda: True
+cuda_ext.arch_flags = lambda name=None: []
+cpp.verify_ninja_availability = lambda: None
+def load_inline(build_directory, **_):
+    Path(build_directory, "lock").touch()
+    os.kill(os.getpid(), signal.SIGKILL)
+cpp.load_inline = load_inline
+cuda_ext.load("softmax")
+"""
+
+
+def _fake_build(monkeypatch, tmp_path, load_inline):
+    import torch.utils.cpp_extension as cpp
+
+    monkeypatch.setattr(cuda_ext, "BUILD_DIR", tmp_path)
+    monkeypatch.setattr(cuda_ext, "_LOADED", {})
+    monkeypatch.setattr(cuda_ext, "_FAILED", {})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cuda_ext, "arch_flags", lambda name=None: [])
+    monkeypatch.setattr(cpp, "verify_ninja_availability", lambda: None)
+    monkeypatch.setattr(cpp, "load_inline", load_inline)
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="SIGKILL")
+def test_load_after_a_build_killed_half_way_starts_at_once(tmp_path, monkeypatch):
+    """load_inline waits as long as its lock file exists, and a killed build leaves it: load() must see that the
+    build that made it is gone and build at once (a workshop's interrupted cell used to wait ten minutes)."""
+    import signal
+
+    killed = subprocess.run([sys.executable, "-c", _KILLED_MID_BUILD, str(tmp_path)], cwd=cuda_ext.ROOT)
+    assert killed.returncode == -signal.SIGKILL
+    _fake_build(monkeypatch, tmp_path, None)  # the directory's name is the same in both processes
+    lock = tmp_path / "torch_extensions" / cuda_ext.extension_name("softmax") / "lock"
+    assert lock.exists()
+    waited = []
+
+    def sleep(seconds):  # load() may poll, but a dead build is not worth 5 s of it
+        waited.append(seconds)
+        assert sum(waited) < 5, "load() waited for a build that was killed"
+
+    def load_inline(build_directory, **_):
+        assert not Path(build_directory, "lock").exists()  # the real load_inline would wait on it forever
+        return "module"
+
+    _fake_build(monkeypatch, tmp_path, load_inline)
+    monkeypatch.setattr(cuda_ext.time, "sleep", sleep)
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        assert cuda_ext.load("softmax") == "module"
+    assert not lock.exists() and any("did not finish" in str(w.message) for w in warned)
+
+
+_HOLD_BUILD_LOCK = """
+import sys, time
+from utils.cuda_ext import build_lock
+with build_lock(sys.argv[1]):
+    print("held", flush=True)
+    time.sleep(600)
+"""
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="fcntl")
+def test_a_live_build_is_waited_for_and_an_interrupted_one_lets_go(tmp_path):
+    """build_lock waits for a build that still runs, saying once which process holds it; an exception (a
+    KeyboardInterrupt) inside the block lets go of the lock at once."""
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD_BUILD_LOCK, str(tmp_path)], cwd=cuda_ext.ROOT,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        said = []
+        with pytest.raises(TimeoutError, match=f"process {holder.pid}"):
+            with cuda_ext.build_lock(tmp_path, timeout_s=0.5, poll_s=0.05, say=said.append):
+                pass
+        assert len(said) == 1 and f"waiting for another build of {tmp_path.name} (process {holder.pid}" in said[0]
+    finally:
+        holder.kill()
+        holder.wait()
+    with pytest.raises(KeyboardInterrupt):
+        with cuda_ext.build_lock(tmp_path, timeout_s=1) as removed:
+            assert removed is False  # no lock file of load_inline's was left
+            raise KeyboardInterrupt
+    with cuda_ext.build_lock(tmp_path, timeout_s=0):  # free again
+        pass
+    for bad in (-1, "1", True, float("nan")):
+        with pytest.raises(ValueError, match="timeout_s must be None or a number"):
+            with cuda_ext.build_lock(tmp_path, timeout_s=bad):
+                pass
+    with pytest.raises(ValueError, match="poll_s must be a positive number"):
+        with cuda_ext.build_lock(tmp_path, poll_s=0):
+            pass
 
 
 @pytest.mark.skipif(CUDA, reason="on a GPU the extension builds")
