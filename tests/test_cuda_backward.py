@@ -64,6 +64,19 @@ def test_validation_before_any_build():
         cuda_ext.flash_attention_cuda(*(t.float().requires_grad_() for t in (q, k, v)))
 
 
+def test_more_batch_heads_than_a_grid_has_is_refused_before_any_build():
+    """The forward's and the dQ pass's grids have a row per (batch, head), at most 65,535 (gridDim.y)."""
+    many = torch.empty(1, 1, 1, 64, dtype=torch.bfloat16).expand(2, 32768, 1, 64)
+    lse = torch.empty(1, 1, 1).expand(2, 32768, 1)
+    limit = r"batch x heads = 2 x 32768 = 65536 .*at most 65535 rows"
+    with pytest.raises(ValueError, match=limit):
+        flash_mma_forward(many, many, many)
+    with pytest.raises(ValueError, match=limit):
+        flash_mma_attention(many, many, many)
+    with pytest.raises(ValueError, match=limit):
+        flash_mma_backward(many, many, many, many, many, lse)
+
+
 def test_stored_run_backs_the_default_step():
     """The stored H200 run has every step beside SDPA's FlashAttention-2 and cuDNN backwards on each shape, its
     environment, and the default step is the one with the best geometric mean over it."""

@@ -7,6 +7,8 @@ import re
 import shutil
 import subprocess
 import sys
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -308,6 +310,28 @@ def test_flash_mma_validates_before_building():
         cuda_ext.flash_attention_cuda(q, q, q)
 
 
+def _many_heads(batch, heads, d, dtype):
+    """A (batch, heads, 1, d) tensor that takes the memory of one row: enough for the checks, never launched."""
+    return torch.empty(1, 1, 1, d, dtype=dtype).expand(batch, heads, 1, d)
+
+
+def test_cuda_wrappers_refuse_more_batch_heads_than_a_grid_has():
+    """Every attention kernel puts its (batch, head) pairs on the grid's y dimension, at most 65,535 blocks: more is
+    a ValueError that names the limit and the sizes, raised before a build (a launch would fail, or worse)."""
+    cases = ((8, torch.float32, (cuda_ext.flash_naive, cuda_ext.flash_tiled)),
+             (64, torch.float16, (cuda_ext.flash_mma, cuda_ext.flash_attention_cuda)))
+    for d, dtype, fns in cases:
+        for fn in fns:
+            for batch, heads in ((65536, 1), (256, 257)):
+                many = _many_heads(batch, heads, d, dtype)
+                with pytest.raises(ValueError, match=rf"batch x heads = {batch} x {heads} = {batch * heads} .*"
+                                                     r"at most 65535 rows \(gridDim.y\)"):
+                    fn(many, many, many)
+            fits = _many_heads(65535, 1, d, dtype)  # the limit itself is allowed: on the CPU, the device error
+            with pytest.raises(ValueError, match="needs CUDA tensors"):
+                fn(fits, fits, fits)
+
+
 def test_check_mma_capability():
     for ok in ((8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0)):
         cuda_ext.check_mma_capability(ok)
@@ -355,6 +379,107 @@ def test_a_stale_build_lock_is_removed_and_a_live_one_waited_for(tmp_path):
     for bad in (0, -1.0, "10", True):
         with pytest.raises(ValueError, match="stale_after_s must be a positive number"):
             wait_for_build_lock(tmp_path, stale_after_s=bad)
+
+
+# A process that starts load("softmax") with load_inline faked (no compiler): torch's lock file is made, as the real
+# one makes it before compiling, and then the process is killed with SIGKILL, so that nothing of it cleans up.
+_KILLED_MID_BUILD = """
+import os, signal, sys
+from pathlib import Path
+import torch
+import torch.utils.cpp_extension as cpp
+from utils import cuda_ext
+cuda_ext.BUILD_DIR = Path(sys.argv[1])
+torch.cuda.is_available = lambda: True
+cuda_ext.arch_flags = lambda name=None: []
+cpp.verify_ninja_availability = lambda: None
+def load_inline(build_directory, **_):
+    Path(build_directory, "lock").touch()
+    os.kill(os.getpid(), signal.SIGKILL)
+cpp.load_inline = load_inline
+cuda_ext.load("softmax")
+"""
+
+
+def _fake_build(monkeypatch, tmp_path, load_inline):
+    import torch.utils.cpp_extension as cpp
+
+    monkeypatch.setattr(cuda_ext, "BUILD_DIR", tmp_path)
+    monkeypatch.setattr(cuda_ext, "_LOADED", {})
+    monkeypatch.setattr(cuda_ext, "_FAILED", {})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cuda_ext, "arch_flags", lambda name=None: [])
+    monkeypatch.setattr(cpp, "verify_ninja_availability", lambda: None)
+    monkeypatch.setattr(cpp, "load_inline", load_inline)
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="SIGKILL")
+def test_load_after_a_build_killed_half_way_starts_at_once(tmp_path, monkeypatch):
+    """load_inline waits as long as its lock file exists, and a killed build leaves it: load() must see that the
+    build that made it is gone and build at once (a workshop's interrupted cell used to wait ten minutes)."""
+    import signal
+
+    killed = subprocess.run([sys.executable, "-c", _KILLED_MID_BUILD, str(tmp_path)], cwd=cuda_ext.ROOT)
+    assert killed.returncode == -signal.SIGKILL
+    _fake_build(monkeypatch, tmp_path, None)  # the directory's name is the same in both processes
+    lock = tmp_path / "torch_extensions" / cuda_ext.extension_name("softmax") / "lock"
+    assert lock.exists()
+    waited = []
+
+    def sleep(seconds):  # load() may poll, but a dead build is not worth 5 s of it
+        waited.append(seconds)
+        assert sum(waited) < 5, "load() waited for a build that was killed"
+
+    def load_inline(build_directory, **_):
+        assert not Path(build_directory, "lock").exists()  # the real load_inline would wait on it forever
+        return "module"
+
+    _fake_build(monkeypatch, tmp_path, load_inline)
+    monkeypatch.setattr(cuda_ext.time, "sleep", sleep)
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        assert cuda_ext.load("softmax") == "module"
+    assert not lock.exists() and any("did not finish" in str(w.message) for w in warned)
+
+
+_HOLD_BUILD_LOCK = """
+import sys, time
+from utils.cuda_ext import build_lock
+with build_lock(sys.argv[1]):
+    print("held", flush=True)
+    time.sleep(600)
+"""
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="fcntl")
+def test_a_live_build_is_waited_for_and_an_interrupted_one_lets_go(tmp_path):
+    """build_lock waits for a build that still runs, saying once which process holds it; an exception (a
+    KeyboardInterrupt) inside the block lets go of the lock at once."""
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD_BUILD_LOCK, str(tmp_path)], cwd=cuda_ext.ROOT,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        said = []
+        with pytest.raises(TimeoutError, match=f"process {holder.pid}"):
+            with cuda_ext.build_lock(tmp_path, timeout_s=0.5, poll_s=0.05, say=said.append):
+                pass
+        assert len(said) == 1 and f"waiting for another build of {tmp_path.name} (process {holder.pid}" in said[0]
+    finally:
+        holder.kill()
+        holder.wait()
+    with pytest.raises(KeyboardInterrupt):
+        with cuda_ext.build_lock(tmp_path, timeout_s=1) as removed:
+            assert removed is False  # no lock file of load_inline's was left
+            raise KeyboardInterrupt
+    with cuda_ext.build_lock(tmp_path, timeout_s=0):  # free again
+        pass
+    for bad in (-1, "1", True, float("nan")):
+        with pytest.raises(ValueError, match="timeout_s must be None or a number"):
+            with cuda_ext.build_lock(tmp_path, timeout_s=bad):
+                pass
+    with pytest.raises(ValueError, match="poll_s must be a positive number"):
+        with cuda_ext.build_lock(tmp_path, poll_s=0):
+            pass
 
 
 @pytest.mark.skipif(CUDA, reason="on a GPU the extension builds")
@@ -509,6 +634,7 @@ def test_flash_torch_checks(name):
         ("f(z(264), z(264), z(264), False, 0.125)", "head_dim 264 is not supported"),
         ("f(z(60), z(60), z(60), False, 0.125)", "head_dim 60 is not supported"),
         ("f(q, q, q, False, -1.0)", "scale must be finite and positive"),
+        ("f(*[q[:1, :1].expand(65536, 1, 16, 64)] * 3, False, 0.125)", "batch x heads = 65536 x 1 is more"),
     ]
     if name == "flash_naive":
         cases.append(("f(z(256), z(256), z(256), False, 0.125)", "head_dim 256"))
@@ -600,6 +726,7 @@ def test_flash_mma_torch_checks():
         ("f(q, q.half(), q, False, 0.125)", "k has dtype"),
         ("f(q, q[:, :3], q[:, :3], False, 0.125)", "not a multiple"),
         ("f(q, q, q, False, 0.0)", "scale must be finite and positive"),
+        ("f(*[q[:1, :1].expand(65536, 1, 16, 64)] * 3, False, 0.125)", "batch x heads = 65536 x 1 is more"),
         # the extension itself refuses rows off 16 bytes (flash_mma copies them before calling it)
         ("f(q, torch.randn(1 + q.numel(), device='cuda', dtype=q.dtype)[1:].view(q.shape), q, False, 0.125)",
          "k rows must start on 16 bytes"),
@@ -623,7 +750,21 @@ def test_wgmma_gemm_torch_checks():
         ("f(a[:32], a, 2)", "a's dims must be positive multiples of 64"),
         ("f(a, a.half(), 2)", "a is BFloat16 but b is Half"),
         ("f(a, a[:, :64].contiguous(), 2)", "a has K = 128 but b has K = 64"),
+        ("f(torch.empty(65536 * 64, 64, device='cuda', dtype=a.dtype), a[:, :64].contiguous(), 1)",
+         "a has 4194304 rows, more than the grid has"),
     ])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA or gpu.capability() != (9, 0), reason="wgmma needs an sm_90 GPU")
+def test_hopper_attention_torch_check_of_batch_heads():
+    """Steps with a row of blocks per (batch, head) refuse more than gridDim.y holds, even called directly."""
+    setup = ('f = cuda_ext.load("hopper_attention").hopper_attention_forward\n'
+             'q = torch.zeros(65536, 1, 8, 64, device="cuda", dtype=torch.bfloat16)\n'
+             'vt = torch.zeros(65536, 1, 64, 8, device="cuda", dtype=torch.bfloat16)\n'  # V transposed (steps 1-9)
+             'none = torch.empty(0, dtype=torch.int64, device="cuda")')
+    assert_torch_checks(setup, [(f"f(q, q, {'q' if step >= 10 else 'vt'}, 8, False, 0.125, {step}, none)",
+                                 f"batch x heads = 65536 x 1 is more than step {step}'s grid") for step in (1, 3, 15)])
 
 
 @pytest.mark.gpu

@@ -135,6 +135,16 @@ def test_wgmma_gemm_validates_before_building():
         hopper.wgmma_gemm(a, a, step="cp_async")
 
 
+def test_wgmma_gemm_refuses_more_row_tiles_than_a_grid_has():
+    """A row of blocks per 64 rows of a, on the grid's y dimension: at most 65,535 of them."""
+    b = torch.empty(64, 64, dtype=torch.float16)
+    too_tall = torch.empty(1, 64, dtype=torch.float16).expand(65536 * 64, 64)  # one row's memory
+    with pytest.raises(ValueError, match=r"a has 4194304 rows, .*at most 65535 rows \(gridDim.y\)"):
+        hopper.wgmma_gemm(too_tall, b)
+    with pytest.raises(ValueError, match="one CUDA device"):  # the limit itself: on the CPU, the device error
+        hopper.wgmma_gemm(too_tall[:65535 * 64], b)
+
+
 def _tile_report(out: torch.Tensor, ref: torch.Tensor, tol: float) -> str:
     """Which 64 x 64 tiles of C are wrong, and in the first, which rows and columns: what a learner needs."""
     bad = (out - ref).abs() > tol
@@ -204,6 +214,19 @@ def test_flash_hopper_validates_before_building():
         hopper.flash_hopper(q.float(), q.float(), q.float())
     with pytest.raises(ValueError, match="step must be one of"):
         hopper.flash_hopper(q, q, q, step="fastest")
+
+
+def test_flash_hopper_refuses_more_batch_heads_than_its_grid_has():
+    """Steps with a row of blocks per (batch, head) (gridDim.y, at most 65,535) refuse more before any build; the
+    steps that lay their blocks out in one line (persistent, head_groups, own_diagonal) take them."""
+    many = torch.empty(1, 1, 1, 64, dtype=torch.bfloat16).expand(65536, 1, 1, 64)
+    one_line = ("persistent", "head_groups", "own_diagonal")
+    for step in hopper.ATTENTION_STEPS:
+        expected = "needs CUDA tensors" if step in one_line else r"batch x heads = 65536 x 1 = 65536 .*at most 65535"
+        with pytest.raises(ValueError, match=expected):
+            hopper.flash_hopper(many, many, many, step=step)
+    with pytest.raises(ValueError, match="at most 65535"):
+        hopper.block_timeline(many, many, many)
 
 
 @on_hopper

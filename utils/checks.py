@@ -19,16 +19,19 @@ class AttentionShape(NamedTuple):
 
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# The most blocks a CUDA grid has along y (and z); along x it is 2**31 - 1.
+CUDA_GRID_Y = 65535
 
 
 def check_attention_inputs(q, k, v, *, causal=False, head_dims=None, dtypes=FLOAT_DTYPES,
-                           runs_on: str = "any") -> AttentionShape:
+                           runs_on: str = "any", max_batch_heads: int | None = None) -> AttentionShape:
     """Validate `(batch, heads, seq, head_dim)` tensors q, k, v and return their sizes.
 
     K and V may have fewer heads than Q (grouped-query / multi-query attention) if that number divides Q's.
     `head_dims` is a collection of supported head dims (None: any); `dtypes` the supported dtypes; `runs_on`
     where the implementation runs, as in the registry: "any" device, "cuda" tensors only, or "triton" (CUDA
-    tensors, or CPU tensors while the Triton interpreter is on).
+    tensors, or CPU tensors while the Triton interpreter is on). `max_batch_heads`: the most batch x heads the
+    kernels take (`check_batch_heads`; None: no limit).
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -57,8 +60,21 @@ def check_attention_inputs(q, k, v, *, causal=False, head_dims=None, dtypes=FLOA
         raise ValueError(f"q has {h} heads, not a multiple of the {hk} heads of k and v")
     if head_dims is not None and d not in head_dims:
         raise ValueError(f"head_dim {d} is not supported here; supported: {sorted(head_dims)}")
+    if max_batch_heads is not None:
+        check_batch_heads(b, h, max_batch_heads)
     check_device("q", q, runs_on)  # last: an argument that is wrong everywhere is named first
     return AttentionShape(b, h, hk, nq, nk, d)
+
+
+def check_batch_heads(batch: int, heads: int, limit: int = CUDA_GRID_Y) -> None:
+    """A ValueError unless batch x heads <= `limit`. A CUDA kernel that launches a row of blocks per (batch, head)
+    puts them on its grid's y dimension, which holds at most CUDA_GRID_Y."""
+    if batch * heads > limit:
+        fix = (f"split the batch into chunks of at most {limit // heads}" if heads <= limit
+               else f"use at most {limit} heads")
+        raise ValueError(f"batch x heads = {batch} x {heads} = {batch * heads} is more than these CUDA kernels "
+                         f"take: they launch a row of blocks per (batch, head), and a grid has at most {limit} "
+                         f"rows (gridDim.y); {fix}")
 
 
 def check_device(name: str, t: torch.Tensor, runs_on: str) -> None:

@@ -25,7 +25,7 @@ import math
 import torch
 
 from utils import cuda_ext, gpu
-from utils.checks import check_attention_inputs, check_device, resolve_scale
+from utils.checks import CUDA_GRID_Y, check_attention_inputs, check_batch_heads, check_device, resolve_scale
 from utils.flash_pytorch_bwd import check_backward_inputs
 
 BWD_STEPS = ("atomic_dq", "dq_pass", "narrow_rows", "two_blocks", "per_head_dim", "unroll_two", "mask_after",
@@ -49,7 +49,7 @@ def flash_mma_forward(q, k, v, *, causal=False, sm_scale=None):
     """(o, lse): the tensor-core forward of notebook 06b and the natural-log log-sum-exp of the scaled scores,
     fp32 (batch, heads, seqlen_q), -inf for a query that sees no key. fp16/bf16, D = 64 or 128, sm_80+."""
     shape = check_attention_inputs(q, k, v, causal=causal, head_dims=cuda_ext.MMA_HEAD_DIMS,
-                                   dtypes=cuda_ext.MMA_DTYPES)
+                                   dtypes=cuda_ext.MMA_DTYPES, max_batch_heads=CUDA_GRID_Y)
     scale = resolve_scale(sm_scale, shape.head_dim)
     check_device("q", q, "cuda")
     ext = _extension(q)
@@ -78,8 +78,9 @@ def flash_mma_backward(do, q, k, v, o, lse, *, causal=False, sm_scale=None, step
     aligned bottom-right. `step`: one of BWD_STEPS."""
     if step not in BWD_STEPS:
         raise ValueError(f"step must be one of {BWD_STEPS}, got {step!r}")
-    _, scale = check_backward_inputs(do, q, k, v, o, lse, causal=causal, sm_scale=sm_scale,
-                                     head_dims=cuda_ext.MMA_HEAD_DIMS, dtypes=cuda_ext.MMA_DTYPES)
+    shape, scale = check_backward_inputs(do, q, k, v, o, lse, causal=causal, sm_scale=sm_scale,
+                                         head_dims=cuda_ext.MMA_HEAD_DIMS, dtypes=cuda_ext.MMA_DTYPES)
+    check_batch_heads(shape.batch, shape.heads)  # the dQ pass's grid has a row per (batch, head), as the forward's
     check_device("q", q, "cuda")
     ext = _extension(q)
     lse2, delta = backward_inputs(do, o, lse)
@@ -112,7 +113,7 @@ def flash_mma_attention(q, k, v, *, causal=False, sm_scale=None, step: str = BWD
     if step not in BWD_STEPS:
         raise ValueError(f"step must be one of {BWD_STEPS}, got {step!r}")
     shape = check_attention_inputs(q, k, v, causal=causal, head_dims=cuda_ext.MMA_HEAD_DIMS,
-                                   dtypes=cuda_ext.MMA_DTYPES)
+                                   dtypes=cuda_ext.MMA_DTYPES, max_batch_heads=CUDA_GRID_Y)
     resolve_scale(sm_scale, shape.head_dim)  # errors at the call, not inside autograd
     check_device("q", q, "cuda")
     return FlashMmaFunction.apply(q, k, v, causal, sm_scale, step)

@@ -16,6 +16,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -32,7 +33,7 @@ from pathlib import Path
 import torch
 
 from utils import gpu
-from utils.checks import check_attention_inputs, check_capability, check_device, resolve_scale
+from utils.checks import CUDA_GRID_Y, check_attention_inputs, check_capability, check_device, resolve_scale
 
 ROOT = Path(__file__).resolve().parents[1]
 CUDA_DIR = ROOT / "utils" / "cuda"
@@ -163,15 +164,68 @@ _FAILED: dict = {}
 
 
 # torch's load_inline guards a build directory with a lock file and waits, without end, while it exists. A build
-# killed half-way (a notebook interrupt, a timeout) leaves the lock behind, and every later build of that
-# extension would hang. No build of ours takes this long, so a lock this old was left by one that died.
+# killed half-way (a notebook interrupt, a restarted kernel) leaves the file behind, and every later build of that
+# extension would hang. So our builds first take an OS lock (`build_lock`), which the OS drops when its process
+# dies: under it, a lock file of load_inline's can only be a dead build's. Where there is no such lock (Windows),
+# `wait_for_build_lock` removes a lock file once it is STALE_LOCK_S old: no build of ours takes that long.
 STALE_LOCK_S = 600.0
+
+
+@contextlib.contextmanager
+def build_lock(build_directory, *, timeout_s: float | None = None, poll_s: float = 0.5, say=print):
+    """Hold the build lock of `build_directory` (made if missing) for a `with` block.
+
+    The lock is fcntl.flock on build_directory/course.lock, so a killed process never holds it. While another
+    live process holds it, wait (saying so once), or after `timeout_s` raise a TimeoutError (None: wait as long
+    as that build runs). Once held, remove load_inline's lock file if one is left, with a warning. Yields whether
+    it removed one. Without fcntl (Windows), `wait_for_build_lock` instead."""
+    if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
+                                  or not timeout_s >= 0):
+        raise ValueError(f"timeout_s must be None or a number of seconds >= 0, got {timeout_s!r}")
+    if isinstance(poll_s, bool) or not isinstance(poll_s, (int, float)) or not poll_s > 0:
+        raise ValueError(f"poll_s must be a positive number of seconds, got {poll_s!r}")
+    directory = Path(build_directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:
+        yield wait_for_build_lock(directory, poll_s=poll_s, say=say)
+        return
+    path = directory / "course.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        start, told = time.monotonic(), False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                holder = path.read_text().strip() or "?"
+                if timeout_s is not None and time.monotonic() - start >= timeout_s:
+                    raise TimeoutError(f"another build of {directory.name} (process {holder}) still holds {path} "
+                                       f"after {timeout_s:g} s") from None
+                if not told:
+                    say(f"waiting for another build of {directory.name} (process {holder} holds {path})")
+                    told = True
+                time.sleep(poll_s)
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())  # for the message of a process that waits
+        left = directory / "lock"
+        removed = left.exists()
+        if removed:
+            warnings.warn(f"removed {left}: left by a build that did not finish (interrupted?); building again",
+                          stacklevel=3)
+            left.unlink(missing_ok=True)
+        yield removed
+    finally:
+        os.close(fd)  # drops the lock, also on an exception or KeyboardInterrupt
 
 
 def wait_for_build_lock(build_directory, stale_after_s: float = STALE_LOCK_S, poll_s: float = 1.0,
                         say=print) -> bool:
     """Wait while `build_directory/lock` is held (another process may be building the same extension), saying so
-    once; remove it once it is `stale_after_s` old, with a warning. Returns whether a stale lock was removed."""
+    once; remove it once it is `stale_after_s` old, with a warning. Returns whether a stale lock was removed.
+    `build_lock`'s fallback where there is no fcntl."""
     for arg, value in (("stale_after_s", stale_after_s), ("poll_s", poll_s)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise ValueError(f"{arg} must be a positive number of seconds, got {value!r}")
@@ -196,7 +250,7 @@ def wait_for_build_lock(build_directory, stale_after_s: float = STALE_LOCK_S, po
 
 def load(name: str, *, verbose: bool = False):
     """Build (once) and import the extension of utils/cuda/<name>.cu for the current GPU. A build interrupted
-    half-way is started again on the next call (`wait_for_build_lock`)."""
+    half-way is started again on the next call (`build_lock`)."""
     _check_name(name)
     if not torch.cuda.is_available():
         raise RuntimeError(f"building {name}.cu needs a CUDA GPU and a CUDA build of torch "
@@ -212,24 +266,23 @@ def load(name: str, *, verbose: bool = False):
 
     verify_ninja_availability()  # a clear error if ninja is missing (pip install ninja)
     build_directory = BUILD_DIR / "torch_extensions" / ext
-    build_directory.mkdir(parents=True, exist_ok=True)
-    wait_for_build_lock(build_directory)
     function, _ = KERNELS[name]
     source = kernel_source(name)
-    try:
-        module = load_inline(
-            name=ext,
-            cpp_sources=WRAPPER_DEFINE + source,  # host compiler: the torch wrapper; bindings are generated here
-            cuda_sources=source,                  # nvcc: the kernels and their launcher
-            functions=[function] if isinstance(function, str) else list(function),
-            extra_cuda_cflags=flags,
-            extra_include_paths=[str(CUDA_DIR)],  # for #include "flash_common.cuh"
-            build_directory=str(build_directory),
-            verbose=verbose,
-        )
-    except Exception as err:
-        _FAILED[ext] = str(err)
-        raise
+    with build_lock(build_directory):
+        try:
+            module = load_inline(
+                name=ext,
+                cpp_sources=WRAPPER_DEFINE + source,  # host compiler: the torch wrapper; bindings are generated here
+                cuda_sources=source,                  # nvcc: the kernels and their launcher
+                functions=[function] if isinstance(function, str) else list(function),
+                extra_cuda_cflags=flags,
+                extra_include_paths=[str(CUDA_DIR)],  # for #include "flash_common.cuh"
+                build_directory=str(build_directory),
+                verbose=verbose,
+            )
+        except Exception as err:
+            _FAILED[ext] = str(err)
+            raise
     _LOADED[ext] = module
     return module
 
@@ -424,7 +477,8 @@ def softmax(x, variant: str = "warp"):
 
 
 def _flash(name, q, k, v, causal, sm_scale, head_dims):
-    shape = check_attention_inputs(q, k, v, causal=causal, head_dims=head_dims, dtypes=FLASH_DTYPES)
+    shape = check_attention_inputs(q, k, v, causal=causal, head_dims=head_dims, dtypes=FLASH_DTYPES,
+                                   max_batch_heads=CUDA_GRID_Y)
     scale = resolve_scale(sm_scale, shape.head_dim)
     check_device("q", q, "cuda")
     # Any strides work except along head_dim, where the kernels read consecutive elements.
@@ -469,7 +523,8 @@ def flash_mma(q, k, v, *, causal=False, sm_scale=None, step: str = MMA_DEFAULT_S
     bottom-right. Needs an sm_80+ GPU; on a T4 (sm_75) it refuses with a RuntimeError (flash_tiled runs there).
     """
     name = mma_kernel_name(step)
-    shape = check_attention_inputs(q, k, v, causal=causal, head_dims=MMA_HEAD_DIMS, dtypes=MMA_DTYPES)
+    shape = check_attention_inputs(q, k, v, causal=causal, head_dims=MMA_HEAD_DIMS, dtypes=MMA_DTYPES,
+                                   max_batch_heads=CUDA_GRID_Y)
     scale = resolve_scale(sm_scale, shape.head_dim)
     check_device("q", q, "cuda")
     capability = gpu.capability(q.device)
@@ -488,7 +543,8 @@ def flash_attention_cuda(q, k, v, *, causal=False, sm_scale=None):
     Head dims: any multiple of 16 up to 128 (CUDA_HEAD_DIMS); the tensor cores take 64 and 128, and the others
     are padded with zeros to the next of those (autograd carries the gradients through the padding).
     """
-    shape = check_attention_inputs(q, k, v, causal=causal, head_dims=CUDA_HEAD_DIMS, dtypes=FLASH_DTYPES)
+    shape = check_attention_inputs(q, k, v, causal=causal, head_dims=CUDA_HEAD_DIMS, dtypes=FLASH_DTYPES,
+                                   max_batch_heads=CUDA_GRID_Y)
     tensor_cores = q.is_cuda and q.dtype != torch.float32 and gpu.capability(q.device) >= (8, 0)
     if tensor_cores and shape.head_dim not in MMA_HEAD_DIMS:
         d, padded = shape.head_dim, next(n for n in MMA_HEAD_DIMS if n >= shape.head_dim)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from utils.checks import check_int
+from utils.checks import CUDA_GRID_Y, check_int
 
 # Swizzle width in bytes -> the mode bits (62-63) of a wgmma descriptor.
 SWIZZLE_MODES = {0: 0, 128: 1, 64: 2, 32: 3}
@@ -40,6 +40,8 @@ ATTENTION_STEPS = ("tma", "pipelined", "specialised", "softmax", "stages", "over
 # Not every step paid: the default (and the registry's "cuda_hopper") is the fastest one measured on the H200
 # (images/06c_*_h200.json; tests/test_hopper.py checks it against them).
 DEFAULT_STEP = "tma_store"
+# The steps whose blocks form one line (gridDim.x); the others launch a row of blocks per (batch, head), on gridDim.y.
+ONE_LINE_STEPS = ("persistent", "head_groups", "own_diagonal")
 
 
 def _check_mode(mode) -> int:
@@ -129,6 +131,10 @@ def wgmma_gemm(a: torch.Tensor, b: torch.Tensor, *, step: str = GEMM_STEPS[-1]) 
         raise TypeError(f"a is {a.dtype} but b is {b.dtype}")
     if a.shape[1] != b.shape[1]:
         raise ValueError(f"a has K = {a.shape[1]} but b has K = {b.shape[1]}")
+    if a.shape[0] // GEMM_TILE > CUDA_GRID_Y:
+        raise ValueError(f"a has {a.shape[0]} rows, more than the kernel takes: it launches a row of blocks per "
+                         f"{GEMM_TILE} rows of a, and a grid has at most {CUDA_GRID_Y} rows (gridDim.y); at most "
+                         f"{CUDA_GRID_Y * GEMM_TILE} rows")
     if a.device != b.device or a.device.type != "cuda":
         raise ValueError(f"a and b must be on one CUDA device, got {a.device} and {b.device}")
     cuda_ext.check_hopper_capability(gpu.capability(a.device))
@@ -152,7 +158,8 @@ def flash_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: b
     if step not in ATTENTION_STEPS:
         raise ValueError(f"step must be one of {ATTENTION_STEPS}, got {step!r}")
     shape = check_attention_inputs(q, k, v, causal=causal, head_dims=(64, 128),
-                                   dtypes=(torch.float16, torch.bfloat16), runs_on="cuda")
+                                   dtypes=(torch.float16, torch.bfloat16), runs_on="cuda",
+                                   max_batch_heads=None if step in ONE_LINE_STEPS else CUDA_GRID_Y)
     scale = resolve_scale(sm_scale, shape.head_dim)
     cuda_ext.check_hopper_capability(gpu.capability(q.device))
     q, k = _readable(q), _readable(k)

@@ -46,6 +46,9 @@ inline Params make_params(const char* name, const torch::Tensor& q, const torch:
   TORCH_CHECK(d % 8 == 0 && d <= kMaxHeadDim, name, ": head_dim ", course::num(d),
               " is not supported; supported: multiples of 8 up to ", course::num(kMaxHeadDim));
   TORCH_CHECK(scale > 0 && std::isfinite(scale), name, ": scale must be finite and positive, got ", course::num(scale));
+  // The kernels launch a row of blocks per (batch, head), on the grid's y dimension: at most 65,535 rows.
+  TORCH_CHECK(q.size(0) * q.size(1) <= 65535, name, ": batch x heads = ", course::num(q.size(0)), " x ",
+              course::num(q.size(1)), " is more than a grid has rows (gridDim.y, at most 65535); split the batch");
 
   Params p;
   p.q = q.data_ptr();

@@ -722,6 +722,10 @@ torch::Tensor hopper_attention_forward(torch::Tensor q, torch::Tensor k, torch::
               "hopper_attention: empty or too long, q ", course::shape(q.sizes()), ", Nk = ", course::num(seqlen_k));
   TORCH_CHECK(scale > 0 && std::isfinite(scale), "hopper_attention: scale must be finite and positive, got ",
               course::num(scale));
+  // steps 12-14 lay their blocks out in one line; the others launch a row per (batch, head), at most 65,535
+  TORCH_CHECK((step >= 12 && step <= 14) || q.size(0) * q.size(1) <= 65535, "hopper_attention: batch x heads = ",
+              course::num(q.size(0)), " x ", course::num(q.size(1)), " is more than step ", course::num(step),
+              "'s grid has rows (gridDim.y, at most 65535); split the batch");
   const int64_t most_blocks = (q.size(2) + 63) / 64 * q.size(0) * q.size(1);
   TORCH_CHECK(timeline.numel() == 0 || (step >= 3 && timeline.is_cuda() && timeline.scalar_type() == torch::kInt64 &&
               timeline.is_contiguous() && timeline.numel() >= most_blocks * 8), "hopper_attention: timeline must be "

@@ -161,6 +161,8 @@ torch::Tensor wgmma_gemm_forward(torch::Tensor a, torch::Tensor b, int64_t step)
   TORCH_CHECK(a.device() == b.device(), "wgmma_gemm: a is on ", a.device(), " but b is on ", b.device());
   TORCH_CHECK(a.size(1) == b.size(1), "wgmma_gemm: a has K = ", course::num(a.size(1)), " but b has K = ",
               course::num(b.size(1)));
+  TORCH_CHECK(a.size(0) / 64 <= 65535, "wgmma_gemm: a has ", course::num(a.size(0)), " rows, more than the "
+              "grid has rows of 64 (gridDim.y, at most 65535)");
   course_hopper::check_sm90("wgmma_gemm", a);
   const c10::cuda::CUDAGuard guard(a.device());
   auto c = torch::empty({a.size(0), b.size(0)}, a.options().dtype(torch::kFloat32));

@@ -212,19 +212,19 @@ def _load_inline(name: str, cpp: str, cuda: str, functions: list[str], flags=Non
     import torch
     from torch.utils.cpp_extension import load_inline
 
-    from utils.cuda_ext import CUDA_FLAGS, gencode_flags
+    from utils.cuda_ext import CUDA_FLAGS, build_lock, gencode_flags
 
     flags = [*CUDA_FLAGS, *(flags or gencode_flags(torch.cuda.get_device_capability()))]
     digest = hashlib.sha256("\0".join([cpp, cuda, *functions, *flags]).encode()).hexdigest()[:12]
     ext = f"course_exercise_{name}_{digest}"
     build = BUILD_DIR.parent / "torch_extensions" / ext
-    build.mkdir(parents=True, exist_ok=True)
-    try:
-        return load_inline(name=ext, cpp_sources=cpp, cuda_sources=cuda, functions=functions,
-                           extra_cuda_cflags=flags, extra_include_paths=[str(CUDA_DIR)],
-                           build_directory=str(build))
-    except Exception as err:  # torch's error carries the compiler's output
-        raise _compiler_error(f"load_inline ({ext})", str(err)) from err
+    with build_lock(build):  # a build killed half-way would otherwise leave load_inline waiting without end
+        try:
+            return load_inline(name=ext, cpp_sources=cpp, cuda_sources=cuda, functions=functions,
+                               extra_cuda_cflags=flags, extra_include_paths=[str(CUDA_DIR)],
+                               build_directory=str(build))
+        except Exception as err:  # torch's error carries the compiler's output
+            raise _compiler_error(f"load_inline ({ext})", str(err)) from err
 
 
 def _gpu_available() -> bool:
