@@ -191,6 +191,10 @@ def test_the_attention_kernel_compiles_without_spills_or_serialized_wgmma():
     step_of = lambda kernel: int(kernel.rsplit(", ", 1)[1].rstrip(">"))
     assert all(r.registers <= (128 if ", 64, " in r.kernel and step_of(r.kernel) >= three else 168)
                for r in results if "_ws_" in r.kernel)
+    # Notebook 06c's reading of steps 1-2: blocks of 128 threads whose registers let four fit on an SM at D = 128
+    # (at most 128 a thread) and five at D = 64 (at most 96), so shared memory sets step 2's limit at D = 128
+    assert all(r.registers <= (128 if ", 128, " in r.kernel else 96)
+               for r in results if r.kernel.startswith("hopper_attention_kernel<"))
 
 
 def test_flash_hopper_validates_before_building():

@@ -31,8 +31,10 @@ struct AttentionParams {
   long long* timeline;  // steps 3-15: kTimelineSlots milestones per block (utils.hopper.block_timeline), or null
 };
 // The milestones of a block's first work item, in ns of the global timer: its start, Q arrived, the first K/V
-// tile arrived, the first tile's softmax done, the main loop done, the last P V done, O stored; and last the SM
-// and the item's tile count (sm << 32 | tiles). Noted by the first consumer's thread 0 (the start by thread 0).
+// tile arrived, the first tile's softmax done, the main loop done, the last P V done, the store of O done; and last
+// the SM and the item's tile count (sm << 32 | tiles). Noted by the first consumer's thread 0 (the start by thread
+// 0). The store is "done" when that thread has issued its stores (store_rows), or when TMA has read its warpgroup's
+// tile out of shared memory (store_tile): O may still be on its way to global memory.
 constexpr int kTimelineSlots = 8;
 __device__ __forceinline__ void note(const AttentionParams& p, int slot, long long value) {
   if (p.timeline != nullptr) p.timeline[kTimelineSlots * (blockIdx.x + blockIdx.y * gridDim.x) + slot] = value;
