@@ -33,10 +33,11 @@ GEMM_STEPS = ("threads", "tma")
 # (causal) the longest rows launched first, tiles of 128 keys; and (step 6 again) V read as it is stored, then at
 # D = 64 a third consumer warpgroup; persistent blocks, one per SM, that take query blocks from a counter; and
 # (step 11 again, causal) the longest query blocks of a group of heads launched first, not one head after another,
-# then each consumer stopping at its own diagonal; and (step 11 again) O stored through shared memory by TMA.
+# then each consumer stopping at its own diagonal; and (step 11 again) O stored through shared memory by TMA; and
+# (step 10 again) tiles of 128 keys without the consumers' turns, which "wide_tiles" was measured with.
 ATTENTION_STEPS = ("tma", "pipelined", "specialised", "softmax", "stages", "overlap", "pingpong", "heavy_first",
                    "wide_tiles", "v_direct", "three_consumers", "persistent", "head_groups", "own_diagonal",
-                   "tma_store")
+                   "tma_store", "wide_v_direct")
 # Not every step paid: the default (and the registry's "cuda_hopper") is the fastest one measured on the H200
 # (images/06c_*_h200.json; tests/test_hopper.py checks it against them).
 DEFAULT_STEP = "tma_store"
@@ -177,9 +178,10 @@ def flash_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: b
 
 
 # A block's milestones, in the order the kernel notes them (kTimelineSlots in hopper_attention.cu, less the last
-# slot, which holds the SM and the tile count); the phases are the gaps between consecutive milestones.
+# slot, which holds the SM and the tile count); the phases are the gaps between consecutive milestones. The last is
+# the first consumer's store of O issued (or, with a TMA store, read out of shared memory), not O in global memory.
 TIMELINE_MARKS = ("start", "Q arrived", "first K/V arrived", "first softmax done", "main loop done",
-                  "last P V done", "O stored")
+                  "last P V done", "store of O issued")
 TIMELINE_PHASES = ("wait for Q", "wait for K/V", "first tile", "main loop", "last tile", "store O")
 
 

@@ -85,6 +85,11 @@ REFERENCES = {
     "hopper_final": (1, ["utils.bench.cuda_mma", "--worklog", "hopper", "--steps", "three_consumers", "own_diagonal",
                          "tma_store", "--seqlens", "4096", "8192", "16384", "--rounds", "5",
                          "--name", "06c_tma_store_h200"]),
+    # sm_90 only: 128-key tiles on "v_direct" without ping-pong's turns (what "wide_tiles" was measured with), beside
+    # "v_direct" and the default step, each shape in 3 rounds of rotated order
+    "hopper_wide_v_direct": (1, ["utils.bench.cuda_mma", "--worklog", "hopper", "--steps", "v_direct", "tma_store",
+                                 "wide_v_direct", "--seqlens", "4096", "8192", "16384", "--rounds", "3",
+                                 "--name", "06c_wide_v_direct_h200"]),
     # sm_90 only: where a block's time goes, from the kernel's own clock (notebook 06c, section 9)
     "hopper_timeline": (1, ["utils.bench.timeline", "--name", "06c_timeline_h200"]),
     "hopper_ncu": (1, ["utils.bench.ncu", "--worklog", "hopper", "--name", "06c_ncu_h200"]),  # needs ncu

@@ -106,10 +106,12 @@ struct Step13LateCopy : Step12Hoisted { static constexpr bool kLateCopy = true; 
 // of O by alpha: 128 FMUL a thread at D = 128, one in ten of the loop's instructions, though after the first few
 // tiles the running maximum seldom moves much. Here a warp keeps its stale maxima unless one of its rows' grew by
 // more than kRescaleLog2 (log2 units): P's entries are then at most 2^8, harmless in fp32 and in 16-bit P, and the
-// final 1 / l and the log-sum-exp use the same stale maximum, so it cancels exactly. FlashAttention-4 rescales
-// only when the maximum has moved enough to matter as well (Modal's "We reverse-engineered Flash Attention 4",
-// 2025); the 2^8 is ours. At D = 64 O is half as large, and the vote and the branch cost more than they save (0.96-
-// 1.00x step 13, an exploratory run): D = 64 keeps step 13's softmax.
+// final 1 / l and the log-sum-exp use the same stale maximum, so it cancels exactly. The threshold is
+// FlashAttention-4's (rescale_threshold = 8.0 for 16-bit inputs in flash_attn/cute/flash_fwd_sm100.py), where a
+// thread owns a row and each row decides alone. Here a row spans four lanes and the saving is the multiplications a
+// warp skips, which it skips only if all its lanes do: the warp votes (__any_sync), and when one row outgrows its
+// maximum, all move. At D = 64 O is half as large, and the vote and the branch cost more than they save (0.96-1.00x
+// step 13, an exploratory run): D = 64 keeps step 13's softmax.
 struct Step14RareRescale : Step13LateCopy {
   template <int D> static constexpr bool rare_rescale() { return D == 128; }
 };

@@ -32,7 +32,8 @@ __device__ inline int sm_id() {
 // Ordinary stores to shared memory are seen by the tensor cores (the "async proxy") only after this fence.
 __device__ inline void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
-// Orders this warpgroup's register and shared-memory accesses before the wgmma that follow.
+// Orders this warpgroup's earlier accesses to registers that the following wgmma use: their accumulators, and A
+// when it comes from registers. It does not order shared memory: ordinary stores need fence_proxy_async above.
 __device__ inline void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ inline void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>

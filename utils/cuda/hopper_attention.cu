@@ -6,7 +6,7 @@
 //   4. P, rounded to 16 bits, is already in wgmma's register A-fragment layout: O += P V with A from registers
 //      and B = the Vᵀ tile (V transposed by the caller, so every operand is K-major).
 // Step 1 (kStages = 1): loads and multiplies take turns, as in the GEMM's step 2. Step 2 (kStages = 2): two
-// K/Vᵀ buffers, the next tile's copy issued before this tile's multiplies. Steps 3-15 (hopper_attention_ws_kernel):
+// K/Vᵀ buffers, the next tile's copy issued before this tile's multiplies. Steps 3-16 (hopper_attention_ws_kernel):
 // warp specialisation, then FlashAttention-3's refinements one at a time.
 // Causal attention is bottom-right aligned (key c is visible to query r when c <= r + Nk - Nq), tiles past the
 // diagonal are skipped, and TMA's zero fill covers the ragged last tiles.
@@ -28,11 +28,13 @@ struct AttentionParams {
   float scale_log2;  // softmax scale * log2(e): exp2 instead of exp
   int* work_counter;  // step 12: the next query block to hand out (zeroed by the caller), else unused
   int head_group;     // step 13: how many heads' blocks start together (at least 1)
-  long long* timeline;  // steps 3-15: kTimelineSlots milestones per block (utils.hopper.block_timeline), or null
+  long long* timeline;  // steps 3-16: kTimelineSlots milestones per block (utils.hopper.block_timeline), or null
 };
 // The milestones of a block's first work item, in ns of the global timer: its start, Q arrived, the first K/V
-// tile arrived, the first tile's softmax done, the main loop done, the last P V done, O stored; and last the SM
-// and the item's tile count (sm << 32 | tiles). Noted by the first consumer's thread 0 (the start by thread 0).
+// tile arrived, the first tile's softmax done, the main loop done, the last P V done, the store of O done; and last
+// the SM and the item's tile count (sm << 32 | tiles). Noted by the first consumer's thread 0 (the start by thread
+// 0). The store is "done" when that thread has issued its stores (store_rows), or when TMA has read its warpgroup's
+// tile out of shared memory (store_tile): O may still be on its way to global memory.
 constexpr int kTimelineSlots = 8;
 __device__ __forceinline__ void note(const AttentionParams& p, int slot, long long value) {
   if (p.timeline != nullptr) p.timeline[kTimelineSlots * (blockIdx.x + blockIdx.y * gridDim.x) + slot] = value;
@@ -305,7 +307,7 @@ __global__ void __launch_bounds__(128) hopper_attention_kernel(const __grid_cons
   store_rows<T, D>(st, o, bh, row, t, p.seqlen_q);
 }
 
-// Steps 3-15: warp specialisation. Three warpgroups per block (four from step 11 at D = 64): warpgroup 0 is the
+// Steps 3-16: warp specialisation. Three warpgroups per block (four at steps 11-15 at D = 64): warpgroup 0 is the
 // producer (one thread issues every TMA copy, the others leave at once), the others the consumers, 64 query rows
 // each. The producer gives its registers away (setmaxnreg), so each of two consumers may use up to 240. Each K/Vᵀ
 // stage passes back and forth on two barriers: `full` (its bytes arrived) and `empty` (every consumer thread is
@@ -322,7 +324,9 @@ __host__ __device__ constexpr int ws_keys(int step) { return step >= 9 ? 128 : 6
 // registers are shared four ways, 24 for the producer and 160 for each consumer (a D = 64 consumer needs fewer
 // than 128). D = 128 keeps two, whose accumulators would not fit in 160.
 __host__ __device__ constexpr int ws_base(int step) { return step >= 10 ? 6 : step; }
-__host__ __device__ constexpr int ws_consumers(int step, int d) { return step >= 11 && d == 64 ? 3 : 2; }
+__host__ __device__ constexpr int ws_consumers(int step, int d) {
+  return step >= 11 && step <= 15 && d == 64 ? 3 : 2;
+}
 // Step 12 keeps step 11 and makes the blocks persistent: one per SM, each taking query blocks from a counter
 // until none are left (under a causal mask the longest first; one head's blocks after each other, so its K and V
 // stay in L2). Q gets a ring of its own, two deep: the producer loads the next block's Q and first K/V tiles
@@ -345,14 +349,24 @@ __host__ __device__ constexpr bool ws_own_diagonal(int step) { return step == 14
 // Step 15 goes back to step 11 and changes its last act: O leaves through shared memory and a TMA store
 // (store_tile) instead of each thread's 4-byte stores (store_rows). A per-block timeline of step 11 on the H200
 // showed store_rows taking about 3.4 us of a causal 4k block's 42 us at D = 128, and 1.6 of 38 at D = 64.
-__host__ __device__ constexpr bool ws_tma_store(int step) { return step >= 15; }
+__host__ __device__ constexpr bool ws_tma_store(int step) { return step == 15; }
+// Step 16 goes back to step 10 and takes step 9's tiles of 128 keys (two stages), without the turns of step 7 that
+// step 9 kept: step 9 lost, but on top of turns that had lost too. Two consumers at both head dims, as step 10.
+__host__ __device__ constexpr bool ws_wide_v_direct(int step) { return step == 16; }
+// Keys per tile and K/V stages of a step: its base step's, but 128 and 2 for step 16.
+__host__ __device__ constexpr int ws_tile_keys(int step) {
+  return ws_wide_v_direct(step) ? 128 : ws_keys(ws_base(step));
+}
+__host__ __device__ constexpr int ws_tile_stages(int step) {
+  return ws_wide_v_direct(step) ? 2 : ws_stages(ws_base(step));
+}
 
 template <typename T, int D, bool kCausal, int kStep>
 __global__ void __launch_bounds__(ws_threads(kStep, D), 1)
     hopper_attention_ws_kernel(const __grid_constant__ CUtensorMap map_q, const __grid_constant__ CUtensorMap map_k,
                                const __grid_constant__ CUtensorMap map_vt, const __grid_constant__ CUtensorMap map_o,
                                T* __restrict__ o, const AttentionParams p) {
-  constexpr int kBase = ws_base(kStep), kN = ws_keys(kBase), kStages = ws_stages(kBase);  // keys/tile, stages
+  constexpr int kBase = ws_base(kStep), kN = ws_tile_keys(kStep), kStages = ws_tile_stages(kStep);  // keys, stages
   constexpr bool kVDirect = kStep >= 10;
   constexpr int kConsumers = ws_consumers(kStep, D), kBlockRows = kConsumers * kRows;  // query rows per block
   constexpr int kQPanel = kBlockRows * 128, kKPanel = kN * 128;     // 64-column panels of Q (all rows) and K
@@ -580,8 +594,7 @@ cudaError_t launch_ws(bool causal, const CUtensorMap& q, const CUtensorMap& k, c
                       cudaStream_t stream) {
   // the block's rows of Q, the K/Vᵀ stages, alignment room
   constexpr int kBlockRows = ws_consumers(kStep, D) * kRows, kQBufs = ws_q_buffers(kStep);
-  const int smem = kQBufs * kBlockRows * D * 2 + ws_stages(ws_base(kStep)) * 2 * ws_keys(ws_base(kStep)) * D * 2 +
-                   1024;
+  const int smem = kQBufs * kBlockRows * D * 2 + ws_tile_stages(kStep) * 2 * ws_tile_keys(kStep) * D * 2 + 1024;
   const int q_blocks = (p.seqlen_q + kBlockRows - 1) / kBlockRows;
   dim3 grid(q_blocks, batch_heads);
   if (ws_head_groups(kStep)) grid = dim3(q_blocks * batch_heads, 1);  // one line of blocks, in work-item order
@@ -630,18 +643,19 @@ cudaError_t launch_step(int step, bool causal, const CUtensorMap& q, const CUten
     case 12: return launch_ws<T, D, 12>(causal, q, k, vt, o_map, o, p, batch_heads, stream);
     case 13: return launch_ws<T, D, 13>(causal, q, k, vt, o_map, o, p, batch_heads, stream);
     case 14: return launch_ws<T, D, 14>(causal, q, k, vt, o_map, o, p, batch_heads, stream);
-    default: return launch_ws<T, D, 15>(causal, q, k, vt, o_map, o, p, batch_heads, stream);
+    case 15: return launch_ws<T, D, 15>(causal, q, k, vt, o_map, o, p, batch_heads, stream);
+    default: return launch_ws<T, D, 16>(causal, q, k, vt, o_map, o, p, batch_heads, stream);
   }
 }
 
 // Plain launcher (no torch types); the wrapper has checked the shapes and built the tensor maps. Steps 1-2: one
-// warpgroup per block (loads and multiplies in turn, then overlapped); steps 3-15: a producer and two or three
+// warpgroup per block (loads and multiplies in turn, then overlapped); steps 3-16: a producer and two or three
 // consumer warpgroups (Q's tensor map then reads 128 rows at a time, from step 11 64 per consumer). `o_map`
 // (O in boxes of 64 rows) is step 15's way out; the other steps store through `o`.
 cudaError_t hopper_attention_launch(int step, bool bf16, int head_dim, bool causal, const CUtensorMap& q,
                                     const CUtensorMap& k, const CUtensorMap& vt, const CUtensorMap& o_map, void* o,
                                     const AttentionParams& p, int batch_heads, cudaStream_t stream) {
-  if (step < 1 || step > 15) return cudaErrorInvalidValue;
+  if (step < 1 || step > 16) return cudaErrorInvalidValue;
   if (bf16) {
     return head_dim == 64
                ? launch_step<__nv_bfloat16, 64>(step, causal, q, k, vt, o_map, o, p, batch_heads, stream)
@@ -687,11 +701,11 @@ inline CUtensorMap map_3d(const torch::Tensor& t, int box_rows) {
 
 // q (B, H, Nq, D), k (B, Hkv, Nk, D) and vt (B, Hkv, D, Nk padded to a multiple of 8: V transposed; from step
 // 10, V itself, (B, Hkv, Nk, D)), all
-// contiguous fp16 or bf16 on an sm_90 GPU, D = 64 or 128 -> o (B, H, Nq, D). `timeline`: empty, or (steps 3-15)
+// contiguous fp16 or bf16 on an sm_90 GPU, D = 64 or 128 -> o (B, H, Nq, D). `timeline`: empty, or (steps 3-16)
 // int64 room for kTimelineSlots per block of 64 query rows (more than any step launches), filled per block.
 torch::Tensor hopper_attention_forward(torch::Tensor q, torch::Tensor k, torch::Tensor vt, int64_t seqlen_k,
                                        bool causal, double scale, int64_t step, torch::Tensor timeline) {
-  TORCH_CHECK(step >= 1 && step <= 15, "hopper_attention: step must be 1 to 15 (utils.hopper.ATTENTION_STEPS), got ",
+  TORCH_CHECK(step >= 1 && step <= 16, "hopper_attention: step must be 1 to 16 (utils.hopper.ATTENTION_STEPS), got ",
               course::num(step));
   const torch::Tensor* inputs[] = {&q, &k, &vt};
   const char* names[] = {"q", "k", "vt"};
@@ -729,7 +743,7 @@ torch::Tensor hopper_attention_forward(torch::Tensor q, torch::Tensor k, torch::
   const int64_t most_blocks = (q.size(2) + 63) / 64 * q.size(0) * q.size(1);
   TORCH_CHECK(timeline.numel() == 0 || (step >= 3 && timeline.is_cuda() && timeline.scalar_type() == torch::kInt64 &&
               timeline.is_contiguous() && timeline.numel() >= most_blocks * 8), "hopper_attention: timeline must be "
-              "empty, or for steps 3-15 a contiguous int64 CUDA tensor of at least ", course::num(most_blocks * 8),
+              "empty, or for steps 3-16 a contiguous int64 CUDA tensor of at least ", course::num(most_blocks * 8),
               " elements, got ", course::shape(timeline.sizes()));
   course_hopper::check_sm90("hopper_attention", q);
   const c10::cuda::CUDAGuard guard(q.device());
@@ -752,10 +766,11 @@ torch::Tensor hopper_attention_forward(torch::Tensor q, torch::Tensor k, torch::
                                          timeline.numel() ? reinterpret_cast<long long*>(timeline.data_ptr<int64_t>())
                                                           : nullptr};
   // Q in boxes of the block's rows (128 from step 3; from step 11 one box of 64 per consumer), K of the tile's keys
-  // (128 at step 9), Vᵀ of D rows (from step 10: V, as K)
+  // (128 at steps 9 and 16), Vᵀ of D rows (from step 10: V, as K)
+  const int keys = step == 9 || step == 16 ? 128 : 64;
   const CUtensorMap map_q = course_hopper::map_3d(q, step >= 3 && step < 11 ? 128 : 64),
-                    map_k = course_hopper::map_3d(k, step == 9 ? 128 : 64),
-                    map_vt = course_hopper::map_3d(vt, step >= 10 ? 64 : static_cast<int>(d)),
+                    map_k = course_hopper::map_3d(k, keys),
+                    map_vt = course_hopper::map_3d(vt, step >= 10 ? keys : static_cast<int>(d)),
                     map_o = course_hopper::map_3d(o, 64);  // step 15 stores O in boxes of 64 rows
   const cudaError_t err = course_hopper::hopper_attention_launch(
       static_cast<int>(step), q.scalar_type() == torch::kBFloat16, static_cast<int>(d), causal, map_q, map_k, map_vt,
