@@ -51,6 +51,7 @@ def test_model_shapes_and_causality():
         CharTransformer(0)
 
 
+@pytest.mark.full   # half a minute on a CPU; notebook 07 makes the same check with its own kernel
 def test_same_seed_same_curve_for_equivalent_attentions():
     kw = dict(steps=40, batch=4, seq=16, dim=16, heads=2, layers=1, text=load_corpus(20_000))
     a = train_char_model(sdpa_attention, **kw)

@@ -832,6 +832,7 @@ def test_torch_check_messages_never_stream_numbers():
 
 
 @needs_nvcc
+@pytest.mark.full   # three more compiles, for sm_75
 def test_cuda_core_kernels_build_for_a_t4():
     """Colab's T4 is sm_75: the CUDA-core kernels (what the registry's "cuda" falls back to there) must build."""
     found = {r.file for r in compile_check(["softmax", "flash_naive", "flash_tiled"], "sm_75")}

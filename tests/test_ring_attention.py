@@ -301,7 +301,7 @@ GLOO_CASES = [RingCase(causal=causal, layout=layout, kv_heads=kv_heads, seqlen=4
                    (True, "contiguous", 1, True, 1)])]
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.full), 4])   # 3: in the full suite
 def test_ring_with_gloo_processes(world_size):
     results = run_ring_check(GLOO_CASES, world_size=world_size, backend="gloo")
     assert len(results) == len(GLOO_CASES)
