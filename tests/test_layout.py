@@ -1,0 +1,132 @@
+"""The direction of imports inside utils/ (issue 71), read from the source with `ast`: imports at module level and
+inside functions alike.
+
+Rules: kernel code never imports the course's tooling; no two modules import each other, directly or round a
+loop; a forward never imports its backward; no folder is named after a library. What breaks a rule today is
+listed in KNOWN_* below, each with the step that removes it. The lists may only shrink: an entry that no
+longer happens fails too, so that fixing a violation also takes it off the list.
+"""
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# The course's tooling: set-up, plots, measurement, checks, benchmarks, reports, generators.
+TOOLING = ("utils.bootstrap", "utils.plotting", "utils.memory", "utils.testing", "utils.gpu_suite", "utils.references",
+           "utils.cross_compile", "utils.learner", "utils.char_model", "utils.bench", "utils.exercises")
+# (forward, backward) module pairs: the autograd entry lives with the backward, or both import a lower module.
+FORWARD_BACKWARD = (("utils.flash_pytorch", "utils.flash_pytorch_bwd"), ("utils.flash_triton", "utils.flash_triton_bwd"),
+                    ("utils.flash_gluon", "utils.flash_gluon_bwd"), ("utils.flash_gluon_ws", "utils.flash_gluon_bwd"),
+                    ("utils.cuda_ext", "utils.cuda_backward"))
+LIBRARY_NAMES = {"triton", "torch", "cuda", "gluon", "cutlass", "numpy"}
+
+# Today's violations, to be removed by the layout steps of issue 71 (then deleted here).
+KNOWN_TOOLING_IMPORTS = {("utils.cuda_ext", "utils.bench"),          # softmax_table: a benchmark in kernel code
+                         ("utils.ring_attention", "utils.testing")}  # its multi-process check harness
+KNOWN_CYCLES = {("utils.flash_triton", "utils.flash_triton_bwd"), ("utils.flash_gluon", "utils.flash_gluon_bwd"),
+                ("utils.cuda_backward", "utils.cuda_ext")}
+KNOWN_FORWARD_IMPORTS_BACKWARD = {("utils.flash_triton", "utils.flash_triton_bwd"),
+                                  ("utils.flash_gluon", "utils.flash_gluon_bwd"),
+                                  ("utils.flash_gluon_ws", "utils.flash_gluon_bwd"),
+                                  ("utils.cuda_ext", "utils.cuda_backward")}
+KNOWN_LIBRARY_FOLDERS = {"utils/cuda"}
+
+
+def modules(root: Path = ROOT) -> dict:
+    """{dotted name: path} of every module under utils/ (a package by its __init__.py)."""
+    out = {}
+    for path in sorted((root / "utils").rglob("*.py")):
+        parts = path.relative_to(root).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def imports(mods: dict) -> set:
+    """(importer, imported) for every import of a utils module by another, wherever it stands in the file."""
+    found = set()
+    for name, path in mods.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:   # from . import x, from ..y import z
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(up + ([base] if base else []))
+                targets = [f"{base}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            for target in targets:
+                while target and target not in mods:   # utils.x.attr -> utils.x
+                    target = target.rpartition(".")[0]
+                if target.startswith("utils") and target not in (name, "utils"):
+                    found.add((name, target))
+    return found
+
+
+def in_package(name: str, packages) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in packages)
+
+
+def mutual_pairs(edges: set) -> set:
+    """Each pair of modules that reach each other through imports, sorted within the pair."""
+    reach = {}
+    for a, b in edges:
+        reach.setdefault(a, set()).add(b)
+    changed = True
+    while changed:   # transitive closure; a few dozen modules
+        changed = False
+        for a, targets in reach.items():
+            more = set().union(*(reach.get(b, set()) for b in targets)) - targets
+            if more:
+                targets |= more
+                changed = True
+    return {tuple(sorted((a, b))) for a, targets in reach.items() for b in targets if a != b and a in reach.get(b, ())}
+
+
+EDGES = imports(modules())
+
+
+def test_the_reader_finds_imports_at_module_level_inside_functions_and_relative(tmp_path):
+    (tmp_path / "utils" / "pkg").mkdir(parents=True)
+    for name, text in {"__init__.py": "", "a.py": "from utils import b\n",
+                       "b.py": "def f():\n    from utils.pkg.c import g\n",
+                       "pkg/__init__.py": "from .c import g\n", "pkg/c.py": "import utils.a\nfrom ..b import f\n"}.items():
+        (tmp_path / "utils" / name).write_text(text)
+    edges = imports(modules(tmp_path))
+    assert edges == {("utils.a", "utils.b"), ("utils.b", "utils.pkg.c"), ("utils.pkg", "utils.pkg.c"),
+                     ("utils.pkg.c", "utils.a"), ("utils.pkg.c", "utils.b")}
+    assert mutual_pairs(edges) == {("utils.a", "utils.b"), ("utils.a", "utils.pkg.c"), ("utils.b", "utils.pkg.c")}
+
+
+def test_kernel_code_never_imports_the_tooling():
+    found = {(a, b) for a, b in EDGES if not in_package(a, TOOLING) and in_package(b, TOOLING)}
+    by_package = {(a, next(p for p in TOOLING if in_package(b, (p,)))) for a, b in found}
+    assert by_package <= KNOWN_TOOLING_IMPORTS, f"kernel code imports tooling: {sorted(by_package - KNOWN_TOOLING_IMPORTS)}"
+    assert by_package == KNOWN_TOOLING_IMPORTS, f"fixed, take them off KNOWN_TOOLING_IMPORTS: " \
+                                                f"{sorted(KNOWN_TOOLING_IMPORTS - by_package)}"
+
+
+def test_no_two_modules_import_each_other():
+    pairs = mutual_pairs(EDGES)
+    assert pairs <= KNOWN_CYCLES, f"import cycles: {sorted(pairs - KNOWN_CYCLES)}"
+    assert pairs == KNOWN_CYCLES, f"broken, take them off KNOWN_CYCLES: {sorted(KNOWN_CYCLES - pairs)}"
+
+
+def test_a_forward_never_imports_its_backward():
+    found = {pair for pair in FORWARD_BACKWARD if pair in EDGES}
+    assert found <= KNOWN_FORWARD_IMPORTS_BACKWARD, f"{sorted(found - KNOWN_FORWARD_IMPORTS_BACKWARD)}"
+    assert found == KNOWN_FORWARD_IMPORTS_BACKWARD, f"fixed, take them off the list: " \
+                                                    f"{sorted(KNOWN_FORWARD_IMPORTS_BACKWARD - found)}"
+
+
+def test_no_folder_is_named_after_a_library():
+    folders = {str(p.relative_to(ROOT)) for p in (ROOT / "utils").rglob("*")
+               if p.is_dir() and p.name in LIBRARY_NAMES}
+    assert folders <= KNOWN_LIBRARY_FOLDERS, f"folders named after a library: {sorted(folders - KNOWN_LIBRARY_FOLDERS)}"
+    assert folders == KNOWN_LIBRARY_FOLDERS, f"renamed, take them off the list: {sorted(KNOWN_LIBRARY_FOLDERS - folders)}"
+
+
+def test_triton_utils_keeps_its_name_and_place():
+    assert (ROOT / "utils" / "triton_utils.py").is_file()
