@@ -9,14 +9,19 @@
 - Tests marked `@pytest.mark.full` are the slow checks (every compile of a template, every learner notebook)
   that `make test` on a CPU samples instead of running all: they run on a CUDA machine (so in the GPU suite,
   which runs before every release) or anywhere with `pytest --full`.
-- Under pytest-xdist (`make test` runs `pytest -n auto`), a notebook's cells stay together on one worker, in
-  order, since they share one kernel; the notebooks are handed out first (the longest units of work), then the
-  unit tests one by one.
+- Under pytest-xdist (`make test` runs `pytest -n auto`), each worker runs one CPU thread, and a notebook's
+  cells stay together on one worker, in order, since they share one kernel; the notebooks are handed out first
+  (the longest units of work), then the unit tests one by one.
 """
 import os
 
-import pytest
-import torch
+# pytest-xdist starts a worker per core: one CPU thread each (and in the notebook kernels they start, which
+# inherit it), or their threads contend for the same cores. Read by torch when it is imported, so set first.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from utils.gpu_suite import spread_to_worker
 
