@@ -187,7 +187,8 @@ def test_main_writes_a_report_per_part(tmp_path, monkeypatch):
     def fake_run_parts(parts, files, pytest_args, old, save):
         runs.append((tuple(parts), tuple(files), tuple(pytest_args)))
         results = {part: summarize(Collector(), old.get(part), part) for part in parts}
-        save(results)
+        save(results)   # as a file finishes: the report already holds this run, not finished
+        assert json.loads(report.read_text())["runs"][-1]["finished"] is False
         return results, 0
 
     monkeypatch.setattr(gpu_suite, "run_parts", fake_run_parts)
@@ -199,6 +200,7 @@ def test_main_writes_a_report_per_part(tmp_path, monkeypatch):
     assert set(data["parts"]) == {"tests", "notebooks"} and data["trees"] == {"utils": "utils" * 5,
                                                                              "notebooks": "notebooks" * 5}
     assert [run["files"] for run in data["runs"]] == [[]] and data["runs"][0]["seconds"] >= 0
+    assert data["runs"][0]["finished"] is True
     assert gpu_suite.main(["--report", str(report), "--files", "notebooks/00_setup.ipynb"]) == 0
     assert runs[-1] == (("notebooks",), ("notebooks/00_setup.ipynb",), ())
     assert [run["files"] for run in json.loads(report.read_text())["runs"]] == [[], ["notebooks/00_setup.ipynb"]]

@@ -12,7 +12,7 @@ The report records the machine (GPU, capability, driver, CUDA, cuDNN, torch, Tri
 skipped, collected and seconds per test file and per notebook (a file with fewer outcomes than collected tests
 was cut: rerun it with --files), the failures' names, and the git tree ids of utils/ and
 notebooks/ that ran, computed from the files themselves (a copy of the repository without its history works),
-and each run's wall-clock seconds (`runs`). Running one part keeps the other part's results only if they came from the same trees.
+and each run's wall-clock seconds (`runs`; `finished` false: cut before its end). Running one part keeps the other part's results only if they came from the same trees.
 """
 from __future__ import annotations
 
@@ -224,10 +224,13 @@ def main(argv=None) -> int:
 
     runs = old.get("runs", []) if old.get("trees") == trees else []
 
-    def save(results, seconds=None):
+    start = time.monotonic()
+
+    def save(results, finished=False):
+        # Saved as files finish too, so a run cut short still says how long it ran and that it was cut.
         parts.update(results)
         totals = {k: sum(p["totals"][k] for p in parts.values()) for k in ("passed", "failed", "skipped")}
-        done = runs + ([dict(files=args.files, seconds=round(seconds, 1))] if seconds is not None else [])
+        done = runs + [dict(files=args.files, seconds=round(time.monotonic() - start, 1), finished=finished)]
         path.write_text(json.dumps(dict(environment=dict(gpu.environment(command), gpus=gpus), trees=trees,
                                         parts=parts, totals=totals, runs=done), indent=1) + "\n")
         return totals
@@ -238,10 +241,9 @@ def main(argv=None) -> int:
         print(f"--files names nothing of {args.part}: {args.files}", file=sys.stderr)
         return 2
     files = [f for f in args.files if part_of(f) in chosen]
-    start = time.monotonic()
     results, code = run_parts(chosen, files, args.pytest_args, {p: parts.get(p) for p in chosen}, save=save)
     seconds = time.monotonic() - start
-    totals = save(results, seconds)
+    totals = save(results, finished=True)
     print(f"{path.name}: {totals} in {seconds / 60:.1f} minutes")
     for part in chosen:
         for name, (done, total) in unfinished(results[part]).items():
