@@ -192,9 +192,27 @@ def test_main_writes_a_report_per_part(tmp_path, monkeypatch):
         return results, 0
 
     monkeypatch.setattr(gpu_suite, "run_parts", fake_run_parts)
+    prebuilds = []
+
+    class FakeBuild:   # a prebuild still running when the tests end is stopped
+        def __init__(self, log):
+            prebuilds.append(self)
+            self.log, self.stopped = log, False
+
+        def poll(self):
+            return 0 if self.stopped else None
+
+        def terminate(self):
+            self.stopped = True
+
+        def wait(self):
+            return 0
+
+    monkeypatch.setattr(gpu_suite, "start_prebuild", FakeBuild)
     report = tmp_path / "r.json"
     assert gpu_suite.main(["--report", str(report), "--", "-n", "4"]) == 0
     assert runs == [(("tests", "notebooks"), (), ("-n", "4"))]   # one session: the workers share both parts
+    assert len(prebuilds) == 1 and prebuilds[0].stopped and prebuilds[0].log.name == "gpu_suite_prebuild.log"
     data = json.loads(report.read_text())
     assert data["environment"]["command"] == "python -m utils.gpu_suite -- -n 4"   # how it ran: pytest-xdist
     assert set(data["parts"]) == {"tests", "notebooks"} and data["trees"] == {"utils": "utils" * 5,
@@ -207,6 +225,8 @@ def test_main_writes_a_report_per_part(tmp_path, monkeypatch):
     assert gpu_suite.main(["--report", str(report), "--part", "tests", "--files", "notebooks/00_setup.ipynb"]) == 2
     assert gpu_suite.main(["--report", str(report), "--files", "notebooks/00_setup.ipynb", "--emulate", "t4"]) == 0
     assert json.loads(report.read_text())["environment"]["command"] == "python -m utils.gpu_suite --emulate t4"
+    assert gpu_suite.main(["--report", str(report), "--no-prebuild", "--files", "notebooks/00_setup.ipynb"]) == 0
+    assert len(prebuilds) == 3   # one per run above that built, none for --no-prebuild
 
 
 def test_workers_are_spread_round_robin_over_the_gpus(monkeypatch):
@@ -245,6 +265,23 @@ def test_main_spreads_the_workers_only_over_several_gpus(tmp_path, monkeypatch, 
         return results, 0
 
     monkeypatch.setattr(gpu_suite, "run_parts", fake_run_parts)
+    prebuilds = []
+
+    class FakeBuild:   # a prebuild still running when the tests end is stopped
+        def __init__(self, log):
+            prebuilds.append(self)
+            self.log, self.stopped = log, False
+
+        def poll(self):
+            return 0 if self.stopped else None
+
+        def terminate(self):
+            self.stopped = True
+
+        def wait(self):
+            return 0
+
+    monkeypatch.setattr(gpu_suite, "start_prebuild", FakeBuild)
     report = tmp_path / "r.json"
     assert gpu_suite.main(["--report", str(report), "--part", "tests"]) == 0
     assert seen == [spread] and json.loads(report.read_text())["environment"]["gpus"] == count

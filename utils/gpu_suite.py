@@ -12,7 +12,12 @@ The report records the machine (GPU, capability, driver, CUDA, cuDNN, torch, Tri
 skipped, collected and seconds per test file and per notebook (a file with fewer outcomes than collected tests
 was cut: rerun it with --files), the failures' names, and the git tree ids of utils/ and
 notebooks/ that ran, computed from the files themselves (a copy of the repository without its history works),
-and each run's wall-clock seconds (`runs`; `finished` false: cut before its end). Running one part keeps the other part's results only if they came from the same trees.
+and each run's wall-clock seconds (`runs`; `finished` false: cut before its end). Running one part keeps the
+other part's results only if they came from the same trees.
+
+On a fresh machine most of the suite's time is nvcc building the CUDA extensions. So, unless --no-prebuild, a
+background `python -m utils.cuda_ext build` starts them all at once, several at a time, while the tests run; a
+test that needs an extension waits on that build's lock instead of starting it late.
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ import argparse
 import hashlib
 import json
 import os
+import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -34,6 +40,14 @@ IGNORED_NAMES = {".git", "__pycache__", ".ipynb_checkpoints"}   # what git keeps
 IGNORED_SUFFIXES = (".pyc",)
 RUNNING_VAR = "COURSE_GPU_SUITE"   # set while the suite runs: tests of the committed reports skip (being rewritten)
 SPREAD_VAR = "COURSE_GPU_SPREAD"   # the GPUs the suite's pytest-xdist workers share out, e.g. "0,1,2,3"
+
+
+def start_prebuild(log: Path):
+    """Start building every CUDA extension this GPU runs, in a background process writing to `log`."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as out:
+        return subprocess.Popen([sys.executable, "-m", "utils.cuda_ext", "build"], cwd=ROOT, stdout=out,
+                                stderr=subprocess.STDOUT, env=dict(os.environ, TQDM_DISABLE="1"))
 
 
 def worker_gpu(worker: str, gpus: str) -> str:
@@ -196,6 +210,8 @@ def main(argv=None) -> int:
     parser.add_argument("--report", type=Path, default=None, help="default: tests/gpu_report[_<profile>].json")
     parser.add_argument("--files", nargs="+", default=[], help="run only these test files / notebooks; the "
                         "report keeps the other files' results from the same trees")
+    parser.add_argument("--no-prebuild", action="store_true", help="do not build the CUDA extensions in the "
+                        "background while the tests run (each is then built by the first test that needs it)")
     parser.add_argument("pytest_args", nargs="*", help="passed on to pytest (after --), e.g. -- -n 16")
     args = parser.parse_args(argv)
 
@@ -241,7 +257,13 @@ def main(argv=None) -> int:
         print(f"--files names nothing of {args.part}: {args.files}", file=sys.stderr)
         return 2
     files = [f for f in args.files if part_of(f) in chosen]
-    results, code = run_parts(chosen, files, args.pytest_args, {p: parts.get(p) for p in chosen}, save=save)
+    prebuild = None if args.no_prebuild else start_prebuild(ROOT / "build" / "gpu_suite_prebuild.log")
+    try:
+        results, code = run_parts(chosen, files, args.pytest_args, {p: parts.get(p) for p in chosen}, save=save)
+    finally:
+        if prebuild is not None and prebuild.poll() is None:   # the tests are done: its builds are not needed
+            prebuild.terminate()
+            prebuild.wait()
     seconds = time.monotonic() - start
     totals = save(results, finished=True)
     print(f"{path.name}: {totals} in {seconds / 60:.1f} minutes")
