@@ -186,3 +186,35 @@ def test_a_gpu_cell_that_rebinds_a_later_cells_input_is_found(tmp_path):
     notebook.write_text(json.dumps({"cells": [{"cell_type": "code", "source": c} for c in cells]}))
     assert gpu_cells_change_what_later_cells_read(notebook) == [
         "code cell 2 (%%gpu) rebinds 'rows', read by code cell 3"]
+
+
+# Code is shown by name (a function, a kernel, a C++ definition: utils.show, utils.triton_utils.show_source),
+# never cut out of a file at text anchors, which break when a comment is edited (issue 71). These notebooks
+# still cut; the list only shrinks.
+CUTS_AT_ANCHORS = {"05_triton_flash_attention", "05a_triton_debugging", "05b_triton_fast", "06b_cuda_tensor_cores",
+                   "06c_hopper_wgmma", "07_backward", "08_decoding_and_ring"}
+ANCHOR_CUTS = (re.compile(r"\bexcerpt\("), re.compile(r"\bshow_source\([^()\n]*,\s*[\"']"),
+               re.compile(r"\bshow_lines\("), re.compile(r"\.split\(\s*[\"']//"), re.compile(r"\.index\(\s*[\"']"))
+
+
+def anchor_cuts(path: Path) -> list[str]:
+    """The lines of a notebook's code that cut source text at an anchor."""
+    return [line.strip() for _, source in code_cells(path) for line in source.splitlines()
+            if any(p.search(line) for p in ANCHOR_CUTS)]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_code_is_shown_by_name_not_cut_at_text(path):
+    cuts = anchor_cuts(path)
+    if path.stem in CUTS_AT_ANCHORS:
+        assert cuts, f"{path.stem} no longer cuts at anchors: take it off CUTS_AT_ANCHORS"
+    else:
+        assert not cuts, f"{path.name} cuts source at text anchors; show it by name instead: {cuts}"
+
+
+def test_anchor_cuts_are_found(tmp_path):
+    nb = tmp_path / "x.ipynb"
+    cells = ['show_source(kernel, "pid_m =", None)', "show_source(kernel)", 'print(excerpt(src, "a", "b"))',
+             'src.split("// Step 9:")[1]', 'text[text.index("@triton.jit"):]', 'show_cpp("softmax", "block_reduce")']
+    nb.write_text(json.dumps({"cells": [{"cell_type": "code", "source": c} for c in cells]}))
+    assert anchor_cuts(nb) == [cells[0], cells[2], cells[3], cells[4]]
