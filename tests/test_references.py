@@ -2,10 +2,13 @@
 every reference has a command that regenerates it."""
 import importlib.util
 import json
+import re
 
 import pytest
 
-from utils.references import IMAGES, README, REFERENCES, main, results_markdown, update_readme
+from utils.references import (COLUMNS, FORWARD_RUNS, IMAGES, README, REFERENCES, findings, format_stored, main,
+                              results_markdown, stored_decoding, stored_kernels, stored_records, technique_gains,
+                              update_readme)
 
 JSONS = sorted(IMAGES.glob("*.json"))
 ENV_KEYS = ("gpu", "capability", "torch", "triton", "cuda", "cudnn", "driver", "date", "command")
@@ -42,11 +45,17 @@ def test_readme_results_equal_the_json():
     assert update_readme(check=True), "README's results differ from images/*.json: python -m utils.references --readme"
     text = results_markdown()
     assert "| course Triton forward" in text and "SDPA cuDNN backward" in text and "torch 2.11" in text
-    assert "Gluon backward of notebook 07" in text and "the tutorial's backward at N ≥ 2k" in text
+    assert "notebooks/09_summary.ipynb" in text, "README points to notebook 09 for the other kernels"
 
 
-def test_readme_counts_the_shapes_where_the_course_is_below_the_tutorial():
-    """The count README gives, computed here from the peers run's records: per fp16 shape, the course's fastest
+def _finding(what):
+    rows = [r for r in findings() if r["what"] == what]
+    assert len(rows) == 1, f"findings() has {len(rows)} rows {what!r}"
+    return rows[0]
+
+
+def test_findings_count_the_shapes_where_the_course_is_below_the_tutorial():
+    """The count findings() gives, computed here from the peers run's records: per fp16 shape, the course's fastest
     kernel against the tutorial's fastest variant."""
     results = json.loads((IMAGES / "peers_h200.json").read_text())["results"]
     best = {}
@@ -58,14 +67,11 @@ def test_readme_counts_the_shapes_where_the_course_is_below_the_tutorial():
             best[who, shape] = min(best.get((who, shape), float("inf")), r["ms"])
     shapes = [s for who, s in best if who == "tutorial" and ("course", s) in best]
     below = sum(best["course", s] > best["tutorial", s] for s in shapes)
-    text = results_markdown()
-    if below:
-        assert f": {below} of {len(shapes)} shapes" in text
-    else:
-        assert f"at least its speed on all {len(shapes)} shapes" in text
+    row = _finding("shapes where the course is below the tutorial")
+    assert (row["low"], row["high"], row["unit"]) == (below, below, f"of {len(shapes)}")
 
 
-def test_readme_course_against_sdpa_is_the_fastest_course_kernel_per_shape():
+def test_findings_course_against_fa2_is_the_fastest_course_kernel_per_shape():
     """The peers run's forward against FlashAttention-2, computed here from the records themselves."""
     results = json.loads((IMAGES / "peers_h200.json").read_text())["results"]
     fast = {}
@@ -78,7 +84,96 @@ def test_readme_course_against_sdpa_is_the_fastest_course_kernel_per_shape():
            if r["impl"] == "sdpa-flash" and r["mode"] == "fwd" and r["tflops"] and r["accurate"]}
     ratios = [fast[s] / fa2[s] for s in fast if s in fa2]
     assert len(ratios) == 2 * 2 * 2 * 5   # dtypes, head dims, masks, N 1k-16k
-    assert f"{min(ratios):.2f}–{max(ratios):.2f}× FlashAttention-2 at N ≥ 1k" in results_markdown()
+    row = _finding("course's best forward / FlashAttention-2, fp16 and bf16")
+    assert (row["low"], row["high"]) == pytest.approx((min(ratios), max(ratios)))
+
+
+def test_findings_triton_forward_against_sdpa_from_the_records():
+    results = json.loads((IMAGES / "triton_fwd_h200.json").read_text())["results"]
+    t = {(r["impl"], r["head_dim"], r["causal"], r["seqlen"]): r["tflops"] for r in results if r["tflops"]}
+    for sdpa, what, shortest in (("sdpa-flash", "Triton forward / FlashAttention-2", 2048),
+                                 ("sdpa-cudnn", "Triton forward / cuDNN", 4096)):
+        ratios = [v / t[sdpa, *s] for (i, *s), v in t.items() if i == "triton" and s[2] >= shortest and (sdpa, *s) in t]
+        row = _finding(what)
+        assert (row["low"], row["high"]) == pytest.approx((min(ratios), max(ratios))), what
+
+
+def test_findings_name_stored_runs_and_notebooks():
+    notebooks = {p.name.split("_")[0] for p in (IMAGES.parent / "notebooks").glob("*.ipynb")}
+    for row in findings() + technique_gains():
+        assert row["low"] <= row["high"], row
+        assert set(row["notebook"].split(", ")) <= notebooks, row
+        named = [s for s in row["source"].split(", ") if s.endswith(".json")]
+        assert all((IMAGES / s).is_file() for s in named), row
+
+
+def test_technique_gain_is_the_ratio_of_the_two_kernels_in_one_run():
+    """Warp specialisation in Gluon, computed here from 05b_gluon_ws_h200.json's records."""
+    results = json.loads((IMAGES / "05b_gluon_ws_h200.json").read_text())["results"]
+    t = {(r["impl"], r["head_dim"], r["causal"], r["seqlen"]): r["tflops"] for r in results if r["tflops"]}
+    ratios = [v / t["gluon", *s] for (i, *s), v in t.items() if i == "gluon_ws" and s[2] >= 4096 and ("gluon", *s) in t]
+    row = next(r for r in technique_gains() if r["what"] == "warp specialisation (Gluon forward)")
+    assert (row["low"], row["high"]) == pytest.approx((min(ratios), max(ratios)))
+    ring = {r["case"]["layout"]: r["ring_ms"] for r in json.loads((IMAGES / "ring_nccl.json").read_text())["results"]
+            if r["case"]["causal"]}
+    row = next(r for r in technique_gains() if r["what"].startswith("zigzag"))
+    assert row["low"] == pytest.approx(ring["contiguous"] / ring["zigzag"])
+
+
+def test_stored_kernels_cover_the_registry():
+    """Notebook 09 shows every registered kernel's forward, and the backward of each kernel that has its own."""
+    from utils.attention import REGISTRY
+
+    assert set(FORWARD_RUNS) == set(REGISTRY), set(REGISTRY) ^ set(FORWARD_RUNS)
+    for row in stored_kernels("fwd"):
+        assert any(v is not None for v in row["tflops"].values()), f"{row['kernel']}: no shape of {COLUMNS}"
+    for row in stored_kernels("bwd"):
+        for kernel in row["kernel"].split(", "):
+            assert REGISTRY[kernel].grad_dtypes, kernel
+        assert any(v is not None for v in row["tflops"].values()), row["kernel"]
+    triton = next(r for r in stored_kernels("fwd") if r["kernel"] == "triton")
+    records = json.loads((IMAGES / "triton_fwd_h200.json").read_text())["results"]
+    cudnn = {(r["head_dim"], r["causal"], r["seqlen"]): r["tflops"] for r in records if r["impl"] == "sdpa-cudnn"}
+    mine = {(r["head_dim"], r["causal"], r["seqlen"]): r["tflops"] for r in records if r["impl"] == "triton"}
+    assert triton["cuDNN"] == pytest.approx({col: mine[col] / cudnn[col] for col in COLUMNS})
+
+
+def test_stored_tables_refuse_a_bad_argument():
+    with pytest.raises(ValueError, match="mode"):
+        stored_records("triton_fwd_h200.json", "sideways")
+    with pytest.raises(ValueError, match="value"):
+        format_stored(stored_kernels("fwd"), "speed")
+    with pytest.raises(ValueError, match="not a run"):
+        stored_records("ceilings_h200.json")
+    with pytest.raises(ValueError, match="decoding method"):
+        stored_decoding(against="SDPA cudnn")
+
+
+def test_stored_decoding_against_cudnn_from_the_records():
+    data = json.loads((IMAGES / "decoding_h200.json").read_text())
+    rows = stored_decoding()
+    for key in ("mha", "gqa"):
+        ms = {(r["method"], r["batch"], r["seqlen_k"]): r["ms"] for r in data[key] if r.get("ms")}
+        ratios = {(b, n): ms["SDPA cuDNN", b, n] / v for (m, b, n), v in ms.items()
+                  if m == "flash_decode" and ("SDPA cuDNN", b, n) in ms}
+        mine = {(r["batch"], r["seqlen_k"]): r["speedup"] for r in rows if r["layout"] == key}
+        assert mine == pytest.approx(ratios), key
+        best = max(r["gbps"] for r in data[key] if r["method"] == "flash_decode" and r.get("gbps")) / 1000
+        row = next(r for r in findings() if r["what"].startswith(f"decoding, {key.upper()}") and r["unit"] == "TB/s")
+        assert row["high"] == pytest.approx(best)
+
+
+def test_notebook_09_prints_the_findings_and_types_no_measurement():
+    """The results moved from README to notebook 09, printed by its code cells; its prose types no measured
+    number (a TFLOP/s, TB/s or × figure must be printed from images/*.json)."""
+    nb = json.loads((IMAGES.parent / "notebooks" / "09_summary.ipynb").read_text())
+    code = "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code")
+    for call in ("findings()", "technique_gains()", "stored_decoding()", 'stored_kernels("fwd")',
+                 'stored_kernels("bwd")', "environments("):
+        assert call in code, call
+    prose = "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown")
+    typed = re.findall(r"\d[\d.,]*\s*(?:TFLOP/s|TB/s|GB/s|×(?!\d)|x\b)", prose)   # not 512×512
+    assert not typed, typed
 
 
 def test_list_and_no_gpu(capsys):
