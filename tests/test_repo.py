@@ -31,9 +31,12 @@ def test_ci_runs_the_readme_test_command():
 
 
 def test_notebooks_exist_and_are_numbered_in_order():
-    """Names start with a two-digit lesson number, optionally a letter for a follow-up lesson (05b_...)."""
+    """Names start with a two-digit lesson number, optionally a letter for a follow-up lesson (05b_...), and a
+    `w` for a lesson's optional worklog (06cw_...), which sits beside the lesson it extends."""
     numbers = [p.name.split("_")[0] for p in NOTEBOOKS]
-    assert numbers and all(re.fullmatch(r"\d\d[a-z]?", n) for n in numbers), numbers
+    assert numbers and all(re.fullmatch(r"\d\d[a-z]?w?", n) for n in numbers), numbers
+    lessons = set(numbers)
+    assert all(n[:-1] in lessons for n in numbers if n.endswith("w")), "a worklog without its lesson"
     assert len(set(numbers)) == len(numbers)
 
 

@@ -10,7 +10,7 @@ and draw a swizzled tile to see why consecutive rows stop colliding in the same 
 - `chunk_layout(rows, row_bytes, mode)`: for each 16-byte chunk of a tile, the chunk slot it occupies.
 - `bank_conflicts(...)`: how many 16-byte accesses of one column of chunks share a bank group.
 - `wgmma_gemm(a, b)`: a @ b.T in fp32 on an H100/H200 (utils/cuda/wgmma_gemm.cu), validated first.
-- `flash_hopper(q, k, v)`: the attention forward of notebook 06c's worklog, any of its steps.
+- `flash_hopper(q, k, v)`: the attention forward of notebook 06c (steps 1-3) and its worklog 06cw, any step.
 - `block_timeline(q, k, v)`: where each block of one launch spends its time, read from the GPU's clock inside
   the kernel; `timeline_summary` reduces it to medians per phase.
 """
@@ -25,7 +25,7 @@ SWIZZLE_MODES = {0: 0, 128: 1, 64: 2, 32: 3}
 # Which address bits 7-9 each mode XORs into the 16-byte chunk index (bits 4-6).
 _SWIZZLE_MASKS = {0: 0, 32: 1, 64: 3, 128: 7}
 GEMM_TILE = 64
-# Notebook 06c's worklog for the GEMM: step 1 copies the tiles with the threads, step 2 with TMA.
+# Notebook 06c's GEMM in two steps: step 1 copies the tiles with the threads, step 2 with TMA.
 GEMM_STEPS = ("threads", "tma")
 # ... and for attention: step 1 loads and multiplies in turn, step 2 copies the next K/V tile during this one,
 # step 3 hands the copies to a producer warpgroup and the math to two consumer warpgroups; then FlashAttention-3's
@@ -146,7 +146,7 @@ def wgmma_gemm(a: torch.Tensor, b: torch.Tensor, *, step: str = GEMM_STEPS[-1]) 
 def flash_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False, sm_scale=None,
                  step: str = DEFAULT_STEP, module=None, timeline: torch.Tensor | None = None):
     """FlashAttention forward with wgmma and TMA (utils/cuda/hopper_attention.cu), on an sm_90 GPU only, as of
-    `step` of notebook 06c's worklog (ATTENTION_STEPS; default: DEFAULT_STEP, the fastest).
+    `step` of notebooks 06c and 06cw (ATTENTION_STEPS; default: DEFAULT_STEP, the fastest).
 
     fp16 or bf16 (batch, heads, seq, head_dim) tensors, head dims 64 and 128, any lengths, GQA, causal aligned
     bottom-right. Steps before "v_direct" get V transposed (every wgmma operand K-major), its length rounded up

@@ -92,7 +92,7 @@ REFERENCES = {
     "hopper_wide_v_direct": (1, ["utils.bench.cuda_mma", "--worklog", "hopper", "--steps", "v_direct", "tma_store",
                                  "wide_v_direct", "--seqlens", "4096", "8192", "16384", "--rounds", "3",
                                  "--name", "06c_wide_v_direct_h200"]),
-    # sm_90 only: where a block's time goes, from the kernel's own clock (notebook 06c, section 9)
+    # sm_90 only: where a block's time goes, from the kernel's own clock (notebook 06cw, section 5)
     "hopper_timeline": (1, ["utils.bench.timeline", "--name", "06c_timeline_h200"]),
     "hopper_ncu": (1, ["utils.bench.ncu", "--worklog", "hopper", "--name", "06c_ncu_h200"]),  # needs ncu
     "mma_ncu": (1, ["utils.bench.ncu", "--worklog", "mma", "--steps", "causal_skip", "split_kv", "--head-dim", "128",

@@ -1,5 +1,5 @@
 """The CUDA worklogs, every step beside SDPA's flash and cuDNN backends: notebook 06b's tensor-core kernel
-(`--worklog mma`, the default) and notebook 06c's Hopper kernel (`--worklog hopper`, sm_90 GPUs only).
+(`--worklog mma`, the default) and notebooks 06c/06cw's Hopper kernel (`--worklog hopper`, sm_90 GPUs only).
 
     python -m utils.bench.cuda_mma --name 06b_cuda_mma_h200        # all steps, the full grid of utils.bench.forward
     python -m utils.bench.cuda_mma --steps exp2 causal_skip --seqlens 4096 --head-dims 128 --name quick

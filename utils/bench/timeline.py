@@ -1,4 +1,4 @@
-"""Where a block of notebook 06c's Hopper kernel spends its time: utils.hopper.block_timeline per step and shape,
+"""Where a block of notebook 06cw's Hopper kernel spends its time: utils.hopper.block_timeline per step and shape,
 reduced by utils.hopper.timeline_summary, into images/<name>.json (sm_90 GPUs only).
 
     python -m utils.bench.timeline --steps three_consumers tma_store --name 06c_timeline_h200
