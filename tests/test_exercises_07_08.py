@@ -34,7 +34,7 @@ def outcome(check_fn, kernel):
 
 DQ = ("07_backward.ipynb", "# Exercise 7.5", "dq_kernel")
 DKDV = ("07_backward.ipynb", "# Exercise 7.6", "dkdv_kernel")
-MERGE = ("08_decoding_and_ring.ipynb", "# Exercise 8.5", "merge_kernel")
+MERGE = ("08_decoding_and_ring.ipynb", "# Exercise 8.3", "merge_kernel")
 
 
 def test_dq_exercise_stub_solution():

@@ -1,8 +1,8 @@
 """Checks of notebook 08's merge exercises: the log-sum-exp merge of split-KV partials, in PyTorch (8.2) and
-inside a Triton kernel (8.5).
+inside a Triton kernel (8.3).
 
 The learner's `merge_splits` (8.2) takes S normalised partial outputs and their log-sum-exps per (batch, head,
-query) row and returns the merged output and log-sum-exp; `merge_kernel` (8.5) does the same in one program per
+query) row and returns the merged output and log-sum-exp; `merge_kernel` (8.3) does the same in one program per
 row. The checks build the partials themselves, in float64, from a decode problem with ragged cache lengths (one
 of them empty), GQA, a causal mask over the new tokens and large logits, and compare with attention over all
 keys computed here from scratch.
