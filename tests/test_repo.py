@@ -31,9 +31,10 @@ def test_ci_runs_the_readme_test_command():
 
 
 def test_notebooks_exist_and_are_numbered_in_order():
-    """Names start with a two-digit lesson number, optionally a letter for a follow-up lesson (05b_...)."""
+    """Names start with a two-digit lesson number, optionally a letter for a follow-up lesson (05b_...), and a
+    trailing w for a lesson's optional worklog (05bw_...)."""
     numbers = [p.name.split("_")[0] for p in NOTEBOOKS]
-    assert numbers and all(re.fullmatch(r"\d\d[a-z]?", n) for n in numbers), numbers
+    assert numbers and all(re.fullmatch(r"\d\d[a-z]?w?", n) for n in numbers), numbers
     assert len(set(numbers)) == len(numbers)
 
 
