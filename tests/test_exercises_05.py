@@ -170,10 +170,11 @@ def test_lab_gpu_module_says_it_needs_a_gpu():
 # the exercise is about avoiding, as wrong; 5b.6 (the ring's phases) must name the tile whose wait goes wrong, and
 # 5b.7 (the producer's parity) the tile copied over data still read, or the hang.
 NB05B = ROOT / "notebooks" / "05b_triton_fast.ipynb"
+NB05BW = ROOT / "notebooks" / "05bw_triton_fast_worklog.ipynb"   # 5b.5 sits beside the measurement it is about
 RING_ANSWER = "return tile % stages, (tile // stages) % 2"
 PARITY_ANSWER = "return (tile // stages + 1) % 2"
 EXERCISES_05B = {
-    "5b.5": dict(cell="def exp2_poly(", right="5b.5 2^x on the FMA units", match=None, wrong={
+    "5b.5": dict(notebook=NB05BW, cell="def exp2_poly(", right="5b.5 2^x on the FMA units", match=None, wrong={
         "not Horner": [("p = p * f + c", "p = p + c * f")],
         "floor, not nearest": [("j = torch.round(x)", "j = torch.floor(x)")],
         "no clamp": [("    x = x.clamp(min=-126.0)\n", "")],
@@ -194,8 +195,9 @@ def run_05b(number, learner=False, replace=()):
     from utils import flash_gluon, flash_gluon_ws, flash_triton
     ns = {"torch": torch, "check": check, "flash_triton": flash_triton, "flash_gluon": flash_gluon,
           "flash_gluon_ws": flash_gluon_ws}
-    exec_cell(code_cell(NB05B, EXERCISES_05B[number]["cell"], learner=learner, replace=replace), ns, number)
-    return exec_cell(code_cell(NB05B, f'@check("{number}'), ns, f"{number} check")
+    notebook = EXERCISES_05B[number].get("notebook", NB05B)
+    exec_cell(code_cell(notebook, EXERCISES_05B[number]["cell"], learner=learner, replace=replace), ns, number)
+    return exec_cell(code_cell(notebook, f'@check("{number}'), ns, f"{number} check")
 
 
 @pytest.mark.parametrize("number", EXERCISES_05B)
