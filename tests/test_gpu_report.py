@@ -127,7 +127,8 @@ def test_report_shape(path: Path):
             assert part["totals"][key] == sum(f[key] for f in files.values())
         assert part["totals"]["failed"] == len(part["failures"])
     notebooks = {Path(f).name for f in report["parts"]["notebooks"]["files"]}
-    assert notebooks == {p.name for p in (ROOT / "notebooks").glob("*.ipynb")}, "every notebook ran"
+    if report["trees"]["notebooks"] == tree_id(ROOT / "notebooks"):   # an older report ran the notebooks of its day
+        assert notebooks == {p.name for p in (ROOT / "notebooks").glob("*.ipynb")}, "every notebook ran"
     assert report["totals"] == {k: sum(p["totals"][k] for p in report["parts"].values())
                                 for k in ("passed", "failed", "skipped")}
     if path == report_path(None) or "runs" in report:   # reports since the suite timed itself
