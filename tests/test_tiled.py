@@ -123,8 +123,8 @@ def test_the_teaching_kernels_have_no_switches():
     assert _constexprs(forward._attend_blocks) == shape | {"BLOCK_N", "MASKED", "DOT_PRECISION"}
     kernels = {"GROUP", "CAUSAL", "BLOCK_M", "BLOCK_N", "HEAD_DIM", "BLOCK_D", "PRECISION", "ACC"}
     assert _constexprs(backward._bwd_dkdv) == _constexprs(backward._bwd_dq) == kernels
-    assert _constexprs(backward._dkdv_inner) == {"HEAD_DIM", "BLOCK_M", "MASKED", "PRECISION"}
-    assert _constexprs(backward._dq_inner) == {"HEAD_DIM", "BLOCK_N", "MASKED", "CAUSAL", "PRECISION"}
+    assert _constexprs(backward._dkdv_inner) == {"BLOCK_M", "MASKED", "PRECISION"}
+    assert _constexprs(backward._dq_inner) == {"BLOCK_N", "MASKED", "CAUSAL", "PRECISION"}
     assert _constexprs(backward._bwd_preprocess) == {"BLOCK_M", "BLOCK_D", "ACC"}
     for kernel in (forward.flash_fwd_kernel, backward._bwd_dkdv, backward._bwd_dq):
         assert not getattr(kernel, "do_not_specialize", ()), kernel

@@ -49,28 +49,37 @@ def _bwd_preprocess(O, DO, LSE, DELTA, LSE2, s_ob, s_oh, s_om, s_od, s_dob, s_do
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, Q, DO, LSE2, DELTA, s_qm, s_qd, s_dom, s_dod, offs_n, offs_d, N_Q, offset,
-                qk_scale, start, end, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
-                PRECISION: tl.constexpr):
-    """Add the Q blocks [start, end) of one query head into dK, dV. The tiles are transposed (keys × queries),
-    so that Pᵀ and dSᵀ come out of the dots ready for dV += Pᵀ dO and dK += dSᵀ Q."""
+def _column_mask(offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Which of the BLOCK_D columns are real. A power-of-two head dim has no padding: a constant-true mask, which
+    the compiler folds away, so loads and stores carry no per-column predicate."""
+    if BLOCK_D == HEAD_DIM:
+        return tl.full([BLOCK_D], 1, tl.int1)
+    return offs_d < HEAD_DIM
+
+
+@triton.jit
+def _dkdv_inner(dk, dv, k, v, Q, DO, LSE2, DELTA, s_qm, s_qd, s_dom, s_dod,
+                offs_n, offs_d, mask_d, N_Q, offset, qk_scale, start, end,
+                BLOCK_M: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr):
+    """Accumulate dK_j, dV_j over the Q blocks [start, end): the tiles are transposed (keys × queries) so that
+    Pᵀ and dSᵀ come out of the dots directly."""
     for m0 in range(start, end, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         mask_m = offs_m < N_Q
-        mask_md = mask_m[:, None] & (offs_d[None, :] < HEAD_DIM)
         q_t = tl.load(Q + offs_m[None, :] * s_qm + offs_d[:, None] * s_qd,
-                      mask=mask_m[None, :] & (offs_d[:, None] < HEAD_DIM), other=0.0)         # Qᵀ, (D, M)
-        lse2 = tl.load(LSE2 + offs_m, mask=mask_m, other=float("inf"))          # rows past the end: P = 0
-        s_t = tl.dot(k, q_t, input_precision=PRECISION)                           # Sᵀ = K Qᵀ, (N, M)
+                      mask=mask_m[None, :] & mask_d[:, None], other=0.0)             # (D, M)
+        lse2 = tl.load(LSE2 + offs_m, mask=mask_m, other=float("inf"))             # rows past the end: P = 0
+        s_t = tl.dot(k, q_t, input_precision=PRECISION)                                  # (N, M) = (S_ij)ᵀ
         p_t = tl.exp2(s_t * qk_scale - lse2[None, :])
-        if MASKED:  # causal: key j is visible to query i iff j <= i + offset
+        if MASKED:  # causal: key j visible to query i iff j <= i + offset
             p_t = tl.where(offs_n[:, None] <= offs_m[None, :] + offset, p_t, 0.0)
-        do = tl.load(DO + offs_m[:, None] * s_dom + offs_d[None, :] * s_dod, mask=mask_md, other=0.0)
-        dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)             # dV += Pᵀ dO
+        do = tl.load(DO + offs_m[:, None] * s_dom + offs_d[None, :] * s_dod,
+                     mask=mask_m[:, None] & mask_d[None, :], other=0.0)              # (M, D)
+        dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)                    # dV += Pᵀ dO
         delta = tl.load(DELTA + offs_m, mask=mask_m, other=0.0)
-        dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)                 # dPᵀ = V dOᵀ
-        ds_t = p_t * (dp_t - delta[None, :])                                      # dSᵀ = Pᵀ ∘ (dPᵀ − D)
-        dk += tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t), input_precision=PRECISION)  # dK += dSᵀ Q
+        dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)                        # dPᵀ = V dOᵀ
+        ds_t = p_t * (dp_t - delta[None, :])                                             # dSᵀ = Pᵀ ∘ (dPᵀ − D)
+        dk += tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t), input_precision=PRECISION)       # dK += dSᵀ Q
     return dk, dv
 
 
@@ -88,7 +97,8 @@ def _bwd_dkdv(Q, K, V, DO, LSE2, DELTA, DK, DV,
     n0 = pid_n * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    mask_nd = (offs_n[:, None] < N_K) & (offs_d[None, :] < HEAD_DIM)
+    mask_d = _column_mask(offs_d, HEAD_DIM, BLOCK_D)
+    mask_nd = (offs_n[:, None] < N_K) & mask_d[None, :]
     k = tl.load(K + b * s_kb + hk * s_kh + offs_n[:, None] * s_kn + offs_d[None, :] * s_kd, mask=mask_nd, other=0.0)
     v = tl.load(V + b * s_vb + hk * s_vh + offs_n[:, None] * s_vn + offs_d[None, :] * s_vd, mask=mask_nd, other=0.0)
     dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=ACC)
@@ -109,27 +119,27 @@ def _bwd_dkdv(Q, K, V, DO, LSE2, DELTA, DK, DV,
         do_ptr = DO + b * s_dob + h * s_doh
         row = (b * H_KV * GROUP + h) * N_Q
         dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, LSE2 + row, DELTA + row, s_qm, s_qd, s_dom, s_dod,
-                             offs_n, offs_d, N_Q, offset, qk_scale, start, split, HEAD_DIM, BLOCK_M, True, PRECISION)
+                             offs_n, offs_d, mask_d, N_Q, offset, qk_scale, start, split, BLOCK_M, True, PRECISION)
         dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, LSE2 + row, DELTA + row, s_qm, s_qd, s_dom, s_dod,
-                             offs_n, offs_d, N_Q, offset, qk_scale, split, N_Q, HEAD_DIM, BLOCK_M, False, PRECISION)
+                             offs_n, offs_d, mask_d, N_Q, offset, qk_scale, split, N_Q, BLOCK_M, False, PRECISION)
     dk *= sm_scale
     tl.store(DK + b * s_dkb + hk * s_dkh + offs_n[:, None] * s_dkn + offs_d[None, :] * s_dkd, dk, mask=mask_nd)
     tl.store(DV + b * s_dvb + hk * s_dvh + offs_n[:, None] * s_dvn + offs_d[None, :] * s_dvd, dv, mask=mask_nd)
 
 
 @triton.jit
-def _dq_inner(dq, q, do, lse2, delta, K, V, s_kn, s_kd, s_vn, s_vd, offs_m, offs_d, N_K, offset, qk_scale,
-              start, end, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-              CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
-    """Add the K/V blocks [start, end) into the dQ of one Q block."""
+def _dq_inner(dq, q, do, lse2, delta, K, V, s_kn, s_kd, s_vn, s_vd,
+              offs_m, offs_d, mask_d, N_K, offset, qk_scale, start, end,
+              BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
+    """Accumulate dQ_i over the K/V blocks [start, end)."""
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_kv = (offs_n[None, :] < N_K) & (offs_d[:, None] < HEAD_DIM)
-        k_t = tl.load(K + offs_n[None, :] * s_kn + offs_d[:, None] * s_kd, mask=mask_kv, other=0.0)   # (D, N)
-        v_t = tl.load(V + offs_n[None, :] * s_vn + offs_d[:, None] * s_vd, mask=mask_kv, other=0.0)   # (D, N)
-        s = tl.dot(q, k_t, input_precision=PRECISION)                                    # S = Q Kᵀ, (M, N)
+        mask_kv = (offs_n[None, :] < N_K) & mask_d[:, None]
+        k_t = tl.load(K + offs_n[None, :] * s_kn + offs_d[:, None] * s_kd, mask=mask_kv, other=0.0)  # (D, N)
+        v_t = tl.load(V + offs_n[None, :] * s_vn + offs_d[:, None] * s_vd, mask=mask_kv, other=0.0)  # (D, N)
+        s = tl.dot(q, k_t, input_precision=PRECISION)                                    # (M, N)
         p = tl.exp2(s * qk_scale - lse2[:, None])
-        if MASKED:  # the ragged last block, and (causal) the blocks crossing the diagonal
+        if MASKED:  # the ragged last block, and (causal) blocks crossing the diagonal
             visible = offs_n[None, :] < N_K
             if CAUSAL:
                 visible = visible & (offs_n[None, :] <= offs_m[:, None] + offset)
@@ -156,7 +166,8 @@ def _bwd_dq(Q, K, V, DO, LSE2, DELTA, DQ,
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     mask_m = offs_m < N_Q
-    mask_md = mask_m[:, None] & (offs_d[None, :] < HEAD_DIM)
+    mask_d = _column_mask(offs_d, HEAD_DIM, BLOCK_D)
+    mask_md = mask_m[:, None] & mask_d[None, :]
     q = tl.load(Q + b * s_qb + h * s_qh + offs_m[:, None] * s_qm + offs_d[None, :] * s_qd, mask=mask_md, other=0.0)
     do = tl.load(DO + b * s_dob + h * s_doh + offs_m[:, None] * s_dom + offs_d[None, :] * s_dod, mask=mask_md,
                  other=0.0)
@@ -175,10 +186,10 @@ def _bwd_dq(Q, K, V, DO, LSE2, DELTA, DQ,
         split = N_K // BLOCK_N * BLOCK_N
     k_ptr = K + b * s_kb + hk * s_kh
     v_ptr = V + b * s_vb + hk * s_vh
-    dq = _dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, s_kn, s_kd, s_vn, s_vd, offs_m, offs_d, N_K, offset,
-                   qk_scale, 0, split, HEAD_DIM, BLOCK_N, False, CAUSAL, PRECISION)
-    dq = _dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, s_kn, s_kd, s_vn, s_vd, offs_m, offs_d, N_K, offset,
-                   qk_scale, split, end, HEAD_DIM, BLOCK_N, True, CAUSAL, PRECISION)
+    dq = _dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, s_kn, s_kd, s_vn, s_vd, offs_m, offs_d, mask_d, N_K,
+                   offset, qk_scale, 0, split, BLOCK_N, False, CAUSAL, PRECISION)
+    dq = _dq_inner(dq, q, do, lse2, delta, k_ptr, v_ptr, s_kn, s_kd, s_vn, s_vd, offs_m, offs_d, mask_d, N_K,
+                   offset, qk_scale, split, end, BLOCK_N, True, CAUSAL, PRECISION)
     dq *= sm_scale
     tl.store(DQ + b * s_dqb + h * s_dqh + offs_m[:, None] * s_dqm + offs_d[None, :] * s_dqd, dq, mask=mask_md)
 
