@@ -58,6 +58,10 @@ REGISTRY = {impl.name: impl for impl in [
     Implementation("triton", "utils.flash_triton:flash_attention", "triton",
                    "FlashAttention-2 forward in Triton (interpreted on a CPU; bf16 there computed in fp32), backward "
                    "of notebook 07", "05", head_dims=tuple(range(16, 257)), grad_dtypes=(torch.float16, torch.bfloat16, torch.float32)),
+    Implementation("triton_lesson", "utils.tiled.attention:flash_attention", "triton",
+                   "notebook 05's FlashAttention-2 forward and notebook 07's backward as taught: one path, one "
+                   "launch (interpreted on a CPU; bf16 there computed in fp32)", "05", head_dims=tuple(range(16, 257)),
+                   grad_dtypes=(torch.float16, torch.bfloat16, torch.float32)),
     Implementation("flex_triton", "utils.flex:flex_attention", "triton",
                    "notebook 05/07's kernels with score/mask modifiers and block sparsity (here: no mask or causal)",
                    "10", head_dims=tuple(range(16, 257)), grad_dtypes=(torch.float16, torch.bfloat16, torch.float32)),
