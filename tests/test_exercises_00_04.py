@@ -239,3 +239,11 @@ def test_check_cell_calls_the_refusing_check(notebook, exercise, call):
              if c["cell_type"] == "code"]
     check_cell = next(src for src in cells if f'@check("{exercise} ' in src)
     assert call in check_cell, f"{notebook}: the check cell of {exercise} should call {call}"
+
+
+def test_capstone_masking_that_hides_its_nan_fails_by_its_work():
+    """A block that loops over every key block and masks, cleaning the NaN of hidden keys out of V, escapes the NaN
+    test; it still visits the blocks past the diagonal, which the work bound counts."""
+    with pytest.raises(AssertionError, match=r"multiply-adds, more than .* only up to its last key block"):
+        run("4.4", replace=[("range(0, n_end, BLOCK_N)", "range(0, seqlen_k, BLOCK_N)"),
+                            ("p @ v_j", "p @ v_j.nan_to_num()")])

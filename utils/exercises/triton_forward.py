@@ -51,6 +51,12 @@ def _from_course(fn) -> bool:
     return (module == "utils" or module.startswith("utils.")) and module not in HELPER_MODULES
 
 
+def _library(fn) -> bool:
+    """Triton's own device functions (tl.max, ...) and the helpers a learner may call."""
+    module = getattr(fn, "__module__", None) or ""
+    return module in HELPER_MODULES or module == "triton" or module.startswith("triton.")
+
+
 def _names(code: types.CodeType) -> set[str]:
     """Every global or attribute name the code (and the functions nested in it) refers to."""
     names = set(code.co_names)
@@ -73,7 +79,7 @@ def _course_kernels_called(fn, seen=None) -> list[str]:
         for callee in filter(None, map(_jit_function, called)):
             if _from_course(callee):
                 found.append(refused_name(callee))
-            elif callee not in seen and getattr(callee, "__module__", None) not in HELPER_MODULES:
+            elif callee not in seen and not _library(callee):   # the learner's own device function
                 found += _course_kernels_called(callee, seen)
     return list(dict.fromkeys(found))
 
