@@ -1,6 +1,7 @@
 """Notebook 05's kernel exercises (and 05a's debugging lab): each check fails on the learner's stub ("not yet"),
 fails on a plausible wrong answer, and passes on the solution."""
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -213,3 +214,113 @@ def test_05b_wrong_answers_fail(number, wrong, capsys):
     exercise = EXERCISES_05B[number]
     with pytest.raises(AssertionError, match=exercise["match"]):
         run_05b(number, replace=exercise["wrong"][wrong])
+
+
+# Issue 73: kernel checks accepted any kernel with the step's signature. Each now confirms the kernel is the
+# learner's own step kernel. (exercise, how the namespace is built, what is passed, the refusal's words)
+ONLINE_SOFTMAX_CALL = ("acc, l_i, m_i = flash_triton._online_softmax(qk, v, acc, l_i, m_i, qk_scale, False, "
+                       "\"ieee\")\n        m_ij = m_i")
+
+
+def _first_solution_line(number):
+    src = code_cell(NB05, f"# Exercise {number}:")
+    return src.split("# BEGIN SOLUTION\n", 1)[1].splitlines()[0].strip()
+
+
+def test_05_later_step_kernel_is_refused():
+    """check_online_softmax(fa_step2) passed: fa_step2 is step 1 plus the lse."""
+    ns = namespace(NB05, "# Exercise 5.1:", learner=False, extra=["def fa_step2("])
+    with pytest.raises(AssertionError, match="for your kernel `fa_step1`, not `fa_step2`"):
+        triton_forward.check_online_softmax(ns["fa_step2"])
+
+
+def test_05_later_step_kernel_renamed_fails_by_what_it_writes():
+    """fa_step2 under step 1's name still writes LSE, which step 1's kernel never stores."""
+    ns = {}
+    exec_cell(PRELUDE, ns, "prelude")
+    exec_cell(code_cell(NB05, "def fa_step2(").replace("def fa_step2(", "def fa_step1("), ns, "fa_step2 renamed")
+    with pytest.raises(AssertionError, match="wrote LSE, which step 1's fa_step1 never stores"):
+        triton_forward.check_online_softmax(ns["fa_step1"])
+
+
+def test_05_kernel_calling_the_course_online_softmax_is_refused():
+    """fa_step1 whose loop calls utils.flash_triton's _online_softmax: the library does the step."""
+    first = _first_solution_line("5.1")
+    ns = {}
+    exec_cell(PRELUDE + "from utils import flash_triton\n", ns, "prelude")
+    src = code_cell(NB05, "# Exercise 5.1:").replace(first, ONLINE_SOFTMAX_CALL, 1)
+    exec_cell(src, ns, "5.1 through the library")
+    with pytest.raises(AssertionError, match=r"calls the course's own `utils.flash_triton._online_softmax`"):
+        triton_forward.check_online_softmax(ns["fa_step1"])
+
+
+@pytest.mark.parametrize("check_fn", [triton_forward.check_online_softmax, triton_forward.check_ragged,
+                                      triton_forward.check_causal])
+def test_05_course_kernel_is_refused(check_fn):
+    from utils import flash_triton
+    with pytest.raises(AssertionError, match="refuses the course's own kernel `utils.flash_triton.flash_fwd_kernel`"):
+        check_fn(flash_triton.flash_fwd_kernel)
+
+
+BLOCK_KINDS_PRELUDE = PRELUDE + """
+import numpy as np
+from utils.reference import causal_mask
+from utils.triton_utils import cdiv
+"""
+HELPER_BYPASSES = {
+    # exercise: (cell of the learner's function, its name, the check, replacements, code before, refused name)
+    "5.5-notebook": ("# Exercise 5.5:", "causal_key_range", triton_forward.check_causal_key_range,
+                     [("offset = seqlen_k - seqlen_q",
+                       "return kernel_key_ranges(start_m // block_m, seqlen_q, seqlen_k, block_m, 1)")],
+                     ["def block_kinds("], "`kernel_key_ranges`"),
+    "5.5-library": ("# Exercise 5.5:", "causal_key_range", triton_forward.check_causal_key_range,
+                    [("offset = seqlen_k - seqlen_q",
+                      "return (max(0, flash2_kv_end(start_m, 1, seqlen_q, seqlen_k, True)), "
+                      "max(0, flash2_kv_end(start_m // block_m, block_m, seqlen_q, seqlen_k, True)))")],
+                    ["from utils.flash_pytorch import flash2_kv_end"], "`utils.flash_pytorch.flash2_kv_end`"),
+    "5.6": ("# Exercise 5.6:", "merge_halves", triton_forward.check_merge_halves,
+            [("lse = torch.logaddexp(lse1, lse2)", "return merge_attention(o1, lse1, o2, lse2)[0]")],
+            ["from utils.softmax import merge_attention"], "`utils.softmax.merge_attention`"),
+}
+
+
+def helper_namespace(marker, *, learner=False, replace=(), extra=()):
+    ns = {}
+    exec_cell(BLOCK_KINDS_PRELUDE, ns, "prelude")
+    for other in extra:   # an earlier cell: the notebook's own helper, or an import
+        exec_cell(code_cell(NB05, other) if other.startswith("def ") else other, ns, other)
+    exec_cell(code_cell(NB05, marker, learner=learner, replace=replace), ns, marker)
+    return ns
+
+
+@pytest.mark.parametrize("bypass", HELPER_BYPASSES)
+def test_05_helper_bypass_is_refused(bypass):
+    marker, name, check_fn, replace, extra, refused = HELPER_BYPASSES[bypass]
+    ns = helper_namespace(marker, replace=replace, extra=extra)
+    with pytest.raises(AssertionError, match=rf"the check refuses the course's own {re.escape(refused)}"):
+        check_fn(ns[name])
+
+
+@pytest.mark.parametrize("number", ["5.5", "5.6"])
+def test_05_helper_checks_solution_right_stub_not_yet(number, capsys):
+    marker, name, check_fn, *_ = next(v for k, v in HELPER_BYPASSES.items() if k.startswith(number))
+    assert run_check(lambda: check_fn(helper_namespace(marker)[name])) == "right"
+    assert run_check(lambda: check_fn(helper_namespace(marker, learner=True)[name])) == "not yet"
+
+
+def test_05_launch_counts_that_the_kernel_passed_is_what_ran():
+    """A kernel object of the right name and module whose launch runs another kernel (here fa_step2) fails: the
+    check counts the launches of the kernel it was given."""
+    import copy
+    ns = namespace(NB05, "# Exercise 5.1:", learner=False, extra=["def fa_step2("])
+    step1, step2 = ns["fa_step1"], ns["fa_step2"]
+
+    class Sneaky(type(step1)):
+        def __getitem__(self, grid):
+            return step2[grid]
+
+    sneaky = copy.copy(step1)
+    sneaky.__class__ = Sneaky
+    with pytest.raises(AssertionError, match="one launch ran the kernel you passed 0 times"):
+        triton_forward.check_online_softmax(sneaky)
+    assert not step1.pre_run_hooks, "the launch must take its counting hook off the kernel again"

@@ -11,6 +11,8 @@ import math
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from utils.exercises.refuse import refusing
+
 
 class recording_ops(TorchDispatchMode):
     """`with recording_ops() as ops:` ... `ops.names` is the set of ATen operators run inside the block."""
@@ -34,13 +36,39 @@ def run_without(fn, args, forbidden: dict[str, str]):
     return out, ops.names
 
 
+def course_lse() -> list:
+    """The course's functions that compute a running (max, sum) or a log-sum-exp, or merge them."""
+    from utils import flash_decoding, softmax
+
+    return [softmax.softmax_state, softmax.merge_states, softmax.lse_from_state, softmax.logsumexp,
+            softmax.merge_attention, softmax.attention_with_lse, flash_decoding.merge_partials]
+
+
+def check_running_max_and_sum(running_max_and_sum) -> None:
+    """Exercise 2.1: running_max_and_sum(x) = (max x, sum exp(x - max x)) as Python floats, from the recurrence
+    over a 1-D tensor; (-inf, 0.0) for an empty or all -inf row. The course's softmax states are refused."""
+    x = 6 * torch.randn(50, dtype=torch.float64, generator=torch.Generator().manual_seed(21))
+    for row in (x, torch.cat([torch.full((3,), -math.inf, dtype=torch.float64), x])):
+        with refusing(*course_lse()):
+            m, l = running_max_and_sum(row)
+        assert math.isclose(m, x.max().item()), f"m = {m}, expected the maximum {x.max().item()}"
+        expected = torch.exp(x - x.max()).sum().item()
+        assert math.isclose(l, expected, rel_tol=1e-9), f"l = {l}, expected {expected}"
+    for row in (torch.full((4,), -math.inf), torch.zeros(0)):
+        with refusing(*course_lse()):
+            m, l = running_max_and_sum(row)
+        assert m == -math.inf and l == 0.0, f"for {row.tolist()} got ({m}, {l}), expected (-inf, 0.0)"
+
+
 def check_lse_merge(lse_merge) -> None:
-    """Exercise 2.2: lse_merge(a, b) = log(e^a + e^b), stable, -inf where both are -inf, no logaddexp."""
+    """Exercise 2.2: lse_merge(a, b) = log(e^a + e^b), stable, -inf where both are -inf, no logaddexp: neither
+    PyTorch's (however spelt) nor the course's log-sum-exp functions."""
     a = torch.tensor([0.0, 1000.0, -math.inf, -math.inf, 3.0, -1e4, 88.0, -745.0], dtype=torch.float64)
     b = torch.tensor([0.0, 999.0, 2.0, -math.inf, -50.0, -1e4 + 1, 89.5, -746.0], dtype=torch.float64)
     forbidden = {name: "that is the answer; factor out the larger of the two instead"
                  for name in ("logaddexp", "logaddexp2", "logsumexp")}
-    got, _ = run_without(lse_merge, (a.clone(), b.clone()), forbidden)
+    with refusing(*course_lse()):
+        got, _ = run_without(lse_merge, (a.clone(), b.clone()), forbidden)
     if not isinstance(got, torch.Tensor) or got.shape != a.shape:
         raise AssertionError(f"return a tensor of shape {tuple(a.shape)}, got {got!r}")
     big = torch.maximum(a, b)
