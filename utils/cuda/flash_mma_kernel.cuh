@@ -75,19 +75,19 @@ __device__ __forceinline__ void load_tile(T* tile, const T* src, long long row_s
   if constexpr (Step::kHoisted) {  // Step 12
     static_assert(Step::kCpAsync && Step::kSwizzle && !Step::kSplitKV, "cp.async into a swizzled tile, one group");
     load_rows<T, D, kRowsInTile, kThreads>(tile, src, row_stride, row0, seqlen);
-    return;
-  }
-  constexpr int kChunks = D / 8;
+  } else {
+    constexpr int kChunks = D / 8;
 #pragma unroll
-  for (int idx = threadIdx.x; idx < kRowsInTile * kChunks; idx += kThreads) {
-    const int r = idx / kChunks, c = (idx % kChunks) * 8, row = row0 + r;
-    const bool valid = row < seqlen;
-    const T* from = src + (valid ? row : 0) * row_stride + c;
-    T* to = tile + smem_offset<D, Step::kSwizzle>(r, c);
-    if constexpr (Step::kCpAsync) {  // Step 4: asynchronous copy, completion awaited later
-      cp_async_16(to, from, valid);
-    } else {
-      *reinterpret_cast<uint4*>(to) = valid ? *reinterpret_cast<const uint4*>(from) : make_uint4(0, 0, 0, 0);
+    for (int idx = threadIdx.x; idx < kRowsInTile * kChunks; idx += kThreads) {
+      const int r = idx / kChunks, c = (idx % kChunks) * 8, row = row0 + r;
+      const bool valid = row < seqlen;
+      const T* from = src + (valid ? row : 0) * row_stride + c;
+      T* to = tile + smem_offset<D, Step::kSwizzle>(r, c);
+      if constexpr (Step::kCpAsync) {  // Step 4: asynchronous copy, completion awaited later
+        cp_async_16(to, from, valid);
+      } else {
+        *reinterpret_cast<uint4*>(to) = valid ? *reinterpret_cast<const uint4*>(from) : make_uint4(0, 0, 0, 0);
+      }
     }
   }
 }
