@@ -186,3 +186,26 @@ def test_a_gpu_cell_that_rebinds_a_later_cells_input_is_found(tmp_path):
     notebook.write_text(json.dumps({"cells": [{"cell_type": "code", "source": c} for c in cells]}))
     assert gpu_cells_change_what_later_cells_read(notebook) == [
         "code cell 2 (%%gpu) rebinds 'rows', read by code cell 3"]
+
+
+# A worklog step's code is shown by name (utils.flatten.show_step / show_step_diff), not cut out of a source file at
+# a "// Step N:" comment, which breaks silently when the comment moves (issue 71).
+STEP_CUT = re.compile(r"""\.(split|index)\(\s*["']// Step \d""")
+
+
+def step_cuts(path: Path) -> list[int]:
+    """The code cells (numbered from 1) that cut source text at a `// Step N` comment."""
+    return [n for n, (_, source) in enumerate(code_cells(path), 1) if STEP_CUT.search(source)]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_no_notebook_cuts_a_step_out_of_source_text(path):
+    assert not step_cuts(path), f"{path.name}: code cells {step_cuts(path)} cut source at a '// Step' comment"
+
+
+def test_a_cut_at_a_step_comment_is_found(tmp_path):
+    nb = {"cells": [{"cell_type": "code", "source": ['print(text.split("// Step 9:")[1])']},
+                    {"cell_type": "code", "source": ['show_step("06b", 9)']}]}
+    path = tmp_path / "x.ipynb"
+    path.write_text(json.dumps(nb))
+    assert step_cuts(path) == [1]
