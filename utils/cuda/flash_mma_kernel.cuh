@@ -1,5 +1,6 @@
 // FlashAttention-2 forward on tensor cores (notebook 06b): one kernel template, `Step` (flash_mma_steps.cuh)
-// switches each optimisation on, and every switch is an `if constexpr` branch marked "Step N" below.
+// switches each optimisation on, and every switch is an `if constexpr` branch marked "Step N" below. Each step
+// read alone, with its switches evaluated away: utils/cuda/steps/06b/ (python -m utils.flatten writes it from here).
 //
 //   grid:     one block per (BR query rows, batch * head); a block has kWarps warps, each owning 16 rows
 //             (from step 11, 16 kRowTiles rows: each K and V fragment read from shared memory serves kRowTiles mma)
@@ -75,19 +76,19 @@ __device__ __forceinline__ void load_tile(T* tile, const T* src, long long row_s
   if constexpr (Step::kHoisted) {  // Step 12
     static_assert(Step::kCpAsync && Step::kSwizzle && !Step::kSplitKV, "cp.async into a swizzled tile, one group");
     load_rows<T, D, kRowsInTile, kThreads>(tile, src, row_stride, row0, seqlen);
-    return;
-  }
-  constexpr int kChunks = D / 8;
+  } else {
+    constexpr int kChunks = D / 8;
 #pragma unroll
-  for (int idx = threadIdx.x; idx < kRowsInTile * kChunks; idx += kThreads) {
-    const int r = idx / kChunks, c = (idx % kChunks) * 8, row = row0 + r;
-    const bool valid = row < seqlen;
-    const T* from = src + (valid ? row : 0) * row_stride + c;
-    T* to = tile + smem_offset<D, Step::kSwizzle>(r, c);
-    if constexpr (Step::kCpAsync) {  // Step 4: asynchronous copy, completion awaited later
-      cp_async_16(to, from, valid);
-    } else {
-      *reinterpret_cast<uint4*>(to) = valid ? *reinterpret_cast<const uint4*>(from) : make_uint4(0, 0, 0, 0);
+    for (int idx = threadIdx.x; idx < kRowsInTile * kChunks; idx += kThreads) {
+      const int r = idx / kChunks, c = (idx % kChunks) * 8, row = row0 + r;
+      const bool valid = row < seqlen;
+      const T* from = src + (valid ? row : 0) * row_stride + c;
+      T* to = tile + smem_offset<D, Step::kSwizzle>(r, c);
+      if constexpr (Step::kCpAsync) {  // Step 4: asynchronous copy, completion awaited later
+        cp_async_16(to, from, valid);
+      } else {
+        *reinterpret_cast<uint4*>(to) = valid ? *reinterpret_cast<const uint4*>(from) : make_uint4(0, 0, 0, 0);
+      }
     }
   }
 }

@@ -1,0 +1,166 @@
+"""utils.flatten: the flattened sources of notebook 06b's forward steps (utils/cuda/steps/06b) are current, fold
+every switch, refuse what the parser does not understand, and (with nvcc) compile to the PTX of the templated
+steps they stand for."""
+import re
+import shutil
+
+import pytest
+
+from utils import flatten
+
+LESSON = "06b"
+STEPS = range(1, 16)
+nvcc = shutil.which("nvcc")
+needs_nvcc = pytest.mark.skipif(nvcc is None, reason="nvcc not found: the PTX comparison needs it")
+# make test compiles these two (the first step, and the step that changes the most); the full suite all 15.
+SAMPLED = (1, 12)
+
+
+def test_committed_files_are_what_the_generator_writes_now():
+    assert flatten.check(LESSON) == [], "run python -m utils.flatten"
+
+
+def test_the_lesson_has_one_generated_file_per_step():
+    names = sorted(p.name for p in (flatten.STEPS_DIR / LESSON).glob("*.cu"))
+    assert names == sorted(flatten.step_path(LESSON, n).name for n in STEPS)
+    assert flatten.step_path(LESSON, 12).name == "s12_hoisted.cu"
+
+
+@pytest.mark.parametrize("n", STEPS)
+def test_every_switch_is_folded(n):
+    source = flatten.step_source(LESSON, n)
+    assert flatten.GENERATED in source
+    code = re.sub(r"//[^\n]*", "", source)
+    assert "Step::k" not in code
+    assert not re.search(r"Step::template (?!block_cols<D>\(\))", code)  # only the keys per tile stay on Step
+    assert not re.search(r"\b(true|false)\s*(\?|&&|\|\|)|(&&|\|\|)\s*(true|false)\b|if (constexpr )?\((true|false)\)",
+                         code)
+
+
+def test_a_step_keeps_only_its_own_lineage():
+    s1, s11, s15 = (re.sub(r"//[^\n]*", "", flatten.step_source(LESSON, n)) for n in (1, 11, 15))
+    assert "cp_async" not in s1 and "ldmatrix" not in s1 and "kRescaleLog2" not in s1
+    assert "cp_async_wait<1>" not in s11 and "cp_async_wait<2>" not in s11  # 11 is built on 7, not on 8
+    assert "// Step 8" not in flatten.step_source(LESSON, 11)
+    assert "load_b_k" not in s15 and "copy_rows" in s15             # load_b_k is unreachable from step 12 on
+
+
+def test_the_header_names_the_step_its_parent_and_its_shape():
+    head = flatten.step_source(LESSON, 11).split("#include")[0]
+    assert "Step11WarpRows" in head and "on step 7" in head
+    assert "4 warps x 2 m16 row tiles = 128 query rows a block" in head
+    assert "64 at D = 64, 64 at D = 128" in head
+
+
+def test_parents_follow_the_structs_bases():
+    assert flatten.parent(LESSON, 1) is None
+    assert [flatten.parent(LESSON, n) for n in (2, 10, 11, 12, 15)] == [1, 9, 7, 11, 14]
+    assert flatten.lineage(LESSON, 11) == [1, 2, 3, 4, 5, 6, 7, 11]
+
+
+def test_the_diff_of_step_13_moves_request_next_after_s(capsys):
+    flatten.show_step_diff(LESSON, 13)
+    out = capsys.readouterr().out
+    assert out.startswith("--- steps/06b/s12_hoisted.cu\n+++ steps/06b/s13_late_copy.cu")
+    changed = [ln for ln in out.splitlines() if ln[:1] in "+-" and not ln.startswith(("+++", "---", "+//", "-//"))]
+    assert changed == ["-    request_next(j);", "+    request_next(j);  // Step 13: after S's mma, before the softmax",
+                       "+"]
+
+
+def test_show_step_prints_numbered_lines(capsys):
+    flatten.show_step(LESSON, 1)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("   1  // Step 1 of 15")
+    assert len(lines) == len(flatten.step_source(LESSON, 1).splitlines())
+
+
+@pytest.mark.parametrize("call", [lambda: flatten.show_step("06c", 1), lambda: flatten.show_step(LESSON, 16),
+                                  lambda: flatten.step_source(LESSON, True), lambda: flatten.step_diff(LESSON, 1),
+                                  lambda: flatten.step_diff(LESSON, 3, against=0)])
+def test_bad_arguments_are_refused(call):
+    with pytest.raises(ValueError):
+        call()
+
+
+TABLE = """#pragma once
+
+namespace course_flash {
+
+// Step 1: base.
+struct Step1A {
+  static constexpr bool kX = false;
+  template <int D> static constexpr int cols() { return D == 64 ? 64 : 128; }
+};
+
+struct Step2B : Step1A { %s };
+
+}  // namespace course_flash
+"""
+
+
+def test_the_steps_table_parser_follows_inheritance():
+    one, two = flatten.parse_steps(TABLE % "static constexpr bool kX = true;")
+    assert one.members["kX"][1] == "false" and two.members["kX"][1] == "true"
+    assert two.members["cols"] == ("int", "D == 64 ? 64 : 128", True) and two.parent == "Step1A"
+    assert flatten._eval_d(two.members["cols"][1], 64) == 64 and flatten._eval_d("D == 64 ? 64 : 128", 128) == 128
+
+
+@pytest.mark.parametrize("member, error", [
+    ("static constexpr float kX = 1.f;", "cannot read member"),
+    ("static constexpr bool kY = true;", "which step 1 does not have"),
+    ("static constexpr bool kX = kY;", "cannot read member"),
+    ("template <int D> static constexpr int cols() { return f(D); }", "uses more than D"),
+])
+def test_the_steps_table_parser_refuses_what_it_does_not_know(member, error):
+    with pytest.raises(ValueError, match=error):
+        flatten.parse_steps(TABLE % member)
+
+
+def test_the_steps_table_parser_refuses_other_declarations():
+    with pytest.raises(ValueError, match="expected a comment or `struct StepN"):
+        flatten.parse_steps(TABLE.replace("struct Step2B", "using X = int;\nstruct Step2B") % "")
+
+
+def test_substitute_refuses_an_unknown_use_of_step():
+    step = flatten.steps(LESSON)[0]
+    with pytest.raises(ValueError, match="has no member kNothing"):
+        flatten.substitute("  if constexpr (Step::kNothing) f();\n", step)
+    with pytest.raises(ValueError, match="does not understand"):
+        flatten.substitute("  using S = typename Step::Inner;\n", step)
+
+
+def test_fold_refuses_an_if_it_cannot_place():
+    with pytest.raises(ValueError, match="does not start its line"):
+        flatten.fold_ifs("\n  x = 1; if constexpr (true) y();\n")
+
+
+@pytest.mark.parametrize("before, after", [
+    ("a = true && p.causal ? x - 1 : y;", "a = p.causal ? x - 1 : y;"),
+    ("a = false && p.causal ? x - 1 : y;", "a = y;"),
+    ("cp_async_wait<true ? 1 : 0>();", "cp_async_wait<1>();"),
+    ("c = p.causal && (!false || c0 + BC - 1 > q0);", "c = p.causal;"),
+    ("c = p.causal && (!true || c0 + BC - 1 > q0);", "c = p.causal && (c0 + BC - 1 > q0);"),
+    ("u[true ? R : 1][false ? D / 16 : 1];", "u[R][1];"),
+    ("\n  static_assert(true, \"x\");\n  f();", "\n  f();"),
+])
+def test_simplify_folds_the_literals_that_decide(before, after):
+    assert flatten.simplify(before) == after
+
+
+def test_fold_keeps_the_taken_branch_dedented_with_its_comment():
+    src = ("\n  if constexpr (false) {  // Step 9: no\n    a();\n  } else {  // Step 2: yes\n    b();\n  }\n"
+           "  if (false) c();  // Step 8: gone\n  d();\n")
+    assert flatten.fold_ifs(src) == "\n  // Step 2: yes\n  b();\n  d();\n"
+
+
+@needs_nvcc
+@pytest.mark.parametrize("n", [pytest.param(n, marks=() if n in SAMPLED else pytest.mark.full) for n in STEPS])
+def test_a_flattened_step_compiles_to_the_ptx_of_the_templated_step(n):
+    """Both files instantiate the launcher, so fp16 and bf16 at D = 64 and 128 (and HalfTile where it is taken)."""
+    templated = flatten.normalised_ptx(flatten.templated_source(LESSON, n), nvcc)
+    flat = flatten.normalised_ptx(flatten.step_path(LESSON, n), nvcc)
+    entries = re.findall(r"\.entry (\w+)", flat)
+    for dtype in ("6__half", "13__nv_bfloat16"):
+        for d in (64, 128):
+            assert any(f"{dtype}Li{d}E" in e for e in entries), (dtype, d, entries)
+    assert flat == templated
