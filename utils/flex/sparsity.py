@@ -121,7 +121,7 @@ def from_states(states: torch.Tensor, block_m: int, block_n: int, seqlen_q: int,
 
 def default_blocks(device) -> tuple[int, int]:
     """64 x 64 tiles on a GPU, the kernels' own tiles (utils.flex.attention.SPARSE_TILES): inside a coarser
-    tile that is partial, some kernel tiles are empty, yet computed (notebook 10, section 6); 32 x 32 in the
+    tile that is partial, some kernel tiles are empty, yet computed (worklog 10w, section 5); 32 x 32 in the
     interpreter."""
     return (64, 64) if torch.device(device).type == "cuda" else (32, 32)
 
