@@ -34,7 +34,7 @@ def _gpu(ax):
     from matplotlib.patches import Rectangle
 
     ax.add_patch(Rectangle((0.1, 1.15), 4.6, 3.55, facecolor="#f4f4f4", edgecolor="#999999", linewidth=1.0))
-    ax.text(2.4, 4.5, "GPU chip: 132 SMs (H200)", ha="center", fontsize=9, weight="bold")
+    ax.text(2.4, 4.5, "GPU chip: an H200 has 132 SMs (32 drawn)", ha="center", fontsize=9, weight="bold")
     for row in range(4):
         for col in range(8):
             highlight = (row, col) == (0, 7)
