@@ -153,6 +153,17 @@ def test_plot_style_and_save(tmp_path, monkeypatch):
     assert not plt.fignum_exists(fig.number)  # closed: a sweep of plots does not pile up figures
 
 
+def test_gpu_primer_figure_is_drawn_by_a_command(tmp_path):
+    """Notebook 00's figure: `python -m utils.gpu_primer` redraws the committed PNG; a path not ending .png is refused."""
+    from utils.gpu_primer import PNG, write
+
+    assert PNG.is_file() and PNG.stat().st_size < 200_000, "images/gpu_primer.png: python -m utils.gpu_primer"
+    out = write(tmp_path / "primer.png")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match="path must end in .png"):
+        write(tmp_path / "primer.svg")
+
+
 def test_seqlen_axis_labels():
     import matplotlib
 

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # The course's tooling: set-up, plots, measurement, checks, benchmarks, reports, generators.
 TOOLING = ("utils.bootstrap", "utils.plotting", "utils.memory", "utils.testing", "utils.gpu_suite", "utils.references",
            "utils.cross_compile", "utils.learner", "utils.char_model", "utils.bench", "utils.exercises",
-           "utils.show", "utils.flatten")
+           "utils.show", "utils.flatten", "utils.gpu_primer")
 # (forward, backward) module pairs: the autograd entry lives with the backward, or both import a lower module.
 FORWARD_BACKWARD = (("utils.flash_pytorch", "utils.flash_pytorch_bwd"), ("utils.flash_triton", "utils.flash_triton_bwd"),
                     ("utils.flash_gluon", "utils.flash_gluon_bwd"), ("utils.flash_gluon_ws", "utils.flash_gluon_bwd"),

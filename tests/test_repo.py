@@ -60,6 +60,34 @@ def test_readme_maps_every_notebook(path):
     assert f"notebooks/{path.name}" in (ROOT / "README.md").read_text()
 
 
+MAP_ROW_WORDS = 20   # issue 72: README fits on a screen before its details
+
+
+def notebook_map(text):
+    """{notebook file name: its description} for each row of README's notebook map, a table row that starts
+    with a link to notebooks/<name>.ipynb; the description is the second column."""
+    rows = {}
+    for line in text.splitlines():
+        match = re.match(r"\| \[`notebooks/([^`]+\.ipynb)`\]\([^)]*\) \|(.*)\|[^|]*\|\s*$", line)
+        if match:
+            rows[match.group(1)] = match.group(2).strip()
+    return rows
+
+
+def test_notebook_map_rows_are_short():
+    rows = notebook_map((ROOT / "README.md").read_text())
+    assert len(rows) == len(NOTEBOOKS), f"map rows {sorted(rows)} against notebooks {[p.name for p in NOTEBOOKS]}"
+    long = {name: len(text.split()) for name, text in rows.items() if len(text.split()) > MAP_ROW_WORDS}
+    assert not long, f"README notebook-map descriptions over {MAP_ROW_WORDS} words (name: words): {long}"
+
+
+def test_notebook_map_parser_reads_the_second_column():
+    text = ("| notebook | what it teaches | hardware |\n|---|---|---|\n"
+            "| [`notebooks/01_x.ipynb`](notebooks/01_x.ipynb) | one two three | CPU or GPU |\n"
+            "| [`notebooks/02_y.ipynb`](notebooks/02_y.ipynb) | a `b` (c, d) | GPU (benchmark: GPU) |\n")
+    assert notebook_map(text) == {"01_x.ipynb": "one two three", "02_y.ipynb": "a `b` (c, d)"}
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_has_badge_objectives_and_recap(path):
     nb = json.loads(path.read_text())
