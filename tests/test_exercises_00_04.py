@@ -231,8 +231,6 @@ CHECK_CALLS = [("01_naive_attention", "1.1", "check_split_merge_heads(split_head
                ("05_triton_flash_attention", "5.6", "check_merge_halves(merge_halves)")]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 73: the notebook's check cell still holds its own inline check; "
-                                       "when the cell calls the utils check, remove this mark")
 @pytest.mark.parametrize("notebook, exercise, call", CHECK_CALLS)
 def test_check_cell_calls_the_refusing_check(notebook, exercise, call):
     cells = ["".join(c["source"]) for c in json.loads((NOTEBOOKS / f"{notebook}.ipynb").read_text())["cells"]
