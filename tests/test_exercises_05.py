@@ -107,14 +107,17 @@ def test_reference_is_independent_of_the_course_kernels():
 
 # Notebook 05a runs its kernels in the interpreter on every machine; here they need conftest's interpreter (CPU).
 LAB = {
-    # exercise: (kernel name, check, the planted bug as a line replacement)
-    "5a.1": ("causal_softmax_fixed", debug_lab.check_causal_softmax,
+    # exercise: (kernel name, check, the planted bug as a line replacement); the diagnostics 5a.1, 5a.3, 5a.5 and
+    # 5a.7 are tested in tests/test_debug_lab.py
+    "5a.2": ("causal_softmax_fixed", debug_lab.check_causal_softmax,
              ("cols[None, :] <= rows[:, None]", "cols[None, :] < rows[:, None]")),
-    "5a.2": ("scale_rows_fixed", debug_lab.check_scale_rows,
+    "5a.4": ("scale_rows_fixed", debug_lab.check_scale_rows,
              ("rows = offsets_1d(BLOCK_M, pid_m)\n    cols = offsets_1d(BLOCK_N, pid_n)",
               "rows = offsets_1d(BLOCK_M, pid_n)\n    cols = offsets_1d(BLOCK_N, pid_m)")),
-    "5a.3": ("softmax_dot_fixed", debug_lab.check_softmax_dot,
+    "5a.6": ("softmax_dot_fixed", debug_lab.check_softmax_dot,
              ("acc = acc * alpha + tl.sum", "acc = acc + tl.sum")),
+    "5a.8": ("gqa_attention_fixed", debug_lab.check_gqa_attention,
+             ("kv_head = h // (n_heads // n_kv_heads)", "kv_head = h % n_kv_heads")),
 }
 needs_interpreter = pytest.mark.skipif(not __import__("utils.triton_utils").triton_utils.interpreting(),
                                        reason="the lab's kernels run in the Triton interpreter")

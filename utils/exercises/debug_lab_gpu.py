@@ -9,7 +9,9 @@ C-level stdout, which Jupyter does not show: the notebook runs this as a child p
 """
 import os
 
-os.environ["TRITON_INTERPRET"] = "0"   # before triton is imported: compiled for the GPU
+if __name__ == "__main__":                # run as a program: compiled for the GPU, whatever the shell says
+    os.environ["TRITON_INTERPRET"] = "0"   # (before triton is imported); imported, e.g. by show_source, it
+                                           # leaves the importer's mode alone
 
 import torch  # noqa: E402
 import triton  # noqa: E402
