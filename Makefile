@@ -34,4 +34,4 @@ strip: $(STAMP)
 
 # Learner versions of the notebooks (solutions replaced by stubs) in learner/; your edits there are kept.
 learner: $(STAMP)
-	$(BIN)/python -m utils.learner
+	$(BIN)/python -m utils.course.learner

@@ -2,7 +2,7 @@
 
 - Without a CUDA GPU, TRITON_INTERPRET=1 is set here, before any test module defines a Triton kernel (and the
   interpreter gets the course's fix for Triton < 3.7 with NumPy >= 2.4, as the notebooks' setup() gives it).
-- Under `python -m utils.gpu_suite` on a machine of several GPUs, each pytest-xdist worker (and every notebook
+- Under `python -m utils.course.gpu_suite` on a machine of several GPUs, each pytest-xdist worker (and every notebook
   kernel it starts) is given one GPU, round robin, before CUDA starts here.
 - Notebook cells that start with `%%gpu`, and tests marked `@pytest.mark.gpu`, are reported as skipped on a
   machine without a CUDA GPU (in Jupyter the `%%gpu` magic skips them with a message).
@@ -23,7 +23,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from utils.gpu_suite import spread_to_worker
+from utils.course.gpu_suite import spread_to_worker
 
 spread_to_worker()
 CUDA = torch.cuda.is_available()

@@ -7,7 +7,7 @@ import torch
 
 from utils import gpu
 from utils.attention import REGISTRY, implementations
-from utils.testing import (ATTENTION_SHAPES, assert_attention_matches_reference, assert_gradients_match_reference,
+from utils.course.testing import (ATTENTION_SHAPES, assert_attention_matches_reference, assert_gradients_match_reference,
                            pairwise, random_qkv)
 
 CUDA = torch.cuda.is_available()
@@ -37,7 +37,7 @@ def _tag(name, shape, causal, dtype, layout=None):
 
 # How the cases are chosen. The axes are the shape (which fixes head dim, GQA and the two lengths), causal,
 # dtype and layout. Rather than their full product, each implementation runs a covering design of strength 2
-# (utils.testing.pairwise): every value of every axis, and every pair of values of any two axes, at least once.
+# (utils.course.testing.pairwise): every value of every axis, and every pair of values of any two axes, at least once.
 # Because a shape carries its head dim, GQA and lengths, covering (shape, dtype) covers (head dim, dtype),
 # (GQA, dtype) and so on too. A bug that needs three axes to meet can slip through; the kernels' own test files
 # run the combinations their code branches on. `naive` is left out: the reference is naive attention itself.

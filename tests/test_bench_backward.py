@@ -4,8 +4,8 @@ import json
 import pytest
 import torch
 
-from utils.bench import backward_tiles
-from utils.bench.backward import (TRITON_LOADS, format_table, load_results, plot_backward_benchmark, ratios,
+from utils.course.bench import backward_tiles
+from utils.course.bench.backward import (TRITON_LOADS, format_table, load_results, plot_backward_benchmark, ratios,
                                   run_backward_benchmark, save_results, triton_loads, triton_tiles)
 from utils.flash_triton_bwd import BackwardConfig, _fitted_config
 
@@ -110,7 +110,7 @@ def test_a_run_records_where_triton_uses_tma():
                                        "d128_causal": True}
 
 
-# ---- the tile sweep behind default_config (utils.bench.backward_tiles) -------------------------------------
+# ---- the tile sweep behind default_config (utils.course.bench.backward_tiles) -------------------------------------
 TILE_ROWS = [dict(head_dim=64, causal=False, kernel="dq", tiles=[128, 64, 8, 3], ms=2.0, error=None),
              dict(head_dim=64, causal=False, kernel="dq", tiles=[64, 64, 4, 3], ms=1.0, error=None),
              dict(head_dim=64, causal=False, kernel="dq", tiles=[64, 128, 4, 2], ms=None, error="OutOfResources"),
@@ -144,7 +144,7 @@ def test_fastest_and_table_skip_failed_candidates():
 
 def test_sweep_needs_a_gpu():
     if torch.cuda.is_available():
-        pytest.skip("on a GPU the sweep runs (python -m utils.bench.backward_tiles)")
+        pytest.skip("on a GPU the sweep runs (python -m utils.course.bench.backward_tiles)")
     with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
         backward_tiles.sweep()
 

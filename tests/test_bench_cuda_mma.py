@@ -1,11 +1,11 @@
-"""utils.bench.cuda_mma: the two CUDA worklogs' step labels, their functions, arguments and the worklog table."""
+"""utils.course.bench.cuda_mma: the two CUDA worklogs' step labels, their functions, arguments and the worklog table."""
 import json
 import math
 
 import pytest
 
 from utils import cuda_ext, hopper
-from utils.bench import cuda_mma as cm
+from utils.course.bench import cuda_mma as cm
 from utils.cuda_ext import MMA_STEPS
 
 
@@ -93,7 +93,7 @@ def test_the_default_step_is_the_fastest_stored(worklog, default, stored):
     """Each worklog's default step (the registry's kernel) has a geometric-mean TFLOP/s over N >= 4k within 2%
     (run-to-run noise) of the best step's, in every stored timing run of that worklog that timed it."""
     runs = [json.loads(p.read_text()) for p in sorted((cuda_ext.ROOT / "images").glob(stored))]
-    runs = [run for run in runs if "utils.bench.cuda_mma" in run["environment"]["command"]]  # timings only
+    runs = [run for run in runs if "utils.course.bench.cuda_mma" in run["environment"]["command"]]  # timings only
     labels = {cm.step_label(s, worklog) for s in cm.WORKLOGS[worklog][0]}
     timed = 0
     for run in runs:

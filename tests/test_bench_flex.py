@@ -1,4 +1,4 @@
-"""utils.bench.flex (notebook 10's benchmark): the plan, the document split, the checks, the stored table and the
+"""utils.course.bench.flex (notebook 10's benchmark): the plan, the document split, the checks, the stored table and the
 plots run on a CPU (fake timings); the measurement itself is a GPU test."""
 import json
 import os
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from utils.bench import flex as fb
+from utils.course.bench import flex as fb
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -211,7 +211,7 @@ def test_plots_are_written_beside_the_json(tmp_path):
 
 def test_imports_and_parses_without_a_gpu():
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    code = "import utils.bench.flex as f; f.parse_args(['--quick']); print(f.figure_paths(f.DEFAULT_OUT)[1].name)"
+    code = "import utils.course.bench.flex as f; f.parse_args(['--quick']); print(f.figure_paths(f.DEFAULT_OUT)[1].name)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr
@@ -231,7 +231,7 @@ def test_quick_run_on_gpu(tmp_path):
     out = tmp_path / "f.json"
     data = fb.main(["--quick", "--out", str(out), "--warmup", "2", "--rep", "5"])
     assert json.loads(out.read_text()) == data
-    assert data["environment"]["command"] == f"python -m utils.bench.flex --quick --out {out} --warmup 2 --rep 5"
+    assert data["environment"]["command"] == f"python -m utils.course.bench.flex --quick --out {out} --warmup 2 --rep 5"
     assert len(data["results"]) == sum(map(len, fb.cases(fb.QUICK).values()))
     assert all(r["error"] is None and 0 < r["fwd_ms"] < r["fwd_bwd_ms"] for r in data["results"]), \
         [r for r in data["results"] if r["error"]]

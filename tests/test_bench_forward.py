@@ -1,4 +1,4 @@
-"""The pure parts of utils.bench.forward: arguments, the records, the JSON, the table and the plot (fake timings)."""
+"""The pure parts of utils.course.bench.forward: arguments, the records, the JSON, the table and the plot (fake timings)."""
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -6,8 +6,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from utils.bench import forward as bm
-from utils.bench import attention_flops, error_line, median_rows, rotated
+from utils.course.bench import forward as bm
+from utils.course.bench import attention_flops, error_line, median_rows, rotated
 
 
 def test_defaults_are_the_course_benchmark():
@@ -155,7 +155,7 @@ def test_small_run_on_gpu(tmp_path):
 
 
 def test_benchmarks_write_into_the_repositorys_images_folder():
-    from utils.bench import backward, summary
+    from utils.course.bench import backward, summary
 
     root = Path(__file__).resolve().parents[1]
     assert bm.IMAGES == summary.IMAGES == root / "images"

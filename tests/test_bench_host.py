@@ -1,11 +1,11 @@
-"""utils.bench.host: arguments and the host timer's loop (CPU, with a stand-in for the GPU); the records of a
+"""utils.course.bench.host: arguments and the host timer's loop (CPU, with a stand-in for the GPU); the records of a
 small run on a GPU."""
 import json
 
 import pytest
 import torch
 
-from utils.bench import host
+from utils.course.bench import host
 
 
 @pytest.mark.parametrize("argv,message", [(["--calls", "0"], "--calls must be positive"),

@@ -1,9 +1,9 @@
-"""utils.bench.ncu: parsing ncu's details CSV, the command lines it runs, its arguments and its table (no ncu)."""
+"""utils.course.bench.ncu: parsing ncu's details CSV, the command lines it runs, its arguments and its table (no ncu)."""
 import shutil
 
 import pytest
 
-from utils.bench import ncu
+from utils.course.bench import ncu
 
 HEADER = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size",'
           '"Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"')
@@ -55,8 +55,8 @@ def test_the_ncu_command_profiles_the_second_launch_of_the_worklog_kernel():
     assert cmd[:3] == ["/opt/ncu", "--clock-control", "none"] and "regex:hopper_attention" in cmd
     assert cmd[cmd.index("--launch-skip") + 1] == "1" and cmd[cmd.index("--launch-count") + 1] == "1"
     assert [cmd[i + 1] for i, a in enumerate(cmd) if a == "--section"] == list(ncu.SECTIONS)
-    child = cmd[cmd.index("utils.bench.ncu") - 1:]
-    assert child[:4] == ["-m", "utils.bench.ncu", "--child", "--worklog"] and "--causal" in child
+    child = cmd[cmd.index("utils.course.bench.ncu") - 1:]
+    assert child[:4] == ["-m", "utils.course.bench.ncu", "--child", "--worklog"] and "--causal" in child
     assert child[child.index("--head-dim") + 1] == "64" and child[child.index("--steps") + 1] == "overlap"
     with pytest.raises(ValueError, match="step must be one of"):
         ncu.ncu_command("/opt/ncu", "mma", "overlap", args)
@@ -93,7 +93,7 @@ def test_the_triton_backward_worklog_profiles_each_pass_on_its_own():
     for kernel, regex in (("dkdv", "regex:_bwd_dkdv"), ("dq", "regex:_bwd_dq")):
         cmd = ncu.ncu_command("/opt/ncu", "triton_bwd", "tma_stats", args, kernel)
         assert cmd[cmd.index("-k") + 1] == regex and cmd[cmd.index("--launch-skip") + 1] == "1"
-        child = cmd[cmd.index("utils.bench.ncu") - 1:]
+        child = cmd[cmd.index("utils.course.bench.ncu") - 1:]
         assert child[child.index("--worklog") + 1] == "triton_bwd" and child[child.index("--steps") + 1] == "tma_stats"
         assert child[child.index("--seqlen") + 1] == "4096" and "--causal" in child
     assert ncu.profile_label("tma", "triton_bwd", "dq") == "b2_tma dq"

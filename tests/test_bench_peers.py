@@ -1,4 +1,4 @@
-"""The Triton tutorial as a peer in the benchmarks (utils.bench.peers, .forward, .backward, .peers_sweep).
+"""The Triton tutorial as a peer in the benchmarks (utils.course.bench.peers, .forward, .backward, .peers_sweep).
 
 The real tutorial needs a GPU driver to import, so these tests load small stand-ins written to tmp_path with its
 interface; the sweep's timings are fakes. The last tests use the real file where one is given and there is a GPU.
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from utils.bench import backward, forward, peers, peers_sweep
+from utils.course.bench import backward, forward, peers, peers_sweep
 from utils.reference import naive_attention
 
 # A stand-in with the tutorial's interface: `attention = _attention.apply`, forward(ctx, q, k, v, causal,
@@ -218,7 +218,7 @@ def test_from_args_skips_a_missing_tutorial_with_a_message(fake, tmp_path, capsy
     assert "comes from release/2.0.x" in capsys.readouterr().err
 
 
-# ---- utils.bench.forward --------------------------------------------------------------------------------------
+# ---- utils.course.bench.forward --------------------------------------------------------------------------------------
 
 def test_forward_measures_the_peer_beside_the_others(fake, tmp_path):
     assert forward.parse_args([]).peers == []  # the course benchmark is unchanged without --peers
@@ -253,7 +253,7 @@ def test_forward_parse_args_with_only_peers(fake):
         forward.parse_args(["--impls", "--sdpa", "--peers"])
 
 
-# ---- utils.bench.backward -------------------------------------------------------------------------------------
+# ---- utils.course.bench.backward -------------------------------------------------------------------------------------
 
 ROWS = [dict(backend=b, seqlen=n, head_dim=64, causal=c, ms=1.0, tflops=t, error=None)
         for n in (2048, 4096) for c in (False, True)
@@ -290,7 +290,7 @@ def test_backward_arguments():
         backward.run_backward_benchmark(backends=("nope",))
 
 
-# ---- utils.bench.peers_sweep ----------------------------------------------------------------------------------
+# ---- utils.course.bench.peers_sweep ----------------------------------------------------------------------------------
 
 def test_sweep_defaults_are_the_issues_grid():
     args = peers_sweep.parse_args([])
@@ -355,11 +355,11 @@ def test_sweep_json_resume_and_plot(fake, tmp_path):
     args = small_sweep(fake, "--modes", "fwd")
     fns = sweep_fns(args)
     records = peers_sweep.run(args, fns, time_ms=lambda c: 1.0, device="cpu", progress=False)
-    path = peers_sweep.write_json(records, args, tmp_path / "s.json", fns, command="python -m utils.bench.peers_sweep")
+    path = peers_sweep.write_json(records, args, tmp_path / "s.json", fns, command="python -m utils.course.bench.peers_sweep")
     data = json.loads(path.read_text())
     assert data["results"] == records and data["settings"]["batch"] == 1 and data["earlier"] == []
     assert data["peers"]["triton-tutorial"]["sha256"] == hashlib.sha256(fake.read_bytes()).hexdigest()
-    assert data["environment"]["command"] == "python -m utils.bench.peers_sweep"
+    assert data["environment"]["command"] == "python -m utils.course.bench.peers_sweep"
     assert [p.name for p in tmp_path.iterdir() if p.suffix != ".py"] == ["s.json"]  # no partial file left
     kept, earlier = peers_sweep.resume_from(path, args, fns)
     assert kept == records and earlier == [data["environment"]]

@@ -1,4 +1,4 @@
-"""utils.bench.timeline and the timeline helpers of utils.hopper: arguments, the summary and the records on fake
+"""utils.course.bench.timeline and the timeline helpers of utils.hopper: arguments, the summary and the records on fake
 timelines (CPU); the kernel's own milestones on an H100/H200."""
 import json
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from utils import hopper
-from utils.bench import timeline as tl
+from utils.course.bench import timeline as tl
 from utils.gpu import capability
 
 

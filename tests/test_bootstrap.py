@@ -3,8 +3,8 @@ import os
 import pytest
 import torch
 
-from utils import bootstrap
-from utils.bootstrap import Env, default_dtype, misspelt_interpret_vars, run_gpu_cell
+from utils.course import bootstrap
+from utils.course.bootstrap import Env, default_dtype, misspelt_interpret_vars, run_gpu_cell
 
 
 @pytest.mark.parametrize("capability,dtype", [(None, torch.float32), ((7, 5), torch.float16),
@@ -95,7 +95,7 @@ def test_setup_on_a_gpu_leaves_triton_unimported():
             "torch.cuda.is_available = lambda: True\n"
             "torch.cuda.get_device_name = lambda *a: 'a GPU'\n"
             "torch.cuda.get_device_capability = lambda *a: (9, 0)\n"
-            "from utils.bootstrap import setup\nsetup()\nprint('triton' in sys.modules)")
+            "from utils.course.bootstrap import setup\nsetup()\nprint('triton' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], cwd=bootstrap.ROOT, capture_output=True, text=True,
                           timeout=300, env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
     assert done.returncode == 0 and done.stdout.strip().endswith("False"), done.stdout + done.stderr[-2000:]

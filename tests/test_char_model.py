@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from utils.char_model import CharTokenizer, CharTransformer, get_batch, load_corpus, train_char_model
+from utils.course.char_model import CharTokenizer, CharTransformer, get_batch, load_corpus, train_char_model
 from utils.reference import naive_attention, sdpa_attention
 
 

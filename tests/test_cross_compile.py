@@ -1,4 +1,4 @@
-"""utils.cross_compile: launches captured instead of run, compiled for a GPU this machine does not have; and the
+"""utils.course.cross_compile: launches captured instead of run, compiled for a GPU this machine does not have; and the
 course's kernels, as configured for a T4, within its 64 KiB of shared memory per block; and the order of the
 Hopper instructions of the forward's and the backward's loops."""
 import os
@@ -12,7 +12,7 @@ import torch
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from utils import cross_compile
+from utils.course import cross_compile
 from utils.flash_triton_bwd import SMALL_SMEM_CONFIGS, BackwardConfig, default_config, smem_estimate
 from utils.gpu import PROFILES
 
@@ -53,7 +53,7 @@ SHARED_MEMORY_SCRIPT = """
 import torch
 import triton.language as tl
 from triton.runtime.jit import JITFunction
-from utils import cross_compile
+from utils.course import cross_compile
 
 def _copy(X, Y, n, BLOCK: tl.constexpr):
     offs = tl.arange(0, BLOCK)
@@ -102,7 +102,7 @@ def test_every_course_kernel_fits_a_t4():
     """Compiles the forward, backward, decode and flex kernels for sm_75 as configured for a T4 (about two
     minutes on two cores). Before the backward's tiles shrank, its dQ kernel asked for 160 KiB there."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-m", "utils.cross_compile", "--profile", "t4"], cwd=ROOT, env=env,
+    run = subprocess.run([sys.executable, "-m", "utils.course.cross_compile", "--profile", "t4"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=1200)
     assert run.returncode == 0, run.stdout + run.stderr
     lines = run.stdout.splitlines()
@@ -113,7 +113,7 @@ def test_every_course_kernel_fits_a_t4():
 
 
 def test_the_command_refuses_interpreted_kernels():
-    run = subprocess.run([sys.executable, "-m", "utils.cross_compile"], cwd=ROOT, capture_output=True, text=True,
+    run = subprocess.run([sys.executable, "-m", "utils.course.cross_compile"], cwd=ROOT, capture_output=True, text=True,
                          env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=120)
     assert run.returncode == 2 and "unset TRITON_INTERPRET" in run.stderr
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from utils import cuda_ext, cuda_backward, gpu
-from utils.bench.backward import CUDA_BACKENDS, ratios
+from utils.course.bench.backward import CUDA_BACKENDS, ratios
 from utils.cuda_backward import (BWD_DEFAULT_STEP, BWD_STEPS, backward_inputs, flash_mma_attention,
                                  flash_mma_backward, flash_mma_forward)
-from utils.testing import ODD_SHAPES_64_128, assert_gradients_match_reference, random_qkv
+from utils.course.testing import ODD_SHAPES_64_128, assert_gradients_match_reference, random_qkv
 
 CUDA = torch.cuda.is_available()
 MMA_GPU = CUDA and gpu.capability() >= (8, 0)
@@ -83,7 +83,7 @@ def test_stored_run_backs_the_default_step():
     data = json.loads(STORED.read_text())
     env, rows = data["environment"], data["rows"]
     assert env["gpu"] == "NVIDIA H200" and env["torch"] and env["date"] and env["command"].startswith(
-        "python -m utils.bench.backward")
+        "python -m utils.course.bench.backward")
     shapes = {(r["seqlen"], r["head_dim"], r["causal"]) for r in rows}
     assert len(shapes) == 12 and all(n >= 4096 for n, _, _ in shapes)
     for backend in (*CUDA_BACKENDS, "sdpa_flash", "sdpa_cudnn"):

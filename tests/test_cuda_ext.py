@@ -670,7 +670,7 @@ def test_load_is_cached_and_rows_without_keys_are_zero():
 def test_flash_mma_steps_match_reference(step, dtype, causal):
     from functools import partial
 
-    from utils.testing import assert_matches_on_odd_shapes
+    from utils.course.testing import assert_matches_on_odd_shapes
 
     assert_matches_on_odd_shapes(partial(cuda_ext.flash_mma, step=step), dtype=dtype, causal=causal)
 
@@ -684,7 +684,7 @@ def test_flash_mma_growing_maxima(step, causal):
     the sequence make every row's maximum climb tile after tile (by less, then, after an outlier, by more than the
     threshold), so both the skipped and the taken rescale meet the reference. (The log-sum-exp computed from the
     stale maximum is held to the reference by the backward's tests, which differentiate this forward.)"""
-    from utils.testing import assert_attention_matches_reference, random_qkv
+    from utils.course.testing import assert_attention_matches_reference, random_qkv
 
     for dtype in (torch.float16, torch.bfloat16):
         q, k, v = random_qkv(2, 4, 700, 1000, 128, dtype=dtype, device="cuda", seed=14)
@@ -698,7 +698,7 @@ def test_flash_mma_growing_maxima(step, causal):
 @pytest.mark.capability(8, 0)
 @pytest.mark.parametrize("step", ["mma", "causal_skip"])
 def test_flash_mma_on_views(step):
-    from utils.testing import assert_attention_matches_reference
+    from utils.course.testing import assert_attention_matches_reference
 
     buf = torch.randn(2, 300, 3, 3 * 64 + 4, device="cuda", dtype=torch.bfloat16)
     q, k, v = (buf[..., i * 64 + 4: (i + 1) * 64 + 4].transpose(1, 2) for i in range(3))
@@ -770,7 +770,7 @@ def test_hopper_attention_torch_check_of_batch_heads():
 @pytest.mark.gpu
 def test_registry_cuda_runs_the_last_step_and_falls_back_for_float32():
     """sm_80+: the tensor-core kernel; older GPUs (a T4, or COURSE_EMULATE_GPU=t4): flash_tiled, with a warning."""
-    from utils.testing import assert_attention_matches_reference, random_qkv
+    from utils.course.testing import assert_attention_matches_reference, random_qkv
 
     q, k, v = random_qkv(1, 2, 100, 100, 64, dtype=torch.float16, device="cuda")
     if gpu.capability() >= (8, 0):

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from utils.exercises import check, debug_lab
-from utils.learner import code_cell, exec_cell, strip_solutions
+from utils.course.exercises import check, debug_lab
+from utils.course.learner import code_cell, exec_cell, strip_solutions
 from utils.triton_utils import breakpoint_if, interpreting, print_if, test_pid_conds
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -205,7 +205,7 @@ def test_importing_the_gpu_module_leaves_the_mode_alone():
     import os
     import subprocess
     import sys
-    code = ("import os; from utils.exercises.debug_lab_gpu import scale_rows_gpu; "
+    code = ("import os; from utils.course.exercises.debug_lab_gpu import scale_rows_gpu; "
             "from utils.triton_utils import show_source; show_source(scale_rows_gpu); "
             "print(os.environ['TRITON_INTERPRET'])")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, text=True, capture_output=True, timeout=300,

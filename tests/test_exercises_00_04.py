@@ -11,15 +11,15 @@ import torch.nn.functional as F
 
 from einops import rearrange
 
-from utils.exercises import check
-from utils.exercises.naive_attention import check_causal_attention, check_split_merge_heads
-from utils.exercises.online_softmax import check_lse_merge, check_probs_exp2, check_running_max_and_sum
-from utils.exercises.refuse import RefusedAnswer, refusing
-from utils.exercises.pytorch_flash import (check_block_sizes, check_fa1_accesses, check_fa2_accesses,
+from utils.course.exercises import check
+from utils.course.exercises.naive_attention import check_causal_attention, check_split_merge_heads
+from utils.course.exercises.online_softmax import check_lse_merge, check_probs_exp2, check_running_max_and_sum
+from utils.course.exercises.refuse import RefusedAnswer, refusing
+from utils.course.exercises.pytorch_flash import (check_block_sizes, check_fa1_accesses, check_fa2_accesses,
                                            check_flash2_block, check_keys_to_visit)
-from utils.exercises.triton_basics import check_condition_string
+from utils.course.exercises.triton_basics import check_condition_string
 from utils.flash_pytorch import LOG2E, flash2_kv_end
-from utils.learner import code_cell
+from utils.course.learner import code_cell
 from utils.reference import naive_attention
 from utils.triton_utils import cdiv
 
@@ -157,7 +157,7 @@ BYPASSES = {
                               "c = HBMCounter(); flash1_attention(*random_qkv(1, 1, N, N, d), sram_bytes=4 * M, "
                               "counter=c); return c.accesses")],
                      "from utils.flash_pytorch import HBMCounter, flash1_attention\n"
-                     "from utils.testing import random_qkv", "utils.flash_pytorch.flash1_attention"),
+                     "from utils.course.testing import random_qkv", "utils.flash_pytorch.flash1_attention"),
     "4.1": ("4.1", [("last_row = min((pid_m + 1) * BLOCK_M, seqlen_q) - 1",
                      "return max(0, flash2_kv_end(pid_m, BLOCK_M, seqlen_q, seqlen_k, True))")],
             "from utils.flash_pytorch import flash2_kv_end", "utils.flash_pytorch.flash2_kv_end"),

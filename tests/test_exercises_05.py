@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from utils.exercises import check
-from utils.exercises import debug_lab, triton_forward
-from utils.learner import code_cell, exec_cell
+from utils.course.exercises import check
+from utils.course.exercises import debug_lab, triton_forward
+from utils.course.learner import code_cell, exec_cell
 
 ROOT = Path(__file__).resolve().parents[1]
 NB05 = ROOT / "notebooks" / "05_triton_flash_attention.ipynb"
@@ -150,8 +150,8 @@ def test_lab_planted_bugs_are_the_ones_the_exercises_fix():
 
 
 def run_lab_gpu(**env) -> subprocess.CompletedProcess:
-    """`python -m utils.exercises.debug_lab_gpu`, as 05a runs it: its own process, its output captured."""
-    return subprocess.run([sys.executable, "-m", "utils.exercises.debug_lab_gpu"], cwd=ROOT, text=True,
+    """`python -m utils.course.exercises.debug_lab_gpu`, as 05a runs it: its own process, its output captured."""
+    return subprocess.run([sys.executable, "-m", "utils.course.exercises.debug_lab_gpu"], cwd=ROOT, text=True,
                           capture_output=True, env={**os.environ, **env}, timeout=600)
 
 

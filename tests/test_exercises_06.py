@@ -5,9 +5,9 @@ from pathlib import Path
 import pytest
 
 from utils.cuda_ext import find_nvcc
-from utils.exercises import check
-from utils.exercises.cuda_kernels import check_backward_ds, check_load_b_v, check_warp_reductions, host_compiler
-from utils.learner import code_cell
+from utils.course.exercises import check
+from utils.course.exercises.cuda_kernels import check_backward_ds, check_load_b_v, check_warp_reductions, host_compiler
+from utils.course.learner import code_cell
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(find_nvcc() is None or host_compiler() is None,
@@ -90,7 +90,7 @@ def test_builds_of_one_program_at_once_all_get_a_whole_binary(tmp_path, monkeypa
     import subprocess
     from concurrent.futures import ThreadPoolExecutor
 
-    from utils.exercises import cuda_kernels
+    from utils.course.exercises import cuda_kernels
 
     monkeypatch.setattr(cuda_kernels, "BUILD_DIR", tmp_path)
 

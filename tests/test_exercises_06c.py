@@ -5,11 +5,11 @@ from pathlib import Path
 
 import pytest
 
-from utils.exercises import check
-from utils.exercises.cuda_kernels import host_compiler
-from utils.exercises.hopper import (check_accumulator_layout, check_gemm_desc, check_tile_chunk,
+from utils.course.exercises import check
+from utils.course.exercises.cuda_kernels import host_compiler
+from utils.course.exercises.hopper import (check_accumulator_layout, check_gemm_desc, check_tile_chunk,
                                     check_tile_needs_mask)
-from utils.learner import code_cell
+from utils.course.learner import code_cell
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "notebooks" / "06c_hopper_wgmma.ipynb"

@@ -9,10 +9,10 @@ import torch
 import triton
 import triton.language as tl
 
-from utils.exercises import check
-from utils.exercises.decoding import check_merge_kernel, check_merge_splits, decode_partials, split_bounds
-from utils.exercises.triton_backward import attention_grads_float64, check_dkdv_kernel, check_dq_kernel
-from utils.learner import code_cell, exec_cell
+from utils.course.exercises import check
+from utils.course.exercises.decoding import check_merge_kernel, check_merge_splits, decode_partials, split_bounds
+from utils.course.exercises.triton_backward import attention_grads_float64, check_dkdv_kernel, check_dq_kernel
+from utils.course.learner import code_cell, exec_cell
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

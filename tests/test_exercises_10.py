@@ -9,9 +9,9 @@ import torch
 import triton
 import triton.language as tl
 
-from utils.exercises import check
-from utils.exercises import flex as checks
-from utils.learner import code_cell, exec_cell
+from utils.course.exercises import check
+from utils.course.exercises import flex as checks
+from utils.course.learner import code_cell, exec_cell
 
 NB = Path(__file__).resolve().parents[1] / "notebooks" / "10_flex_attention.ipynb"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

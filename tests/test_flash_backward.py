@@ -11,13 +11,13 @@ from utils.flash_pytorch_bwd import (FlashAttentionPyTorch, attention_gradients,
                                           flash_backward_pytorch, saved_tensor_bytes)
 from utils.flash_pytorch import flash2_attention
 from utils.reference import naive_attention, reference_attention
-from utils.testing import (ATTENTION_SHAPES, assert_gradients_close, misaligned, pairwise, random_qkv,
+from utils.course.testing import (ATTENTION_SHAPES, assert_gradients_close, misaligned, pairwise, random_qkv,
                            reference_gradients)
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 
-SHAPES = list(ATTENTION_SHAPES)  # the registry's shapes (utils.testing); larger ones on a GPU
+SHAPES = list(ATTENTION_SHAPES)  # the registry's shapes (utils.course.testing); larger ones on a GPU
 if CUDA:
     SHAPES += [(2, 8, 2, 1000, 1000, 64), (1, 4, 4, 300, 1100, 128), (1, 4, 1, 1100, 300, 64),
                (2, 4, 4, 1024, 1024, 128), (1, 2, 2, 200, 200, 256)]
@@ -145,7 +145,7 @@ def test_autograd_function_is_exposed():
 from utils import gpu  # noqa: E402
 from utils.flash_triton_bwd import (BackwardConfig, default_config, default_tma, tma_reduce_supported,  # noqa: E402
                                     flash_attention_backward)
-from utils.testing import ODD_SHAPES_64_128  # noqa: E402
+from utils.course.testing import ODD_SHAPES_64_128  # noqa: E402
 
 # Small tiles in the interpreter so that every shape crosses several blocks and both loop kinds run.
 SMALL = BackwardConfig(16, 16, 4, 1, 16, 16, 4, 1)

@@ -6,7 +6,7 @@ import torch
 from utils.flash_decoding import (MAX_SPLITS, choose_num_splits, flash_decode, merge_partials)
 from utils.reference import causal_mask, reference_attention
 from utils.softmax import attention_with_lse
-from utils.testing import assert_close, random_qkv
+from utils.course.testing import assert_close, random_qkv
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -220,7 +220,7 @@ def test_launch_floor_json_has_its_environment_and_one_row_per_method(tmp_path):
     """The launch-floor writer on the CPU: fake steps and a fake timer stand in for the GPU."""
     import json
 
-    from utils.bench.decoding import LAUNCH_FLOOR_COMMAND, launch_floor_path, write_launch_floor
+    from utils.course.bench.decoding import LAUNCH_FLOOR_COMMAND, launch_floor_path, write_launch_floor
 
     def broken():
         raise RuntimeError("no kernel for this shape\nsecond line")
@@ -244,7 +244,7 @@ def test_launch_floor_json_has_its_environment_and_one_row_per_method(tmp_path):
 def test_launch_floor_on_gpu(tmp_path):
     import json
 
-    from utils.bench.decoding import write_launch_floor
+    from utils.course.bench.decoding import write_launch_floor
 
     rows = json.loads(write_launch_floor(tmp_path, "gpu").read_text())["rows"]
     timed = {r["method"]: r["us"] for r in rows if "us" in r}
@@ -255,7 +255,7 @@ def test_latency_json_has_a_row_per_length_and_method(tmp_path):
     """The latency sweep's writer on the CPU: fake steps and a fake timer stand in for the GPU."""
     import json
 
-    from utils.bench.decoding import LATENCY_COMMAND, latency_path, write_latency
+    from utils.course.bench.decoding import LATENCY_COMMAND, latency_path, write_latency
 
     methods = {"flash_decode (CUDA graph replay)": lambda: 2, "SDPA cuDNN (CUDA graph replay)": lambda: 3}
     path = write_latency(tmp_path, "test", seqlens=(1024, 4096), methods=methods, timer=lambda fn: 5.0 * fn())
@@ -273,7 +273,7 @@ def test_latency_on_gpu(tmp_path):
     """Every step of launch_floor_methods, eager and replayed from a CUDA graph, at two cache lengths."""
     import json
 
-    from utils.bench.decoding import write_latency
+    from utils.course.bench.decoding import write_latency
 
     rows = json.loads(write_latency(tmp_path, "gpu", seqlens=(1024, 8192)).read_text())["rows"]
     timed = {(r["seqlen_k"], r["method"]): r["us"] for r in rows if "us" in r}
@@ -284,7 +284,7 @@ def test_latency_on_gpu(tmp_path):
 
 
 def test_a_failed_method_keeps_its_case():
-    from utils.bench.decoding import _row
+    from utils.course.bench.decoding import _row
 
     case = dict(batch=2, seqlen_k=512, heads=4, kv_heads=2, head_dim=64, new_tokens=1, dtype="bfloat16")
     assert _row("SDPA cuDNN", case, "RuntimeError: no kernel", None) == dict(method="SDPA cuDNN", **case,

@@ -93,7 +93,7 @@ def test_the_stored_benchmark_says_how_it_was_made():
     data = json.loads(BENCH.read_text())
     env = data["environment"]
     assert env["gpu"] == "NVIDIA H200" and env["triton"] and env["torch"] and env["date"]
-    assert env["command"].startswith("python -m utils.bench.forward") and "--gluon-tiles" in env["command"]
+    assert env["command"].startswith("python -m utils.course.bench.forward") and "--gluon-tiles" in env["command"]
     impls = {r["impl"] for r in data["results"]}
     assert {"gluon", "triton", "sdpa-cudnn", "sdpa-flash"} <= impls
     assert all(r["error"] is None for r in data["results"])
@@ -103,7 +103,7 @@ def test_the_compiled_loop_keeps_one_product_in_flight_through_the_softmax():
     """Compiled for sm_90 here (no GPU needed), in a process without the interpreter: in every tile's loop the
     scores' wgmmas and the P·V wgmmas are both issued, then `wait(1)` lets the P·V product run on while the
     softmax starts."""
-    from utils.cross_compile import in_fresh_process
+    from utils.course.cross_compile import in_fresh_process
 
     printed = in_fresh_process("--schedule", "gluon", "--head-dim", "64")
     schedules = {}
@@ -124,7 +124,7 @@ def test_the_compiled_loop_keeps_one_product_in_flight_through_the_softmax():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("config", fg.GLUON_TILES, ids=lambda c: f"{c.block_m}x{c.block_n}w{c.num_warps}s{c.stages}")
 def test_every_tile_matches_the_reference(config, dtype, causal):
-    from utils.testing import assert_matches_on_odd_shapes
+    from utils.course.testing import assert_matches_on_odd_shapes
 
     assert_matches_on_odd_shapes(fg.variant(config, "gluon"), dtype=dtype, causal=causal)
 
@@ -132,7 +132,7 @@ def test_every_tile_matches_the_reference(config, dtype, causal):
 @on_hopper
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_lse_is_the_log_sum_exp_and_minus_inf_for_rows_that_see_no_key(causal):
-    from utils.testing import random_qkv, reference_lse
+    from utils.course.testing import random_qkv, reference_lse
 
     q, k, v = random_qkv(2, 4, 300, 200, 128, kv_heads=2, dtype=torch.bfloat16, device="cuda")
     _, lse = fg.flash_attention_gluon_forward(q, k, v, causal=causal)   # causal: the first 100 rows see no key

@@ -112,7 +112,7 @@ def test_the_compiled_loop_does_five_products_and_waits_for_a_reduce_one_tile_la
     consumers meet. With prefetch_s (head dim 64) the next tile's Sᵀ is issued between the dQ block's wait and
     its reduce-adds, and waited for at the tile's end. The kernel fits the 227 KiB of shared memory an
     H100/H200 gives a block."""
-    from utils.cross_compile import in_fresh_process
+    from utils.course.cross_compile import in_fresh_process
 
     printed = in_fresh_process("--schedule", "gluon_bwd", "--head-dim", str(head_dim))
     header, *blocks = printed.splitlines()
@@ -139,7 +139,7 @@ def test_the_compiled_loop_does_five_products_and_waits_for_a_reduce_one_tile_la
 def test_gradients_match_float64_on_odd_shapes(dtype, causal):
     """GQA, Nq != Nk both ways (rows that see no key), one query, lengths not a multiple of a tile or of 4."""
     from utils.flash_triton import flash_attention_forward
-    from utils.testing import ODD_SHAPES_64_128, assert_gradients_close, random_qkv, reference_gradients
+    from utils.course.testing import ODD_SHAPES_64_128, assert_gradients_close, random_qkv, reference_gradients
 
     for b, h, hk, nq, nk, d in ODD_SHAPES_64_128:
         q, k, v = random_qkv(b, h, nq, nk, d, kv_heads=hk, dtype=dtype, device="cuda", seed=nq + nk)
@@ -162,7 +162,7 @@ def test_every_config_gives_the_same_gradients(config, head_dim):
     4 (batch, K/V head)s in groups of 3, the last group short, or in one group larger than there are), beside the
     picked configs."""
     from utils.flash_triton import flash_attention_forward
-    from utils.testing import assert_gradients_close, random_qkv, reference_gradients
+    from utils.course.testing import assert_gradients_close, random_qkv, reference_gradients
 
     q, k, v = random_qkv(2, 4, 777, 1000, head_dim, kv_heads=2, dtype=torch.bfloat16, device="cuda", seed=3)
     do = torch.randn_like(q)
@@ -175,7 +175,7 @@ def test_every_config_gives_the_same_gradients(config, head_dim):
 @pytest.mark.parametrize("name", ["gluon", "gluon_ws"])
 def test_the_gluon_forwards_differentiate_through_it(name):
     from utils.attention import REGISTRY
-    from utils.testing import assert_gradients_match_reference, random_qkv
+    from utils.course.testing import assert_gradients_match_reference, random_qkv
 
     q, k, v = random_qkv(1, 4, 300, 200, 128, kv_heads=2, dtype=torch.bfloat16, device="cuda", seed=5)
     assert_gradients_match_reference(REGISTRY[name].load(), q, k, v, causal=True)
@@ -195,7 +195,7 @@ def test_a_kind_of_call_is_checked_once_and_launched_bound(monkeypatch):
     whose order varies). Nq not a multiple of 4 and bad arguments are not kept."""
     from utils.flash_triton import flash_attention_forward
     from utils.launch import Bound, dispatch_by_triton
-    from utils.testing import assert_gradients_close, random_qkv, reference_gradients
+    from utils.course.testing import assert_gradients_close, random_qkv, reference_gradients
 
     q, k, v = random_qkv(2, 4, 256, 256, 64, dtype=torch.bfloat16, device="cuda", seed=1)
     do = torch.randn_like(q)
@@ -234,7 +234,7 @@ def test_the_kinds_of_call_kept_stay_at_the_bound(monkeypatch):
     """A new kind per shape, never more than launch.MAX_KINDS (here 2): the least recently used is forgotten."""
     from utils import launch
     from utils.flash_triton import flash_attention_forward
-    from utils.testing import assert_gradients_close, random_qkv, reference_gradients
+    from utils.course.testing import assert_gradients_close, random_qkv, reference_gradients
 
     monkeypatch.setattr(launch, "MAX_KINDS", 2)
     monkeypatch.setattr(gb, "_KINDS", launch.kind_cache())

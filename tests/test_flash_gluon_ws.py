@@ -84,7 +84,7 @@ def test_the_stored_benchmark_says_how_it_was_made():
     data = json.loads(BENCH.read_text())
     env = data["environment"]
     assert env["gpu"] == "NVIDIA H200" and env["triton"] and env["torch"] and env["date"]
-    assert env["command"].startswith("python -m utils.bench.forward") and "--ws-tiles" in env["command"]
+    assert env["command"].startswith("python -m utils.course.bench.forward") and "--ws-tiles" in env["command"]
     assert {"gluon", "gluon_ws", "triton", "sdpa-cudnn", "sdpa-flash"} <= {r["impl"] for r in data["results"]}
     assert all(r["error"] is None for r in data["results"])
 
@@ -93,7 +93,7 @@ def test_the_compiled_consumers_keep_one_product_in_flight_and_the_producer_give
     """Compiled for sm_90 here, in a process without the interpreter: each tile's consumer loop issues both
     products before `wait(1)`, and the register split lowers some warps to 24 registers (the producer) and
     raises others to the tile's consumer_regs."""
-    from utils.cross_compile import in_fresh_process
+    from utils.course.cross_compile import in_fresh_process
 
     printed = in_fresh_process("--schedule", "gluon_ws", "--head-dim", "128")
     schedules = {}
@@ -117,7 +117,7 @@ def test_the_compiled_consumers_keep_one_product_in_flight_and_the_producer_give
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("config", ws.WS_TILES, ids=lambda c: ws.ws_label(c).removeprefix("gluon_ws "))
 def test_every_tile_matches_the_reference(config, dtype, causal):
-    from utils.testing import assert_matches_on_odd_shapes
+    from utils.course.testing import assert_matches_on_odd_shapes
 
     assert_matches_on_odd_shapes(ws.variant(config, "gluon_ws"), dtype=dtype, causal=causal)
 
@@ -125,7 +125,7 @@ def test_every_tile_matches_the_reference(config, dtype, causal):
 @on_hopper
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_lse_is_the_log_sum_exp_and_minus_inf_for_rows_that_see_no_key(causal):
-    from utils.testing import random_qkv, reference_lse
+    from utils.course.testing import random_qkv, reference_lse
 
     q, k, v = random_qkv(2, 4, 300, 200, 128, kv_heads=2, dtype=torch.bfloat16, device="cuda")
     _, lse = ws.flash_attention_gluon_ws_forward(q, k, v, causal=causal)   # causal: the first 100 rows see no key

@@ -10,7 +10,7 @@ from utils.flash_pytorch import (HBMCounter, block_is_visible, count_ops, flash1
                                  flash1_hbm_accesses, flash2_attention, flash2_hbm_accesses, flash2_kv_end,
                                  flash2_program, standard_hbm_accesses)
 from utils.reference import causal_mask, reference_attention
-from utils.testing import random_qkv
+from utils.course.testing import random_qkv
 
 SHAPES = [(1, 1, 1, 1, 1, 8), (2, 4, 2, 37, 37, 16), (1, 2, 1, 20, 45, 8), (1, 2, 2, 45, 20, 24)]
 

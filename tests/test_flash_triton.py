@@ -13,7 +13,7 @@ from utils import flash_triton, launch
 from utils.flash_triton import (Config, Steps, flash_attention, flash_attention_forward, pick_config,
                                 tma_supported, tunable)
 from utils.reference import reference_attention
-from utils.testing import assert_close, misaligned, random_qkv, reference_lse
+from utils.course.testing import assert_close, misaligned, random_qkv, reference_lse
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"

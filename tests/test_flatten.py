@@ -1,4 +1,4 @@
-"""utils.flatten: the flattened sources of notebook 06b's forward steps (utils/cuda/steps/06b) are current, fold
+"""utils.course.flatten: the flattened sources of notebook 06b's forward steps (utils/cuda/steps/06b) are current, fold
 every switch, refuse what the parser does not understand, and (with nvcc) compile to the PTX of the templated
 steps they stand for."""
 import re
@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from utils import flatten
+from utils.course import flatten
 
 LESSON = "06b"
 STEPS = range(1, 16)
@@ -17,7 +17,7 @@ SAMPLED = (1, 12)
 
 
 def test_committed_files_are_what_the_generator_writes_now():
-    assert flatten.check(LESSON) == [], "run python -m utils.flatten"
+    assert flatten.check(LESSON) == [], "run python -m utils.course.flatten"
 
 
 def test_the_lesson_has_one_generated_file_per_step():

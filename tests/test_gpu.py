@@ -41,10 +41,10 @@ def test_emulated_t4_on_a_gpu(monkeypatch):
 
 def test_environment_records_where_and_how(monkeypatch):
     monkeypatch.delenv(gpu.EMULATE_VAR, raising=False)
-    env = gpu.environment("python -m utils.bench.summary")
+    env = gpu.environment("python -m utils.course.bench.summary")
     assert {"gpu", "capability", "emulated", "driver", "cuda", "cudnn", "torch", "triton", "python", "date",
             "command"} <= set(env)
-    assert env["torch"] == torch.__version__ and env["command"] == "python -m utils.bench.summary"
+    assert env["torch"] == torch.__version__ and env["command"] == "python -m utils.course.bench.summary"
     assert env["date"][:2] == "20" and (env["gpu"] is not None) == CUDA
     assert gpu.environment()["command"].startswith("python")  # default: this process's command line
 
@@ -54,8 +54,8 @@ def test_command_line_names_the_module_a_run_with_m_started(monkeypatch):
 
     monkeypatch.setattr(sys, "argv", ["/repo/utils/bench/forward.py", "--impls", "triton"])
     monkeypatch.setitem(sys.modules, "__main__", types.SimpleNamespace(__spec__=types.SimpleNamespace(
-        name="utils.bench.forward")))
-    assert gpu.command_line() == "python -m utils.bench.forward --impls triton"
+        name="utils.course.bench.forward")))
+    assert gpu.command_line() == "python -m utils.course.bench.forward --impls triton"
     monkeypatch.setitem(sys.modules, "__main__", types.SimpleNamespace(__spec__=None))  # python script.py
     assert gpu.command_line().endswith(" /repo/utils/bench/forward.py --impls triton")
 

@@ -1,4 +1,4 @@
-"""The GPU reports the repository keeps (python -m utils.gpu_suite): their shape, and the tree ids they carry."""
+"""The GPU reports the repository keeps (python -m utils.course.gpu_suite): their shape, and the tree ids they carry."""
 import json
 import os
 import re
@@ -8,11 +8,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from utils import gpu_suite
-from utils.gpu_suite import PARTS, ROOT, TRACKED_DIRS, Collector, report_path, summarize, tree_id
+from utils.course import gpu_suite
+from utils.course.gpu_suite import PARTS, ROOT, TRACKED_DIRS, Collector, report_path, summarize, tree_id
 
 REPORTS = sorted((ROOT / "tests").glob("gpu_report*.json"))
-# Under `python -m utils.gpu_suite` the reports are the files being rewritten: only the committed ones are checked.
+# Under `python -m utils.course.gpu_suite` the reports are the files being rewritten: only the committed ones are checked.
 committed_reports = pytest.mark.skipif(os.environ.get(gpu_suite.RUNNING_VAR) == "1",
                                        reason="the GPU suite is rewriting the reports")
 
@@ -103,7 +103,7 @@ def test_report_paths():
 
 @committed_reports
 def test_the_h200_report_exists():
-    assert report_path(None) in REPORTS, "run `python -m utils.gpu_suite` on a GPU and commit tests/gpu_report.json"
+    assert report_path(None) in REPORTS, "run `python -m utils.course.gpu_suite` on a GPU and commit tests/gpu_report.json"
 
 
 @committed_reports
@@ -215,7 +215,7 @@ def test_main_writes_a_report_per_part(tmp_path, monkeypatch):
     assert runs == [(("tests", "notebooks"), (), ("-n", "4"))]   # one session: the workers share both parts
     assert len(prebuilds) == 1 and prebuilds[0].stopped and prebuilds[0].log.name == "gpu_suite_prebuild.log"
     data = json.loads(report.read_text())
-    assert data["environment"]["command"] == "python -m utils.gpu_suite -- -n 4"   # how it ran: pytest-xdist
+    assert data["environment"]["command"] == "python -m utils.course.gpu_suite -- -n 4"   # how it ran: pytest-xdist
     assert set(data["parts"]) == {"tests", "notebooks"} and data["trees"] == {"utils": "utils" * 5,
                                                                              "notebooks": "notebooks" * 5}
     assert [run["files"] for run in data["runs"]] == [[]] and data["runs"][0]["seconds"] >= 0
@@ -225,7 +225,7 @@ def test_main_writes_a_report_per_part(tmp_path, monkeypatch):
     assert [run["files"] for run in json.loads(report.read_text())["runs"]] == [[], ["notebooks/00_setup.ipynb"]]
     assert gpu_suite.main(["--report", str(report), "--part", "tests", "--files", "notebooks/00_setup.ipynb"]) == 2
     assert gpu_suite.main(["--report", str(report), "--files", "notebooks/00_setup.ipynb", "--emulate", "t4"]) == 0
-    assert json.loads(report.read_text())["environment"]["command"] == "python -m utils.gpu_suite --emulate t4"
+    assert json.loads(report.read_text())["environment"]["command"] == "python -m utils.course.gpu_suite --emulate t4"
     assert gpu_suite.main(["--report", str(report), "--no-prebuild", "--files", "notebooks/00_setup.ipynb"]) == 0
     assert len(prebuilds) == 3   # one per run above that built, none for --no-prebuild
 

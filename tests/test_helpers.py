@@ -1,10 +1,10 @@
 import pytest
 import torch
 
-from utils.bench import attention_flops, benchmark, tflops
-from utils.exercises import check
-from utils.plotting import pyplot, save_figure, use_course_style, write_png
-from utils.testing import (ODD_SHAPES_64_128, assert_attention_matches_reference, assert_close,
+from utils.course.bench import attention_flops, benchmark, tflops
+from utils.course.exercises import check
+from utils.course.plotting import pyplot, save_figure, use_course_style, write_png
+from utils.course.testing import (ODD_SHAPES_64_128, assert_attention_matches_reference, assert_close,
                            assert_matches_on_odd_shapes, misaligned, pairwise, random_qkv, reference_lse, tolerances)
 from utils.reference import naive_attention
 
@@ -138,14 +138,14 @@ def test_plot_style_and_save(tmp_path, monkeypatch):
 
     use_course_style()
     assert plt.rcParams["axes.grid"] is True
-    monkeypatch.setattr("utils.plotting.IMAGES", tmp_path / "images")
-    monkeypatch.setattr("utils.plotting.LEARNER_FIGURES", tmp_path / "build")
+    monkeypatch.setattr("utils.course.plotting.IMAGES", tmp_path / "images")
+    monkeypatch.setattr("utils.course.plotting.LEARNER_FIGURES", tmp_path / "build")
     fig, ax = plt.subplots()
     ax.plot([1, 2], [3, 4])
     monkeypatch.delenv("COURSE_WRITE_IMAGES", raising=False)  # a learner's run: never the committed images/
     assert save_figure(fig, "demo") == tmp_path / "build" / "demo.png" and (tmp_path / "build" / "demo.png").is_file()
     assert not (tmp_path / "images").exists()
-    monkeypatch.setenv("COURSE_WRITE_IMAGES", "1")        # python -m utils.references
+    monkeypatch.setenv("COURSE_WRITE_IMAGES", "1")        # python -m utils.course.references
     assert save_figure(fig, "demo") == tmp_path / "images" / "demo.png"
     with pytest.raises(ValueError):
         save_figure(fig, "demo.png")
@@ -154,10 +154,10 @@ def test_plot_style_and_save(tmp_path, monkeypatch):
 
 
 def test_gpu_primer_figure_is_drawn_by_a_command(tmp_path):
-    """Notebook 00's figure: `python -m utils.gpu_primer` redraws the committed PNG; a path not ending .png is refused."""
-    from utils.gpu_primer import PNG, write
+    """Notebook 00's figure: `python -m utils.course.gpu_primer` redraws the committed PNG; a path not ending .png is refused."""
+    from utils.course.gpu_primer import PNG, write
 
-    assert PNG.is_file() and PNG.stat().st_size < 200_000, "images/gpu_primer.png: python -m utils.gpu_primer"
+    assert PNG.is_file() and PNG.stat().st_size < 200_000, "images/gpu_primer.png: python -m utils.course.gpu_primer"
     out = write(tmp_path / "primer.png")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError, match="path must end in .png"):
@@ -170,7 +170,7 @@ def test_seqlen_axis_labels():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from utils.plotting import seqlen_axis
+    from utils.course.plotting import seqlen_axis
 
     fig, ax = plt.subplots()
     seqlen_axis(ax, [512, 1024, 16384])
@@ -221,7 +221,7 @@ def test_check_bool():
 
 
 def test_assert_rows_close_names_rows_blocks_and_the_worst_element():
-    from utils.exercises import assert_rows_close
+    from utils.course.exercises import assert_rows_close
 
     a = torch.randn(2, 3, 130, 16)
     assert_rows_close(a.clone(), a, atol=0, rtol=0)

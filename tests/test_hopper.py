@@ -7,7 +7,7 @@ import torch
 
 from utils import cuda_ext, gpu, hopper
 from utils.cuda_ext import find_nvcc
-from utils.exercises.cuda_kernels import host_compiler
+from utils.course.exercises.cuda_kernels import host_compiler
 
 needs_nvcc = pytest.mark.skipif(find_nvcc() is None, reason="nvcc not found")
 on_hopper = pytest.mark.skipif(not torch.cuda.is_available() or gpu.capability() != (9, 0),
@@ -240,6 +240,6 @@ def test_flash_hopper_refuses_more_batch_heads_than_its_grid_has():
 def test_flash_hopper_matches_reference(step, dtype, causal):
     from functools import partial
 
-    from utils.testing import assert_matches_on_odd_shapes
+    from utils.course.testing import assert_matches_on_odd_shapes
 
     assert_matches_on_odd_shapes(partial(hopper.flash_hopper, step=step), dtype=dtype, causal=causal)

@@ -181,7 +181,7 @@ def test_bind_gives_nothing_to_keep_where_launches_go_through_triton(fake, monke
     monkeypatch.setattr(triton.knobs.runtime, "launch_exit_hook", lambda *a: None)   # a profiler's hook
     assert not launch.direct() and launcher.bind((1,), (x, 5), dict(BLOCK=32), head=1) is None
     assert [entry[0] for entry in kernel.log] == ["jit", "jit"]                  # both still launched
-    recording = FastLauncher(_RecordingKernel())                                # utils.cross_compile
+    recording = FastLauncher(_RecordingKernel())                                # utils.course.cross_compile
     assert recording.bind((1,), (x, 5), dict(BLOCK=32), head=1) is None
 
 
@@ -295,7 +295,7 @@ class _RecordingKernel(_FakeKernel):
 
 
 def test_a_launch_that_returns_nothing_is_not_kept(monkeypatch):
-    """utils.cross_compile replaces JITFunction.run to record launches; kernel[grid] then returns None."""
+    """utils.course.cross_compile replaces JITFunction.run to record launches; kernel[grid] then returns None."""
     monkeypatch.setattr(launch, "driver", _FakeDriver)
     launcher = FastLauncher(_RecordingKernel())
     assert launcher[(1,)](torch.zeros(4), 3, BLOCK=32) is None and launcher.compiled == {}

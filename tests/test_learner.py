@@ -5,7 +5,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from utils.learner import CUDA_STUB, STUB, generate, learner_version, strip_solutions, was_edited
+from utils.course.learner import CUDA_STUB, STUB, generate, learner_version, strip_solutions, was_edited
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
@@ -100,7 +100,7 @@ def test_learner_version_runs_to_its_first_stub_and_says_not_yet(path):
 
 
 def test_code_cell_finds_one_cell_and_stubs_it(tmp_path):
-    from utils.learner import code_cell
+    from utils.course.learner import code_cell
 
     path = tmp_path / "demo.ipynb"
     path.write_text(json.dumps(_notebook("# Exercise 1\n# BEGIN SOLUTION\nx = 1\n# END SOLUTION", "y = 2",
@@ -137,7 +137,7 @@ def test_cuda_stub_fails_compilation_with_the_stub_message(tmp_path):
     import shutil
     import subprocess
 
-    from utils.exercises import STUB_MESSAGE
+    from utils.course.exercises import STUB_MESSAGE
 
     compiler = shutil.which("c++") or shutil.which("g++")
     if compiler is None:

@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from utils.memory import AllocationTracker, peak_memory
+from utils.course.memory import AllocationTracker, peak_memory
 from utils.reference import naive_attention
-from utils.testing import random_qkv
+from utils.course.testing import random_qkv
 
 
 def test_tracker_counts_new_tensors_and_frees():

@@ -105,7 +105,7 @@ def test_lint_finds_what_a_gpu_run_would_hit(tmp_path):
 def imported_from_two_places(source: str) -> list[str]:
     """Names that one notebook imports from two different places. pyflakes allows the second import (a cell
     that shows a new version), but a later cell then gets whichever ran last: a %%gpu cell that expects the
-    first fails only on a GPU (notebook 07's `format_table`, from utils.bench.backward and backward_tiles)."""
+    first fails only on a GPU (notebook 07's `format_table`, from utils.course.bench.backward and backward_tiles)."""
     origins: dict[str, set] = {}
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.ImportFrom):
@@ -120,10 +120,10 @@ def test_no_name_is_imported_from_two_places(path):
 
 
 def test_two_origins_of_one_name_are_found():
-    source = ("from utils.bench.backward import format_table\nfrom utils.bench.backward_tiles import format_table\n"
+    source = ("from utils.course.bench.backward import format_table\nfrom utils.course.bench.backward_tiles import format_table\n"
               "from a import x\nfrom a import x\nfrom b import y as x2\n")
-    assert imported_from_two_places(source) == ["format_table: utils.bench.backward.format_table, "
-                                                 "utils.bench.backward_tiles.format_table"]
+    assert imported_from_two_places(source) == ["format_table: utils.course.bench.backward.format_table, "
+                                                 "utils.course.bench.backward_tiles.format_table"]
 
 
 SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef, ast.ListComp, ast.SetComp,
@@ -188,7 +188,7 @@ def test_a_gpu_cell_that_rebinds_a_later_cells_input_is_found(tmp_path):
         "code cell 2 (%%gpu) rebinds 'rows', read by code cell 3"]
 
 
-# Code is shown by name (a function, a kernel, a C++ definition: utils.show, utils.triton_utils.show_source),
+# Code is shown by name (a function, a kernel, a C++ definition: utils.course.show, utils.triton_utils.show_source),
 # never cut out of a file at text anchors, which break when a comment is edited (issue 71). These notebooks
 # still cut; the list only shrinks.
 CUTS_AT_ANCHORS = {"05b_triton_fast", "05bw_triton_fast_worklog",

@@ -6,7 +6,7 @@ import torch
 
 from utils.flash_decoding import flash_decode, flash_decode_paged
 from utils.paged_kv import OutOfPages, PagedKVCache, check_page_size
-from utils.testing import assert_close
+from utils.course.testing import assert_close
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -336,7 +336,7 @@ def test_page_offsets_past_2_to_the_31_on_gpu():
 @pytest.mark.parametrize("page_size", [16, 32])
 def test_paged_copy_is_the_cache_in_shuffled_pages(page_size):
     """The benchmark's pools: every page lands where the block table says, in an order that is not the identity."""
-    from utils.bench.decoding import paged_copy
+    from utils.course.bench.decoding import paged_copy
 
     k, v = (torch.randn(3, 2, 4 * page_size, 8, device=DEVICE) for _ in range(2))
     k_pool, v_pool, table = paged_copy(k, v, page_size, seed=1)
@@ -352,7 +352,7 @@ def test_paged_copy_is_the_cache_in_shuffled_pages(page_size):
 
 
 def test_paged_copy_rejects_bad_arguments():
-    from utils.bench.decoding import paged_copy
+    from utils.course.bench.decoding import paged_copy
 
     k = torch.zeros(1, 1, 48, 8)
     with pytest.raises(ValueError, match="multiple of page_size=32"):
@@ -363,10 +363,10 @@ def test_paged_copy_rejects_bad_arguments():
 
 @pytest.mark.gpu
 def test_paged_benchmark_on_gpu(tmp_path):
-    """`python -m utils.bench.decoding --paged`'s writer at a small size: one row per method, errors small."""
+    """`python -m utils.course.bench.decoding --paged`'s writer at a small size: one row per method, errors small."""
     import json
 
-    from utils.bench.decoding import PAGED_COMMAND, paged_path, write_paged
+    from utils.course.bench.decoding import PAGED_COMMAND, paged_path, write_paged
 
     path = write_paged(tmp_path, "gpu", batches=(2,), seqlens=(512,), page_sizes=(16, 256))
     assert path == paged_path(tmp_path, "gpu")

@@ -5,7 +5,7 @@ import torch
 
 from utils.checks import check_attention_inputs, resolve_scale
 from utils.reference import causal_mask, naive_attention, reference_attention, sdpa_attention
-from utils.testing import random_qkv
+from utils.course.testing import random_qkv
 
 
 def test_causal_mask_bottom_right():

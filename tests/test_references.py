@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from utils.references import (COLUMNS, FORWARD_RUNS, IMAGES, README, REFERENCES, findings, format_stored, main,
+from utils.course.references import (COLUMNS, FORWARD_RUNS, IMAGES, README, REFERENCES, findings, format_stored, main,
                               results_markdown, stored_decoding, stored_kernels, stored_records, technique_gains,
                               update_readme)
 
@@ -31,7 +31,7 @@ def test_every_stored_result_records_its_environment(path):
 def test_every_stored_result_has_a_command_that_makes_it(path):
     commands = [" ".join(command) for _, command in REFERENCES.values()]
     made_by = json.loads(path.read_text())["environment"]["command"].removeprefix("python -m ")
-    via_references = made_by.startswith("utils.references --only ")
+    via_references = made_by.startswith("utils.course.references --only ")
     assert via_references or any(made_by.startswith(c.split(" --out")[0].split(" --name")[0]) for c in commands), made_by
 
 
@@ -42,7 +42,7 @@ def test_each_reference_command_names_a_module(name):
 
 
 def test_readme_results_equal_the_json():
-    assert update_readme(check=True), "README's results differ from images/*.json: python -m utils.references --readme"
+    assert update_readme(check=True), "README's results differ from images/*.json: python -m utils.course.references --readme"
     text = results_markdown()
     assert "| course Triton forward" in text and "SDPA cuDNN backward" in text and "torch 2.11" in text
     assert "notebooks/09_summary.ipynb" in text, "README points to notebook 09 for the other kernels"

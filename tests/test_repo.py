@@ -52,7 +52,7 @@ def test_notebook_is_stripped(path):
 def test_notebook_starts_with_the_bootstrap(path):
     nb = json.loads(path.read_text())
     first_code = next(c for c in nb["cells"] if c["cell_type"] == "code")
-    assert "from utils.bootstrap import setup" in "".join(first_code["source"])
+    assert "from utils.course.bootstrap import setup" in "".join(first_code["source"])
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)

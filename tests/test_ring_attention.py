@@ -13,7 +13,7 @@ from utils.ring_attention import (LAYOUTS, RingCase, block_gradients, free_port,
                                   ring_attention, run_ring_check, shard, shard_indices, simulate_ring_attention,
                                   simulate_ring_backward, step_work, unshard, work_per_step, zigzag_chunks)
 from utils.softmax import attention_with_lse
-from utils.testing import assert_close, random_qkv
+from utils.course.testing import assert_close, random_qkv
 
 CUDA = torch.cuda.is_available()
 
@@ -237,7 +237,7 @@ def test_simulated_ring_backward_with_the_triton_kernels(world_size, causal, lay
 def test_a_model_trains_through_the_simulated_ring():
     """A few SGD steps of notebook 07's character model with zigzag ring attention (3 ranks) reduce the loss and
     follow single-device attention step for step, weights included."""
-    from utils.char_model import CharTokenizer, CharTransformer, get_batch, load_corpus
+    from utils.course.char_model import CharTokenizer, CharTransformer, get_batch, load_corpus
 
     text = load_corpus(3000)
     tok = CharTokenizer(text)

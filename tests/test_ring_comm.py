@@ -1,13 +1,13 @@
-"""The ring's exchange benchmark (utils.bench.ring_comm): a real run of 2 gloo processes through the CLI (the
+"""The ring's exchange benchmark (utils.course.bench.ring_comm): a real run of 2 gloo processes through the CLI (the
 JSON it writes, environment and command included), argument checks, and how the notebook finds a stored run."""
 import json
 
 import pytest
 import torch
 
-from utils.bench.ring_comm import (MEASURE_COMMAND, _main, check_sizes, device_tag, large_message_gbps,
+from utils.course.bench.ring_comm import (MEASURE_COMMAND, _main, check_sizes, device_tag, large_message_gbps,
                                    measure_ring_exchange, result_path, stored_nccl)
-from utils.references import REFERENCES
+from utils.course.references import REFERENCES
 
 ENV_KEYS = ("gpu", "capability", "torch", "triton", "cuda", "cudnn", "driver", "date", "command")
 
@@ -20,7 +20,7 @@ def test_gloo_run_writes_the_json_the_notebook_reads(tmp_path):
     result = json.loads(path.read_text())
     env = result["environment"]
     assert all(k in env for k in ENV_KEYS), env
-    assert env["command"] == "python -m utils.bench.ring_comm " + " ".join(argv)
+    assert env["command"] == "python -m utils.course.bench.ring_comm " + " ".join(argv)
     assert env["torch"] == torch.__version__
     assert (result["backend"], result["world_size"], result["device"]) == ("gloo", 2, "CPU")
     assert [r["bytes"] for r in result["rows"]] == [4096, 65536]

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from utils.bench import attention_flops
+from utils.course.bench import attention_flops
 from utils.ring_attention import shard, work_per_step
 from utils.ring_scale import (break_even_tokens_per_rank, compute_ms, pass_ms, rank_memory, ring_step,
                               slowest_hop, step_bytes, step_flops, tokens_per_rank, transfer_ms)
@@ -58,7 +58,7 @@ def test_step_flops_by_hand_and_summed_over_the_ring():
     assert step_flops(16, 4, 8, 2, backward=True) == 10240
     # zigzag's half block at every step is the ring's own step table
     assert all(w == 0.5 for row in work_per_step(4, causal=True, layout="zigzag") for w in row)
-    # W ranks × W steps add up to attention over the whole sequence (utils.bench's count)
+    # W ranks × W steps add up to attention over the whole sequence (utils.course.bench's count)
     for causal in (False, True):
         for mode, backward in (("fwd", False), ("bwd", True)):
             total = 4 * 4 * step_flops(64, 8, 16, 4, causal=causal, backward=backward)

@@ -1,7 +1,7 @@
-"""utils.show: C++ definitions found by name, never by text anchors."""
+"""utils.course.show: C++ definitions found by name, never by text anchors."""
 import pytest
 
-from utils.show import cpp_definition, show_cpp
+from utils.course.show import CUDA_DIR, cpp_definition, show_cpp
 
 SOURCE = """\
 #include <x.h>
@@ -62,5 +62,5 @@ def test_kernels_of_the_course_are_shown_with_their_line_numbers(capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "// flash_naive.cu, flash_naive_kernel"
     first = int(out[1].split()[0])
-    source = (__import__("utils.show").show.CUDA_DIR / "flash_naive.cu").read_text().splitlines()
+    source = (CUDA_DIR / "flash_naive.cu").read_text().splitlines()
     assert out[1][6:] == source[first - 1] and out[-1][6:] == "}"

@@ -8,7 +8,7 @@ import torch
 from utils.reference import reference_attention
 from utils.softmax import (LOG2E, attention_with_lse, empty_state, logsumexp, lse_from_state, merge_attention,
                            merge_states, naive_softmax, online_softmax, safe_softmax, softmax_exp2, softmax_state)
-from utils.testing import random_qkv
+from utils.course.testing import random_qkv
 
 NEG_INF = float("-inf")
 VARIANTS = [naive_softmax, safe_softmax, online_softmax,

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from utils.reference import reference_attention
-from utils.testing import (assert_close, assert_gradients_close, assert_gradients_match_reference, random_qkv,
+from utils.course.testing import (assert_close, assert_gradients_close, assert_gradients_match_reference, random_qkv,
                            reference_gradients, reference_lse)
 from utils.tiled import attention, backward, forward
 from utils.tiled.attention import flash_attention

@@ -1,5 +1,5 @@
 """Shared code of the FlashAttention-from-scratch course.
 
 Nothing is imported here on purpose: modules that define Triton kernels must be imported only after
-`utils.bootstrap.setup()` (or tests/conftest.py) has decided whether TRITON_INTERPRET is on.
+`utils.course.bootstrap.setup()` (or tests/conftest.py) has decided whether TRITON_INTERPRET is on.
 """

@@ -580,7 +580,7 @@ def softmax_table(shapes=SOFTMAX_SHAPES, *, seed: int = 0) -> list[dict]:
     the extension function itself (as torch.softmax is timed through its C++ entry), without the Python-side
     checks of `softmax()`, which would add microseconds to kernels that take a few of them.
     """
-    from utils.bench import benchmark
+    from utils.course.bench import benchmark
 
     if not torch.cuda.is_available():
         raise RuntimeError("softmax_table needs a CUDA GPU")

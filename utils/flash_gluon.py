@@ -241,7 +241,7 @@ class Config(NamedTuple):
     stages: int     # K and V buffers in each ring
 
 
-# The tiles `python -m utils.bench.forward --gluon-tiles` times (notebook 05b section 9). One warpgroup per
+# The tiles `python -m utils.course.bench.forward --gluon-tiles` times (notebook 05b section 9). One warpgroup per
 # program (4 warps, 64 query rows) keeps the per-iteration barrier local to it and lets 2-3 programs share an SM,
 # whose warp schedulers then interleave one program's softmax with another's products; two warpgroups (8 warps,
 # 128 rows) halve the K/V traffic but step together at every barrier.
@@ -371,7 +371,7 @@ def tma_buffers(q, k, v):
 
 
 def _launch(q, k, v, o, lse, causal: bool, scale: float, config: Config) -> None:
-    """The kernel on checked inputs (utils.cross_compile captures this launch to compile it on a CPU)."""
+    """The kernel on checked inputs (utils.course.cross_compile captures this launch to compile it on a CPU)."""
     batch, heads, seqlen_q, head_dim = q.shape
     grid = (triton.cdiv(seqlen_q, config.block_m), batch * heads)
     _launcher[grid](_descriptor(q, config.block_m), _descriptor(k, config.block_n),

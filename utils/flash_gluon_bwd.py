@@ -37,7 +37,7 @@ What made it fast (measured on an H200, notebook 07 section 11 reads the stored 
 
 The reduce-adds from the programs of one head arrive in any order, so dQ's last bits vary from run to run
 (notebook 07's dQ pass is deterministic); dK and dV do not. Gluon has no interpreter: the kernel runs on sm_90
-(H100/H200) only; utils.cross_compile compiles it on a CPU, and replay_protocol replays its synchronisation.
+(H100/H200) only; utils.course.cross_compile compiles it on a CPU, and replay_protocol replays its synchronisation.
 """
 from __future__ import annotations
 
@@ -448,7 +448,7 @@ def _main(q, k, causal: bool, scale: float, config: BwdConfig) -> tuple:
 
 
 def _launch(q, k, v, do, dk, dv, dq_acc, lse2, delta, causal: bool, scale: float, config: BwdConfig) -> None:
-    """The kernel on checked inputs (utils.cross_compile captures this launch to compile it on a CPU)."""
+    """The kernel on checked inputs (utils.course.cross_compile captures this launch to compile it on a CPU)."""
     launcher, grid, tail, meta = _main(q, k, causal, scale, config)
     launcher[grid](*_descriptors(q, k, v, do, dk, dv, dq_acc, lse2, delta, config), *tail, **meta)
 

@@ -167,7 +167,7 @@ class WSConfig(NamedTuple):
     consumer_regs: int    # registers per thread of the second consumer (setmaxnreg); the producer keeps 24
 
 
-# The tiles `python -m utils.bench.forward --ws-tiles` times (notebook 05b section 10).
+# The tiles `python -m utils.course.bench.forward --ws-tiles` times (notebook 05b section 10).
 WS_TILES = (WSConfig(128, 2, 232), WSConfig(128, 2, 240), WSConfig(128, 3, 232), WSConfig(64, 3, 232))
 
 
@@ -206,7 +206,7 @@ def flash_attention_gluon_ws_forward(q, k, v, *, causal=False, sm_scale=None, co
 
 
 def _launch(q, k, v, o, lse, causal: bool, scale: float, config: WSConfig) -> None:
-    """The kernel on checked inputs (utils.cross_compile captures this launch to compile it on a CPU)."""
+    """The kernel on checked inputs (utils.course.cross_compile captures this launch to compile it on a CPU)."""
     batch, heads, seqlen_q, head_dim = q.shape
     grid = (triton.cdiv(seqlen_q, BLOCK_M), batch * heads)
     _launcher[grid](fg._descriptor(q, SUB_M), fg._descriptor(k, config.block_n), fg._descriptor(v, config.block_n),

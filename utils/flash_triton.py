@@ -292,7 +292,7 @@ def pick_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> Conf
 @functools.lru_cache(maxsize=None)  # asked at every launch
 def fit_config(head_dim: int, dtype: torch.dtype, smem: int | None) -> Config:
     """The tiles chosen per head dim by measurement on an H200, shrunk until they fit `smem` bytes of shared
-    memory per block (None: an H200's choice). utils.cross_compile checks the choice for a T4 by compiling."""
+    memory per block (None: an H200's choice). utils.course.cross_compile checks the choice for a T4 by compiling."""
     block_d = max(16, triton.next_power_of_2(head_dim))
     if dtype == torch.float32:  # exact fp32 dots run on CUDA cores: small tiles keep registers in check
         preferred = Config(64 if block_d <= 64 else 32, 32, 4, 2)
@@ -473,7 +473,7 @@ def _descriptors(q, k, v, o, tiles: tuple | None) -> tuple:
 
 
 # Notebook 05b's worklog: the kernel before each step and the final one, all timed through `variant` (the same
-# entry point, so the ratios compare like with like) beside SDPA by `python -m utils.bench.forward --worklog`.
+# entry point, so the ratios compare like with like) beside SDPA by `python -m utils.course.bench.forward --worklog`.
 # Steps None: `Steps.fastest`, what the registry's "triton" (flash_attention, with autograd) runs.
 WORKLOG = {
     "triton 05 (fixed tiles)": (NOTEBOOK_05_TILES, Steps()),
@@ -483,7 +483,7 @@ WORKLOG = {
     "triton + host descriptors (fixed tiles)": (NOTEBOOK_05_TILES, Steps(tma=True, host_descriptors=True)),
     "triton 1+2+4 (final)": (None, None),
 }
-# The tile sweep behind TUNE_CONFIGS (`python -m utils.bench.forward --sweep`), each with and without TMA.
+# The tile sweep behind TUNE_CONFIGS (`python -m utils.course.bench.forward --sweep`), each with and without TMA.
 SWEEP_CONFIGS = [Config(*c) for c in ((128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 4, 3),
                                       (64, 64, 4, 3), (128, 32, 4, 4), (64, 128, 4, 3), (128, 64, 8, 4))]
 
@@ -535,7 +535,7 @@ def validate(q, k, v, causal, sm_scale):
         raise ValueError(f"head_dim {shape.head_dim} is not supported by the Triton kernel; supported: "
                          f"{HEAD_DIMS[0]} to {HEAD_DIMS[-1]}")
     if q.device.type == "cpu" and not triton_interpreting():
-        raise ValueError("q is on the CPU but TRITON_INTERPRET is not 1: run utils.bootstrap.setup() (or set "
+        raise ValueError("q is on the CPU but TRITON_INTERPRET is not 1: run utils.course.bootstrap.setup() (or set "
                          "TRITON_INTERPRET=1) before importing the course's Triton kernels, or move the tensors to a GPU")
     if q.device.type not in ("cpu", "cuda"):
         raise ValueError(f"q is on {q.device}; the Triton kernel runs on CUDA devices or, interpreted, on the CPU")

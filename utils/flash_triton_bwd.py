@@ -77,7 +77,7 @@ SMALL_SMEM_CONFIGS = (BackwardConfig(32, 64, 4, 2, 64, 32, 4, 2), BackwardConfig
 def smem_estimate(config: BackwardConfig, head_dim: int, elem_bytes: int) -> int:
     """Shared memory the larger of the two main kernels needs, in bytes: what Triton 3.6 allocates on sm_75
     (where tl.dot runs on FMA units, and stages add nothing), an upper bound of what it allocates on sm_80+ with
-    pointer loads (utils.cross_compile compiles both to check). TMA's staging buffers take more (165 KB at head
+    pointer loads (utils.course.cross_compile compiles both to check). TMA's staging buffers take more (165 KB at head
     dim 128), which only sm_90's 227 KB per block is asked for."""
     block_d = max(16, triton.next_power_of_2(head_dim))
     return elem_bytes * block_d * max(2 * config.block_m1 + 4 * config.block_n1,
@@ -87,7 +87,7 @@ def smem_estimate(config: BackwardConfig, head_dim: int, elem_bytes: int) -> int
 def default_config(head_dim: int, dtype: torch.dtype, causal: bool = False, smem: int | None = None
                    ) -> BackwardConfig:
     """Launch parameters. 16-bit, head dims up to 128: within 3% of the fastest of each pass's candidates in
-    `python -m utils.bench.backward_tiles` on an H200 (images/07_backward_tiles_h200.json: bf16, B=4, H=16,
+    `python -m utils.course.bench.backward_tiles` on an H200 (images/07_backward_tiles_h200.json: bf16, B=4, H=16,
     N=8192; the same tiles win causal or not). Smaller tiles for fp32/fp64 (exact dots, twice
     the bytes) and head dims above 128 (registers); mid-sized tiles in the interpreter, where each program is
     NumPy work and fewer, larger tiles run fastest. `smem`: bytes of shared memory per block of the GPU

@@ -3,7 +3,7 @@
 Every branch on compute capability in the course asks `capability()`, never torch directly, so that one
 switch exercises the older-GPU paths on any CUDA machine:
 
-    COURSE_EMULATE_GPU=t4 make test        # or: python -m utils.gpu_suite --emulate t4
+    COURSE_EMULATE_GPU=t4 make test        # or: python -m utils.course.gpu_suite --emulate t4
 
 With `COURSE_EMULATE_GPU=t4` the course makes the choices it makes on Colab's T4 (sm_75): capability (7, 5),
 fp16 instead of bf16, no TMA tensor descriptors, 64 KiB of shared memory per block, the registry's `cuda`
@@ -126,7 +126,7 @@ def environment(command: str | None = None) -> dict:
 
 
 def command_line() -> str:
-    """This process's command line as it was typed: `python -m utils.bench.forward --impls triton` for a module
+    """This process's command line as it was typed: `python -m utils.course.bench.forward --impls triton` for a module
     run with -m (whose sys.argv[0] is the module's file path), else `python script.py ...`."""
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
     if spec is not None and spec.name:

@@ -169,7 +169,7 @@ class FastLauncher:
                 raise TypeError(f"{self.kernel.__name__} takes {self.n_runtime} runtime arguments by position, "
                                 f"got {len(args)}")
             compiled = self.kernel[grid](*args, **meta)   # compiles, or finds the kernel in Triton's caches
-            if compiled is None:  # JITFunction.run replaced (utils.cross_compile records launches): nothing to keep
+            if compiled is None:  # JITFunction.run replaced (utils.course.cross_compile records launches): nothing to keep
                 return None
             compiled._init_handles()
             if not runs_directly(compiled):

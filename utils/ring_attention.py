@@ -21,7 +21,7 @@ fast tests; it is differentiable too, its backward being `simulate_ring_backward
 processes (torch.multiprocessing, spawn) on gloo (CPU) or NCCL (one GPU per rank) and compares the output and
 the gradients with single-device attention. On 2 GPUs: `python -m utils.ring_attention --backend nccl
 --world-size 2`. Its launch (`spawn_ranks`, `rank_group`) and the exchange (`_post_exchange`) also serve
-`utils.bench.ring_comm`, which times the exchange alone.
+`utils.course.bench.ring_comm`, which times the exchange alone.
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ from utils.checks import check_attention_inputs, resolve_scale
 from utils.flash_pytorch_bwd import _compute_dtype, _expand_kv, _safe_lse, _sum_groups, check_backward_inputs
 from utils.reference import causal_mask
 from utils.softmax import attention_with_lse, merge_attention
-from utils.testing import random_qkv, tolerances
+from utils.course.testing import random_qkv, tolerances
 
 LAYOUTS = ("contiguous", "zigzag")
 PARTS = {"all", "first", "second"}

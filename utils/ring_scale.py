@@ -14,7 +14,7 @@ import numbers
 
 from utils.checks import positive_int
 
-BWD_FLOPS = 2.5   # backward / forward FLOPs: five matrix products per block instead of two (utils.bench)
+BWD_FLOPS = 2.5   # backward / forward FLOPs: five matrix products per block instead of two (utils.course.bench)
 
 
 def _rate(name: str, x) -> float:

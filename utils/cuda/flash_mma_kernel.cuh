@@ -1,6 +1,6 @@
 // FlashAttention-2 forward on tensor cores (notebook 06b): one kernel template, `Step` (flash_mma_steps.cuh)
 // switches each optimisation on, and every switch is an `if constexpr` branch marked "Step N" below. Each step
-// read alone, with its switches evaluated away: utils/cuda/steps/06b/ (python -m utils.flatten writes it from here).
+// read alone, with its switches evaluated away: utils/cuda/steps/06b/ (python -m utils.course.flatten writes it from here).
 //
 //   grid:     one block per (BR query rows, batch * head); a block has kWarps warps, each owning 16 rows
 //             (from step 11, 16 kRowTiles rows: each K and V fragment read from shared memory serves kRowTiles mma)

@@ -85,7 +85,7 @@ def _tiles(size: int, sparse: int | None) -> int:
 
 
 # Tiles for 16-bit inputs with a block mask, the fastest of sweeps on an H200 (bf16, B=2, H=16, sliding window 1k
-# at N=8k-32k and 8 to 32 documents at N=16k; `python -m utils.bench.flex` times the D=128 choice): as small as the
+# at N=8k-32k and 8 to 32 documents at N=16k; `python -m utils.course.bench.flex` times the D=128 choice): as small as the
 # block mask's 64 x 64 tiles (a kernel tile never spans two of them), smaller than notebook 05's and 07's, since
 # sparse rows of tiles are short. At D=64 the forward's 2 stages beat 3 by 7-30%. Since the kernels load whole tiles
 # without masks (EVEN), 64 x 64 tiles with 4 warps and 2 stages won the backward at both head dims; its two passes

@@ -1,0 +1,306 @@
+"""Backward-pass benchmark (notebooks 07 and 06b): the course's Triton and CUDA backwards against SDPA's backends.
+
+FLOPs are counted as 2.5× the forward's (`utils.course.bench.attention_flops(mode="bwd")`: five N×N matmuls instead of
+two), halved when causal, as in the FlashAttention-2 paper. Every number of a table is measured in one run.
+Besides the default backends, `--backends` takes sdpa_efficient, triton_pointer, triton_tma and triton_tma_stats (the
+Triton backward with its loads pinned, notebook 07 sections 8 and 9), triton_atomic_dq and triton_reduce_dq (dQ
+added by the dK/dV pass instead of a dQ pass, with an atomic add per element or a TMA bulk reduce-add per tile,
+section 10), gluon_bwd (the one-kernel warp-specialised Gluon backward of section 11, sm_90 only; gluon_bwd_by_head
+and gluon_bwd_grouped: its programs launched head by head, or in groups of 4 heads, on every shape), and
+`--peers triton-tutorial` the Triton tutorial's backward (utils.course.bench.peers, read from its own
+file; shapes it cannot run are "not supported"). `--rounds 3` times each shape three times in rotated order and
+keeps the medians (the stored run's setting). Each backend is timed as a closure without arguments, so
+utils.course.bench.benchmark takes torch's Timer: back-to-back calls with the GPU synchronised around each block of
+them, no L2 flush; the same for every backend.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from utils.course.bench import attention_flops, benchmark, error_line, median_rows, peers, rotated
+from utils.cuda_backward import BWD_STEPS, flash_mma_backward, flash_mma_forward
+
+BACKENDS = ("triton", "sdpa_flash", "sdpa_cudnn")                # the default set (notebook 07's)
+# The Triton backward with its loads pinned, (tma, tma_stats): "triton" picks per shape
+# (flash_triton_bwd.default_tma).
+TRITON_LOADS = {"triton_pointer": (False, False), "triton_tma": (True, False), "triton_tma_stats": (True, True)}
+# Measured when asked for; cuda_*: notebook 06b's tensor-core backward in each of its steps (utils.cuda_backward).
+CUDA_BACKENDS = tuple(f"cuda_{step}" for step in BWD_STEPS)
+# The Gluon backward with its launch order pinned (BwdConfig.bh_group): "gluon_bwd" picks per shape (pick_config).
+GLUON_ORDERS = {"gluon_bwd_by_head": 0, "gluon_bwd_grouped": 4}
+KNOWN = (BACKENDS + tuple(TRITON_LOADS) + ("triton_atomic_dq", "triton_reduce_dq", "gluon_bwd", *GLUON_ORDERS,
+                                          "sdpa_efficient", "triton_tutorial") + CUDA_BACKENDS)
+DEFAULT_OUT = Path(__file__).resolve().parents[3] / "images" / "07_backward_benchmark.json"
+
+
+def autograd_backward(attention):
+    """A function (q, k, v, do, causal) -> timing closure for the backward that `attention`'s forward recorded in
+    autograd (SDPA with a backend pinned: that backend's backward kernel; a peer's kernel): one forward is kept
+    and its gradients are taken again at each call."""
+    def prepare(q, k, v, do, causal):
+        q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+        out = attention(q, k, v, causal=causal)
+        return lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
+    return prepare
+
+
+def _sdpa_backward(backend_name):
+    """SDPA with `backend_name` ("sdpa_flash", ...) pinned: utils.course.bench.forward.sdpa_pinned, timed backward."""
+    from utils.course.bench.forward import sdpa_pinned
+
+    return autograd_backward(sdpa_pinned(backend_name.removeprefix("sdpa_")))
+
+
+def _triton_backward(config=None, tma=None, tma_stats=None, dq_atomic=False):
+    def prepare(q, k, v, do, causal):
+        from utils.flash_triton import flash_attention_forward
+        from utils.flash_triton_bwd import flash_attention_backward
+
+        o, lse = flash_attention_forward(q, k, v, causal=causal)
+        return lambda: flash_attention_backward(do, q, k, v, o, lse, causal=causal, config=config, tma=tma,
+                                                tma_stats=tma_stats, dq_atomic=dq_atomic)
+    return prepare
+
+
+def _gluon_backward(bh_group=None):
+    """Notebook 07 section 11's one-kernel Gluon backward, after the Triton forward's (o, lse); `bh_group`: its
+    launch order pinned (None: pick_config's)."""
+    def prepare(q, k, v, do, causal):
+        from utils.flash_gluon_bwd import flash_attention_gluon_backward, pick_config
+        from utils.flash_triton import flash_attention_forward
+
+        o, lse = flash_attention_forward(q, k, v, causal=causal)
+        config = None if bh_group is None else pick_config(q.shape[-1], causal)._replace(bh_group=bh_group)
+        return lambda: flash_attention_gluon_backward(do, q, k, v, o, lse, causal=causal, config=config)
+    return prepare
+
+
+def _cuda_backward(step):
+    def prepare(q, k, v, do, causal):
+        o, lse = flash_mma_forward(q, k, v, causal=causal)
+        return lambda: flash_mma_backward(do, q, k, v, o, lse, causal=causal, step=step)
+    return prepare
+
+
+def run_backward_benchmark(seqlens=(2048, 4096, 8192, 16384), head_dims=(64, 128), causal=(False, True), *,
+                           batch=4, heads=16, dtype=torch.bfloat16, backends=BACKENDS, config=None,
+                           tutorial=None, rounds=1) -> list[dict]:
+    """Time the backward of each backend on each shape; returns rows {backend, seqlen, head_dim, causal, ms,
+    tflops, error}. A backend that cannot run a shape gets ms=None and the error's message ("not supported: ..."
+    where the tutorial says so beforehand). `tutorial`: the peer (utils.course.bench.peers.TutorialPeer) that backend
+    "triton_tutorial" runs. `rounds` > 1: each shape is timed that many times, round r starting at the r-th
+    backend, and a row keeps the median (so no backend is always the one timed first, on a cold GPU). Needs a
+    CUDA GPU."""
+    unknown = [b for b in backends if b not in KNOWN]
+    if unknown:
+        raise ValueError(f"unknown backends {unknown}; known: {', '.join(KNOWN)}")
+    if ("triton_tutorial" in backends) != (tutorial is not None):
+        raise ValueError("backend 'triton_tutorial' and tutorial= (a utils.course.bench.peers.TutorialPeer) go together")
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"rounds must be a positive int, got {rounds!r}")
+    if not torch.cuda.is_available():
+        raise RuntimeError("run_backward_benchmark needs a CUDA GPU")
+    capability = torch.cuda.get_device_capability()
+    special = {"triton": lambda: _triton_backward(config), "triton_tutorial": lambda: autograd_backward(tutorial),
+               "triton_atomic_dq": lambda: _triton_backward(config, dq_atomic=True),
+               "triton_reduce_dq": lambda: _triton_backward(config, dq_atomic="tma"),
+               "gluon_bwd": _gluon_backward,
+               **{b: (lambda g=g: _gluon_backward(g)) for b, g in GLUON_ORDERS.items()},
+               **{b: (lambda loads=loads: _triton_backward(config, *loads)) for b, loads in TRITON_LOADS.items()},
+               **{b: (lambda step=b.removeprefix("cuda_"): _cuda_backward(step)) for b in CUDA_BACKENDS}}
+    makers = {b: special[b]() if b in special else _sdpa_backward(b) for b in backends}
+    names = list(makers)
+    rows = []
+    for d in head_dims:
+        for n in seqlens:
+            gen = torch.Generator(device="cuda").manual_seed(0)
+            q, k, v, do = (torch.randn(batch, heads, n, d, device="cuda", dtype=dtype, generator=gen)
+                           for _ in range(4))
+            for c in causal:
+                flops = attention_flops(batch, heads, n, n, d, causal=c, mode="bwd")
+                shape = {b: dict(backend=b, seqlen=n, head_dim=d, causal=c, ms=None, tflops=None, error=None)
+                         for b in names}
+                times, kept = {b: [] for b in names}, {}   # kept: closures prepared in round 0, for the rest
+                for r in range(rounds):
+                    for name in rotated(names, r):
+                        row = shape[name]
+                        why = None if name != "triton_tutorial" else tutorial.unsupported(
+                            d, dtype, c, seqlen=n, mode="bwd", capability=capability)
+                        if why is not None:
+                            row["error"] = f"not supported: {why}"
+                        if row["error"] is not None:
+                            continue
+                        try:
+                            fn = kept.pop(name, None) or makers[name](q, k, v, do, c)
+                            times[name].append(benchmark(fn))
+                            if r + 1 < rounds:
+                                kept[name] = fn
+                        except Exception as err:  # noqa: BLE001 - a backend missing on this GPU is a result too
+                            row["error"] = error_line(err)
+                rows += median_rows(shape, times, flops)
+            del q, k, v, do
+            torch.cuda.empty_cache()
+    return rows
+
+
+def ratios(rows: list[dict], numerator="triton", denominator="sdpa_flash") -> dict:
+    """{(seqlen, head_dim, causal): tflops[numerator] / tflops[denominator]} where both were measured."""
+    for name in (numerator, denominator):
+        if name not in KNOWN:
+            raise ValueError(f"unknown backend {name!r}; known: {', '.join(KNOWN)}")
+    table = {(r["seqlen"], r["head_dim"], r["causal"], r["backend"]): r["tflops"] for r in rows}
+    out = {}
+    for (n, d, c, b), value in table.items():
+        other = table.get((n, d, c, denominator))
+        if b == numerator and value and other:
+            out[(n, d, c)] = value / other
+    return out
+
+
+def format_table(rows: list[dict], course: str = "triton") -> str:
+    """A plain-text table: one line per shape, TFLOP/s per backend, and the `course` / sdpa_flash, sdpa_cudnn and
+    triton_tutorial ratios of those that were measured."""
+    backends = [b for b in KNOWN if any(r["backend"] == b for r in rows)]
+    width = {b: max(11, len(b)) for b in backends}
+    columns = [(f"{course}/{b.removeprefix('sdpa_').removeprefix('triton_')}", b)
+               for b in ("sdpa_flash", "sdpa_cudnn", "triton_tutorial") if b in backends]
+    ratio = {title: ratios(rows, course, b) if {course, b} <= set(backends) else {} for title, b in columns}
+    lines = [f"{'N':>6} {'D':>4} {'causal':>6} " + " ".join(f"{b:>{width[b]}}" for b in backends)
+             + "".join(f"  {title:>12}" for title, _ in columns)]
+    shapes = sorted({(r["seqlen"], r["head_dim"], r["causal"]) for r in rows}, key=lambda s: (s[1], s[2], s[0]))
+    for n, d, c in shapes:
+        cells = []
+        for b in backends:
+            t = next((r["tflops"] for r in rows if (r["seqlen"], r["head_dim"], r["causal"], r["backend"]) ==
+                      (n, d, c, b)), None)
+            cells.append(f"{t:{width[b]}.1f}" if t else f"{'-':>{width[b]}}")
+        rs = [(ratio[title].get((n, d, c)), max(12, len(title))) for title, _ in columns]
+        line = f"{n:>6} {d:>4} {str(c):>6} " + " ".join(cells) + "".join(
+            f"  {r:{w - 1}.2f}x" if r else " " * (w + 2) for r, w in rs)
+        lines.append(line.rstrip())
+    return "\n".join(lines)
+
+
+def triton_tiles(head_dims, dtype, smem: int | None = None) -> dict:
+    """{"d64_full": {block_m1: ..., ...}, ...}: the tiles `default_config` gives the Triton backward on a GPU with
+    `smem` bytes of shared memory per block (None: an H200), stored with a run so that the JSON says what it
+    measured."""
+    import dataclasses
+
+    from utils.flash_triton_bwd import _fitted_config
+
+    return {f"d{d}_{'causal' if c else 'full'}": dataclasses.asdict(_fitted_config(d, dtype, c, smem))
+            for d in head_dims for c in (False, True)}
+
+
+def triton_loads(head_dims) -> dict:
+    """{"d64_full": False, ...}: whether backend "triton" loads its tiles (and lse₂ and D) through TMA on an sm_90
+    GPU with aligned 16-bit inputs (utils.flash_triton_bwd.default_tma), stored with a run beside its tiles."""
+    from utils.flash_triton_bwd import default_tma
+
+    return {f"d{d}_{'causal' if c else 'full'}": default_tma(d, c) for d in head_dims for c in (False, True)}
+
+
+def save_results(rows: list[dict], path, environment: dict | None = None, **meta) -> Path:
+    """Write {"environment": ..., "meta": meta, "rows": rows} as JSON (environment: utils.gpu.environment)."""
+    path = Path(path)
+    path.write_text(json.dumps({"environment": environment, "meta": meta, "rows": rows}, indent=1))
+    return path
+
+
+def load_results(path) -> tuple[dict, list[dict]]:
+    data = json.loads(Path(path).read_text())
+    return data["meta"], data["rows"]
+
+
+def plot_backward_benchmark(rows: list[dict], title: str = ""):
+    """One panel per head dim: backward TFLOP/s against sequence length, a line per backend and masking."""
+    import matplotlib.pyplot as plt
+
+    from utils.course.plotting import use_course_style
+
+    use_course_style()
+    head_dims = sorted({r["head_dim"] for r in rows})
+    if not head_dims:
+        raise ValueError("no rows to plot")
+    fig, axes = plt.subplots(1, len(head_dims), figsize=(6 * len(head_dims), 4), sharey=True, squeeze=False)
+    colors = {"triton": "C0", "sdpa_flash": "C1", "sdpa_cudnn": "C2", "sdpa_efficient": "C3", "triton_tutorial": "C4",
+              "gluon_bwd": "m", "gluon_bwd_by_head": "tab:pink", "gluon_bwd_grouped": "tab:olive",
+              "triton_pointer": "C5", "triton_tma": "C6", "triton_tma_stats": "C8",
+              "triton_atomic_dq": "C7", "triton_reduce_dq": "k",
+              **{b: f"C{9 + i}" for i, b in enumerate(CUDA_BACKENDS)}}
+    for ax, d in zip(axes[0], head_dims):
+        for b in KNOWN:
+            for c, style in ((False, "-"), (True, "--")):
+                pts = sorted((r["seqlen"], r["tflops"]) for r in rows
+                             if r["backend"] == b and r["head_dim"] == d and r["causal"] == c and r["tflops"])
+                if pts:
+                    ax.plot(*zip(*pts), style, marker="o", color=colors[b],
+                            label=f"{b} {'causal' if c else 'full'}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequence length N")
+        ax.set_title(f"head dim {d}")
+    axes[0][0].set_ylabel("backward TFLOP/s")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
+    return fig
+
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def parse_args(argv=None):
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m utils.course.bench.backward",
+                                     description="Backward-pass benchmark: the course's kernels against SDPA's backends")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--backends", nargs="+", choices=[b for b in KNOWN if b != "triton_tutorial"],
+                        default=list(BACKENDS), help="the tutorial is added by --peers")
+    parser.add_argument("--seqlens", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--rounds", type=int, default=1, help="time each shape this often, in rotated order")
+    peers.add_arguments(parser, choices=("triton-tutorial",))  # warp specialization only changes its forward
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> list[dict]:
+    """`python -m utils.course.bench.backward [--out images/07_backward_benchmark.json]`: the full grid, its JSON and plot."""
+    import sys
+
+    from utils import gpu
+
+    args = parse_args(argv)
+    tutorial = peers.from_args(args).get("triton-tutorial")
+    backends = [*args.backends, *(["triton_tutorial"] if tutorial else [])]
+    rows = run_backward_benchmark(tuple(args.seqlens), tuple(args.head_dims), dtype=DTYPES[args.dtype],
+                                  backends=backends, tutorial=tutorial, rounds=args.rounds)
+    command = "python -m utils.course.bench.backward " + " ".join(sys.argv[1:] if argv is None else argv)
+    env = gpu.environment(command)
+    extra = dict(peers={"triton_tutorial": tutorial.provenance()}) if tutorial else {}
+    if "triton" in backends:
+        extra["configs"] = triton_tiles(args.head_dims, DTYPES[args.dtype],
+                                        gpu.shared_memory_per_block(torch.device("cuda")))
+        extra["tma"] = triton_loads(args.head_dims)
+    if any(b.startswith("gluon_bwd") for b in backends):   # gluon_bwd's picked tiles and launch order
+        from utils.flash_gluon_bwd import pick_config
+
+        extra["gluon_configs"] = {f"d{d}_{'causal' if c else 'full'}": pick_config(d, c)._asdict()
+                                  for d in args.head_dims for c in (False, True)}
+    save_results(rows, args.out, environment=env, gpu=env["gpu"], torch=env["torch"], triton=env["triton"],
+                 batch=4, heads=16, dtype=str(DTYPES[args.dtype]).removeprefix("torch."), rounds=args.rounds, **extra)
+    plot_backward_benchmark(rows, f"{env['gpu']}, {args.dtype}, B=4, H=16").savefig(args.out.with_suffix(".png"),
+                                                                                    bbox_inches="tight")
+    print(format_table(rows, course=next((b for b in backends if not b.startswith("sdpa")), "triton")))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

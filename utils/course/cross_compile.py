@@ -1,0 +1,430 @@
+"""Compile the course's Triton kernels for a GPU this machine does not have, and check their shared memory.
+
+A Triton kernel that asks for more shared memory than the GPU gives a block fails at launch ("out of resource:
+shared memory"), and only there: an H200 (227 KiB) runs what a T4 (64 KiB) refuses, and emulating a T4 on an
+H200 (utils.gpu) cannot see it. Triton compiles for any architecture on any machine, so the course checks it
+on CPU: the kernels' launches are captured instead of run (`capture_launches`), then compiled for the target
+(`shared_memory`), e.g. sm_75 for the T4. On sm_75 Triton lowers tl.dot to FMA instructions (its MMA path
+needs sm_80), and the shared memory it needs differs from sm_80+'s, so only a compile tells. The same compile
+shows the order of a loop's instructions (`schedule`): where Triton waits for its asynchronous Hopper matrix
+products, which decides what overlaps (notebooks 05b and 07).
+
+    python -m utils.course.cross_compile          # the table for each GPU profile of utils.gpu (a T4 today)
+    python -m utils.course.cross_compile --schedule   # the forward loop's instruction order on sm_90 (notebook 05b)
+    python -m utils.course.cross_compile --schedule exp2 --head-dim 64   # ... with exponentials moved to the FMA units
+    python -m utils.course.cross_compile --schedule gluon --head-dim 64   # the Gluon forward, per tile (05b section 9)
+    python -m utils.course.cross_compile --schedule gluon_ws   # ... warp-specialised, per tile (05b section 10)
+    python -m utils.course.cross_compile --schedule backward --head-dim 64   # the backward's passes (notebook 07)
+    python -m utils.course.cross_compile --schedule gluon_bwd --head-dim 64  # the one-kernel Gluon backward (07 sec. 11)
+
+The kernels must have been defined without TRITON_INTERPRET (they are then JITFunctions); the launches are
+made with CPU tensors, only their dtypes and sizes matter.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import NamedTuple
+from unittest import mock
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.runtime.jit import JITFunction, mangle_type
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from utils.gpu import Profile
+from utils.launch import dispatch_by_triton
+
+POINTER_TYPES = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.float64: "*fp64",
+                 torch.int8: "*i8", torch.int32: "*i32", torch.int64: "*i64", torch.uint8: "*u8"}
+
+
+class Launch(NamedTuple):
+    """A captured launch: what triton.compile needs."""
+    kernel: JITFunction
+    signature: dict        # argument name -> Triton type ("*fp16", "i32", "fp32", "constexpr")
+    constexprs: dict       # constexpr (and None) arguments -> value
+    options: dict          # num_warps, num_stages
+
+    @property
+    def name(self) -> str:
+        return self.kernel.fn.__name__
+
+
+def _argument_type(value, name: str) -> str:
+    if isinstance(value, TensorDescriptor) or hasattr(value, "layout") and hasattr(value, "block_shape"):
+        return mangle_type(value)   # 'tensordesc<bf16[1, 1, 128, 128]>' (a Gluon one adds its shared layout)
+    if isinstance(value, torch.Tensor):
+        if value.dtype not in POINTER_TYPES:
+            raise TypeError(f"argument {name}: no Triton pointer type for {value.dtype}")
+        return POINTER_TYPES[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -2**31 <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"argument {name}: cannot type a {type(value).__name__} for a captured launch")
+
+
+def describe(kernel: JITFunction, args: tuple, kwargs: dict) -> Launch:
+    """The Launch of `kernel[grid](*args, **kwargs)`: Python values typed as Triton would type them (the
+    integer 1 and None become constants, as Triton specialises them)."""
+    kwargs = dict(kwargs)
+    params = {p.name for p in kernel.params}   # a Gluon kernel may take num_warps as a constexpr as well
+    options = {k: kwargs[k] if k in params else kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    bound = inspect.signature(kernel.fn).bind(*args, **kwargs)
+    bound.apply_defaults()
+    signature, constexprs = {}, {}
+    for param, (name, value) in zip(kernel.params, bound.arguments.items()):
+        constant = value is None or (type(value) is int and value == 1 and not param.do_not_specialize)
+        if param.is_constexpr or constant:
+            signature[name], constexprs[name] = "constexpr", value
+        else:
+            signature[name] = _argument_type(value, name)
+    return Launch(kernel, signature, constexprs, options)
+
+
+@contextlib.contextmanager
+def capture_launches():
+    """Within the block, `kernel[grid](...)` records a Launch in the yielded list instead of running."""
+    launches = []
+    original = JITFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        launches.append(describe(self, args, kwargs))
+
+    JITFunction.run = run
+    try:
+        with dispatch_by_triton():  # kernels the course launches directly (utils.launch) go through run too
+            yield launches
+    finally:
+        JITFunction.run = original
+
+
+def compile_launch(launch: Launch, capability: tuple[int, int]):
+    """The launch's kernel compiled for `capability` (a CompiledKernel: .asm["ptx"], .metadata.shared, ...)."""
+    if getattr(launch.kernel, "is_gluon", lambda: False)():
+        from triton.experimental.gluon._runtime import GluonASTSource as Source
+    else:
+        Source = triton.compiler.ASTSource
+    source = Source(fn=launch.kernel, signature=launch.signature, constexprs=launch.constexprs)
+    target = GPUTarget("cuda", capability[0] * 10 + capability[1], 32)
+    return triton.compile(source, target=target, options=launch.options)
+
+
+def shared_memory(launch: Launch, capability: tuple[int, int]) -> int:
+    """Bytes of shared memory the launch's kernel needs per block when compiled for `capability`."""
+    return compile_launch(launch, capability).metadata.shared
+
+
+# --- the order of a Hopper kernel's instructions (notebook 05b, section 5) ---------------------------------------
+
+SCHEDULE_EVENTS = (("wgmma.mma_async", "wgmma"), ("wgmma.commit_group", "commit"), ("wgmma.wait_group", "wait"),
+                   ("ex2.approx", "ex2"), ("cp.async.bulk.tensor", "tma"), ("mbarrier.try_wait", "tile?"))
+
+
+# What `--schedule backward_dq` adds (notebook 07, section 10): the ways the dK/dV pass can hand dQ on.
+DQ_EVENTS = SCHEDULE_EVENTS + (("mma.sync", "mma"), ("atom.global", "atomic"), ("red.global", "atomic"),
+                               ("cp.reduce.async.bulk", "reduce"), ("cp.async.bulk.wait_group", "reduce-wait"),
+                               ("bar.sync", "bar"))
+
+
+def schedule(ptx: str, kinds=SCHEDULE_EVENTS) -> list[str]:
+    """The basic blocks of `ptx` that issue tensor-core work, each as the order of its wgmma, wait, ex2 and TMA
+    instructions (or of `kinds`: (PTX prefix, name) pairs) with repeats counted: 'wgmma×8 commit wait(0) ex2×66
+    ...'. `wait(n)` lets n groups of wgmmas stay in flight; `tile?` waits for a TMA copy to land."""
+    blocks, events = [], []
+    for line in ptx.splitlines():
+        words = line.split()
+        if not words:
+            continue
+        if words[0].startswith("$L__BB") and words[0].endswith(":"):   # a new basic block
+            blocks.append(events)
+            events = []
+            continue
+        op = words[1] if words[0].startswith("@") and len(words) > 1 else words[0]   # '@%p1 op ...': predicated
+        for prefix, name in kinds:
+            if op.startswith(prefix):
+                events.append(f"wait({words[-1].rstrip(';')})" if name == "wait" else name)
+    blocks.append(events)
+    return [_count_repeats(b) for b in blocks if "wgmma" in b]
+
+
+def _count_repeats(events: list[str]) -> str:
+    runs = []
+    for event in events:
+        if runs and runs[-1][0] == event:
+            runs[-1][1] += 1
+        else:
+            runs.append([event, 1])
+    return " ".join(name if n == 1 else f"{name}×{n}" for name, n in runs)
+
+
+# The forward's variants that `--schedule forward` and `--schedule exp2` compile: name -> Steps switches.
+FORWARD_VARIANTS = {"forward": {"in order": {}, "overlapped": {"overlap": True}},
+                    "exp2": {"MUFU only": {}, "1/2 on FMA": {"exp2_fma": 2}, "1/4 on FMA": {"exp2_fma": 4}}}
+
+
+def forward_schedules(head_dim: int = 128, tiles=None, capability=(9, 0), variants=None) -> dict[str, list[str]]:
+    """The forward kernel with host descriptors (notebook 05b's final loads), compiled for `capability` in each
+    of `variants` (default: FORWARD_VARIANTS["forward"], the loop in order and overlapped by one tile):
+    {name: schedule}."""
+    from utils import flash_triton
+
+    tiles = tiles or flash_triton.TUNE_TILES[0]
+    q = torch.zeros(1, 2, 1024, head_dim, dtype=torch.bfloat16)
+    out = {}
+    for name, switches in (variants or FORWARD_VARIANTS["forward"]).items():
+        steps = flash_triton.Steps(tma=True, host_descriptors=True, **switches)
+        (launch,) = _capture(lambda: flash_triton._launch(q, q, q, False, 0.1, tiles, steps))
+        out[name] = schedule(compile_launch(launch, capability).asm["ptx"])
+    return out
+
+
+def _backward_launches(head_dim: int, causal: bool, **options) -> dict[str, Launch]:
+    """The backward's main launches, {"dkdv": ..., "dq": ...} (no "dq" with dq_atomic), as
+    flash_attention_backward(**options) makes them with notebook 07's default tiles for 16-bit inputs (fp16: the
+    interpreter path keeps bf16 for fp32). CPU tensors have no GPU to ask whether TMA runs: it is said to."""
+    from utils import flash_triton_bwd as bwd
+
+    q = torch.zeros(1, 2, 1024, head_dim, dtype=torch.float16)
+    lse = torch.zeros(1, 2, 1024)
+    config = bwd.default_config(head_dim, torch.float16, causal, None)
+    with mock.patch.object(bwd, "tma_supported", lambda *args: True), \
+            mock.patch.object(bwd, "tma_reduce_supported", lambda q: True):
+        launches = _capture(lambda: bwd.flash_attention_backward(q, q, q, q, q, lse, causal=causal, config=config,
+                                                                 **options))
+    return {launch.name.removeprefix("_bwd_"): launch for launch in launches
+            if launch.name in ("_bwd_dkdv", "_bwd_dq")}
+
+
+def backward_schedules(head_dim: int = 128, capability=(9, 0)) -> dict[str, dict[str, list[str]]]:
+    """The backward's two passes (notebook 07's default tiles, causal, 16-bit) compiled for `capability` with
+    pointer loads and with TMA: {"pointer loads": {"dkdv": schedule, "dq": schedule}, "TMA": {...}}."""
+    return {name: {which: schedule(compile_launch(launch, capability).asm["ptx"])
+                   for which, launch in _backward_launches(head_dim, True, tma=tma, tma_stats=tma).items()}
+            for name, tma in (("pointer loads", False), ("TMA", True))}
+
+
+def backward_dq_schedules(head_dim: int = 64, capability=(9, 0)) -> dict[str, list[str]]:
+    """The dK/dV pass (notebook 07's default tiles and loads, not causal, 16-bit) compiled for `capability` with
+    each way of getting dQ: the separate pass, an atomic add per element, a bulk reduce-add per tile (section
+    10). {name: schedule with DQ_EVENTS}."""
+    from utils.flash_triton_bwd import default_tma
+
+    tma = default_tma(head_dim, False)
+    return {name: schedule(compile_launch(_backward_launches(head_dim, False, tma=tma, dq_atomic=dq_atomic)["dkdv"],
+                                          capability).asm["ptx"], DQ_EVENTS)
+            for name, dq_atomic in (("dQ pass", False), ("atomic adds", True), ("bulk reduce", "tma"))}
+
+
+def gluon_schedules(head_dim: int = 64, capability=(9, 0), warp_specialized: bool = False) -> dict[str, list[str]]:
+    """The Gluon forward (notebook 05b section 9) compiled for `capability` with each tile of GLUON_TILES, or
+    with `warp_specialized` the producer/consumer kernel (section 10) with each of WS_TILES: {tile label:
+    schedule}. Their loops show the two products in flight and `wait(1)` before the softmax; the
+    warp-specialised kernel's blocks end with its register split (`setmaxnreg`)."""
+    from utils import flash_gluon, flash_gluon_ws
+
+    q = torch.zeros(1, 2, 1024, head_dim, dtype=torch.bfloat16)
+    lse = torch.zeros(1, 2, 1024)
+    out = {}
+    if warp_specialized:
+        for c in flash_gluon_ws.WS_TILES:
+            (launch,) = _capture(lambda: flash_gluon_ws._launch(q, q, q, q, lse, False, 0.1, c))
+            ptx = compile_launch(launch, capability).asm["ptx"]
+            regs = sorted({int(line.split()[-1].rstrip(";")) for line in ptx.splitlines() if "setmaxnreg" in line})
+            out[flash_gluon_ws.ws_label(c).removeprefix("gluon_ws ")] = schedule(ptx) + [
+                "setmaxnreg to " + ", ".join(map(str, regs))]
+        return out
+    for c in flash_gluon.GLUON_TILES:
+        (launch,) = _capture(lambda: flash_gluon._launch(q, q, q, q, lse, False, 0.1, c))
+        out[f"{c.block_m}x{c.block_n} w{c.num_warps} s{c.stages}"] = schedule(compile_launch(launch, capability)
+                                                                              .asm["ptx"])
+    return out
+
+
+def gluon_bwd_schedule(head_dim: int = 64, causal: bool = False, capability=(9, 0)) -> tuple[list[str], int]:
+    """The one-kernel Gluon backward (notebook 07 section 11) compiled for `capability` with its default tiles:
+    (schedule with DQ_EVENTS, bytes of shared memory). Its consumer loop shows the dQ block's reduce-adds issued
+    at the end of a tile and their wait (reduce-wait) at the next tile, before the two consumers meet (bar)."""
+    from utils import flash_gluon_bwd as gb
+
+    q = torch.zeros(1, 2, 1024, head_dim, dtype=torch.bfloat16)
+    acc, stats = torch.zeros(2, 1024, head_dim), torch.zeros(2, 1024)
+    config = gb.pick_config(head_dim, causal)
+    (launch,) = _capture(lambda: gb._launch(q, q, q, q, q, q, acc, stats, stats, causal, 0.1, config))
+    compiled = compile_launch(launch, capability)
+    return schedule(compiled.asm["ptx"], DQ_EVENTS), compiled.metadata.shared
+
+
+def in_fresh_process(*args: str, timeout: int = 900) -> str:
+    """`python -m utils.course.cross_compile *args` in a process without TRITON_INTERPRET (where the kernels are
+    compiled, not interpreted), from a notebook or test that runs interpreted; returns what it printed."""
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    run = subprocess.run([sys.executable, "-m", "utils.course.cross_compile", *args], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=timeout)
+    if run.returncode != 0:
+        raise RuntimeError(f"python -m utils.course.cross_compile {' '.join(args)} failed:\n{run.stdout}{run.stderr}")
+    return run.stdout
+
+
+@contextlib.contextmanager
+def cpu_launches():
+    """Let the course's launchers take CPU tensors, as they do in the interpreter: they read TRITON_INTERPRET
+    at call time, or ask utils.flash_triton (the kernels, defined before, stay compilable)."""
+    from utils import flash_triton
+
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        with mock.patch.object(flash_triton, "triton_interpreting", lambda: True):
+            yield
+    finally:
+        if saved is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+
+
+# --- the course's launches on a GPU of a profile ----------------------------------------------------------------
+
+class Case(NamedTuple):
+    lesson: str        # the notebook whose kernel it is
+    what: str          # "forward D=128 fp16", ...
+    launch: Launch
+    shared: int = 0    # bytes, once compiled
+
+
+def _capture(fn) -> list[Launch]:
+    with cpu_launches(), capture_launches() as launches:
+        fn()
+    return launches
+
+
+def course_launches(profile: Profile) -> list[tuple[str, str, Launch]]:
+    """(lesson, what, Launch) for the course's Triton kernels as its launchers configure them for `profile`:
+    the forward (05), the backward (07), flash-decoding (08) and the flex kernels (10) at the head dims and dtypes
+    a learner runs on it (16-bit is fp16 where the GPU has no bf16 tensor cores, sm < 80)."""
+    from utils import flash_decoding, flash_triton, flash_triton_bwd, gpu
+    from utils.flex import attention as flex_attention, causal, sparsity
+
+    half = torch.float16 if profile.capability < (8, 0) else torch.bfloat16
+    smem = profile.shared_memory_per_block
+    out = []
+    for d, dtype in ((64, half), (128, half), (256, half), (128, torch.float32)):
+        q = torch.zeros(1, 2, 256, d, dtype=dtype)
+        lse = torch.zeros(1, 2, 256)
+        name = f"D={d} {str(dtype).removeprefix('torch.')}"
+        fwd = flash_triton.fit_config(d, dtype, smem)
+        bwd = flash_triton_bwd.default_config(d, dtype, True, smem)
+        out += [("05", f"forward {name}", x) for x in _capture(
+            lambda: flash_triton._launch(q, q, q, True, 0.1, config=fwd, steps=flash_triton.Steps()))]
+        out += [("07", f"backward {name}", x) for x in _capture(
+            lambda: flash_triton_bwd.flash_attention_backward(q, q, q, q, q, lse, causal=True, config=bwd))]
+        if dtype != half or d > 128:
+            continue
+        out += [("08", f"decode {name}", x) for x in _capture(
+            lambda: flash_decoding.flash_decode(q[:, :, :1], q, q, num_splits=4))]
+        states = torch.tensor([[[[sparsity.PARTIAL, sparsity.EMPTY], [sparsity.FULL, sparsity.PARTIAL]]]],
+                              dtype=torch.int8)
+        bm = sparsity.from_states(states, 128, 128, 256, 256, "causal")
+        on_profile = contextlib.ExitStack()
+        real_configs = flex_attention.configs
+        on_profile.enter_context(mock.patch.object(gpu, "shared_memory_per_block", lambda device=None: smem))
+        on_profile.enter_context(mock.patch.object(flex_attention, "configs",
+                                          lambda p, dt, dev: real_configs(p, dt, torch.device("cuda"))))
+        with on_profile:
+            q.requires_grad_(True)
+            launches = _capture(lambda: flex_attention.flex_attention(q, q, q, causal(), block_mask=bm).sum()
+                                .backward())
+        out += [("10", f"flex {name}", x) for x in launches]
+    return out
+
+
+def check(profile: Profile) -> list[Case]:
+    """Every course launch for `profile`, compiled for its architecture: Cases with their shared memory."""
+    return [Case(lesson, what, launch, shared_memory(launch, profile.capability))
+            for lesson, what, launch in course_launches(profile)]
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    from utils.gpu import PROFILES
+
+    parser = argparse.ArgumentParser(prog="python -m utils.course.cross_compile", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--profile", choices=sorted(PROFILES), default="t4")
+    parser.add_argument("--schedule", nargs="?", const="forward", choices=("forward", "exp2", "backward",
+                                                                     "backward_dq", "gluon", "gluon_ws", "gluon_bwd"),
+                        help="instead: the order of a loop's instructions on sm_90: the forward's, in order and "
+                        "overlapped or with a share of its exponentials on the FMA units (notebook 05b, section "
+                        "5), the Gluon forward's per tile (section 9) and its warp-specialised version's (section 10), the "
+                        "backward's with pointer loads and TMA (07), its dK/dV loop with each way of getting dQ "
+                        "(07, section 10), or the one-kernel Gluon backward's (07, section 11)")
+    parser.add_argument("--head-dim", type=int, default=128, choices=(64, 128), help="with --schedule")
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        parser.error("unset TRITON_INTERPRET: the kernels must be defined for compiling, not interpreting")
+    if args.schedule == "backward":
+        print(f"Triton {triton.__version__}, sm_90: backward, d={args.head_dim}, fp16, causal, default tiles; "
+              "blocks with wgmma:")
+        for loads, passes in backward_schedules(args.head_dim).items():
+            for which, blocks in passes.items():
+                for block in blocks:
+                    print(f"  {loads + ', ' + which + ':':<24} {block}")
+        return 0
+    if args.schedule == "backward_dq":
+        print(f"Triton {triton.__version__}, sm_90: the backward's dK/dV pass, d={args.head_dim}, fp16, default tiles "
+              "and loads; blocks with wgmma:")
+        for name, blocks in backward_dq_schedules(args.head_dim).items():
+            for block in blocks:
+                print(f"  {name + ':':<13} {block}")
+        return 0
+    if args.schedule == "gluon_bwd":
+        blocks, shared = gluon_bwd_schedule(args.head_dim)
+        print(f"Triton {triton.__version__}, sm_90: Gluon backward, d={args.head_dim}, bf16, default tiles, "
+              f"{shared} bytes of shared memory; blocks with wgmma:")
+        for block in blocks:
+            print(f"  {block}")
+        return 0
+    if args.schedule in ("gluon", "gluon_ws"):
+        ws = args.schedule == "gluon_ws"
+        print(f"Triton {triton.__version__}, sm_90: Gluon forward{', warp-specialised' if ws else ''}, "
+              f"d={args.head_dim}, bf16; blocks with wgmma{', then setmaxnreg' if ws else ''}:")
+        for name, blocks in gluon_schedules(args.head_dim, warp_specialized=ws).items():
+            for block in blocks:
+                print(f"  {name + ':':<18} {block}")
+        return 0
+    if args.schedule:
+        from utils.flash_triton import TUNE_TILES
+
+        t = TUNE_TILES[0]
+        print(f"Triton {triton.__version__}, sm_90: forward, d={args.head_dim}, bf16, host descriptors, tiles "
+              f"{t.block_m}x{t.block_n}, {t.num_warps} warps, {t.num_stages} stages; blocks with wgmma:")
+        for name, blocks in forward_schedules(args.head_dim, t, variants=FORWARD_VARIANTS[args.schedule]).items():
+            for block in blocks:
+                print(f"  {name + ':':<12} {block}")
+        return 0
+    profile = PROFILES[args.profile]
+    limit = profile.shared_memory_per_block
+    failures = 0
+    print(f"{profile.name}, sm_{profile.capability[0]}{profile.capability[1]}: {limit // 1024} KiB of shared "
+          f"memory per block; Triton {triton.__version__}")
+    for case in check(profile):
+        fits = case.shared <= limit
+        failures += not fits
+        print(f"  {case.lesson}  {case.what:<26} {case.launch.name:<22} {case.shared / 1024:6.1f} KiB  "
+              f"{'fits' if fits else 'DOES NOT FIT'}", flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""Checks of notebook 07's kernel exercises: the dQ loop and the dK/dV loop of the Triton backward, written by the
+learner.
+
+The learner's kernels have the signatures of notebook 07's `dq_kernel` (one program per (Q block, batch·head)) and
+`dkdv_kernel` (one program per (K/V block, batch·K/V head)), on contiguous (B, H, N, d) tensors; the checks launch
+them on odd shapes and compare with float64 autograd computed here, from scratch, so no library kernel can stand
+in for the learner's.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from utils.course.exercises import assert_rows_close
+
+LOG2E = 1.4426950408889634
+
+# (batch, heads, kv_heads, N_q, N_k, head_dim, causal): ragged ends (no length a multiple of 16), N_q < N_k and
+# N_q > N_k (causal: the first rows see no key), GQA and MQA.
+CASES = [
+    (1, 4, 2, 45, 70, 32, False),
+    (1, 4, 2, 45, 70, 32, True),
+    (2, 2, 1, 70, 45, 16, True),
+    (1, 2, 2, 33, 33, 16, False),
+]
+
+
+def attention_grads_float64(q, k, v, do, *, causal: bool, scale: float):
+    """(out, lse, dq, dk, dv) of softmax attention in float64 by autograd; GQA by repeating K/V heads (so dk, dv
+    sum over a group); causal masks bottom-right; rows that see no key give out 0, lse −inf, no gradient."""
+    q, k0, v0, do = (t.detach().double() for t in (q, k, v, do))
+    for t in (q, k0, v0):
+        t.requires_grad_()
+    group = q.shape[1] // k0.shape[1]
+    k, v = k0.repeat_interleave(group, dim=1), v0.repeat_interleave(group, dim=1)
+    nq, nk = q.shape[-2], k.shape[-2]
+    s = scale * q @ k.transpose(-2, -1)
+    visible = torch.ones(nq, nk, dtype=torch.bool)
+    if causal:
+        visible = torch.arange(nk)[None, :] <= torch.arange(nq)[:, None] + (nk - nq)
+    s = s.masked_fill(~visible, -math.inf)
+    lse = torch.logsumexp(s, dim=-1).detach()
+    seen = visible.any(-1)[:, None]
+    # Softmax of rows with no visible key would be NaN, and so would its gradient: give them zeros instead.
+    p = torch.softmax(torch.where(seen, s, torch.zeros_like(s)), dim=-1) * seen
+    out = p @ v
+    dq, dk, dv = torch.autograd.grad(out, (q, k0, v0), do)
+    return out.detach(), lse, dq, dk, dv
+
+
+def run_backward_kernel(kernel, which: str, q, k, v, do, lse, delta, *, causal: bool, scale: float,
+                        block_m: int = 16, block_n: int = 16, device="cpu"):
+    """Launch a learner's `dq_kernel` (`which="dq"`, returns dQ) or `dkdv_kernel` (`which="dkdv"`, returns
+    (dK, dV)) on fp32 contiguous copies of the float64 inputs."""
+    b, h, nq, d = q.shape
+    hk, nk = k.shape[1], k.shape[2]
+    # The preprocessing's work, as _bwd_preprocess does it: base-2 lse, +inf for rows that see no key.
+    lse2 = torch.where(lse == -math.inf, math.inf, lse * LOG2E)
+    args = [t.float().contiguous().to(device) for t in (q, k, v, do, lse2, delta)]
+    shape = dict(CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d)
+    if which == "dq":
+        outs = [torch.zeros_like(args[0])]
+        grid = (math.ceil(nq / block_m), b * h)
+    elif which == "dkdv":
+        outs = [torch.zeros_like(args[1]), torch.zeros_like(args[2])]
+        grid = (math.ceil(nk / block_n), b * hk)
+    else:
+        raise ValueError(f"which must be 'dq' or 'dkdv', got {which!r}")
+    kernel[grid](*args, *outs, h, h // hk, nq, nk, scale * LOG2E, scale, **shape)
+    return outs[0].cpu() if which == "dq" else tuple(t.cpu() for t in outs)
+
+
+def _check(kernel, which: str, device, cases, block: int) -> None:
+    # On a GPU fp32 dots run as TF32 (10-bit mantissa): a looser tolerance there.
+    tol = 2e-2 if torch.device(device).type == "cuda" else 1e-4
+    for b, h, hk, nq, nk, d, causal in cases:
+        gen = torch.Generator().manual_seed(nq * 1000 + nk)
+        q, do = (torch.randn(b, h, nq, d, generator=gen, dtype=torch.float64) for _ in range(2))
+        k, v = (torch.randn(b, hk, nk, d, generator=gen, dtype=torch.float64) for _ in range(2))
+        scale = 1 / math.sqrt(d)
+        out, lse, dq, dk, dv = attention_grads_float64(q, k, v, do, causal=causal, scale=scale)
+        got = run_backward_kernel(kernel, which, q, k, v, do, lse, (do * out).sum(-1), causal=causal, scale=scale,
+                                  block_m=block, block_n=block, device=device)
+        pairs = [(got, dq, "dQ")] if which == "dq" else [(got[1], dv, "dV"), (got[0], dk, "dK")]
+        try:
+            for actual, expected, name in pairs:
+                assert_rows_close(actual, expected, atol=tol, rtol=tol, block_rows=block, name=name)
+        except AssertionError as err:
+            blocks = "Q blocks" if which == "dq" else "K/V blocks"
+            raise AssertionError(f"B={b} H={h} H_kv={hk} N_q={nq} N_k={nk} d={d} causal={causal} ({blocks} of "
+                                 f"{block}): {err}") from None
+
+
+def check_dq_kernel(kernel, *, device="cpu", cases=CASES, block: int = 16) -> None:
+    """Assert that `kernel` (notebook 07's `dq_kernel`) computes dQ on every case; the message names the wrong
+    (batch, head) rows and Q blocks."""
+    _check(kernel, "dq", device, cases, block)
+
+
+def check_dkdv_kernel(kernel, *, device="cpu", cases=CASES, block: int = 16) -> None:
+    """Assert that `kernel` (notebook 07's `dkdv_kernel`) computes dV, then dK, on every case; the message names
+    the wrong (batch, K/V head) rows and K/V blocks."""
+    _check(kernel, "dkdv", device, cases, block)
