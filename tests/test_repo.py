@@ -41,6 +41,14 @@ def test_notebooks_exist_and_are_numbered_in_order():
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_every_cell_has_a_unique_id(path):
+    """nbformat 4.5 cells carry ids; a notebook written without them warns now and fails in later nbformats."""
+    ids = [cell.get("id") for cell in json.loads(path.read_text())["cells"]]
+    assert None not in ids, f"{path.name}: {ids.count(None)} cells without an id"
+    assert len(set(ids)) == len(ids), f"{path.name}: repeated cell ids"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_is_stripped(path):
     nb = json.loads(path.read_text())
     for cell in nb["cells"]:

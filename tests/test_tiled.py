@@ -99,9 +99,9 @@ def test_bad_arguments_raise_errors_naming_them():
          "config.block_m must be a power of two"),
         (lambda: flash_attention_forward(q, k, v, config=forward.Config(16, 16, 0, 1)), ValueError,
          "config.num_warps must be positive"),
-        (lambda: flash_attention_backward(q, q, k, v, q, torch.zeros(1, 2, 9)), ValueError, "lse must have shape"),
-        (lambda: flash_attention_backward(q, q, k, v, q[:, :1], torch.zeros(1, 2, 8)), ValueError, "o has shape"),
-        (lambda: flash_attention_backward(q, q, k, v, q, torch.zeros(1, 2, 8), config=SMALL), TypeError,
+        (lambda: flash_attention_backward(q, q, k, v, q, torch.zeros(1, 2, 9, device=q.device)), ValueError, "lse must have shape"),
+        (lambda: flash_attention_backward(q, q, k, v, q[:, :1], torch.zeros(1, 2, 8, device=q.device)), ValueError, "o has shape"),
+        (lambda: flash_attention_backward(q, q, k, v, q, torch.zeros(1, 2, 8, device=q.device), config=SMALL), TypeError,
          "config must be a utils.tiled.backward.Config"),
     ]
     for call, error, match in cases:
