@@ -74,7 +74,7 @@ def test_pinned_loads_on_gpu():
 
 @pytest.mark.gpu
 def test_dq_by_atomics_and_by_bulk_reduce_on_gpu():
-    """triton_atomic_dq and triton_reduce_dq (notebook 07, section 10): the bulk reduce-add needs sm_90+, and
+    """triton_atomic_dq and triton_reduce_dq (worklog 07w, section 4): the bulk reduce-add needs sm_90+, and
     says so in the row elsewhere."""
     from utils import gpu
 
@@ -90,7 +90,7 @@ def test_dq_by_atomics_and_by_bulk_reduce_on_gpu():
 
 @pytest.mark.gpu
 def test_the_gluon_backwards_launch_orders_on_gpu():
-    """gluon_bwd_by_head and gluon_bwd_grouped (notebook 07, section 11) time the Gluon backward with its launch
+    """gluon_bwd_by_head and gluon_bwd_grouped (worklog 07w, section 5) time the Gluon backward with its launch
     order pinned: on sm_90 only, and the rows say so elsewhere."""
     from utils import gpu
 

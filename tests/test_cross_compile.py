@@ -198,7 +198,7 @@ def test_exp2_fma_moves_a_share_of_the_unmasked_loops_exponentials_off_mufu():
 
 
 def test_the_backward_keeps_its_accumulating_products_in_flight_only_with_tma():
-    """Notebook 07, section 8: compiled for sm_90, the backward's passes with pointer loads wait for every
+    """Worklog 07w, section 2: compiled for sm_90, the backward's passes with pointer loads wait for every
     product at once (a wait after each commit); with TMA the accumulating products run on (fewer waits)."""
     out = cross_compile.in_fresh_process("--schedule", "backward", "--head-dim", "64")
     blocks = [[part.strip() for part in line.split(":", 1)] for line in out.splitlines()[1:]]

@@ -1,4 +1,4 @@
-"""utils.flash_gluon_bwd (notebook 07 section 11): validation and configs on CPU, the synchronisation replayed
+"""utils.flash_gluon_bwd (worklog 07w section 5): validation and configs on CPU, the synchronisation replayed
 under random interleavings (and each of its rules shown necessary), the per-row statistics the kernel's producer
 loads, the compiled kernel's schedule (compiled for sm_90 on this machine), and on an sm_90 GPU
 the gradients against float64 autograd on odd shapes, directly and through the Gluon forwards' autograd."""

@@ -383,7 +383,7 @@ def _launch(q, k, v, o, lse, causal: bool, scale: float, config: Config) -> None
 
 def flash_attention_gluon(q, k, v, *, causal=False, sm_scale=None):
     """The registry's entry: the output of flash_attention_gluon_forward, differentiable (the backward is
-    utils.flash_gluon_bwd's one-kernel Gluon backward, notebook 07 section 11)."""
+    utils.flash_gluon_bwd's one-kernel Gluon backward, worklog 07w section 5)."""
     from utils.flash_gluon_bwd import differentiable   # it imports this module
 
     return differentiable(flash_attention_gluon_forward, q, k, v, causal, sm_scale)

@@ -1,7 +1,7 @@
-"""The whole FlashAttention backward in ONE warp-specialised Gluon kernel (notebook 07, section 11).
+"""The whole FlashAttention backward in ONE warp-specialised Gluon kernel (worklog 07w, section 5).
 
 Notebook 07's Triton backward runs two kernels: dK, dV per key block, then a dQ pass per query block that
-recomputes S and dP. That is seven matrix products per tile where five would do, and section 10 measured the
+recomputes S and dP. That is seven matrix products per tile where five would do, and 07w's section 4 measured the
 five-product versions (dQ added atomically) slower still: the adds sat on the critical path. This kernel takes
 FlashAttention-3's division of labour (Shah et al. 2024, section 3.3 and appendix B) and writes it for this
 course:
@@ -18,7 +18,7 @@ course:
                             accumulator in global memory with TMA bulk reduce-adds
                             (cp.reduce.async.bulk.tensor): one instruction per 64 × 32 box, off the warps
 
-What made it fast (measured on an H200, notebook 07 section 11 reads the stored run):
+What made it fast (measured on an H200, worklog 07w section 5 reads the stored run):
   - each consumer adds its own half of dQ rather than a partial sum over its 64 keys: half the reduce
     traffic into L2 and no partials to add;
   - that half is one 64 × 64 block, computed by one chain of N = 64 products: slices 32 columns wide
@@ -33,7 +33,7 @@ What made it fast (measured on an H200, notebook 07 section 11 reads the stored 
     across the wgmma waits they made the head-dim-128 loop spill.
   - causal at head dim 128, the programs are launched four (batch, K/V head)s at a time, key block by key
     block (BwdConfig.bh_group), not head by head: programs of about the same length side by side (1.02-1.08×
-    at every length; notebook 07 section 11 says what is known of why).
+    at every length; worklog 07w section 5 says what is known of why).
 
 The reduce-adds from the programs of one head arrive in any order, so dQ's last bits vary from run to run
 (notebook 07's dQ pass is deterministic); dK and dV do not. Gluon has no interpreter: the kernel runs on sm_90
@@ -78,7 +78,7 @@ class BwdConfig(NamedTuple):
 
 
 def pick_config(head_dim: int, causal: bool = False) -> BwdConfig:
-    """Measured best on an H200 (notebook 07 section 11): 128-row tiles and Sᵀ prefetched at head dim 64; at
+    """Measured best on an H200 (worklog 07w section 5): 128-row tiles and Sᵀ prefetched at head dim 64; at
     128 the registers of dK, dV (64 keys × 128 fp32 each) leave room for 64-row tiles only, and none for a
     prefetched Sᵀ beside the dQ block. Causal at 128: programs launched four (batch, K/V head)s at a time
     (`bh_group`; at 64, and without a mask, the grouping measured within a few percent either way)."""

@@ -13,8 +13,8 @@ atomics are needed (the design of Triton's fused-attention tutorial, which recom
 Causal masking is aligned bottom-right (query i sees key j <= i + Nk − Nq). Tiles entirely above the diagonal are
 skipped; only tiles that cross it, or the ragged end of the sequence, pay for a mask (a constexpr flag compiles
 two versions of the inner loop). Pointer arithmetic with masks, any strides; on Hopper, at head dim 128, the tiles
-the passes loop over come through TMA descriptors instead (`default_tma`; notebook 07, section 8), and so do the
-per-row lse₂ and D that the dK/dV loop reads with each Q tile (section 9).
+the passes loop over come through TMA descriptors instead (`default_tma`; worklog 07w, section 2), and so do the
+per-row lse₂ and D that the dK/dV loop reads with each Q tile (section 3).
 """
 from __future__ import annotations
 
@@ -117,7 +117,7 @@ def _fitted_config(head_dim: int, dtype: torch.dtype, causal: bool, smem: int | 
 def default_tma(head_dim: int, causal: bool) -> bool:
     """Whether `tma=None` loads the looped-over tiles, and lse₂ and D with them, through TMA (where the inputs
     allow it): at head dim 128, where that beat pointer loads on an H200 (images/07_backward_benchmark.json,
-    columns triton_tma_stats and triton_pointer; notebook 07, sections 8 and 9). At 64 TMA was slower; causal
+    columns triton_tma_stats and triton_pointer; worklog 07w, sections 2 and 3). At 64 TMA was slower; causal
     at 128, the tiles alone through TMA were too, and only the whole loop through TMA paid."""
     return head_dim == 128
 
@@ -437,7 +437,7 @@ def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, sm_scale=None
     tile's dQ into an fp32 copy with one atomic add per element (as FlashAttention-2's CUDA backward does; not
     deterministic: the order of the additions varies from run to run). "tma": the same, each tile added by one
     bulk reduce-add of the TMA engine (as FlashAttention-3 does; sm_90+ and 16-bit inputs, or a ValueError).
-    Notebook 07, section 10, measures both against the separate pass.
+    Worklog 07w, section 4, measures both against the separate pass.
 
     The checks, the choices and the launches' fixed arguments are made once per kind of call (shapes, strides,
     dtypes, device, 16-byte alignment, options) and kept for the next call of that kind on a GPU, which then

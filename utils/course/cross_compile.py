@@ -15,7 +15,7 @@ products, which decides what overlaps (notebooks 05b and 07).
     python -m utils.course.cross_compile --schedule gluon --head-dim 64   # the Gluon forward, per tile (05b section 9)
     python -m utils.course.cross_compile --schedule gluon_ws   # ... warp-specialised, per tile (05b section 10)
     python -m utils.course.cross_compile --schedule backward --head-dim 64   # the backward's passes (notebook 07)
-    python -m utils.course.cross_compile --schedule gluon_bwd --head-dim 64  # the one-kernel Gluon backward (07 sec. 11)
+    python -m utils.course.cross_compile --schedule gluon_bwd --head-dim 64  # the one-kernel Gluon backward (07w sec. 5)
 
 The kernels must have been defined without TRITON_INTERPRET (they are then JITFunctions); the launches are
 made with CPU tensors, only their dtypes and sizes matter.
@@ -129,7 +129,7 @@ SCHEDULE_EVENTS = (("wgmma.mma_async", "wgmma"), ("wgmma.commit_group", "commit"
                    ("ex2.approx", "ex2"), ("cp.async.bulk.tensor", "tma"), ("mbarrier.try_wait", "tile?"))
 
 
-# What `--schedule backward_dq` adds (notebook 07, section 10): the ways the dK/dV pass can hand dQ on.
+# What `--schedule backward_dq` adds (worklog 07w, section 4): the ways the dK/dV pass can hand dQ on.
 DQ_EVENTS = SCHEDULE_EVENTS + (("mma.sync", "mma"), ("atom.global", "atomic"), ("red.global", "atomic"),
                                ("cp.reduce.async.bulk", "reduce"), ("cp.async.bulk.wait_group", "reduce-wait"),
                                ("bar.sync", "bar"))
@@ -250,7 +250,7 @@ def gluon_schedules(head_dim: int = 64, capability=(9, 0), warp_specialized: boo
 
 
 def gluon_bwd_schedule(head_dim: int = 64, causal: bool = False, capability=(9, 0)) -> tuple[list[str], int]:
-    """The one-kernel Gluon backward (notebook 07 section 11) compiled for `capability` with its default tiles:
+    """The one-kernel Gluon backward (worklog 07w section 5) compiled for `capability` with its default tiles:
     (schedule with DQ_EVENTS, bytes of shared memory). Its consumer loop shows the dQ block's reduce-adds issued
     at the end of a tile and their wait (reduce-wait) at the next tile, before the two consumers meet (bar)."""
     from utils import flash_gluon_bwd as gb
@@ -368,7 +368,7 @@ def main(argv=None) -> int:
                         "overlapped or with a share of its exponentials on the FMA units (notebook 05b, section "
                         "5), the Gluon forward's per tile (section 9) and its warp-specialised version's (section 10), the "
                         "backward's with pointer loads and TMA (07), its dK/dV loop with each way of getting dQ "
-                        "(07, section 10), or the one-kernel Gluon backward's (07, section 11)")
+                        "(07w, section 4), or the one-kernel Gluon backward's (07w, section 5)")
     parser.add_argument("--head-dim", type=int, default=128, choices=(64, 128), help="with --schedule")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":

@@ -97,23 +97,23 @@ REFERENCES = {
     "hopper_ncu": (1, ["utils.course.bench.ncu", "--worklog", "hopper", "--name", "06c_ncu_h200"]),  # needs ncu
     "mma_ncu": (1, ["utils.course.bench.ncu", "--worklog", "mma", "--steps", "causal_skip", "split_kv", "--head-dim", "128",
                     "--seqlen", "4096", "--name", "06b_ncu_steps78_h200"]),
-    # the Triton backward as registered and with its loads pinned (notebook 07, sections 8 and 9), beside SDPA's
+    # the Triton backward as registered and with its loads pinned (worklog 07w, sections 2 and 3), beside SDPA's
     "backward": (1, ["utils.course.bench.backward", "--backends", "triton", "triton_pointer", "triton_tma",
                      "triton_tma_stats", "sdpa_flash", "sdpa_cudnn", "--rounds", "3", "--out", "images/07_backward_benchmark.json"]),
-    # dQ added with atomics by the dK/dV pass against the dQ pass (notebook 07, section 10), beside cuDNN
+    # dQ added with atomics by the dK/dV pass against the dQ pass (worklog 07w, section 4), beside cuDNN
     "backward_atomic": (1, ["utils.course.bench.backward", "--backends", "triton", "triton_atomic_dq", "sdpa_flash",
                             "sdpa_cudnn", "--seqlens", "4096", "8192", "16384", "--rounds", "3", "--out",
                             "images/07_backward_atomic_h200.json"]),
-    # and with one TMA bulk reduce-add per tile instead of an atomic add per element (section 10)
+    # and with one TMA bulk reduce-add per tile instead of an atomic add per element (section 4)
     "backward_reduce": (1, ["utils.course.bench.backward", "--backends", "triton", "triton_atomic_dq", "triton_reduce_dq",
                             "sdpa_flash", "sdpa_cudnn", "--seqlens", "4096", "8192", "16384", "--rounds", "3",
                             "--out", "images/07_backward_reduce_h200.json"]),
-    # the one-kernel warp-specialised Gluon backward (section 11; sm_90) beside the Triton backward and SDPA's
+    # the one-kernel warp-specialised Gluon backward (section 5; sm_90) beside the Triton backward and SDPA's
     "backward_gluon": (1, ["utils.course.bench.backward", "--backends", "triton", "gluon_bwd", "gluon_bwd_by_head",
                            "gluon_bwd_grouped", "sdpa_flash", "sdpa_cudnn",
                            "--seqlens", "1024", "2048", "4096", "8192", "16384", "--rounds", "3", "--out",
                            "images/07_gluon_bwd_h200.json"]),
-    # one profiled launch of each pass of the Triton backward per load step (notebook 07, sections 8 and 9;
+    # one profiled launch of each pass of the Triton backward per load step (worklog 07w, sections 2 and 3;
     # needs ncu): d = 64 without a mask, d = 128 without and with one
     "backward_ncu_d64": (1, ["utils.course.bench.ncu", "--worklog", "triton_bwd", "--head-dim", "64", "--seqlen", "4096",
                              "--steps", "pointer", "tma", "--name", "07_ncu_d64_h200"]),

@@ -1,11 +1,11 @@
-"""Backward-pass benchmark (notebooks 07 and 06b): the course's Triton and CUDA backwards against SDPA's backends.
+"""Backward-pass benchmark (notebooks 07, 07w and 06b): the course's Triton and CUDA backwards against SDPA's backends.
 
 FLOPs are counted as 2.5× the forward's (`utils.course.bench.attention_flops(mode="bwd")`: five N×N matmuls instead of
 two), halved when causal, as in the FlashAttention-2 paper. Every number of a table is measured in one run.
 Besides the default backends, `--backends` takes sdpa_efficient, triton_pointer, triton_tma and triton_tma_stats (the
-Triton backward with its loads pinned, notebook 07 sections 8 and 9), triton_atomic_dq and triton_reduce_dq (dQ
+Triton backward with its loads pinned, worklog 07w sections 2 and 3), triton_atomic_dq and triton_reduce_dq (dQ
 added by the dK/dV pass instead of a dQ pass, with an atomic add per element or a TMA bulk reduce-add per tile,
-section 10), gluon_bwd (the one-kernel warp-specialised Gluon backward of section 11, sm_90 only; gluon_bwd_by_head
+section 4), gluon_bwd (the one-kernel warp-specialised Gluon backward of section 5, sm_90 only; gluon_bwd_by_head
 and gluon_bwd_grouped: its programs launched head by head, or in groups of 4 heads, on every shape), and
 `--peers triton-tutorial` the Triton tutorial's backward (utils.course.bench.peers, read from its own
 file; shapes it cannot run are "not supported"). `--rounds 3` times each shape three times in rotated order and
@@ -66,7 +66,7 @@ def _triton_backward(config=None, tma=None, tma_stats=None, dq_atomic=False):
 
 
 def _gluon_backward(bh_group=None):
-    """Notebook 07 section 11's one-kernel Gluon backward, after the Triton forward's (o, lse); `bh_group`: its
+    """Worklog 07w section 5's one-kernel Gluon backward, after the Triton forward's (o, lse); `bh_group`: its
     launch order pinned (None: pick_config's)."""
     def prepare(q, k, v, do, causal):
         from utils.flash_gluon_bwd import flash_attention_gluon_backward, pick_config
