@@ -29,6 +29,8 @@ BEGIN, END = "<!-- results: begin (python -m utils.course.references --readme) -
 REFERENCES = {
     "ceilings": (1, ["utils.course.references", "--ceilings"]),
     "softmax": (1, ["utils.cuda_ext", "softmax", "--out", "images/06_softmax_h200.json"]),
+    "triton_lesson": (1, ["utils.course.bench.forward", "--impls", "triton_lesson", "triton", "--sdpa", "flash", "cudnn",
+                          "--seqlens", "2048", "4096", "16384", "--rounds", "2", "--name", "triton_lesson_h200"]),
     "triton_fwd": (1, ["utils.course.bench.forward", "--worklog", "--sdpa", "flash", "cudnn", "efficient",
                        "--name", "triton_fwd_h200"]),
     # host time against GPU time at small N (notebook 05b, step 3): the direct launch and Triton's dispatch, the
@@ -335,7 +337,8 @@ FORWARD_RUNS = {
     **{kernel: ("summary_h200.json", kernel, notebook) for kernel, notebook in (
         ("sdpa", "01"), ("naive", "01"), ("flash1_pytorch", "03"), ("flash2_pytorch", "04"),
         ("flash_decoding", "08"), ("cuda_naive", "06"), ("cuda_tiled", "06"), ("flash2_pytorch_autograd", "07"))},
-    "triton": ("triton_fwd_h200.json", "triton", "05"),
+    "triton_lesson": ("triton_lesson_h200.json", "triton_lesson", "05"),
+    "triton": ("triton_fwd_h200.json", "triton", "05b"),
     "gluon": ("05b_gluon_ws_h200.json", "gluon", "05b"),
     "gluon_ws": ("05b_gluon_ws_h200.json", "gluon_ws", "05b"),
     "cuda": (MMA_RUN, None, "06b"),
