@@ -1,4 +1,4 @@
-"""utils.cuda_backward: the tensor-core backward of notebook 06b. Its steps, inputs and stored run on any machine;
+"""utils.cuda_backward: the tensor-core backward of notebook 06bw. Its steps, inputs and stored run on any machine;
 its gradients against float64 autograd on an sm_80+ GPU (the registry's gradient test covers the default step)."""
 import json
 import math

@@ -1,4 +1,4 @@
-"""The CUDA exercises of notebooks 06 and 06b, on the CPU: each check says "not yet" on the learner's stub,
+"""The CUDA exercises of notebooks 06, 06b and 06bw, on the CPU: each check says "not yet" on the learner's stub,
 fails on a plausible wrong answer with a message naming the lanes, and passes on the solution."""
 from pathlib import Path
 
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(find_nvcc() is None or host_compiler() is None,
 EXERCISES = {
     "6.5": ("06_cuda_load_inline.ipynb", "# Exercise 6.5", "WARP_REDUCE_CUDA", check_warp_reductions),
     "6b.5": ("06b_cuda_tensor_cores.ipynb", "# Exercise 6b.5", "LOAD_B_V_CUDA", check_load_b_v),
-    "6b.6": ("06b_cuda_tensor_cores.ipynb", "# Exercise 6b.6", "BWD_DS_CUDA", check_backward_ds),
+    "6b.6": ("06bw_cuda_worklog.ipynb", "# Exercise 6b.6", "BWD_DS_CUDA", check_backward_ds),
 }
 
 

@@ -1,4 +1,4 @@
-"""The backward pass of the course's tensor-core CUDA kernel (notebook 06b, part 2; utils/cuda/flash_mma_bwd.cu).
+"""The backward pass of the course's tensor-core CUDA kernel (worklog notebook 06bw, section 6; utils/cuda/flash_mma_bwd.cu).
 
 - `flash_mma_forward(q, k, v)` -> (o, lse): the registry's "cuda" forward (cuda_ext.MMA_DEFAULT_STEP), which also
   writes the log-sum-exp the backward rebuilds P from.

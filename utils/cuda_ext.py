@@ -70,7 +70,7 @@ def mma_kernel_name(step: str) -> str:
 
 
 KERNELS.update({mma_kernel_name(s): (f"{mma_kernel_name(s)}_forward", MMA_HEADERS) for s in MMA_STEPS})
-# Notebook 06b, part 2: MMA_DEFAULT_STEP's forward with the log-sum-exp, and the backward (utils.cuda_backward).
+# Notebook 06bw, section 6: MMA_DEFAULT_STEP's forward with the log-sum-exp, and the backward (utils.cuda_backward).
 KERNELS["flash_mma_bwd"] = (("flash_mma_bwd_forward", "flash_mma_bwd_backward"),
                             (*MMA_HEADERS, "flash_mma_bwd_kernel.cuh"))
 # Notebook 06c: Hopper's wgmma and TMA exist only in sm_90a code, which runs on sm_90 GPUs (H100/H200) alone.
@@ -516,7 +516,7 @@ _MMA_FORWARD: dict = {}
 
 
 def flash_mma(q, k, v, *, causal=False, sm_scale=None, step: str = MMA_DEFAULT_STEP):
-    """FlashAttention-2 forward on tensor cores, as of `step` of notebook 06b's worklog (default:
+    """FlashAttention-2 forward on tensor cores, as of `step` of notebooks 06b (steps 1-7) and 06bw (8-15) (default:
     MMA_DEFAULT_STEP, the fastest measured).
 
     fp16 or bf16 inputs with fp32 accumulation, head dims 64 and 128, any lengths, GQA, causal aligned
@@ -552,7 +552,7 @@ def flash_attention_cuda(q, k, v, *, causal=False, sm_scale=None):
         return flash_attention_cuda(q, k, v, causal=causal, sm_scale=resolve_scale(sm_scale, d))[..., :d]
     wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     if wants_grad and q.dtype == torch.float32:
-        raise TypeError(f"the CUDA backward (notebook 06b) takes float16 or bfloat16; q has dtype {q.dtype} "
+        raise TypeError(f"the CUDA backward (notebook 06bw) takes float16 or bfloat16; q has dtype {q.dtype} "
                         f"and needs a gradient (convert it, or use the registry's 'triton')")
     if q.is_cuda and q.dtype != torch.float32:
         if tensor_cores:

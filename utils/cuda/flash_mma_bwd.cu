@@ -1,4 +1,4 @@
-// The tensor-core kernels with a backward pass (notebook 06b, part 2): the forward of the registry's "cuda" step,
+// The tensor-core kernels with a backward pass (worklog notebook 06bw, section 6): the forward of the registry's "cuda" step,
 // which also writes the log-sum-exp, and the backward kernels of flash_mma_bwd_kernel.cuh, one launcher per step of
 // its worklog (utils.cuda_backward.BWD_STEPS). Bound to Python as flash_mma_bwd_forward and flash_mma_bwd_backward
 // (utils/cuda_backward.py).

@@ -1,4 +1,4 @@
-// FlashAttention-2 backward on tensor cores (notebook 06b, part 2), with the forward's primitives (flash_mma.cuh)
+// FlashAttention-2 backward on tensor cores (worklog notebook 06bw, section 6), with the forward's primitives (flash_mma.cuh)
 // and its fragment loaders (flash_mma_kernel.cuh). With P = exp(S·scale − lse), S = Q Kᵀ and D = rowsum(dO ∘ O):
 //
 //   dV = Pᵀ dO      dP = dO Vᵀ      dS = P ∘ (dP − D)      dK = scale · dSᵀ Q      dQ = scale · dS K

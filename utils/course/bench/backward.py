@@ -1,4 +1,5 @@
-"""Backward-pass benchmark (notebooks 07, 07w and 06b): the course's Triton and CUDA backwards against SDPA's backends.
+"""Backward-pass benchmark (notebooks 07, 07w and 06bw): the course's Triton and CUDA backwards against SDPA's
+backends.
 
 FLOPs are counted as 2.5× the forward's (`utils.course.bench.attention_flops(mode="bwd")`: five N×N matmuls instead of
 two), halved when causal, as in the FlashAttention-2 paper. Every number of a table is measured in one run.
@@ -27,7 +28,7 @@ BACKENDS = ("triton", "sdpa_flash", "sdpa_cudnn")                # the default s
 # The Triton backward with its loads pinned, (tma, tma_stats): "triton" picks per shape
 # (flash_triton_bwd.default_tma).
 TRITON_LOADS = {"triton_pointer": (False, False), "triton_tma": (True, False), "triton_tma_stats": (True, True)}
-# Measured when asked for; cuda_*: notebook 06b's tensor-core backward in each of its steps (utils.cuda_backward).
+# Measured when asked for; cuda_*: notebook 06bw's tensor-core backward in each of its steps (utils.cuda_backward).
 CUDA_BACKENDS = tuple(f"cuda_{step}" for step in BWD_STEPS)
 # The Gluon backward with its launch order pinned (BwdConfig.bh_group): "gluon_bwd" picks per shape (pick_config).
 GLUON_ORDERS = {"gluon_bwd_by_head": 0, "gluon_bwd_grouped": 4}

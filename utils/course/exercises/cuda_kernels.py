@@ -1,4 +1,4 @@
-"""Checks of the CUDA exercises of notebooks 06 and 06b, whose solutions sit inside CUDA source.
+"""Checks of the CUDA exercises of notebooks 06, 06b and 06bw, whose solutions sit inside CUDA source.
 
 A check does what the machine allows, in this order:
 1. compile the learner's source with nvcc for sm_80, compile only (no GPU needed). The learner version's stub
@@ -520,7 +520,7 @@ def _check_pv_on_gpu(source: str) -> None:
                           block_rows=8, name=f"O = P V ({keys} keys, D={d}, {'swizzled' if swizzle else 'plain'})")
 
 
-# ---- Exercise 6b.6: Pᵀ and dSᵀ in the backward's transposed frame (notebook 06b) --------------------------------
+# ---- Exercise 6b.6: Pᵀ and dSᵀ in the backward's transposed frame (notebook 06bw) -------------------------------
 
 class _DsCase(NamedTuple):
     tiles: int        # n8 tiles of queries: BR = 8 tiles
