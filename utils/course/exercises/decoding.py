@@ -117,7 +117,7 @@ def check_merge_kernel(kernel, *, device="cpu") -> None:
 SPLIT_BLOCK_M = SPLIT_BLOCK_N = 16
 SPLIT_CASES = [
     # (cache lengths, capacity, H, H_kv, new tokens, d, splits, causal, what the case adds)
-    ((40, 25), 48, 2, 2, 1, 16, 1, False, "one split: the whole cache, a ragged last tile"),
+    ((40, 25), 48, 2, 2, 1, 16, 1, False, "the online softmax over one split (the whole cache), a ragged last tile"),
     ((70, 23, 0), 80, 2, 2, 1, 16, 3, False, "several splits, each its own slice [lo, hi); a cache of length 0 "
                                              "and splits past the end (no key: o = 0, lse = -inf)"),
     ((65, 33), 72, 4, 2, 1, 16, 5, False, "grouped-query attention: query head h reads K/V head h // GROUP"),
