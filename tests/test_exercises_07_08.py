@@ -187,3 +187,24 @@ def test_split_kv_capstone_refuses_course_kernels_and_others():
     assert "refuses the course's own kernel `utils.flash_decoding._split_kv_kernel`" in result, result
     merge = kernel_from(*MERGE)
     assert "for your kernel `split_kv_partial`, not `merge_kernel`" in split_outcome(merge)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="an interpreted kernel's body is Python, so it could call a course function")
+def test_split_kv_capstone_refuses_a_kernel_body_that_calls_the_library():
+    namespace = {"triton": triton, "tl": tl}
+    exec_cell("from utils.flash_decoding import flash_decode\n", namespace, "import")
+    src = code_cell(NOTEBOOKS / SPLIT[0], SPLIT[1], replace=[("    pid_bh = tl.program_id(0)\n",
+                                                              "    flash_decode(Q, K, V)\n    pid_bh = tl.program_id(0)\n")])
+    exec_cell(src, namespace, "split kernel through the library")
+    result = split_outcome(namespace["split_kv_partial"])
+    assert "refuses the course's own `utils.flash_decoding.flash_decode`" in result, result
+
+
+def test_capstone_hints_are_two_tiers_without_code():
+    """The first tier points at the idea and at the second; the second gives formulas, never kernel code."""
+    from utils.course.exercises.decoding import SPLIT_HINTS
+    from utils.course.exercises.triton_forward import FORWARD_HINTS
+    for name, hints in (("FORWARD_HINTS", FORWARD_HINTS), ("SPLIT_HINTS", SPLIT_HINTS)):
+        assert len(hints) == 2 and f"print({name}[1])" in hints[0]
+        for hint in hints:
+            assert not re.search(r"\btl\.|tl\.load|tl\.store|\w\[:, None\]|range\(", hint), hint
