@@ -401,8 +401,8 @@ def test_05_capstone_comes_before_the_library_kernel_is_shown():
 def test_05_capstone_refuses_a_kernel_body_that_calls_the_library():
     ns = {}
     exec_cell(PRELUDE + "from utils.tiled.forward import flash_attention_forward\n", ns, "prelude")
-    src = code_cell(NB05, CAPSTONE_05, replace=[("    pid_m = tl.program_id(0)\n",
-                                                 "    flash_attention_forward(Q, K, V)\n    pid_m = tl.program_id(0)\n")])
+    first = "    pid_m = tl.program_id(0)\n"
+    src = code_cell(NB05, CAPSTONE_05, replace=[(first, "    flash_attention_forward(Q, K, V)\n" + first)])
     exec_cell(src, ns, "capstone through the library")
     with pytest.raises(AssertionError, match="refuses the course's own `utils.tiled.forward.flash_attention_forward`"):
         triton_forward.check_flash_forward(ns["flash_forward"])

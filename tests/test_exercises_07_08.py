@@ -189,12 +189,13 @@ def test_split_kv_capstone_refuses_course_kernels_and_others():
     assert "for your kernel `split_kv_partial`, not `merge_kernel`" in split_outcome(merge)
 
 
-@pytest.mark.skipif(DEVICE != "cpu", reason="an interpreted kernel's body is Python, so it could call a course function")
+@pytest.mark.skipif(DEVICE != "cpu",
+                    reason="an interpreted kernel's body is Python, so it could call a course function")
 def test_split_kv_capstone_refuses_a_kernel_body_that_calls_the_library():
     namespace = {"triton": triton, "tl": tl}
     exec_cell("from utils.flash_decoding import flash_decode\n", namespace, "import")
-    src = code_cell(NOTEBOOKS / SPLIT[0], SPLIT[1], replace=[("    pid_bh = tl.program_id(0)\n",
-                                                              "    flash_decode(Q, K, V)\n    pid_bh = tl.program_id(0)\n")])
+    first = "    pid_bh = tl.program_id(0)\n"
+    src = code_cell(NOTEBOOKS / SPLIT[0], SPLIT[1], replace=[(first, "    flash_decode(Q, K, V)\n" + first)])
     exec_cell(src, namespace, "split kernel through the library")
     result = split_outcome(namespace["split_kv_partial"])
     assert "refuses the course's own `utils.flash_decoding.flash_decode`" in result, result

@@ -285,8 +285,8 @@ FORWARD_HINTS = (
     "program (pid_m, pid_bh): b = pid_bh // n_heads, h = pid_bh mod n_heads, K/V head = h // GROUP; the address "
     "of Q[b, h, i, c] is Q + b·stride_qb + h·stride_qh + i·stride_qm + c (likewise K, V, O). Per key tile: "
     "s = q·kᵀ·qk_scale, −inf where the key j ≥ Nk or, causal, j > i + Nk − Nq; m_new = max(m, rowmax s), "
-    "m_safe = 0 where m_new = −inf else m_new; p = 2^(s − m_safe); alpha = 2^(m − m_safe); l = l·alpha + rowsum p; "
-    "acc = acc·alpha + p·v. At the end O = acc / l and lse = (m + log2 l)·ln 2, with O = 0 and lse = −inf where "
+    "m_safe = 0 where m_new = −inf else m_new; p = 2^(s − m_safe); alpha = 2^(m − m_safe); "
+    "l = l·alpha + rowsum p; acc = acc·alpha + p·v. At the end O = acc / l and lse = (m + log2 l)·ln 2, with O = 0 and lse = −inf where "
     "l = 0. Causal: no query of the block sees a key past start_m + BLOCK_M + Nk − Nq, so the loop stops there.",
 )
 
