@@ -227,8 +227,8 @@ def flash2_block(q_blk, k, v, start_m, seqlen_q, sm_scale, BLOCK_N):
 # the course's answers. (notebook, exercise, the call its check cell must make)
 CHECK_CALLS = [("01_naive_attention", "1.1", "check_split_merge_heads(split_heads, merge_heads)"),
                ("02_softmax", "2.1", "check_running_max_and_sum(running_max_and_sum)"),
-               ("05_triton_flash_attention", "5.5", "check_causal_key_range(causal_key_range)"),
-               ("05_triton_flash_attention", "5.6", "check_merge_halves(merge_halves)")]
+               ("05_triton_flash_attention", "5.6", "check_causal_key_range(causal_key_range)"),
+               ("05_triton_flash_attention", "5.7", "check_merge_halves(merge_halves)")]
 
 
 @pytest.mark.parametrize("notebook, exercise, call", CHECK_CALLS)

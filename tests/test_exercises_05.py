@@ -272,16 +272,16 @@ from utils.triton_utils import cdiv
 """
 HELPER_BYPASSES = {
     # exercise: (cell of the learner's function, its name, the check, replacements, code before, refused name)
-    "5.5-notebook": ("# Exercise 5.5:", "causal_key_range", triton_forward.check_causal_key_range,
+    "5.6-notebook": ("# Exercise 5.6:", "causal_key_range", triton_forward.check_causal_key_range,
                      [("offset = seqlen_k - seqlen_q",
                        "return kernel_key_ranges(start_m // block_m, seqlen_q, seqlen_k, block_m, 1)")],
                      ["def block_kinds("], "`kernel_key_ranges`"),
-    "5.5-library": ("# Exercise 5.5:", "causal_key_range", triton_forward.check_causal_key_range,
+    "5.6-library": ("# Exercise 5.6:", "causal_key_range", triton_forward.check_causal_key_range,
                     [("offset = seqlen_k - seqlen_q",
                       "return (max(0, flash2_kv_end(start_m, 1, seqlen_q, seqlen_k, True)), "
                       "max(0, flash2_kv_end(start_m // block_m, block_m, seqlen_q, seqlen_k, True)))")],
                     ["from utils.flash_pytorch import flash2_kv_end"], "`utils.flash_pytorch.flash2_kv_end`"),
-    "5.6": ("# Exercise 5.6:", "merge_halves", triton_forward.check_merge_halves,
+    "5.7": ("# Exercise 5.7:", "merge_halves", triton_forward.check_merge_halves,
             [("lse = torch.logaddexp(lse1, lse2)", "return merge_attention(o1, lse1, o2, lse2)[0]")],
             ["from utils.softmax import merge_attention"], "`utils.softmax.merge_attention`"),
 }
@@ -304,7 +304,7 @@ def test_05_helper_bypass_is_refused(bypass):
         check_fn(ns[name])
 
 
-@pytest.mark.parametrize("number", ["5.5", "5.6"])
+@pytest.mark.parametrize("number", ["5.6", "5.7"])
 def test_05_helper_checks_solution_right_stub_not_yet(number, capsys):
     marker, name, check_fn, *_ = next(v for k, v in HELPER_BYPASSES.items() if k.startswith(number))
     assert run_check(lambda: check_fn(helper_namespace(marker)[name])) == "right"
@@ -327,3 +327,82 @@ def test_05_launch_counts_that_the_kernel_passed_is_what_ran():
     with pytest.raises(AssertionError, match="one launch ran the kernel you passed 0 times"):
         triton_forward.check_online_softmax(sneaky)
     assert not step1.pre_run_hooks, "the launch must take its counting hook off the kernel again"
+
+
+# Exercise 5.4, the capstone: the whole forward kernel from its signature. Each wrong kernel fails in the first case
+# that adds what it gets wrong, and the message names that case and the wrong rows and Q blocks.
+CAPSTONE_05 = "# Exercise 5.4:"
+CAPSTONE_05_WRONG = {
+    "no rescale": ([("acc = acc * alpha[:, None] + tl.dot", "acc = acc + tl.dot")], "case 1"),
+    "diagonal off by one": ([("(cols[None, :] <= offs_m[:, None] + causal_offset)",
+                              "(cols[None, :] < offs_m[:, None] + causal_offset)")], "case 4"),
+    "wrong GQA head": ([("h_kv = h // GROUP", "h_kv = h % (n_heads // GROUP)")], "case 2"),
+    "contiguous rows": ([("offs_m[:, None] * stride_qm", "offs_m[:, None] * HEAD_DIM")], "case 3"),
+    "nan for rows that see no key": ([('m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)', "m_safe = m_new")],
+                                     "case 5"),
+    "lse in base 2": ([("(m_i + tl.math.log2(l_safe)) * 0.6931471805599453", "(m_i + tl.math.log2(l_safe))")],
+                      "case 1"),
+}
+
+
+def test_05_capstone_solution_right_stub_not_yet(capsys):
+    solved = namespace(NB05, CAPSTONE_05, learner=False)
+    assert run_check(lambda: triton_forward.check_flash_forward(solved["flash_forward"])) == "right"
+    stub = namespace(NB05, CAPSTONE_05, learner=True)
+    assert run_check(lambda: triton_forward.check_flash_forward(stub["flash_forward"])) == "not yet"
+
+
+@pytest.mark.parametrize("wrong", CAPSTONE_05_WRONG)
+def test_05_capstone_wrong_kernel_fails_naming_its_case_rows_and_blocks(wrong):
+    replace, case = CAPSTONE_05_WRONG[wrong]
+    ns = namespace(NB05, CAPSTONE_05, learner=False, replace=replace)
+    with pytest.raises(AssertionError, match=rf"(?s){case} .*the first to add.*batch=\d, head=\d: rows .* in "
+                                             rf"block\(s\)"):
+        triton_forward.check_flash_forward(ns["flash_forward"])
+
+
+@pytest.mark.parametrize("kernel", ["utils.tiled.forward.flash_fwd_kernel", "utils.flash_triton.flash_fwd_kernel"])
+def test_05_capstone_refuses_course_kernels(kernel):
+    import importlib
+    module, name = kernel.rsplit(".", 1)
+    with pytest.raises(AssertionError, match=f"refuses the course's own kernel `{re.escape(kernel)}`"):
+        triton_forward.check_flash_forward(getattr(importlib.import_module(module), name))
+
+
+def test_05_capstone_refuses_another_kernel_and_counts_its_launch():
+    """fa_step4 is not the capstone; a flash_forward object whose launch runs another kernel fails its count."""
+    import copy
+    steps = namespace(NB05, "# Exercise 5.3:", learner=False, extra=["def fa_step4("])
+    with pytest.raises(AssertionError, match="for your kernel `flash_forward`, not `fa_step4`"):
+        triton_forward.check_flash_forward(steps["fa_step4"])
+    mine = namespace(NB05, CAPSTONE_05, learner=False)["flash_forward"]
+    other = namespace(NB05, CAPSTONE_05, learner=False)["flash_forward"]
+
+    class Sneaky(type(mine)):
+        def __getitem__(self, grid):
+            return other[grid]
+
+    sneaky = copy.copy(mine)
+    sneaky.__class__ = Sneaky
+    with pytest.raises(AssertionError, match="one launch ran the kernel you passed 0 times"):
+        triton_forward.check_flash_forward(sneaky)
+
+
+def test_05_capstone_comes_before_the_library_kernel_is_shown():
+    import json
+    sources = ["".join(c["source"]) for c in json.loads(NB05.read_text())["cells"]]
+    capstone = next(i for i, s in enumerate(sources) if s.startswith(CAPSTONE_05))
+    library = next(i for i, s in enumerate(sources) if "show_source(fwd.flash_fwd_kernel)" in s)
+    assert capstone < library
+
+
+@pytest.mark.skipif(not __import__("utils.triton_utils").triton_utils.interpreting(),
+                    reason="an interpreted kernel's body is Python, so it could call a course function")
+def test_05_capstone_refuses_a_kernel_body_that_calls_the_library():
+    ns = {}
+    exec_cell(PRELUDE + "from utils.tiled.forward import flash_attention_forward\n", ns, "prelude")
+    first = "    pid_m = tl.program_id(0)\n"
+    src = code_cell(NB05, CAPSTONE_05, replace=[(first, "    flash_attention_forward(Q, K, V)\n" + first)])
+    exec_cell(src, ns, "capstone through the library")
+    with pytest.raises(AssertionError, match="refuses the course's own `utils.tiled.forward.flash_attention_forward`"):
+        triton_forward.check_flash_forward(ns["flash_forward"])

@@ -2,6 +2,7 @@
 the merge kernel, and in PyTorch): each check says "not yet" on the learner's stub, fails on a plausible wrong
 answer, and passes on the solution. The exercise cells run as a learner sees them, in the Triton interpreter on
 the CPU."""
+import re
 from pathlib import Path
 
 import pytest
@@ -147,3 +148,64 @@ def test_references_are_exact():
     assert (lse_parts == float("-inf")).any() and o_parts.isnan().any()                 # empty splits, garbage
     assert torch.isinf(lse[2]).all() and (o[2] == 0).all()                               # an empty sequence
     assert lse_parts.max() > 88.7                                                       # overflows without max
+
+
+# Exercise 8.5, the capstone: the split-KV kernel from its signature. Each wrong kernel fails in the first case that
+# adds what it gets wrong, naming the (batch, head, split) slots, their key ranges and rows.
+SPLIT = ("08_decoding_and_ring.ipynb", "# Exercise 8.5", "split_kv_partial")
+
+
+def split_outcome(kernel):
+    from utils.course.exercises.decoding import check_split_kv
+    return outcome(check_split_kv, kernel)
+
+
+def test_split_kv_capstone_stub_solution():
+    assert split_outcome(kernel_from(*SPLIT, learner=True)) == "not yet"
+    assert split_outcome(kernel_from(*SPLIT)) == "right"
+
+
+@pytest.mark.parametrize("old, new, case", [
+    ("for start in range(lo, hi, BLOCK_N):", "for start in range(0, seqlen, BLOCK_N):", "case 2"),   # whole cache
+    ("hi = tl.minimum(lo + per_split, seqlen)", "hi = lo + per_split", "case 1"),                    # past the end
+    ("h_kv = h // GROUP", "h_kv = h % (n_heads // GROUP)", "case 3"),                                # GQA head
+    ("(cols[None, :] <= rows[:, None] + seqlen - n_q)", "(cols[None, :] < rows[:, None] + seqlen - n_q)", "case 4"),
+    ("acc = acc * alpha[:, None] + tl.dot", "acc = acc + tl.dot", "case 1"),                         # no rescale
+    ("+ split * stride_os + d[None, :]", "+ d[None, :]", "case 2"),                                  # one slot
+    ('m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)', "m_safe = m_new", "case 4"),         # -inf - -inf
+], ids=["ignores-its-range", "past-the-length", "gqa-head", "diagonal-off-by-one", "no-rescale", "wrong-slot",
+        "nan-for-unseen-rows"])
+def test_split_kv_capstone_wrong_kernels_fail_naming_slots(old, new, case):
+    result = split_outcome(kernel_from(*SPLIT, replace=[(old, new)]))
+    assert result.startswith(f"wrong: {case} ") and "the first to add" in result, result
+    assert re.search(r"batch=\d, head=\d, split=\d \((keys \[\d+, \d+\) of \d+|no keys .*)\): rows \[", result), result
+
+
+def test_split_kv_capstone_refuses_course_kernels_and_others():
+    import utils.flash_decoding as fd
+    result = split_outcome(fd._split_kv_kernel)
+    assert "refuses the course's own kernel `utils.flash_decoding._split_kv_kernel`" in result, result
+    merge = kernel_from(*MERGE)
+    assert "for your kernel `split_kv_partial`, not `merge_kernel`" in split_outcome(merge)
+
+
+@pytest.mark.skipif(DEVICE != "cpu",
+                    reason="an interpreted kernel's body is Python, so it could call a course function")
+def test_split_kv_capstone_refuses_a_kernel_body_that_calls_the_library():
+    namespace = {"triton": triton, "tl": tl}
+    exec_cell("from utils.flash_decoding import flash_decode\n", namespace, "import")
+    first = "    pid_bh = tl.program_id(0)\n"
+    src = code_cell(NOTEBOOKS / SPLIT[0], SPLIT[1], replace=[(first, "    flash_decode(Q, K, V)\n" + first)])
+    exec_cell(src, namespace, "split kernel through the library")
+    result = split_outcome(namespace["split_kv_partial"])
+    assert "refuses the course's own `utils.flash_decoding.flash_decode`" in result, result
+
+
+def test_capstone_hints_are_two_tiers_without_code():
+    """The first tier points at the idea and at the second; the second gives formulas, never kernel code."""
+    from utils.course.exercises.decoding import SPLIT_HINTS
+    from utils.course.exercises.triton_forward import FORWARD_HINTS
+    for name, hints in (("FORWARD_HINTS", FORWARD_HINTS), ("SPLIT_HINTS", SPLIT_HINTS)):
+        assert len(hints) == 2 and f"print({name}[1])" in hints[0]
+        for hint in hints:
+            assert not re.search(r"\btl\.|tl\.load|tl\.store|\w\[:, None\]|range\(", hint), hint

@@ -111,3 +111,121 @@ def check_merge_kernel(kernel, *, device="cpu") -> None:
     o_parts, lse_parts, o_ref, lse_ref = decode_partials()
     o, lse = run_merge_kernel(kernel, o_parts, lse_parts, device=device)
     _assert_merged(o, lse, lse_parts, o_ref, lse_ref, 1e-4, 1e-5)
+
+
+# Exercise 8.5, the capstone: the split-KV kernel that writes one split's partial output and lse.
+SPLIT_BLOCK_M = SPLIT_BLOCK_N = 16
+SPLIT_CASES = [
+    # (cache lengths, capacity, H, H_kv, new tokens, d, splits, causal, what the case adds)
+    ((40, 25), 48, 2, 2, 1, 16, 1, False, "the online softmax over one split (the whole cache), a ragged last tile"),
+    ((70, 23, 0), 80, 2, 2, 1, 16, 3, False, "several splits, each its own slice [lo, hi); a cache of length 0 "
+                                             "and splits past the end (no key: o = 0, lse = -inf)"),
+    ((65, 33), 72, 4, 2, 1, 16, 5, False, "grouped-query attention: query head h reads K/V head h // GROUP"),
+    ((65, 23, 1), 72, 4, 2, 3, 16, 4, True, "3 causal new tokens: token i sees cache entries j <= i + L - Nq"),
+]
+SPLIT_HINTS = (
+    "read which case failed first and what it adds, and the (batch, head, split) named with its key range; each "
+    "program owns one split of one (batch, head): its slice of this sequence's cache, as in exercise 8.4, and "
+    "the online softmax of notebook 05 over that slice only. The formulas: print(SPLIT_HINTS[1])",
+    "program (pid_bh, split): b = pid_bh // n_heads, h = pid_bh mod n_heads, K/V head = h // GROUP, L = "
+    "SEQLENS[b]; per = cdiv(cdiv(L, BLOCK_N), num_splits)·BLOCK_N keys, lo = split·per, hi = min(lo + per, L). "
+    "Rows are the n_q new tokens. Per tile of keys j in [lo, hi): s = q·kᵀ·qk_scale, −inf where j ≥ hi or, "
+    "causal, j > i + L − n_q; m, l, acc updated as in notebook 05 (0 in place of an m that is still −inf). "
+    "Write o = acc / l and lse = (m + log2 l)·ln 2 into this split's slot; o = 0 and lse = −inf where l = 0.",
+)
+
+
+def split_reference(q, k, v, seqlens, num_splits: int, causal: bool, block_n: int = SPLIT_BLOCK_N):
+    """Float64 partials (o_parts (B, H, Nq, S, d), lse_parts (B, H, Nq, S)) of each split's slice of each
+    sequence's cache (`split_bounds`), GQA by repeating heads; a split with no visible key: o = 0, lse = -inf."""
+    b, h, nq, d = q.shape
+    group = h // k.shape[1]
+    k, v = (t.double().repeat_interleave(group, dim=1) for t in (k, v))
+    scores = q.double() @ k.transpose(-1, -2) / math.sqrt(d)
+    cols, rows = torch.arange(k.shape[2]), torch.arange(nq)
+    o_parts = torch.zeros(b, h, nq, num_splits, d, dtype=torch.float64)
+    lse_parts = torch.full((b, h, nq, num_splits), -math.inf, dtype=torch.float64)
+    for i, length in enumerate(seqlens):
+        for s, (lo, hi) in enumerate(split_bounds(length, block_n, num_splits)):
+            visible = (cols[None, :] >= lo) & (cols[None, :] < hi)
+            if causal:
+                visible = visible & (cols[None, :] <= rows[:, None] + length - nq)
+            s_i = scores[i].masked_fill(~visible, -math.inf)
+            lse = torch.logsumexp(s_i, -1)
+            p = torch.exp(s_i - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
+            o_parts[i, :, :, s], lse_parts[i, :, :, s] = p @ v[i], lse
+    return o_parts, lse_parts
+
+
+def launch_split_kv(kernel, q, k_cache, v_cache, seqlens, num_splits: int, causal: bool):
+    """The capstone's launch: grid (B·H, num_splits); returns (o_parts (B, H, Nq, S, d), lse_parts
+    (B, H, Nq, S)), both filled with NaN before the launch, so a slot the kernel never writes shows."""
+    from utils.course.exercises.triton_forward import LOG2E, counted_launch
+
+    b, h, nq, d = q.shape
+    o_parts = torch.full((b, h, nq, num_splits, d), float("nan"), device=q.device, dtype=torch.float32)
+    lse_parts = torch.full((b, h, nq, num_splits), float("nan"), device=q.device, dtype=torch.float32)
+    lens = torch.tensor(seqlens, dtype=torch.int32, device=q.device)
+    strides = [*q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], *o_parts.stride()[:4],
+               *lse_parts.stride()[:3]]
+    counted_launch(kernel, (b * h, num_splits), q, k_cache, v_cache, o_parts, lse_parts, lens, *strides, h, nq,
+                   num_splits, LOG2E / math.sqrt(d), GROUP=h // k_cache.shape[1], CAUSAL=causal, HEAD_DIM=d,
+                   BLOCK_M=SPLIT_BLOCK_M, BLOCK_N=SPLIT_BLOCK_N)
+    return o_parts, lse_parts
+
+
+def _split_report(got, expected, seqlens, num_splits, name, tol, max_items=3) -> str | None:
+    """None if `got` matches; otherwise the wrong (batch, head, split) slots, each with its key range and rows.
+    got, expected: (B, H, Nq, S, ...) with at least one trailing dim."""
+    g, e = got.double().cpu(), expected.double().cpu()
+    bad = ~torch.isclose(g, e, atol=tol, rtol=tol) | (~torch.isfinite(g) & torch.isfinite(e))
+    bad = bad.flatten(4).any(-1)                              # (B, H, Nq, S)
+    if not bad.any():
+        return None
+    slots = bad.any(2).nonzero().tolist()                     # (batch, head, split)
+    lines = []
+    for bi, hi_, s in slots[:max_items]:
+        lo, hi = split_bounds(seqlens[bi], SPLIT_BLOCK_N, num_splits)[s]
+        rows = bad[bi, hi_, :, s].nonzero().flatten().tolist()
+        keys = f"keys [{lo}, {hi}) of {seqlens[bi]}" if lo < hi else f"no keys (cache of {seqlens[bi]})"
+        at = (bi, hi_, rows[0], s)
+        lines.append(f"batch={bi}, head={hi_}, split={s} ({keys}): rows {rows} wrong; row {rows[0]}: got "
+                     f"{_first(g[at])}, expected {_first(e[at])}")
+    if len(slots) > max_items:
+        lines.append(f"... and {len(slots) - max_items} more (batch, head, split) slot(s)")
+    return f"{name} is wrong in {len(slots)} (batch, head, split) slot(s):\n  " + "\n  ".join(lines)
+
+
+def _first(t):
+    t = t.flatten()
+    return f"{t[0].item():.4g}" + (" ..." if t.numel() > 1 else "")
+
+
+def check_split_kv(kernel, *, device="cpu") -> None:
+    """Exercise 8.5, the capstone: `split_kv_partial` writes, for each (batch, head, split), the normalised
+    partial output and natural-log lse of its slice of the cache. Run on SPLIT_CASES (ragged lengths, empty
+    splits, GQA, causal new tokens), compared with float64 partials; a failure names the case, what it adds, and
+    the wrong (batch, head, split) slots with their key ranges and rows. The course's decode kernels are refused,
+    and the launch must run the kernel passed."""
+    from utils.course.exercises.refuse import refusing
+    from utils.course.exercises.triton_forward import learner_kernel
+    from utils.flash_decoding import flash_decode, flash_decode_paged, merge_partials
+
+    learner_kernel(kernel, "split_kv_partial")
+    tol = 1e-4 if device == "cpu" else 1e-2
+    dtype = torch.float32 if device == "cpu" else torch.float16
+    for number, (seqlens, cap, h, h_kv, nq, d, splits, causal, adds) in enumerate(SPLIT_CASES, 1):
+        gen = torch.Generator().manual_seed(number)
+        q = torch.randn(len(seqlens), h, nq, d, generator=gen)
+        k, v = (torch.randn(len(seqlens), h_kv, cap, d, generator=gen) for _ in range(2))
+        k = k * torch.linspace(0.5, 3.0, cap)[:, None]         # the running max moves from tile to tile
+        q, k, v = (t.to(device, dtype) for t in (q, k, v))
+        with refusing(flash_decode, flash_decode_paged, merge_partials):   # interpreted kernels are Python
+            o, lse = launch_split_kv(kernel, q, k, v, seqlens, splits, causal)
+        o_ref, lse_ref = split_reference(q.cpu(), k.cpu(), v.cpu(), seqlens, splits, causal)
+        report = (_split_report(o, o_ref, seqlens, splits, "o", tol)
+                  or _split_report(lse[..., None], lse_ref[..., None], seqlens, splits, "lse", tol))
+        if report:
+            raise AssertionError(f"case {number} (lengths {list(seqlens)}, H={h}, H_kv={h_kv}, new tokens={nq}, "
+                                 f"d={d}, {splits} split(s){', causal' if causal else ''}), the first to add "
+                                 f"{adds}:\n  {report}")

@@ -114,20 +114,26 @@ def launch(kernel, q, k, v, *, causal=None, block_m: int = BLOCK_M, block_n: int
     lse = torch.full((b * h, nq), float("nan"), device=q.device, dtype=torch.float32)
     meta = {} if causal is None else {"CAUSAL": causal}
     grid = ((nq + block_m - 1) // block_m, b * h)
+    counted_launch(kernel, grid, q, k, v, o, lse, nq, nk, LOG2E / math.sqrt(d), GROUP=h // h_kv, HEAD_DIM=d,
+                   BLOCK_M=block_m, BLOCK_N=block_n, **meta)
+    return o.view(b, h, nq, d), lse.view(b, h, nq)
+
+
+def counted_launch(kernel, grid, *args, **kwargs) -> None:
+    """`kernel[grid](*args, **kwargs)`, failing unless the kernel passed is what ran, once (a kernel object
+    whose launch runs another kernel fails)."""
     hooks, launches = getattr(kernel, "pre_run_hooks", None), []
-    count = lambda *args, **kwargs: launches.append(1)   # noqa: E731 (Triton calls it as the kernel starts)
+    count = lambda *a, **k: launches.append(1)   # noqa: E731 (Triton calls it as the kernel starts)
     if isinstance(hooks, list):
         hooks.append(count)
     try:
-        kernel[grid](q, k, v, o, lse, nq, nk, LOG2E / math.sqrt(d), GROUP=h // h_kv, HEAD_DIM=d,
-                     BLOCK_M=block_m, BLOCK_N=block_n, **meta)
+        kernel[grid](*args, **kwargs)
     finally:
         if isinstance(hooks, list):
             hooks.remove(count)
     if isinstance(hooks, list) and len(launches) != 1:
         raise AssertionError(f"one launch ran the kernel you passed {len(launches)} times: the check must see your "
                              f"kernel itself run, once")
-    return o.view(b, h, nq, d), lse.view(b, h, nq)
 
 
 def reference(q, k, v, causal: bool = False):
@@ -219,7 +225,7 @@ def check_causal(kernel) -> None:
 
 
 def check_causal_key_range(causal_key_range) -> None:
-    """Exercise 5.5: causal_key_range(start_m, block_m, Nq, Nk) = (n_full, n_end): the keys every query of the
+    """Exercise 5.6: causal_key_range(start_m, block_m, Nq, Nk) = (n_full, n_end): the keys every query of the
     block sees, and one past the last key any of them sees, from the bottom-right causal mask. The notebook's
     `kernel_key_ranges` and `block_kinds` and the course's `flash2_kv_end` are refused while it runs."""
     from utils.flash_pytorch import flash2_kv_end
@@ -238,7 +244,7 @@ def check_causal_key_range(causal_key_range) -> None:
 
 
 def check_merge_halves(merge_halves) -> None:
-    """Exercise 5.6: merge_halves(o1, lse1, o2, lse2) = the attention over both halves of the keys, from each
+    """Exercise 5.7: merge_halves(o1, lse1, o2, lse2) = the attention over both halves of the keys, from each
     half's fp32 output and natural-log lse; a half with lse -inf counts for nothing, and rows with no key in
     either half give 0. The course's merges (`merge_attention`, `merge_partials`, ...) are refused."""
     from utils.course.exercises.online_softmax import course_lse
@@ -258,3 +264,84 @@ def check_merge_halves(merge_halves) -> None:
         both = merge_halves(torch.zeros_like(o1).float(), none, torch.zeros_like(o2).float(), none)
     assert_rows_close(one, o2, atol=1e-6, rtol=1e-6, name="the merge with a first half of no keys (lse -inf)")
     assert torch.isfinite(both).all() and (both == 0).all(), "rows with no key in either half must give 0, not nan"
+
+
+# Exercise 5.4, the capstone: the whole forward kernel with strides. Each case adds one thing to the ones before
+# it, so the first case that fails says where to look.
+FORWARD_CASES = [
+    # (B, H, H_kv, Nq, Nk, d, causal, layout, what the case adds)
+    (1, 2, 2, 40, 37, 16, False, "contiguous", "the online softmax and the ragged last key block (Nk = 37)"),
+    (2, 4, 2, 17, 48, 16, False, "contiguous", "grouped-query attention: query head h reads K/V head h // GROUP"),
+    (1, 4, 2, 24, 40, 32, False, "bshd", "strides: Q, K, V and O are (batch, seq, heads, head_dim) buffers seen "
+                                         "as (batch, heads, seq, head_dim), and K/V rows of a longer cache"),
+    (1, 2, 1, 40, 56, 16, True, "contiguous", "the causal mask, bottom-right aligned (Nq < Nk)"),
+    (1, 2, 2, 50, 20, 16, True, "bshd", "causal with Nq > Nk: the first Nq - Nk queries see no key (O = 0, "
+                                        "lse = -inf)"),
+]
+FORWARD_HINTS = (
+    "read which case failed first and what it adds; each program is one Q block of one (batch, head): load the "
+    "Q tile once, stream the K/V tiles of its key range with the online softmax in base 2, then divide by l and "
+    "write O and the natural-log lse. The formulas: print(FORWARD_HINTS[1])",
+    "program (pid_m, pid_bh): b = pid_bh // n_heads, h = pid_bh mod n_heads, K/V head = h // GROUP; the address "
+    "of Q[b, h, i, c] is Q + b·stride_qb + h·stride_qh + i·stride_qm + c (likewise K, V, O). Per key tile: "
+    "s = q·kᵀ·qk_scale, −inf where the key j ≥ Nk or, causal, j > i + Nk − Nq; m_new = max(m, rowmax s), "
+    "m_safe = 0 where m_new = −inf else m_new; p = 2^(s − m_safe); alpha = 2^(m − m_safe); "
+    "l = l·alpha + rowsum p; acc = acc·alpha + p·v. At the end O = acc / l and lse = (m + log2 l)·ln 2, with O = 0 and lse = −inf where "
+    "l = 0. Causal: no query of the block sees a key past start_m + BLOCK_M + Nk − Nq, so the loop stops there.",
+)
+
+
+def _layout(t, layout: str, seq_capacity: int | None = None):
+    """`t` (B, H, N, d) as the kernel should see it: contiguous, or ("bshd") a view of a (B, N', H, d) buffer
+    whose first N rows are t's, N' = seq_capacity (a longer cache) or N: every stride differs from contiguous."""
+    if layout == "contiguous":
+        return t.contiguous()
+    b, h, n, d = t.shape
+    buf = torch.full((b, seq_capacity or n, h, d), float("nan"), dtype=t.dtype, device=t.device)
+    buf[:, :n] = t.transpose(1, 2)
+    return buf.transpose(1, 2)[:, :, :n]
+
+
+def launch_flash_forward(kernel, q, k, v, *, causal: bool, layout: str = "contiguous",
+                         block_m: int = BLOCK_M, block_n: int = BLOCK_N):
+    """The capstone's launch: `kernel` on (B, H, N, d) tensors seen through `layout`; returns (o, lse), lse
+    natural-log, shape (B, H, Nq). O is written through its strides; LSE is a contiguous (B, H, Nq) buffer."""
+    b, h, nq, d = q.shape
+    h_kv, nk = k.shape[1], k.shape[2]
+    if h % h_kv:
+        raise ValueError(f"q has {h} heads, not a multiple of k's {h_kv}")
+    q = _layout(q, layout)
+    k, v = (_layout(t, layout, seq_capacity=nk + 7 if layout != "contiguous" else None) for t in (k, v))
+    o = _layout(torch.zeros_like(q), layout)
+    lse = torch.full((b, h, nq), float("nan"), device=q.device, dtype=torch.float32)
+    strides = [s for t in (q, k, v, o) for s in t.stride()[:3]]
+    counted_launch(kernel, ((nq + block_m - 1) // block_m, b * h), q, k, v, o, lse, *strides, h, nq, nk,
+                   LOG2E / math.sqrt(d), GROUP=h // h_kv, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n,
+                   CAUSAL=causal)
+    return o, lse
+
+
+def check_flash_forward(kernel) -> None:
+    """Exercise 5.4, the capstone: the whole FlashAttention-2 forward kernel `flash_forward`, with strides, GQA,
+    ragged lengths and the causal mask, on FORWARD_CASES. O and lse are compared with a float64 reference; a
+    failure names the case, what it adds, and the wrong (batch, head) rows and Q blocks. Course kernels are
+    refused, and the launch must run the kernel passed."""
+    learner_kernel(kernel, "flash_forward")
+    from utils.tiled.attention import flash_attention
+    from utils.tiled.forward import flash_attention_forward
+
+    for number, (b, h, h_kv, nq, nk, d, causal, layout, adds) in enumerate(FORWARD_CASES, 1):
+        device, dtype, tol = _setting(kernel)
+        q, k, v = (t.to(device, dtype) for t in _qkv(b, h, h_kv, nq, nk, d, True, seed=nq * 1000 + nk))
+        with refusing(flash_attention, flash_attention_forward):   # interpreted kernels are Python: no detours
+            o, lse = launch_flash_forward(kernel, q, k, v, causal=causal, layout=layout)
+        o_ref, lse_ref = reference(q, k, v, causal=causal)
+        where = f"case {number} (B={b}, H={h}, H_kv={h_kv}, Nq={nq}, Nk={nk}, d={d}, {layout}" \
+                f"{', causal' if causal else ''}), the first to add {adds}"
+        try:
+            assert_rows_close(o, o_ref, atol=tol, rtol=tol, block_rows=BLOCK_M, name="O")
+            assert_rows_close(lse[..., None], lse_ref[..., None], atol=tol, rtol=tol, block_rows=BLOCK_M, name="lse")
+        except RefusedAnswer:
+            raise
+        except AssertionError as err:
+            raise AssertionError(f"{where}:\n  {err}") from None
