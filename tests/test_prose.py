@@ -1,5 +1,6 @@
 """Lessons a learner can finish (issue 72): at most 4,000 words of running prose each, sentences of at most 20
-words on average, at most 10 % of them over 35 words. Worklog notebooks (optional reading) are exempt.
+words on average, at most 10 % of them over 35 words (worklog notebooks, optional reading, are exempt); and
+in every notebook no measured number typed into the prose.
 
 Running prose is the markdown's text: fenced code, display and inline math, tables, headings and HTML tags
 are left out, and inline code counts as one word.
@@ -70,3 +71,40 @@ def test_the_limits_catch_a_long_lesson(tmp_path):
     path.write_text(json.dumps({"cells": [{"cell_type": "markdown", "source": [text]}]}))
     words, mean, long = prose_stats(path)
     assert words == 4800 and mean == 8 and long == 0
+
+
+# A measured number is printed by a code cell from images/*.json, never typed (issue 72). In prose: no range of
+# ratios ("1.29-1.40×") and no time in ms or µs at all; a rate (TFLOP/s, TB/s, GB/s) only in a cell that names its
+# source (a datasheet, a paper, a spec sheet), where it is a cited figure, not a measurement.
+RATIO_RANGE = re.compile(r"\d+\.\d+\s*[–-]\s*\d+\.\d+\s*×")
+TIME = re.compile(r"(?<![\w.])\d+(?:\.\d+)?\s*(?:ms|µs)\b")
+RATE = re.compile(r"(?<![\w.])\d+(?:[.,]\d+)?\s*(?:TFLOP/s|PFLOP/s|TB/s|GB/s)")
+CITED = re.compile(r"datasheet|data sheet|paper|et al\.|spec sheet|specification|NVIDIA gives|NVIDIA lists", re.I)
+
+
+def typed_measurements(path: Path) -> list[str]:
+    """The sentences of a notebook's markdown that type what looks like a measured number."""
+    found = []
+    for cell in json.loads(path.read_text())["cells"]:
+        if cell["cell_type"] != "markdown":
+            continue
+        text = running_text("".join(cell["source"]))
+        cited = CITED.search(text)
+        found += [s for s in sentences(text)
+                  if RATIO_RANGE.search(s) or TIME.search(s) or (RATE.search(s) and not cited)]
+    return found
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_no_measurement_is_typed_into_prose(path):
+    found = typed_measurements(path)
+    assert not found, f"{path.name}: print these from images/*.json instead: {found}"
+
+
+def test_typed_measurements_are_found(tmp_path):
+    path = tmp_path / "x.ipynb"
+    cells = ["It runs at 1.29–1.40× FlashAttention-2 here.", "A launch takes 12 µs on this GPU.",
+             "The kernel reaches 450 TFLOP/s in our run.", "The H200 datasheet gives 4.8 TB/s of bandwidth.",
+             "Backward FLOPs are 2.5× the forward's."]
+    path.write_text(json.dumps({"cells": [{"cell_type": "markdown", "source": [c]} for c in cells]}))
+    assert typed_measurements(path) == cells[:3]
