@@ -6,6 +6,11 @@ A check runs a test function at once and reports one of three things:
   interpreter and compiler do for a stub inside a kernel), with the hint;
 - ✗ wrong: the AssertionError's message and the hint, then the error is raised again so the cell fails.
 
+Hints come in two levels, `check(title, hints=(first, second))`: a "not yet" or ✗ prints the first (what is wrong,
+and the idea to look at); `hint(2)`, when the learner asks, prints the second (the formula, in words or math). No
+hint holds code. `check(title, hint=...)`, one level, is what notebooks not yet moved to two levels still use
+(tests/test_hints.py lists them).
+
 In the committed notebooks, solutions sit between `# BEGIN SOLUTION` and `# END SOLUTION` lines.
 """
 from __future__ import annotations
@@ -22,25 +27,64 @@ def is_stub_error(err: BaseException | None) -> bool:
     return False
 
 
-def check(title: str, *, hint: str):
-    """Decorator: `@check("1.1 causal mask", hint="...")` over a test function runs it and reports."""
-    if not isinstance(title, str) or not isinstance(hint, str):
-        raise TypeError("check(title, hint=...) takes two strings")
+HINTS: dict[str, tuple[str, str]] = {}   # exercise number (the title's first word) -> (first hint, second)
+_last_failed: list[str] = []             # the number of the exercise that said "not yet" or ✗ last
+
+
+def check(title: str, *, hints: tuple[str, str] | None = None, hint: str | None = None):
+    """Decorator: `@check("1.1 causal mask", hints=("what is wrong, the idea", "the formula"))` over a test function
+    runs it and reports. `hint="..."` instead of `hints` gives a single level (the older form)."""
+    if not isinstance(title, str) or not title.split():
+        raise TypeError("check: title must be a string that starts with the exercise number")
+    if (hints is None) == (hint is None):
+        raise TypeError("check: pass hints=(first, second), or the older hint='...', not both or neither")
+    if hints is not None:
+        if not isinstance(hints, tuple) or len(hints) != 2 or not all(isinstance(h, str) and h for h in hints):
+            raise TypeError("check: hints must be a tuple of two non-empty strings (what is wrong, the formula)")
+        first = f"{hints[0]} (more: hint(2))"
+    else:
+        if not isinstance(hint, str):
+            raise TypeError("check: hint must be a string")
+        first = hint
+    number = title.split()[0]
+    if hints is not None:
+        HINTS[number] = hints
+    else:
+        HINTS.pop(number, None)
 
     def run(test):
         try:
             test()
         except Exception as err:
+            failed = is_stub_error(err) or isinstance(err, AssertionError)
+            if failed:
+                _last_failed[:] = [number]
             if is_stub_error(err):
-                print(f"… {title}: not yet. Hint: {hint}")
+                print(f"… {title}: not yet. Hint: {first}")
                 return "not yet"
             if isinstance(err, AssertionError):
-                print(f"✗ {title}: {err or 'wrong answer'}. Hint: {hint}")
+                print(f"✗ {title}: {err or 'wrong answer'}. Hint: {first}")
             raise
         print(f"✓ {title}: right")
         return "right"
 
     return run
+
+
+def hint(level: int = 2, exercise: str | None = None) -> None:
+    """Print hint `level` (1 or 2) of `exercise` (e.g. "2.4"; default: the exercise that said "not yet" or ✗
+    last)."""
+    if level not in (1, 2):
+        raise ValueError(f"hint: level must be 1 or 2, got {level!r}")
+    if exercise is not None and not isinstance(exercise, str):
+        raise TypeError(f"hint: exercise must be a string such as '2.4', got {type(exercise).__name__}")
+    number = exercise or (_last_failed[0] if _last_failed else None)
+    if number is None:
+        raise ValueError("hint: no exercise has said 'not yet' or ✗ yet; name one, e.g. hint(2, '1.2')")
+    if number not in HINTS:
+        raise ValueError(f"hint: no exercise {number!r} with two hint levels; these have them: "
+                         f"{', '.join(HINTS) or 'none yet'}")
+    print(f"Hint {level} for {number}: {HINTS[number][level - 1]}")
 
 
 def _spans(indices) -> str:

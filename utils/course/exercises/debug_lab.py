@@ -6,7 +6,8 @@ A fix's check runs the learner's kernel on odd shapes (sizes that are not multip
 than rows, several head groupings) against a float64 reference computed here, and names the rows, blocks and
 heads that are wrong. A diagnostic's check runs the learner's copy with the helpers spied on (`watch_helpers`)
 and says whether the call looks in the right program, at the right value, at the right place.
-Hints come in two levels: `check(..., hints=(first, second))` prints the first, `hint(2)` the second.
+Hints come in two levels (`utils.course.exercises.check`, re-exported here): `check(..., hints=(first, second))`
+prints the first, `hint(2)` the second.
 """
 from __future__ import annotations
 
@@ -16,43 +17,7 @@ import sys
 
 import torch
 
-from utils.course.exercises import assert_rows_close
-from utils.course.exercises import check as one_hint_check
-
-# --- Tiered hints: a check prints the first; hint(2) prints the second, when asked -------------------------
-
-HINTS: dict[str, tuple[str, str]] = {}   # exercise number -> (what is wrong and the idea, the formula)
-_last: list[str] = []                    # the exercise checked last
-
-
-def check(title: str, *, hints: tuple[str, str]):
-    """`@check("5a.1 title", hints=(first, second))`: `utils.course.exercises.check` with two levels of hint.
-    A "not yet" or a wrong answer prints the first; `hint(2)` prints the second for the exercise checked last."""
-    if not isinstance(title, str) or not title.split():
-        raise TypeError("check: title must be a string that starts with the exercise number")
-    if (not isinstance(hints, tuple) or len(hints) != 2 or not all(isinstance(h, str) and h for h in hints)):
-        raise TypeError("check: hints must be a tuple of two non-empty strings (the idea, the formula)")
-    number = title.split()[0]
-    HINTS[number] = hints
-
-    def run(test):
-        _last[:] = [number]
-        return one_hint_check(title, hint=f"{hints[0]} (more: hint(2))")(test)
-
-    return run
-
-
-def hint(level: int = 2, exercise: str | None = None) -> None:
-    """Print hint `level` (1 or 2) of `exercise` (e.g. "5a.3"; default: the exercise checked last)."""
-    if level not in (1, 2):
-        raise ValueError(f"hint: level must be 1 or 2, got {level!r}")
-    number = exercise or (_last[0] if _last else None)
-    if number is None:
-        raise ValueError("hint: no exercise checked yet; pass one, e.g. hint(2, '5a.1')")
-    if number not in HINTS:
-        raise ValueError(f"hint: no exercise {number!r}; these have hints: {', '.join(HINTS)}")
-    print(f"Hint {level} for {number}: {HINTS[number][level - 1]}")
-
+from utils.course.exercises import HINTS, assert_rows_close, check, hint  # noqa: F401  (05a imports check, hint here)
 
 BLOCK_R = 8      # rows per program in the lab's kernels
 BLOCK_C = 16     # columns per block where a kernel loops over column blocks
