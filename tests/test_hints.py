@@ -54,8 +54,24 @@ def checks(path: Path) -> list[tuple[str, str, object]]:
                     and node.args and isinstance(node.args[0], ast.Constant)):
                 for kw in node.keywords:
                     if kw.arg in ("hints", "hint"):
-                        found.append((node.args[0].value, kw.arg, ast.literal_eval(kw.value)))
+                        found.append((node.args[0].value, kw.arg, hint_value(kw.value)))
     return found
+
+
+def hint_value(node):
+    """A hint argument's value: a literal, or a name the exercise modules define (a capstone's two levels)."""
+    if isinstance(node, ast.Name):
+        import importlib
+        import pkgutil
+
+        import utils.course.exercises as package
+
+        for info in pkgutil.iter_modules(package.__path__):
+            module = importlib.import_module(f"{package.__name__}.{info.name}")
+            if hasattr(module, node.id):
+                return getattr(module, node.id)
+        raise AssertionError(f"hint {node.id} is defined by no module of utils.course.exercises")
+    return ast.literal_eval(node)
 
 
 def solution_lines(path: Path) -> list[str]:

@@ -126,7 +126,7 @@ SPLIT_CASES = [
 SPLIT_HINTS = (
     "read which case failed first and what it adds, and the (batch, head, split) named with its key range; each "
     "program owns one split of one (batch, head): its slice of this sequence's cache, as in exercise 8.4, and "
-    "the online softmax of notebook 05 over that slice only. The formulas: print(SPLIT_HINTS[1])",
+    "the online softmax of notebook 05 over that slice only.",
     "program (pid_bh, split): b = pid_bh // n_heads, h = pid_bh mod n_heads, K/V head = h // GROUP, L = "
     "SEQLENS[b]; per = cdiv(cdiv(L, BLOCK_N), num_splits)·BLOCK_N keys, lo = split·per, hi = min(lo + per, L). "
     "Rows are the n_q new tokens. Per tile of keys j in [lo, hi): s = q·kᵀ·qk_scale, −inf where j ≥ hi or, "

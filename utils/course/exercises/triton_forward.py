@@ -281,7 +281,7 @@ FORWARD_CASES = [
 FORWARD_HINTS = (
     "read which case failed first and what it adds; each program is one Q block of one (batch, head): load the "
     "Q tile once, stream the K/V tiles of its key range with the online softmax in base 2, then divide by l and "
-    "write O and the natural-log lse. The formulas: print(FORWARD_HINTS[1])",
+    "write O and the natural-log lse.",
     "program (pid_m, pid_bh): b = pid_bh // n_heads, h = pid_bh mod n_heads, K/V head = h // GROUP; the address "
     "of Q[b, h, i, c] is Q + b·stride_qb + h·stride_qh + i·stride_qm + c (likewise K, V, O). Per key tile: "
     "s = q·kᵀ·qk_scale, −inf where the key j ≥ Nk or, causal, j > i + Nk − Nq; m_new = max(m, rowmax s), "
