@@ -10,9 +10,9 @@
   the registers, shared memory and spills ptxas reports for every kernel. That works because each .cu file
   keeps its torch-facing wrapper behind `#ifdef COURSE_TORCH_WRAPPER`, compiled by the host compiler.
 - `flash_naive`, `flash_tiled`, `flash_mma` (the tensor-core kernel of notebook 06b, one build per step of its
-  worklog), `flash_attention_cuda` (the registry's "cuda") and `softmax` are the Python entry points; they
-  validate their inputs before any compile or launch (the TORCH_CHECKs in the .cu files are the second line of
-  defence).
+  worklog) and `softmax` are the Python entry points; they validate their inputs before any compile or launch
+  (the TORCH_CHECKs in the .cu files are the second line of defence). The registry's "cuda",
+  `flash_attention_cuda`, is differentiable and so lives with the backward, in utils.cuda_backward.
 """
 from __future__ import annotations
 
@@ -532,40 +532,6 @@ def flash_mma(q, k, v, *, causal=False, sm_scale=None, step: str = MMA_DEFAULT_S
     if (name, capability) not in _MMA_FORWARD:  # load() once: its check for edited sources costs ~30 µs a call
         _MMA_FORWARD[name, capability] = getattr(load(name), f"{name}_forward")
     return _MMA_FORWARD[name, capability](_aligned(q), _aligned(k), _aligned(v), causal, scale)
-
-
-def flash_attention_cuda(q, k, v, *, causal=False, sm_scale=None):
-    """The course's CUDA FlashAttention forward (registry name "cuda"): `flash_mma`'s final step.
-
-    What the tensor cores cannot take runs `flash_tiled` (CUDA cores, fp32 arithmetic) instead: float32 inputs
-    on any GPU, and every input on GPUs older than sm_80 (with a warning there, e.g. Colab's T4).
-    Differentiable where the tensor cores run (utils.cuda_backward); a gradient asked of the fallback is an error.
-    Head dims: any multiple of 16 up to 128 (CUDA_HEAD_DIMS); the tensor cores take 64 and 128, and the others
-    are padded with zeros to the next of those (autograd carries the gradients through the padding).
-    """
-    shape = check_attention_inputs(q, k, v, causal=causal, head_dims=CUDA_HEAD_DIMS, dtypes=FLASH_DTYPES,
-                                   max_batch_heads=CUDA_GRID_Y)
-    tensor_cores = q.is_cuda and q.dtype != torch.float32 and gpu.capability(q.device) >= (8, 0)
-    if tensor_cores and shape.head_dim not in MMA_HEAD_DIMS:
-        d, padded = shape.head_dim, next(n for n in MMA_HEAD_DIMS if n >= shape.head_dim)
-        q, k, v = (torch.nn.functional.pad(t, (0, padded - d)) for t in (q, k, v))
-        return flash_attention_cuda(q, k, v, causal=causal, sm_scale=resolve_scale(sm_scale, d))[..., :d]
-    wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    if wants_grad and q.dtype == torch.float32:
-        raise TypeError(f"the CUDA backward (notebook 06b) takes float16 or bfloat16; q has dtype {q.dtype} "
-                        f"and needs a gradient (convert it, or use the registry's 'triton')")
-    if q.is_cuda and q.dtype != torch.float32:
-        if tensor_cores:
-            if wants_grad:
-                from utils.cuda_backward import flash_mma_attention
-
-                return flash_mma_attention(q, k, v, causal=causal, sm_scale=sm_scale)
-            return flash_mma(q, k, v, causal=causal, sm_scale=sm_scale)
-        if wants_grad:
-            check_mma_capability(gpu.capability(q.device))  # the RuntimeError that says why
-        warnings.warn(f"{gpu.name(q.device)} has no bf16 mma.sync (sm_80+): running the "
-                      f"CUDA-core kernel flash_tiled instead of the tensor-core one", stacklevel=2)
-    return flash_tiled(q, k, v, causal=causal, sm_scale=sm_scale)
 
 
 # ---- measurements (notebook 06 and `python -m utils.cuda_ext softmax --out FILE`) -------------------------------
