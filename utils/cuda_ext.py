@@ -534,54 +534,11 @@ def flash_mma(q, k, v, *, causal=False, sm_scale=None, step: str = MMA_DEFAULT_S
     return _MMA_FORWARD[name, capability](_aligned(q), _aligned(k), _aligned(v), causal, scale)
 
 
-# ---- measurements (notebook 06 and `python -m utils.cuda_ext softmax --out FILE`) -------------------------------
-
-SOFTMAX_SHAPES = ((1024, 1024), (4096, 4096), (8192, 8192), (65536, 128))
-
-
-def softmax_table(shapes=SOFTMAX_SHAPES, *, seed: int = 0) -> list[dict]:
-    """Each softmax kernel beside torch.softmax on float32 (rows, cols) inputs: ms, GB/s, speed-up over torch.
-
-    Every kernel's output is checked against torch.softmax before it is timed. The kernels are timed through
-    the extension function itself (as torch.softmax is timed through its C++ entry), without the Python-side
-    checks of `softmax()`, which would add microseconds to kernels that take a few of them.
-    """
-    from utils.course.bench import benchmark
-
-    if not torch.cuda.is_available():
-        raise RuntimeError("softmax_table needs a CUDA GPU")
-    ext = load("softmax")
-    records = []
-    for rows, cols in shapes:
-        gen = torch.Generator(device="cuda").manual_seed(seed)
-        x = torch.randn(rows, cols, device="cuda", generator=gen) * 3
-        expected = torch.softmax(x, dim=-1)
-        gigabytes = 2 * x.numel() * x.element_size() / 1e9  # one read, one write
-        base = benchmark(torch.softmax, x, -1)
-        records.append(dict(rows=rows, cols=cols, kernel="torch.softmax", ms=base, gbps=gigabytes / base * 1e3,
-                            vs_torch=1.0))
-        for index, variant in enumerate(SOFTMAX_VARIANTS):
-            torch.testing.assert_close(ext.softmax_forward(x, index), expected, atol=1e-6, rtol=1e-4)
-            ms = benchmark(ext.softmax_forward, x, index)
-            records.append(dict(rows=rows, cols=cols, kernel=variant, ms=ms, gbps=gigabytes / ms * 1e3,
-                                vs_torch=base / ms))
-    return records
-
-
-def format_softmax_table(records) -> str:
-    """A text table of softmax_table's records."""
-    lines = [f"{'rows x cols':>13s} {'kernel':>14s} {'µs':>9s} {'GB/s':>7s} {'vs torch':>9s}"]
-    for r in records:
-        lines.append(f"{r['rows']:>6d}x{r['cols']:<6d} {r['kernel']:>14s} {r['ms'] * 1e3:9.1f} {r['gbps']:7.0f} "
-                     f"{r['vs_torch']:8.2f}x")
-    return "\n".join(lines)
-
-
 def main(argv=None):
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m utils.cuda_ext")
-    parser.add_argument("what", choices=["softmax", "compile-check", "build"],
+    parser.add_argument("what", choices=["compile-check", "build"],
                         help="build: every extension this GPU runs, into build/torch_extensions/ (before a workshop)")
     parser.add_argument("--out", type=Path, help="write the records as JSON here")
     args = parser.parse_args(argv)
@@ -590,17 +547,10 @@ def main(argv=None):
         modules = load_all(names)
         print(f"built {len(modules)} extensions under {BUILD_DIR / 'torch_extensions'}: {', '.join(modules)}")
         return list(modules)
-    if args.what == "softmax":
-        from utils import gpu
-
-        records = softmax_table()
-        print(format_softmax_table(records))
-        payload = dict(environment=gpu.environment(), results=records)
-    else:
-        records = [asdict(r) for r in compile_check()]
-        for r in records:
-            print(r)
-        payload = dict(results=records)
+    records = [asdict(r) for r in compile_check()]
+    for r in records:
+        print(r)
+    payload = dict(results=records)
     if args.out:
         args.out.write_text(json.dumps(payload, indent=1))
     return records
