@@ -61,7 +61,7 @@ def test_validation_before_any_build():
         with pytest.raises(ValueError, match="cuda"):
             flash_mma_backward(q, q, k, v, o, lse)
     with pytest.raises(TypeError, match="takes float16 or bfloat16"):  # the registry's cuda, fp32 with a gradient
-        cuda_ext.flash_attention_cuda(*(t.float().requires_grad_() for t in (q, k, v)))
+        cuda_backward.flash_attention_cuda(*(t.float().requires_grad_() for t in (q, k, v)))
 
 
 def test_more_batch_heads_than_a_grid_has_is_refused_before_any_build():

@@ -16,6 +16,7 @@ import torch
 from utils import cuda_ext, gpu
 from utils.cuda_ext import (KERNELS, KernelResources, compile_check, extension_name, find_nvcc, gencode_flags,
                             parse_ptxas, short_kernel_name, source_hash)
+from utils.cuda_backward import flash_attention_cuda
 
 CUDA = torch.cuda.is_available()
 needs_nvcc = pytest.mark.skipif(find_nvcc() is None, reason="nvcc not found: the compile checks need it")
@@ -276,7 +277,7 @@ def test_mma_steps_are_named_and_registered():
     with pytest.raises(ValueError, match="step must be one of"):
         cuda_ext.mma_kernel_name("wgmma")
     impl = REGISTRY["cuda"]
-    assert impl.load() is cuda_ext.flash_attention_cuda and impl.runs_on == "cuda" and impl.notebook == "06b"
+    assert impl.load() is flash_attention_cuda and impl.runs_on == "cuda" and impl.notebook == "06b"
     assert impl.head_dims == cuda_ext.CUDA_HEAD_DIMS and set(cuda_ext.MMA_HEAD_DIMS) <= set(impl.head_dims)
     # Each step's struct derives from the one before: the steps header reads as the worklog. Step 11 starts
     # again from step 7, the last step that paid.
@@ -288,7 +289,7 @@ def test_mma_steps_are_named_and_registered():
 
 def test_flash_mma_validates_before_building():
     q = torch.randn(1, 2, 8, 64)
-    for fn in (cuda_ext.flash_mma, cuda_ext.flash_attention_cuda):
+    for fn in (cuda_ext.flash_mma, flash_attention_cuda):
         with pytest.raises(ValueError, match="needs CUDA tensors"):
             fn(q.half(), q.half(), q.half())
         with pytest.raises(TypeError, match="k has dtype"):
@@ -307,7 +308,7 @@ def test_flash_mma_validates_before_building():
     with pytest.raises(ValueError, match="step must be one of"):
         cuda_ext.flash_mma(q.half(), q.half(), q.half(), step="fastest")
     with pytest.raises(ValueError, match="needs CUDA tensors"):  # float32 goes to flash_tiled, which says so
-        cuda_ext.flash_attention_cuda(q, q, q)
+        flash_attention_cuda(q, q, q)
 
 
 def _many_heads(batch, heads, d, dtype):
@@ -319,7 +320,7 @@ def test_cuda_wrappers_refuse_more_batch_heads_than_a_grid_has():
     """Every attention kernel puts its (batch, head) pairs on the grid's y dimension, at most 65,535 blocks: more is
     a ValueError that names the limit and the sizes, raised before a build (a launch would fail, or worse)."""
     cases = ((8, torch.float32, (cuda_ext.flash_naive, cuda_ext.flash_tiled)),
-             (64, torch.float16, (cuda_ext.flash_mma, cuda_ext.flash_attention_cuda)))
+             (64, torch.float16, (cuda_ext.flash_mma, flash_attention_cuda)))
     for d, dtype, fns in cases:
         for fn in fns:
             for batch, heads in ((65536, 1), (256, 257)):
@@ -774,16 +775,16 @@ def test_registry_cuda_runs_the_last_step_and_falls_back_for_float32():
 
     q, k, v = random_qkv(1, 2, 100, 100, 64, dtype=torch.float16, device="cuda")
     if gpu.capability() >= (8, 0):
-        assert torch.equal(cuda_ext.flash_attention_cuda(q, k, v, causal=True),
+        assert torch.equal(flash_attention_cuda(q, k, v, causal=True),
                            cuda_ext.flash_mma(q, k, v, causal=True))
     else:
         with pytest.warns(UserWarning, match="no bf16 mma.sync"):
-            out = cuda_ext.flash_attention_cuda(q, k, v, causal=True)
+            out = flash_attention_cuda(q, k, v, causal=True)
         assert torch.equal(out, cuda_ext.flash_tiled(q, k, v, causal=True))
         with pytest.raises(RuntimeError, match="compute capability 8.0 or newer"):
             cuda_ext.flash_mma(q, k, v)
     q, k, v = (t.float() for t in (q, k, v))
-    assert_attention_matches_reference(cuda_ext.flash_attention_cuda, q, k, v, causal=True)
+    assert_attention_matches_reference(flash_attention_cuda, q, k, v, causal=True)
 
 
 def torch_check_message_args(source: str) -> list[str]:

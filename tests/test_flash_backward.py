@@ -442,10 +442,11 @@ def test_autograd_keeps_the_backward_kinds_in_the_forward_kind():
     of a dO layout takes the kept kind (bitwise the gradients of flash_attention_backward), and a dO of other
     strides or another alignment gets a kind of its own."""
     from utils import flash_triton
+    from utils.flash_triton_bwd import flash_attention
 
     q, k, v = (t.requires_grad_() for t in random_qkv(2, 4, 200, 200, 64, dtype=torch.float16, device=DEVICE,
                                                         seed=5))
-    o, lse = flash_triton.flash_attention(q, k, v, causal=True, return_lse=True)
+    o, lse = flash_attention(q, k, v, causal=True, return_lse=True)
     forward_kind = flash_triton._KINDS[flash_triton._call_key(q, k, v, True, None)]
     forward_kind.derived.clear()
     do = torch.randn_like(o)
@@ -474,7 +475,7 @@ def test_the_kinds_of_call_kept_stay_at_the_bound(monkeypatch):
     for n in (64, 72, 80, 88):
         q, k, v = (t.requires_grad_() for t in random_qkv(1, 2, n, n, 64, dtype=torch.float16, device=DEVICE,
                                                             seed=n))
-        o = flash_triton.flash_attention(q, k, v, causal=True)
+        o = bwd.flash_attention(q, k, v, causal=True)
         do = torch.randn_like(o)
         for g in (do, do.transpose(1, 2).contiguous().transpose(1, 2), misaligned(do)):
             got = torch.autograd.grad(o, (q, k, v), g, retain_graph=True)
@@ -497,7 +498,7 @@ def test_default_config_is_valid_for_every_case():
 @pytest.mark.parametrize("shape,causal", [((1, 4, 2, 45, 45, 64), True), ((1, 2, 1, 33, 70, 96), False),
                                           ((1, 2, 2, 70, 33, 32), True)], ids=str)
 def test_flash_attention_end_to_end(shape, causal, dtype):
-    from utils.flash_triton import flash_attention
+    from utils.flash_triton_bwd import flash_attention
 
     b, h, hk, nq, nk, d = shape
     q, k, v = random_qkv(b, h, nq, nk, d, kv_heads=hk, dtype=dtype, device=DEVICE, seed=11)
@@ -510,7 +511,7 @@ def test_flash_attention_end_to_end(shape, causal, dtype):
 @pytest.mark.gpu
 def test_flash_attention_matches_sdpa_gradients_on_gpu():
     """bf16 on a GPU: our gradients are as close to float64 truth as SDPA's own are (within 2x)."""
-    from utils.flash_triton import flash_attention
+    from utils.flash_triton_bwd import flash_attention
     from utils.reference import sdpa_attention
 
     q, k, v = random_qkv(2, 8, 2048, 2048, 128, kv_heads=2, dtype=torch.bfloat16, device="cuda", seed=13)

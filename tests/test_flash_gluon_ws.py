@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from utils import flash_gluon_ws as ws
+from utils.flash_gluon_bwd import flash_attention_gluon_ws
 from utils import gpu
 
 on_hopper = pytest.mark.skipif(not torch.cuda.is_available() or gpu.capability() != (9, 0),
@@ -21,13 +22,13 @@ KERNEL_PARITY = lambda tile, stages: ((tile // stages) & 1) ^ 1   # noqa: E731  
 def test_inputs_are_checked_before_anything_is_built():
     q = torch.randn(1, 2, 16, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="q is on cpu"):
-        ws.flash_attention_gluon_ws(q, q, q)
+        flash_attention_gluon_ws(q, q, q)
     with pytest.raises(TypeError, match="q has dtype torch.float32"):
-        ws.flash_attention_gluon_ws(q.float(), q.float(), q.float())
+        flash_attention_gluon_ws(q.float(), q.float(), q.float())
     with pytest.raises(ValueError, match="head_dim 32"):
-        ws.flash_attention_gluon_ws(q[..., :32], q[..., :32], q[..., :32])
+        flash_attention_gluon_ws(q[..., :32], q[..., :32], q[..., :32])
     with pytest.raises(TypeError, match="causal must be a bool"):
-        ws.flash_attention_gluon_ws(q, q, q, causal=1)
+        flash_attention_gluon_ws(q, q, q, causal=1)
 
 
 @pytest.mark.parametrize("config,error,match", [

@@ -21,14 +21,9 @@ FORWARD_BACKWARD = (("utils.flash_pytorch", "utils.flash_pytorch_bwd"), ("utils.
 LIBRARY_NAMES = {"triton", "torch", "cuda", "gluon", "cutlass", "numpy"}
 
 # Today's violations, to be removed by the layout steps of issue 71 (then deleted here).
-KNOWN_TOOLING_IMPORTS = {("utils.cuda_ext", "utils.course"),          # softmax_table: a benchmark in kernel code
-                         ("utils.ring_attention", "utils.course")}  # its multi-process check harness
-KNOWN_CYCLES = {("utils.flash_triton", "utils.flash_triton_bwd"), ("utils.flash_gluon", "utils.flash_gluon_bwd"),
-                ("utils.cuda_backward", "utils.cuda_ext")}
-KNOWN_FORWARD_IMPORTS_BACKWARD = {("utils.flash_triton", "utils.flash_triton_bwd"),
-                                  ("utils.flash_gluon", "utils.flash_gluon_bwd"),
-                                  ("utils.flash_gluon_ws", "utils.flash_gluon_bwd"),
-                                  ("utils.cuda_ext", "utils.cuda_backward")}
+KNOWN_TOOLING_IMPORTS: set = set()
+KNOWN_CYCLES: set = set()
+KNOWN_FORWARD_IMPORTS_BACKWARD: set = set()
 KNOWN_LIBRARY_FOLDERS = {"utils/cuda"}
 
 

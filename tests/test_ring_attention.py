@@ -1,6 +1,7 @@
 """Ring attention (utils.ring_attention): layout helpers, the single-process simulation, its gradients against
 float64 autograd, a model trained through it, and real runs with 2, 3 and 4 processes on gloo, forward and
-backward (one launch per world size, every case checked inside it: process start-up dominates)."""
+backward, through utils.course.ring_check (one launch per world size, every case checked inside it: process
+start-up dominates)."""
 import functools
 import json
 
@@ -9,9 +10,10 @@ import torch
 
 from utils.flash_pytorch_bwd import attention_gradients
 from utils.reference import naive_attention, reference_attention
-from utils.ring_attention import (LAYOUTS, RingCase, block_gradients, free_port, pick_local_backward,
-                                  ring_attention, run_ring_check, shard, shard_indices, simulate_ring_attention,
-                                  simulate_ring_backward, step_work, unshard, work_per_step, zigzag_chunks)
+from utils.course.ring_check import RING_NCCL_JSON, RingCase, free_port, run_ring_check
+from utils.ring_attention import (LAYOUTS, block_gradients, pick_local_backward, ring_attention, shard,
+                                  shard_indices, simulate_ring_attention, simulate_ring_backward, step_work, unshard,
+                                  work_per_step, zigzag_chunks)
 from utils.softmax import attention_with_lse
 from utils.course.testing import assert_close, random_qkv
 
@@ -328,7 +330,7 @@ def test_spawn_hides_the_file_triton_interpreter_leaves_in_main(monkeypatch):
     run_ring_check's spawned children must not run it as their main script. A real script's path stays."""
     import sys
 
-    from utils.ring_attention import _main_without_interpreter_file
+    from utils.course.ring_check import _main_without_interpreter_file
 
     main = sys.modules["__main__"]
     stray = "/x/site-packages/triton/runtime/interpreter.py"
@@ -343,7 +345,7 @@ def test_spawn_hides_the_file_triton_interpreter_leaves_in_main(monkeypatch):
 
 def test_gloo_command_line_writes_its_results_with_their_environment(tmp_path):
     """The command line (the one that makes images/ring_nccl.json on GPUs) records where it measured."""
-    from utils.ring_attention import _main
+    from utils.course.ring_check import _main
 
     path = tmp_path / "ring.json"
     argv = ["--backend", "gloo", "--world-size", "2", "--seqlen", "64", "--heads", "2", "--head-dim", "16",
@@ -358,3 +360,7 @@ def test_gloo_command_line_writes_its_results_with_their_environment(tmp_path):
     assert [r["case"]["causal"] for r in stored["results"]] == [False, True, True] == [
         r["case"]["causal"] for r in results]
     assert all(r["max_abs_err"] <= r["dtype_tolerance"] for r in stored["results"])
+
+
+def test_the_nccl_command_line_writes_to_the_stored_reference_by_default():
+    assert RING_NCCL_JSON.is_file() and RING_NCCL_JSON.parent.name == "images", RING_NCCL_JSON

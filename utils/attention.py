@@ -55,7 +55,7 @@ REGISTRY = {impl.name: impl for impl in [
                    "FlashAttention-2 order: one program per Q block, delayed normalisation, log-sum-exp", "04"),
     Implementation("flash_decoding", "utils.flash_decoding:flash_decoding_attention", "triton",
                    "split-KV flash-decoding: partial outputs per slice of the keys, merged by log-sum-exp", "08"),
-    Implementation("triton", "utils.flash_triton:flash_attention", "triton",
+    Implementation("triton", "utils.flash_triton_bwd:flash_attention", "triton",
                    "FlashAttention-2 forward in Triton (interpreted on a CPU; bf16 there computed in fp32), backward "
                    "of notebook 07", "05", head_dims=tuple(range(16, 257)), grad_dtypes=(torch.float16, torch.bfloat16, torch.float32)),
     Implementation("triton_lesson", "utils.tiled.attention:flash_attention", "triton",
@@ -71,7 +71,7 @@ REGISTRY = {impl.name: impl for impl in [
     Implementation("cuda_tiled", "utils.cuda_ext:flash_tiled", "cuda",
                    "CUDA via load_inline, FlashAttention-2 tiling on CUDA cores (fp32 accumulation)", "06",
                    head_dims=tuple(range(8, 257, 8))),
-    Implementation("cuda", "utils.cuda_ext:flash_attention_cuda", "cuda",
+    Implementation("cuda", "utils.cuda_backward:flash_attention_cuda", "cuda",
                    "CUDA FlashAttention-2 on tensor cores (mma.sync, ldmatrix, swizzle, cp.async; fp32 inputs and "
                    "pre-sm_80 GPUs run cuda_tiled), its backward on tensor cores too; head dims other than 64 and 128 "
                    "padded to them", "06b", head_dims=tuple(range(16, 129, 16)),
@@ -80,13 +80,13 @@ REGISTRY = {impl.name: impl for impl in [
                    "CUDA FlashAttention-2 on Hopper: TMA copies, wgmma from shared memory and from registers "
                    "(H100/H200 only)", "06c", head_dims=(64, 128), dtypes=(torch.float16, torch.bfloat16),
                    capability=(9, 0)),
-    Implementation("gluon", "utils.flash_gluon:flash_attention_gluon", "cuda",
+    Implementation("gluon", "utils.flash_gluon_bwd:flash_attention_gluon", "cuda",
                    "FlashAttention-3's intra-warpgroup overlap in Gluon (Triton's lower level): explicit wgmma "
                    "waits, a TMA ring with mbarriers (H100/H200 only); backward: one warp-specialised Gluon "
                    "kernel (07)",
                    "05b", head_dims=(64, 128), dtypes=(torch.float16, torch.bfloat16), capability=(9, 0),
                    grad_dtypes=(torch.float16, torch.bfloat16)),
-    Implementation("gluon_ws", "utils.flash_gluon_ws:flash_attention_gluon_ws", "cuda",
+    Implementation("gluon_ws", "utils.flash_gluon_bwd:flash_attention_gluon_ws", "cuda",
                    "the Gluon forward warp-specialised: a producer warp issues the TMA copies, two consumer "
                    "warpgroups share a 128-row tile, per-slot full/empty mbarriers (H100/H200 only); backward as "
                    "gluon's",

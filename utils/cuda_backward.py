@@ -12,8 +12,9 @@
   "mask_after" (7) Pᵀ's exponentials before its mask, which then takes no branch; "warp_tiles" (8) FlashAttention-2's
   32 x 32 warp tiles, Pᵀ and dSᵀ through shared memory; "hoisted" (9) every copy and ldmatrix address worked out
   once, before the loop (the default: the fastest measured).
-- `flash_mma_attention(q, k, v)`: differentiable attention with both; the registry's "cuda" calls it when a
-  gradient is wanted.
+- `flash_mma_attention(q, k, v)`: differentiable attention with both.
+- `flash_attention_cuda(q, k, v)`: the registry's "cuda": utils.cuda_ext's kernels without a gradient (flash_mma,
+  or flash_tiled where the tensor cores cannot run), flash_mma_attention when a gradient is wanted.
 
 D = rowsum(dO ∘ O) and lse·log2(e) are prepared here in torch (two small element-wise passes), padded so that
 the kernels read them in whole tiles.
@@ -21,11 +22,13 @@ the kernels read them in whole tiles.
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 
 from utils import cuda_ext, gpu
 from utils.checks import CUDA_GRID_Y, check_attention_inputs, check_batch_heads, check_device, resolve_scale
+from utils.cuda_ext import CUDA_HEAD_DIMS, FLASH_DTYPES, MMA_HEAD_DIMS, check_mma_capability, flash_mma, flash_tiled
 from utils.flash_pytorch_bwd import check_backward_inputs
 
 BWD_STEPS = ("atomic_dq", "dq_pass", "narrow_rows", "two_blocks", "per_head_dim", "unroll_two", "mask_after",
@@ -117,3 +120,35 @@ def flash_mma_attention(q, k, v, *, causal=False, sm_scale=None, step: str = BWD
     resolve_scale(sm_scale, shape.head_dim)  # errors at the call, not inside autograd
     check_device("q", q, "cuda")
     return FlashMmaFunction.apply(q, k, v, causal, sm_scale, step)
+
+
+def flash_attention_cuda(q, k, v, *, causal=False, sm_scale=None):
+    """The course's CUDA FlashAttention forward (registry name "cuda"): `flash_mma`'s final step.
+
+    What the tensor cores cannot take runs `flash_tiled` (CUDA cores, fp32 arithmetic) instead: float32 inputs
+    on any GPU, and every input on GPUs older than sm_80 (with a warning there, e.g. Colab's T4).
+    Differentiable where the tensor cores run (flash_mma_attention); a gradient asked of the fallback is an error.
+    Head dims: any multiple of 16 up to 128 (CUDA_HEAD_DIMS); the tensor cores take 64 and 128, and the others
+    are padded with zeros to the next of those (autograd carries the gradients through the padding).
+    """
+    shape = check_attention_inputs(q, k, v, causal=causal, head_dims=CUDA_HEAD_DIMS, dtypes=FLASH_DTYPES,
+                                   max_batch_heads=CUDA_GRID_Y)
+    tensor_cores = q.is_cuda and q.dtype != torch.float32 and gpu.capability(q.device) >= (8, 0)
+    if tensor_cores and shape.head_dim not in MMA_HEAD_DIMS:
+        d, padded = shape.head_dim, next(n for n in MMA_HEAD_DIMS if n >= shape.head_dim)
+        q, k, v = (torch.nn.functional.pad(t, (0, padded - d)) for t in (q, k, v))
+        return flash_attention_cuda(q, k, v, causal=causal, sm_scale=resolve_scale(sm_scale, d))[..., :d]
+    wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if wants_grad and q.dtype == torch.float32:
+        raise TypeError(f"the CUDA backward (notebook 06b) takes float16 or bfloat16; q has dtype {q.dtype} "
+                        f"and needs a gradient (convert it, or use the registry's 'triton')")
+    if q.is_cuda and q.dtype != torch.float32:
+        if tensor_cores:
+            if wants_grad:
+                return flash_mma_attention(q, k, v, causal=causal, sm_scale=sm_scale)
+            return flash_mma(q, k, v, causal=causal, sm_scale=sm_scale)
+        if wants_grad:
+            check_mma_capability(gpu.capability(q.device))  # the RuntimeError that says why
+        warnings.warn(f"{gpu.name(q.device)} has no bf16 mma.sync (sm_80+): running the "
+                      f"CUDA-core kernel flash_tiled instead of the tensor-core one", stacklevel=2)
+    return flash_tiled(q, k, v, causal=causal, sm_scale=sm_scale)

@@ -10,9 +10,9 @@
   the registers, shared memory and spills ptxas reports for every kernel. That works because each .cu file
   keeps its torch-facing wrapper behind `#ifdef COURSE_TORCH_WRAPPER`, compiled by the host compiler.
 - `flash_naive`, `flash_tiled`, `flash_mma` (the tensor-core kernel of notebook 06b, one build per step of its
-  worklog), `flash_attention_cuda` (the registry's "cuda") and `softmax` are the Python entry points; they
-  validate their inputs before any compile or launch (the TORCH_CHECKs in the .cu files are the second line of
-  defence).
+  worklog) and `softmax` are the Python entry points; they validate their inputs before any compile or launch
+  (the TORCH_CHECKs in the .cu files are the second line of defence). The registry's "cuda",
+  `flash_attention_cuda`, is differentiable and so lives with the backward, in utils.cuda_backward.
 """
 from __future__ import annotations
 
@@ -534,88 +534,11 @@ def flash_mma(q, k, v, *, causal=False, sm_scale=None, step: str = MMA_DEFAULT_S
     return _MMA_FORWARD[name, capability](_aligned(q), _aligned(k), _aligned(v), causal, scale)
 
 
-def flash_attention_cuda(q, k, v, *, causal=False, sm_scale=None):
-    """The course's CUDA FlashAttention forward (registry name "cuda"): `flash_mma`'s final step.
-
-    What the tensor cores cannot take runs `flash_tiled` (CUDA cores, fp32 arithmetic) instead: float32 inputs
-    on any GPU, and every input on GPUs older than sm_80 (with a warning there, e.g. Colab's T4).
-    Differentiable where the tensor cores run (utils.cuda_backward); a gradient asked of the fallback is an error.
-    Head dims: any multiple of 16 up to 128 (CUDA_HEAD_DIMS); the tensor cores take 64 and 128, and the others
-    are padded with zeros to the next of those (autograd carries the gradients through the padding).
-    """
-    shape = check_attention_inputs(q, k, v, causal=causal, head_dims=CUDA_HEAD_DIMS, dtypes=FLASH_DTYPES,
-                                   max_batch_heads=CUDA_GRID_Y)
-    tensor_cores = q.is_cuda and q.dtype != torch.float32 and gpu.capability(q.device) >= (8, 0)
-    if tensor_cores and shape.head_dim not in MMA_HEAD_DIMS:
-        d, padded = shape.head_dim, next(n for n in MMA_HEAD_DIMS if n >= shape.head_dim)
-        q, k, v = (torch.nn.functional.pad(t, (0, padded - d)) for t in (q, k, v))
-        return flash_attention_cuda(q, k, v, causal=causal, sm_scale=resolve_scale(sm_scale, d))[..., :d]
-    wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    if wants_grad and q.dtype == torch.float32:
-        raise TypeError(f"the CUDA backward (notebook 06bw) takes float16 or bfloat16; q has dtype {q.dtype} "
-                        f"and needs a gradient (convert it, or use the registry's 'triton')")
-    if q.is_cuda and q.dtype != torch.float32:
-        if tensor_cores:
-            if wants_grad:
-                from utils.cuda_backward import flash_mma_attention
-
-                return flash_mma_attention(q, k, v, causal=causal, sm_scale=sm_scale)
-            return flash_mma(q, k, v, causal=causal, sm_scale=sm_scale)
-        if wants_grad:
-            check_mma_capability(gpu.capability(q.device))  # the RuntimeError that says why
-        warnings.warn(f"{gpu.name(q.device)} has no bf16 mma.sync (sm_80+): running the "
-                      f"CUDA-core kernel flash_tiled instead of the tensor-core one", stacklevel=2)
-    return flash_tiled(q, k, v, causal=causal, sm_scale=sm_scale)
-
-
-# ---- measurements (notebook 06 and `python -m utils.cuda_ext softmax --out FILE`) -------------------------------
-
-SOFTMAX_SHAPES = ((1024, 1024), (4096, 4096), (8192, 8192), (65536, 128))
-
-
-def softmax_table(shapes=SOFTMAX_SHAPES, *, seed: int = 0) -> list[dict]:
-    """Each softmax kernel beside torch.softmax on float32 (rows, cols) inputs: ms, GB/s, speed-up over torch.
-
-    Every kernel's output is checked against torch.softmax before it is timed. The kernels are timed through
-    the extension function itself (as torch.softmax is timed through its C++ entry), without the Python-side
-    checks of `softmax()`, which would add microseconds to kernels that take a few of them.
-    """
-    from utils.course.bench import benchmark
-
-    if not torch.cuda.is_available():
-        raise RuntimeError("softmax_table needs a CUDA GPU")
-    ext = load("softmax")
-    records = []
-    for rows, cols in shapes:
-        gen = torch.Generator(device="cuda").manual_seed(seed)
-        x = torch.randn(rows, cols, device="cuda", generator=gen) * 3
-        expected = torch.softmax(x, dim=-1)
-        gigabytes = 2 * x.numel() * x.element_size() / 1e9  # one read, one write
-        base = benchmark(torch.softmax, x, -1)
-        records.append(dict(rows=rows, cols=cols, kernel="torch.softmax", ms=base, gbps=gigabytes / base * 1e3,
-                            vs_torch=1.0))
-        for index, variant in enumerate(SOFTMAX_VARIANTS):
-            torch.testing.assert_close(ext.softmax_forward(x, index), expected, atol=1e-6, rtol=1e-4)
-            ms = benchmark(ext.softmax_forward, x, index)
-            records.append(dict(rows=rows, cols=cols, kernel=variant, ms=ms, gbps=gigabytes / ms * 1e3,
-                                vs_torch=base / ms))
-    return records
-
-
-def format_softmax_table(records) -> str:
-    """A text table of softmax_table's records."""
-    lines = [f"{'rows x cols':>13s} {'kernel':>14s} {'µs':>9s} {'GB/s':>7s} {'vs torch':>9s}"]
-    for r in records:
-        lines.append(f"{r['rows']:>6d}x{r['cols']:<6d} {r['kernel']:>14s} {r['ms'] * 1e3:9.1f} {r['gbps']:7.0f} "
-                     f"{r['vs_torch']:8.2f}x")
-    return "\n".join(lines)
-
-
 def main(argv=None):
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m utils.cuda_ext")
-    parser.add_argument("what", choices=["softmax", "compile-check", "build"],
+    parser.add_argument("what", choices=["compile-check", "build"],
                         help="build: every extension this GPU runs, into build/torch_extensions/ (before a workshop)")
     parser.add_argument("--out", type=Path, help="write the records as JSON here")
     args = parser.parse_args(argv)
@@ -624,17 +547,10 @@ def main(argv=None):
         modules = load_all(names)
         print(f"built {len(modules)} extensions under {BUILD_DIR / 'torch_extensions'}: {', '.join(modules)}")
         return list(modules)
-    if args.what == "softmax":
-        from utils import gpu
-
-        records = softmax_table()
-        print(format_softmax_table(records))
-        payload = dict(environment=gpu.environment(), results=records)
-    else:
-        records = [asdict(r) for r in compile_check()]
-        for r in records:
-            print(r)
-        payload = dict(results=records)
+    records = [asdict(r) for r in compile_check()]
+    for r in records:
+        print(r)
+    payload = dict(results=records)
     if args.out:
         args.out.write_text(json.dumps(payload, indent=1))
     return records

@@ -17,7 +17,7 @@ so the exponentials of tile j overlap the P·V product of tile j-1. K and V arri
 shared-memory buffers filled by TMA; buffer s is refilled once every warp has finished the products that read
 it (one `thread_barrier` per iteration), which leaves a whole iteration to hide the copy's latency.
 
-`flash_attention_gluon(q, k, v, *, causal=False, sm_scale=None)` follows the course conventions
+`flash_attention_gluon_forward(q, k, v, *, causal=False, sm_scale=None)` -> (o, lse) follows the course conventions
 (utils.reference): (batch, heads, seq, head_dim) tensors, GQA, any lengths, Nq != Nk with bottom-right causal
 alignment and a zero output for a query that sees no key. fp16 and bf16, head dims 64 and 128, sm_90 only:
 Gluon has no interpreter, so this kernel runs on an H100/H200 and nowhere else. The 4-D tensor descriptors
@@ -379,11 +379,3 @@ def _launch(q, k, v, o, lse, causal: bool, scale: float, config: Config) -> None
                     heads, heads // k.shape[1], seqlen_q, k.shape[2], scale * LOG2E,
                     HEAD_DIM=head_dim, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                     STAGES=config.stages, CAUSAL=causal, num_warps=config.num_warps)
-
-
-def flash_attention_gluon(q, k, v, *, causal=False, sm_scale=None):
-    """The registry's entry: the output of flash_attention_gluon_forward, differentiable (the backward is
-    utils.flash_gluon_bwd's one-kernel Gluon backward, worklog 07w section 5)."""
-    from utils.flash_gluon_bwd import differentiable   # it imports this module
-
-    return differentiable(flash_attention_gluon_forward, q, k, v, causal, sm_scale)

@@ -38,6 +38,9 @@ What made it fast (measured on an H200, worklog 07w section 5 reads the stored r
 The reduce-adds from the programs of one head arrive in any order, so dQ's last bits vary from run to run
 (notebook 07's dQ pass is deterministic); dK and dV do not. Gluon has no interpreter: the kernel runs on sm_90
 (H100/H200) only; utils.course.cross_compile compiles it on a CPU, and replay_protocol replays its synchronisation.
+
+The registry's differentiable entries live here, with the backward, so that no forward module imports it:
+`flash_attention_gluon` (utils.flash_gluon's forward) and `flash_attention_gluon_ws` (utils.flash_gluon_ws's).
 """
 from __future__ import annotations
 
@@ -57,6 +60,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from utils import flash_gluon as fg
 from utils import flash_triton_bwd as tb
+from utils.flash_gluon import flash_attention_gluon_forward
+from utils.flash_gluon_ws import flash_attention_gluon_ws_forward
 from utils.checks import check_device
 from utils.flash_pytorch_bwd import check_backward_inputs
 from utils import launch
@@ -477,6 +482,18 @@ def differentiable(forward, q, k, v, causal, sm_scale):
     if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v)):
         return GluonAttentionFunction.apply(q, k, v, causal, sm_scale, forward)
     return forward(q, k, v, causal=causal, sm_scale=sm_scale)[0]
+
+
+def flash_attention_gluon(q, k, v, *, causal=False, sm_scale=None):
+    """The registry's "gluon": the output of utils.flash_gluon.flash_attention_gluon_forward, differentiable
+    (the backward is this module's kernel)."""
+    return differentiable(flash_attention_gluon_forward, q, k, v, causal, sm_scale)
+
+
+def flash_attention_gluon_ws(q, k, v, *, causal=False, sm_scale=None):
+    """The registry's "gluon_ws": the output of utils.flash_gluon_ws.flash_attention_gluon_ws_forward,
+    differentiable (the backward is this module's kernel)."""
+    return differentiable(flash_attention_gluon_ws_forward, q, k, v, causal, sm_scale)
 
 
 def replay_protocol(n_tiles: int, stages: int, seed: int = 0, *, prefetch_s: bool = False, ds_buffers: int = 2,

@@ -215,13 +215,6 @@ def _launch(q, k, v, o, lse, causal: bool, scale: float, config: WSConfig) -> No
                     CAUSAL=causal, CONSUMER_REGS=config.consumer_regs, num_warps=4)
 
 
-def flash_attention_gluon_ws(q, k, v, *, causal=False, sm_scale=None):
-    """The registry's entry: the output of flash_attention_gluon_ws_forward, differentiable (the backward is
-    utils.flash_gluon_bwd's one-kernel Gluon backward, worklog 07w section 5)."""
-    from utils.flash_gluon_bwd import differentiable   # it imports this module
-
-    return differentiable(flash_attention_gluon_ws_forward, q, k, v, causal, sm_scale)
-
 
 def replay_protocol(n_tiles: int, stages: int, empty_parity, seed: int = 0) -> None:
     """Replay the kernel's ring protocol in one random interleaving of the producer, the two consumers and the

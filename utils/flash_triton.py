@@ -1,7 +1,7 @@
 """FlashAttention-2 forward in Triton (notebook 05): one kernel that runs compiled on a GPU and, through the
 Triton interpreter, on a CPU.
 
-`flash_attention(q, k, v, *, causal=False, sm_scale=None, return_lse=False)` follows the course conventions
+`flash_attention_forward(q, k, v, *, causal=False, sm_scale=None)` follows the course conventions
 (utils.reference): `(batch, heads, seq, head_dim)` tensors, K/V with fewer heads than Q (GQA/MQA, read in place,
 never copied), any strides, any sequence lengths >= 1 with Nq != Nk allowed, causal masking aligned bottom-right
 (query i sees keys j <= i + Nk - Nq) and a zero output for a query that sees no key. Head dims 16 to 256; a head
@@ -12,10 +12,10 @@ inputs use exact fp32 dots, `input_precision="ieee"`, because TF32 rounding of Q
 units). On a CPU the interpreter runs fp32 and fp16; it has no bf16 arithmetic (NumPy has no bfloat16), so bf16
 inputs on a CPU are computed in fp32 and the output is returned in bf16.
 
-`flash_attention` is differentiable: its autograd Function saves (q, k, v, o, lse) and its backward calls
-`utils.flash_triton_bwd.flash_attention_backward` (notebook 07). `flash_attention_forward` is the plain forward,
-returning (o, lse) with the natural-log log-sum-exp, fp32, shape (batch, heads, seqlen_q), -inf where a query
-sees no key.
+`flash_attention_forward` returns (o, lse) with the natural-log log-sum-exp, fp32, shape (batch, heads,
+seqlen_q), -inf where a query sees no key. The differentiable entry (the registry's "triton"),
+`utils.flash_triton_bwd.flash_attention`, runs this forward and notebook 07's backward; it lives with the
+backward so that this module never imports it.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from utils import gpu, launch
-from utils.checks import check_attention_inputs, check_bool, resolve_scale
+from utils.checks import check_attention_inputs, resolve_scale
 from utils.launch import FastLauncher
 from utils.triton_utils import cdiv
 
@@ -587,49 +587,3 @@ def _forward(q, k, v, causal, kind):
         o, lse = _launch(q.float(), k.float(), v.float(), causal, kind.choices.scale)
         return o.to(torch.bfloat16), lse
     return _launch(q, k, v, causal, kind.choices.scale, kind=kind)
-
-
-class FlashAttentionFunction(torch.autograd.Function):
-    """Autograd wrapper: forward runs the Triton kernel; backward is notebook 07's kernel, given the forward's
-    kind of call (utils.flash_triton_bwd.backward_for_forward)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, causal, kind):
-        o, lse = _forward(q, k, v, causal, kind)  # flash_attention checked the inputs: `kind` is their kind
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.set_materialize_grads(False)  # lse gets no gradient: no tensor of zeros is made for it
-        ctx.causal = causal
-        ctx.sm_scale = kind.choices.scale
-        ctx.kind = kind  # the backward keeps its kinds of call in the forward's
-        ctx.mark_non_differentiable(lse)
-        return o, lse
-
-    @staticmethod
-    def backward(ctx, do, _dlse):
-        if do is None:  # o took no part in what is differentiated
-            return None, None, None, None, None
-        try:
-            from utils.flash_triton_bwd import backward_for_forward
-        except ModuleNotFoundError as err:
-            if err.name != "utils.flash_triton_bwd":
-                raise
-            raise NotImplementedError("the backward pass of flash_attention lives in utils/flash_triton_bwd.py "
-                                      "(notebook 07), which is not there yet") from None
-        q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = backward_for_forward(ctx.kind, do, q, k, v, o, lse, causal=ctx.causal, sm_scale=ctx.sm_scale)
-        return dq, dk, dv, None, None
-
-
-def flash_attention(q, k, v, *, causal=False, sm_scale=None, return_lse=False):
-    """FlashAttention-2 forward in Triton: softmax(Q Kᵀ · sm_scale) V, differentiable.
-
-    Returns O, shaped and typed like q (contiguous), or (O, lse) with return_lse=True (lse: fp32,
-    (batch, heads, seqlen_q), natural log, -inf for a query that sees no key).
-    """
-    check_bool("return_lse", return_lse)
-    kind = _kind(q, k, v, causal, sm_scale)  # the checks before autograd, so errors point at the call
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        o, lse = FlashAttentionFunction.apply(q, k, v, causal, kind)
-    else:  # nothing to differentiate: skip the autograd Function (~10 µs of host time a call)
-        o, lse = _forward(q, k, v, causal, kind)
-    return (o, lse) if return_lse else o

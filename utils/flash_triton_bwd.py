@@ -29,15 +29,15 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from utils import gpu
-from utils.checks import AttentionShape
+from utils.checks import AttentionShape, check_bool
 from utils.flash_pytorch_bwd import check_backward_inputs
-from utils.flash_triton import tma_supported
+from utils.flash_triton import _forward, _kind, tma_supported
 from utils import launch
 from utils.launch import FastLauncher
 from utils.triton_utils import cdiv
 
-__all__ = ["flash_attention_backward", "BackwardConfig", "default_config", "default_tma", "tma_reduce_supported",
-           "HEAD_DIMS", "DTYPES"]
+__all__ = ["flash_attention", "FlashAttentionFunction", "flash_attention_backward", "BackwardConfig", "default_config",
+           "default_tma", "tma_reduce_supported", "HEAD_DIMS", "DTYPES"]
 
 HEAD_DIMS = tuple(range(16, 257))   # as the forward (utils.flash_triton): padded to a power of two
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -455,8 +455,8 @@ def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, sm_scale=None
 
 
 def backward_for_forward(forward_kind: launch.Kind, do, q, k, v, o, lse, *, causal, sm_scale):
-    """flash_attention_backward of what a forward of kind `forward_kind` saved (utils.flash_triton's autograd
-    Function calls this). That kind fixes the shapes, strides, dtypes and alignment of q, k, v, o and lse, so
+    """flash_attention_backward of what a forward of kind `forward_kind` saved (FlashAttentionFunction calls
+    this). That kind fixes the shapes, strides, dtypes and alignment of q, k, v, o and lse, so
     the backward's kinds of call are kept in it under the key of dO alone: one tensor's key instead of six, and
     less host time where a call's host time is its time (N <= 1k: notebook 05b, section 7)."""
     key = launch.kind_key((do,), ())
@@ -469,6 +469,48 @@ def backward_for_forward(forward_kind: launch.Kind, do, q, k, v, o, lse, *, caus
     if kept:
         launch.keep(forward_kind.derived, key, kept)
     return grads
+
+
+# ---- the registry's "triton": the forward of utils.flash_triton with this backward ---------------------------------
+
+class FlashAttentionFunction(torch.autograd.Function):
+    """Autograd wrapper: forward runs utils.flash_triton's kernel; backward is notebook 07's kernel, given the
+    forward's kind of call (backward_for_forward)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, kind):
+        o, lse = _forward(q, k, v, causal, kind)  # flash_attention checked the inputs: `kind` is their kind
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.set_materialize_grads(False)  # lse gets no gradient: no tensor of zeros is made for it
+        ctx.causal = causal
+        ctx.sm_scale = kind.choices.scale
+        ctx.kind = kind  # the backward keeps its kinds of call in the forward's
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, _dlse):
+        if do is None:  # o took no part in what is differentiated
+            return None, None, None, None, None
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = backward_for_forward(ctx.kind, do, q, k, v, o, lse, causal=ctx.causal, sm_scale=ctx.sm_scale)
+        return dq, dk, dv, None, None
+
+
+def flash_attention(q, k, v, *, causal=False, sm_scale=None, return_lse=False):
+    """FlashAttention-2 in Triton: softmax(Q Kᵀ · sm_scale) V, differentiable (the forward of
+    utils.flash_triton, the backward of this module).
+
+    Returns O, shaped and typed like q (contiguous), or (O, lse) with return_lse=True (lse: fp32,
+    (batch, heads, seqlen_q), natural log, -inf for a query that sees no key).
+    """
+    check_bool("return_lse", return_lse)
+    kind = _kind(q, k, v, causal, sm_scale)  # the checks before autograd, so errors point at the call
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        o, lse = FlashAttentionFunction.apply(q, k, v, causal, kind)
+    else:  # nothing to differentiate: skip the autograd Function (~10 µs of host time a call)
+        o, lse = _forward(q, k, v, causal, kind)
+    return (o, lse) if return_lse else o
 
 
 def _run(kind: launch.Kind, keep: bool, do, q, k, v, o, lse) -> tuple:

@@ -28,7 +28,7 @@ BEGIN, END = "<!-- results: begin (python -m utils.course.references --readme) -
 # name -> (GPUs it needs, the command after `python -m`). Order: quick first.
 REFERENCES = {
     "ceilings": (1, ["utils.course.references", "--ceilings"]),
-    "softmax": (1, ["utils.cuda_ext", "softmax", "--out", "images/06_softmax_h200.json"]),
+    "softmax": (1, ["utils.course.bench.softmax", "--out", "images/06_softmax_h200.json"]),
     "triton_lesson": (1, ["utils.course.bench.forward", "--impls", "triton_lesson", "triton", "--sdpa", "flash", "cudnn",
                           "--seqlens", "2048", "4096", "16384", "--rounds", "2", "--name", "triton_lesson_h200"]),
     "triton_fwd": (1, ["utils.course.bench.forward", "--worklog", "--sdpa", "flash", "cudnn", "efficient",
@@ -142,7 +142,7 @@ REFERENCES = {
                   "release/3.6.x", "--impls", "triton", "gluon", "gluon_ws", "--name", "peers_h200",
                   "--rounds", "3"]),
     "summary": (1, ["utils.course.bench.summary"]),
-    "ring_nccl": (2, ["utils.ring_attention", "--backend", "nccl", "--world-size", "2"]),
+    "ring_nccl": (2, ["utils.course.ring_check", "--backend", "nccl", "--world-size", "2"]),
     "ring_comm": (2, ["utils.course.bench.ring_comm", "--backend", "nccl", "--world-size", "2", "--out", "images"]),
 }
 

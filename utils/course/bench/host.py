@@ -78,7 +78,7 @@ def host_us(fn, calls: int, reps: int) -> float:
 def implementations(args) -> dict:
     """{label: attention(q, k, v, causal=...)}: IMPLS, then args.impls (registry names), then args.peers."""
     from utils.attention import REGISTRY
-    from utils.flash_triton import flash_attention
+    from utils.flash_triton_bwd import flash_attention
 
     fns = {"triton": flash_attention, TRITON_DISPATCH: flash_attention,
            **{impl: sdpa_pinned(impl.removeprefix("sdpa-")) for impl in IMPLS if impl.startswith("sdpa-")}}

@@ -3,7 +3,7 @@
     python -m utils.course.bench.ring_comm --backend nccl --world-size 2 --out images   # images/ring_comm_<gpu>.json
     python -m utils.course.bench.ring_comm --backend gloo --world-size 2 --out /tmp     # CPU processes, small messages
 
-W processes start as in `utils.ring_attention` (`spawn_ranks`, `rank_group`) and post the very exchange of
+W processes start as in `utils.course.ring_check` (`spawn_ranks`, `rank_group`) and post the very exchange of
 `ring_attention`'s steps (`_post_exchange`: isend to rank+1, irecv from rank-1, every rank at once) for a sweep
 of message sizes. A timing is the wall time of back-to-back exchanges, from a barrier until this rank's device
 is done, over their number; the slowest rank's time counts (a ring step ends when the last chunk lands), and
@@ -25,7 +25,8 @@ import torch
 import torch.distributed as dist
 
 from utils.checks import check_int, positive_int
-from utils.ring_attention import _post_exchange, _wait, check_launch, rank_group, spawn_ranks
+from utils.course.ring_check import check_launch, rank_group, spawn_ranks
+from utils.ring_attention import _post_exchange, _wait
 
 MEASURE_COMMAND = "python -m utils.course.bench.ring_comm --backend nccl --world-size 2 --out images"
 GPU_SIZES = tuple(2**k for k in range(20, 31, 2))   # 1 MiB to 1 GiB: a 1M-token ring's chunks are 64 MiB-1 GiB
