@@ -545,7 +545,8 @@ def test_a_kind_of_call_is_checked_once_and_others_apart(monkeypatch):
 
 def test_pick_config_fits_the_gpus_shared_memory(monkeypatch):
     """The H200's tiles where they fit; smaller ones on a GPU with 64 KiB per block (a T4, or its emulation)."""
-    from utils.flash_triton import NOTEBOOK_05_TILES, SMALL_SMEM_TILES, pick_config, smem_estimate
+    from utils.flash_triton import NOTEBOOK_05_TILES, pick_config
+    from utils.tiled.forward import SMALL_SMEM_TILES, smem_estimate
 
     assert smem_estimate(Config(128, 64, 8, 3), 128, 2) == 2 * 128 * (128 + 3 * 2 * 64)
     cuda = torch.device("cuda")

@@ -30,6 +30,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from utils import gpu, launch
 from utils.checks import check_attention_inputs, resolve_scale
 from utils.launch import FastLauncher
+from utils.tiled.forward import H200_TILES, Config
+from utils.tiled.forward import pick_config as tiled_pick_config
 from utils.triton_utils import cdiv
 
 HEAD_DIMS = tuple(range(16, 257))           # any head dim from 16 to 256
@@ -257,26 +259,9 @@ def flash_fwd_kernel(Q, K, V, O, LSE, QD, KD, VD, OD,
                  mask=o_mask)
 
 
-class Config(NamedTuple):
-    block_m: int
-    block_n: int
-    num_warps: int
-    num_stages: int
-
-
-# Notebook 05's tiles for 16-bit inputs with D <= 128, measured on an H200: ahead of (128,64,4,3),
-# (128,128,8,3) and (64,64,4,3) with pointer loads. Notebook 05b's worklog starts from them.
-NOTEBOOK_05_TILES = Config(128, 64, 8, 3)
-
-
-# Smaller tiles, in the order tried, for GPUs with less shared memory per block (a T4 has 64 KiB).
-SMALL_SMEM_TILES = (Config(64, 64, 4, 2), Config(64, 32, 4, 2), Config(32, 32, 4, 1), Config(16, 16, 4, 1))
-
-
-def smem_estimate(config: Config, head_dim: int, elem_bytes: int) -> int:
-    """Shared memory a program needs, roughly: Q's tile once, K's and V's once per pipeline stage."""
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    return elem_bytes * block_d * (config.block_m + config.num_stages * 2 * config.block_n)
+# The tiles, their shared-memory estimate and the choice per head dim are the teaching kernel's
+# (utils.tiled.forward); 05b's speed-ups start from them.
+NOTEBOOK_05_TILES = H200_TILES
 
 
 def pick_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> Config:
@@ -291,20 +276,9 @@ def pick_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> Conf
 
 @functools.lru_cache(maxsize=None)  # asked at every launch
 def fit_config(head_dim: int, dtype: torch.dtype, smem: int | None) -> Config:
-    """The tiles chosen per head dim by measurement on an H200, shrunk until they fit `smem` bytes of shared
-    memory per block (None: an H200's choice). utils.course.cross_compile checks the choice for a T4 by compiling."""
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    if dtype == torch.float32:  # exact fp32 dots run on CUDA cores: small tiles keep registers in check
-        preferred = Config(64 if block_d <= 64 else 32, 32, 4, 2)
-    elif block_d <= 128:
-        preferred = NOTEBOOK_05_TILES
-    else:
-        preferred = Config(64, 64, 8, 2)
-    if smem is None:
-        return preferred
-    elem_bytes = torch.finfo(dtype).bits // 8
-    fits = [c for c in (preferred, *SMALL_SMEM_TILES) if smem_estimate(c, head_dim, elem_bytes) <= smem]
-    return fits[0] if fits else SMALL_SMEM_TILES[-1]
+    """utils.tiled.forward.pick_config, remembered: the tiles for a head dim and dtype that fit `smem` bytes of
+    shared memory per block (None: an H200's choice). utils.course.cross_compile checks a T4's by compiling."""
+    return tiled_pick_config(head_dim, dtype, smem)
 
 
 class Steps(NamedTuple):

@@ -11,7 +11,8 @@ import triton.language as tl
 
 from utils.checks import check_bool
 from utils import gpu
-from utils.flash_triton import Config, pick_config, smem_estimate, validate
+from utils.flash_triton import pick_config, validate
+from utils.tiled.forward import Config, smem_estimate
 from utils.flash_triton_bwd import BackwardConfig, _bwd_preprocess, default_config
 from utils.flash_triton_bwd import smem_estimate as bwd_smem_estimate
 from utils.flex.sparsity import BlockMask, block_mask as build_block_mask
