@@ -145,9 +145,15 @@ def test_fold_refuses_an_if_it_cannot_place():
     ("c = p.causal && (!true || c0 + BC - 1 > q0);", "c = p.causal && (c0 + BC - 1 > q0);"),
     ("u[true ? R : 1][false ? D / 16 : 1];", "u[R][1];"),
     ("\n  static_assert(true, \"x\");\n  f();", "\n  f();"),
+    ("i < (false ? D : kN) / 64;", "i < kN / 64;"),
 ])
 def test_simplify_folds_the_literals_that_decide(before, after):
     assert flatten.simplify(before) == after
+
+
+def test_fold_moves_a_kept_else_if_as_a_whole():
+    src = "\n  if constexpr (false) {\n    a();\n  } else if (n > 0) {\n    b();\n  }\n"
+    assert flatten.fold_ifs(src) == "\n  if (n > 0) {\n    b();\n  }\n"
 
 
 def test_fold_keeps_the_taken_branch_dedented_with_its_comment():

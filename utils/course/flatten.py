@@ -293,8 +293,12 @@ def simplify(text: str) -> str:
                 raise ValueError(f"ternary without ':' at line {_line(text, m.start())}")
             stops = (";", ",", "?", ">") if in_template else (";", ",", "?")
             end = _operand_end(text, colon + 1, stops)
-            kept = text[m.end():colon] if m.group(1) == "true" else text[colon + 1:end]
-            text = text[:m.start()] + kept.strip() + text[_strip_trailing(text, end):]
+            kept = (text[m.end():colon] if m.group(1) == "true" else text[colon + 1:end]).strip()
+            after = _strip_trailing(text, end)
+            start = m.start()
+            if re.fullmatch(r"\w+", kept) and text[start - 1:start] == "(" and text[after:after + 1] == ")":
+                start, after = start - 1, after + 1  # (c ? D : kN) -> kN, not (kN)
+            text = text[:start] + kept + text[after:]
         m = re.search(r"\n[ \t]*static_assert\(true,", text)
         if m:
             text = text[:m.start()] + text[_statement_end(text, m.start() + 1):]
@@ -328,7 +332,15 @@ def _branch(text: str, start: int, end: int, indent: str) -> str:
     j = _skip_space(text, start)
     if text[j] != "{":
         stmt = text[j:end].strip()
-        return _reindent(stmt, indent) if "\n" in stmt else indent + stmt
+        if "\n" not in stmt:
+            return indent + stmt
+        # a statement over several lines (`else if (...) {`): its lines move as the line it starts on
+        line = text[text.rfind("\n", 0, j) + 1:j]
+        base = len(line) - len(line.lstrip())
+        first, rest = stmt.split("\n", 1)
+        return indent + first + "\n" + "\n".join(
+            "" if not ln.strip() else ln.strip() if ln.lstrip().startswith("#") else indent + ln[base:]
+            for ln in rest.split("\n"))
     inner = text[j + 1:end - 1]
     first, _, rest = inner.partition("\n")
     comment = first.strip()

@@ -261,7 +261,7 @@ __global__ void __launch_bounds__(128 * (1 + 2), 1)
           for (int panel = 0; panel < D / 64; ++panel) {  // K: N rows of 64 columns per copy
             tma_load_3d(sk + panel * kKPanel, &map_k, 64 * panel, kN * i, wk.bh_kv, full(s));
           }
-          for (int panel = 0; panel < (kN) / 64; ++panel) {
+          for (int panel = 0; panel < kN / 64; ++panel) {
             tma_load_3d(sv + panel * D * 128, &map_vt, kN * i + 64 * panel, 0, wk.bh_kv, full(s));  // Vᵀ
           }
         }

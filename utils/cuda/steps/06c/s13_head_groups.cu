@@ -260,7 +260,7 @@ __global__ void __launch_bounds__(128 * (1 + (D == 64 ? 3 : 2)), 1)
           for (int panel = 0; panel < D / 64; ++panel) {  // K: N rows of 64 columns per copy
             tma_load_3d(sk + panel * kKPanel, &map_k, 64 * panel, kN * i, wk.bh_kv, full(s));
           }
-          for (int panel = 0; panel < (D) / 64; ++panel) {
+          for (int panel = 0; panel < D / 64; ++panel) {
             tma_load_3d(sv + panel * kKPanel, &map_vt, 64 * panel, kN * i, wk.bh_kv, full(s));  // Vᵀ
           }
         }
@@ -294,82 +294,82 @@ __global__ void __launch_bounds__(128 * (1 + (D == 64 ? 3 : 2)), 1)
     RowState<D> st;
     st.init();
     if (tiles > 0) {
-          // Step 6: S for tile i is issued together with P V for tile i-1, and the softmax of tile i runs while P V
-          // does; O is rescaled only after that wgmma is done. Step 7 adds turns: a consumer issues its wgmma only
-          // when the other has issued its own, so one's softmax lines up under the other's multiplies. Each consumer
-          // issues tiles + 1 times; consumer 1 opens consumer 0's first turn and skips giving back its own last one,
-          // so every named barrier completes as often as it is waited on.
-          auto turn = [&] {
-          };
-          auto done = [&](bool last) {
-          };
-          float s[kN / 2], alpha[2];
-          // P of two consecutive tiles: P V reads one, the softmax writes the other
-          uint32_t pa[kN / 16][4], pb[kN / 16][4];
-          auto softmax = [&](int i, uint32_t (&out)[kN / 16][4]) {
-            if (needs_mask(i)) softmax_tile<T, D, kCausal, true, true, kN>(st, s, out, alpha, kN * i, row, t, p);
-            else softmax_tile<T, D, kCausal, true, false, kN>(st, s, out, alpha, kN * i, row, t, p);
-          };
-          // Tile i: S = Q K_iᵀ and O += P_(i-1) V_(i-1) in flight together, tile i's softmax under the second.
-          auto tile = [&](int i, uint32_t (&prev)[kN / 16][4], uint32_t (&next)[kN / 16][4]) {
-            wait_full(i);
-            turn();
-            fence_registers(s);  // every input of both products settled before the first is issued
-            fence_registers(st.acc);
-            fence_fragments(prev);
-            wgmma_fence();
-            issue_qk<T, D, kN>(s, sq_wg, kQPanel, key_tile(i));
-            wgmma_commit();
-            issue_pv<T, D, kN, true>(st, prev, key_tile(i - 1) + kTile);
-            wgmma_commit();
-            done(false);
-            wgmma_wait<1>();  // S is in; P V may still run
-            fence_registers(s);
-            softmax(i, next);
-            wgmma_wait<0>();
-            fence_registers(st.acc);
-            mbarrier_arrive(empty(ring(i - 1)));
-            rescale<D>(st, alpha);
-          };
-          auto last = [&](uint32_t (&prev)[kN / 16][4]) {  // O += P V for the last tile
-            turn();
-            fence_registers(st.acc);
-            fence_fragments(prev);
-            wgmma_fence();
-            issue_pv<T, D, kN, true>(st, prev, key_tile(tiles - 1) + kTile);
-            wgmma_commit();
-            done(true);
-            wgmma_wait<0>();
-            fence_registers(st.acc);
-            mbarrier_arrive(empty(ring(tiles - 1)));
-          };
-          wait_full(0);
-          mark(2);
-          turn();
-          fence_registers(s);
-          wgmma_fence();
-          issue_qk<T, D, kN>(s, sq_wg, kQPanel, key_tile(0));
-          wgmma_commit();
-          done(false);
-          wgmma_wait<0>();
-          fence_registers(s);
-          softmax(0, pa);  // O is still 0: nothing to rescale
-          mark(3);
-          // Two tiles per trip, so that pa and pb swap roles without a copy (register moves into a wgmma's inputs
-          // between its issue and its wait make ptxas serialize every wgmma of the kernel).
-          int i = 1;
-          for (; i + 1 < tiles; i += 2) {
-            tile(i, pa, pb);
-            tile(i + 1, pb, pa);
-          }
-          mark(4);
-          if (i < tiles) {
-            tile(i, pa, pb);
-            last(pb);
-          } else {
-            last(pa);
-          }
-        }
+      // Step 6: S for tile i is issued together with P V for tile i-1, and the softmax of tile i runs while P V
+      // does; O is rescaled only after that wgmma is done. Step 7 adds turns: a consumer issues its wgmma only
+      // when the other has issued its own, so one's softmax lines up under the other's multiplies. Each consumer
+      // issues tiles + 1 times; consumer 1 opens consumer 0's first turn and skips giving back its own last one,
+      // so every named barrier completes as often as it is waited on.
+      auto turn = [&] {
+      };
+      auto done = [&](bool last) {
+      };
+      float s[kN / 2], alpha[2];
+      // P of two consecutive tiles: P V reads one, the softmax writes the other
+      uint32_t pa[kN / 16][4], pb[kN / 16][4];
+      auto softmax = [&](int i, uint32_t (&out)[kN / 16][4]) {
+        if (needs_mask(i)) softmax_tile<T, D, kCausal, true, true, kN>(st, s, out, alpha, kN * i, row, t, p);
+        else softmax_tile<T, D, kCausal, true, false, kN>(st, s, out, alpha, kN * i, row, t, p);
+      };
+      // Tile i: S = Q K_iᵀ and O += P_(i-1) V_(i-1) in flight together, tile i's softmax under the second.
+      auto tile = [&](int i, uint32_t (&prev)[kN / 16][4], uint32_t (&next)[kN / 16][4]) {
+        wait_full(i);
+        turn();
+        fence_registers(s);  // every input of both products settled before the first is issued
+        fence_registers(st.acc);
+        fence_fragments(prev);
+        wgmma_fence();
+        issue_qk<T, D, kN>(s, sq_wg, kQPanel, key_tile(i));
+        wgmma_commit();
+        issue_pv<T, D, kN, true>(st, prev, key_tile(i - 1) + kTile);
+        wgmma_commit();
+        done(false);
+        wgmma_wait<1>();  // S is in; P V may still run
+        fence_registers(s);
+        softmax(i, next);
+        wgmma_wait<0>();
+        fence_registers(st.acc);
+        mbarrier_arrive(empty(ring(i - 1)));
+        rescale<D>(st, alpha);
+      };
+      auto last = [&](uint32_t (&prev)[kN / 16][4]) {  // O += P V for the last tile
+        turn();
+        fence_registers(st.acc);
+        fence_fragments(prev);
+        wgmma_fence();
+        issue_pv<T, D, kN, true>(st, prev, key_tile(tiles - 1) + kTile);
+        wgmma_commit();
+        done(true);
+        wgmma_wait<0>();
+        fence_registers(st.acc);
+        mbarrier_arrive(empty(ring(tiles - 1)));
+      };
+      wait_full(0);
+      mark(2);
+      turn();
+      fence_registers(s);
+      wgmma_fence();
+      issue_qk<T, D, kN>(s, sq_wg, kQPanel, key_tile(0));
+      wgmma_commit();
+      done(false);
+      wgmma_wait<0>();
+      fence_registers(s);
+      softmax(0, pa);  // O is still 0: nothing to rescale
+      mark(3);
+      // Two tiles per trip, so that pa and pb swap roles without a copy (register moves into a wgmma's inputs
+      // between its issue and its wait make ptxas serialize every wgmma of the kernel).
+      int i = 1;
+      for (; i + 1 < tiles; i += 2) {
+        tile(i, pa, pb);
+        tile(i + 1, pb, pa);
+      }
+      mark(4);
+      if (i < tiles) {
+        tile(i, pa, pb);
+        last(pb);
+      } else {
+        last(pa);
+      }
+    }
     mark(5);
     for (int i = tiles; i < wk.tiles; ++i) {
       wait_full(i);  // (arriving before the tile is in would count towards the stage's previous tile)
