@@ -311,13 +311,9 @@ __global__ void __launch_bounds__(128 * (1 + Step::template consumers<D>()), 1)
                                const __grid_constant__ CUtensorMap map_vt, const __grid_constant__ CUtensorMap map_o,
                                T* __restrict__ o, const AttentionParams p) {
   constexpr int kN = Step::kKeys, kStages = Step::kStages;  // keys per tile, K/V stages
-  constexpr bool kVDirect = Step::kVDirect;
   constexpr int kConsumers = Step::template consumers<D>(), kBlockRows = kConsumers * kRows;  // query rows per block
   constexpr int kQPanel = kBlockRows * 128, kKPanel = kN * 128;     // 64-column panels of Q (all rows) and K
   constexpr int kTile = kN * D * 2;                                 // bytes of a K tile, and of a Vᵀ tile
-  constexpr bool kFast = Step::kFast;
-  constexpr bool kPersistent = Step::kPersistent;
-  constexpr bool kGrouped = Step::kHeadGroups;
   constexpr int kQBufs = Step::kPersistent ? 2 : 1;                 // Q's ring: two deep when persistent
   // a consumer that skips tiles (step 14) would leave the turns' named barriers (step 7) short of arrivals
   static_assert(!(Step::kOwnDiagonal && Step::kTurns), "own_diagonal builds on a step without turns");
@@ -339,13 +335,13 @@ __global__ void __launch_bounds__(128 * (1 + Step::template consumers<D>()), 1)
   // blockIdx.x) leaves the short ones to fill the GPU at the end instead of a long one running alone.
   struct Work { int q0, bh, bh_kv, tiles; };
   auto work = [&](int w) {
-    int bh = kPersistent ? w / q_blocks : blockIdx.y, x = kPersistent ? w % q_blocks : blockIdx.x;
-    if constexpr (kGrouped) {  // step 13: w = blockIdx.x; its group of heads, then the query block, then the head
+    int bh = Step::kPersistent ? w / q_blocks : blockIdx.y, x = Step::kPersistent ? w % q_blocks : blockIdx.x;
+    if constexpr (Step::kHeadGroups) {  // step 13: w = blockIdx.x: its head group, then the query block, then the head
       const int g = w / (p.head_group * q_blocks), r = w % (p.head_group * q_blocks);
       const int heads_in_group = min(p.head_group, p.batch_heads - g * p.head_group);
       bh = g * p.head_group + r % heads_in_group, x = r / heads_in_group;
     }
-    const int q_block = (kPersistent || kGrouped || Step::kHeavyFirst) && kCausal ? q_blocks - 1 - x : x;
+    const int q_block = (Step::kPersistent || Step::kHeadGroups || Step::kHeavyFirst) && kCausal ? q_blocks - 1 - x : x;
     const int q0 = q_block * kBlockRows, b = bh / p.heads, h = bh % p.heads;
     const int k_end = kCausal ? min(p.seqlen_k, max(0, q0 + kBlockRows + diagonal)) : p.seqlen_k;
     return Work{q0, bh, b * p.kv_heads + h / (p.heads / p.kv_heads), (k_end + kN - 1) / kN};
@@ -364,7 +360,7 @@ __global__ void __launch_bounds__(128 * (1 + Step::template consumers<D>()), 1)
       for (int n = 0;; ++n) {
         const int qb = n % kQBufs;
         if (n >= kQBufs) mbarrier_wait(q_empty(qb), (n / kQBufs - 1) & 1);  // item n - 2 is done with buffer qb
-        if constexpr (kPersistent) {
+        if constexpr (Step::kPersistent) {
           work_slot[qb] = w < total ? w : -1;  // seen by the consumers once q_full(qb) completes
           if (w >= total) {
             mbarrier_arrive(q_full(qb));
@@ -372,7 +368,7 @@ __global__ void __launch_bounds__(128 * (1 + Step::template consumers<D>()), 1)
           }
         }
         const Work wk = work(w);
-        const int next = kPersistent ? gridDim.x + atomicAdd(p.work_counter, 1) : 0;  // asked for early
+        const int next = Step::kPersistent ? gridDim.x + atomicAdd(p.work_counter, 1) : 0;  // asked for early
         const uint32_t sq_b = sq + qb * D / 64 * kQPanel;
         mbarrier_arrive_expect(q_full(qb), D / 64 * kQPanel);
         for (int panel = 0; panel < D / 64; ++panel) {  // Q in boxes of 128 rows; from step 11, 64 per consumer
@@ -393,12 +389,12 @@ __global__ void __launch_bounds__(128 * (1 + Step::template consumers<D>()), 1)
           for (int panel = 0; panel < D / 64; ++panel) {  // K: N rows of 64 columns per copy
             tma_load_3d(sk + panel * kKPanel, &map_k, 64 * panel, kN * i, wk.bh_kv, full(s));
           }
-          for (int panel = 0; panel < (kVDirect ? D : kN) / 64; ++panel) {
-            if (kVDirect) tma_load_3d(sv + panel * kKPanel, &map_vt, 64 * panel, kN * i, wk.bh_kv, full(s));  // V
+          for (int panel = 0; panel < (Step::kVDirect ? D : kN) / 64; ++panel) {
+            if (Step::kVDirect) tma_load_3d(sv + panel * kKPanel, &map_vt, 64 * panel, kN * i, wk.bh_kv, full(s));  // V
             else tma_load_3d(sv + panel * D * 128, &map_vt, kN * i + 64 * panel, 0, wk.bh_kv, full(s));  // Vᵀ
           }
         }
-        if (!kPersistent) break;
+        if (!Step::kPersistent) break;
         w = next;
       }
     }
@@ -411,7 +407,7 @@ __global__ void __launch_bounds__(128 * (1 + Step::template consumers<D>()), 1)
   for (int n = 0;; ++n) {
     const int qb = n % kQBufs;
     mbarrier_wait(q_full(qb), (n / kQBufs) & 1);
-    const int w = kPersistent ? work_slot[qb] : blockIdx.x;
+    const int w = Step::kPersistent ? work_slot[qb] : blockIdx.x;
     if (w < 0) break;
     const Work wk = work(w);
     auto mark = [&](int slot) { if (tid == 128 && n == 0) note(p, slot, global_timer_ns()); };  // first consumer
@@ -426,7 +422,10 @@ __global__ void __launch_bounds__(128 * (1 + Step::template consumers<D>()), 1)
     auto wait_full = [&](int i) { mbarrier_wait(full(ring(i)), ((it + i) / kStages) & 1); };
     auto key_tile = [&](int i) { return stages + ring(i) * 2 * kTile; };
     // Only a tile that reaches past Nk, or crosses this warpgroup's diagonal, has keys to mask (steps 1-3 mask all).
-    auto needs_mask = [&](int i) { return !kFast || tile_needs_mask(i, kN, q_lo, p.seqlen_q, p.seqlen_k, kCausal); };
+    auto needs_mask = [&](int i) {
+      if constexpr (Step::kFast) return tile_needs_mask(i, kN, q_lo, p.seqlen_q, p.seqlen_k, kCausal);
+      else return true;
+    };
     RowState<D> st;
     st.init();
     if constexpr (!Step::kOverlap) {
@@ -435,9 +434,9 @@ __global__ void __launch_bounds__(128 * (1 + Step::template consumers<D>()), 1)
         if (i == 0) mark(2);
         const uint32_t sk = key_tile(i);
         if (needs_mask(i)) {
-          attend_tile<T, D, kCausal, kFast, true>(st, sq_wg, kQPanel, sk, sk + kTile, kN * i, row, t, p);
+          attend_tile<T, D, kCausal, Step::kFast, true>(st, sq_wg, kQPanel, sk, sk + kTile, kN * i, row, t, p);
         } else {
-          attend_tile<T, D, kCausal, kFast, false>(st, sq_wg, kQPanel, sk, sk + kTile, kN * i, row, t, p);
+          attend_tile<T, D, kCausal, Step::kFast, false>(st, sq_wg, kQPanel, sk, sk + kTile, kN * i, row, t, p);
         }
         mbarrier_arrive(empty(ring(i)));
         if (i == 0) mark(3);
@@ -473,7 +472,7 @@ __global__ void __launch_bounds__(128 * (1 + Step::template consumers<D>()), 1)
         wgmma_fence();
         issue_qk<T, D, kN>(s, sq_wg, kQPanel, key_tile(i));
         wgmma_commit();
-        issue_pv<T, D, kN, kVDirect>(st, prev, key_tile(i - 1) + kTile);
+        issue_pv<T, D, kN, Step::kVDirect>(st, prev, key_tile(i - 1) + kTile);
         wgmma_commit();
         done(false);
         wgmma_wait<1>();  // S is in; P V may still run
@@ -489,7 +488,7 @@ __global__ void __launch_bounds__(128 * (1 + Step::template consumers<D>()), 1)
         fence_registers(st.acc);
         fence_fragments(prev);
         wgmma_fence();
-        issue_pv<T, D, kN, kVDirect>(st, prev, key_tile(tiles - 1) + kTile);
+        issue_pv<T, D, kN, Step::kVDirect>(st, prev, key_tile(tiles - 1) + kTile);
         wgmma_commit();
         done(true);
         wgmma_wait<0>();
@@ -529,12 +528,12 @@ __global__ void __launch_bounds__(128 * (1 + Step::template consumers<D>()), 1)
       mbarrier_arrive(empty(ring(i)));
     }
     it += wk.tiles;
-    if (kPersistent) mbarrier_arrive(q_empty(qb));  // Q's buffer may take item n + 2
+    if (Step::kPersistent) mbarrier_arrive(q_empty(qb));  // Q's buffer may take item n + 2
     if constexpr (Step::kTmaStore) store_tile<T, D>(st, sq_wg, kQPanel, &map_o, q_lo, wk.bh, wg);
     else store_rows<T, D>(st, o, wk.bh, row, t, p.seqlen_q);
     mark(6);
     if (tid == 128 && n == 0) note(p, 7, static_cast<long long>(sm_id()) << 32 | wk.tiles);
-    if (!kPersistent) break;
+    if (!Step::kPersistent) break;
   }
 }
 

@@ -60,6 +60,14 @@ struct RowState {
   }
 };
 
+// exp2 as one instruction of the special-function unit (MUFU.EX2), denormal results flushed to zero; exp2f
+// without --use_fast_math wraps it in range handling that costs several more.
+__device__ inline float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // 2. S = Q Kᵀ for one tile of N keys (64, or 128 from step 9): D / 16 slices of 16 along the head dim, 4 per
 // 64-column panel, both operands in shared memory (`sq` this warpgroup's Q tile, its panels `q_panel` bytes
 // apart; `sk` the K tile, N rows per panel). Only the issue: the caller fences before and commits after.
@@ -77,7 +85,7 @@ __device__ __forceinline__ void issue_qk(float (&s)[N / 2], uint32_t sq, uint32_
 
 // 3. The online softmax of one tile of S, starting at key k0: updates the row maxima and sums, returns each row's
 // rescale factor for O in `alpha` and P, rounded to 16 bits, in `a`. s[4j + r] is row row[r / 2], key
-// k0 + 8j + 2t + r % 2 (`row`: the two rows this thread holds; `t`: its lane within the quad). false (step 4):
+// k0 + 8j + 2t + r % 2 (`row`: the two rows this thread holds; `t`: its lane within the quad). kFast (step 4):
 // keys are masked only in tiles that need it (kMask), and the scale joins the exponent in one FMA:
 // exp2(s·c - m) with m kept in scaled units, instead of scaling every score first.
 template <typename T, int D, bool kCausal, bool kFast, bool kMask, int N = 64>
@@ -92,14 +100,14 @@ __device__ __forceinline__ void softmax_tile(RowState<D>& st, float (&s)[N / 2],
     for (int r = 0; r < 4; ++r) {
       const int key = k0 + 8 * j + 2 * t + r % 2;
       if (kMask && (key >= p.seqlen_k || (kCausal && key > row[r / 2] + diagonal))) s[4 * j + r] = -CUDART_INF_F;
-      s[4 * j + r] *= p.scale_log2;
+      if (!kFast) s[4 * j + r] *= p.scale_log2;
       tile_max[r / 2] = fmaxf(tile_max[r / 2], s[4 * j + r]);
     }
   }
   float base[2];
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-    const float m_new = fmaxf(st.m[i], quad_max(tile_max[i]) * (1.f));
+    const float m_new = fmaxf(st.m[i], quad_max(tile_max[i]) * (kFast ? p.scale_log2 : 1.f));
     base[i] = m_new == -CUDART_INF_F ? 0.f : m_new;  // a row with no key yet: keep exp2 away from inf - inf
     alpha[i] = exp2f(st.m[i] - base[i]);
     st.m[i] = m_new;
@@ -107,7 +115,7 @@ __device__ __forceinline__ void softmax_tile(RowState<D>& st, float (&s)[N / 2],
   }
 #pragma unroll
   for (int i = 0; i < N / 2; ++i) {
-    s[i] = exp2f(s[i] - base[i % 4 / 2]);
+    s[i] = kFast ? fast_exp2(fmaf(s[i], p.scale_log2, -base[i % 4 / 2])) : exp2f(s[i] - base[i % 4 / 2]);
     st.l[i % 4 / 2] += s[i];
   }
   // The C fragments of key columns 16kk..16kk+15 are the A fragment of P for that K-slice of O += P V.
@@ -125,15 +133,19 @@ __device__ __forceinline__ void rescale(RowState<D>& st, const float (&alpha)[2]
 }
 
 // 4. O += P V: A = P from registers (`a`, one K-slice of 16 keys each), B = the Vᵀ tile `sv` (D rows of N keys,
-// in panels of 64 keys). Only the issue, as for issue_qk. false (step 10): `sv` is V as stored, N rows of
+// in panels of 64 keys). Only the issue, as for issue_qk. kVDirect (step 10): `sv` is V as stored, N rows of
 // keys in panels of 64 head-dim columns: a K-slice is 16 rows (two 1 KB swizzle atoms, 1024 bytes apart), the
 // next 64 columns of D one panel (N * 128 bytes) on, read N-major.
 template <typename T, int D, int N = 64, bool kVDirect = false>
 __device__ __forceinline__ void issue_pv(RowState<D>& st, const uint32_t (&a)[N / 16][4], uint32_t sv) {
 #pragma unroll
   for (int kk = 0; kk < N / 16; ++kk) {
-    const uint32_t slice = sv + (kk / 4) * D * 128 + (kk % 4) * 32;
-    wgmma_m64k16_rs<T, D>(st.acc, a[kk], smem_desc(slice, 16, 1024, Swizzle::k128B));
+    if constexpr (kVDirect) {
+      wgmma_m64k16_rs<T, D, true>(st.acc, a[kk], smem_desc(sv + kk * 16 * 128, N * 128, 1024, Swizzle::k128B));
+    } else {
+      const uint32_t slice = sv + (kk / 4) * D * 128 + (kk % 4) * 32;
+      wgmma_m64k16_rs<T, D>(st.acc, a[kk], smem_desc(slice, 16, 1024, Swizzle::k128B));
+    }
   }
 }
 
@@ -149,7 +161,7 @@ __device__ __forceinline__ void attend_tile(RowState<D>& st, uint32_t sq, uint32
   wgmma_commit();
   wgmma_wait<0>();
   fence_registers(s);
-  softmax_tile<T, D, kCausal, false, kMask>(st, s, a, alpha, k0, row, t, p);
+  softmax_tile<T, D, kCausal, kFast, kMask>(st, s, a, alpha, k0, row, t, p);
   rescale<D>(st, alpha);
   fence_registers(st.acc);
   wgmma_fence();

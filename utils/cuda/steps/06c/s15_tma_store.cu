@@ -94,7 +94,7 @@ __device__ __forceinline__ void issue_qk(float (&s)[N / 2], uint32_t sq, uint32_
 
 // 3. The online softmax of one tile of S, starting at key k0: updates the row maxima and sums, returns each row's
 // rescale factor for O in `alpha` and P, rounded to 16 bits, in `a`. s[4j + r] is row row[r / 2], key
-// k0 + 8j + 2t + r % 2 (`row`: the two rows this thread holds; `t`: its lane within the quad). true (step 4):
+// k0 + 8j + 2t + r % 2 (`row`: the two rows this thread holds; `t`: its lane within the quad). kFast (step 4):
 // keys are masked only in tiles that need it (kMask), and the scale joins the exponent in one FMA:
 // exp2(s·c - m) with m kept in scaled units, instead of scaling every score first.
 template <typename T, int D, bool kCausal, bool kFast, bool kMask, int N = 64>
@@ -109,13 +109,14 @@ __device__ __forceinline__ void softmax_tile(RowState<D>& st, float (&s)[N / 2],
     for (int r = 0; r < 4; ++r) {
       const int key = k0 + 8 * j + 2 * t + r % 2;
       if (kMask && (key >= p.seqlen_k || (kCausal && key > row[r / 2] + diagonal))) s[4 * j + r] = -CUDART_INF_F;
+      if (!kFast) s[4 * j + r] *= p.scale_log2;
       tile_max[r / 2] = fmaxf(tile_max[r / 2], s[4 * j + r]);
     }
   }
   float base[2];
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-    const float m_new = fmaxf(st.m[i], quad_max(tile_max[i]) * (p.scale_log2));
+    const float m_new = fmaxf(st.m[i], quad_max(tile_max[i]) * (kFast ? p.scale_log2 : 1.f));
     base[i] = m_new == -CUDART_INF_F ? 0.f : m_new;  // a row with no key yet: keep exp2 away from inf - inf
     alpha[i] = exp2f(st.m[i] - base[i]);
     st.m[i] = m_new;
@@ -123,7 +124,7 @@ __device__ __forceinline__ void softmax_tile(RowState<D>& st, float (&s)[N / 2],
   }
 #pragma unroll
   for (int i = 0; i < N / 2; ++i) {
-    s[i] = fast_exp2(fmaf(s[i], p.scale_log2, -base[i % 4 / 2]));
+    s[i] = kFast ? fast_exp2(fmaf(s[i], p.scale_log2, -base[i % 4 / 2])) : exp2f(s[i] - base[i % 4 / 2]);
     st.l[i % 4 / 2] += s[i];
   }
   // The C fragments of key columns 16kk..16kk+15 are the A fragment of P for that K-slice of O += P V.
@@ -141,14 +142,19 @@ __device__ __forceinline__ void rescale(RowState<D>& st, const float (&alpha)[2]
 }
 
 // 4. O += P V: A = P from registers (`a`, one K-slice of 16 keys each), B = the Vᵀ tile `sv` (D rows of N keys,
-// in panels of 64 keys). Only the issue, as for issue_qk. true (step 10): `sv` is V as stored, N rows of
+// in panels of 64 keys). Only the issue, as for issue_qk. kVDirect (step 10): `sv` is V as stored, N rows of
 // keys in panels of 64 head-dim columns: a K-slice is 16 rows (two 1 KB swizzle atoms, 1024 bytes apart), the
 // next 64 columns of D one panel (N * 128 bytes) on, read N-major.
 template <typename T, int D, int N = 64, bool kVDirect = false>
 __device__ __forceinline__ void issue_pv(RowState<D>& st, const uint32_t (&a)[N / 16][4], uint32_t sv) {
 #pragma unroll
   for (int kk = 0; kk < N / 16; ++kk) {
-    wgmma_m64k16_rs<T, D, true>(st.acc, a[kk], smem_desc(sv + kk * 16 * 128, N * 128, 1024, Swizzle::k128B));
+    if constexpr (kVDirect) {
+      wgmma_m64k16_rs<T, D, true>(st.acc, a[kk], smem_desc(sv + kk * 16 * 128, N * 128, 1024, Swizzle::k128B));
+    } else {
+      const uint32_t slice = sv + (kk / 4) * D * 128 + (kk % 4) * 32;
+      wgmma_m64k16_rs<T, D>(st.acc, a[kk], smem_desc(slice, 16, 1024, Swizzle::k128B));
+    }
   }
 }
 
@@ -247,6 +253,7 @@ __global__ void __launch_bounds__(128 * (1 + (D == 64 ? 3 : 2)), 1)
   if (warpgroup == 0) {  // the producer
     setmaxnreg_dec<24>();
     if (tid == 0) {
+      const int total = q_blocks * p.batch_heads;
       int w = blockIdx.x, it = 0;  // the work item (step 12: the first is the block's own); K/V tiles issued
       for (int n = 0;; ++n) {
         const int qb = n % kQBufs;
@@ -292,6 +299,8 @@ __global__ void __launch_bounds__(128 * (1 + (D == 64 ? 3 : 2)), 1)
     auto mark = [&](int slot) { if (tid == 128 && n == 0) note(p, slot, global_timer_ns()); };  // first consumer
     mark(1);
     const int q_lo = wk.q0 + kRows * wg;  // this warpgroup's first row
+    // the tiles this consumer multiplies: the block's, or from step 14 (causal) those up to its own diagonal
+    const int own_end = min(p.seqlen_k, max(0, q_lo + kRows + diagonal));
     const int tiles = wk.tiles;
     const int row[2] = {q_lo + 16 * (wtid / 32) + lane / 4, q_lo + 16 * (wtid / 32) + lane / 4 + 8};
     const uint32_t sq_wg = sq + qb * D / 64 * kQPanel + wg * kRows * 128;
@@ -299,7 +308,9 @@ __global__ void __launch_bounds__(128 * (1 + (D == 64 ? 3 : 2)), 1)
     auto wait_full = [&](int i) { mbarrier_wait(full(ring(i)), ((it + i) / kStages) & 1); };
     auto key_tile = [&](int i) { return stages + ring(i) * 2 * kTile; };
     // Only a tile that reaches past Nk, or crosses this warpgroup's diagonal, has keys to mask (steps 1-3 mask all).
-    auto needs_mask = [&](int i) { return tile_needs_mask(i, kN, q_lo, p.seqlen_q, p.seqlen_k, kCausal); };
+    auto needs_mask = [&](int i) {
+      return tile_needs_mask(i, kN, q_lo, p.seqlen_q, p.seqlen_k, kCausal);
+    };
     RowState<D> st;
     st.init();
     if (tiles > 0) {
