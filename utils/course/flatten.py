@@ -40,9 +40,6 @@ class Lesson:
     root: str         # the template's launcher, which the pruning starts from
     arch: str         # what nvcc compiles the PTX for
     kept: tuple = ()  # Step members kept as members of the type
-    # Drop locals nothing reads? 06c keeps them: nvcc orders the integer adds of the row indices differently
-    # without the unread `own_end` (step 14's), so the flattened steps would no longer compile to the same PTX.
-    drop_dead_locals: bool = True
 
 
 LESSON = {
@@ -50,7 +47,7 @@ LESSON = {
     "06b": Lesson("flash_mma_steps.cuh", "flash_mma_kernel.cuh", "course_flash", "Step", "launch_flash_mma", "sm_80",
                   ("block_cols",)),
     "06c": Lesson("hopper_attention_steps.cuh", "hopper_attention_kernel.cuh", "course_hopper", "HopperStep",
-                  "launch_attention", "sm_90a", drop_dead_locals=False),
+                  "launch_attention", "sm_90a"),
 }
 LESSONS = tuple(LESSON)
 
@@ -662,8 +659,7 @@ def flatten(lesson: str, n: int) -> str:
     body = fold_ifs(body)
     body = simplify(body)
     body = drop_foreign_comments(body, set(lineage(lesson, n)))
-    if les.drop_dead_locals:
-        body = drop_dead_locals(body)
+    body = drop_dead_locals(body)
     body = prune_unreached(body.lstrip("\n"), {les.root})
     body = re.sub(r"\n{3,}", "\n\n", body).strip("\n")
     left = re.search(r"Step::k\w+|\b(?:true|false)\s*(?:\?|&&|\|\|)|(?:&&|\|\|)\s*(?:true|false)\b|"

@@ -235,7 +235,6 @@ __global__ void __launch_bounds__(128 * (1 + 2), 1)
   if (warpgroup == 0) {  // the producer
     setmaxnreg_dec<24>();
     if (tid == 0) {
-      const int total = q_blocks * p.batch_heads;
       int w = blockIdx.x, it = 0;  // the work item (step 12: the first is the block's own); K/V tiles issued
       for (int n = 0;; ++n) {
         const int qb = n % kQBufs;
@@ -278,8 +277,6 @@ __global__ void __launch_bounds__(128 * (1 + 2), 1)
     auto mark = [&](int slot) { if (tid == 128 && n == 0) note(p, slot, global_timer_ns()); };  // first consumer
     mark(1);
     const int q_lo = wk.q0 + kRows * wg;  // this warpgroup's first row
-    // the tiles this consumer multiplies: the block's, or from step 14 (causal) those up to its own diagonal
-    const int own_end = min(p.seqlen_k, max(0, q_lo + kRows + diagonal));
     const int tiles = wk.tiles;
     const int row[2] = {q_lo + 16 * (wtid / 32) + lane / 4, q_lo + 16 * (wtid / 32) + lane / 4 + 8};
     const uint32_t sq_wg = sq + qb * D / 64 * kQPanel + wg * kRows * 128;

@@ -242,7 +242,6 @@ __global__ void __launch_bounds__(128 * (1 + (D == 64 ? 3 : 2)), 1)
   if (warpgroup == 0) {  // the producer
     setmaxnreg_dec<24>();
     if (tid == 0) {
-      const int total = q_blocks * p.batch_heads;
       int w = blockIdx.x, it = 0;  // the work item (step 12: the first is the block's own); K/V tiles issued
       for (int n = 0;; ++n) {
         const int qb = n % kQBufs;
