@@ -1,11 +1,12 @@
-"""utils.course.flatten: the flattened sources of notebook 06b's forward steps (utils/cuda/steps/06b) are current, fold
-every switch, refuse what the parser does not understand, and (with nvcc) compile to the PTX of the templated
-steps they stand for."""
+"""utils.course.flatten: the flattened sources of notebook 06b's forward steps and 06c's Hopper steps
+(utils/cuda/steps/06b, 06c) are current, fold every switch, refuse what the parser does not understand, and (with
+nvcc) compile to the PTX of the templated steps they stand for."""
 import re
 import shutil
 
 import pytest
 
+from utils import hopper
 from utils.course import flatten
 
 LESSON = "06b"
@@ -16,8 +17,9 @@ needs_nvcc = pytest.mark.skipif(nvcc is None, reason="nvcc not found: the PTX co
 SAMPLED = (1, 12)
 
 
-def test_committed_files_are_what_the_generator_writes_now():
-    assert flatten.check(LESSON) == [], "run python -m utils.course.flatten"
+@pytest.mark.parametrize("lesson", flatten.LESSONS)
+def test_committed_files_are_what_the_generator_writes_now(lesson):
+    assert flatten.check(lesson) == [], "run python -m utils.course.flatten"
 
 
 def test_the_lesson_has_one_generated_file_per_step():
@@ -74,7 +76,8 @@ def test_show_step_prints_numbered_lines(capsys):
     assert len(lines) == len(flatten.step_source(LESSON, 1).splitlines())
 
 
-@pytest.mark.parametrize("call", [lambda: flatten.show_step("06c", 1), lambda: flatten.show_step(LESSON, 16),
+@pytest.mark.parametrize("call", [lambda: flatten.show_step("06d", 1), lambda: flatten.show_step("06c", 17),
+                                  lambda: flatten.show_step(LESSON, 16),
                                   lambda: flatten.step_source(LESSON, True), lambda: flatten.step_diff(LESSON, 1),
                                   lambda: flatten.step_diff(LESSON, 3, against=0)])
 def test_bad_arguments_are_refused(call):
@@ -142,9 +145,15 @@ def test_fold_refuses_an_if_it_cannot_place():
     ("c = p.causal && (!true || c0 + BC - 1 > q0);", "c = p.causal && (c0 + BC - 1 > q0);"),
     ("u[true ? R : 1][false ? D / 16 : 1];", "u[R][1];"),
     ("\n  static_assert(true, \"x\");\n  f();", "\n  f();"),
+    ("i < (false ? D : kN) / 64;", "i < kN / 64;"),
 ])
 def test_simplify_folds_the_literals_that_decide(before, after):
     assert flatten.simplify(before) == after
+
+
+def test_fold_moves_a_kept_else_if_as_a_whole():
+    src = "\n  if constexpr (false) {\n    a();\n  } else if (n > 0) {\n    b();\n  }\n"
+    assert flatten.fold_ifs(src) == "\n  if (n > 0) {\n    b();\n  }\n"
 
 
 def test_fold_keeps_the_taken_branch_dedented_with_its_comment():
@@ -163,4 +172,87 @@ def test_a_flattened_step_compiles_to_the_ptx_of_the_templated_step(n):
     for dtype in ("6__half", "13__nv_bfloat16"):
         for d in (64, 128):
             assert any(f"{dtype}Li{d}E" in e for e in entries), (dtype, d, entries)
+    assert flat == templated
+
+
+# ---- 06c: hopper_attention_kernel.cuh and its steps table ----------------------------------------------------------
+
+HOPPER_STEPS = range(1, len(hopper.ATTENTION_STEPS) + 1)
+HOPPER_SAMPLED = (1, 15)  # the first step, and the default (hopper.DEFAULT_STEP)
+
+
+def test_06c_has_one_generated_file_per_step_named_as_utils_hopper_names_them():
+    assert [s.name for s in flatten.steps("06c")] == list(hopper.ATTENTION_STEPS)
+    names = sorted(p.name for p in (flatten.STEPS_DIR / "06c").glob("*.cu"))
+    assert names == sorted(f"s{n:02d}_{name}.cu" for n, name in enumerate(hopper.ATTENTION_STEPS, 1))
+    assert hopper.ATTENTION_STEPS.index(hopper.DEFAULT_STEP) + 1 in HOPPER_SAMPLED
+
+
+@pytest.mark.parametrize("n", HOPPER_STEPS)
+def test_06c_every_switch_is_folded(n):
+    code = re.sub(r"//[^\n]*", "", flatten.step_source("06c", n))
+    assert "Step::" not in code
+    assert not re.search(r"\b(true|false)\s*(\?|&&|\|\|)|(&&|\|\|)\s*(true|false)\b|if (constexpr )?\((true|false)\)",
+                         code)
+
+
+def test_06c_parents_follow_the_structs_bases():
+    assert [flatten.parent("06c", n) for n in range(2, 17)] == [1, 2, 3, 4, 5, 6, 7, 8, 6, 10, 11, 11, 13, 11, 10]
+    assert flatten.lineage("06c", 15) == [1, 2, 3, 4, 5, 6, 10, 11, 15]
+
+
+def test_06c_a_step_keeps_only_its_own_lineage():
+    code = {n: re.sub(r"//[^\n]*", "", flatten.step_source("06c", n)) for n in (1, 3, 6, 7, 11, 15)}
+    assert "hopper_attention_ws_kernel" not in code[1] and "hopper_attention_kernel(" not in code[3]
+    assert "named_barrier_sync(1 + wg" not in code[6] and "named_barrier_sync(1 + wg" in code[7]
+    assert "store_tile" not in code[11] and "store_rows" in code[11]
+    assert "store_tile" in code[15] and "store_rows" not in code[15]
+    assert "constexpr int kStages = 1;" in code[1]
+
+
+def test_06c_step_3_is_a_new_kernel_shown_whole_by_its_diff(capsys):
+    flatten.show_step_diff("06c", 3)
+    out = capsys.readouterr().out
+    assert out.startswith("--- steps/06c/s02_pipelined.cu\n+++ steps/06c/s03_specialised.cu")
+    assert "+    hopper_attention_ws_kernel(" in out
+    assert "-__global__ void __launch_bounds__(128) hopper_attention_kernel(" in out
+
+
+def test_06c_the_diff_of_the_default_step_swaps_the_epilogue(capsys):
+    flatten.show_step_diff("06c", 15)
+    changed = [ln for ln in capsys.readouterr().out.splitlines() if ln[:1] in "+-" and ln[:3] not in ("+++", "---")]
+    assert "-    store_rows<T, D>(st, o, wk.bh, row, t, p.seqlen_q);" in changed
+    assert "+    store_tile<T, D>(st, sq_wg, kQPanel, &map_o, q_lo, wk.bh, wg);" in changed
+
+
+def test_06c_show_step_prints_a_function_by_name(capsys):
+    flatten.show_step("06c", 15, "store_tile")
+    out = capsys.readouterr().out
+    assert "void store_tile(" in out and "hopper_attention_ws_kernel" not in out
+
+
+def test_canonical_kernel_names_read_the_old_and_the_new_mangling_alike():
+    old = ("_ZN13course_hopper26hopper_attention_ws_kernelI6__halfLi64ELb1ELi15EEEv14CUtensorMap_stS2_S2_S2_PT_"
+           "NS_15AttentionParamsE_param_3 _ZZN13course_hopper23hopper_attention_kernelI13__nv_bfloat16Li128ELb0ELi2EEE"
+           "v14CUtensorMap_stS2_S2_PT_NS_15AttentionParamsEE4bars")
+    new = ("_ZN13course_hopper26hopper_attention_ws_kernelI6__halfLi64ELb1ENS_20HopperStep15TmaStoreEEEv14CUtensorMap"
+           "_stS3_S3_S3_PT_NS_15AttentionParamsE_param_3 _ZZN13course_hopper23hopper_attention_kernelI13__nv_bfloat16"
+           "Li128ELb0ENS_20HopperStep2PipelinedEEEv14CUtensorMap_stS3_S3_PT_NS_15AttentionParamsEE4bars")
+    assert flatten.canonical_kernel_names(old) == flatten.canonical_kernel_names(new) == (
+        "hopper_attention_ws_kernel<6__half,64,1,15>_param_3 hopper_attention_kernel<13__nv_bfloat16,128,0,2>E4bars")
+
+
+@needs_nvcc
+@pytest.mark.parametrize("n", [pytest.param(n, marks=() if n in HOPPER_SAMPLED else pytest.mark.full)
+                               for n in HOPPER_STEPS])
+def test_a_flattened_06c_step_compiles_to_the_ptx_of_the_templated_step(n):
+    """Both files instantiate the step's launcher: fp16 and bf16, D = 64 and 128, causal and not, for sm_90a."""
+    templated = flatten.step_ptx("06c", n, nvcc, flat=False)
+    flat = flatten.step_ptx("06c", n, nvcc, flat=True)
+    entries = re.findall(r"\.entry (\w+)", flat)
+    assert len(entries) == 8 and all(f"HopperStep{n}" in e for e in entries), entries
+    for dtype in ("6__half", "13__nv_bfloat16"):
+        for d in (64, 128):
+            for causal in (0, 1):
+                assert any(f"{dtype}Li{d}ELb{causal}E" in e for e in entries), (dtype, d, causal, entries)
     assert flat == templated

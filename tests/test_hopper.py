@@ -1,5 +1,6 @@
 """utils.hopper: the swizzle and descriptor model (against hand-worked values and against hopper.cuh compiled by
 nvcc for the host), validation on CPU, and on an sm_90 GPU the wgmma GEMM against float64."""
+import re
 import subprocess
 
 import pytest
@@ -190,16 +191,18 @@ def test_wgmma_gemm_copies_what_it_cannot_read(step):
 def test_the_attention_kernel_compiles_without_spills_or_serialized_wgmma():
     results = cuda_ext.compile_check("hopper_attention")
     cases = [(t, d, c) for t in ("__half", "__nv_bfloat16") for d in (64, 128) for c in ("false", "true")]
+    # the step is a struct of hopper_attention_steps.cuh: HopperStep15TmaStore for "tma_store"
+    structs = [f"course_hopper::HopperStep{n}" + name.title().replace("_", "")
+               for n, name in enumerate(hopper.ATTENTION_STEPS, 1)]
     assert {r.kernel for r in results} == (
-        {f"hopper_attention_kernel<{t}, {d}, {c}, {stages}>" for t, d, c in cases for stages in (1, 2)}
-        | {f"hopper_attention_ws_kernel<{t}, {d}, {c}, {step}>" for t, d, c in cases
-           for step in range(3, len(hopper.ATTENTION_STEPS) + 1)})
+        {f"hopper_attention_kernel<{t}, {d}, {c}, {s}>" for t, d, c in cases for s in structs[:2]}
+        | {f"hopper_attention_ws_kernel<{t}, {d}, {c}, {s}>" for t, d, c in cases for s in structs[2:]})
     assert all(r.arch == "sm_90a" and r.spill_stores == r.spill_loads == 0 for r in results)
     assert not [r.kernel for r in results if r.wgmma_serialized], "ptxas serialised the wgmma (C7513)"
     # 384 threads, one block per SM: the compiler's cap is 168, and setmaxnreg moves the producer's to consumers;
     # three consumers at D = 64 (steps 11-15; "wide_v_direct" goes back to two): 512 threads, a cap of 128
     three = range(hopper.ATTENTION_STEPS.index("three_consumers") + 1, hopper.ATTENTION_STEPS.index("tma_store") + 2)
-    step_of = lambda kernel: int(kernel.rsplit(", ", 1)[1].rstrip(">"))
+    step_of = lambda kernel: int(re.search(r"HopperStep(\d+)", kernel).group(1))
     assert all(r.registers <= (128 if ", 64, " in r.kernel and step_of(r.kernel) in three else 168)
                for r in results if "_ws_" in r.kernel)
     # Notebook 06c's reading of steps 1-2: blocks of 128 threads whose registers let four fit on an SM at D = 128

@@ -76,7 +76,8 @@ KERNELS["flash_mma_bwd"] = (("flash_mma_bwd_forward", "flash_mma_bwd_backward"),
 # Notebook 06c: Hopper's wgmma and TMA exist only in sm_90a code, which runs on sm_90 GPUs (H100/H200) alone.
 HOPPER_HEADERS = ("hopper.cuh", "hopper_layout.h", "hopper_host.h", "course_str.h")
 KERNELS["wgmma_gemm"] = ("wgmma_gemm_forward", HOPPER_HEADERS)
-KERNELS["hopper_attention"] = ("hopper_attention_forward", HOPPER_HEADERS)
+KERNELS["hopper_attention"] = ("hopper_attention_forward",
+                              (*HOPPER_HEADERS, "hopper_attention_steps.cuh", "hopper_attention_kernel.cuh"))
 HOPPER_KERNELS = ("wgmma_gemm", "hopper_attention")
 WRAPPER_DEFINE = "#define COURSE_TORCH_WRAPPER\n"
 # -lineinfo maps SASS back to source lines in Nsight Compute and costs nothing at run time.

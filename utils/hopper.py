@@ -177,8 +177,8 @@ def flash_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: b
                                            timeline)
 
 
-# A block's milestones, in the order the kernel notes them (kTimelineSlots in hopper_attention.cu, less the last
-# slot, which holds the SM and the tile count); the phases are the gaps between consecutive milestones. The last is
+# A block's milestones, in the order the kernel notes them (kTimelineSlots in hopper_attention_kernel.cuh, less the
+# last slot, which holds the SM and the tile count); the phases are the gaps between consecutive milestones. The last is
 # the first consumer's store of O issued (or, with a TMA store, read out of shared memory), not O in global memory.
 TIMELINE_MARKS = ("start", "Q arrived", "first K/V arrived", "first softmax done", "main loop done",
                   "last P V done", "store of O issued")
