@@ -174,6 +174,30 @@ def test_a_run_of_some_files_keeps_the_others_results():
     assert merged["totals"] == dict(passed=3, failed=1, skipped=1) and merged["failures"] == {"tests/b.py::t (call)": "boom"}
 
 
+class FakeBuild:
+    """Stands in for the background build of the CUDA extensions: still running until the suite stops it."""
+
+    def __init__(self, log, started):
+        started.append(self)
+        self.log, self.stopped = log, False
+
+    def poll(self):
+        return 0 if self.stopped else None
+
+    def terminate(self):
+        self.stopped = True
+
+    def wait(self):
+        return 0
+
+
+def fake_prebuild(monkeypatch) -> list:
+    """Replace gpu_suite's background build; returns the list of the builds main() starts."""
+    started = []
+    monkeypatch.setattr(gpu_suite, "start_prebuild", lambda log: FakeBuild(log, started))
+    return started
+
+
 def test_main_writes_a_report_per_part(tmp_path, monkeypatch):
     """The command's bookkeeping, with pytest itself replaced (the real thing needs a GPU)."""
     import torch
@@ -193,23 +217,7 @@ def test_main_writes_a_report_per_part(tmp_path, monkeypatch):
         return results, 0
 
     monkeypatch.setattr(gpu_suite, "run_parts", fake_run_parts)
-    prebuilds = []
-
-    class FakeBuild:   # a prebuild still running when the tests end is stopped
-        def __init__(self, log):
-            prebuilds.append(self)
-            self.log, self.stopped = log, False
-
-        def poll(self):
-            return 0 if self.stopped else None
-
-        def terminate(self):
-            self.stopped = True
-
-        def wait(self):
-            return 0
-
-    monkeypatch.setattr(gpu_suite, "start_prebuild", FakeBuild)
+    prebuilds = fake_prebuild(monkeypatch)
     report = tmp_path / "r.json"
     assert gpu_suite.main(["--report", str(report), "--", "-n", "4"]) == 0
     assert runs == [(("tests", "notebooks"), (), ("-n", "4"))]   # one session: the workers share both parts
@@ -266,23 +274,7 @@ def test_main_spreads_the_workers_only_over_several_gpus(tmp_path, monkeypatch, 
         return results, 0
 
     monkeypatch.setattr(gpu_suite, "run_parts", fake_run_parts)
-    prebuilds = []
-
-    class FakeBuild:   # a prebuild still running when the tests end is stopped
-        def __init__(self, log):
-            prebuilds.append(self)
-            self.log, self.stopped = log, False
-
-        def poll(self):
-            return 0 if self.stopped else None
-
-        def terminate(self):
-            self.stopped = True
-
-        def wait(self):
-            return 0
-
-    monkeypatch.setattr(gpu_suite, "start_prebuild", FakeBuild)
+    prebuilds = fake_prebuild(monkeypatch)
     report = tmp_path / "r.json"
     assert gpu_suite.main(["--report", str(report), "--part", "tests"]) == 0
     assert seen == [spread] and json.loads(report.read_text())["environment"]["gpus"] == count
