@@ -184,3 +184,17 @@ def test_list_and_no_gpu(capsys):
     if not torch.cuda.is_available():
         assert main(["--only", "summary"]) == 2
     assert README.is_file()
+
+
+def test_ratio_span_reads_one_runs_shapes():
+    from utils.course.references import ratio_span
+
+    rows = [dict(impl=i, head_dim=d, causal=False, seqlen=n, tflops=t)
+            for i, d, n, t in [("a", 64, 1024, 50.0), ("b", 64, 1024, 100.0), ("a", 64, 4096, 90.0),
+                               ("b", 64, 4096, 100.0), ("a", 128, 4096, 120.0), ("b", 128, 4096, 100.0),
+                               ("a", 128, 8192, None), ("b", 128, 8192, 100.0)]]
+    assert ratio_span(rows, "a", "b") == (0.5, 1.2)
+    assert ratio_span(rows, "a", "b", min_seqlen=2048) == pytest.approx((0.9, 1.2))
+    assert ratio_span(rows, "a", "b", min_seqlen=2048, head_dims=(128,)) == pytest.approx((1.2, 1.2))
+    with pytest.raises(ValueError, match="no shape with both 'a' and 'c'"):
+        ratio_span(rows, "a", "c")

@@ -183,6 +183,19 @@ def _by(rows, *keys, value="tflops"):
     return {tuple(r[k] for k in keys): r[value] for r in rows if r.get(value)}
 
 
+def ratio_span(records, impl: str, base: str, *, min_seqlen: int = 0, head_dims=None,
+               key: str = "impl") -> tuple[float, float]:
+    """(lowest, highest) of impl's TFLOP/s over base's across a stored run's shapes (head dim, causal, N) with
+    N >= min_seqlen and, if given, a head dim in head_dims. `key` names the implementation field of a record."""
+    rate = _by(records, key, "head_dim", "causal", "seqlen")
+    ratios = [v / rate[(base, *shape)] for (name, *shape), v in rate.items()
+              if name == impl and shape[2] >= min_seqlen and (head_dims is None or shape[0] in head_dims)
+              and (base, *shape) in rate]
+    if not ratios:
+        raise ValueError(f"no shape with both {impl!r} and {base!r} (N >= {min_seqlen}, head dims {head_dims})")
+    return min(ratios), max(ratios)
+
+
 def _fmt_k(n: int) -> str:
     return f"{n // 1024}k"
 
@@ -219,14 +232,12 @@ def findings() -> list[dict]:
     from utils.hopper import DEFAULT_STEP
 
     rows = []
-    f = _by(_load("triton_fwd_h200.json")["results"], "impl", "head_dim", "causal", "seqlen")
-    def triton_vs(sdpa, shortest):
-        return [v / f[sdpa, d, c, n] for (i, d, c, n), v in f.items()
-                if i == "triton" and n >= shortest and (sdpa, d, c, n) in f]
-    rows.append(_finding("Triton forward / FlashAttention-2", triton_vs("sdpa-flash", 2048), "×", "N ≥ 2k",
+    forward = _load("triton_fwd_h200.json")["results"]
+    rows.append(_finding("Triton forward / FlashAttention-2",
+                         ratio_span(forward, "triton", "sdpa-flash", min_seqlen=2048), "×", "N ≥ 2k",
                          "triton_fwd_h200.json", "05"))
-    rows.append(_finding("Triton forward / cuDNN", triton_vs("sdpa-cudnn", 4096), "×", "N ≥ 4k",
-                         "triton_fwd_h200.json", "05"))
+    rows.append(_finding("Triton forward / cuDNN", ratio_span(forward, "triton", "sdpa-cudnn", min_seqlen=4096), "×",
+                         "N ≥ 4k", "triton_fwd_h200.json", "05"))
     b = _by(_load("07_backward_benchmark.json")["rows"], "backend", "head_dim", "causal", "seqlen")
     shortest = min(n for (i, _, _, n) in b if i == "triton")
     rows.append(_finding("Triton backward / cuDNN's", [v / b["sdpa_cudnn", d, c, n] for (i, d, c, n), v in b.items()
