@@ -7,11 +7,11 @@
   computes dK and dV and adds its share of dQ with fp32 atomics, as FlashAttention-2 does; "dq_pass" (2) the same
   kernel without dQ, then a kernel per block of queries that recomputes S and dP and writes dQ once (no atomics:
   deterministic, two more matmuls); "narrow_rows" (3) 32 queries per step instead of 64; "two_blocks" (4) and
-  two blocks per SM at D = 64; "per_head_dim" (5) each head dim with what paid for it; "unroll_two" (6) partly
-  unrolled k loops, which end the spills at D = 128 and still lose;
+  two blocks per SM at D = 64; "per_head_dim" (5) tiles and occupancy chosen per head dim; "unroll_two" (6)
+  partly unrolled k loops, which end the spills at D = 128;
   "mask_after" (7) Pᵀ's exponentials before its mask, which then takes no branch; "warp_tiles" (8) FlashAttention-2's
   32 x 32 warp tiles, Pᵀ and dSᵀ through shared memory; "hoisted" (9) every copy and ldmatrix address worked out
-  once, before the loop (the default: the fastest measured).
+  once, before the loop (the default; 06bw compares the steps from their stored runs).
 - `flash_mma_attention(q, k, v)`: differentiable attention with both.
 - `flash_attention_cuda(q, k, v)`: the registry's "cuda": utils.cuda_ext's kernels without a gradient (flash_mma,
   or flash_tiled where the tensor cores cannot run), flash_mma_attention when a gradient is wanted.

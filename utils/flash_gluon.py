@@ -23,10 +23,10 @@ alignment and a zero output for a query that sees no key. fp16 and bf16, head di
 Gluon has no interpreter, so this kernel runs on an H100/H200 and nowhere else. The 4-D tensor descriptors
 read rows past a head's end as zeros and clip the output's, as the Triton kernel's host descriptors do.
 
-Measured on an H200 (images/05b_gluon_h200.json, notebook 05b section 9): at head dim 64, with one warpgroup per
-program (64 query rows, 2-3 programs per SM), level with cuDNN from N = 4k and ahead of the Triton kernel; at 128
-behind the Triton kernel, where utils.flash_gluon_ws (warp-specialised, section 10) is the one to use. Gluon is experimental: the kernel compiles with Triton 3.6 and 3.7, whose CTA barrier
-has two names (`_cta_barrier`).
+One warpgroup runs each program (64 query rows). Notebook 05b section 9 compares it with cuDNN and the Triton
+kernel from images/05b_gluon_h200.json; at head dim 128 utils.flash_gluon_ws (warp-specialised, section 10) is
+the one to use. Gluon is experimental: the kernel compiles with Triton 3.6 and 3.7, whose CTA barrier has two
+names (`_cta_barrier`).
 """
 from __future__ import annotations
 
@@ -249,7 +249,7 @@ GLUON_TILES = (Config(64, 128, 4, 2), Config(64, 64, 4, 2), Config(64, 64, 4, 3)
 
 
 def pick_config(head_dim: int) -> Config:
-    """The tile per head dim (causal or not: the same one won both), from images/05b_gluon_h200.json."""
+    """The tile per head dim, the same causal or not (the choice is made in images/05b_gluon_h200.json)."""
     return GLUON_TILES[0] if head_dim == 64 else GLUON_TILES[1]
 
 

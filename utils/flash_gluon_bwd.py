@@ -18,22 +18,20 @@ course:
                             accumulator in global memory with TMA bulk reduce-adds
                             (cp.reduce.async.bulk.tensor): one instruction per 64 × 32 box, off the warps
 
-What made it fast (measured on an H200, worklog 07w section 5 reads the stored run):
+Choices in the schedule (worklog 07w section 5 measures each one from its stored run):
   - each consumer adds its own half of dQ rather than a partial sum over its 64 keys: half the reduce
     traffic into L2 and no partials to add;
-  - that half is one 64 × 64 block, computed by one chain of N = 64 products: slices 32 columns wide
-    (N = 32) read a 64 × 16 tile of dS from shared memory for half the work, and at head dim 128 the
-    consumers' reads of shared memory, not the tensor cores, set the pace (0.87-0.91 → 1.01-1.04× cuDNN);
-  - at head dim 64 (prefetch_s) the next tile's Sᵀ is issued as soon as dQ is staged, so the tensor cores
-    work through the reduce, the release of the ring slot and the loop's turn (0.93-0.97 → 1.07-1.10×); at 128 the
-    extra live registers cost more than the overlap gives;
+  - that half is one 64 × 64 block, computed by one chain of N = 64 products, so each product reads a
+    whole 64 × 16 tile of dS from shared memory (narrower slices read it for half the work);
+  - at head dim 64 (`prefetch_s`) the next tile's Sᵀ is issued as soon as dQ is staged, so the tensor cores
+    work through the reduce, the release of the ring slot and the loop's turn; at 128 there are no registers
+    to spare for it;
   - the reduce is issued from shared memory and waited for one tile later (the builtin below: Gluon 3.6 has no
     wrapper for it; a register-to-global reduce waits for its own staging copy every time);
-  - lse2 and D arrive by TMA with Q and dO and are read from shared memory when needed: held in registers
-    across the wgmma waits they made the head-dim-128 loop spill.
+  - lse2 and D arrive by TMA with Q and dO and are read from shared memory when needed, so they hold no
+    registers across the wgmma waits;
   - causal at head dim 128, the programs are launched four (batch, K/V head)s at a time, key block by key
-    block (BwdConfig.bh_group), not head by head: programs of about the same length side by side (1.02-1.08×
-    at every length; worklog 07w section 5 says what is known of why).
+    block (BwdConfig.bh_group), not head by head: programs of about the same length run side by side.
 
 The reduce-adds from the programs of one head arrive in any order, so dQ's last bits vary from run to run
 (notebook 07's dQ pass is deterministic); dK and dV do not. Gluon has no interpreter: the kernel runs on sm_90
@@ -83,10 +81,9 @@ class BwdConfig(NamedTuple):
 
 
 def pick_config(head_dim: int, causal: bool = False) -> BwdConfig:
-    """Measured best on an H200 (worklog 07w section 5): 128-row tiles and Sᵀ prefetched at head dim 64; at
-    128 the registers of dK, dV (64 keys × 128 fp32 each) leave room for 64-row tiles only, and none for a
-    prefetched Sᵀ beside the dQ block. Causal at 128: programs launched four (batch, K/V head)s at a time
-    (`bh_group`; at 64, and without a mask, the grouping measured within a few percent either way)."""
+    """128-row tiles and Sᵀ prefetched at head dim 64; at 128 the registers of dK, dV (64 keys × 128 fp32
+    each) leave room for 64-row tiles only, and none for a prefetched Sᵀ beside the dQ block. Causal at 128:
+    programs launched four (batch, K/V head)s at a time (`bh_group`). Worklog 07w section 5 has the runs."""
     if head_dim == 64:
         return BwdConfig(128, 2, 240, True)
     return BwdConfig(64, 2, 240, False, bh_group=4 if causal else 0)
@@ -478,7 +475,7 @@ class GluonAttentionFunction(torch.autograd.Function):
 
 def differentiable(forward, q, k, v, causal, sm_scale):
     """O = forward(q, k, v, ...)[0], through GluonAttentionFunction when a gradient is wanted (skipping the
-    autograd Function otherwise: ~10 µs of host time a call)."""
+    autograd Function otherwise, which saves host time on every call)."""
     if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v)):
         return GluonAttentionFunction.apply(q, k, v, causal, sm_scale, forward)
     return forward(q, k, v, causal=causal, sm_scale=sm_scale)[0]
