@@ -197,8 +197,8 @@ EXERCISES_05B = {
 
 def run_05b(number, learner=False, replace=()):
     from utils import flash_gluon, flash_gluon_ws, flash_triton
-    from utils.course.worklogs import triton_forward as worklog
-    ns = {"torch": torch, "check": check, "flash_triton": flash_triton, "worklog": worklog,
+    from utils.course.worklogs import triton_forward as worklog_fwd
+    ns = {"torch": torch, "check": check, "flash_triton": flash_triton, "worklog_fwd": worklog_fwd,
           "flash_gluon": flash_gluon, "flash_gluon_ws": flash_gluon_ws}
     notebook = EXERCISES_05B[number].get("notebook", NB05B)
     exec_cell(code_cell(notebook, EXERCISES_05B[number]["cell"], learner=learner, replace=replace), ns, number)
