@@ -40,7 +40,7 @@ def test_candidates_names_unknown_implementations():
 
 
 def test_worklog_adds_notebook_05b_steps_between_impls_and_sdpa():
-    from utils.flash_triton import WORKLOG
+    from utils.course.worklogs.triton_forward import WORKLOG
     args = bm.parse_args(["--worklog", "--sdpa", "cudnn"])
     fns = bm.candidates(args)
     assert list(fns) == ["triton", *WORKLOG, "sdpa-cudnn"] and all(map(callable, fns.values()))
@@ -48,7 +48,7 @@ def test_worklog_adds_notebook_05b_steps_between_impls_and_sdpa():
 
 
 def test_sweep_adds_each_tile_config_with_and_without_tma():
-    from utils.flash_triton import SWEEP_CONFIGS
+    from utils.course.worklogs.triton_forward import SWEEP_CONFIGS
     fns = bm.candidates(bm.parse_args(["--sweep", "--impls", "--sdpa", "flash"]))
     assert len(fns) == 2 * len(SWEEP_CONFIGS) + 1 and "tiles 128x64 w8 s3" in fns and "tiles 128x64 w8 s3 TMA" in fns
     assert fns["tiles 64x64 w4 s3 TMA"].__name__ == "tiles 64x64 w4 s3 TMA"

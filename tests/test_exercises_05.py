@@ -197,8 +197,9 @@ EXERCISES_05B = {
 
 def run_05b(number, learner=False, replace=()):
     from utils import flash_gluon, flash_gluon_ws, flash_triton
-    ns = {"torch": torch, "check": check, "flash_triton": flash_triton, "flash_gluon": flash_gluon,
-          "flash_gluon_ws": flash_gluon_ws}
+    from utils.course.worklogs import triton_forward as worklog_fwd
+    ns = {"torch": torch, "check": check, "flash_triton": flash_triton, "worklog_fwd": worklog_fwd,
+          "flash_gluon": flash_gluon, "flash_gluon_ws": flash_gluon_ws}
     notebook = EXERCISES_05B[number].get("notebook", NB05B)
     exec_cell(code_cell(notebook, EXERCISES_05B[number]["cell"], learner=learner, replace=replace), ns, number)
     return exec_cell(code_cell(notebook, f'@check("{number}'), ns, f"{number} check")

@@ -143,8 +143,8 @@ def test_autograd_function_is_exposed():
 # --- the Triton kernels --------------------------------------------------------------------------------------
 
 from utils import gpu  # noqa: E402
-from utils.flash_triton_bwd import (BackwardConfig, default_config, default_tma, tma_reduce_supported,  # noqa: E402
-                                    flash_attention_backward)
+from utils.flash_triton_bwd import BackwardConfig, default_config, default_tma, flash_attention_backward  # noqa: E402
+from utils.course.worklogs import triton_backward as worklog  # noqa: E402  (the switches 07w measures)
 from utils.course.testing import ODD_SHAPES_64_128  # noqa: E402
 
 # Small tiles in the interpreter so that every shape crosses several blocks and both loop kinds run.
@@ -236,24 +236,26 @@ def test_triton_backward_validates_inputs():
 
 
 def test_tma_argument_is_checked():
+    """The worklog's forced loads: tma and tma_stats are checked, and say why they cannot run."""
     q, k, v = random_qkv(1, 2, 8, 8, 16, device=DEVICE)
     do = torch.randn_like(q)
     o, lse = (t.float() for t in forward_lse(q, k, v, False))
     with pytest.raises(TypeError, match="tma must be a bool or None, got str"):
-        flash_attention_backward(do, q, k, v, o, lse, tma="yes")
+        worklog.flash_attention_backward(do, q, k, v, o, lse, tma="yes")
     with pytest.raises(ValueError, match="tma=True needs an sm_90"):  # fp32: TMA takes 16-bit inputs only
-        flash_attention_backward(do, q, k, v, o, lse, tma=True)
+        worklog.flash_attention_backward(do, q, k, v, o, lse, tma=True)
     with pytest.raises(TypeError, match="tma_stats must be a bool or None, got int"):
-        flash_attention_backward(do, q, k, v, o, lse, tma_stats=1)
+        worklog.flash_attention_backward(do, q, k, v, o, lse, tma_stats=1)
     with pytest.raises(ValueError, match="tma_stats=True needs the TMA loads"):
-        flash_attention_backward(do, q, k, v, o, lse, tma=False, tma_stats=True)
+        worklog.flash_attention_backward(do, q, k, v, o, lse, tma=False, tma_stats=True)
 
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", SHAPES, ids=ids)
 def test_atomic_dq_matches_autograd(shape, causal):
-    """dQ added with atomics by the dK/dV pass (no dQ pass; notebook 07): GQA, Nq != Nk, ragged ends, rows that
-    see no key (their dQ stays 0), and on a Hopper GPU with the TMA loads too; dK and dV are unchanged."""
+    """The worklog's dQ added with atomics by the dK/dV pass (no dQ pass; worklog 07w): GQA, Nq != Nk, ragged
+    ends, rows that see no key (their dQ stays 0), and on a Hopper GPU with the TMA loads too; dK and dV are
+    unchanged."""
     b, h, hk, nq, nk, d = shape
     dtype = torch.bfloat16 if CUDA else torch.float32
     q, k, v = random_qkv(b, h, nq, nk, d, kv_heads=hk, dtype=dtype, device=DEVICE, seed=11)
@@ -261,10 +263,11 @@ def test_atomic_dq_matches_autograd(shape, causal):
     o, lse = forward_lse(q, k, v, causal)
     args = (do, q, k, v, o.to(dtype), lse.float())
     truth = reference_gradients(q, k, v, do, causal=causal)
-    ways = [(False, True), (None, True)] + ([(False, "tma"), (None, "tma")] if tma_reduce_supported(q) else [])
+    reduce = [(False, "tma"), (None, "tma")] if worklog.tma_reduce_supported(q) else []
+    ways = [(False, True), (None, True)] + reduce
     for tma, dq_atomic in ways:   # "tma": one bulk reduce-add per tile, with pointer loads and with TMA loads
-        grads = flash_attention_backward(*args, causal=causal, config=None if CUDA else SMALL, tma=tma,
-                                         dq_atomic=dq_atomic)
+        grads = worklog.flash_attention_backward(*args, causal=causal, config=None if CUDA else SMALL, tma=tma,
+                                                 dq_atomic=dq_atomic)
         assert all(g.dtype == dtype and g.shape == t.shape for g, t in zip(grads, (q, k, v)))
         assert_gradients_close(grads, truth, dtype)
 
@@ -275,12 +278,12 @@ def test_dq_atomic_is_checked():
     o, lse = forward_lse(q, k, v, False)
     args = (torch.randn_like(q), q, k, v, o.to(q.dtype), lse.float())
     with pytest.raises(TypeError, match='dq_atomic must be a bool or "tma", got NoneType'):
-        flash_attention_backward(*args, dq_atomic=None)
+        worklog.flash_attention_backward(*args, dq_atomic=None)
     with pytest.raises(ValueError, match='dq_atomic must be False, True or "tma", got \'reduce\''):
-        flash_attention_backward(*args, dq_atomic="reduce")
+        worklog.flash_attention_backward(*args, dq_atomic="reduce")
     with pytest.raises(ValueError, match='dq_atomic="tma" needs an sm_90\\+ GPU and fp16/bf16 inputs'):
-        flash_attention_backward(*args, dq_atomic="tma")   # fp32 (and on CPU, no GPU at all)
-    assert not tma_reduce_supported(q.half())
+        worklog.flash_attention_backward(*args, dq_atomic="tma")   # fp32 (and on CPU, no GPU at all)
+    assert not worklog.tma_reduce_supported(q.half())
 
 
 def test_default_tma_only_where_it_paid():
@@ -298,15 +301,16 @@ HOPPER = CUDA and gpu.capability() >= (9, 0)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("causal", [False, True])
 def test_triton_backward_tma_matches_autograd(causal, dtype):
-    """Both load paths on odd shapes (ragged ends read as zeros through the descriptors), GQA, causal or not."""
+    """Both load paths (forced, through the worklog's copy) on odd shapes (ragged ends read as zeros through the
+    descriptors), GQA, causal or not."""
     for b, h, hk, nq, nk, d in ODD_SHAPES_64_128:
         q, k, v = random_qkv(b, h, nq, nk, d, kv_heads=hk, dtype=dtype, device=DEVICE, seed=nq + d)
         do = torch.randn_like(q)
         o, lse = forward_lse(q, k, v, causal)
         truth = reference_gradients(q, k, v, do, causal=causal)
         for tma, stats in ((False, False), (True, False), (True, None)):  # None: lse₂ and D too where allowed
-            grads = flash_attention_backward(do, q, k, v, o.to(dtype), lse.float(), causal=causal, tma=tma,
-                                             tma_stats=stats)
+            grads = worklog.flash_attention_backward(do, q, k, v, o.to(dtype), lse.float(), causal=causal,
+                                                     tma=tma, tma_stats=stats)
             assert_gradients_close(grads, truth, dtype)
 
 
@@ -323,8 +327,8 @@ def test_tma_stats_backward_matches_pointer_loads(causal):
         do = torch.randn_like(q)
         o, lse = forward_lse(q, k, v, causal)
         args = (do, q, k, v, o.to(q.dtype), lse.float())
-        stats = flash_attention_backward(*args, causal=causal, config=config, tma=True, tma_stats=True)
-        pointer = flash_attention_backward(*args, causal=causal, config=config, tma=False)
+        stats = worklog.flash_attention_backward(*args, causal=causal, config=config, tma=True, tma_stats=True)
+        pointer = worklog.flash_attention_backward(*args, causal=causal, config=config, tma=False)
         for name, got, want in zip(("dq", "dk", "dv"), stats, pointer):
             torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2,
                                        msg=lambda m, name=name, d=d, n=n: f"{name} (d={d}, N={n}): {m}")
@@ -332,15 +336,15 @@ def test_tma_stats_backward_matches_pointer_loads(causal):
     o, lse = forward_lse(q, k, v, causal)
     args = (torch.randn_like(q), q, k, v, o.to(q.dtype), lse.float())
     truth = reference_gradients(q, k, v, args[0], causal=causal)
-    assert_gradients_close(flash_attention_backward(*args, causal=causal, tma=True), truth, torch.bfloat16)
+    assert_gradients_close(worklog.flash_attention_backward(*args, causal=causal, tma=True), truth, torch.bfloat16)
     with pytest.raises(ValueError, match="seqlen_q a multiple of 4"):
-        flash_attention_backward(*args, causal=causal, tma_stats=True)
+        worklog.flash_attention_backward(*args, causal=causal, tma_stats=True)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="TMA needs an sm_90+ GPU")
 def test_default_loads_follow_default_tma(monkeypatch):
-    """tma=None makes descriptors exactly where default_tma says so (4 tiles, and lse₂ and D for the dK/dV
+    """The backward makes descriptors exactly where default_tma says so (4 tiles, and lse₂ and D for the dK/dV
     loops); unaligned inputs fall back to pointers."""
     import utils.flash_triton_bwd as bwd
 
@@ -367,7 +371,7 @@ def test_checks_and_choices_are_kept_for_cuda_calls_only():
 
     q, k, v = random_qkv(1, 2, 8, 8, 16)
     o, lse = (t.float() for t in forward_lse(q, k, v, False))
-    assert bwd._call_key(torch.randn_like(q), q, k, v, o, lse, False, None, None, None, None, False) is None
+    assert bwd._call_key(torch.randn_like(q), q, k, v, o, lse, False, None, None) is None
 
 
 @pytest.mark.gpu
@@ -394,7 +398,7 @@ def test_a_kind_of_call_is_checked_once_and_others_apart(monkeypatch):
 
     monkeypatch.setattr(Bound, "__call__", counted)
     again = flash_attention_backward(*(t.clone() for t in args), causal=True)
-    assert len(bwd._KINDS) == 1 and calls == [5, 13, 9]   # the three launches bound by the first call
+    assert len(bwd._KINDS) == 1 and calls == [5, 12, 9]   # the three launches bound by the first call
     with dispatch_by_triton():                             # Triton's own dispatch: the same kernels
         through_triton = flash_attention_backward(*args, causal=True)
     assert len(calls) == 3
@@ -406,10 +410,10 @@ def test_a_kind_of_call_is_checked_once_and_others_apart(monkeypatch):
     for n, (what, (other, causal)) in enumerate(others.items(), start=2):
         assert_gradients_close(flash_attention_backward(*other, causal=causal), truth, torch.float16)
         assert len(bwd._KINDS) == n, what
-    flash_attention_backward(*args, causal=True, dq_atomic=True)
+    flash_attention_backward(*args, causal=True, sm_scale=0.5)
     assert len(bwd._KINDS) == 4
-    with pytest.raises(TypeError, match="tma must be a bool or None, got int"):
-        flash_attention_backward(*args, causal=True, tma=1)       # 1 == True: kept apart all the same
+    with pytest.raises(TypeError, match="config must be a BackwardConfig"):
+        flash_attention_backward(*args, causal=True, config=(16, 16))
     with pytest.raises(TypeError, match="sm_scale"):
         flash_attention_backward(*args, causal=True, sm_scale="0.1")
     with pytest.raises(TypeError, match="do has dtype"):

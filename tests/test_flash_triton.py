@@ -1,5 +1,6 @@
-"""What is specific to the Triton FlashAttention-2 forward (utils.flash_triton); tests/test_attention.py covers
-the shared correctness grid through the registry's "triton" entry."""
+"""What is specific to the Triton FlashAttention-2 forward (utils.flash_triton) and the worklog's copy with its
+experiments (utils.course.worklogs.triton_forward); tests/test_attention.py covers the shared correctness grid
+through the registry's "triton" entry."""
 import math
 
 import pytest
@@ -8,6 +9,7 @@ import triton
 import triton.language as tl
 
 from utils import flash_triton, flash_triton_bwd, launch
+from utils.course.worklogs import triton_forward as worklog
 from utils.flash_triton import Config, Steps, flash_attention_forward, pick_config, tma_supported, tunable
 from utils.flash_triton_bwd import flash_attention   # the registry's "triton": this forward, made differentiable
 from utils.reference import reference_attention
@@ -70,7 +72,7 @@ def test_block_sizes_and_the_causal_split(config, nq, nk, causal):
 @pytest.mark.parametrize("nq,nk,hk", [(50, 50, 2), (23, 81, 1), (81, 23, 4)])
 @pytest.mark.parametrize("causal", [False, True])
 def test_tensor_descriptors_keep_the_result(nq, nk, hk, causal):
-    """Notebook 05b's TMA path (tensor descriptors, zero-filled past the last row) gives the reference's answer:
+    """Notebook 05b's TMA path (tensor descriptors, zero-filled past the last row) gives the pointer path's answer:
     ragged last blocks, Nq != Nk, GQA. In the interpreter the descriptors run too (on fp32 data)."""
     dtype = torch.bfloat16 if CUDA else torch.float32
     q, k, v = qkv(h=4, hk=hk, nq=nq, nk=nk, d=32, dtype=dtype)
@@ -79,12 +81,15 @@ def test_tensor_descriptors_keep_the_result(nq, nk, hk, causal):
     config = Config(64, 32, 4, 2) if CUDA else Config(16, 16, 4, 1)
     o_ref, lse_ref = flash_triton._launch(q, k, v, causal, 0.2, config, Steps(tma=False))
     assert_close(o_ref, reference_attention(q, k, v, causal=causal, sm_scale=0.2), dtype=dtype)
-    for steps in (Steps(tma=True), Steps(tma=True, host_descriptors=True)):  # made per program, made by the host
-        for _ in range(2):  # on a GPU the second call takes utils.launch's direct path, descriptors included
-            o, lse = flash_triton._launch(q, k, v, causal, 0.2, config, steps)
-            assert torch.equal(o, o_ref) and torch.equal(lse, lse_ref), steps  # the same arithmetic, other loads
-    # Section 5's overlapped loop: the same tiles in the same order, the next tile's scores asked for earlier.
-    o, lse = flash_triton._launch(q, k, v, causal, 0.2, config, Steps(tma=True, host_descriptors=True, overlap=True))
+    for _ in range(2):  # on a GPU the second call takes utils.launch's direct path, descriptors included
+        o, lse = flash_triton._launch(q, k, v, causal, 0.2, config, Steps(tma=True))   # made by the host
+        assert torch.equal(o, o_ref) and torch.equal(lse, lse_ref)  # the same arithmetic, other loads
+    # The worklog's: descriptors made per program (TMA=1), and by the host with section 5's overlapped loop (the
+    # same tiles in the same order, the next tile's scores asked for earlier).
+    o, lse = worklog._launch(q, k, v, causal, 0.2, config, worklog.Steps(tma=True))
+    assert torch.equal(o, o_ref) and torch.equal(lse, lse_ref)
+    o, lse = worklog._launch(q, k, v, causal, 0.2, config,
+                             worklog.Steps(tma=True, host_descriptors=True, overlap=True))
     assert_close(o, o_ref, dtype=dtype)
     torch.testing.assert_close(lse, lse_ref)
 
@@ -92,7 +97,7 @@ def test_tensor_descriptors_keep_the_result(nq, nk, hk, causal):
 @triton.jit
 def _exp2_fma_kernel(X, Y, N: tl.constexpr):
     offs = tl.arange(0, N)
-    tl.store(Y + offs, flash_triton.exp2_fma(tl.load(X + offs)))
+    tl.store(Y + offs, worklog.exp2_fma(tl.load(X + offs)))
 
 
 def test_exp2_fma_is_exp2_to_a_tenth_of_a_permille():
@@ -110,9 +115,9 @@ def test_exp2_fma_is_exp2_to_a_tenth_of_a_permille():
 
 def test_exp2_coefficients_fit_two_to_the_f():
     f = torch.linspace(-0.5, 0.5, 10001, dtype=torch.float64)
-    c0, c1, c2, c3 = flash_triton._exp2_coefficients()
+    c0, c1, c2, c3 = worklog._exp2_coefficients()
     assert ((((c3 * f + c2) * f + c1) * f + c0) / torch.exp2(f) - 1).abs().max() < 1.1e-4
-    assert len(flash_triton._exp2_coefficients(4)) == 5
+    assert len(worklog._exp2_coefficients(4)) == 5
 
 
 @pytest.mark.parametrize("share", [2, 4])
@@ -123,22 +128,22 @@ def test_exp2_fma_keeps_the_result(share, causal):
     for dtype in (torch.float16, torch.bfloat16) if CUDA else (torch.float16,):
         q, k, v = qkv(h=4, hk=2, nq=150, nk=181, d=64, dtype=dtype)
         config = Config(64, 32, 4, 2) if CUDA else Config(32, 32, 4, 1)
-        o_ref, lse_ref = flash_triton._launch(q, k, v, causal, 0.2, config, Steps())
-        for steps in (Steps(exp2_fma=share), *((Steps(tma=True, host_descriptors=True, exp2_fma=share),)
-                                              if CUDA and tma_supported(q, k, v) else ())):
-            o, lse = flash_triton._launch(q, k, v, causal, 0.2, config, steps)
+        o_ref, lse_ref = worklog._launch(q, k, v, causal, 0.2, config, worklog.Steps())
+        host = worklog.Steps(tma=True, host_descriptors=True, exp2_fma=share)
+        for steps in (worklog.Steps(exp2_fma=share), *((host,) if CUDA and worklog.tma_supported(q, k, v) else ())):
+            o, lse = worklog._launch(q, k, v, causal, 0.2, config, steps)
             assert_close(o, reference_attention(q, k, v, causal=causal, sm_scale=0.2), dtype=dtype)
             assert not torch.equal(o, o_ref)   # the switch reached the kernel
             torch.testing.assert_close(lse, lse_ref, rtol=0, atol=2e-4)
     with pytest.raises(ValueError, match="exp2_fma computes P to 16-bit accuracy"):
-        flash_triton.variant(None, Steps(exp2_fma=share), "bad")(*qkv(nq=8, nk=8, d=16))
+        worklog.variant(None, worklog.Steps(exp2_fma=share), "bad")(*qkv(nq=8, nk=8, d=16))
     for bad in (True, 3, 8):
         with pytest.raises(ValueError, match="exp2_fma is 0, 2 or 4"):
-            flash_triton.variant(None, Steps(exp2_fma=bad), "bad")(*qkv(nq=8, nk=8, d=16, dtype=torch.float16))
+            worklog.variant(None, worklog.Steps(exp2_fma=bad), "bad")(*qkv(nq=8, nk=8, d=16, dtype=torch.float16))
 
 
 def test_host_descriptors_cover_strided_views_and_gqa():
-    """Step 4's descriptors describe the (B, H, N, D) tensors as they are: a head-major view (strides not in
+    """The host's descriptors describe the (B, H, N, D) tensors as they are: a head-major view (strides not in
     B, H, N order) and K/V with fewer heads read the right rows; the tile shapes follow the config."""
     dtype = torch.bfloat16 if CUDA else torch.float32
     q, k, v = qkv(b=2, h=4, hk=2, nq=40, nk=72, d=32, dtype=dtype)
@@ -151,24 +156,25 @@ def test_host_descriptors_cover_strided_views_and_gqa():
                                               [1, 1, config.block_n, 32], [1, 1, config.block_m, 32]]
     assert list(descs[0].strides) == list(q.stride()) and list(descs[1].shape) == list(k.shape)
     for causal in (False, True):
-        o, _ = flash_triton._launch(q, k, v, causal, 0.2, config, Steps(tma=True, host_descriptors=True))
+        o, _ = flash_triton._launch(q, k, v, causal, 0.2, config, Steps(tma=True))
         assert_close(o, reference_attention(q, k, v, causal=causal, sm_scale=0.2), dtype=dtype)
 
 
 def test_tma_mode_names_the_kernel_switch():
+    Steps = worklog.Steps
     assert [s.tma_mode for s in (Steps(), Steps(tma=True), Steps(tma=True, host_descriptors=True),
                                  Steps(host_descriptors=True))] == [0, 1, 2, 0]
     with pytest.raises(ValueError, match="needs tma=True"):
-        flash_triton.variant(None, Steps(host_descriptors=True), "bad")(*qkv(nq=8, nk=8, d=16))
+        worklog.variant(None, worklog.Steps(host_descriptors=True), "bad")(*qkv(nq=8, nk=8, d=16))
 
 
 def test_overlap_needs_the_host_descriptors_and_fixed_tiles():
     q, k, v = qkv(nq=8, nk=8, d=16)
-    for steps in (Steps(overlap=True), Steps(tma=True, overlap=True),
-                  Steps(autotune=True, tma=True, host_descriptors=True, overlap=True)):
+    for steps in (worklog.Steps(overlap=True), worklog.Steps(tma=True, overlap=True),
+                  worklog.Steps(autotune=True, tma=True, host_descriptors=True, overlap=True)):
         with pytest.raises(ValueError, match="overlap skews the host-descriptor loop"):
-            flash_triton.variant(None, steps, "bad")(q, k, v)
-    assert not Steps.fastest(q, k, v).overlap
+            worklog.variant(None, steps, "bad")(q, k, v)
+    assert not worklog.Steps.fastest(q, k, v).overlap
 
 
 def test_fastest_steps_follow_the_inputs():
@@ -183,21 +189,22 @@ def test_fastest_steps_follow_the_inputs():
 
 
 def test_worklog_variants_compute_attention_or_refuse_clearly():
-    from utils.flash_triton import WORKLOG, variant, worklog_variant
+    from utils.course.worklogs.triton_forward import WORKLOG, variant, worklog_variant
     with pytest.raises(ValueError, match="unknown worklog step 'nope'"):
         worklog_variant("nope")
     with pytest.raises(TypeError, match="config must be a Config"):
-        variant((128, 64, 8, 3), Steps())
+        variant((128, 64, 8, 3), worklog.Steps())
     with pytest.raises(TypeError, match="steps must be a Steps"):
         variant(None, True)
     q, k, v = qkv(nq=40, nk=40, d=32)
     for name, (config, steps) in WORKLOG.items():
         fn = worklog_variant(name)
-        if steps is None:  # the final kernel, Steps.fastest per call: runs on any input
+        if steps is None:  # the final kernel, worklog.Steps.fastest per call: runs on any input
             assert_close(fn(q, k, v, causal=True), reference_attention(q, k, v, causal=True))
         elif CUDA:  # in fp16; a step that needs TMA (sm90+) or the autotuner (sm80+) refuses on older GPUs
             q16, k16, v16 = (t.half() for t in (q, k, v))
-            if (steps.tma and not tma_supported(q16, k16, v16)) or (steps.autotune and not tunable(q16)):
+            if ((steps.tma and not worklog.tma_supported(q16, k16, v16))
+                    or (steps.autotune and not worklog.tunable(q16))):
                 with pytest.raises(ValueError, match="needs TMA|autotunes"):
                     fn(q16, k16, v16, causal=True)
             else:
@@ -214,8 +221,8 @@ def test_worklog_variants_compute_attention_or_refuse_clearly():
 
 
 def test_worklog_final_step_runs_what_flash_attention_runs():
-    """Like with like: the worklog's last entry is the registry's kernel (Steps.fastest) through `variant`."""
-    from utils.flash_triton import WORKLOG, worklog_variant
+    """Like with like: the worklog's last entry is the registry's kernel (worklog.Steps.fastest) through `variant`."""
+    from utils.course.worklogs.triton_forward import WORKLOG, worklog_variant
     assert list(WORKLOG)[-1] == "triton 1+2+4 (final)" and WORKLOG["triton 1+2+4 (final)"] == (None, None)
     q, k, v = qkv(nq=33, nk=70, d=32, hk=1)
     assert torch.equal(worklog_variant("triton 1+2+4 (final)")(q, k, v, causal=True),
@@ -545,13 +552,13 @@ def test_a_kind_of_call_is_checked_once_and_others_apart(monkeypatch):
 
 def test_pick_config_fits_the_gpus_shared_memory(monkeypatch):
     """The H200's tiles where they fit; smaller ones on a GPU with 64 KiB per block (a T4, or its emulation)."""
-    from utils.flash_triton import NOTEBOOK_05_TILES, pick_config
-    from utils.tiled.forward import SMALL_SMEM_TILES, smem_estimate
+    from utils.flash_triton import pick_config
+    from utils.tiled.forward import H200_TILES, SMALL_SMEM_TILES, smem_estimate
 
     assert smem_estimate(Config(128, 64, 8, 3), 128, 2) == 2 * 128 * (128 + 3 * 2 * 64)
     cuda = torch.device("cuda")
     monkeypatch.setattr("utils.gpu.shared_memory_per_block", lambda device=None: 227 * 1024)  # H100/H200
-    assert pick_config(128, torch.bfloat16, cuda) == NOTEBOOK_05_TILES
+    assert pick_config(128, torch.bfloat16, cuda) == H200_TILES
     assert pick_config(256, torch.bfloat16, cuda) == Config(64, 64, 8, 2)
     monkeypatch.setattr("utils.gpu.shared_memory_per_block", lambda device=None: 64 * 1024)   # T4
     for d in (16, 64, 80, 128, 256):

@@ -1,5 +1,5 @@
-"""FlashAttention-2 forward in Triton (notebook 05): one kernel that runs compiled on a GPU and, through the
-Triton interpreter, on a CPU.
+"""FlashAttention-2 forward in Triton, tuned (notebook 05b): the registry's "triton" forward. One kernel that runs
+compiled on a GPU and, through the Triton interpreter, on a CPU.
 
 `flash_attention_forward(q, k, v, *, causal=False, sm_scale=None)` follows the course conventions
 (utils.reference): `(batch, heads, seq, head_dim)` tensors, K/V with fewer heads than Q (GQA/MQA, read in place,
@@ -11,6 +11,12 @@ Dtypes: fp16, bf16 and fp32 on a GPU (16-bit inputs go through the tensor cores 
 inputs use exact fp32 dots, `input_precision="ieee"`, because TF32 rounding of Q·Kᵀ moves large logits by whole
 units). On a CPU the interpreter runs fp32 and fp16; it has no bf16 arithmetic (NumPy has no bfloat16), so bf16
 inputs on a CPU are computed in fp32 and the output is returned in bf16.
+
+Beyond notebook 05's kernel (utils.tiled.forward): per shape class an autotuner picks the tiles and whether Q,
+K, V and O move through TMA tensor descriptors made once by the host (TMA=2, Hopper) or through pointers
+(TMA=0); launches skip Triton's dispatch (utils.launch.FastLauncher); and a call of a kind seen before (same
+shapes, strides, dtypes, alignment and options) skips the checks and choices (utils.launch.kind_of). The
+experiments notebook 05b measured and did not keep live in utils.course.worklogs.triton_forward.
 
 `flash_attention_forward` returns (o, lse) with the natural-log log-sum-exp, fp32, shape (batch, heads,
 seqlen_q), -inf where a query sees no key. The differentiable entry (the registry's "triton"),
@@ -30,7 +36,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from utils import gpu, launch
 from utils.checks import check_attention_inputs, resolve_scale
 from utils.launch import FastLauncher
-from utils.tiled.forward import H200_TILES, Config
+from utils.tiled.forward import Config
 from utils.tiled.forward import pick_config as tiled_pick_config
 from utils.triton_utils import cdiv
 
@@ -44,13 +50,11 @@ LN2 = 0.6931471805599453                    # ln(2): back from base 2 to natural
 def _attend_blocks(acc, l_i, m_i, q, k_ptrs, v_ptrs, offs_m, offs_n, offs_d, lo, hi,
                    stride_kn, stride_vn, seqlen_k, causal_offset, qk_scale, b, h_kv,
                    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                   MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
-                   EXP2_FMA: tl.constexpr = 0):
+                   MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr):
     """Online softmax of the Q block against the key blocks [lo, hi). MASKED=False: every key of every block is
     visible to every query of the Q block, so no score is masked (the loop body is pure matmul + softmax).
-    TMA > 0: k_ptrs and v_ptrs are tensor descriptors (notebook 05b), which zero-fill rows past seqlen_k: one
-    per (batch, head) matrix made by the program (TMA=1), or one per (B, H, N, D) tensor made by the host
-    (TMA=2, indexed by batch b and K/V head h_kv)."""
+    TMA=2: k_ptrs and v_ptrs are tensor descriptors made by the host, one per (B, H, N, D) tensor, indexed by
+    batch b and K/V head h_kv; rows past seqlen_k read as zeros."""
     if not TMA:
         k_ptrs += lo * stride_kn
         v_ptrs += lo * stride_vn
@@ -59,9 +63,6 @@ def _attend_blocks(acc, l_i, m_i, q, k_ptrs, v_ptrs, offs_m, offs_n, offs_d, lo,
         if TMA == 2:  # the copy engine fetches the whole tile; no addresses, no masks in the warps
             k = k_ptrs.load([b, h_kv, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
             v = v_ptrs.load([b, h_kv, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
-        elif TMA:
-            k = k_ptrs.load([start_n, 0])
-            v = v_ptrs.load([start_n, 0])
         elif MASKED:  # the last, ragged key block (and, when causal, the blocks crossing the diagonal)
             kv_mask = cols[:, None] < seqlen_k
             if BLOCK_D != HEAD_DIM:
@@ -80,88 +81,29 @@ def _attend_blocks(acc, l_i, m_i, q, k_ptrs, v_ptrs, offs_m, offs_n, offs_d, lo,
             if CAUSAL:
                 keep = keep & (cols[None, :] <= offs_m[:, None] + causal_offset)
             qk = tl.where(keep, qk, float("-inf"))
-        acc, l_i, m_i = _online_softmax(qk, v, acc, l_i, m_i, qk_scale, MASKED, DOT_PRECISION, EXP2_FMA)
+        acc, l_i, m_i = _online_softmax(qk, v, acc, l_i, m_i, qk_scale, MASKED, DOT_PRECISION)
         if not TMA:
             k_ptrs += BLOCK_N * stride_kn
             v_ptrs += BLOCK_N * stride_vn
     return acc, l_i, m_i
 
 
-def _exp2_coefficients(degree: int = 3) -> list[float]:
-    """2^f on [-1/2, 1/2] as a polynomial in f (lowest power first): a least-squares fit at Chebyshev nodes,
-    relative error 1.0e-4 at degree 3, below the rounding of the 16-bit P that multiplies V."""
-    import numpy as np
-
-    f = 0.5 * np.cos(np.pi * (np.arange(256) + 0.5) / 256)
-    return [float(c) for c in np.polynomial.polynomial.polyfit(f, np.exp2(f), degree)]
-
-
-EXP2_C0, EXP2_C1, EXP2_C2, EXP2_C3 = (tl.constexpr(c) for c in _exp2_coefficients())
-
-
 @triton.jit
-def exp2_fma(x):
-    """2^x for x <= 0 on the FMA units instead of the special-function unit (MUFU) that tl.math.exp2 uses:
-    x = j + f with j an integer and |f| <= 1/2, 2^f by a cubic (Horner: three FMAs), 2^j added to the exponent
-    bits. Results below 2^-126 come out as tiny positives instead of 0."""
-    x = tl.maximum(x, -126.0)           # keeps j + the cubic's exponent inside fp32's exponent field
-    t = x + 12582912.0                  # 1.5 * 2^23: the fp32 add rounds x to an integer in t's low bits
-    j = t - 12582912.0
-    f = x - j
-    p = ((EXP2_C3 * f + EXP2_C2) * f + EXP2_C1) * f + EXP2_C0
-    bits = p.to(tl.int32, bitcast=True) + (t.to(tl.int32, bitcast=True) << 23)
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _online_softmax(qk, v, acc, l_i, m_i, qk_scale, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                    EXP2_FMA: tl.constexpr = 0):
+def _online_softmax(qk, v, acc, l_i, m_i, qk_scale, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Fold one tile of scores `qk` (fp32, unscaled) and its values `v` into the running maximum m_i, sum l_i
-    and unnormalised output acc; returns the new (acc, l_i, m_i). EXP2_FMA = 2 or 4: a half or a quarter of the
-    tile's exponentials on the FMA units (exp2_fma), the rest on MUFU (notebook 05b section 5); 0: all on MUFU."""
+    and unnormalised output acc; returns the new (acc, l_i, m_i)."""
     # Running maximum in base-2 units: qk_scale = sm_scale * log2(e), so exp2 below is the softmax's exp.
     m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
     if MASKED:  # a row that has seen no key yet keeps m = -inf; subtract 0 there instead (-inf - -inf = nan)
         m_sub = tl.where(m_ij == float("-inf"), 0.0, m_ij)
     else:
         m_sub = m_ij
-    if EXP2_FMA == 2:  # column pairs: a thread's wgmma fragment holds both columns of a pair, so no data moves
-        even, odd = tl.split(tl.reshape(qk * qk_scale - m_sub[:, None], (qk.shape[0], qk.shape[1] // 2, 2)))
-        p = tl.reshape(tl.join(tl.math.exp2(even), exp2_fma(odd)), (qk.shape[0], qk.shape[1]))
-    elif EXP2_FMA == 4:  # column c = 16g + 8j + 2q + r: c, c+1 and c+8 share a thread
-        x = tl.permute(tl.reshape(qk * qk_scale - m_sub[:, None], (qk.shape[0], qk.shape[1] // 16, 2, 4, 2)),
-                       (0, 1, 3, 4, 2))
-        a, b = tl.split(x)
-        b0, b1 = tl.split(b)
-        x = tl.join(tl.math.exp2(a), tl.join(tl.math.exp2(b0), exp2_fma(b1)))
-        p = tl.reshape(tl.permute(x, (0, 1, 4, 2, 3)), (qk.shape[0], qk.shape[1]))
-    else:
-        p = tl.math.exp2(qk * qk_scale - m_sub[:, None])
+    p = tl.math.exp2(qk * qk_scale - m_sub[:, None])
     alpha = tl.math.exp2(m_i - m_sub)                                    # rescales what came before
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
     return acc, l_i, m_ij
-
-
-@triton.jit
-def _attend_blocks_overlapped(acc, l_i, m_i, q, KD, VD, lo, hi, qk_scale, b, h_kv,
-                              BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """_attend_blocks' unmasked loop (host descriptors, TMA=2) skewed by one tile, as FlashAttention-3 overlaps
-    softmax and matmul within a warpgroup: the scores of tile j+1 are asked for before the softmax of tile j,
-    so the tensor cores could work while the exponentials run. Notebook 05b measures it: it did not pay."""
-    if lo < hi:
-        k = KD.load([b, h_kv, lo, 0]).reshape(BLOCK_N, BLOCK_D)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        for start_n in range(lo + BLOCK_N, hi, BLOCK_N):
-            k = KD.load([b, h_kv, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
-            v = VD.load([b, h_kv, start_n - BLOCK_N, 0]).reshape(BLOCK_N, BLOCK_D)
-            qk_next = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)   # tile j+1, before tile j's softmax
-            acc, l_i, m_i = _online_softmax(qk, v, acc, l_i, m_i, qk_scale, False, DOT_PRECISION)
-            qk = qk_next
-        v = VD.load([b, h_kv, hi - BLOCK_N, 0]).reshape(BLOCK_N, BLOCK_D)
-        acc, l_i, m_i = _online_softmax(qk, v, acc, l_i, m_i, qk_scale, False, DOT_PRECISION)
-    return acc, l_i, m_i
 
 
 # Sequence lengths and head counts change from call to call: specializing on them (Triton otherwise compiles a
@@ -175,15 +117,13 @@ def flash_fwd_kernel(Q, K, V, O, LSE, QD, KD, VD, OD,
                      heads, group, seqlen_q, seqlen_k, qk_scale, seqlen_bucket,
                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                     TMA: tl.constexpr = 0, OVERLAP: tl.constexpr = False, EXP2_FMA: tl.constexpr = 0):
+                     TMA: tl.constexpr = 0):
     """One program: BLOCK_M queries of one (batch, head) against all the keys they may see.
 
     Grid: (cdiv(seqlen_q, BLOCK_M), batch * heads). Query head h reads K/V head h // group (GQA without copies).
     `seqlen_bucket` is not read: it is part of the autotuner's key (sequence lengths rounded to a power of two).
-    TMA > 0 (notebook 05b): Q, K, V and O move through tensor descriptors, Hopper's TMA copy engine; TMA=1: the
-    program makes one per (batch, head) matrix; TMA=2: QD, KD, VD, OD, made once by the host over the whole
-    (B, H, N, D) tensors (otherwise they are None). OVERLAP (with TMA=2): the unmasked loop skewed by one tile
-    (_attend_blocks_overlapped; notebook 05b section 5: measured, not kept).
+    TMA=2: Q, K, V and O move through Hopper's TMA copy engine, by the tensor descriptors QD, KD, VD, OD that
+    the host made over the whole (B, H, N, D) tensors; TMA=0: through pointers (the descriptors are None).
     """
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -203,11 +143,6 @@ def flash_fwd_kernel(Q, K, V, O, LSE, QD, KD, VD, OD,
     if TMA == 2:  # whole tensors, indexed [batch, head, row, 0]; rows past a head's last read as zeros
         k_ptrs, v_ptrs = KD, VD
         q = QD.load([b, h, start_m, 0]).reshape(BLOCK_M, BLOCK_D)
-    elif TMA:  # one (rows, HEAD_DIM) matrix per head; tiles past its last row read as zeros and are not written
-        q_desc = tl.make_tensor_descriptor(q_base, [seqlen_q, HEAD_DIM], [stride_qm, 1], [BLOCK_M, HEAD_DIM])
-        k_ptrs = tl.make_tensor_descriptor(k_base, [seqlen_k, HEAD_DIM], [stride_kn, 1], [BLOCK_N, HEAD_DIM])
-        v_ptrs = tl.make_tensor_descriptor(v_base, [seqlen_k, HEAD_DIM], [stride_vn, 1], [BLOCK_N, HEAD_DIM])
-        q = q_desc.load([start_m, 0])
     else:
         k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
         v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
@@ -230,13 +165,9 @@ def flash_fwd_kernel(Q, K, V, O, LSE, QD, KD, VD, OD,
         n_full = seqlen_k
         n_end = seqlen_k
     n_full = (n_full // BLOCK_N) * BLOCK_N
-    if OVERLAP:
-        acc, l_i, m_i = _attend_blocks_overlapped(acc, l_i, m_i, q, k_ptrs, v_ptrs, 0, n_full, qk_scale, b, h_kv,
-                                                  BLOCK_N, BLOCK_D, DOT_PRECISION)
-    else:
-        acc, l_i, m_i = _attend_blocks(acc, l_i, m_i, q, k_ptrs, v_ptrs, offs_m, offs_n, offs_d, 0, n_full,
-                                       stride_kn, stride_vn, seqlen_k, causal_offset, qk_scale, b, h_kv,
-                                       HEAD_DIM, BLOCK_N, BLOCK_D, False, CAUSAL, DOT_PRECISION, TMA, EXP2_FMA)
+    acc, l_i, m_i = _attend_blocks(acc, l_i, m_i, q, k_ptrs, v_ptrs, offs_m, offs_n, offs_d, 0, n_full,
+                                   stride_kn, stride_vn, seqlen_k, causal_offset, qk_scale, b, h_kv,
+                                   HEAD_DIM, BLOCK_N, BLOCK_D, False, CAUSAL, DOT_PRECISION, TMA)
     acc, l_i, m_i = _attend_blocks(acc, l_i, m_i, q, k_ptrs, v_ptrs, offs_m, offs_n, offs_d, n_full, n_end,
                                    stride_kn, stride_vn, seqlen_k, causal_offset, qk_scale, b, h_kv,
                                    HEAD_DIM, BLOCK_N, BLOCK_D, True, CAUSAL, DOT_PRECISION, TMA)
@@ -248,20 +179,12 @@ def flash_fwd_kernel(Q, K, V, O, LSE, QD, KD, VD, OD,
     tl.store(LSE + pid_bh.to(tl.int64) * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
     if TMA == 2:
         OD.store([b, h, start_m, 0], acc.to(O.dtype.element_ty).reshape(1, 1, BLOCK_M, BLOCK_D))
-    elif TMA:
-        o_desc = tl.make_tensor_descriptor(o_base, [seqlen_q, HEAD_DIM], [stride_om, 1], [BLOCK_M, HEAD_DIM])
-        o_desc.store([start_m, 0], acc.to(O.dtype.element_ty))
     else:
         o_mask = offs_m[:, None] < seqlen_q
         if BLOCK_D != HEAD_DIM:
             o_mask = o_mask & (offs_d[None, :] < HEAD_DIM)
         tl.store(o_base + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od, acc.to(O.dtype.element_ty),
                  mask=o_mask)
-
-
-# The tiles, their shared-memory estimate and the choice per head dim are the teaching kernel's
-# (utils.tiled.forward); 05b's speed-ups start from them.
-NOTEBOOK_05_TILES = H200_TILES
 
 
 def pick_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> Config:
@@ -282,25 +205,20 @@ def fit_config(head_dim: int, dtype: torch.dtype, smem: int | None) -> Config:
 
 
 class Steps(NamedTuple):
-    """Notebook 05b's speed-ups, each a switch; `Steps.fastest(...)` turns on those that apply to the inputs."""
+    """What a launch may use beyond notebook 05's kernel; `Steps.fastest(...)` turns on what applies to the inputs."""
     autotune: bool = False      # tiles, warps and stages measured per shape class (16-bit, D <= 128, sm_80+)
-    tma: bool = False           # TMA loads and stores (Hopper); with autotune: TMA allowed, the tuner decides
-    host_descriptors: bool = False  # with tma: descriptors made once by the host, not by every program (step 4)
-    overlap: bool = False       # with host descriptors, fixed tiles: the next tile's QK^T before this tile's softmax
-                                # (section 5, measured and not kept; never part of `fastest`)
-    exp2_fma: int = 0           # 16-bit inputs: 1 in 2 or 1 in 4 of the unmasked exponentials on the FMA units
+    tma: bool = False           # host descriptors (TMA=2, Hopper); with autotune: allowed, the tuner decides
 
     @staticmethod
     def fastest(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> "Steps":
-        if max(q.shape[2], k.shape[2]) < TUNE_MIN_SEQLEN:  # launch-bound: notebook 05's kernel as it was
+        if max(q.shape[2], k.shape[2]) < TUNE_MIN_SEQLEN:  # launch-bound: fixed tiles, pointer loads
             return Steps()
-        tma = tma_supported(q, k, v)
-        return Steps(autotune=tunable(q), tma=tma, host_descriptors=tma)
+        return Steps(autotune=tunable(q), tma=tma_supported(q, k, v))
 
     @property
     def tma_mode(self) -> int:
-        """The kernel's TMA switch: 0 pointer loads, 1 descriptors made per program, 2 made by the host."""
-        return 2 if self.tma and self.host_descriptors else int(self.tma)
+        """The kernel's TMA switch: 0 pointer loads, 2 descriptors made by the host."""
+        return 2 if self.tma else 0
 
 
 def tunable(q) -> bool:
@@ -320,14 +238,9 @@ def tma_supported(q, k, v) -> bool:
                     and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1]) for t in (q, k, v)))
 
 
-def _descriptor_memory(size: int, alignment: int, stream):
-    """Global scratch where a kernel writes the tensor descriptors it creates (128 bytes per descriptor)."""
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
 def host_descriptors(q, k, v, o, block_m: int, block_n: int) -> tuple:
-    """Step 4: one TMA descriptor per (B, H, N, D) tensor, made here once per call instead of by every program;
-    the kernel indexes a tile as [batch, head, first row, 0]. Tiles past a head's last row read as zeros."""
+    """One TMA descriptor per (B, H, N, D) tensor, made once per call by the host; the kernel indexes a tile as
+    [batch, head, first row, 0]. Tiles past a head's last row read as zeros."""
     d = q.shape[-1]
     return tuple(TensorDescriptor.from_tensor(t, [1, 1, rows, d])
                   for t, rows in ((q, block_m), (k, block_n), (v, block_n), (o, block_m)))
@@ -339,11 +252,10 @@ def _fit_descriptors(nargs: dict) -> None:
         nargs[name].block_shape = [1, 1, nargs[rows], nargs["BLOCK_D"]]
 
 
-# The autotuner's search: kept small (each config costs a compile, ~1-3 s), measured once per shape class
-# (head dim, causal, dtype, sequence-length bucket) and cached on disk (Triton's cache directory), so only the
-# first run of a shape class waits. Each of the four tiles was the fastest, or within 1% of it, on some shape of
-# an H200 sweep of eight (notebook 05b); where TMA is allowed each is tried with and without it, since neither
-# wins everywhere. A config that does not fit a GPU's shared memory is skipped by the autotuner.
+# The autotuner's search: kept small (each config costs a compile), measured once per shape class (head dim,
+# causal, dtype, sequence-length bucket) and cached on disk (Triton's cache directory), so only the first run of
+# a shape class waits. Where TMA is allowed each tile is tried with and without it, since neither wins on every
+# shape (notebook 05b). A config that does not fit a GPU's shared memory is skipped by the autotuner.
 TUNE_TILES = [Config(*c) for c in ((128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3))]
 TUNE_CONFIGS = [triton.Config({"BLOCK_M": c.block_m, "BLOCK_N": c.block_n}, num_warps=c.num_warps,
                               num_stages=c.num_stages) for c in TUNE_TILES]
@@ -381,15 +293,15 @@ def _autotuner(tma_mode: int):
                            cache_results=True)(flash_fwd_kernel)
 
 
-_tuners = {mode: _autotuner(mode) for mode in (0, 1, 2)}  # keyed by Steps.tma_mode: which TMA the configs may use
-_fwd_launcher = FastLauncher(flash_fwd_kernel)  # notebook 05b step 3: launches without Triton's dispatch
+_tuners = {mode: _autotuner(mode) for mode in (0, 2)}  # keyed by Steps.tma_mode: which TMA the configs may use
+_fwd_launcher = FastLauncher(flash_fwd_kernel)  # launches without Triton's per-call dispatch (utils.launch)
 
 
 def _launch(q, k, v, causal, scale, config: Config | None = None, steps: Steps | None = None,
             kind: launch.Kind | None = None):
-    """Run the kernel on validated inputs; returns (o, lse). `config` fixes the block sizes (tests, the
-    worklog); `steps` picks notebook 05b's switches (default: `Steps.fastest`); `kind` (flash_attention's
-    calls, neither given) keeps the launch bound once a call of its kind has made it."""
+    """Run the kernel on validated inputs; returns (o, lse). `config` fixes the block sizes (tests); `steps`
+    what the launch may use (default: `Steps.fastest`); `kind` (flash_attention's calls, neither given) keeps the
+    launch bound once a call of its kind has made it."""
     b, h, nq, d = q.shape
     o = torch.empty(b, h, nq, d, device=q.device, dtype=q.dtype)
     lse = torch.empty(b, h, nq, device=q.device, dtype=torch.float32)
@@ -401,15 +313,9 @@ def _launch(q, k, v, causal, scale, config: Config | None = None, steps: Steps |
     steps = steps or Steps.fastest(q, k, v)
     mode = steps.tma_mode
     block_d = max(16, triton.next_power_of_2(d))
-    if mode == 1 and q.is_cuda:
-        triton.set_allocator(_descriptor_memory)
     scalars = (*q.stride(), *k.stride(), *v.stride(), *o.stride(), h, h // hk, nq, nk, scale * LOG2E)
     switches = dict(HEAD_DIM=d, BLOCK_D=block_d, CAUSAL=causal, DOT_PRECISION="ieee" if q.dtype == torch.float32
                     else "tf32", TMA=mode)
-    if steps.overlap:
-        switches["OVERLAP"] = True
-    if steps.exp2_fma:
-        switches["EXP2_FMA"] = int(steps.exp2_fma)
     if config is None and steps.autotune:
         bucket = min(triton.next_power_of_2(max(nq, nk)), 8192)
         key = (q.device, q.dtype, d, causal, mode, bucket)
@@ -425,7 +331,7 @@ def _launch(q, k, v, causal, scale, config: Config | None = None, steps: Steps |
             _tuned_configs[key] = (Config(best.kwargs["BLOCK_M"], best.kwargs["BLOCK_N"], best.num_warps,
                                           best.num_stages), best.kwargs["TMA"])
             return o, lse
-        # Later calls launch directly: the autotuner's own Python costs ~50 µs a call.
+        # Later calls launch directly, without the autotuner's own Python.
         config, switches["TMA"] = _tuned_configs[key]
     config = config or pick_config(d, q.dtype, q.device)
     tiles = (config.block_m, config.block_n) if switches["TMA"] == 2 else None
@@ -444,63 +350,6 @@ def _launch(q, k, v, causal, scale, config: Config | None = None, steps: Steps |
 def _descriptors(q, k, v, o, tiles: tuple | None) -> tuple:
     """The kernel's four descriptor arguments: host descriptors of (block_m, block_n) tiles, or four Nones."""
     return (None,) * 4 if tiles is None else host_descriptors(q, k, v, o, *tiles)
-
-
-# Notebook 05b's worklog: the kernel before each step and the final one, all timed through `variant` (the same
-# entry point, so the ratios compare like with like) beside SDPA by `python -m utils.course.bench.forward --worklog`.
-# Steps None: `Steps.fastest`, what the registry's "triton" (flash_attention, with autograd) runs.
-WORKLOG = {
-    "triton 05 (fixed tiles)": (NOTEBOOK_05_TILES, Steps()),
-    "triton + autotune": (None, Steps(autotune=True)),
-    "triton + TMA (fixed tiles)": (NOTEBOOK_05_TILES, Steps(tma=True)),
-    "triton 1+2": (None, Steps(autotune=True, tma=True)),
-    "triton + host descriptors (fixed tiles)": (NOTEBOOK_05_TILES, Steps(tma=True, host_descriptors=True)),
-    "triton 1+2+4 (final)": (None, None),
-}
-# The tile sweep behind TUNE_CONFIGS (`python -m utils.course.bench.forward --sweep`), each with and without TMA.
-SWEEP_CONFIGS = [Config(*c) for c in ((128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 4, 3),
-                                      (64, 64, 4, 3), (128, 32, 4, 4), (64, 128, 4, 3), (128, 64, 8, 4))]
-
-
-def variant(config: Config | None, steps: Steps | None, name: str = "variant"):
-    """An attention function (course signature, validated inputs) that runs the kernel with fixed block sizes
-    (`config`; None: autotuned or pick_config) and fixed switches (`steps`; None: `Steps.fastest` per call):
-    the worklog's and the sweep's."""
-    if config is not None and not isinstance(config, Config):
-        raise TypeError(f"config must be a Config or None, got {type(config).__name__}")
-    if steps is not None and not isinstance(steps, Steps):
-        raise TypeError(f"steps must be a Steps or None, got {type(steps).__name__}")
-
-    def attention(q, k, v, *, causal=False, sm_scale=None):
-        _, scale = validate(q, k, v, causal, sm_scale)
-        if steps is None:
-            return _launch(q, k, v, causal, scale, config, None)[0]
-        if steps.host_descriptors and not steps.tma:
-            raise ValueError(f"{name!r}: host_descriptors describes the TMA path; it needs tma=True")
-        if steps.overlap and (steps.autotune or not steps.host_descriptors):
-            raise ValueError(f"{name!r}: overlap skews the host-descriptor loop (tma=True, host_descriptors=True) "
-                             "with fixed tiles; it cannot take autotune=True")
-        if steps.exp2_fma not in (0, 2, 4) or isinstance(steps.exp2_fma, bool):
-            raise ValueError(f"{name!r}: exp2_fma is 0, 2 or 4 (none, 1 in 2 or 1 in 4 exponentials on the FMA "
-                             f"units), got {steps.exp2_fma!r}")
-        if steps.exp2_fma and q.dtype == torch.float32:
-            raise ValueError(f"{name!r}: exp2_fma computes P to 16-bit accuracy; it needs fp16 or bf16 inputs")
-        if steps.tma and not tma_supported(q, k, v):
-            raise ValueError(f"{name!r} needs TMA: a Hopper GPU (sm_90+), 16-bit inputs, a power-of-two head dim "
-                             "and 16-byte aligned rows")
-        if steps.autotune and not tunable(q):
-            raise ValueError(f"{name!r} autotunes: it needs 16-bit inputs with head dim <= 128 on an sm_80+ GPU")
-        return _launch(q, k, v, causal, scale, config, steps)[0]
-
-    attention.__name__ = attention.__qualname__ = name
-    return attention
-
-
-def worklog_variant(name: str):
-    """The attention function of one WORKLOG step."""
-    if name not in WORKLOG:
-        raise ValueError(f"unknown worklog step {name!r}; known: {', '.join(WORKLOG)}")
-    return variant(*WORKLOG[name], name=name)
 
 
 def validate(q, k, v, causal, sm_scale):

@@ -1,4 +1,4 @@
-"""FlashAttention-2 backward kernels in Triton.
+"""FlashAttention-2 backward kernels in Triton, tuned (notebook 07): the backward of the registry's "triton".
 
 Three launches, in the order of FlashAttention-2 (Dao, 2023, Algorithm 2), with the dQ pass split off so that no
 atomics are needed (the design of Triton's fused-attention tutorial, which recomputes P in a second loop for dQ):
@@ -13,8 +13,9 @@ atomics are needed (the design of Triton's fused-attention tutorial, which recom
 Causal masking is aligned bottom-right (query i sees key j <= i + Nk − Nq). Tiles entirely above the diagonal are
 skipped; only tiles that cross it, or the ragged end of the sequence, pay for a mask (a constexpr flag compiles
 two versions of the inner loop). Pointer arithmetic with masks, any strides; on Hopper, at head dim 128, the tiles
-the passes loop over come through TMA descriptors instead (`default_tma`; worklog 07w, section 2), and so do the
-per-row lse₂ and D that the dK/dV loop reads with each Q tile (section 3).
+the passes loop over come through TMA descriptors instead (`default_tma`), and so do the per-row lse₂ and D
+that the dK/dV loop reads with each Q tile. The loads pinned either way and dQ added by the dK/dV pass (worklog
+07w) live in utils.course.worklogs.triton_backward.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ from utils.launch import FastLauncher
 from utils.triton_utils import cdiv
 
 __all__ = ["flash_attention", "FlashAttentionFunction", "flash_attention_backward", "BackwardConfig", "default_config",
-           "default_tma", "tma_reduce_supported", "HEAD_DIMS", "DTYPES"]
+           "default_tma", "HEAD_DIMS", "DTYPES"]
 
 HEAD_DIMS = tuple(range(16, 257))   # as the forward (utils.flash_triton): padded to a power of two
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -86,12 +87,11 @@ def smem_estimate(config: BackwardConfig, head_dim: int, elem_bytes: int) -> int
 
 def default_config(head_dim: int, dtype: torch.dtype, causal: bool = False, smem: int | None = None
                    ) -> BackwardConfig:
-    """Launch parameters. 16-bit, head dims up to 128: within 3% of the fastest of each pass's candidates in
-    `python -m utils.course.bench.backward_tiles` on an H200 (images/07_backward_tiles_h200.json: bf16, B=4, H=16,
-    N=8192; the same tiles win causal or not). Smaller tiles for fp32/fp64 (exact dots, twice
-    the bytes) and head dims above 128 (registers); mid-sized tiles in the interpreter, where each program is
-    NumPy work and fewer, larger tiles run fastest. `smem`: bytes of shared memory per block of the GPU
-    (utils.gpu.shared_memory_per_block); the tiles shrink until they fit. None: an H200's choice."""
+    """Launch parameters. 16-bit, head dims up to 128: the tiles the sweep of `python -m
+    utils.course.bench.backward_tiles` chose for each pass on an H200 (notebook 07). Smaller tiles for fp32/fp64
+    (exact dots, twice the bytes) and head dims above 128 (registers); mid-sized tiles in the interpreter, where
+    each program is NumPy work and fewer, larger tiles run fastest. `smem`: bytes of shared memory per block of
+    the GPU (utils.gpu.shared_memory_per_block); the tiles shrink until they fit. None: an H200's choice."""
     if _interpreting():
         return BackwardConfig(32, 32, 4, 1, 32, 32, 4, 1)
     return _fitted_config(head_dim, dtype, causal, smem)
@@ -115,17 +115,10 @@ def _fitted_config(head_dim: int, dtype: torch.dtype, causal: bool, smem: int | 
 
 
 def default_tma(head_dim: int, causal: bool) -> bool:
-    """Whether `tma=None` loads the looped-over tiles, and lse₂ and D with them, through TMA (where the inputs
-    allow it): at head dim 128, where that beat pointer loads on an H200 (images/07_backward_benchmark.json,
-    columns triton_tma_stats and triton_pointer; worklog 07w, sections 2 and 3). At 64 TMA was slower; causal
-    at 128, the tiles alone through TMA were too, and only the whole loop through TMA paid."""
+    """Whether the backward loads the looped-over tiles, and lse₂ and D with them, through TMA (where the inputs
+    allow it: `utils.flash_triton.tma_supported`): at head dim 128 (worklog 07w, sections 2 and 3, compares the
+    loads)."""
     return head_dim == 128
-
-
-def tma_reduce_supported(q) -> bool:
-    """Whether `dq_atomic="tma"` can run: an sm_90+ GPU and 16-bit inputs. The fp32 dQ copy the TMA engine adds
-    into is the course's own, allocated aligned, so the inputs' strides do not matter."""
-    return q.is_cuda and gpu.capability(q) >= (9, 0) and q.dtype in (torch.float16, torch.bfloat16)
 
 
 # --- kernels -------------------------------------------------------------------------------------------------
@@ -166,17 +159,14 @@ def _column_mask(offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
 
 @triton.jit
 def _dkdv_inner(dk, dv, k, v, Q, DO, LSE2, DELTA, s_qm, s_qd, s_dom, s_dod, QD, DOD, LD, DD, b, h,
-                offs_n, offs_d, mask_d, N_Q, offset, qk_scale, start, end, DQA, row, sm_scale,
+                offs_n, offs_d, mask_d, N_Q, offset, qk_scale, start, end,
                 BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr,
-                TMA: tl.constexpr, STATS: tl.constexpr, ATOMIC: tl.constexpr):
+                TMA: tl.constexpr, STATS: tl.constexpr):
     """Accumulate dK_j, dV_j over the Q blocks [start, end): the tiles are transposed (keys × queries) so that
     Pᵀ and dSᵀ come out of the dots directly. TMA: Q and dO tiles come through the host's descriptors QD, DOD
     (indexed [batch, head, row, 0]; rows past the end read as zeros), else through pointers with masks.
     STATS: lse₂ and D come through descriptors LD, DD too (indexed [batch, head, row]), so that every load of
-    the loop is a TMA copy. ATOMIC: also add this tile's dQ_i = sm_scale · dS_ij K_j into DQA, a (B·H·N_Q,
-    BLOCK_D) accumulator in global memory whose rows of this head start at `row`, with atomic adds: no dQ pass.
-    ATOMIC == 2: DQA is a TMA descriptor of that accumulator, (B, H, N_Q, BLOCK_D), and each tile is one bulk
-    reduce-add."""
+    the loop is a TMA copy."""
     for m0 in range(start, end, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         mask_m = offs_m < N_Q
@@ -206,24 +196,17 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, LSE2, DELTA, s_qm, s_qd, s_dom, s_dod, QD, 
         dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)                        # dPᵀ = V dOᵀ
         ds_t = p_t * (dp_t - delta[None, :])                                             # dSᵀ = Pᵀ ∘ (dPᵀ − D)
         dk += tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t), input_precision=PRECISION)       # dK += dSᵀ Q
-        if ATOMIC:  # dQ_i += dS K_j from every key block: programs add into the same rows, in any order
-            dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k, input_precision=PRECISION) * sm_scale  # (M, D)
-            if ATOMIC == 2:   # one bulk reduce-add of the tile by the TMA engine (rows past the end are clipped)
-                DQA.atomic_add([b, h, m0, 0], dq.reshape(1, 1, BLOCK_M, BLOCK_D))
-            else:
-                tl.atomic_add(DQA + (row + offs_m[:, None]) * BLOCK_D + offs_d[None, :], dq, mask=mask_m[:, None],
-                              sem="relaxed")
     return dk, dv
 
 
 @triton.jit
-def _bwd_dkdv(Q, K, V, DO, LSE2, DELTA, DK, DV, QD, DOD, LD, DD, DQA,
+def _bwd_dkdv(Q, K, V, DO, LSE2, DELTA, DK, DV, QD, DOD, LD, DD,
               s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s_kd, s_vb, s_vh, s_vn, s_vd,
               s_dob, s_doh, s_dom, s_dod, s_dkb, s_dkh, s_dkn, s_dkd, s_dvb, s_dvh, s_dvn, s_dvd,
               H_KV, N_Q, N_K, qk_scale, sm_scale,
               GROUP: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
-              TMA: tl.constexpr, STATS: tl.constexpr, ATOMIC: tl.constexpr = False):
+              TMA: tl.constexpr, STATS: tl.constexpr):
     pid_n = tl.program_id(0)
     bhk = tl.program_id(1)
     b = (bhk // H_KV).to(tl.int64)
@@ -256,12 +239,10 @@ def _bwd_dkdv(Q, K, V, DO, LSE2, DELTA, DK, DV, QD, DOD, LD, DD, DQA,
         if CAUSAL:
             dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, LSE2 + row, DELTA + row, s_qm, s_qd, s_dom, s_dod,
                                  QD, DOD, LD, DD, bhk // H_KV, h32, offs_n, offs_d, mask_d, N_Q, offset, qk_scale,
-                                 start, split, DQA, row, sm_scale, BLOCK_M, BLOCK_D, True, PRECISION, TMA,
-                                 STATS, ATOMIC)
+                                 start, split, BLOCK_M, BLOCK_D, True, PRECISION, TMA, STATS)
         dk, dv = _dkdv_inner(dk, dv, k, v, q_ptr, do_ptr, LSE2 + row, DELTA + row, s_qm, s_qd, s_dom, s_dod,
                              QD, DOD, LD, DD, bhk // H_KV, h32, offs_n, offs_d, mask_d, N_Q, offset, qk_scale, split,
-                             N_Q, DQA, row, sm_scale, BLOCK_M, BLOCK_D, False, PRECISION, TMA, STATS,
-                             ATOMIC)
+                             N_Q, BLOCK_M, BLOCK_D, False, PRECISION, TMA, STATS)
     dk *= sm_scale
     tl.store(DK + b * s_dkb + hk * s_dkh + offs_n[:, None] * s_dkn + offs_d[None, :] * s_dkd, dk, mask=mask_nd)
     tl.store(DV + b * s_dvb + hk * s_dvh + offs_n[:, None] * s_dvn + offs_d[None, :] * s_dvd, dv, mask=mask_nd)
@@ -343,7 +324,7 @@ def _bwd_dq(Q, K, V, DO, LSE2, DELTA, DQ, KD, VD,
 
 # --- host side -----------------------------------------------------------------------------------------------
 
-# Launched without Triton's per-call dispatch (utils.launch; notebook 05b measures what that saves).
+# Launched without Triton's per-call dispatch (utils.launch).
 _launch_preprocess, _launch_dkdv, _launch_dq = (FastLauncher(k) for k in (_bwd_preprocess, _bwd_dkdv, _bwd_dq))
 
 
@@ -354,7 +335,6 @@ class Choices(NamedTuple):
     config: BackwardConfig
     tma: bool
     stats: bool
-    dq_atomic: bool | str
     upcast: bool          # bf16 in the interpreter: computed in fp32
     causal: bool
     acc: torch.dtype      # of the accumulators, D and lse₂
@@ -365,18 +345,16 @@ class Choices(NamedTuple):
 _KINDS = launch.kind_cache()   # _call_key -> launch.Kind of Choices: the launch.MAX_KINDS used most recently
 
 
-def _call_key(do, q, k, v, o, lse, causal, sm_scale, config, tma, tma_stats, dq_atomic):
+def _call_key(do, q, k, v, o, lse, causal, sm_scale, config):
     """Everything the checks, the choices and Triton's specialization of the launches depend on, for CUDA tensors
     and options of the expected types; None otherwise (such a call is checked every time)."""
     if not (type(causal) is bool and type(sm_scale) in (float, int, type(None))
-            and type(config) in (BackwardConfig, type(None))
-            and all(x is None or x is True or x is False for x in (tma, tma_stats))   # 1 == True: `is`
-            and (dq_atomic is True or dq_atomic is False or dq_atomic == "tma")):
+            and type(config) in (BackwardConfig, type(None))):
         return None
-    return launch.kind_key((do, q, k, v, o, lse), (causal, sm_scale, config, tma, tma_stats, dq_atomic))
+    return launch.kind_key((do, q, k, v, o, lse), (causal, sm_scale, config))
 
 
-def _choose(do, q, k, v, o, lse, causal, sm_scale, config, tma, tma_stats, dq_atomic) -> Choices:
+def _choose(do, q, k, v, o, lse, causal, sm_scale, config) -> Choices:
     """flash_attention_backward's checks (a ValueError or TypeError naming the argument) and choices."""
     shape, scale = check_backward_inputs(do, q, k, v, o, lse, causal=causal, sm_scale=sm_scale, dtypes=DTYPES)
     if shape.head_dim not in HEAD_DIMS:
@@ -387,69 +365,40 @@ def _choose(do, q, k, v, o, lse, causal, sm_scale, config, tma, tma_stats, dq_at
         config = default_config(shape.head_dim, q.dtype, causal, smem)
     elif not isinstance(config, BackwardConfig):
         raise TypeError(f"config must be a BackwardConfig or None, got {type(config).__name__}")
-    if not isinstance(dq_atomic, (bool, str)):
-        raise TypeError(f"dq_atomic must be a bool or \"tma\", got {type(dq_atomic).__name__}")
-    if isinstance(dq_atomic, str) and dq_atomic != "tma":
-        raise ValueError(f"dq_atomic must be False, True or \"tma\", got {dq_atomic!r}")
-    for name, value in (("tma", tma), ("tma_stats", tma_stats)):
-        if value is not None and not isinstance(value, bool):
-            raise TypeError(f"{name} must be a bool or None, got {type(value).__name__}")
-    if tma or (tma is None and default_tma(shape.head_dim, causal)):  # asked only then: it costs host time
-        allowed = tma_supported(q, k, v) and tma_supported(do, k, v)
-        if tma and not allowed:
-            raise ValueError("tma=True needs an sm_90+ GPU, 16-bit inputs, a power-of-two head dim and q, k, v, do "
-                             "with unit last stride and 16-byte aligned addresses and row strides")
-        tma = allowed
-    tma = bool(tma)
-    reduce = dq_atomic == "tma"
-    if reduce and not tma_reduce_supported(q):
-        raise ValueError(f"dq_atomic=\"tma\" needs an sm_90+ GPU and fp16/bf16 inputs (got {q.dtype} on "
-                         f"{q.device})")
-    # lse₂ and D through descriptors: their rows (seqlen_q fp32 values) must be 16-byte aligned.
-    stats_allowed = tma and shape.seqlen_q % 4 == 0
-    if tma_stats and not stats_allowed:
-        raise ValueError(f"tma_stats=True needs the TMA loads (tma=True, or the default) and seqlen_q a multiple "
-                         f"of 4 (got {shape.seqlen_q})")
-    stats = stats_allowed if tma_stats is None else tma_stats
+    # TMA where default_tma says so and the inputs allow it (asked only then: it costs host time); lse₂ and D
+    # through descriptors too where their rows (seqlen_q fp32 values) are 16-byte aligned.
+    tma = default_tma(shape.head_dim, causal) and tma_supported(q, k, v) and tma_supported(do, k, v)
+    stats = tma and shape.seqlen_q % 4 == 0
     interpret = _interpreting()
     if q.device.type != "cuda" and not (interpret and q.device.type == "cpu"):
         raise ValueError(f"q is on {q.device}: the kernels need a CUDA device, or CPU tensors with "
                          "TRITON_INTERPRET=1 set before this module was imported")
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return Choices(shape, scale, config, tma, stats, dq_atomic, interpret and q.dtype == torch.bfloat16, causal,
+    return Choices(shape, scale, config, tma, stats, interpret and q.dtype == torch.bfloat16, causal,
                    acc, max(16, triton.next_power_of_2(shape.head_dim)), lse.dtype == acc and lse.is_contiguous())
 
 
-def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, sm_scale=None, config=None, tma=None,
-                             tma_stats=None, dq_atomic=False):
+def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, sm_scale=None, config=None):
     """Gradients (dq, dk, dv) of attention from the forward's output `o` and log-sum-exp `lse`.
 
     q (B, H, Nq, D), k and v (B, Hkv, Nk, D) with Hkv dividing H (GQA: dk, dv come back with Hkv heads, the
     gradients of the query heads of a group summed); do and o like q; lse float (B, H, Nq), natural log, -inf for
     rows that see no key (their gradients are 0). Head dims 16 to 256 (padded to a power of two). dtypes: fp16, bf16, fp32,
     fp64; in the interpreter bf16 is computed in fp32 (NumPy has no bf16 arithmetic). Any strides.
-    `config`: a BackwardConfig (default: `default_config`). `tma`: load the looped-over tiles (Q and dO in the
-    dK/dV pass, K and V in the dQ pass) through Hopper's TMA copy engine. None: where `default_tma` says it pays
-    and the inputs allow it (`utils.flash_triton.tma_supported`); False: pointer loads; True: TMA, or a
-    ValueError saying why not. `tma_stats`: with TMA, load the lse₂ and D of each Q tile of the dK/dV loop
-    through descriptors too. None: wherever TMA is on and seqlen_q is a multiple of 4 (16-byte aligned fp32
-    rows); True: that, or a ValueError saying why not. `dq_atomic`: True: no dQ pass; the dK/dV pass adds each
-    tile's dQ into an fp32 copy with one atomic add per element (as FlashAttention-2's CUDA backward does; not
-    deterministic: the order of the additions varies from run to run). "tma": the same, each tile added by one
-    bulk reduce-add of the TMA engine (as FlashAttention-3 does; sm_90+ and 16-bit inputs, or a ValueError).
-    Worklog 07w, section 4, measures both against the separate pass.
+    `config`: a BackwardConfig (default: `default_config`). The looped-over tiles (Q and dO in the dK/dV pass, K
+    and V in the dQ pass) come through Hopper's TMA copy engine where `default_tma` says so and the inputs allow
+    it (`utils.flash_triton.tma_supported`), and so do lse₂ and D when seqlen_q is a multiple of 4.
 
     The checks, the choices and the launches' fixed arguments are made once per kind of call (shapes, strides,
     dtypes, device, 16-byte alignment, options) and kept for the next call of that kind on a GPU, which then
-    passes only its tensors (utils.launch.Bound): at N <= 1k the host's time per call is the call's time
-    (notebook 05b, section 7).
+    passes only its tensors (utils.launch.Bound): at short sequence lengths the host's time per call is the
+    call's time (notebook 05b, section 7).
     """
-    key = _call_key(do, q, k, v, o, lse, causal, sm_scale, config, tma, tma_stats, dq_atomic)
-    kind = launch.kind_of(_KINDS, key, lambda: _choose(do, q, k, v, o, lse, causal, sm_scale, config, tma,
-                                                       tma_stats, dq_atomic))
+    key = _call_key(do, q, k, v, o, lse, causal, sm_scale, config)
+    kind = launch.kind_of(_KINDS, key, lambda: _choose(do, q, k, v, o, lse, causal, sm_scale, config))
     if kind.choices.upcast:  # the interpreter has no bf16 arithmetic: computed in fp32
         grads = flash_attention_backward(*(t.float() for t in (do, q, k, v, o)), lse, causal=causal,
-                                         sm_scale=sm_scale, config=config, dq_atomic=dq_atomic)
+                                         sm_scale=sm_scale, config=config)
         return tuple(g.to(torch.bfloat16) for g in grads)
     return _run(kind, key is not None, do, q, k, v, o, lse)
 
@@ -458,14 +407,14 @@ def backward_for_forward(forward_kind: launch.Kind, do, q, k, v, o, lse, *, caus
     """flash_attention_backward of what a forward of kind `forward_kind` saved (FlashAttentionFunction calls
     this). That kind fixes the shapes, strides, dtypes and alignment of q, k, v, o and lse, so
     the backward's kinds of call are kept in it under the key of dO alone: one tensor's key instead of six, and
-    less host time where a call's host time is its time (N <= 1k: notebook 05b, section 7)."""
+    less host time where a call's host time is its time (notebook 05b, section 7)."""
     key = launch.kind_key((do,), ())
     kind = forward_kind.derived.get(key) if key is not None else None
     if kind is not None:
         forward_kind.derived.move_to_end(key)   # a kind_cache(): the least recently used go first
         return _run(kind, True, do, q, k, v, o, lse)
     grads = flash_attention_backward(do, q, k, v, o, lse, causal=causal, sm_scale=sm_scale)  # checks, keeps
-    kept = key is not None and _KINDS.get(_call_key(do, q, k, v, o, lse, causal, sm_scale, None, None, None, False))
+    kept = key is not None and _KINDS.get(_call_key(do, q, k, v, o, lse, causal, sm_scale, None))
     if kept:
         launch.keep(forward_kind.derived, key, kept)
     return grads
@@ -508,7 +457,7 @@ def flash_attention(q, k, v, *, causal=False, sm_scale=None, return_lse=False):
     kind = _kind(q, k, v, causal, sm_scale)  # the checks before autograd, so errors point at the call
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         o, lse = FlashAttentionFunction.apply(q, k, v, causal, kind)
-    else:  # nothing to differentiate: skip the autograd Function (~10 µs of host time a call)
+    else:  # nothing to differentiate: skip the autograd Function and its host time
         o, lse = _forward(q, k, v, causal, kind)
     return (o, lse) if return_lse else o
 
@@ -523,25 +472,20 @@ def _run(kind: launch.Kind, keep: bool, do, q, k, v, o, lse) -> tuple:
         lse = lse.to(c.acc).contiguous()
     delta = torch.empty((b, h, nq), dtype=c.acc, device=q.device)
     lse2 = torch.empty_like(delta)
-    dk, dv = torch.empty_like(k), torch.empty_like(v)
-    dq = None if c.dq_atomic else torch.empty_like(q)
-    dq_acc = torch.zeros((b, h, nq, c.block_d), dtype=c.acc, device=q.device) if c.dq_atomic else None
-    qd = dod = kd = vd = ld = dd = dqd = None
-    if c.tma or c.dq_atomic == "tma":   # host TMA descriptors: made at the kind's first call, then copied
-        qd, dod, kd, vd, ld, dd, dqd = kind.descriptors((q, do, k, v, lse2, delta, dq_acc), lambda: _descriptors(
-            c, q, do, k, v, lse2, delta, dq_acc))
-    dqa = dqd if c.dq_atomic == "tma" else dq_acc
-    heads = ((o, do, lse, delta, lse2), (q, k, v, do, lse2, delta, dk, dv, qd, dod, ld, dd, dqa),
-             (q, k, v, do, lse2, delta, dq, kd, vd))[:2 if c.dq_atomic else 3]
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    qd = dod = kd = vd = ld = dd = None
+    if c.tma:   # host TMA descriptors: made at the kind's first call, then copied
+        qd, dod, kd, vd, ld, dd = kind.descriptors((q, do, k, v, lse2, delta), lambda: _descriptors(
+            c, q, do, k, v, lse2, delta))
+    heads = ((o, do, lse, delta, lse2), (q, k, v, do, lse2, delta, dk, dv, qd, dod, ld, dd),
+             (q, k, v, do, lse2, delta, dq, kd, vd))
     kind.launch(heads, lambda: _launches(c, q, k, v, do, o, dk, dv, dq), keep=keep)
-    if c.dq_atomic:
-        return dq_acc[..., :d].to(q.dtype), dk, dv
     return dq, dk, dv
 
 
-def _descriptors(choices: Choices, q, do, k, v, lse2, delta, dq_acc) -> tuple:
+def _descriptors(choices: Choices, q, do, k, v, lse2, delta) -> tuple:
     """A call's host TMA descriptors, None where its choices load through pointers: Q and dO (tiles of block_m1
-    rows), K and V (block_n2 rows), lse₂ and D (block_m1 values), and the fp32 dQ copy the TMA engine adds into."""
+    rows), K and V (block_n2 rows), lse₂ and D (block_m1 values)."""
     config, tma, stats = choices.config, choices.tma, choices.stats
 
     def tile(t, rows):   # a box of `rows` rows of one (batch, head) of a (B, H, N, D) tensor
@@ -549,14 +493,13 @@ def _descriptors(choices: Choices, q, do, k, v, lse2, delta, dq_acc) -> tuple:
 
     return (*(tile(t, config.block_m1) if tma else None for t in (q, do)),
             *(tile(t, config.block_n2) if tma else None for t in (k, v)),
-            *(TensorDescriptor.from_tensor(t, [1, 1, config.block_m1]) if stats else None for t in (lse2, delta)),
-            tile(dq_acc, config.block_m1) if choices.dq_atomic == "tma" else None)
+            *(TensorDescriptor.from_tensor(t, [1, 1, config.block_m1]) if stats else None for t in (lse2, delta)))
 
 
 def _launches(choices: Choices, q, k, v, do, o, dk, dv, dq) -> list[tuple]:
     """(launcher, grid, trailing arguments, constexprs and options) of each launch of a kind of call; the
     trailing arguments (strides, sizes, scales) follow the leading tensors that flash_attention_backward makes."""
-    (b, h, hk, nq, nk, d), scale, config, tma, stats, dq_atomic = choices[:6]
+    (b, h, hk, nq, nk, d), scale, config, tma, stats = choices[:5]
     block_d = choices.block_d
     acc = tl.float64 if q.dtype == torch.float64 else tl.float32
     # fp32 dots would use TF32 (10-bit mantissa) on tensor cores; gradients in fp32 are expected to be exact-ish.
@@ -570,11 +513,9 @@ def _launches(choices: Choices, q, k, v, do, o, dk, dv, dq) -> list[tuple]:
                  (*q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), hk, nq, nk,
                   *scales),
                  dict(common, BLOCK_M=config.block_m1, BLOCK_N=config.block_n1, STATS=stats,
-                      ATOMIC=2 if dq_atomic == "tma" else int(dq_atomic), num_warps=config.warps1,
-                      num_stages=config.stages1))]
-    if not dq_atomic:
-        launches.append((_launch_dq, (cdiv(nq, config.block_m2), b * h),
-                         (*q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), h, nq, nk, *scales),
-                         dict(common, BLOCK_M=config.block_m2, BLOCK_N=config.block_n2, num_warps=config.warps2,
-                              num_stages=config.stages2)))
+                      num_warps=config.warps1, num_stages=config.stages1)),
+                (_launch_dq, (cdiv(nq, config.block_m2), b * h),
+                 (*q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(), h, nq, nk, *scales),
+                 dict(common, BLOCK_M=config.block_m2, BLOCK_N=config.block_n2, num_warps=config.warps2,
+                      num_stages=config.stages2))]
     return launches

@@ -172,26 +172,27 @@ FORWARD_VARIANTS = {"forward": {"in order": {}, "overlapped": {"overlap": True}}
 
 
 def forward_schedules(head_dim: int = 128, tiles=None, capability=(9, 0), variants=None) -> dict[str, list[str]]:
-    """The forward kernel with host descriptors (notebook 05b's final loads), compiled for `capability` in each
-    of `variants` (default: FORWARD_VARIANTS["forward"], the loop in order and overlapped by one tile):
-    {name: schedule}."""
-    from utils import flash_triton
+    """The worklog's forward kernel (utils.course.worklogs.triton_forward) with host descriptors (notebook 05b's
+    final loads), compiled for `capability` in each of `variants` (default: FORWARD_VARIANTS["forward"], the loop
+    in order and overlapped by one tile): {name: schedule}."""
+    from utils.course.worklogs import triton_forward as worklog
 
-    tiles = tiles or flash_triton.TUNE_TILES[0]
+    tiles = tiles or worklog.TUNE_TILES[0]
     q = torch.zeros(1, 2, 1024, head_dim, dtype=torch.bfloat16)
     out = {}
     for name, switches in (variants or FORWARD_VARIANTS["forward"]).items():
-        steps = flash_triton.Steps(tma=True, host_descriptors=True, **switches)
-        (launch,) = _capture(lambda: flash_triton._launch(q, q, q, False, 0.1, tiles, steps))
+        steps = worklog.Steps(tma=True, host_descriptors=True, **switches)
+        (launch,) = _capture(lambda: worklog._launch(q, q, q, False, 0.1, tiles, steps))
         out[name] = schedule(compile_launch(launch, capability).asm["ptx"])
     return out
 
 
 def _backward_launches(head_dim: int, causal: bool, **options) -> dict[str, Launch]:
-    """The backward's main launches, {"dkdv": ..., "dq": ...} (no "dq" with dq_atomic), as
-    flash_attention_backward(**options) makes them with notebook 07's default tiles for 16-bit inputs (fp16: the
-    interpreter path keeps bf16 for fp32). CPU tensors have no GPU to ask whether TMA runs: it is said to."""
-    from utils import flash_triton_bwd as bwd
+    """The backward's main launches, {"dkdv": ..., "dq": ...} (no "dq" with dq_atomic), as the worklog's
+    flash_attention_backward(**options) makes them (utils.course.worklogs.triton_backward, which takes tma,
+    tma_stats and dq_atomic) with notebook 07's default tiles for 16-bit inputs (fp16: the interpreter path
+    keeps bf16 for fp32). CPU tensors have no GPU to ask whether TMA runs: it is said to."""
+    from utils.course.worklogs import triton_backward as bwd
 
     q = torch.zeros(1, 2, 1024, head_dim, dtype=torch.float16)
     lse = torch.zeros(1, 2, 1024)

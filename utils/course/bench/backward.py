@@ -6,7 +6,8 @@ two), halved when causal, as in the FlashAttention-2 paper. Every number of a ta
 Besides the default backends, `--backends` takes sdpa_efficient, triton_pointer, triton_tma and triton_tma_stats (the
 Triton backward with its loads pinned, worklog 07w sections 2 and 3), triton_atomic_dq and triton_reduce_dq (dQ
 added by the dK/dV pass instead of a dQ pass, with an atomic add per element or a TMA bulk reduce-add per tile,
-section 4), gluon_bwd (the one-kernel warp-specialised Gluon backward of section 5, sm_90 only; gluon_bwd_by_head
+section 4; these five run the worklog's copy of the kernels, utils.course.worklogs.triton_backward),
+gluon_bwd (the one-kernel warp-specialised Gluon backward of section 5, sm_90 only; gluon_bwd_by_head
 and gluon_bwd_grouped: its programs launched head by head, or in groups of 4 heads, on every shape), and
 `--peers triton-tutorial` the Triton tutorial's backward (utils.course.bench.peers, read from its own
 file; shapes it cannot run are "not supported"). `--rounds 3` times each shape three times in rotated order and
@@ -25,8 +26,8 @@ from utils.course.bench import attention_flops, benchmark, error_line, median_ro
 from utils.cuda_backward import BWD_STEPS, flash_mma_backward, flash_mma_forward
 
 BACKENDS = ("triton", "sdpa_flash", "sdpa_cudnn")                # the default set (notebook 07's)
-# The Triton backward with its loads pinned, (tma, tma_stats): "triton" picks per shape
-# (flash_triton_bwd.default_tma).
+# The worklog's Triton backward (utils.course.worklogs.triton_backward) with its loads pinned, (tma, tma_stats):
+# "triton" picks per shape (flash_triton_bwd.default_tma).
 TRITON_LOADS = {"triton_pointer": (False, False), "triton_tma": (True, False), "triton_tma_stats": (True, True)}
 # Measured when asked for; cuda_*: notebook 06bw's tensor-core backward in each of its steps (utils.cuda_backward).
 CUDA_BACKENDS = tuple(f"cuda_{step}" for step in BWD_STEPS)
@@ -55,14 +56,19 @@ def _sdpa_backward(backend_name):
     return autograd_backward(sdpa_pinned(backend_name.removeprefix("sdpa_")))
 
 
-def _triton_backward(config=None, tma=None, tma_stats=None, dq_atomic=False):
+def _triton_backward(config=None, **switches):
+    """The fast Triton backward (utils.flash_triton_bwd) after its forward; with `switches` (tma, tma_stats,
+    dq_atomic) the worklog's copy (utils.course.worklogs.triton_backward) with them set."""
     def prepare(q, k, v, do, causal):
         from utils.flash_triton import flash_attention_forward
-        from utils.flash_triton_bwd import flash_attention_backward
+
+        if switches:
+            from utils.course.worklogs.triton_backward import flash_attention_backward
+        else:
+            from utils.flash_triton_bwd import flash_attention_backward
 
         o, lse = flash_attention_forward(q, k, v, causal=causal)
-        return lambda: flash_attention_backward(do, q, k, v, o, lse, causal=causal, config=config, tma=tma,
-                                                tma_stats=tma_stats, dq_atomic=dq_atomic)
+        return lambda: flash_attention_backward(do, q, k, v, o, lse, causal=causal, config=config, **switches)
     return prepare
 
 
@@ -110,7 +116,8 @@ def run_backward_benchmark(seqlens=(2048, 4096, 8192, 16384), head_dims=(64, 128
                "triton_reduce_dq": lambda: _triton_backward(config, dq_atomic="tma"),
                "gluon_bwd": _gluon_backward,
                **{b: (lambda g=g: _gluon_backward(g)) for b, g in GLUON_ORDERS.items()},
-               **{b: (lambda loads=loads: _triton_backward(config, *loads)) for b, loads in TRITON_LOADS.items()},
+               **{b: (lambda loads=loads: _triton_backward(config, tma=loads[0], tma_stats=loads[1]))
+                  for b, loads in TRITON_LOADS.items()},
                **{b: (lambda step=b.removeprefix("cuda_"): _cuda_backward(step)) for b in CUDA_BACKENDS}}
     makers = {b: special[b]() if b in special else _sdpa_backward(b) for b in backends}
     names = list(makers)

@@ -1,0 +1,558 @@
+"""The worklog's Triton forward (notebooks 05b and 05bw): utils.flash_triton's kernel with every switch those
+notebooks measure, each still runnable.
+
+`Steps` turns notebook 05b's speed-ups on one by one: the autotuner, TMA loads and stores with descriptors made
+by every program (TMA=1) or once by the host (TMA=2), the unmasked loop overlapped by one tile (OVERLAP,
+`_attend_blocks_overlapped`) and a share of the exponentials on the FMA units (EXP2_FMA, `exp2_fma`). `WORKLOG`
+names the kernel before each step; `variant` and `worklog_variant` make attention functions of them for
+`python -m utils.course.bench.forward --worklog`, and SWEEP_CONFIGS are the tiles of `--sweep`.
+
+The registry's kernel is utils.flash_triton: this module's kernel with the switches off (TMA 0 or 2, chosen per
+shape by the tuner), which compiles to the same PTX (tests/test_fast_identity.py). Conventions, dtypes and the
+returned (o, lse) are utils.flash_triton's. `utils.course.worklogs.triton_backward.flash_attention` makes this
+forward differentiable.
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from utils import gpu, launch
+from utils.checks import check_attention_inputs, resolve_scale
+from utils.launch import FastLauncher
+from utils.tiled.forward import H200_TILES, Config
+from utils.tiled.forward import pick_config as tiled_pick_config
+from utils.triton_utils import cdiv
+
+HEAD_DIMS = tuple(range(16, 257))           # any head dim from 16 to 256
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+LOG2E = 1.4426950408889634                  # log2(e): exp(x) = exp2(x * log2(e))
+LN2 = 0.6931471805599453                    # ln(2): back from base 2 to natural logs for the lse
+
+
+@triton.jit
+def _attend_blocks(acc, l_i, m_i, q, k_ptrs, v_ptrs, offs_m, offs_n, offs_d, lo, hi,
+                   stride_kn, stride_vn, seqlen_k, causal_offset, qk_scale, b, h_kv,
+                   HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                   MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+                   EXP2_FMA: tl.constexpr = 0):
+    """Online softmax of the Q block against the key blocks [lo, hi). MASKED=False: every key of every block is
+    visible to every query of the Q block, so no score is masked (the loop body is pure matmul + softmax).
+    TMA > 0: k_ptrs and v_ptrs are tensor descriptors (notebook 05b), which zero-fill rows past seqlen_k: one
+    per (batch, head) matrix made by the program (TMA=1), or one per (B, H, N, D) tensor made by the host
+    (TMA=2, indexed by batch b and K/V head h_kv)."""
+    if not TMA:
+        k_ptrs += lo * stride_kn
+        v_ptrs += lo * stride_vn
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        if TMA == 2:  # the copy engine fetches the whole tile; no addresses, no masks in the warps
+            k = k_ptrs.load([b, h_kv, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
+            v = v_ptrs.load([b, h_kv, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
+        elif TMA:
+            k = k_ptrs.load([start_n, 0])
+            v = v_ptrs.load([start_n, 0])
+        elif MASKED:  # the last, ragged key block (and, when causal, the blocks crossing the diagonal)
+            kv_mask = cols[:, None] < seqlen_k
+            if BLOCK_D != HEAD_DIM:
+                kv_mask = kv_mask & (offs_d[None, :] < HEAD_DIM)
+            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+            v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+        elif BLOCK_D != HEAD_DIM:
+            k = tl.load(k_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+            v = tl.load(v_ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)          # (BLOCK_M, BLOCK_N), fp32
+        if MASKED:
+            keep = cols[None, :] < seqlen_k
+            if CAUSAL:
+                keep = keep & (cols[None, :] <= offs_m[:, None] + causal_offset)
+            qk = tl.where(keep, qk, float("-inf"))
+        acc, l_i, m_i = _online_softmax(qk, v, acc, l_i, m_i, qk_scale, MASKED, DOT_PRECISION, EXP2_FMA)
+        if not TMA:
+            k_ptrs += BLOCK_N * stride_kn
+            v_ptrs += BLOCK_N * stride_vn
+    return acc, l_i, m_i
+
+
+def _exp2_coefficients(degree: int = 3) -> list[float]:
+    """2^f on [-1/2, 1/2] as a polynomial in f (lowest power first): a least-squares fit at Chebyshev nodes,
+    relative error 1.0e-4 at degree 3, below the rounding of the 16-bit P that multiplies V."""
+    import numpy as np
+
+    f = 0.5 * np.cos(np.pi * (np.arange(256) + 0.5) / 256)
+    return [float(c) for c in np.polynomial.polynomial.polyfit(f, np.exp2(f), degree)]
+
+
+EXP2_C0, EXP2_C1, EXP2_C2, EXP2_C3 = (tl.constexpr(c) for c in _exp2_coefficients())
+
+
+@triton.jit
+def exp2_fma(x):
+    """2^x for x <= 0 on the FMA units instead of the special-function unit (MUFU) that tl.math.exp2 uses:
+    x = j + f with j an integer and |f| <= 1/2, 2^f by a cubic (Horner: three FMAs), 2^j added to the exponent
+    bits. Results below 2^-126 come out as tiny positives instead of 0."""
+    x = tl.maximum(x, -126.0)           # keeps j + the cubic's exponent inside fp32's exponent field
+    t = x + 12582912.0                  # 1.5 * 2^23: the fp32 add rounds x to an integer in t's low bits
+    j = t - 12582912.0
+    f = x - j
+    p = ((EXP2_C3 * f + EXP2_C2) * f + EXP2_C1) * f + EXP2_C0
+    bits = p.to(tl.int32, bitcast=True) + (t.to(tl.int32, bitcast=True) << 23)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _online_softmax(qk, v, acc, l_i, m_i, qk_scale, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                    EXP2_FMA: tl.constexpr = 0):
+    """Fold one tile of scores `qk` (fp32, unscaled) and its values `v` into the running maximum m_i, sum l_i
+    and unnormalised output acc; returns the new (acc, l_i, m_i). EXP2_FMA = 2 or 4: a half or a quarter of the
+    tile's exponentials on the FMA units (exp2_fma), the rest on MUFU (notebook 05b section 5); 0: all on MUFU."""
+    # Running maximum in base-2 units: qk_scale = sm_scale * log2(e), so exp2 below is the softmax's exp.
+    m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+    if MASKED:  # a row that has seen no key yet keeps m = -inf; subtract 0 there instead (-inf - -inf = nan)
+        m_sub = tl.where(m_ij == float("-inf"), 0.0, m_ij)
+    else:
+        m_sub = m_ij
+    if EXP2_FMA == 2:  # column pairs: a thread's wgmma fragment holds both columns of a pair, so no data moves
+        even, odd = tl.split(tl.reshape(qk * qk_scale - m_sub[:, None], (qk.shape[0], qk.shape[1] // 2, 2)))
+        p = tl.reshape(tl.join(tl.math.exp2(even), exp2_fma(odd)), (qk.shape[0], qk.shape[1]))
+    elif EXP2_FMA == 4:  # column c = 16g + 8j + 2q + r: c, c+1 and c+8 share a thread
+        x = tl.permute(tl.reshape(qk * qk_scale - m_sub[:, None], (qk.shape[0], qk.shape[1] // 16, 2, 4, 2)),
+                       (0, 1, 3, 4, 2))
+        a, b = tl.split(x)
+        b0, b1 = tl.split(b)
+        x = tl.join(tl.math.exp2(a), tl.join(tl.math.exp2(b0), exp2_fma(b1)))
+        p = tl.reshape(tl.permute(x, (0, 1, 4, 2, 3)), (qk.shape[0], qk.shape[1]))
+    else:
+        p = tl.math.exp2(qk * qk_scale - m_sub[:, None])
+    alpha = tl.math.exp2(m_i - m_sub)                                    # rescales what came before
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+    return acc, l_i, m_ij
+
+
+@triton.jit
+def _attend_blocks_overlapped(acc, l_i, m_i, q, KD, VD, lo, hi, qk_scale, b, h_kv,
+                              BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """_attend_blocks' unmasked loop (host descriptors, TMA=2) skewed by one tile, as FlashAttention-3 overlaps
+    softmax and matmul within a warpgroup: the scores of tile j+1 are asked for before the softmax of tile j,
+    so the tensor cores could work while the exponentials run. Notebook 05b measures it: it did not pay."""
+    if lo < hi:
+        k = KD.load([b, h_kv, lo, 0]).reshape(BLOCK_N, BLOCK_D)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        for start_n in range(lo + BLOCK_N, hi, BLOCK_N):
+            k = KD.load([b, h_kv, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
+            v = VD.load([b, h_kv, start_n - BLOCK_N, 0]).reshape(BLOCK_N, BLOCK_D)
+            qk_next = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)   # tile j+1, before tile j's softmax
+            acc, l_i, m_i = _online_softmax(qk, v, acc, l_i, m_i, qk_scale, False, DOT_PRECISION)
+            qk = qk_next
+        v = VD.load([b, h_kv, hi - BLOCK_N, 0]).reshape(BLOCK_N, BLOCK_D)
+        acc, l_i, m_i = _online_softmax(qk, v, acc, l_i, m_i, qk_scale, False, DOT_PRECISION)
+    return acc, l_i, m_i
+
+
+# Sequence lengths and head counts change from call to call: specializing on them (Triton otherwise compiles a
+# variant per "divisible by 16" / "equal to 1") would only multiply compilations.
+@triton.jit(do_not_specialize=["heads", "group", "seqlen_q", "seqlen_k", "seqlen_bucket"])
+def flash_fwd_kernel(Q, K, V, O, LSE, QD, KD, VD, OD,
+                     stride_qb, stride_qh, stride_qm, stride_qd,
+                     stride_kb, stride_kh, stride_kn, stride_kd,
+                     stride_vb, stride_vh, stride_vn, stride_vd,
+                     stride_ob, stride_oh, stride_om, stride_od,
+                     heads, group, seqlen_q, seqlen_k, qk_scale, seqlen_bucket,
+                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                     TMA: tl.constexpr = 0, OVERLAP: tl.constexpr = False, EXP2_FMA: tl.constexpr = 0):
+    """One program: BLOCK_M queries of one (batch, head) against all the keys they may see.
+
+    Grid: (cdiv(seqlen_q, BLOCK_M), batch * heads). Query head h reads K/V head h // group (GQA without copies).
+    `seqlen_bucket` is not read: it is part of the autotuner's key (sequence lengths rounded to a power of two).
+    TMA > 0 (notebook 05b): Q, K, V and O move through tensor descriptors, Hopper's TMA copy engine; TMA=1: the
+    program makes one per (batch, head) matrix; TMA=2: QD, KD, VD, OD, made once by the host over the whole
+    (B, H, N, D) tensors (otherwise they are None). OVERLAP (with TMA=2): the unmasked loop skewed by one tile
+    (_attend_blocks_overlapped; notebook 05b section 5: measured, not kept).
+    """
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // heads
+    h = pid_bh % heads
+    h_kv = h // group
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+
+    # 64-bit (batch, head) offsets: large batches times heads times seq times dims overflow 32 bits.
+    q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+    k_base = K + b.to(tl.int64) * stride_kb + h_kv.to(tl.int64) * stride_kh
+    v_base = V + b.to(tl.int64) * stride_vb + h_kv.to(tl.int64) * stride_vh
+    o_base = O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
+    if TMA == 2:  # whole tensors, indexed [batch, head, row, 0]; rows past a head's last read as zeros
+        k_ptrs, v_ptrs = KD, VD
+        q = QD.load([b, h, start_m, 0]).reshape(BLOCK_M, BLOCK_D)
+    elif TMA:  # one (rows, HEAD_DIM) matrix per head; tiles past its last row read as zeros and are not written
+        q_desc = tl.make_tensor_descriptor(q_base, [seqlen_q, HEAD_DIM], [stride_qm, 1], [BLOCK_M, HEAD_DIM])
+        k_ptrs = tl.make_tensor_descriptor(k_base, [seqlen_k, HEAD_DIM], [stride_kn, 1], [BLOCK_N, HEAD_DIM])
+        v_ptrs = tl.make_tensor_descriptor(v_base, [seqlen_k, HEAD_DIM], [stride_vn, 1], [BLOCK_N, HEAD_DIM])
+        q = q_desc.load([start_m, 0])
+    else:
+        k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
+        v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
+        q_mask = offs_m[:, None] < seqlen_q
+        if BLOCK_D != HEAD_DIM:
+            q_mask = q_mask & (offs_d[None, :] < HEAD_DIM)
+        q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd, mask=q_mask, other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    # Split the keys in two ranges: [0, n_full) every query of this block sees (whole blocks, no masking),
+    # [n_full, n_end) needs masks (the ragged last block; when causal, the blocks crossing the diagonal).
+    causal_offset = seqlen_k - seqlen_q          # bottom-right alignment: query i sees keys j <= i + offset
+    if CAUSAL:
+        n_full = tl.maximum(start_m + causal_offset + 1, 0)          # keys the *first* query of the block sees
+        n_end = tl.minimum(tl.maximum(start_m + BLOCK_M + causal_offset, 0), seqlen_k)  # ... the last one sees
+    else:
+        n_full = seqlen_k
+        n_end = seqlen_k
+    n_full = (n_full // BLOCK_N) * BLOCK_N
+    if OVERLAP:
+        acc, l_i, m_i = _attend_blocks_overlapped(acc, l_i, m_i, q, k_ptrs, v_ptrs, 0, n_full, qk_scale, b, h_kv,
+                                                  BLOCK_N, BLOCK_D, DOT_PRECISION)
+    else:
+        acc, l_i, m_i = _attend_blocks(acc, l_i, m_i, q, k_ptrs, v_ptrs, offs_m, offs_n, offs_d, 0, n_full,
+                                       stride_kn, stride_vn, seqlen_k, causal_offset, qk_scale, b, h_kv,
+                                       HEAD_DIM, BLOCK_N, BLOCK_D, False, CAUSAL, DOT_PRECISION, TMA, EXP2_FMA)
+    acc, l_i, m_i = _attend_blocks(acc, l_i, m_i, q, k_ptrs, v_ptrs, offs_m, offs_n, offs_d, n_full, n_end,
+                                   stride_kn, stride_vn, seqlen_k, causal_offset, qk_scale, b, h_kv,
+                                   HEAD_DIM, BLOCK_N, BLOCK_D, True, CAUSAL, DOT_PRECISION, TMA)
+
+    # Rows that saw no key (causal with Nq > Nk) have l = 0: output 0 and lse = -inf, never 0/0.
+    seen = l_i > 0.0
+    acc = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    tl.store(LSE + pid_bh.to(tl.int64) * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
+    if TMA == 2:
+        OD.store([b, h, start_m, 0], acc.to(O.dtype.element_ty).reshape(1, 1, BLOCK_M, BLOCK_D))
+    elif TMA:
+        o_desc = tl.make_tensor_descriptor(o_base, [seqlen_q, HEAD_DIM], [stride_om, 1], [BLOCK_M, HEAD_DIM])
+        o_desc.store([start_m, 0], acc.to(O.dtype.element_ty))
+    else:
+        o_mask = offs_m[:, None] < seqlen_q
+        if BLOCK_D != HEAD_DIM:
+            o_mask = o_mask & (offs_d[None, :] < HEAD_DIM)
+        tl.store(o_base + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od, acc.to(O.dtype.element_ty),
+                 mask=o_mask)
+
+
+# The tiles, their shared-memory estimate and the choice per head dim are the teaching kernel's
+# (utils.tiled.forward); 05b's speed-ups start from them.
+NOTEBOOK_05_TILES = H200_TILES
+
+
+def pick_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> Config:
+    """Block sizes, warps and pipeline stages for one launch when nothing is tuned: `fit_config` for the GPU's
+    shared memory (utils.gpu, which a T4 profile can emulate). In the interpreter the blocks only trade Python
+    overhead against wasted padding, so they are small.
+    """
+    if device.type != "cuda":
+        return Config(32, 32, 4, 1)
+    return fit_config(head_dim, dtype, gpu.shared_memory_per_block(device))
+
+
+@functools.lru_cache(maxsize=None)  # asked at every launch
+def fit_config(head_dim: int, dtype: torch.dtype, smem: int | None) -> Config:
+    """utils.tiled.forward.pick_config, remembered: the tiles for a head dim and dtype that fit `smem` bytes of
+    shared memory per block (None: an H200's choice). utils.course.cross_compile checks a T4's by compiling."""
+    return tiled_pick_config(head_dim, dtype, smem)
+
+
+class Steps(NamedTuple):
+    """Notebook 05b's speed-ups, each a switch; `Steps.fastest(...)` turns on those that apply to the inputs."""
+    autotune: bool = False      # tiles, warps and stages measured per shape class (16-bit, D <= 128, sm_80+)
+    tma: bool = False           # TMA loads and stores (Hopper); with autotune: TMA allowed, the tuner decides
+    host_descriptors: bool = False  # with tma: descriptors made once by the host, not by every program (step 4)
+    overlap: bool = False       # with host descriptors, fixed tiles: the next tile's QK^T before this tile's softmax
+                                # (section 5, measured and not kept; never part of `fastest`)
+    exp2_fma: int = 0           # 16-bit inputs: 1 in 2 or 1 in 4 of the unmasked exponentials on the FMA units
+
+    @staticmethod
+    def fastest(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> "Steps":
+        if max(q.shape[2], k.shape[2]) < TUNE_MIN_SEQLEN:  # launch-bound: notebook 05's kernel as it was
+            return Steps()
+        tma = tma_supported(q, k, v)
+        return Steps(autotune=tunable(q), tma=tma, host_descriptors=tma)
+
+    @property
+    def tma_mode(self) -> int:
+        """The kernel's TMA switch: 0 pointer loads, 1 descriptors made per program, 2 made by the host."""
+        return 2 if self.tma and self.host_descriptors else int(self.tma)
+
+
+def tunable(q) -> bool:
+    """Whether the autotuner may run: 16-bit inputs, head dim <= 128, an sm_80+ GPU (it times on the GPU)."""
+    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 128
+            and gpu.capability(q) >= (8, 0))
+
+
+def tma_supported(q, k, v) -> bool:
+    """Tensor descriptors need Hopper or newer, 16-bit data, a power-of-two head dim with unit stride, and
+    16-byte aligned base addresses and row strides (the TMA unit's rules)."""
+    if not (q.is_cuda and gpu.capability(q) >= (9, 0)):
+        return False
+    d = q.shape[-1]
+    return (q.dtype in (torch.float16, torch.bfloat16) and d == triton.next_power_of_2(d)
+            and all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+                    and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1]) for t in (q, k, v)))
+
+
+def _descriptor_memory(size: int, alignment: int, stream):
+    """Global scratch where a kernel writes the tensor descriptors it creates (128 bytes per descriptor)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def host_descriptors(q, k, v, o, block_m: int, block_n: int) -> tuple:
+    """Step 4: one TMA descriptor per (B, H, N, D) tensor, made here once per call instead of by every program;
+    the kernel indexes a tile as [batch, head, first row, 0]. Tiles past a head's last row read as zeros."""
+    d = q.shape[-1]
+    return tuple(TensorDescriptor.from_tensor(t, [1, 1, rows, d])
+                  for t, rows in ((q, block_m), (k, block_n), (v, block_n), (o, block_m)))
+
+
+def _fit_descriptors(nargs: dict) -> None:
+    """The pre-hook of the TMA=2 configs: the host descriptors' tile shapes follow the config about to run."""
+    for name, rows in (("QD", "BLOCK_M"), ("KD", "BLOCK_N"), ("VD", "BLOCK_N"), ("OD", "BLOCK_M")):
+        nargs[name].block_shape = [1, 1, nargs[rows], nargs["BLOCK_D"]]
+
+
+# The autotuner's search: kept small (each config costs a compile, ~1-3 s), measured once per shape class
+# (head dim, causal, dtype, sequence-length bucket) and cached on disk (Triton's cache directory), so only the
+# first run of a shape class waits. Each of the four tiles was the fastest, or within 1% of it, on some shape of
+# an H200 sweep of eight (notebook 05b); where TMA is allowed each is tried with and without it, since neither
+# wins everywhere. A config that does not fit a GPU's shared memory is skipped by the autotuner.
+TUNE_TILES = [Config(*c) for c in ((128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3))]
+TUNE_CONFIGS = [triton.Config({"BLOCK_M": c.block_m, "BLOCK_N": c.block_n}, num_warps=c.num_warps,
+                              num_stages=c.num_stages) for c in TUNE_TILES]
+TUNE_MIN_SEQLEN = 2048      # shorter problems are bound by launch overhead, not tiles: fixed tiles, no TMA
+_progress = None
+_progress_total = len(TUNE_CONFIGS)  # configs in the tuning under way
+_progress_left = 0          # configs of that tuning still to time
+_tuned_configs: dict = {}   # (device, dtype, head dim, causal, TMA allowed, bucket) -> (Config, TMA)
+
+
+def _time_with_progress(kernel_call, quantiles):
+    """The autotuner's timer: triton.testing.do_bench, with a progress bar over the configs of one tuning."""
+    global _progress, _progress_left
+    if _progress is None:
+        from tqdm.auto import tqdm
+        _progress = tqdm(total=_progress_total, leave=False,
+                         desc="tuning flash_fwd_kernel (once per shape class, then cached on disk)")
+        _progress_left = _progress_total   # counted here: a disabled bar (TQDM_DISABLE=1) does not count
+    try:
+        return triton.testing.do_bench(kernel_call, quantiles=quantiles, warmup=5, rep=25)
+    finally:
+        _progress.update()
+        _progress_left -= 1
+        if _progress_left <= 0:
+            _progress.close()
+            _progress = None
+
+
+def _autotuner(tma_mode: int):
+    """The tuner for one TMA mode: each tile of TUNE_CONFIGS with pointer loads and, when mode > 0, with TMA."""
+    configs = [triton.Config({**c.kwargs, "TMA": tma}, num_warps=c.num_warps, num_stages=c.num_stages,
+                             pre_hook=_fit_descriptors if tma == 2 else None)
+               for c in TUNE_CONFIGS for tma in dict.fromkeys((0, tma_mode))]
+    return triton.autotune(configs, key=["HEAD_DIM", "CAUSAL", "seqlen_bucket"], do_bench=_time_with_progress,
+                           cache_results=True)(flash_fwd_kernel)
+
+
+_tuners = {mode: _autotuner(mode) for mode in (0, 1, 2)}  # keyed by Steps.tma_mode: which TMA the configs may use
+_fwd_launcher = FastLauncher(flash_fwd_kernel)  # notebook 05b step 3: launches without Triton's dispatch
+
+
+def _launch(q, k, v, causal, scale, config: Config | None = None, steps: Steps | None = None,
+            kind: launch.Kind | None = None):
+    """Run the kernel on validated inputs; returns (o, lse). `config` fixes the block sizes (tests, the
+    worklog); `steps` picks notebook 05b's switches (default: `Steps.fastest`); `kind` (flash_attention's
+    calls, neither given) keeps the launch bound once a call of its kind has made it."""
+    b, h, nq, d = q.shape
+    o = torch.empty(b, h, nq, d, device=q.device, dtype=q.dtype)
+    lse = torch.empty(b, h, nq, device=q.device, dtype=torch.float32)
+    if kind is not None and kind.ready():   # seen before: only this call's tensors (and descriptors) are new
+        descs = kind.descriptors((q, k, v, o), lambda: _descriptors(q, k, v, o, kind.choices.tiles))
+        kind.run([(q, k, v, o, lse, *descs)])
+        return o, lse
+    hk, nk = k.shape[1], k.shape[2]
+    steps = steps or Steps.fastest(q, k, v)
+    mode = steps.tma_mode
+    block_d = max(16, triton.next_power_of_2(d))
+    if mode == 1 and q.is_cuda:
+        triton.set_allocator(_descriptor_memory)
+    scalars = (*q.stride(), *k.stride(), *v.stride(), *o.stride(), h, h // hk, nq, nk, scale * LOG2E)
+    switches = dict(HEAD_DIM=d, BLOCK_D=block_d, CAUSAL=causal, DOT_PRECISION="ieee" if q.dtype == torch.float32
+                    else "tf32", TMA=mode)
+    if steps.overlap:
+        switches["OVERLAP"] = True
+    if steps.exp2_fma:
+        switches["EXP2_FMA"] = int(steps.exp2_fma)
+    if config is None and steps.autotune:
+        bucket = min(triton.next_power_of_2(max(nq, nk)), 8192)
+        key = (q.device, q.dtype, d, causal, mode, bucket)
+        if key not in _tuned_configs:  # the first call of a shape class: time the configs (or read the disk cache)
+            global _progress_total
+            tuner = _tuners[mode]
+            _progress_total = len(tuner.configs)
+            grid = lambda meta: (cdiv(nq, meta["BLOCK_M"]), b * h)  # noqa: E731 (the autotuner's grid)
+            descs = host_descriptors(q, k, v, o, 16, 16) if mode == 2 else (None,) * 4  # tiles: set per config
+            tuner[grid](q, k, v, o, lse, *descs, *scalars, **{k: v for k, v in switches.items() if k != "TMA"},
+                        seqlen_bucket=bucket)
+            best = tuner.best_config
+            _tuned_configs[key] = (Config(best.kwargs["BLOCK_M"], best.kwargs["BLOCK_N"], best.num_warps,
+                                          best.num_stages), best.kwargs["TMA"])
+            return o, lse
+        # Later calls launch directly: the autotuner's own Python costs ~50 µs a call.
+        config, switches["TMA"] = _tuned_configs[key]
+    config = config or pick_config(d, q.dtype, q.device)
+    tiles = (config.block_m, config.block_n) if switches["TMA"] == 2 else None
+    head = (q, k, v, o, lse, *_descriptors(q, k, v, o, tiles))
+    grid = (cdiv(nq, config.block_m), b * h)
+    meta = dict(**switches, BLOCK_M=config.block_m, BLOCK_N=config.block_n, num_warps=config.num_warps,
+                num_stages=config.num_stages)
+    if kind is None:
+        _fwd_launcher[grid](*head, *scalars, 0, **meta)
+    else:
+        kind.choices = kind.choices._replace(tiles=tiles)
+        kind.launch([head], lambda: [(_fwd_launcher, grid, (*scalars, 0), meta)], keep=True)
+    return o, lse
+
+
+def _descriptors(q, k, v, o, tiles: tuple | None) -> tuple:
+    """The kernel's four descriptor arguments: host descriptors of (block_m, block_n) tiles, or four Nones."""
+    return (None,) * 4 if tiles is None else host_descriptors(q, k, v, o, *tiles)
+
+
+# Notebook 05b's worklog: the kernel before each step and the final one, all timed through `variant` (the same
+# entry point, so the ratios compare like with like) beside SDPA by `python -m utils.course.bench.forward --worklog`.
+# Steps None: `Steps.fastest`, what the registry's "triton" (flash_attention, with autograd) runs.
+WORKLOG = {
+    "triton 05 (fixed tiles)": (NOTEBOOK_05_TILES, Steps()),
+    "triton + autotune": (None, Steps(autotune=True)),
+    "triton + TMA (fixed tiles)": (NOTEBOOK_05_TILES, Steps(tma=True)),
+    "triton 1+2": (None, Steps(autotune=True, tma=True)),
+    "triton + host descriptors (fixed tiles)": (NOTEBOOK_05_TILES, Steps(tma=True, host_descriptors=True)),
+    "triton 1+2+4 (final)": (None, None),
+}
+# The tile sweep behind TUNE_CONFIGS (`python -m utils.course.bench.forward --sweep`), each with and without TMA.
+SWEEP_CONFIGS = [Config(*c) for c in ((128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 4, 3),
+                                      (64, 64, 4, 3), (128, 32, 4, 4), (64, 128, 4, 3), (128, 64, 8, 4))]
+
+
+def variant(config: Config | None, steps: Steps | None, name: str = "variant"):
+    """An attention function (course signature, validated inputs) that runs the kernel with fixed block sizes
+    (`config`; None: autotuned or pick_config) and fixed switches (`steps`; None: `Steps.fastest` per call):
+    the worklog's and the sweep's."""
+    if config is not None and not isinstance(config, Config):
+        raise TypeError(f"config must be a Config or None, got {type(config).__name__}")
+    if steps is not None and not isinstance(steps, Steps):
+        raise TypeError(f"steps must be a Steps or None, got {type(steps).__name__}")
+
+    def attention(q, k, v, *, causal=False, sm_scale=None):
+        _, scale = validate(q, k, v, causal, sm_scale)
+        if steps is None:
+            return _launch(q, k, v, causal, scale, config, None)[0]
+        if steps.host_descriptors and not steps.tma:
+            raise ValueError(f"{name!r}: host_descriptors describes the TMA path; it needs tma=True")
+        if steps.overlap and (steps.autotune or not steps.host_descriptors):
+            raise ValueError(f"{name!r}: overlap skews the host-descriptor loop (tma=True, host_descriptors=True) "
+                             "with fixed tiles; it cannot take autotune=True")
+        if steps.exp2_fma not in (0, 2, 4) or isinstance(steps.exp2_fma, bool):
+            raise ValueError(f"{name!r}: exp2_fma is 0, 2 or 4 (none, 1 in 2 or 1 in 4 exponentials on the FMA "
+                             f"units), got {steps.exp2_fma!r}")
+        if steps.exp2_fma and q.dtype == torch.float32:
+            raise ValueError(f"{name!r}: exp2_fma computes P to 16-bit accuracy; it needs fp16 or bf16 inputs")
+        if steps.tma and not tma_supported(q, k, v):
+            raise ValueError(f"{name!r} needs TMA: a Hopper GPU (sm_90+), 16-bit inputs, a power-of-two head dim "
+                             "and 16-byte aligned rows")
+        if steps.autotune and not tunable(q):
+            raise ValueError(f"{name!r} autotunes: it needs 16-bit inputs with head dim <= 128 on an sm_80+ GPU")
+        return _launch(q, k, v, causal, scale, config, steps)[0]
+
+    attention.__name__ = attention.__qualname__ = name
+    return attention
+
+
+def worklog_variant(name: str):
+    """The attention function of one WORKLOG step."""
+    if name not in WORKLOG:
+        raise ValueError(f"unknown worklog step {name!r}; known: {', '.join(WORKLOG)}")
+    return variant(*WORKLOG[name], name=name)
+
+
+def validate(q, k, v, causal, sm_scale):
+    shape = check_attention_inputs(q, k, v, causal=causal, dtypes=DTYPES)
+    if shape.head_dim not in HEAD_DIMS:
+        raise ValueError(f"head_dim {shape.head_dim} is not supported by the Triton kernel; supported: "
+                         f"{HEAD_DIMS[0]} to {HEAD_DIMS[-1]}")
+    if q.device.type == "cpu" and not triton_interpreting():
+        raise ValueError("q is on the CPU but TRITON_INTERPRET is not 1: run utils.course.bootstrap.setup() (or set "
+                         "TRITON_INTERPRET=1) before importing the course's Triton kernels, or move the tensors to a GPU")
+    if q.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"q is on {q.device}; the Triton kernel runs on CUDA devices or, interpreted, on the CPU")
+    return shape, resolve_scale(sm_scale, shape.head_dim)
+
+
+class Choices(NamedTuple):
+    """What a kind of call keeps: the scale its checks resolved and, once launched, its host descriptors' tiles
+    (None: the kernel takes no host descriptors)."""
+    scale: float
+    tiles: tuple | None = None
+
+
+_KINDS = launch.kind_cache()   # _call_key -> launch.Kind of Choices: the launch.MAX_KINDS used most recently
+
+
+def _call_key(q, k, v, causal, sm_scale):
+    """Everything the checks and the launch depend on (utils.launch.kind_key), for CUDA tensors and options of the
+    expected types; None otherwise (such a call is checked every time)."""
+    if not (type(causal) is bool and type(sm_scale) in (float, int, type(None))):
+        return None
+    return launch.kind_key((q, k, v), (causal, sm_scale))
+
+
+def _kind(q, k, v, causal, sm_scale) -> launch.Kind:
+    """The kind of this call: `validate` runs on its first call (a ValueError or TypeError naming the argument);
+    later calls of a kind (same shapes, strides, dtypes, device, alignment and options) skip the checks and
+    the choices, and launch the kernel bound by the first (notebook 05b, section 7)."""
+    return launch.kind_of(_KINDS, _call_key(q, k, v, causal, sm_scale),
+                          lambda: Choices(validate(q, k, v, causal, sm_scale)[1]))
+
+
+def triton_interpreting() -> bool:
+    """Whether this module's kernels were defined for the interpreter."""
+    from triton.runtime.interpreter import InterpretedFunction  # not imported by `import triton` on a GPU
+
+    return isinstance(flash_fwd_kernel, InterpretedFunction)
+
+
+def flash_attention_forward(q, k, v, *, causal=False, sm_scale=None):
+    """(o, lse) without autograd. lse: natural-log log-sum-exp of the scaled scores, fp32, (batch, heads,
+    seqlen_q), -inf for a query that sees no key. bf16 on a CPU is computed in fp32 (see the module doc)."""
+    return _forward(q, k, v, causal, _kind(q, k, v, causal, sm_scale))
+
+
+def _forward(q, k, v, causal, kind):
+    """flash_attention_forward on checked inputs (`kind`: their kind of call)."""
+    if q.device.type == "cpu" and q.dtype == torch.bfloat16:  # the interpreter has no bf16 arithmetic
+        o, lse = _launch(q.float(), k.float(), v.float(), causal, kind.choices.scale)
+        return o.to(torch.bfloat16), lse
+    return _launch(q, k, v, causal, kind.choices.scale, kind=kind)
