@@ -55,20 +55,74 @@ def test_dq_exercise_wrong_answers_fail_and_name_rows(old, new):
     assert result.startswith("wrong: ") and "dQ is wrong" in result and "block(s)" in result, result
 
 
-def test_dkdv_exercise_stub_solution():
+def test_dkdv_capstone_stub_solution():
     assert outcome(check_dkdv_kernel, kernel_from(*DKDV, learner=True)) == "not yet"
     assert outcome(check_dkdv_kernel, kernel_from(*DKDV)) == "right"
 
 
-@pytest.mark.parametrize("old, new, says", [
-    ("dv += tl.dot(tl.trans(p), do)", "dv = tl.dot(tl.trans(p), do)", "dV is wrong"),        # last tile only
-    ("dk += tl.dot(tl.trans(ds), q) * sm_scale", "dk += tl.dot(tl.trans(ds), q)", "dK is wrong"),
-    ("ds = p * (dp - delta[:, None])", "ds = p * dp", "dK is wrong"),                        # forgot D
-    ("dv += tl.dot(tl.trans(p), do)", "dv += tl.dot(p, do)", "dV is wrong"),                 # P, not Pᵀ
-], ids=["dv-assigned", "no-scale", "no-delta", "untransposed"])
-def test_dkdv_exercise_wrong_answers_fail_and_name_blocks(old, new, says):
+# Exercise 7.6, the capstone: the whole dK/dV kernel. Each wrong kernel fails in the first case that adds what it
+# gets wrong, and the message names that case, the gradient and the wrong key rows and K/V blocks.
+@pytest.mark.parametrize("old, new, says, case", [
+    ("dv += tl.dot(tl.trans(p), do)", "dv = tl.dot(tl.trans(p), do)", "dV is wrong", 1),      # last tile only
+    ("dk += tl.dot(tl.trans(ds), q) * sm_scale", "dk += tl.dot(tl.trans(ds), q)", "dK is wrong", 1),
+    ("ds = p * (dp - delta[:, None])", "ds = p * dp", "dK is wrong", 1),                        # forgot D
+    ("dv += tl.dot(tl.trans(p), do)", "dv += tl.dot(p, do)", "dV is wrong", 1),                 # P, not Pᵀ
+    ("* GROUP + g", "+ g", "dV is wrong", 3),                                                  # wrong query heads
+    ("(offs_n[None, :] <= offs_m[:, None] + N_K - N_Q)", "(offs_n[None, :] < offs_m[:, None] + N_K - N_Q)",
+     "dV is wrong", 4),                                                                        # diagonal off by one
+    ("bh = bhk // (H // GROUP) * H", "bh = bhk // (H // GROUP) * (H // GROUP)", "dV is wrong", 5),  # batch offset
+], ids=["dv-assigned", "no-scale", "no-delta", "untransposed", "gqa-heads", "causal-diagonal", "batch-offset"])
+def test_dkdv_capstone_wrong_kernel_fails_naming_case_and_blocks(old, new, says, case):
     result = outcome(check_dkdv_kernel, kernel_from(*DKDV, replace=[(old, new)]))
-    assert result.startswith("wrong: ") and says in result and "K/V blocks" in result, result
+    assert result.startswith(f"wrong: case {case} ") and "the first to add" in result, result
+    assert says in result and "K/V blocks" in result and re.search(r"rows .* in block\(s\) [0-9]", result), result
+
+
+def test_dkdv_capstone_refuses_course_kernels_and_other_kernels():
+    from utils import flash_triton_bwd
+    from utils.tiled import backward as bwd
+
+    for kernel, name in ((bwd._bwd_dkdv, "utils.tiled.backward._bwd_dkdv"),
+                         (flash_triton_bwd._bwd_dkdv, "utils.flash_triton_bwd._bwd_dkdv")):
+        with pytest.raises(AssertionError, match=f"refuses the course's own kernel `{re.escape(name)}`"):
+            check_dkdv_kernel(kernel)
+    with pytest.raises(AssertionError, match="for your kernel `dkdv_kernel`, not `dq_kernel`"):
+        check_dkdv_kernel(kernel_from(*DQ))
+
+
+def test_dkdv_capstone_refuses_a_kernel_that_calls_a_course_device_function():
+    namespace = {"triton": triton, "tl": tl}
+    exec_cell("from utils.tiled.backward import _dkdv_inner\n", namespace, "import")
+    first = "    pid_n, bhk = tl.program_id(0), tl.program_id(1)"
+    src = code_cell(NOTEBOOKS / DKDV[0], DKDV[1], replace=[(first, "    _dkdv_inner\n" + first)])
+    exec_cell(src, namespace, "capstone through the library's loop")
+    with pytest.raises(AssertionError, match="calls the course's own `utils.tiled.backward._dkdv_inner`"):
+        check_dkdv_kernel(namespace["dkdv_kernel"])
+
+
+@pytest.mark.skipif(not __import__("utils.triton_utils").triton_utils.interpreting(),
+                    reason="an interpreted kernel's body is Python, so it could call a course function")
+@pytest.mark.parametrize("call", ["utils.tiled.backward.flash_attention_backward",
+                                  "utils.flash_pytorch_bwd.attention_gradients"])
+def test_dkdv_capstone_refuses_a_kernel_body_that_calls_the_library(call):
+    module, name = call.rsplit(".", 1)
+    namespace = {"triton": triton, "tl": tl}
+    exec_cell(f"from {module} import {name}\n", namespace, "import")
+    first = "    pid_n, bhk = tl.program_id(0), tl.program_id(1)"
+    src = code_cell(NOTEBOOKS / DKDV[0], DKDV[1], replace=[(first, f"    {name}(Q, K, V, DO, LSE2, DELTA)\n" + first)])
+    exec_cell(src, namespace, "capstone through the library")
+    with pytest.raises(AssertionError, match=f"refuses the course's own `{re.escape(call)}`"):
+        check_dkdv_kernel(namespace["dkdv_kernel"])
+
+
+def test_dkdv_capstone_comes_before_the_library_kernel_is_shown():
+    import json
+    sources = ["".join(c["source"]) for c in json.loads((NOTEBOOKS / DKDV[0]).read_text())["cells"]]
+    capstone = next(i for i, s in enumerate(sources) if s.startswith(DKDV[1]))
+    library = next(i for i, s in enumerate(sources) if "show_source(bwd._dkdv_inner)" in s)
+    assert capstone < library
+    learner = code_cell(NOTEBOOKS / DKDV[0], DKDV[1], learner=True)
+    assert "tl.dot" not in learner and "tl.load" not in learner, "the capstone's stub must hold no kernel code"
 
 
 def test_merge_exercise_stub_solution():
@@ -205,8 +259,9 @@ def test_capstone_hints_are_two_tiers_without_code():
     """The first tier points at the idea (check() offers the second as hint(2)); the second gives formulas, never
     kernel code."""
     from utils.course.exercises.decoding import SPLIT_HINTS
+    from utils.course.exercises.triton_backward import DKDV_HINTS
     from utils.course.exercises.triton_forward import FORWARD_HINTS
-    for name, hints in (("FORWARD_HINTS", FORWARD_HINTS), ("SPLIT_HINTS", SPLIT_HINTS)):
+    for name, hints in (("FORWARD_HINTS", FORWARD_HINTS), ("SPLIT_HINTS", SPLIT_HINTS), ("DKDV_HINTS", DKDV_HINTS)):
         assert len(hints) == 2 and name not in hints[0], f"{name}: two tiers, the first not naming the second"
         for hint in hints:
             assert not re.search(r"\btl\.|tl\.load|tl\.store|\w\[:, None\]|range\(", hint), hint

@@ -15,8 +15,7 @@ NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.i
 
 # Notebooks whose checks still give one hint, `hint="..."`. This list only shrinks: a notebook that moves to
 # two levels must leave it (test_legacy_list_only_shrinks fails until it does).
-LEGACY = {"00_setup", "05_triton_flash_attention", "05b_triton_fast", "05bw_triton_fast_worklog",
-          "06b_cuda_tensor_cores", "07_backward", "08_decoding_and_ring", "09_summary"}
+LEGACY = set()
 
 # Code in a hint: a call, indexing, a module's function, an operator of Python or C, backticks.
 CODE = [(re.compile(r"\b[A-Za-z_]\w*\("), "a call"),

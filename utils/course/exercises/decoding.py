@@ -127,11 +127,13 @@ SPLIT_HINTS = (
     "read which case failed first and what it adds, and the (batch, head, split) named with its key range; each "
     "program owns one split of one (batch, head): its slice of this sequence's cache, as in exercise 8.4, and "
     "the online softmax of notebook 05 over that slice only.",
-    "program (pid_bh, split): b = pid_bh // n_heads, h = pid_bh mod n_heads, K/V head = h // GROUP, L = "
-    "SEQLENS[b]; per = cdiv(cdiv(L, BLOCK_N), num_splits)·BLOCK_N keys, lo = split·per, hi = min(lo + per, L). "
-    "Rows are the n_q new tokens. Per tile of keys j in [lo, hi): s = q·kᵀ·qk_scale, −inf where j ≥ hi or, "
-    "causal, j > i + L − n_q; m, l, acc updated as in notebook 05 (0 in place of an m that is still −inf). "
-    "Write o = acc / l and lse = (m + log2 l)·ln 2 into this split's slot; o = 0 and lse = −inf where l = 0.",
+    "program (first id, split): batch b is the first id over n_heads, rounded down, head h the remainder, K/V "
+    "head ⌊h / GROUP⌋, and L the length SEQLENS holds for b; each split gets ⌈⌈L / BLOCK_N⌉ / num_splits⌉ "
+    "tiles of BLOCK_N keys, from lo, the split times that many keys, to hi, the smaller of the next split's lo "
+    "and L. Rows are the n_q new tokens. Per tile of keys j from lo to hi: scores q·kᵀ·qk_scale, −∞ where "
+    "j ≥ hi or, causal, j > i + L − n_q; m, l, acc updated as in notebook 05 (0 in place of an m that is still "
+    "−∞). Write o, which is acc / l, and lse, (m + log₂ l)·ln 2, into this split's slot; o is 0 and lse −∞ "
+    "where l is 0.",
 )
 
 

@@ -282,12 +282,13 @@ FORWARD_HINTS = (
     "read which case failed first and what it adds; each program is one Q block of one (batch, head): load the "
     "Q tile once, stream the K/V tiles of its key range with the online softmax in base 2, then divide by l and "
     "write O and the natural-log lse.",
-    "program (pid_m, pid_bh): b = pid_bh // n_heads, h = pid_bh mod n_heads, K/V head = h // GROUP; the address "
-    "of Q[b, h, i, c] is Q + b·stride_qb + h·stride_qh + i·stride_qm + c (likewise K, V, O). Per key tile: "
-    "s = q·kᵀ·qk_scale, −inf where the key j ≥ Nk or, causal, j > i + Nk − Nq; m_new = max(m, rowmax s), "
-    "m_safe = 0 where m_new = −inf else m_new; p = 2^(s − m_safe); alpha = 2^(m − m_safe); "
-    "l = l·alpha + rowsum p; acc = acc·alpha + p·v. At the end O = acc / l and lse = (m + log2 l)·ln 2, with O = 0 and lse = −inf where "
-    "l = 0. Causal: no query of the block sees a key past start_m + BLOCK_M + Nk − Nq, so the loop stops there.",
+    "program (pid_m, pid_bh): batch ⌊pid_bh / n_heads⌋, head pid_bh mod n_heads, K/V head ⌊head / GROUP⌋; "
+    "element (b, h, i, c) of Q lies at Q plus b·stride_qb + h·stride_qh + i·stride_qm + c (likewise K, V, O). "
+    "Per key tile: scores s = q·kᵀ·qk_scale, −∞ where the key j ≥ Nk or, causal, j > i + Nk − Nq; m′ is the "
+    "larger of m and the row maximum of s, and m̃ is m′ with 0 in place of −∞; p = 2^(s − m̃); α = 2^(m − m̃); "
+    "l′ = l·α plus the row sum of p; acc′ = acc·α + p·v. At the end O is acc / l and lse is (m + log₂ l)·ln 2, "
+    "with O = 0 and lse = −∞ where l is 0. Causal: no query of the block sees a key past "
+    "start_m + BLOCK_M + Nk − Nq, so the loop stops there.",
 )
 
 
