@@ -267,7 +267,7 @@ def test_05_course_kernel_is_refused(check_fn):
 
 BLOCK_KINDS_PRELUDE = PRELUDE + """
 import numpy as np
-from utils.reference import causal_mask
+from utils.eager.reference import causal_mask
 from utils.triton_utils import cdiv
 """
 HELPER_BYPASSES = {
@@ -280,10 +280,10 @@ HELPER_BYPASSES = {
                     [("offset = seqlen_k - seqlen_q",
                       "return (max(0, flash2_kv_end(start_m, 1, seqlen_q, seqlen_k, True)), "
                       "max(0, flash2_kv_end(start_m // block_m, block_m, seqlen_q, seqlen_k, True)))")],
-                    ["from utils.flash_pytorch import flash2_kv_end"], "`utils.flash_pytorch.flash2_kv_end`"),
+                    ["from utils.eager.forward import flash2_kv_end"], "`utils.eager.forward.flash2_kv_end`"),
     "5.7": ("# Exercise 5.7:", "merge_halves", triton_forward.check_merge_halves,
             [("lse = torch.logaddexp(lse1, lse2)", "return merge_attention(o1, lse1, o2, lse2)[0]")],
-            ["from utils.softmax import merge_attention"], "`utils.softmax.merge_attention`"),
+            ["from utils.eager.softmax import merge_attention"], "`utils.eager.softmax.merge_attention`"),
 }
 
 

@@ -128,7 +128,7 @@ def test_merge_splits_check_rejects_what_is_not_a_function():
 
 def test_references_are_exact():
     """The checks' float64 references: dq against autograd through SDPA's math, merged partials by construction."""
-    from utils.reference import naive_attention
+    from utils.eager.reference import naive_attention
 
     gen = torch.Generator().manual_seed(0)
     q, do = (torch.randn(1, 4, 7, 8, generator=gen, dtype=torch.float64) for _ in range(2))
@@ -182,9 +182,9 @@ def test_split_kv_capstone_wrong_kernels_fail_naming_slots(old, new, case):
 
 
 def test_split_kv_capstone_refuses_course_kernels_and_others():
-    import utils.flash_decoding as fd
+    import utils.decoding.split_kv as fd
     result = split_outcome(fd._split_kv_kernel)
-    assert "refuses the course's own kernel `utils.flash_decoding._split_kv_kernel`" in result, result
+    assert "refuses the course's own kernel `utils.decoding.split_kv._split_kv_kernel`" in result, result
     merge = kernel_from(*MERGE)
     assert "for your kernel `split_kv_partial`, not `merge_kernel`" in split_outcome(merge)
 
@@ -193,12 +193,12 @@ def test_split_kv_capstone_refuses_course_kernels_and_others():
                     reason="an interpreted kernel's body is Python, so it could call a course function")
 def test_split_kv_capstone_refuses_a_kernel_body_that_calls_the_library():
     namespace = {"triton": triton, "tl": tl}
-    exec_cell("from utils.flash_decoding import flash_decode\n", namespace, "import")
+    exec_cell("from utils.decoding.split_kv import flash_decode\n", namespace, "import")
     first = "    pid_bh = tl.program_id(0)\n"
     src = code_cell(NOTEBOOKS / SPLIT[0], SPLIT[1], replace=[(first, "    flash_decode(Q, K, V)\n" + first)])
     exec_cell(src, namespace, "split kernel through the library")
     result = split_outcome(namespace["split_kv_partial"])
-    assert "refuses the course's own `utils.flash_decoding.flash_decode`" in result, result
+    assert "refuses the course's own `utils.decoding.split_kv.flash_decode`" in result, result
 
 
 def test_capstone_hints_are_two_tiers_without_code():

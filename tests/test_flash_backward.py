@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-from utils.flash_pytorch_bwd import (FlashAttentionPyTorch, attention_gradients, flash_attention_pytorch,
+from utils.eager.backward import (FlashAttentionPyTorch, attention_gradients, flash_attention_pytorch,
                                           flash_backward_pytorch, saved_tensor_bytes)
-from utils.flash_pytorch import flash2_attention
-from utils.reference import naive_attention, reference_attention
+from utils.eager.forward import flash2_attention
+from utils.eager.reference import naive_attention, reference_attention
 from utils.course.testing import (ATTENTION_SHAPES, assert_gradients_close, misaligned, pairwise, random_qkv,
                            reference_gradients)
 
@@ -34,7 +34,7 @@ def forward_lse(q, k, v, causal, sm_scale=None):
     group = q.shape[1] // k.shape[1]
     s = scale * q.double() @ k.double().repeat_interleave(group, 1).transpose(-2, -1)
     if causal:
-        from utils.reference import causal_mask
+        from utils.eager.reference import causal_mask
         s = s.masked_fill(~causal_mask(q.shape[2], k.shape[2], q.device), -math.inf)
     return o, torch.logsumexp(s, dim=-1)
 
@@ -512,7 +512,7 @@ def test_flash_attention_end_to_end(shape, causal, dtype):
 def test_flash_attention_matches_sdpa_gradients_on_gpu():
     """bf16 on a GPU: our gradients are as close to float64 truth as SDPA's own are (within 2x)."""
     from utils.flash_triton_bwd import flash_attention
-    from utils.reference import sdpa_attention
+    from utils.eager.reference import sdpa_attention
 
     q, k, v = random_qkv(2, 8, 2048, 2048, 128, kv_heads=2, dtype=torch.bfloat16, device="cuda", seed=13)
     do = torch.randn_like(q)

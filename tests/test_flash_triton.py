@@ -10,7 +10,7 @@ import triton.language as tl
 from utils import flash_triton, flash_triton_bwd, launch
 from utils.flash_triton import Config, Steps, flash_attention_forward, pick_config, tma_supported, tunable
 from utils.flash_triton_bwd import flash_attention   # the registry's "triton": this forward, made differentiable
-from utils.reference import reference_attention
+from utils.eager.reference import reference_attention
 from utils.course.testing import assert_close, misaligned, random_qkv, reference_lse
 
 CUDA = torch.cuda.is_available()

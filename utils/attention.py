@@ -44,16 +44,16 @@ class Implementation:
 
 
 REGISTRY = {impl.name: impl for impl in [
-    Implementation("sdpa", "utils.reference:sdpa_attention", "any",
+    Implementation("sdpa", "utils.eager.reference:sdpa_attention", "any",
                    "torch.nn.functional.scaled_dot_product_attention (PyTorch picks the backend)", "01",
                    grad_dtypes=(torch.float16, torch.bfloat16, torch.float32)),
-    Implementation("naive", "utils.reference:naive_attention", "any",
+    Implementation("naive", "utils.eager.reference:naive_attention", "any",
                    "matmul, explicit mask, softmax, matmul: the N×N matrices in memory", "01", grad_dtypes=(torch.float16, torch.bfloat16, torch.float32)),
-    Implementation("flash1_pytorch", "utils.flash_pytorch:flash1_attention", "any",
+    Implementation("flash1_pytorch", "utils.eager.forward:flash1_attention", "any",
                    "FlashAttention Algorithm 1: outer loop over K/V blocks, O, l, m updated in HBM per block", "03"),
-    Implementation("flash2_pytorch", "utils.flash_pytorch:flash2_attention", "any",
+    Implementation("flash2_pytorch", "utils.eager.forward:flash2_attention", "any",
                    "FlashAttention-2 order: one program per Q block, delayed normalisation, log-sum-exp", "04"),
-    Implementation("flash_decoding", "utils.flash_decoding:flash_decoding_attention", "triton",
+    Implementation("flash_decoding", "utils.decoding.split_kv:flash_decoding_attention", "triton",
                    "split-KV flash-decoding: partial outputs per slice of the keys, merged by log-sum-exp", "08"),
     Implementation("triton", "utils.flash_triton_bwd:flash_attention", "triton",
                    "FlashAttention-2 forward in Triton (interpreted on a CPU; bf16 there computed in fp32), backward "
@@ -92,7 +92,7 @@ REGISTRY = {impl.name: impl for impl in [
                    "gluon's",
                    "05b", head_dims=(64, 128), dtypes=(torch.float16, torch.bfloat16), capability=(9, 0),
                    grad_dtypes=(torch.float16, torch.bfloat16)),
-    Implementation("flash2_pytorch_autograd", "utils.flash_pytorch_bwd:flash_attention_pytorch", "any",
+    Implementation("flash2_pytorch_autograd", "utils.eager.backward:flash_attention_pytorch", "any",
                    "differentiable tiled PyTorch: online-softmax forward, FA2-order tiled backward", "07",
                    grad_dtypes=(torch.float16, torch.bfloat16, torch.float32)),
 ]}

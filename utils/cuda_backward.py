@@ -29,7 +29,7 @@ import torch
 from utils import cuda_ext, gpu
 from utils.checks import CUDA_GRID_Y, check_attention_inputs, check_batch_heads, check_device, resolve_scale
 from utils.cuda_ext import CUDA_HEAD_DIMS, FLASH_DTYPES, MMA_HEAD_DIMS, check_mma_capability, flash_mma, flash_tiled
-from utils.flash_pytorch_bwd import check_backward_inputs
+from utils.eager.backward import check_backward_inputs
 
 BWD_STEPS = ("atomic_dq", "dq_pass", "narrow_rows", "two_blocks", "per_head_dim", "unroll_two", "mask_after",
              "warp_tiles", "hoisted")

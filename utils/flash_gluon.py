@@ -18,7 +18,7 @@ shared-memory buffers filled by TMA; buffer s is refilled once every warp has fi
 it (one `thread_barrier` per iteration), which leaves a whole iteration to hide the copy's latency.
 
 `flash_attention_gluon_forward(q, k, v, *, causal=False, sm_scale=None)` -> (o, lse) follows the course conventions
-(utils.reference): (batch, heads, seq, head_dim) tensors, GQA, any lengths, Nq != Nk with bottom-right causal
+(utils.eager.reference): (batch, heads, seq, head_dim) tensors, GQA, any lengths, Nq != Nk with bottom-right causal
 alignment and a zero output for a query that sees no key. fp16 and bf16, head dims 64 and 128, sm_90 only:
 Gluon has no interpreter, so this kernel runs on an H100/H200 and nowhere else. The 4-D tensor descriptors
 read rows past a head's end as zeros and clip the output's, as the Triton kernel's host descriptors do.

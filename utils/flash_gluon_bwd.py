@@ -63,7 +63,7 @@ from utils import flash_triton_bwd as tb
 from utils.flash_gluon import flash_attention_gluon_forward
 from utils.flash_gluon_ws import flash_attention_gluon_ws_forward
 from utils.checks import check_device
-from utils.flash_pytorch_bwd import check_backward_inputs
+from utils.eager.backward import check_backward_inputs
 from utils import launch
 from utils.launch import FastLauncher
 

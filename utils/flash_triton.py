@@ -2,7 +2,7 @@
 Triton interpreter, on a CPU.
 
 `flash_attention_forward(q, k, v, *, causal=False, sm_scale=None)` follows the course conventions
-(utils.reference): `(batch, heads, seq, head_dim)` tensors, K/V with fewer heads than Q (GQA/MQA, read in place,
+(utils.eager.reference): `(batch, heads, seq, head_dim)` tensors, K/V with fewer heads than Q (GQA/MQA, read in place,
 never copied), any strides, any sequence lengths >= 1 with Nq != Nk allowed, causal masking aligned bottom-right
 (query i sees keys j <= i + Nk - Nq) and a zero output for a query that sees no key. Head dims 16 to 256; a head
 dim that is not a power of two (80, 96) is padded to the next one with masks.

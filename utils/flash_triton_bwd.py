@@ -30,7 +30,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from utils import gpu
 from utils.checks import AttentionShape, check_bool
-from utils.flash_pytorch_bwd import check_backward_inputs
+from utils.eager.backward import check_backward_inputs
 from utils.flash_triton import _forward, _kind, tma_supported
 from utils import launch
 from utils.launch import FastLauncher

@@ -1,6 +1,6 @@
 """A small character-level transformer and its training loop (notebook 07), on text shipped with the course.
 
-The attention is pluggable (`utils.mha.MultiHeadAttention(attention=...)`): the same model, seed and batches
+The attention is pluggable (`utils.eager.mha.MultiHeadAttention(attention=...)`): the same model, seed and batches
 trained with two attention implementations must give the same loss curve, the end-to-end test of a backward pass.
 The corpus is the course's own README and `utils/*.py` sources, so training runs offline.
 """
@@ -13,7 +13,7 @@ import torch
 from utils.checks import positive_int
 from torch import nn
 
-from utils.mha import MultiHeadAttention
+from utils.eager.mha import MultiHeadAttention
 
 ROOT = Path(__file__).resolve().parents[2]
 

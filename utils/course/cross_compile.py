@@ -313,7 +313,8 @@ def course_launches(profile: Profile) -> list[tuple[str, str, Launch]]:
     """(lesson, what, Launch) for the course's Triton kernels as its launchers configure them for `profile`:
     the forward (05), the backward (07), flash-decoding (08) and the flex kernels (10) at the head dims and dtypes
     a learner runs on it (16-bit is fp16 where the GPU has no bf16 tensor cores, sm < 80)."""
-    from utils import flash_decoding, flash_triton, flash_triton_bwd, gpu
+    from utils import flash_triton, flash_triton_bwd, gpu
+    from utils.decoding import split_kv as flash_decoding
     from utils.flex import attention as flex_attention, causal, sparsity
 
     half = torch.float16 if profile.capability < (8, 0) else torch.bfloat16

@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from utils.flash_pytorch import flash2_attention
+from utils.eager.forward import flash2_attention
 from utils.checks import check_attention_inputs, positive_int, resolve_scale
 
 __all__ = ["attention_gradients", "flash_backward_pytorch", "FlashAttentionPyTorch",
@@ -88,7 +88,7 @@ def attention_gradients(do, q, k, v, o, lse, *, causal=False, sm_scale=None):
     s = scale * q_ @ k_.transpose(-2, -1)
     p = torch.exp(s - _safe_lse(lse.to(ct))[..., None])
     if causal:
-        from utils.reference import causal_mask
+        from utils.eager.reference import causal_mask
         p = p.masked_fill(~causal_mask(shape.seqlen_q, shape.seqlen_k, q.device), 0.0)
     dv = p.transpose(-2, -1) @ do_                    # dV = Pᵀ dO
     dp = do_ @ v_.transpose(-2, -1)                   # dP = dO Vᵀ

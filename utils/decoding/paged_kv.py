@@ -17,7 +17,7 @@ sequence's end), so a fork shares them for free. Only a sequence's last, partly 
 fork, the copy a lazy copy-on-write would make at the first append. Then no page that is written is shared, and
 `append` needs no sharing logic at all.
 
-`PagedKVCache` is plain PyTorch (it imports no Triton kernel); `utils.flash_decoding.flash_decode_paged` reads it.
+`PagedKVCache` is plain PyTorch (it imports no Triton kernel); `utils.decoding.split_kv.flash_decode_paged` reads it.
 """
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ import numbers
 import torch
 
 from utils.checks import check_attention_inputs, resolve_scale
-from utils.reference import causal_mask
+from utils.eager.reference import causal_mask
 
 LOG2E = math.log2(math.e)  # exp(x) == exp2(x * LOG2E): kernels fold LOG2E into the softmax scale
 
@@ -212,7 +212,7 @@ def merge_attention(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, l
 def attention_with_lse(q, k, v, *, causal=False, sm_scale=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention output and its log-sum-exp per query row, from the full score matrix (a reference).
 
-    Same conventions as `utils.reference.naive_attention`; returns o with q's dtype and shape, and lse of
+    Same conventions as `utils.eager.reference.naive_attention`; returns o with q's dtype and shape, and lse of
     shape (batch, heads, seqlen_q) in float32 (float64 for float64 inputs), -inf for a query that sees no key.
     """
     shape = check_attention_inputs(q, k, v, causal=causal)

@@ -14,7 +14,7 @@ from utils.checks import check_bool, positive_int
 from einops import rearrange
 from torch import nn
 
-from utils.reference import sdpa_attention
+from utils.eager.reference import sdpa_attention
 
 
 

@@ -13,7 +13,7 @@ whole cache alone. Here the cache is cut into `num_splits` slices:
 With one split the first kernel writes the final output itself and the second is not launched.
 Causal masking is bottom-right aligned against each sequence's own cache length: the new tokens come last.
 
-`flash_decode_paged` runs the same kernel on a paged cache (utils/paged_kv.py): pools of fixed-size pages and a
+`flash_decode_paged` runs the same kernel on a paged cache (utils/decoding/paged_kv.py): pools of fixed-size pages and a
 block table per sequence. The only difference in the kernel is one look-up per key tile: which page holds it.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from utils.checks import AttentionShape, check_attention_inputs, check_bool, positive_int, resolve_scale
-from utils.paged_kv import check_page_size
+from utils.decoding.paged_kv import check_page_size
 from utils.triton_utils import cdiv, interpreting
 
 LOG2E = 1.4426950408889634  # inside the kernels scores are in base 2: exp2 is the cheap instruction

@@ -1,5 +1,5 @@
 """Ring attention on paper (notebook 08): memory per rank, bytes and FLOPs per ring step, and whether the
-transfer hides under the compute, counted the way `utils.ring_attention` runs the ring.
+transfer hides under the compute, counted the way `utils.ring.attention` runs the ring.
 
 Sizes: one sequence of N tokens (batch 1), H query heads, Hkv K/V heads (GQA), head dim D, W ranks holding
 c = N/W tokens each (zigzag: two chunks of c/2). b bytes per element of Q, K, V, O (2 for bf16) and a = 4 for
@@ -73,7 +73,7 @@ def step_bytes(tokens: int, kv_heads: int, head_dim: int, world_size: int, *, ba
 
 def step_flops(tokens: int, heads: int, head_dim: int, world_size: int, *, causal=True, backward=False) -> float:
     """FLOPs of one rank in one ring step: a block of c queries × c keys is 4·c²·H·D (two matrix products);
-    causal with zigzag, every rank does half a block at every step (`ring_attention.step_work`); the backward
+    causal with zigzag, every rank does half a block at every step (`utils.ring.attention.step_work`); the backward
     2.5×. GQA does not change it: every query head still meets every key."""
     c = tokens_per_rank(tokens, world_size)
     flops = 4.0 * c * c * positive_int("heads", heads) * positive_int("head_dim", head_dim)

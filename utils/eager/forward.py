@@ -11,7 +11,7 @@
   (the blocks), and which score blocks it computes; `flash1_hbm_accesses`, `flash2_hbm_accesses` and
   `standard_hbm_accesses` give the same counts in closed form. `count_ops` counts the arithmetic PyTorch runs.
 
-Course conventions (utils.reference): (batch, heads, seq, head_dim) tensors, K/V heads dividing Q heads (query
+Course conventions (utils.eager.reference): (batch, heads, seq, head_dim) tensors, K/V heads dividing Q heads (query
 head h reads K/V head h // (heads // kv_heads), never copied), causal masks aligned bottom-right, rows that see no
 key give 0 (lse = -inf). 16-bit inputs are computed in fp32 (fp64 in fp64) and returned in the input dtype.
 """

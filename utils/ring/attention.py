@@ -2,7 +2,7 @@
 
 Each rank holds a chunk of the sequence: its queries, keys and values. The K/V chunks travel around a ring,
 rank r sending to r+1 and receiving from r-1, so after W steps every rank has seen every key; each step's partial
-result is merged into the running one by log-sum-exp (`utils.softmax.merge_attention`, notebook 02). The next
+result is merged into the running one by log-sum-exp (`utils.eager.softmax.merge_attention`, notebook 02). The next
 transfer is posted before the current chunk is computed on, so communication hides behind computation. No rank
 ever holds more than its own chunk plus one chunk in flight: memory per rank falls as 1/W.
 
@@ -31,9 +31,9 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from utils.checks import check_attention_inputs, resolve_scale
-from utils.flash_pytorch_bwd import _compute_dtype, _expand_kv, _safe_lse, _sum_groups, check_backward_inputs
-from utils.reference import causal_mask
-from utils.softmax import attention_with_lse, merge_attention
+from utils.eager.backward import _compute_dtype, _expand_kv, _safe_lse, _sum_groups, check_backward_inputs
+from utils.eager.reference import causal_mask
+from utils.eager.softmax import attention_with_lse, merge_attention
 
 LAYOUTS = ("contiguous", "zigzag")
 PARTS = {"all", "first", "second"}
@@ -143,7 +143,7 @@ def _torch_attention(q, k, v, *, causal, sm_scale):
 def pick_local_attention(device, name: str = "auto"):
     """Attention inside a rank, `fn(q, k, v, *, causal, sm_scale) -> (o, lse)` with a natural-log lse.
 
-    "torch": `utils.softmax.attention_with_lse` (scores in memory; any device); "flash_triton": notebook 05's
+    "torch": `utils.eager.softmax.attention_with_lse` (scores in memory; any device); "flash_triton": notebook 05's
     Triton forward; "flash_decoding": this course's split-KV kernel with one split. "auto": on a GPU the first
     Triton kernel that is there, on the CPU "torch" (the interpreter would make the ring crawl).
     """
@@ -158,7 +158,7 @@ def pick_local_attention(device, name: str = "auto"):
             if name == "flash_triton":
                 raise
     if name in ("auto", "flash_decoding"):
-        from utils.flash_decoding import flash_decode
+        from utils.decoding.split_kv import flash_decode
 
         def decoding_attention(q, k, v, *, causal, sm_scale):
             return flash_decode(q, k, v, causal=causal, sm_scale=sm_scale, num_splits=1, return_lse=True)
