@@ -40,7 +40,7 @@ def test_candidates_names_unknown_implementations():
 
 
 def test_worklog_adds_notebook_05b_steps_between_impls_and_sdpa():
-    from utils.flash_triton import WORKLOG
+    from utils.tiled.fast.forward import WORKLOG
     args = bm.parse_args(["--worklog", "--sdpa", "cudnn"])
     fns = bm.candidates(args)
     assert list(fns) == ["triton", *WORKLOG, "sdpa-cudnn"] and all(map(callable, fns.values()))
@@ -48,14 +48,14 @@ def test_worklog_adds_notebook_05b_steps_between_impls_and_sdpa():
 
 
 def test_sweep_adds_each_tile_config_with_and_without_tma():
-    from utils.flash_triton import SWEEP_CONFIGS
+    from utils.tiled.fast.forward import SWEEP_CONFIGS
     fns = bm.candidates(bm.parse_args(["--sweep", "--impls", "--sdpa", "flash"]))
     assert len(fns) == 2 * len(SWEEP_CONFIGS) + 1 and "tiles 128x64 w8 s3" in fns and "tiles 128x64 w8 s3 TMA" in fns
     assert fns["tiles 64x64 w4 s3 TMA"].__name__ == "tiles 64x64 w4 s3 TMA"
 
 
 def test_overlap_adds_each_tuned_tile_in_order_and_overlapped():
-    from utils.flash_triton import TUNE_TILES
+    from utils.tiled.fast.forward import TUNE_TILES
     fns = bm.candidates(bm.parse_args(["--overlap", "--impls", "--sdpa", "cudnn"]))
     assert list(fns) == [*(bm.step_label(c, "overlap", o) for c in TUNE_TILES for o in (False, True)), "sdpa-cudnn"]
     assert "tiles 128x128 w8 s3 overlapped" in fns and "tiles 64x64 w4 s3 in order" in fns
@@ -71,7 +71,7 @@ def test_gluon_tiles_adds_the_gluon_kernel_with_each_tile():
 
 
 def test_exp2_fma_adds_each_tuned_tile_with_each_share_of_exponentials_on_fma():
-    from utils.flash_triton import TUNE_TILES
+    from utils.tiled.fast.forward import TUNE_TILES
     fns = bm.candidates(bm.parse_args(["--exp2-fma", "--impls", "--sdpa", "cudnn"]))
     assert list(fns) == [*(bm.step_label(c, "exp2_fma", n) for c in TUNE_TILES for n in (0, 2, 4)), "sdpa-cudnn"]
     assert "tiles 128x64 w8 s3 exp2 1/4 on FMA" in fns and "tiles 64x64 w4 s3 exp2 on MUFU" in fns

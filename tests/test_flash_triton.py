@@ -1,4 +1,4 @@
-"""What is specific to the Triton FlashAttention-2 forward (utils.flash_triton); tests/test_attention.py covers
+"""What is specific to the Triton FlashAttention-2 forward (utils.tiled.fast.forward); tests/test_attention.py covers
 the shared correctness grid through the registry's "triton" entry."""
 import math
 
@@ -7,9 +7,9 @@ import torch
 import triton
 import triton.language as tl
 
-from utils import flash_triton, flash_triton_bwd, launch
-from utils.flash_triton import Config, Steps, flash_attention_forward, pick_config, tma_supported, tunable
-from utils.flash_triton_bwd import flash_attention   # the registry's "triton": this forward, made differentiable
+from utils.tiled.fast import forward as flash_triton, backward as flash_triton_bwd, launch
+from utils.tiled.fast.forward import Config, Steps, flash_attention_forward, pick_config, tma_supported, tunable
+from utils.tiled.fast.backward import flash_attention   # the registry's "triton": this forward, made differentiable
 from utils.eager.reference import reference_attention
 from utils.course.testing import assert_close, misaligned, random_qkv, reference_lse
 
@@ -80,7 +80,7 @@ def test_tensor_descriptors_keep_the_result(nq, nk, hk, causal):
     o_ref, lse_ref = flash_triton._launch(q, k, v, causal, 0.2, config, Steps(tma=False))
     assert_close(o_ref, reference_attention(q, k, v, causal=causal, sm_scale=0.2), dtype=dtype)
     for steps in (Steps(tma=True), Steps(tma=True, host_descriptors=True)):  # made per program, made by the host
-        for _ in range(2):  # on a GPU the second call takes utils.launch's direct path, descriptors included
+        for _ in range(2):  # on a GPU the second call takes utils.tiled.fast.launch's direct path, descriptors included
             o, lse = flash_triton._launch(q, k, v, causal, 0.2, config, steps)
             assert torch.equal(o, o_ref) and torch.equal(lse, lse_ref), steps  # the same arithmetic, other loads
     # Section 5's overlapped loop: the same tiles in the same order, the next tile's scores asked for earlier.
@@ -183,7 +183,7 @@ def test_fastest_steps_follow_the_inputs():
 
 
 def test_worklog_variants_compute_attention_or_refuse_clearly():
-    from utils.flash_triton import WORKLOG, variant, worklog_variant
+    from utils.tiled.fast.forward import WORKLOG, variant, worklog_variant
     with pytest.raises(ValueError, match="unknown worklog step 'nope'"):
         worklog_variant("nope")
     with pytest.raises(TypeError, match="config must be a Config"):
@@ -215,7 +215,7 @@ def test_worklog_variants_compute_attention_or_refuse_clearly():
 
 def test_worklog_final_step_runs_what_flash_attention_runs():
     """Like with like: the worklog's last entry is the registry's kernel (Steps.fastest) through `variant`."""
-    from utils.flash_triton import WORKLOG, worklog_variant
+    from utils.tiled.fast.forward import WORKLOG, worklog_variant
     assert list(WORKLOG)[-1] == "triton 1+2+4 (final)" and WORKLOG["triton 1+2+4 (final)"] == (None, None)
     q, k, v = qkv(nq=33, nk=70, d=32, hk=1)
     assert torch.equal(worklog_variant("triton 1+2+4 (final)")(q, k, v, causal=True),
@@ -458,7 +458,7 @@ def test_a_kind_of_call_replays_its_first_launch_with_fresh_tensors(monkeypatch)
     the second call of a kind skips `validate` and the choices, hands the bound launch q, k, v, O, lse and four
     (empty) descriptor slots, and gets the same output; another option is another kind, checked on its first
     call."""
-    from utils import launch
+    from utils.tiled.fast import launch
 
     monkeypatch.setattr(launch, "driver", _OneDevice)
     monkeypatch.setattr(launch, "kind_key", lambda tensors, options: (*options, *(
@@ -502,7 +502,7 @@ def test_a_kind_of_call_is_checked_once_and_others_apart(monkeypatch):
     checks and runs the launch bound by the first: bitwise the same output, as Triton's own dispatch gives.
     A call that differs in any of those gets its own kind, and a bad argument is still refused."""
     from utils import gpu
-    from utils.launch import Bound, dispatch_by_triton
+    from utils.tiled.fast.launch import Bound, dispatch_by_triton
 
     q, k, v = random_qkv(2, 4, 300, 300, 64, dtype=torch.float16, device="cuda")
     flash_triton._KINDS.clear()
@@ -545,7 +545,7 @@ def test_a_kind_of_call_is_checked_once_and_others_apart(monkeypatch):
 
 def test_pick_config_fits_the_gpus_shared_memory(monkeypatch):
     """The H200's tiles where they fit; smaller ones on a GPU with 64 KiB per block (a T4, or its emulation)."""
-    from utils.flash_triton import NOTEBOOK_05_TILES, pick_config
+    from utils.tiled.fast.forward import NOTEBOOK_05_TILES, pick_config
     from utils.tiled.forward import SMALL_SMEM_TILES, smem_estimate
 
     assert smem_estimate(Config(128, 64, 8, 3), 128, 2) == 2 * 128 * (128 + 3 * 2 * 64)

@@ -1,12 +1,12 @@
-"""utils.launch: launching compiled Triton kernels without Triton's per-call dispatch."""
+"""utils.tiled.fast.launch: launching compiled Triton kernels without Triton's per-call dispatch."""
 import pytest
 import torch
 import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from utils import launch
-from utils.launch import FastLauncher, dispatch_by_triton, specialization_key
+from utils.tiled.fast import launch
+from utils.tiled.fast.launch import FastLauncher, dispatch_by_triton, specialization_key
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"

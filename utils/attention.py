@@ -55,7 +55,7 @@ REGISTRY = {impl.name: impl for impl in [
                    "FlashAttention-2 order: one program per Q block, delayed normalisation, log-sum-exp", "04"),
     Implementation("flash_decoding", "utils.decoding.split_kv:flash_decoding_attention", "triton",
                    "split-KV flash-decoding: partial outputs per slice of the keys, merged by log-sum-exp", "08"),
-    Implementation("triton", "utils.flash_triton_bwd:flash_attention", "triton",
+    Implementation("triton", "utils.tiled.fast.backward:flash_attention", "triton",
                    "FlashAttention-2 forward in Triton (interpreted on a CPU; bf16 there computed in fp32), backward "
                    "of notebook 07", "05", head_dims=tuple(range(16, 257)), grad_dtypes=(torch.float16, torch.bfloat16, torch.float32)),
     Implementation("triton_lesson", "utils.tiled.attention:flash_attention", "triton",

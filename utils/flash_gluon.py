@@ -43,7 +43,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from utils import gpu
 from utils.checks import check_attention_inputs, resolve_scale
-from utils.launch import FastLauncher
+from utils.tiled.fast.launch import FastLauncher
 
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.float16, torch.bfloat16)

@@ -59,13 +59,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from utils import flash_gluon as fg
-from utils import flash_triton_bwd as tb
+from utils.tiled.fast import backward as tb
 from utils.flash_gluon import flash_attention_gluon_forward
 from utils.flash_gluon_ws import flash_attention_gluon_ws_forward
 from utils.checks import check_device
 from utils.eager.backward import check_backward_inputs
-from utils import launch
-from utils.launch import FastLauncher
+from utils.tiled.fast import launch
+from utils.tiled.fast.launch import FastLauncher
 
 SUB_N = 64              # keys per consumer warpgroup
 BLOCK_N = 2 * SUB_N     # keys per program
@@ -384,7 +384,7 @@ _KINDS = launch.kind_cache()   # _call_key -> launch.Kind of (shape, scale, conf
 
 
 def _call_key(do, q, k, v, o, lse, causal, sm_scale, config):
-    """What the checks, the config and the launches depend on (utils.launch.kind_key), for CUDA tensors, options
+    """What the checks, the config and the launches depend on (utils.tiled.fast.launch.kind_key), for CUDA tensors, options
     of the expected types and Nq a multiple of 4 (otherwise the statistics are padded between the two launches);
     None otherwise (such a call is checked every time)."""
     if not (type(causal) is bool and type(sm_scale) in (float, int, type(None))
@@ -410,8 +410,8 @@ def flash_attention_gluon_backward(do, q, k, v, o, lse, *, causal=False, sm_scal
     """(dq, dk, dv) of softmax(Q Kᵀ · sm_scale) V for the forward's o and lse (natural log, (B, H, Nq)).
 
     fp16/bf16, head dim 64 or 128, GQA, Nq != Nk (bottom-right causal mask), on an sm_90 GPU. `config`: tiles
-    (default: pick_config's). As the Triton backward (utils.flash_triton_bwd), the checks, the config and the two
-    launches are kept per kind of call (utils.launch.Kind), so a later call of a kind passes only its tensors."""
+    (default: pick_config's). As the Triton backward (utils.tiled.fast.backward), the checks, the config and the two
+    launches are kept per kind of call (utils.tiled.fast.launch.Kind), so a later call of a kind passes only its tensors."""
     key = _call_key(do, q, k, v, o, lse, causal, sm_scale, config)
     kind = launch.kind_of(_KINDS, key, lambda: _choose(do, q, k, v, o, lse, causal, sm_scale, config))
     (b, h, _, nq, _, d), scale, config = kind.choices

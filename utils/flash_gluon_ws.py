@@ -30,7 +30,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                              warpgroup_mma_wait)
 
 from utils import flash_gluon as fg
-from utils.launch import FastLauncher
+from utils.tiled.fast.launch import FastLauncher
 
 SUB_M = 64                  # query rows per consumer warpgroup (the Q and O descriptors' tile)
 BLOCK_M = 2 * SUB_M         # query rows per program

@@ -152,7 +152,7 @@ def pick_local_attention(device, name: str = "auto"):
         return _torch_attention
     if name in ("auto", "flash_triton"):
         try:
-            from utils.flash_triton import flash_attention_forward
+            from utils.tiled.fast.forward import flash_attention_forward
             return flash_attention_forward
         except ImportError:
             if name == "flash_triton":
@@ -226,7 +226,7 @@ def pick_local_backward(device, name: str = "auto"):
     if name == "torch" or (name != "flash_triton" and device.type != "cuda"):
         return _torch_backward
     try:
-        from utils.flash_triton_bwd import flash_attention_backward
+        from utils.tiled.fast.backward import flash_attention_backward
     except ImportError:
         if name == "flash_triton":
             raise

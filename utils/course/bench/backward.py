@@ -57,8 +57,8 @@ def _sdpa_backward(backend_name):
 
 def _triton_backward(config=None, tma=None, tma_stats=None, dq_atomic=False):
     def prepare(q, k, v, do, causal):
-        from utils.flash_triton import flash_attention_forward
-        from utils.flash_triton_bwd import flash_attention_backward
+        from utils.tiled.fast.forward import flash_attention_forward
+        from utils.tiled.fast.backward import flash_attention_backward
 
         o, lse = flash_attention_forward(q, k, v, causal=causal)
         return lambda: flash_attention_backward(do, q, k, v, o, lse, causal=causal, config=config, tma=tma,
@@ -71,7 +71,7 @@ def _gluon_backward(bh_group=None):
     launch order pinned (None: pick_config's)."""
     def prepare(q, k, v, do, causal):
         from utils.flash_gluon_bwd import flash_attention_gluon_backward, pick_config
-        from utils.flash_triton import flash_attention_forward
+        from utils.tiled.fast.forward import flash_attention_forward
 
         o, lse = flash_attention_forward(q, k, v, causal=causal)
         config = None if bh_group is None else pick_config(q.shape[-1], causal)._replace(bh_group=bh_group)
@@ -191,7 +191,7 @@ def triton_tiles(head_dims, dtype, smem: int | None = None) -> dict:
     measured."""
     import dataclasses
 
-    from utils.flash_triton_bwd import _fitted_config
+    from utils.tiled.fast.backward import _fitted_config
 
     return {f"d{d}_{'causal' if c else 'full'}": dataclasses.asdict(_fitted_config(d, dtype, c, smem))
             for d in head_dims for c in (False, True)}
@@ -199,8 +199,8 @@ def triton_tiles(head_dims, dtype, smem: int | None = None) -> dict:
 
 def triton_loads(head_dims) -> dict:
     """{"d64_full": False, ...}: whether backend "triton" loads its tiles (and lse₂ and D) through TMA on an sm_90
-    GPU with aligned 16-bit inputs (utils.flash_triton_bwd.default_tma), stored with a run beside its tiles."""
-    from utils.flash_triton_bwd import default_tma
+    GPU with aligned 16-bit inputs (utils.tiled.fast.backward.default_tma), stored with a run beside its tiles."""
+    from utils.tiled.fast.backward import default_tma
 
     return {f"d{d}_{'causal' if c else 'full'}": default_tma(d, c) for d in head_dims for c in (False, True)}
 

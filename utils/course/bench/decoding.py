@@ -37,7 +37,7 @@ def decoding_methods() -> dict:
     methods = {"flash_decode": lambda q, k, v: flash_decode(q, k, v),
                "flash_decode, 1 split": lambda q, k, v: flash_decode(q, k, v, num_splits=1)}
     try:
-        from utils.flash_triton_bwd import flash_attention
+        from utils.tiled.fast.backward import flash_attention
         methods["notebook 05 kernel"] = lambda q, k, v: flash_attention(q, k, v)
     except ImportError:
         pass

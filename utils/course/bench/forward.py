@@ -42,14 +42,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_grid_arguments(p)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--worklog", action="store_true",
-                   help="also time notebook 05b's intermediate kernels (utils.flash_triton.WORKLOG)")
+                   help="also time notebook 05b's intermediate kernels (utils.tiled.fast.forward.WORKLOG)")
     p.add_argument("--sweep", action="store_true",
-                   help="also time every tile config of utils.flash_triton.SWEEP_CONFIGS, with and without TMA")
+                   help="also time every tile config of utils.tiled.fast.forward.SWEEP_CONFIGS, with and without TMA")
     p.add_argument("--overlap", action="store_true",
-                   help="also time each tile of utils.flash_triton.TUNE_TILES with host descriptors, its loop in "
+                   help="also time each tile of utils.tiled.fast.forward.TUNE_TILES with host descriptors, its loop in "
                         "order and overlapped by one tile (notebook 05b, section 5)")
     p.add_argument("--exp2-fma", action="store_true",
-                   help="also time each tile of utils.flash_triton.TUNE_TILES with host descriptors, every "
+                   help="also time each tile of utils.tiled.fast.forward.TUNE_TILES with host descriptors, every "
                         "exponential on MUFU, 1 in 2 and 1 in 4 on the FMA units (notebook 05b, section 5)")
     p.add_argument("--gluon-tiles", action="store_true",
                    help="also time the Gluon kernel with each tile of utils.flash_gluon.GLUON_TILES (notebook 05b, "
@@ -118,10 +118,10 @@ def candidates(args) -> dict:
             raise ValueError(f"unknown implementation {name!r}; registered: {', '.join(REGISTRY)}")
         out[name] = REGISTRY[name].load()
     if getattr(args, "worklog", False):
-        from utils.flash_triton import WORKLOG, worklog_variant
+        from utils.tiled.fast.forward import WORKLOG, worklog_variant
         out.update({name: worklog_variant(name) for name in WORKLOG})
     if getattr(args, "sweep", False):
-        from utils.flash_triton import SWEEP_CONFIGS, Steps, variant
+        from utils.tiled.fast.forward import SWEEP_CONFIGS, Steps, variant
         for tma in (False, True):
             for c in SWEEP_CONFIGS:
                 name = f"{tile_label(c)}{' TMA' if tma else ''}"
@@ -138,7 +138,7 @@ def candidates(args) -> dict:
                     for c in flash_gluon_ws.WS_TILES})
     for step in STEP_LABELS:   # notebook 05b section 5: one switch off and on, per tile, host descriptors
         if getattr(args, step, False):
-            from utils.flash_triton import TUNE_TILES, Steps, variant
+            from utils.tiled.fast.forward import TUNE_TILES, Steps, variant
             for c in TUNE_TILES:
                 for value in STEP_LABELS[step]:
                     name = step_label(c, step, value)

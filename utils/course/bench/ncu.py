@@ -152,8 +152,8 @@ def _child(args) -> None:
     q, k, v = (torch.randn(args.batch, args.heads, args.seqlen, args.head_dim, device="cuda", dtype=dtype)
                for _ in range(3))
     if args.worklog == "triton_bwd":
-        from utils.flash_triton import flash_attention_forward
-        from utils.flash_triton_bwd import flash_attention_backward
+        from utils.tiled.fast.forward import flash_attention_forward
+        from utils.tiled.fast.backward import flash_attention_backward
 
         (step,) = args.steps
         tma, stats = TRITON_BWD_STEPS[step]

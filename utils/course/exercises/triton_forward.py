@@ -15,7 +15,7 @@ move between key blocks. A failure names the (batch, head) slices, rows and Q bl
 
 Before a launch, `learner_kernel` makes sure the kernel is the learner's own step kernel: a Triton kernel, not
 one of the course's (utils), not another step's (a later step's kernel does more than the step asks), and not
-calling a course device function that does the step (utils.flash_triton's online softmax, say).
+calling a course device function that does the step (utils.tiled.fast.forward's online softmax, say).
 """
 from __future__ import annotations
 

@@ -17,8 +17,8 @@ remembered. It steps aside, so everything behaves as `kernel[grid]` does, when:
   - a launch hook is installed (the proton profiler installs one) or Triton's debug mode is on;
   - `dispatch_by_triton()` is active (notebook 05b times both paths with it).
 
-A caller that makes the same kinds of call again and again (the Triton forward of utils.flash_triton, the
-backwards of utils.flash_triton_bwd and utils.flash_gluon_bwd) goes one step further.
+A caller that makes the same kinds of call again and again (the Triton forward of utils.tiled.fast.forward, the
+backwards of utils.tiled.fast.backward and utils.flash_gluon_bwd) goes one step further.
 `launcher.bind(grid, args, meta, head=n)` launches once and returns a `Bound` launch whose grid, trailing
 arguments (all but the first n) and constexprs are fixed, so a later call passes only the first n (its fresh
 tensors) and the stream. `Kind` keeps a caller's checked choices and bound launches for one kind of call
@@ -106,7 +106,7 @@ def runs_directly(compiled) -> bool:
             return True
     if not _warned_run:
         _warned_run = True
-        warnings.warn(f"this Triton's CompiledKernel.run{signature or '(?)'} differs from what utils.launch passes "
+        warnings.warn(f"this Triton's CompiledKernel.run{signature or '(?)'} differs from what utils.tiled.fast.launch passes "
                       f"({', '.join(RUN_PARAMETERS)}, *args): its kernels launch through kernel[grid]",
                       RuntimeWarning, stacklevel=3)
     return False

@@ -31,15 +31,15 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from utils import gpu
 from utils.checks import AttentionShape, check_bool
 from utils.eager.backward import check_backward_inputs
-from utils.flash_triton import _forward, _kind, tma_supported
-from utils import launch
-from utils.launch import FastLauncher
+from utils.tiled.fast.forward import _forward, _kind, tma_supported
+from utils.tiled.fast import launch
+from utils.tiled.fast.launch import FastLauncher
 from utils.triton_utils import cdiv
 
 __all__ = ["flash_attention", "FlashAttentionFunction", "flash_attention_backward", "BackwardConfig", "default_config",
            "default_tma", "tma_reduce_supported", "HEAD_DIMS", "DTYPES"]
 
-HEAD_DIMS = tuple(range(16, 257))   # as the forward (utils.flash_triton): padded to a power of two
+HEAD_DIMS = tuple(range(16, 257))   # as the forward (utils.tiled.fast.forward): padded to a power of two
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 LOG2E = 1.4426950408889634
 
@@ -343,7 +343,7 @@ def _bwd_dq(Q, K, V, DO, LSE2, DELTA, DQ, KD, VD,
 
 # --- host side -----------------------------------------------------------------------------------------------
 
-# Launched without Triton's per-call dispatch (utils.launch; notebook 05b measures what that saves).
+# Launched without Triton's per-call dispatch (utils.tiled.fast.launch; notebook 05b measures what that saves).
 _launch_preprocess, _launch_dkdv, _launch_dq = (FastLauncher(k) for k in (_bwd_preprocess, _bwd_dkdv, _bwd_dq))
 
 
@@ -430,7 +430,7 @@ def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, sm_scale=None
     fp64; in the interpreter bf16 is computed in fp32 (NumPy has no bf16 arithmetic). Any strides.
     `config`: a BackwardConfig (default: `default_config`). `tma`: load the looped-over tiles (Q and dO in the
     dK/dV pass, K and V in the dQ pass) through Hopper's TMA copy engine. None: where `default_tma` says it pays
-    and the inputs allow it (`utils.flash_triton.tma_supported`); False: pointer loads; True: TMA, or a
+    and the inputs allow it (`utils.tiled.fast.forward.tma_supported`); False: pointer loads; True: TMA, or a
     ValueError saying why not. `tma_stats`: with TMA, load the lse₂ and D of each Q tile of the dK/dV loop
     through descriptors too. None: wherever TMA is on and seqlen_q is a multiple of 4 (16-byte aligned fp32
     rows); True: that, or a ValueError saying why not. `dq_atomic`: True: no dQ pass; the dK/dV pass adds each
@@ -441,7 +441,7 @@ def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, sm_scale=None
 
     The checks, the choices and the launches' fixed arguments are made once per kind of call (shapes, strides,
     dtypes, device, 16-byte alignment, options) and kept for the next call of that kind on a GPU, which then
-    passes only its tensors (utils.launch.Bound): at N <= 1k the host's time per call is the call's time
+    passes only its tensors (utils.tiled.fast.launch.Bound): at N <= 1k the host's time per call is the call's time
     (notebook 05b, section 7).
     """
     key = _call_key(do, q, k, v, o, lse, causal, sm_scale, config, tma, tma_stats, dq_atomic)
@@ -471,10 +471,10 @@ def backward_for_forward(forward_kind: launch.Kind, do, q, k, v, o, lse, *, caus
     return grads
 
 
-# ---- the registry's "triton": the forward of utils.flash_triton with this backward ---------------------------------
+# ---- the registry's "triton": the forward of utils.tiled.fast.forward with this backward ---------------------------------
 
 class FlashAttentionFunction(torch.autograd.Function):
-    """Autograd wrapper: forward runs utils.flash_triton's kernel; backward is notebook 07's kernel, given the
+    """Autograd wrapper: forward runs utils.tiled.fast.forward's kernel; backward is notebook 07's kernel, given the
     forward's kind of call (backward_for_forward)."""
 
     @staticmethod
@@ -499,7 +499,7 @@ class FlashAttentionFunction(torch.autograd.Function):
 
 def flash_attention(q, k, v, *, causal=False, sm_scale=None, return_lse=False):
     """FlashAttention-2 in Triton: softmax(Q Kᵀ · sm_scale) V, differentiable (the forward of
-    utils.flash_triton, the backward of this module).
+    utils.tiled.fast.forward, the backward of this module).
 
     Returns O, shaped and typed like q (contiguous), or (O, lse) with return_lse=True (lse: fp32,
     (batch, heads, seqlen_q), natural log, -inf for a query that sees no key).

@@ -14,7 +14,7 @@ inputs on a CPU are computed in fp32 and the output is returned in bf16.
 
 `flash_attention_forward` returns (o, lse) with the natural-log log-sum-exp, fp32, shape (batch, heads,
 seqlen_q), -inf where a query sees no key. The differentiable entry (the registry's "triton"),
-`utils.flash_triton_bwd.flash_attention`, runs this forward and notebook 07's backward; it lives with the
+`utils.tiled.fast.backward.flash_attention`, runs this forward and notebook 07's backward; it lives with the
 backward so that this module never imports it.
 """
 from __future__ import annotations
@@ -27,9 +27,10 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from utils import gpu, launch
+from utils import gpu
+from utils.tiled.fast import launch
 from utils.checks import check_attention_inputs, resolve_scale
-from utils.launch import FastLauncher
+from utils.tiled.fast.launch import FastLauncher
 from utils.tiled.forward import H200_TILES, Config
 from utils.tiled.forward import pick_config as tiled_pick_config
 from utils.triton_utils import cdiv
@@ -527,7 +528,7 @@ _KINDS = launch.kind_cache()   # _call_key -> launch.Kind of Choices: the launch
 
 
 def _call_key(q, k, v, causal, sm_scale):
-    """Everything the checks and the launch depend on (utils.launch.kind_key), for CUDA tensors and options of the
+    """Everything the checks and the launch depend on (utils.tiled.fast.launch.kind_key), for CUDA tensors and options of the
     expected types; None otherwise (such a call is checked every time)."""
     if not (type(causal) is bool and type(sm_scale) in (float, int, type(None))):
         return None
