@@ -63,7 +63,7 @@ def test_overlap_adds_each_tuned_tile_in_order_and_overlapped():
 
 
 def test_gluon_tiles_adds_the_gluon_kernel_with_each_tile():
-    from utils.flash_gluon import GLUON_TILES
+    from utils.explicit.forward import GLUON_TILES
     fns = bm.candidates(bm.parse_args(["--gluon-tiles", "--impls", "triton", "--sdpa", "cudnn"]))
     labels = [f"gluon {c.block_m}x{c.block_n} w{c.num_warps} s{c.stages}" for c in GLUON_TILES]
     assert list(fns) == ["triton", *labels, "sdpa-cudnn"]
@@ -193,7 +193,7 @@ def test_a_tile_that_does_not_fit_is_recorded_not_raised():
 
 
 def test_ws_tiles_adds_the_warp_specialised_kernel_with_each_tile():
-    from utils.flash_gluon_ws import WS_TILES, ws_label
+    from utils.explicit.forward_ws import WS_TILES, ws_label
     fns = bm.candidates(bm.parse_args(["--ws-tiles", "--impls", "gluon_ws", "--sdpa", "cudnn"]))
     assert list(fns) == ["gluon_ws", *(ws_label(c) for c in WS_TILES), "sdpa-cudnn"]
     assert fns["gluon_ws n128 s2 r232"].__name__ == "gluon_ws n128 s2 r232"

@@ -196,7 +196,7 @@ EXERCISES_05B = {
 
 
 def run_05b(number, learner=False, replace=()):
-    from utils import flash_gluon, flash_gluon_ws
+    from utils.explicit import forward as flash_gluon, forward_ws as flash_gluon_ws
     from utils.tiled.fast import forward as flash_triton
     ns = {"torch": torch, "check": check, "flash_triton": flash_triton, "flash_gluon": flash_gluon,
           "flash_gluon_ws": flash_gluon_ws}

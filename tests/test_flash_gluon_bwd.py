@@ -1,4 +1,4 @@
-"""utils.flash_gluon_bwd (worklog 07w section 5): validation and configs on CPU, the synchronisation replayed
+"""utils.explicit.backward (worklog 07w section 5): validation and configs on CPU, the synchronisation replayed
 under random interleavings (and each of its rules shown necessary), the per-row statistics the kernel's producer
 loads, the compiled kernel's schedule (compiled for sm_90 on this machine), and on an sm_90 GPU
 the gradients against float64 autograd on odd shapes, directly and through the Gluon forwards' autograd."""
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from utils import flash_gluon_bwd as gb
+from utils.explicit import backward as gb
 from utils import gpu
 
 on_hopper = pytest.mark.skipif(not torch.cuda.is_available() or gpu.capability() != (9, 0),

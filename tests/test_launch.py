@@ -46,7 +46,7 @@ def test_key_separates_host_descriptors_by_tile_and_dtype():
 
 
 def test_key_separates_gluon_descriptors_by_tile_dtype_and_layout():
-    """utils.flash_gluon launches through FastLauncher with Gluon's descriptors, whose type carries a layout."""
+    """utils.explicit.forward launches through FastLauncher with Gluon's descriptors, whose type carries a layout."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TOOLING = ("utils.course",)
 # (forward, backward) module pairs: the autograd entry lives with the backward, or both import a lower module.
 FORWARD_BACKWARD = (("utils.eager.forward", "utils.eager.backward"), ("utils.tiled.fast.forward", "utils.tiled.fast.backward"),
-                    ("utils.flash_gluon", "utils.flash_gluon_bwd"), ("utils.flash_gluon_ws", "utils.flash_gluon_bwd"),
+                    ("utils.explicit.forward", "utils.explicit.backward"), ("utils.explicit.forward_ws", "utils.explicit.backward"),
                     ("utils.cuda_ext", "utils.cuda_backward"), ("utils.tiled.forward", "utils.tiled.backward"))
 LIBRARY_NAMES = {"triton", "torch", "cuda", "gluon", "cutlass", "numpy"}
 

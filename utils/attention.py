@@ -80,13 +80,13 @@ REGISTRY = {impl.name: impl for impl in [
                    "CUDA FlashAttention-2 on Hopper: TMA copies, wgmma from shared memory and from registers "
                    "(H100/H200 only)", "06c", head_dims=(64, 128), dtypes=(torch.float16, torch.bfloat16),
                    capability=(9, 0)),
-    Implementation("gluon", "utils.flash_gluon_bwd:flash_attention_gluon", "cuda",
+    Implementation("gluon", "utils.explicit.backward:flash_attention_gluon", "cuda",
                    "FlashAttention-3's intra-warpgroup overlap in Gluon (Triton's lower level): explicit wgmma "
                    "waits, a TMA ring with mbarriers (H100/H200 only); backward: one warp-specialised Gluon "
                    "kernel (07)",
                    "05b", head_dims=(64, 128), dtypes=(torch.float16, torch.bfloat16), capability=(9, 0),
                    grad_dtypes=(torch.float16, torch.bfloat16)),
-    Implementation("gluon_ws", "utils.flash_gluon_bwd:flash_attention_gluon_ws", "cuda",
+    Implementation("gluon_ws", "utils.explicit.backward:flash_attention_gluon_ws", "cuda",
                    "the Gluon forward warp-specialised: a producer warp issues the TMA copies, two consumer "
                    "warpgroups share a 128-row tile, per-slot full/empty mbarriers (H100/H200 only); backward as "
                    "gluon's",

@@ -229,7 +229,7 @@ def gluon_schedules(head_dim: int = 64, capability=(9, 0), warp_specialized: boo
     with `warp_specialized` the producer/consumer kernel (section 10) with each of WS_TILES: {tile label:
     schedule}. Their loops show the two products in flight and `wait(1)` before the softmax; the
     warp-specialised kernel's blocks end with its register split (`setmaxnreg`)."""
-    from utils import flash_gluon, flash_gluon_ws
+    from utils.explicit import forward as flash_gluon, forward_ws as flash_gluon_ws
 
     q = torch.zeros(1, 2, 1024, head_dim, dtype=torch.bfloat16)
     lse = torch.zeros(1, 2, 1024)
@@ -253,7 +253,7 @@ def gluon_bwd_schedule(head_dim: int = 64, causal: bool = False, capability=(9, 
     """The one-kernel Gluon backward (worklog 07w section 5) compiled for `capability` with its default tiles:
     (schedule with DQ_EVENTS, bytes of shared memory). Its consumer loop shows the dQ block's reduce-adds issued
     at the end of a tile and their wait (reduce-wait) at the next tile, before the two consumers meet (bar)."""
-    from utils import flash_gluon_bwd as gb
+    from utils.explicit import backward as gb
 
     q = torch.zeros(1, 2, 1024, head_dim, dtype=torch.bfloat16)
     acc, stats = torch.zeros(2, 1024, head_dim), torch.zeros(2, 1024)

@@ -70,7 +70,7 @@ def _gluon_backward(bh_group=None):
     """Worklog 07w section 5's one-kernel Gluon backward, after the Triton forward's (o, lse); `bh_group`: its
     launch order pinned (None: pick_config's)."""
     def prepare(q, k, v, do, causal):
-        from utils.flash_gluon_bwd import flash_attention_gluon_backward, pick_config
+        from utils.explicit.backward import flash_attention_gluon_backward, pick_config
         from utils.tiled.fast.forward import flash_attention_forward
 
         o, lse = flash_attention_forward(q, k, v, causal=causal)
@@ -291,7 +291,7 @@ def main(argv=None) -> list[dict]:
                                         gpu.shared_memory_per_block(torch.device("cuda")))
         extra["tma"] = triton_loads(args.head_dims)
     if any(b.startswith("gluon_bwd") for b in backends):   # gluon_bwd's picked tiles and launch order
-        from utils.flash_gluon_bwd import pick_config
+        from utils.explicit.backward import pick_config
 
         extra["gluon_configs"] = {f"d{d}_{'causal' if c else 'full'}": pick_config(d, c)._asdict()
                                   for d in args.head_dims for c in (False, True)}

@@ -18,7 +18,7 @@ remembered. It steps aside, so everything behaves as `kernel[grid]` does, when:
   - `dispatch_by_triton()` is active (notebook 05b times both paths with it).
 
 A caller that makes the same kinds of call again and again (the Triton forward of utils.tiled.fast.forward, the
-backwards of utils.tiled.fast.backward and utils.flash_gluon_bwd) goes one step further.
+backwards of utils.tiled.fast.backward and utils.explicit.backward) goes one step further.
 `launcher.bind(grid, args, meta, head=n)` launches once and returns a `Bound` launch whose grid, trailing
 arguments (all but the first n) and constexprs are fixed, so a later call passes only the first n (its fresh
 tensors) and the stream. `Kind` keeps a caller's checked choices and bound launches for one kind of call

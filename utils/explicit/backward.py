@@ -40,7 +40,7 @@ The reduce-adds from the programs of one head arrive in any order, so dQ's last 
 (H100/H200) only; utils.course.cross_compile compiles it on a CPU, and replay_protocol replays its synchronisation.
 
 The registry's differentiable entries live here, with the backward, so that no forward module imports it:
-`flash_attention_gluon` (utils.flash_gluon's forward) and `flash_attention_gluon_ws` (utils.flash_gluon_ws's).
+`flash_attention_gluon` (over utils.explicit.forward) and `flash_attention_gluon_ws` (over utils.explicit.forward_ws).
 """
 from __future__ import annotations
 
@@ -58,10 +58,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                              warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from utils import flash_gluon as fg
+from utils.explicit import forward as fg
 from utils.tiled.fast import backward as tb
-from utils.flash_gluon import flash_attention_gluon_forward
-from utils.flash_gluon_ws import flash_attention_gluon_ws_forward
+from utils.explicit.forward import flash_attention_gluon_forward
+from utils.explicit.forward_ws import flash_attention_gluon_ws_forward
 from utils.checks import check_device
 from utils.eager.backward import check_backward_inputs
 from utils.tiled.fast import launch
@@ -485,13 +485,13 @@ def differentiable(forward, q, k, v, causal, sm_scale):
 
 
 def flash_attention_gluon(q, k, v, *, causal=False, sm_scale=None):
-    """The registry's "gluon": the output of utils.flash_gluon.flash_attention_gluon_forward, differentiable
+    """The registry's "gluon": the output of utils.explicit.forward.flash_attention_gluon_forward, differentiable
     (the backward is this module's kernel)."""
     return differentiable(flash_attention_gluon_forward, q, k, v, causal, sm_scale)
 
 
 def flash_attention_gluon_ws(q, k, v, *, causal=False, sm_scale=None):
-    """The registry's "gluon_ws": the output of utils.flash_gluon_ws.flash_attention_gluon_ws_forward,
+    """The registry's "gluon_ws": the output of utils.explicit.forward_ws.flash_attention_gluon_ws_forward,
     differentiable (the backward is this module's kernel)."""
     return differentiable(flash_attention_gluon_ws_forward, q, k, v, causal, sm_scale)
 

@@ -1,6 +1,6 @@
 """FlashAttention-3's warp specialisation, written in Gluon (notebook 05b section 10; issue 22).
 
-utils.flash_gluon's forward keeps one warpgroup per program: with two (a 128-row tile), its CTA-wide barrier,
+The forward of utils.explicit.forward keeps one warpgroup per program: with two (a 128-row tile), its CTA-wide barrier,
 which frees the K/V ring's slots, made both warpgroups step together, and at head dim 128 the 64-row tile
 reads every K/V tile for only 64 queries. This kernel keeps the 128-row tile and drops the barrier by giving
 each job its own warps (`gl.warp_specialize`):
@@ -15,7 +15,7 @@ it before refilling. Nothing makes the two consumers wait for each other, so the
 one's softmax while the other's products keep the tensor cores busy. The producer needs few registers: it gives
 them to the consumers (`setmaxnreg`, the worker partitions' register counts).
 
-Same conventions, limits and validation as utils.flash_gluon (fp16/bf16, head dims 64 and 128, sm_90 only, GQA,
+Same conventions, limits and validation as utils.explicit.forward (fp16/bf16, head dims 64 and 128, sm_90 only, GQA,
 ragged and unequal lengths with bottom-right causal alignment); measured in images/05b_gluon_ws_h200.json.
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                              warpgroup_mma_wait)
 
-from utils import flash_gluon as fg
+from utils.explicit import forward as fg
 from utils.tiled.fast.launch import FastLauncher
 
 SUB_M = 64                  # query rows per consumer warpgroup (the Q and O descriptors' tile)
@@ -185,7 +185,7 @@ def check_config(config, head_dim: int) -> WSConfig:
     buffers per ring, Q plus both rings within shared memory, and a register count setmaxnreg takes (a multiple
     of 8 from 24 to 256)."""
     if not isinstance(config, WSConfig):
-        raise TypeError(f"config must be a utils.flash_gluon_ws.WSConfig, got {type(config).__name__}")
+        raise TypeError(f"config must be a utils.explicit.forward_ws.WSConfig, got {type(config).__name__}")
     if not 24 <= config.consumer_regs <= 256 or config.consumer_regs % 8:
         raise ValueError(f"config: consumer_regs must be a multiple of 8 from 24 to 256, got {config}")
     return fg.check_rings(config, head_dim, BLOCK_M)
@@ -197,7 +197,7 @@ def variant(config: WSConfig, name: str):
 
 
 def flash_attention_gluon_ws_forward(q, k, v, *, causal=False, sm_scale=None, config: WSConfig | None = None):
-    """(o, lse) as utils.flash_gluon.flash_attention_gluon_forward; `config`: fixed tiles (default: pick_config's)."""
+    """(o, lse) as utils.explicit.forward.flash_attention_gluon_forward; `config`: fixed tiles (default: pick_config's)."""
     scale = fg.validate(q, k, v, causal, sm_scale)
     config = pick_config(q.shape[-1]) if config is None else check_config(config, q.shape[-1])
     q, k, v, o, lse = fg.tma_buffers(q, k, v)

@@ -25,7 +25,7 @@ read rows past a head's end as zeros and clip the output's, as the Triton kernel
 
 Measured on an H200 (images/05b_gluon_h200.json, notebook 05b section 9): at head dim 64, with one warpgroup per
 program (64 query rows, 2-3 programs per SM), level with cuDNN from N = 4k and ahead of the Triton kernel; at 128
-behind the Triton kernel, where utils.flash_gluon_ws (warp-specialised, section 10) is the one to use. Gluon is experimental: the kernel compiles with Triton 3.6 and 3.7, whose CTA barrier
+behind the Triton kernel, where utils.explicit.forward_ws (warp-specialised, section 10) is the one to use. Gluon is experimental: the kernel compiles with Triton 3.6 and 3.7, whose CTA barrier
 has two names (`_cta_barrier`).
 """
 from __future__ import annotations
@@ -260,7 +260,7 @@ def check_config(config, head_dim: int) -> Config:
     """`config`, or a TypeError/ValueError naming what the kernel cannot run: one warp per 16 query rows (4 or
     8 warps), key tiles of 64 or 128, 1 to 4 buffers per ring, and Q plus both rings within shared memory."""
     if not isinstance(config, Config):
-        raise TypeError(f"config must be a utils.flash_gluon.Config, got {type(config).__name__}")
+        raise TypeError(f"config must be a utils.explicit.forward.Config, got {type(config).__name__}")
     if config.num_warps not in (4, 8) or config.block_m != 16 * config.num_warps:
         raise ValueError(f"config: block_m must be 16 * num_warps with 4 or 8 warps, got {config}")
     return check_rings(config, head_dim, config.block_m)
