@@ -65,18 +65,18 @@ REGISTRY = {impl.name: impl for impl in [
     Implementation("flex_triton", "utils.flex:flex_attention", "triton",
                    "notebook 05/07's kernels with score/mask modifiers and block sparsity (here: no mask or causal)",
                    "10", head_dims=tuple(range(16, 257)), grad_dtypes=(torch.float16, torch.bfloat16, torch.float32)),
-    Implementation("cuda_naive", "utils.cuda_ext:flash_naive", "cuda",
+    Implementation("cuda_naive", "utils.native.kernels:flash_naive", "cuda",
                    "CUDA via load_inline, one thread per query row, K/V tiles in shared memory", "06",
                    head_dims=tuple(range(8, 129, 8))),
-    Implementation("cuda_tiled", "utils.cuda_ext:flash_tiled", "cuda",
+    Implementation("cuda_tiled", "utils.native.kernels:flash_tiled", "cuda",
                    "CUDA via load_inline, FlashAttention-2 tiling on CUDA cores (fp32 accumulation)", "06",
                    head_dims=tuple(range(8, 257, 8))),
-    Implementation("cuda", "utils.cuda_backward:flash_attention_cuda", "cuda",
+    Implementation("cuda", "utils.native.backward:flash_attention_cuda", "cuda",
                    "CUDA FlashAttention-2 on tensor cores (mma.sync, ldmatrix, swizzle, cp.async; fp32 inputs and "
                    "pre-sm_80 GPUs run cuda_tiled), its backward on tensor cores too; head dims other than 64 and 128 "
                    "padded to them", "06b", head_dims=tuple(range(16, 129, 16)),
                    grad_dtypes=(torch.float16, torch.bfloat16)),
-    Implementation("cuda_hopper", "utils.hopper:flash_hopper", "cuda",
+    Implementation("cuda_hopper", "utils.native.hopper:flash_hopper", "cuda",
                    "CUDA FlashAttention-2 on Hopper: TMA copies, wgmma from shared memory and from registers "
                    "(H100/H200 only)", "06c", head_dims=(64, 128), dtypes=(torch.float16, torch.bfloat16),
                    capability=(9, 0)),

@@ -459,8 +459,8 @@ def _launch(q, k, v, do, dk, dv, dq_acc, lse2, delta, causal: bool, scale: float
 
 
 class GluonAttentionFunction(torch.autograd.Function):
-    """Autograd for the Gluon forwards: `forward` is flash_gluon's or flash_gluon_ws's (o, lse) function; the
-    backward is this module's kernel."""
+    """Autograd for the Gluon forwards: `forward` is the (o, lse) function of utils.explicit.forward or
+    utils.explicit.forward_ws; the backward is this module's kernel."""
 
     @staticmethod
     def forward(ctx, q, k, v, causal, sm_scale, forward):

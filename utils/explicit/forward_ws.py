@@ -6,11 +6,11 @@ reads every K/V tile for only 64 queries. This kernel keeps the 128-row tile and
 each job its own warps (`gl.warp_specialize`):
 
     producer (1 warp)        for each key tile t: wait until slot t % STAGES is empty, then TMA-copy K_t, V_t
-    consumers (2 x 4 warps)  each 64 of the 128 query rows: flash_gluon's loop (S_j, P_{j-1}V_{j-1}, wait(1),
+    consumers (2 x 4 warps)  each 64 of the 128 query rows: forward.py's loop (S_j, P_{j-1}V_{j-1}, wait(1),
                              softmax, wait(0)), then arrive on the "empty" mbarriers of the slots it has read
 
 A slot has two mbarriers. "full" completes a phase when its copy lands (the consumers wait on it, as in
-flash_gluon); "empty" completes a phase when both consumers have arrived (count 2), and the producer waits on
+forward.py); "empty" completes a phase when both consumers have arrived (count 2), and the producer waits on
 it before refilling. Nothing makes the two consumers wait for each other, so the SM's schedulers are free to run
 one's softmax while the other's products keep the tensor cores busy. The producer needs few registers: it gives
 them to the consumers (`setmaxnreg`, the worker partitions' register counts).
@@ -60,7 +60,7 @@ def _consumer(o_desc, LSE, q_smem, k_smem, v_smem, q_bar, k_full, k_empty, v_ful
               b, h, pid_bh, start_m, n_tiles, n_unmasked, seqlen_q, seqlen_k, qk_scale,
               WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
               CAUSAL: gl.constexpr):
-    """One warpgroup: rows [start_m + WG*64, +64) through flash_gluon's loop; an arrive frees each slot read."""
+    """One warpgroup: rows [start_m + WG*64, +64) through forward.py's loop; an arrive frees each slot read."""
     SUB_M: gl.constexpr = o_desc.block_type.shape[2]
     dtype: gl.constexpr = o_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -109,7 +109,7 @@ def _consumer(o_desc, LSE, q_smem, k_smem, v_smem, q_bar, k_full, k_empty, v_ful
         acc, _, _ = warpgroup_mma_wait(0, deps=(acc, p, v))
         mbarrier.arrive(v_empty.index((n_tiles - 1) % STAGES))
 
-    seen = l_i > 0.0            # rows that saw no key: output 0 and lse = -inf, as in flash_gluon
+    seen = l_i > 0.0            # rows that saw no key: output 0 and lse = -inf, as in forward.py
     l_safe = gl.where(seen, l_i, 1.0)
     lse = gl.where(seen, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
     gl.store(LSE + pid_bh.to(gl.int64) * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)

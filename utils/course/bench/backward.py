@@ -22,13 +22,13 @@ from pathlib import Path
 import torch
 
 from utils.course.bench import attention_flops, benchmark, error_line, median_rows, peers, rotated
-from utils.cuda_backward import BWD_STEPS, flash_mma_backward, flash_mma_forward
+from utils.native.backward import BWD_STEPS, flash_mma_backward, flash_mma_forward
 
 BACKENDS = ("triton", "sdpa_flash", "sdpa_cudnn")                # the default set (notebook 07's)
 # The Triton backward with its loads pinned, (tma, tma_stats): "triton" picks per shape
 # (flash_triton_bwd.default_tma).
 TRITON_LOADS = {"triton_pointer": (False, False), "triton_tma": (True, False), "triton_tma_stats": (True, True)}
-# Measured when asked for; cuda_*: notebook 06bw's tensor-core backward in each of its steps (utils.cuda_backward).
+# Measured when asked for; cuda_*: notebook 06bw's tensor-core backward in each of its steps (utils.native.backward).
 CUDA_BACKENDS = tuple(f"cuda_{step}" for step in BWD_STEPS)
 # The Gluon backward with its launch order pinned (BwdConfig.bh_group): "gluon_bwd" picks per shape (pick_config).
 GLUON_ORDERS = {"gluon_bwd_by_head": 0, "gluon_bwd_grouped": 4}
