@@ -7,7 +7,7 @@ import torch
 from utils.course.bench import backward_tiles
 from utils.course.bench.backward import (TRITON_LOADS, format_table, load_results, plot_backward_benchmark, ratios,
                                   run_backward_benchmark, save_results, triton_loads, triton_tiles)
-from utils.flash_triton_bwd import BackwardConfig, _fitted_config
+from utils.tiled.fast.backward import BackwardConfig, _fitted_config
 
 ROWS = [dict(backend=b, seqlen=n, head_dim=64, causal=c, ms=1.0, tflops=t, error=None)
         for n in (2048, 4096) for c in (False, True)

@@ -55,7 +55,7 @@ def test_sweep_adds_each_tile_config_with_and_without_tma():
 
 
 def test_overlap_adds_each_tuned_tile_in_order_and_overlapped():
-    from utils.flash_triton import TUNE_TILES
+    from utils.tiled.fast.forward import TUNE_TILES
     fns = bm.candidates(bm.parse_args(["--overlap", "--impls", "--sdpa", "cudnn"]))
     assert list(fns) == [*(bm.step_label(c, "overlap", o) for c in TUNE_TILES for o in (False, True)), "sdpa-cudnn"]
     assert "tiles 128x128 w8 s3 overlapped" in fns and "tiles 64x64 w4 s3 in order" in fns
@@ -63,7 +63,7 @@ def test_overlap_adds_each_tuned_tile_in_order_and_overlapped():
 
 
 def test_gluon_tiles_adds_the_gluon_kernel_with_each_tile():
-    from utils.flash_gluon import GLUON_TILES
+    from utils.explicit.forward import GLUON_TILES
     fns = bm.candidates(bm.parse_args(["--gluon-tiles", "--impls", "triton", "--sdpa", "cudnn"]))
     labels = [f"gluon {c.block_m}x{c.block_n} w{c.num_warps} s{c.stages}" for c in GLUON_TILES]
     assert list(fns) == ["triton", *labels, "sdpa-cudnn"]
@@ -71,7 +71,7 @@ def test_gluon_tiles_adds_the_gluon_kernel_with_each_tile():
 
 
 def test_exp2_fma_adds_each_tuned_tile_with_each_share_of_exponentials_on_fma():
-    from utils.flash_triton import TUNE_TILES
+    from utils.tiled.fast.forward import TUNE_TILES
     fns = bm.candidates(bm.parse_args(["--exp2-fma", "--impls", "--sdpa", "cudnn"]))
     assert list(fns) == [*(bm.step_label(c, "exp2_fma", n) for c in TUNE_TILES for n in (0, 2, 4)), "sdpa-cudnn"]
     assert "tiles 128x64 w8 s3 exp2 1/4 on FMA" in fns and "tiles 64x64 w4 s3 exp2 on MUFU" in fns
@@ -193,7 +193,7 @@ def test_a_tile_that_does_not_fit_is_recorded_not_raised():
 
 
 def test_ws_tiles_adds_the_warp_specialised_kernel_with_each_tile():
-    from utils.flash_gluon_ws import WS_TILES, ws_label
+    from utils.explicit.forward_ws import WS_TILES, ws_label
     fns = bm.candidates(bm.parse_args(["--ws-tiles", "--impls", "gluon_ws", "--sdpa", "cudnn"]))
     assert list(fns) == ["gluon_ws", *(ws_label(c) for c in WS_TILES), "sdpa-cudnn"]
     assert fns["gluon_ws n128 s2 r232"].__name__ == "gluon_ws n128 s2 r232"

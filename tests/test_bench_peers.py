@@ -14,14 +14,14 @@ import pytest
 import torch
 
 from utils.course.bench import backward, forward, peers, peers_sweep
-from utils.reference import naive_attention
+from utils.eager.reference import naive_attention
 
 # A stand-in with the tutorial's interface: `attention = _attention.apply`, forward(ctx, q, k, v, causal,
 # sm_scale, warp_specialize=True); it records its calls and whether PYTEST_VERSION was visible at import.
 FAKE = '''
 import os
 import torch
-from utils.reference import naive_attention
+from utils.eager.reference import naive_attention
 
 PYTEST_AT_IMPORT = os.environ.get("PYTEST_VERSION")
 calls = []
@@ -51,7 +51,7 @@ calls = []
 
 
 def attention(q, k, v, causal, sm_scale):  # an older tutorial: no warp_specialize
-    from utils.reference import naive_attention
+    from utils.eager.reference import naive_attention
     calls.append((causal, sm_scale))
     return naive_attention(q, k, v, causal=causal, sm_scale=sm_scale)
 '''

@@ -1,11 +1,11 @@
-"""utils.course.bench.timeline and the timeline helpers of utils.hopper: arguments, the summary and the records on fake
+"""utils.course.bench.timeline and the timeline helpers of utils.native.hopper: arguments, the summary and the records on fake
 timelines (CPU); the kernel's own milestones on an H100/H200."""
 import json
 
 import pytest
 import torch
 
-from utils import hopper
+from utils.native import hopper
 from utils.course.bench import timeline as tl
 from utils.gpu import capability
 

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from utils.course.char_model import CharTokenizer, CharTransformer, get_batch, load_corpus, train_char_model
-from utils.reference import naive_attention, sdpa_attention
+from utils.eager.reference import naive_attention, sdpa_attention
 
 
 def test_corpus_is_the_course_itself():

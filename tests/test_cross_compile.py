@@ -13,7 +13,7 @@ import triton.language as tl
 from triton.runtime.jit import JITFunction
 
 from utils.course import cross_compile
-from utils.flash_triton_bwd import SMALL_SMEM_CONFIGS, BackwardConfig, default_config, smem_estimate
+from utils.tiled.fast.backward import SMALL_SMEM_CONFIGS, BackwardConfig, default_config, smem_estimate
 from utils.gpu import PROFILES
 
 ROOT = Path(__file__).resolve().parents[1]

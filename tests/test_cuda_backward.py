@@ -1,4 +1,4 @@
-"""utils.cuda_backward: the tensor-core backward of notebook 06bw. Its steps, inputs and stored run on any machine;
+"""utils.native.backward: the tensor-core backward of notebook 06bw. Its steps, inputs and stored run on any machine;
 its gradients against float64 autograd on an sm_80+ GPU (the registry's gradient test covers the default step)."""
 import json
 import math
@@ -8,22 +8,23 @@ from functools import partial
 import pytest
 import torch
 
-from utils import cuda_ext, cuda_backward, gpu
+from utils import gpu
+from utils.native import build as cuda_build, kernels as cuda_kernels, backward as cuda_backward
 from utils.course.bench.backward import CUDA_BACKENDS, ratios
-from utils.cuda_backward import (BWD_DEFAULT_STEP, BWD_STEPS, backward_inputs, flash_mma_attention,
+from utils.native.backward import (BWD_DEFAULT_STEP, BWD_STEPS, backward_inputs, flash_mma_attention,
                                  flash_mma_backward, flash_mma_forward)
 from utils.course.testing import ODD_SHAPES_64_128, assert_gradients_match_reference, random_qkv
 
 CUDA = torch.cuda.is_available()
 MMA_GPU = CUDA and gpu.capability() >= (8, 0)
 needs_mma = pytest.mark.skipif(not MMA_GPU, reason="needs an sm_80+ GPU (mma.sync with bf16)")
-KERNEL = (cuda_ext.CUDA_DIR / "flash_mma_bwd_kernel.cuh").read_text()
-STORED = cuda_ext.ROOT / "images" / "06b_cuda_backward_h200.json"
+KERNEL = (cuda_build.CUDA_DIR / "flash_mma_bwd_kernel.cuh").read_text()
+STORED = cuda_build.ROOT / "images" / "06b_cuda_backward_h200.json"
 
 
 def test_steps_are_the_kernel_structs_in_order():
     """BWD_STEPS[i] is launched as `case i + 1`, and each step's struct derives from one before it."""
-    source = cuda_ext.kernel_source("flash_mma_bwd")
+    source = cuda_build.kernel_source("flash_mma_bwd")
     launched = dict(re.findall(r"case (\d): return launch_flash_mma_bwd<(\w+)>", source))
     structs = [launched[str(i + 1)] for i in range(len(BWD_STEPS))]
     assert len(launched) == len(BWD_STEPS) and CUDA_BACKENDS == tuple(f"cuda_{s}" for s in BWD_STEPS)
@@ -112,7 +113,7 @@ def test_every_step_matches_float64_autograd(step, causal, dtype):
 def test_forward_is_the_registry_step_and_writes_the_log_sum_exp():
     q, k, v = random_qkv(2, 4, 333, 200, 128, kv_heads=2, dtype=torch.bfloat16, device="cuda")
     o, lse = flash_mma_forward(q, k, v, causal=True)
-    assert torch.equal(o, cuda_ext.flash_mma(q, k, v, causal=True))
+    assert torch.equal(o, cuda_kernels.flash_mma(q, k, v, causal=True))
     scores = (q.double() @ k.double().repeat_interleave(2, 1).transpose(-2, -1)) / math.sqrt(128)
     hidden = torch.ones(333, 200, dtype=torch.bool, device="cuda").triu(200 - 333 + 1)
     expected = torch.logsumexp(scores.masked_fill(hidden, -math.inf), -1)
@@ -132,7 +133,7 @@ def test_views_at_odd_addresses_and_determinism():
     o, lse = flash_mma_forward(q, k, v)
     first, second = (flash_mma_backward(do, q, k, v, o, lse, step="dq_pass") for _ in range(2))
     assert all(torch.equal(a, b) for a, b in zip(first, second))
-    ext = cuda_ext.load("flash_mma_bwd")
+    ext = cuda_build.load("flash_mma_bwd")
     lse2, delta = backward_inputs(do, o, lse)
     with pytest.raises(RuntimeError, match="rows must start on 16 bytes"):
         ext.flash_mma_bwd_backward(do, q, k, v, lse2, delta, False, 0.125, 1)

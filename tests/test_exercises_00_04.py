@@ -18,9 +18,9 @@ from utils.course.exercises.refuse import RefusedAnswer, refusing
 from utils.course.exercises.pytorch_flash import (check_block_sizes, check_fa1_accesses, check_fa2_accesses,
                                            check_flash2_block, check_keys_to_visit)
 from utils.course.exercises.triton_basics import check_condition_string
-from utils.flash_pytorch import LOG2E, flash2_kv_end
+from utils.eager.forward import LOG2E, flash2_kv_end
 from utils.course.learner import code_cell
-from utils.reference import naive_attention
+from utils.eager.reference import naive_attention
 from utils.triton_utils import cdiv
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
@@ -136,35 +136,35 @@ PADDED_CALL = """
 BYPASSES = {
     "1.1-split": ("1.1", [('return rearrange(x, "b n (h d) -> b h n d", h=num_heads)',
                            "return MultiHeadAttention(x.shape[-1], num_heads).split_heads(torch.cat([x, x, x], -1))[0]")],
-                  "from utils.mha import MultiHeadAttention", "MultiHeadAttention.split_heads"),
+                  "from utils.eager.mha import MultiHeadAttention", "MultiHeadAttention.split_heads"),
     "1.1-merge": ("1.1", [('return rearrange(x, "b h n d -> b n (h d)")', "return MultiHeadAttention.merge_heads(x)")],
-                  "from utils.mha import MultiHeadAttention", "MultiHeadAttention.merge_heads"),
+                  "from utils.eager.mha import MultiHeadAttention", "MultiHeadAttention.merge_heads"),
     "1.2": ("1.2", [("nq, nk = q.shape[-2], k.shape[-2]",
                      "return naive_attention(q[None], k[None], v[None], causal=True)[0]")],
-            "from utils.reference import naive_attention", "utils.reference.naive_attention"),
+            "from utils.eager.reference import naive_attention", "utils.eager.reference.naive_attention"),
     "1.2-module": ("1.2", [("nq, nk = q.shape[-2], k.shape[-2]",
-                            "import utils.softmax as S; return S.attention_with_lse(q[None], k[None], v[None], "
-                            "causal=True)[0][0]")], "", "utils.softmax.attention_with_lse"),
+                            "import utils.eager.softmax as S; return S.attention_with_lse(q[None], k[None], v[None], "
+                            "causal=True)[0][0]")], "", "utils.eager.softmax.attention_with_lse"),
     "2.1": ("2.1", [("m, l = -math.inf, 0.0", "m, l = softmax_state(x); return m.item(), l.item()")],
-            "from utils.softmax import softmax_state", "utils.softmax.softmax_state"),
+            "from utils.eager.softmax import softmax_state", "utils.eager.softmax.softmax_state"),
     "2.2": ("2.2", [("m = torch.maximum(a, b)", "return logsumexp(torch.stack([a, b]), 0)")],
-            "from utils.softmax import logsumexp", "utils.softmax.logsumexp"),
+            "from utils.eager.softmax import logsumexp", "utils.eager.softmax.logsumexp"),
     "3.1": ("3.1", [("B_c = math.ceil(M / (4 * d))", "return flash1_block_sizes(M, d)")],
-            "from utils.flash_pytorch import flash1_block_sizes", "utils.flash_pytorch.flash1_block_sizes"),
+            "from utils.eager.forward import flash1_block_sizes", "utils.eager.forward.flash1_block_sizes"),
     "3.3": ("3.3", [("B_c = math.ceil(M / (4 * d))", "return flash1_hbm_accesses(N, N, d, M)")],
-            "from utils.flash_pytorch import flash1_hbm_accesses", "utils.flash_pytorch.flash1_hbm_accesses"),
+            "from utils.eager.forward import flash1_hbm_accesses", "utils.eager.forward.flash1_hbm_accesses"),
     "3.3-measured": ("3.3", [("B_c = math.ceil(M / (4 * d))",
                               "c = HBMCounter(); flash1_attention(*random_qkv(1, 1, N, N, d), sram_bytes=4 * M, "
                               "counter=c); return c.accesses")],
-                     "from utils.flash_pytorch import HBMCounter, flash1_attention\n"
-                     "from utils.course.testing import random_qkv", "utils.flash_pytorch.flash1_attention"),
+                     "from utils.eager.forward import HBMCounter, flash1_attention\n"
+                     "from utils.course.testing import random_qkv", "utils.eager.forward.flash1_attention"),
     "4.1": ("4.1", [("last_row = min((pid_m + 1) * BLOCK_M, seqlen_q) - 1",
                      "return max(0, flash2_kv_end(pid_m, BLOCK_M, seqlen_q, seqlen_k, True))")],
-            "from utils.flash_pytorch import flash2_kv_end", "utils.flash_pytorch.flash2_kv_end"),
+            "from utils.eager.forward import flash2_kv_end", "utils.eager.forward.flash2_kv_end"),
     "4.3": ("4.3", [("keys = 0", "return flash2_hbm_accesses(seqlen_q, seqlen_k, d, BLOCK_M, BLOCK_N, causal=causal)")],
-            "from utils.flash_pytorch import flash2_hbm_accesses", "utils.flash_pytorch.flash2_hbm_accesses"),
+            "from utils.eager.forward import flash2_hbm_accesses", "utils.eager.forward.flash2_hbm_accesses"),
     "4.4": ("4.4", [("    n_end = min(seqlen_k, start_m + rows + seqlen_k - seqlen_q)", PADDED_CALL)],
-            "from utils.flash_pytorch import flash2_attention", "utils.flash_pytorch.flash2_attention"),
+            "from utils.eager.forward import flash2_attention", "utils.eager.forward.flash2_attention"),
 }
 
 
@@ -177,16 +177,16 @@ def test_bypass_through_a_course_function_fails(bypass, capsys):
 
 
 def test_refused_functions_work_again_after_the_check():
-    from utils.flash_pytorch import flash1_block_sizes
+    from utils.eager.forward import flash1_block_sizes
     with pytest.raises(AssertionError):
         run("3.1", replace=BYPASSES["3.1"][1], before=BYPASSES["3.1"][2])
     assert flash1_block_sizes(4096, 64) == (16, 16)
 
 
 def test_refusing_catches_a_swallowed_refusal_and_every_import_path():
-    import utils.softmax
-    from utils.mha import MultiHeadAttention
-    from utils.softmax import logsumexp as imported_before
+    import utils.eager.softmax
+    from utils.eager.mha import MultiHeadAttention
+    from utils.eager.softmax import logsumexp as imported_before
 
     def swallowing(x):
         try:
@@ -194,8 +194,8 @@ def test_refusing_catches_a_swallowed_refusal_and_every_import_path():
         except Exception:
             return torch.tensor(0.0)
 
-    with pytest.raises(RefusedAnswer, match="utils.softmax.logsumexp"):
-        with refusing(utils.softmax.logsumexp):
+    with pytest.raises(RefusedAnswer, match="utils.eager.softmax.logsumexp"):
+        with refusing(utils.eager.softmax.logsumexp):
             swallowing(torch.zeros(3))
     with pytest.raises(RefusedAnswer, match="split_heads"):
         with refusing(MultiHeadAttention.split_heads):

@@ -196,7 +196,8 @@ EXERCISES_05B = {
 
 
 def run_05b(number, learner=False, replace=()):
-    from utils import flash_gluon, flash_gluon_ws, flash_triton
+    from utils.explicit import forward as flash_gluon, forward_ws as flash_gluon_ws
+    from utils.tiled.fast import forward as flash_triton
     from utils.course.worklogs import triton_forward as worklog_fwd
     ns = {"torch": torch, "check": check, "flash_triton": flash_triton, "worklog_fwd": worklog_fwd,
           "flash_gluon": flash_gluon, "flash_gluon_ws": flash_gluon_ws}
@@ -248,27 +249,27 @@ def test_05_later_step_kernel_renamed_fails_by_what_it_writes():
 
 
 def test_05_kernel_calling_the_course_online_softmax_is_refused():
-    """fa_step1 whose loop calls utils.flash_triton's _online_softmax: the library does the step."""
+    """fa_step1 whose loop calls utils.tiled.fast.forward's _online_softmax: the library does the step."""
     first = _first_solution_line("5.1")
     ns = {}
-    exec_cell(PRELUDE + "from utils import flash_triton\n", ns, "prelude")
+    exec_cell(PRELUDE + "from utils.tiled.fast import forward as flash_triton\n", ns, "prelude")
     src = code_cell(NB05, "# Exercise 5.1:").replace(first, ONLINE_SOFTMAX_CALL, 1)
     exec_cell(src, ns, "5.1 through the library")
-    with pytest.raises(AssertionError, match=r"calls the course's own `utils.flash_triton._online_softmax`"):
+    with pytest.raises(AssertionError, match=r"calls the course's own `utils.tiled.fast.forward._online_softmax`"):
         triton_forward.check_online_softmax(ns["fa_step1"])
 
 
 @pytest.mark.parametrize("check_fn", [triton_forward.check_online_softmax, triton_forward.check_ragged,
                                       triton_forward.check_causal])
 def test_05_course_kernel_is_refused(check_fn):
-    from utils import flash_triton
-    with pytest.raises(AssertionError, match="refuses the course's own kernel `utils.flash_triton.flash_fwd_kernel`"):
+    from utils.tiled.fast import forward as flash_triton
+    with pytest.raises(AssertionError, match="refuses the course's own kernel `utils.tiled.fast.forward.flash_fwd_kernel`"):
         check_fn(flash_triton.flash_fwd_kernel)
 
 
 BLOCK_KINDS_PRELUDE = PRELUDE + """
 import numpy as np
-from utils.reference import causal_mask
+from utils.eager.reference import causal_mask
 from utils.triton_utils import cdiv
 """
 HELPER_BYPASSES = {
@@ -281,10 +282,10 @@ HELPER_BYPASSES = {
                     [("offset = seqlen_k - seqlen_q",
                       "return (max(0, flash2_kv_end(start_m, 1, seqlen_q, seqlen_k, True)), "
                       "max(0, flash2_kv_end(start_m // block_m, block_m, seqlen_q, seqlen_k, True)))")],
-                    ["from utils.flash_pytorch import flash2_kv_end"], "`utils.flash_pytorch.flash2_kv_end`"),
+                    ["from utils.eager.forward import flash2_kv_end"], "`utils.eager.forward.flash2_kv_end`"),
     "5.7": ("# Exercise 5.7:", "merge_halves", triton_forward.check_merge_halves,
             [("lse = torch.logaddexp(lse1, lse2)", "return merge_attention(o1, lse1, o2, lse2)[0]")],
-            ["from utils.softmax import merge_attention"], "`utils.softmax.merge_attention`"),
+            ["from utils.eager.softmax import merge_attention"], "`utils.eager.softmax.merge_attention`"),
 }
 
 
@@ -362,7 +363,7 @@ def test_05_capstone_wrong_kernel_fails_naming_its_case_rows_and_blocks(wrong):
         triton_forward.check_flash_forward(ns["flash_forward"])
 
 
-@pytest.mark.parametrize("kernel", ["utils.tiled.forward.flash_fwd_kernel", "utils.flash_triton.flash_fwd_kernel"])
+@pytest.mark.parametrize("kernel", ["utils.tiled.forward.flash_fwd_kernel", "utils.tiled.fast.forward.flash_fwd_kernel"])
 def test_05_capstone_refuses_course_kernels(kernel):
     import importlib
     module, name = kernel.rsplit(".", 1)

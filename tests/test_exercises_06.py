@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from utils.cuda_ext import find_nvcc
+from utils.native.build import find_nvcc
 from utils.course.exercises import check
 from utils.course.exercises.cuda_kernels import check_backward_ds, check_load_b_v, check_warp_reductions, host_compiler
 from utils.course.learner import code_cell

@@ -79,11 +79,11 @@ def test_dkdv_capstone_wrong_kernel_fails_naming_case_and_blocks(old, new, says,
 
 
 def test_dkdv_capstone_refuses_course_kernels_and_other_kernels():
-    from utils import flash_triton_bwd
+    from utils.tiled.fast import backward as flash_triton_bwd
     from utils.tiled import backward as bwd
 
     for kernel, name in ((bwd._bwd_dkdv, "utils.tiled.backward._bwd_dkdv"),
-                         (flash_triton_bwd._bwd_dkdv, "utils.flash_triton_bwd._bwd_dkdv")):
+                         (flash_triton_bwd._bwd_dkdv, "utils.tiled.fast.backward._bwd_dkdv")):
         with pytest.raises(AssertionError, match=f"refuses the course's own kernel `{re.escape(name)}`"):
             check_dkdv_kernel(kernel)
     with pytest.raises(AssertionError, match="for your kernel `dkdv_kernel`, not `dq_kernel`"):
@@ -103,7 +103,7 @@ def test_dkdv_capstone_refuses_a_kernel_that_calls_a_course_device_function():
 @pytest.mark.skipif(not __import__("utils.triton_utils").triton_utils.interpreting(),
                     reason="an interpreted kernel's body is Python, so it could call a course function")
 @pytest.mark.parametrize("call", ["utils.tiled.backward.flash_attention_backward",
-                                  "utils.flash_pytorch_bwd.attention_gradients"])
+                                  "utils.eager.backward.attention_gradients"])
 def test_dkdv_capstone_refuses_a_kernel_body_that_calls_the_library(call):
     module, name = call.rsplit(".", 1)
     namespace = {"triton": triton, "tl": tl}
@@ -182,7 +182,7 @@ def test_merge_splits_check_rejects_what_is_not_a_function():
 
 def test_references_are_exact():
     """The checks' float64 references: dq against autograd through SDPA's math, merged partials by construction."""
-    from utils.reference import naive_attention
+    from utils.eager.reference import naive_attention
 
     gen = torch.Generator().manual_seed(0)
     q, do = (torch.randn(1, 4, 7, 8, generator=gen, dtype=torch.float64) for _ in range(2))
@@ -236,9 +236,9 @@ def test_split_kv_capstone_wrong_kernels_fail_naming_slots(old, new, case):
 
 
 def test_split_kv_capstone_refuses_course_kernels_and_others():
-    import utils.flash_decoding as fd
+    import utils.decoding.split_kv as fd
     result = split_outcome(fd._split_kv_kernel)
-    assert "refuses the course's own kernel `utils.flash_decoding._split_kv_kernel`" in result, result
+    assert "refuses the course's own kernel `utils.decoding.split_kv._split_kv_kernel`" in result, result
     merge = kernel_from(*MERGE)
     assert "for your kernel `split_kv_partial`, not `merge_kernel`" in split_outcome(merge)
 
@@ -247,12 +247,12 @@ def test_split_kv_capstone_refuses_course_kernels_and_others():
                     reason="an interpreted kernel's body is Python, so it could call a course function")
 def test_split_kv_capstone_refuses_a_kernel_body_that_calls_the_library():
     namespace = {"triton": triton, "tl": tl}
-    exec_cell("from utils.flash_decoding import flash_decode\n", namespace, "import")
+    exec_cell("from utils.decoding.split_kv import flash_decode\n", namespace, "import")
     first = "    pid_bh = tl.program_id(0)\n"
     src = code_cell(NOTEBOOKS / SPLIT[0], SPLIT[1], replace=[(first, "    flash_decode(Q, K, V)\n" + first)])
     exec_cell(src, namespace, "split kernel through the library")
     result = split_outcome(namespace["split_kv_partial"])
-    assert "refuses the course's own `utils.flash_decoding.flash_decode`" in result, result
+    assert "refuses the course's own `utils.decoding.split_kv.flash_decode`" in result, result
 
 
 def test_capstone_hints_are_two_tiers_without_code():

@@ -1,6 +1,6 @@
 """The fast Triton kernels lost only switches: they compile to the same code as the worklog's kernels.
 
-utils.flash_triton and utils.flash_triton_bwd are utils.course.worklogs' triton_forward and triton_backward with
+utils.tiled.fast.forward and utils.tiled.fast.backward are utils.course.worklogs' triton_forward and triton_backward with
 the experiments taken out (the overlapped loop, exponentials on the FMA units, descriptors made per program, dQ
 by atomics or TMA reduce-adds). At the registry's settings (those switches off; TMA 0 or 2 in the forward, the
 loads through pointers or TMA in the backward) each launch of a fast kernel is compiled for sm_90 on the CPU
@@ -54,7 +54,7 @@ def _forward_launches(case):
     """(fast launch, worklog launch) of the forward at `case`."""
     import torch
 
-    from utils import flash_triton as fast
+    from utils.tiled.fast import forward as fast
     from utils.course.cross_compile import _capture
     from utils.course.worklogs import triton_forward as worklog
 
@@ -74,7 +74,7 @@ def _backward_launches(case):
 
     import torch
 
-    from utils import flash_triton_bwd as fast
+    from utils.tiled.fast import backward as fast
     from utils.course.cross_compile import Launch, _capture
     from utils.course.worklogs import triton_backward as worklog
 

@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-from utils.flash_pytorch_bwd import (FlashAttentionPyTorch, attention_gradients, flash_attention_pytorch,
+from utils.eager.backward import (FlashAttentionPyTorch, attention_gradients, flash_attention_pytorch,
                                           flash_backward_pytorch, saved_tensor_bytes)
-from utils.flash_pytorch import flash2_attention
-from utils.reference import naive_attention, reference_attention
+from utils.eager.forward import flash2_attention
+from utils.eager.reference import naive_attention, reference_attention
 from utils.course.testing import (ATTENTION_SHAPES, assert_gradients_close, misaligned, pairwise, random_qkv,
                            reference_gradients)
 
@@ -34,7 +34,7 @@ def forward_lse(q, k, v, causal, sm_scale=None):
     group = q.shape[1] // k.shape[1]
     s = scale * q.double() @ k.double().repeat_interleave(group, 1).transpose(-2, -1)
     if causal:
-        from utils.reference import causal_mask
+        from utils.eager.reference import causal_mask
         s = s.masked_fill(~causal_mask(q.shape[2], k.shape[2], q.device), -math.inf)
     return o, torch.logsumexp(s, dim=-1)
 
@@ -143,7 +143,7 @@ def test_autograd_function_is_exposed():
 # --- the Triton kernels --------------------------------------------------------------------------------------
 
 from utils import gpu  # noqa: E402
-from utils.flash_triton_bwd import BackwardConfig, default_config, default_tma, flash_attention_backward  # noqa: E402
+from utils.tiled.fast.backward import BackwardConfig, default_config, default_tma, flash_attention_backward  # noqa: E402
 from utils.course.worklogs import triton_backward as worklog  # noqa: E402  (the switches 07w measures)
 from utils.course.testing import ODD_SHAPES_64_128  # noqa: E402
 
@@ -346,7 +346,7 @@ def test_tma_stats_backward_matches_pointer_loads(causal):
 def test_default_loads_follow_default_tma(monkeypatch):
     """The backward makes descriptors exactly where default_tma says so (4 tiles, and lse₂ and D for the dK/dV
     loops); unaligned inputs fall back to pointers."""
-    import utils.flash_triton_bwd as bwd
+    import utils.tiled.fast.backward as bwd
 
     made = []
     real = bwd.TensorDescriptor.from_tensor
@@ -367,7 +367,7 @@ def test_default_loads_follow_default_tma(monkeypatch):
 
 def test_checks_and_choices_are_kept_for_cuda_calls_only():
     """On the CPU (the interpreter) every call is checked: there is no key to keep its choices under."""
-    import utils.flash_triton_bwd as bwd
+    import utils.tiled.fast.backward as bwd
 
     q, k, v = random_qkv(1, 2, 8, 8, 16)
     o, lse = (t.float() for t in forward_lse(q, k, v, False))
@@ -380,8 +380,8 @@ def test_a_kind_of_call_is_checked_once_and_others_apart(monkeypatch):
     """A second call of a kind (shapes, strides, dtypes, device, alignment, options) reuses the first one's checks,
     choices and bound launches (bitwise the same gradients); a call that differs in alignment, strides or options
     gets its own, and a bad argument is still refused after good calls of the same shapes."""
-    import utils.flash_triton_bwd as bwd
-    from utils.launch import Bound, dispatch_by_triton
+    import utils.tiled.fast.backward as bwd
+    from utils.tiled.fast.launch import Bound, dispatch_by_triton
 
     q, k, v = random_qkv(2, 4, 200, 200, 64, dtype=torch.float16, device=DEVICE)
     do = torch.randn_like(q)
@@ -422,11 +422,11 @@ def test_a_kind_of_call_is_checked_once_and_others_apart(monkeypatch):
 
 
 def test_backward_for_forward_gives_flash_attention_backwards_gradients():
-    """Called as utils.flash_triton's autograd Function calls it: bitwise the gradients of
+    """Called as utils.tiled.fast.forward's autograd Function calls it: bitwise the gradients of
     flash_attention_backward, and a kind kept in the forward's only where the call has a key (CUDA; a CPU call
     in the interpreter has none)."""
-    import utils.flash_triton_bwd as bwd
-    from utils.launch import Kind
+    import utils.tiled.fast.backward as bwd
+    from utils.tiled.fast.launch import Kind
 
     q, k, v = random_qkv(1, 2, 24, 40, 16, kv_heads=1, seed=6, device=DEVICE)
     do = torch.randn_like(q)
@@ -445,8 +445,8 @@ def test_autograd_keeps_the_backward_kinds_in_the_forward_kind():
     """Through autograd the backward's kinds of call live in the forward's, keyed by dO alone: the second call
     of a dO layout takes the kept kind (bitwise the gradients of flash_attention_backward), and a dO of other
     strides or another alignment gets a kind of its own."""
-    from utils import flash_triton
-    from utils.flash_triton_bwd import flash_attention
+    from utils.tiled.fast import forward as flash_triton
+    from utils.tiled.fast.backward import flash_attention
 
     q, k, v = (t.requires_grad_() for t in random_qkv(2, 4, 200, 200, 64, dtype=torch.float16, device=DEVICE,
                                                         seed=5))
@@ -470,8 +470,8 @@ def test_autograd_keeps_the_backward_kinds_in_the_forward_kind():
 def test_the_kinds_of_call_kept_stay_at_the_bound(monkeypatch):
     """Under autograd with shapes and dO layouts that vary, the forward's kinds, the backward's and the ones kept
     in each forward kind stay at launch.MAX_KINDS (here 2), and the gradients stay right."""
-    import utils.flash_triton_bwd as bwd
-    from utils import flash_triton, launch
+    import utils.tiled.fast.backward as bwd
+    from utils.tiled.fast import forward as flash_triton, launch
 
     monkeypatch.setattr(launch, "MAX_KINDS", 2)
     monkeypatch.setattr(flash_triton, "_KINDS", launch.kind_cache())
@@ -502,7 +502,7 @@ def test_default_config_is_valid_for_every_case():
 @pytest.mark.parametrize("shape,causal", [((1, 4, 2, 45, 45, 64), True), ((1, 2, 1, 33, 70, 96), False),
                                           ((1, 2, 2, 70, 33, 32), True)], ids=str)
 def test_flash_attention_end_to_end(shape, causal, dtype):
-    from utils.flash_triton_bwd import flash_attention
+    from utils.tiled.fast.backward import flash_attention
 
     b, h, hk, nq, nk, d = shape
     q, k, v = random_qkv(b, h, nq, nk, d, kv_heads=hk, dtype=dtype, device=DEVICE, seed=11)
@@ -515,8 +515,8 @@ def test_flash_attention_end_to_end(shape, causal, dtype):
 @pytest.mark.gpu
 def test_flash_attention_matches_sdpa_gradients_on_gpu():
     """bf16 on a GPU: our gradients are as close to float64 truth as SDPA's own are (within 2x)."""
-    from utils.flash_triton_bwd import flash_attention
-    from utils.reference import sdpa_attention
+    from utils.tiled.fast.backward import flash_attention
+    from utils.eager.reference import sdpa_attention
 
     q, k, v = random_qkv(2, 8, 2048, 2048, 128, kv_heads=2, dtype=torch.bfloat16, device="cuda", seed=13)
     do = torch.randn_like(q)

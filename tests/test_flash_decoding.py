@@ -1,11 +1,11 @@
-"""Split-KV flash-decoding (utils.flash_decoding) against the float64 reference, on the CPU through the
+"""Split-KV flash-decoding (utils.decoding.split_kv) against the float64 reference, on the CPU through the
 interpreter and, where there is one, on a GPU."""
 import pytest
 import torch
 
-from utils.flash_decoding import (MAX_SPLITS, choose_num_splits, flash_decode, merge_partials)
-from utils.reference import causal_mask, reference_attention
-from utils.softmax import attention_with_lse
+from utils.decoding.split_kv import (MAX_SPLITS, choose_num_splits, flash_decode, merge_partials)
+from utils.eager.reference import causal_mask, reference_attention
+from utils.eager.softmax import attention_with_lse
 from utils.course.testing import assert_close, random_qkv
 
 CUDA = torch.cuda.is_available()

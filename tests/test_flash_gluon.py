@@ -1,4 +1,4 @@
-"""utils.flash_gluon (notebook 05b section 9): validation and tile checks on CPU, the tile choice against the
+"""utils.explicit.forward (notebook 05b section 9): validation and tile checks on CPU, the tile choice against the
 stored H200 benchmark, the compiled schedule (compiled for sm_90 on this machine), and on an sm_90 GPU the kernel
 against float64 on odd shapes with every tile."""
 import json
@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from utils import flash_gluon as fg
-from utils.flash_gluon_bwd import flash_attention_gluon
+from utils.explicit import forward as fg
+from utils.explicit.backward import flash_attention_gluon
 from utils import gpu
 
 on_hopper = pytest.mark.skipif(not torch.cuda.is_available() or gpu.capability() != (9, 0),
@@ -32,7 +32,7 @@ def test_inputs_are_checked_before_anything_is_built():
 
 
 @pytest.mark.parametrize("config,error,match", [
-    ((64, 128, 4, 2), TypeError, "must be a utils.flash_gluon.Config"),
+    ((64, 128, 4, 2), TypeError, "must be a utils.explicit.forward.Config"),
     (fg.Config(128, 128, 4, 2), ValueError, "block_m must be 16 \\* num_warps"),
     (fg.Config(32, 128, 2, 2), ValueError, "4 or 8 warps"),
     (fg.Config(64, 32, 4, 2), ValueError, "block_n must be 64 or 128"),

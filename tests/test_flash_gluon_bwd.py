@@ -1,4 +1,4 @@
-"""utils.flash_gluon_bwd (worklog 07w section 5): validation and configs on CPU, the synchronisation replayed
+"""utils.explicit.backward (worklog 07w section 5): validation and configs on CPU, the synchronisation replayed
 under random interleavings (and each of its rules shown necessary), the per-row statistics the kernel's producer
 loads, the compiled kernel's schedule (compiled for sm_90 on this machine), and on an sm_90 GPU
 the gradients against float64 autograd on odd shapes, directly and through the Gluon forwards' autograd."""
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from utils import flash_gluon_bwd as gb
+from utils.explicit import backward as gb
 from utils import gpu
 
 on_hopper = pytest.mark.skipif(not torch.cuda.is_available() or gpu.capability() != (9, 0),
@@ -138,7 +138,7 @@ def test_the_compiled_loop_does_five_products_and_waits_for_a_reduce_one_tile_la
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_gradients_match_float64_on_odd_shapes(dtype, causal):
     """GQA, Nq != Nk both ways (rows that see no key), one query, lengths not a multiple of a tile or of 4."""
-    from utils.flash_triton import flash_attention_forward
+    from utils.tiled.fast.forward import flash_attention_forward
     from utils.course.testing import ODD_SHAPES_64_128, assert_gradients_close, random_qkv, reference_gradients
 
     for b, h, hk, nq, nk, d in ODD_SHAPES_64_128:
@@ -161,7 +161,7 @@ def test_every_config_gives_the_same_gradients(config, head_dim):
     """The dQ block's split (rows of a 128-row tile, else columns), prefetch_s and the launch order (bh_group:
     4 (batch, K/V head)s in groups of 3, the last group short, or in one group larger than there are), beside the
     picked configs."""
-    from utils.flash_triton import flash_attention_forward
+    from utils.tiled.fast.forward import flash_attention_forward
     from utils.course.testing import assert_gradients_close, random_qkv, reference_gradients
 
     q, k, v = random_qkv(2, 4, 777, 1000, head_dim, kv_heads=2, dtype=torch.bfloat16, device="cuda", seed=3)
@@ -182,7 +182,7 @@ def test_the_gluon_forwards_differentiate_through_it(name):
 
 
 def test_calls_on_a_cpu_or_with_nq_not_a_multiple_of_4_are_checked_every_time():
-    """No kind (utils.launch.kind_key) for CPU tensors, nor where the statistics are padded between launches."""
+    """No kind (utils.tiled.fast.launch.kind_key) for CPU tensors, nor where the statistics are padded between launches."""
     assert gb._call_key(*_inputs(), False, None, None) is None
     do, q, k, v, o, lse = _inputs((1, 2, 2, 13, 16, 64))
     assert gb._call_key(do, q, k, v, o, lse, False, None, None) is None
@@ -193,8 +193,8 @@ def test_a_kind_of_call_is_checked_once_and_launched_bound(monkeypatch):
     """A second call of a kind reuses the first one's checks, config and two bound launches, and so does nothing
     through Triton's own dispatch differently: dK and dV come out bitwise the same (dQ is summed by reduce-adds
     whose order varies). Nq not a multiple of 4 and bad arguments are not kept."""
-    from utils.flash_triton import flash_attention_forward
-    from utils.launch import Bound, dispatch_by_triton
+    from utils.tiled.fast.forward import flash_attention_forward
+    from utils.tiled.fast.launch import Bound, dispatch_by_triton
     from utils.course.testing import assert_gradients_close, random_qkv, reference_gradients
 
     q, k, v = random_qkv(2, 4, 256, 256, 64, dtype=torch.bfloat16, device="cuda", seed=1)
@@ -232,8 +232,8 @@ def test_a_kind_of_call_is_checked_once_and_launched_bound(monkeypatch):
 @on_hopper
 def test_the_kinds_of_call_kept_stay_at_the_bound(monkeypatch):
     """A new kind per shape, never more than launch.MAX_KINDS (here 2): the least recently used is forgotten."""
-    from utils import launch
-    from utils.flash_triton import flash_attention_forward
+    from utils.tiled.fast import launch
+    from utils.tiled.fast.forward import flash_attention_forward
     from utils.course.testing import assert_gradients_close, random_qkv, reference_gradients
 
     monkeypatch.setattr(launch, "MAX_KINDS", 2)

@@ -1,4 +1,4 @@
-"""utils.flash_gluon_ws (notebook 05b section 10): validation and tile checks on CPU, the ring protocol replayed
+"""utils.explicit.forward_ws (notebook 05b section 10): validation and tile checks on CPU, the ring protocol replayed
 under random interleavings, the tile choice against the stored H200 benchmark, the compiled schedule (compiled for
 sm_90 on this machine), and on an sm_90 GPU the kernel against float64 on odd shapes with every tile."""
 import itertools
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from utils import flash_gluon_ws as ws
-from utils.flash_gluon_bwd import flash_attention_gluon_ws
+from utils.explicit import forward_ws as ws
+from utils.explicit.backward import flash_attention_gluon_ws
 from utils import gpu
 
 on_hopper = pytest.mark.skipif(not torch.cuda.is_available() or gpu.capability() != (9, 0),
@@ -32,7 +32,7 @@ def test_inputs_are_checked_before_anything_is_built():
 
 
 @pytest.mark.parametrize("config,error,match", [
-    ((128, 2, 232), TypeError, "must be a utils.flash_gluon_ws.WSConfig"),
+    ((128, 2, 232), TypeError, "must be a utils.explicit.forward_ws.WSConfig"),
     (ws.WSConfig(32, 2, 232), ValueError, "block_n must be 64 or 128"),
     (ws.WSConfig(128, 5, 232), ValueError, "stages 1 to 4"),
     (ws.WSConfig(128, 2, 230), ValueError, "multiple of 8 from 24 to 256"),

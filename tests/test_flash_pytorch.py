@@ -1,4 +1,4 @@
-"""utils.flash_pytorch: block sizes, traffic counts against the closed forms, the per-program FlashAttention-2
+"""utils.eager.forward: block sizes, traffic counts against the closed forms, the per-program FlashAttention-2
 function against the whole function, log-sum-exp, block skipping, op counting and argument validation.
 (tests/test_attention.py checks both registry entries against the reference over shapes and dtypes.)"""
 import math
@@ -6,10 +6,10 @@ import math
 import pytest
 import torch
 
-from utils.flash_pytorch import (HBMCounter, block_is_visible, count_ops, flash1_attention, flash1_block_sizes,
+from utils.eager.forward import (HBMCounter, block_is_visible, count_ops, flash1_attention, flash1_block_sizes,
                                  flash1_hbm_accesses, flash2_attention, flash2_hbm_accesses, flash2_kv_end,
                                  flash2_program, standard_hbm_accesses)
-from utils.reference import causal_mask, reference_attention
+from utils.eager.reference import causal_mask, reference_attention
 from utils.course.testing import random_qkv
 
 SHAPES = [(1, 1, 1, 1, 1, 8), (2, 4, 2, 37, 37, 16), (1, 2, 1, 20, 45, 8), (1, 2, 2, 45, 20, 24)]

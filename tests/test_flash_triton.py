@@ -1,4 +1,4 @@
-"""What is specific to the Triton FlashAttention-2 forward (utils.flash_triton) and the worklog's copy with its
+"""What is specific to the Triton FlashAttention-2 forward (utils.tiled.fast.forward) and the worklog's copy with its
 experiments (utils.course.worklogs.triton_forward); tests/test_attention.py covers the shared correctness grid
 through the registry's "triton" entry."""
 import math
@@ -8,11 +8,11 @@ import torch
 import triton
 import triton.language as tl
 
-from utils import flash_triton, flash_triton_bwd, launch
+from utils.tiled.fast import forward as flash_triton, backward as flash_triton_bwd, launch
 from utils.course.worklogs import triton_forward as worklog
-from utils.flash_triton import Config, Steps, flash_attention_forward, pick_config, tma_supported, tunable
-from utils.flash_triton_bwd import flash_attention   # the registry's "triton": this forward, made differentiable
-from utils.reference import reference_attention
+from utils.tiled.fast.forward import Config, Steps, flash_attention_forward, pick_config, tma_supported, tunable
+from utils.tiled.fast.backward import flash_attention   # the registry's "triton": this forward, made differentiable
+from utils.eager.reference import reference_attention
 from utils.course.testing import assert_close, misaligned, random_qkv, reference_lse
 
 CUDA = torch.cuda.is_available()
@@ -81,7 +81,7 @@ def test_tensor_descriptors_keep_the_result(nq, nk, hk, causal):
     config = Config(64, 32, 4, 2) if CUDA else Config(16, 16, 4, 1)
     o_ref, lse_ref = flash_triton._launch(q, k, v, causal, 0.2, config, Steps(tma=False))
     assert_close(o_ref, reference_attention(q, k, v, causal=causal, sm_scale=0.2), dtype=dtype)
-    for _ in range(2):  # on a GPU the second call takes utils.launch's direct path, descriptors included
+    for _ in range(2):  # on a GPU the second call takes utils.tiled.fast.launch's direct path, descriptors included
         o, lse = flash_triton._launch(q, k, v, causal, 0.2, config, Steps(tma=True))   # made by the host
         assert torch.equal(o, o_ref) and torch.equal(lse, lse_ref)  # the same arithmetic, other loads
     # The worklog's: descriptors made per program (TMA=1), and by the host with section 5's overlapped loop (the
@@ -465,7 +465,7 @@ def test_a_kind_of_call_replays_its_first_launch_with_fresh_tensors(monkeypatch)
     the second call of a kind skips `validate` and the choices, hands the bound launch q, k, v, O, lse and four
     (empty) descriptor slots, and gets the same output; another option is another kind, checked on its first
     call."""
-    from utils import launch
+    from utils.tiled.fast import launch
 
     monkeypatch.setattr(launch, "driver", _OneDevice)
     monkeypatch.setattr(launch, "kind_key", lambda tensors, options: (*options, *(
@@ -509,7 +509,7 @@ def test_a_kind_of_call_is_checked_once_and_others_apart(monkeypatch):
     checks and runs the launch bound by the first: bitwise the same output, as Triton's own dispatch gives.
     A call that differs in any of those gets its own kind, and a bad argument is still refused."""
     from utils import gpu
-    from utils.launch import Bound, dispatch_by_triton
+    from utils.tiled.fast.launch import Bound, dispatch_by_triton
 
     q, k, v = random_qkv(2, 4, 300, 300, 64, dtype=torch.float16, device="cuda")
     flash_triton._KINDS.clear()
@@ -552,7 +552,7 @@ def test_a_kind_of_call_is_checked_once_and_others_apart(monkeypatch):
 
 def test_pick_config_fits_the_gpus_shared_memory(monkeypatch):
     """The H200's tiles where they fit; smaller ones on a GPU with 64 KiB per block (a T4, or its emulation)."""
-    from utils.flash_triton import pick_config
+    from utils.tiled.fast.forward import pick_config
     from utils.tiled.forward import H200_TILES, SMALL_SMEM_TILES, smem_estimate
 
     assert smem_estimate(Config(128, 64, 8, 3), 128, 2) == 2 * 128 * (128 + 3 * 2 * 64)

@@ -1,12 +1,12 @@
 """utils.course.flatten: the flattened sources of notebook 06b's forward steps and 06c's Hopper steps
-(utils/cuda/steps/06b, 06c) are current, fold every switch, refuse what the parser does not understand, and (with
+(utils/native/src/steps/06b, 06c) are current, fold every switch, refuse what the parser does not understand, and (with
 nvcc) compile to the PTX of the templated steps they stand for."""
 import re
 import shutil
 
 import pytest
 
-from utils import hopper
+from utils.native import hopper
 from utils.course import flatten
 
 LESSON = "06b"

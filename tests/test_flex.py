@@ -182,7 +182,7 @@ def test_backward_in_one_launch_or_two(monkeypatch, launches):
     """dK/dV and dQ programs share one grid when the config gives both the same warps and stages, else each kind
     gets a launch of its own (PART 1 and 2); tiles of different sizes in the two passes, GQA, a packed batch."""
     import utils.flex.attention as A
-    from utils.flash_triton_bwd import BackwardConfig
+    from utils.tiled.fast.backward import BackwardConfig
 
     bwd = BackwardConfig(16, 32, 4, 1, 32, 16, 4 if launches == 1 else 8, 1)
     real = A.configs

@@ -6,7 +6,7 @@ from utils.course.exercises import check
 from utils.course.plotting import pyplot, save_figure, use_course_style, write_png
 from utils.course.testing import (ODD_SHAPES_64_128, assert_attention_matches_reference, assert_close,
                            assert_matches_on_odd_shapes, misaligned, pairwise, random_qkv, reference_lse, tolerances)
-from utils.reference import naive_attention
+from utils.eager.reference import naive_attention
 
 
 def test_attention_flops():
@@ -240,7 +240,7 @@ def test_assert_rows_close_names_rows_blocks_and_the_worst_element():
 
 
 def test_assert_matches_on_odd_shapes_runs_every_shape_and_catches_errors():
-    from utils.reference import naive_attention
+    from utils.eager.reference import naive_attention
 
     seen = []
 

@@ -1,12 +1,12 @@
-"""utils.launch: launching compiled Triton kernels without Triton's per-call dispatch."""
+"""utils.tiled.fast.launch: launching compiled Triton kernels without Triton's per-call dispatch."""
 import pytest
 import torch
 import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from utils import launch
-from utils.launch import FastLauncher, dispatch_by_triton, specialization_key
+from utils.tiled.fast import launch
+from utils.tiled.fast.launch import FastLauncher, dispatch_by_triton, specialization_key
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -46,7 +46,7 @@ def test_key_separates_host_descriptors_by_tile_and_dtype():
 
 
 def test_key_separates_gluon_descriptors_by_tile_dtype_and_layout():
-    """utils.flash_gluon launches through FastLauncher with Gluon's descriptors, whose type carries a layout."""
+    """utils.explicit.forward launches through FastLauncher with Gluon's descriptors, whose type carries a layout."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 

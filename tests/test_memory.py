@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from utils.course.memory import AllocationTracker, peak_memory
-from utils.reference import naive_attention
+from utils.eager.reference import naive_attention
 from utils.course.testing import random_qkv
 
 

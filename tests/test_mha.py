@@ -1,12 +1,12 @@
-"""utils.mha.MultiHeadAttention: shapes, equality with torch.nn.MultiheadAttention, swappable kernels, validation."""
+"""utils.eager.mha.MultiHeadAttention: shapes, equality with torch.nn.MultiheadAttention, swappable kernels, validation."""
 import math
 
 import pytest
 import torch
 from torch import nn
 
-from utils.mha import MultiHeadAttention
-from utils.reference import naive_attention, sdpa_attention
+from utils.eager.mha import MultiHeadAttention
+from utils.eager.reference import naive_attention, sdpa_attention
 
 
 def x_input(batch=2, seq=7, embed=32, dtype=torch.float64, seed=0):

@@ -1,11 +1,11 @@
-"""The paged KV cache (utils.paged_kv) and decoding through its block table (flash_decode_paged): every result is
+"""The paged KV cache (utils.decoding.paged_kv) and decoding through its block table (flash_decode_paged): every result is
 compared with the contiguous `flash_decode` on a cache the test keeps itself, on the CPU through the interpreter
 and, where there is one, on a GPU."""
 import pytest
 import torch
 
-from utils.flash_decoding import flash_decode, flash_decode_paged
-from utils.paged_kv import OutOfPages, PagedKVCache, check_page_size
+from utils.decoding.split_kv import flash_decode, flash_decode_paged
+from utils.decoding.paged_kv import OutOfPages, PagedKVCache, check_page_size
 from utils.course.testing import assert_close
 
 CUDA = torch.cuda.is_available()
@@ -382,7 +382,7 @@ def test_lengths_and_tables_are_read_once_until_written():
     """Value checks sync with the GPU: a tensor that passed is not read again until an in-place write changes it."""
     from unittest import mock
 
-    import utils.flash_decoding as fd
+    import utils.decoding.split_kv as fd
 
     k, v = (torch.randn(4, 2, 16, 8, device=DEVICE) for _ in range(2))
     table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=DEVICE)
@@ -459,7 +459,7 @@ def test_a_table_written_without_a_version_bump_is_never_followed_out_of_the_poo
 
 def test_unchecked_values_refused_during_graph_capture(monkeypatch):
     """Inside CUDA-graph capture a host read would fail obscurely: a clear error says to call once before."""
-    import utils.flash_decoding as fd
+    import utils.decoding.split_kv as fd
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)

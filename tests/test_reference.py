@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from utils.checks import check_attention_inputs, resolve_scale
-from utils.reference import causal_mask, naive_attention, reference_attention, sdpa_attention
+from utils.eager.reference import causal_mask, naive_attention, reference_attention, sdpa_attention
 from utils.course.testing import random_qkv
 
 

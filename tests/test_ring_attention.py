@@ -1,4 +1,4 @@
-"""Ring attention (utils.ring_attention): layout helpers, the single-process simulation, its gradients against
+"""Ring attention (utils.ring.attention): layout helpers, the single-process simulation, its gradients against
 float64 autograd, a model trained through it, and real runs with 2, 3 and 4 processes on gloo, forward and
 backward, through utils.course.ring_check (one launch per world size, every case checked inside it: process
 start-up dominates)."""
@@ -8,13 +8,13 @@ import json
 import pytest
 import torch
 
-from utils.flash_pytorch_bwd import attention_gradients
-from utils.reference import naive_attention, reference_attention
+from utils.eager.backward import attention_gradients
+from utils.eager.reference import naive_attention, reference_attention
 from utils.course.ring_check import RING_NCCL_JSON, RingCase, free_port, run_ring_check
-from utils.ring_attention import (LAYOUTS, block_gradients, pick_local_backward, ring_attention, shard,
+from utils.ring.attention import (LAYOUTS, block_gradients, pick_local_backward, ring_attention, shard,
                                   shard_indices, simulate_ring_attention, simulate_ring_backward, step_work, unshard,
                                   work_per_step, zigzag_chunks)
-from utils.softmax import attention_with_lse
+from utils.eager.softmax import attention_with_lse
 from utils.course.testing import assert_close, random_qkv
 
 CUDA = torch.cuda.is_available()
@@ -119,7 +119,7 @@ def test_simulated_ring_with_triton_kernels_on_gpu(local):
     truth than SDPA's own error plus the rounding of the ring's bf16 partial sums: autograd adds the world_size
     partial gradients of a block in bf16, each addition off by up to half a unit in the last place (2^-9 of the
     largest gradient). A wrong block or mask is off by far more."""
-    from utils.reference import sdpa_attention
+    from utils.eager.reference import sdpa_attention
 
     world = 4
     q, k, v = random_qkv(1, 8, 2048, 2048, 64, kv_heads=2, dtype=torch.bfloat16, device="cuda")

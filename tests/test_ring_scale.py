@@ -1,4 +1,4 @@
-"""Ring attention on paper (utils.ring_scale): every count against a hand computation on small sizes, against
+"""Ring attention on paper (utils.ring.scale): every count against a hand computation on small sizes, against
 the ring's own tensors and step table, and argument checks."""
 import math
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from utils.course.bench import attention_flops
-from utils.ring_attention import shard, work_per_step
-from utils.ring_scale import (break_even_tokens_per_rank, compute_ms, pass_ms, rank_memory, ring_step,
+from utils.ring.attention import shard, work_per_step
+from utils.ring.scale import (break_even_tokens_per_rank, compute_ms, pass_ms, rank_memory, ring_step,
                               slowest_hop, step_bytes, step_flops, tokens_per_rank, transfer_ms)
 
 MIB = 2**20

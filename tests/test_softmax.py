@@ -1,12 +1,12 @@
-"""utils.softmax: the softmax variants, partial states and their merge, log-sum-exp, merged attention."""
+"""utils.eager.softmax: the softmax variants, partial states and their merge, log-sum-exp, merged attention."""
 import math
 import random
 
 import pytest
 import torch
 
-from utils.reference import reference_attention
-from utils.softmax import (LOG2E, attention_with_lse, empty_state, logsumexp, lse_from_state, merge_attention,
+from utils.eager.reference import reference_attention
+from utils.eager.softmax import (LOG2E, attention_with_lse, empty_state, logsumexp, lse_from_state, merge_attention,
                            merge_states, naive_softmax, online_softmax, safe_softmax, softmax_exp2, softmax_state)
 from utils.course.testing import random_qkv
 

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from utils.reference import reference_attention
+from utils.eager.reference import reference_attention
 from utils.course.testing import (assert_close, assert_gradients_close, assert_gradients_match_reference, random_qkv,
                            reference_gradients, reference_lse)
 from utils.tiled import attention, backward, forward

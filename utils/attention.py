@@ -44,18 +44,18 @@ class Implementation:
 
 
 REGISTRY = {impl.name: impl for impl in [
-    Implementation("sdpa", "utils.reference:sdpa_attention", "any",
+    Implementation("sdpa", "utils.eager.reference:sdpa_attention", "any",
                    "torch.nn.functional.scaled_dot_product_attention (PyTorch picks the backend)", "01",
                    grad_dtypes=(torch.float16, torch.bfloat16, torch.float32)),
-    Implementation("naive", "utils.reference:naive_attention", "any",
+    Implementation("naive", "utils.eager.reference:naive_attention", "any",
                    "matmul, explicit mask, softmax, matmul: the N×N matrices in memory", "01", grad_dtypes=(torch.float16, torch.bfloat16, torch.float32)),
-    Implementation("flash1_pytorch", "utils.flash_pytorch:flash1_attention", "any",
+    Implementation("flash1_pytorch", "utils.eager.forward:flash1_attention", "any",
                    "FlashAttention Algorithm 1: outer loop over K/V blocks, O, l, m updated in HBM per block", "03"),
-    Implementation("flash2_pytorch", "utils.flash_pytorch:flash2_attention", "any",
+    Implementation("flash2_pytorch", "utils.eager.forward:flash2_attention", "any",
                    "FlashAttention-2 order: one program per Q block, delayed normalisation, log-sum-exp", "04"),
-    Implementation("flash_decoding", "utils.flash_decoding:flash_decoding_attention", "triton",
+    Implementation("flash_decoding", "utils.decoding.split_kv:flash_decoding_attention", "triton",
                    "split-KV flash-decoding: partial outputs per slice of the keys, merged by log-sum-exp", "08"),
-    Implementation("triton", "utils.flash_triton_bwd:flash_attention", "triton",
+    Implementation("triton", "utils.tiled.fast.backward:flash_attention", "triton",
                    "FlashAttention-2 forward in Triton (interpreted on a CPU; bf16 there computed in fp32), backward "
                    "of notebook 07", "05", head_dims=tuple(range(16, 257)), grad_dtypes=(torch.float16, torch.bfloat16, torch.float32)),
     Implementation("triton_lesson", "utils.tiled.attention:flash_attention", "triton",
@@ -65,34 +65,34 @@ REGISTRY = {impl.name: impl for impl in [
     Implementation("flex_triton", "utils.flex:flex_attention", "triton",
                    "notebook 05/07's kernels with score/mask modifiers and block sparsity (here: no mask or causal)",
                    "10", head_dims=tuple(range(16, 257)), grad_dtypes=(torch.float16, torch.bfloat16, torch.float32)),
-    Implementation("cuda_naive", "utils.cuda_ext:flash_naive", "cuda",
+    Implementation("cuda_naive", "utils.native.kernels:flash_naive", "cuda",
                    "CUDA via load_inline, one thread per query row, K/V tiles in shared memory", "06",
                    head_dims=tuple(range(8, 129, 8))),
-    Implementation("cuda_tiled", "utils.cuda_ext:flash_tiled", "cuda",
+    Implementation("cuda_tiled", "utils.native.kernels:flash_tiled", "cuda",
                    "CUDA via load_inline, FlashAttention-2 tiling on CUDA cores (fp32 accumulation)", "06",
                    head_dims=tuple(range(8, 257, 8))),
-    Implementation("cuda", "utils.cuda_backward:flash_attention_cuda", "cuda",
+    Implementation("cuda", "utils.native.backward:flash_attention_cuda", "cuda",
                    "CUDA FlashAttention-2 on tensor cores (mma.sync, ldmatrix, swizzle, cp.async; fp32 inputs and "
                    "pre-sm_80 GPUs run cuda_tiled), its backward on tensor cores too; head dims other than 64 and 128 "
                    "padded to them", "06b", head_dims=tuple(range(16, 129, 16)),
                    grad_dtypes=(torch.float16, torch.bfloat16)),
-    Implementation("cuda_hopper", "utils.hopper:flash_hopper", "cuda",
+    Implementation("cuda_hopper", "utils.native.hopper:flash_hopper", "cuda",
                    "CUDA FlashAttention-2 on Hopper: TMA copies, wgmma from shared memory and from registers "
                    "(H100/H200 only)", "06c", head_dims=(64, 128), dtypes=(torch.float16, torch.bfloat16),
                    capability=(9, 0)),
-    Implementation("gluon", "utils.flash_gluon_bwd:flash_attention_gluon", "cuda",
+    Implementation("gluon", "utils.explicit.backward:flash_attention_gluon", "cuda",
                    "FlashAttention-3's intra-warpgroup overlap in Gluon (Triton's lower level): explicit wgmma "
                    "waits, a TMA ring with mbarriers (H100/H200 only); backward: one warp-specialised Gluon "
                    "kernel (07)",
                    "05b", head_dims=(64, 128), dtypes=(torch.float16, torch.bfloat16), capability=(9, 0),
                    grad_dtypes=(torch.float16, torch.bfloat16)),
-    Implementation("gluon_ws", "utils.flash_gluon_bwd:flash_attention_gluon_ws", "cuda",
+    Implementation("gluon_ws", "utils.explicit.backward:flash_attention_gluon_ws", "cuda",
                    "the Gluon forward warp-specialised: a producer warp issues the TMA copies, two consumer "
                    "warpgroups share a 128-row tile, per-slot full/empty mbarriers (H100/H200 only); backward as "
                    "gluon's",
                    "05b", head_dims=(64, 128), dtypes=(torch.float16, torch.bfloat16), capability=(9, 0),
                    grad_dtypes=(torch.float16, torch.bfloat16)),
-    Implementation("flash2_pytorch_autograd", "utils.flash_pytorch_bwd:flash_attention_pytorch", "any",
+    Implementation("flash2_pytorch_autograd", "utils.eager.backward:flash_attention_pytorch", "any",
                    "differentiable tiled PyTorch: online-softmax forward, FA2-order tiled backward", "07",
                    grad_dtypes=(torch.float16, torch.bfloat16, torch.float32)),
 ]}

@@ -1,8 +1,8 @@
 """A small character-level transformer and its training loop (notebook 07), on text shipped with the course.
 
-The attention is pluggable (`utils.mha.MultiHeadAttention(attention=...)`): the same model, seed and batches
+The attention is pluggable (`utils.eager.mha.MultiHeadAttention(attention=...)`): the same model, seed and batches
 trained with two attention implementations must give the same loss curve, the end-to-end test of a backward pass.
-The corpus is the course's own README and `utils/*.py` sources, so training runs offline.
+The corpus is the course's own README and `utils/**/*.py` sources, so training runs offline.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 from utils.checks import positive_int
 from torch import nn
 
-from utils.mha import MultiHeadAttention
+from utils.eager.mha import MultiHeadAttention
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def load_corpus(max_chars: int | None = None) -> str:
-    """The course's README.md and utils/*.py sources, concatenated in a fixed (sorted) order."""
+    """The course's README.md and utils/**/*.py sources, concatenated in a fixed (sorted) order."""
     files = [ROOT / "README.md", *sorted((ROOT / "utils").rglob("*.py"))]
     text = "\n".join(p.read_text(encoding="utf-8") for p in files)
     return text if max_chars is None else text[:positive_int("max_chars", max_chars)]

@@ -38,7 +38,7 @@ from triton.runtime.jit import JITFunction, mangle_type
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from utils.gpu import Profile
-from utils.launch import dispatch_by_triton
+from utils.tiled.fast.launch import dispatch_by_triton
 
 POINTER_TYPES = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.float64: "*fp64",
                  torch.int8: "*i8", torch.int32: "*i32", torch.int64: "*i64", torch.uint8: "*u8"}
@@ -101,7 +101,7 @@ def capture_launches():
 
     JITFunction.run = run
     try:
-        with dispatch_by_triton():  # kernels the course launches directly (utils.launch) go through run too
+        with dispatch_by_triton():  # kernels the course launches directly (utils.tiled.fast.launch) go through run too
             yield launches
     finally:
         JITFunction.run = original
@@ -217,7 +217,7 @@ def backward_dq_schedules(head_dim: int = 64, capability=(9, 0)) -> dict[str, li
     """The dK/dV pass (notebook 07's default tiles and loads, not causal, 16-bit) compiled for `capability` with
     each way of getting dQ: the separate pass, an atomic add per element, a bulk reduce-add per tile (section
     10). {name: schedule with DQ_EVENTS}."""
-    from utils.flash_triton_bwd import default_tma
+    from utils.tiled.fast.backward import default_tma
 
     tma = default_tma(head_dim, False)
     return {name: schedule(compile_launch(_backward_launches(head_dim, False, tma=tma, dq_atomic=dq_atomic)["dkdv"],
@@ -230,7 +230,7 @@ def gluon_schedules(head_dim: int = 64, capability=(9, 0), warp_specialized: boo
     with `warp_specialized` the producer/consumer kernel (section 10) with each of WS_TILES: {tile label:
     schedule}. Their loops show the two products in flight and `wait(1)` before the softmax; the
     warp-specialised kernel's blocks end with its register split (`setmaxnreg`)."""
-    from utils import flash_gluon, flash_gluon_ws
+    from utils.explicit import forward as flash_gluon, forward_ws as flash_gluon_ws
 
     q = torch.zeros(1, 2, 1024, head_dim, dtype=torch.bfloat16)
     lse = torch.zeros(1, 2, 1024)
@@ -254,7 +254,7 @@ def gluon_bwd_schedule(head_dim: int = 64, causal: bool = False, capability=(9, 
     """The one-kernel Gluon backward (worklog 07w section 5) compiled for `capability` with its default tiles:
     (schedule with DQ_EVENTS, bytes of shared memory). Its consumer loop shows the dQ block's reduce-adds issued
     at the end of a tile and their wait (reduce-wait) at the next tile, before the two consumers meet (bar)."""
-    from utils import flash_gluon_bwd as gb
+    from utils.explicit import backward as gb
 
     q = torch.zeros(1, 2, 1024, head_dim, dtype=torch.bfloat16)
     acc, stats = torch.zeros(2, 1024, head_dim), torch.zeros(2, 1024)
@@ -280,8 +280,8 @@ def in_fresh_process(*args: str, timeout: int = 900) -> str:
 @contextlib.contextmanager
 def cpu_launches():
     """Let the course's launchers take CPU tensors, as they do in the interpreter: they read TRITON_INTERPRET
-    at call time, or ask utils.flash_triton (the kernels, defined before, stay compilable)."""
-    from utils import flash_triton
+    at call time, or ask utils.tiled.fast.forward (the kernels, defined before, stay compilable)."""
+    from utils.tiled.fast import forward as flash_triton
 
     saved = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
@@ -314,7 +314,9 @@ def course_launches(profile: Profile) -> list[tuple[str, str, Launch]]:
     """(lesson, what, Launch) for the course's Triton kernels as its launchers configure them for `profile`:
     the forward (05), the backward (07), flash-decoding (08) and the flex kernels (10) at the head dims and dtypes
     a learner runs on it (16-bit is fp16 where the GPU has no bf16 tensor cores, sm < 80)."""
-    from utils import flash_decoding, flash_triton, flash_triton_bwd, gpu
+    from utils import gpu
+    from utils.decoding import split_kv as flash_decoding
+    from utils.tiled.fast import forward as flash_triton, backward as flash_triton_bwd
     from utils.flex import attention as flex_attention, causal, sparsity
 
     half = torch.float16 if profile.capability < (8, 0) else torch.bfloat16
@@ -405,7 +407,7 @@ def main(argv=None) -> int:
                 print(f"  {name + ':':<18} {block}")
         return 0
     if args.schedule:
-        from utils.flash_triton import TUNE_TILES
+        from utils.tiled.fast.forward import TUNE_TILES
 
         t = TUNE_TILES[0]
         print(f"Triton {triton.__version__}, sm_90: forward, d={args.head_dim}, bf16, host descriptors, tiles "

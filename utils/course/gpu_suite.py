@@ -16,7 +16,7 @@ and each run's wall-clock seconds (`runs`; `finished` false: cut before its end)
 other part's results only if they came from the same trees.
 
 On a fresh machine most of the suite's time is nvcc building the CUDA extensions. So, unless --no-prebuild, a
-background `python -m utils.cuda_ext build` starts them all at once, several at a time, while the tests run; a
+background `python -m utils.native.build build` starts them all at once, several at a time, while the tests run; a
 test that needs an extension waits on that build's lock instead of starting it late.
 """
 from __future__ import annotations
@@ -46,7 +46,7 @@ def start_prebuild(log: Path):
     """Start building every CUDA extension this GPU runs, in a background process writing to `log`."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as out:
-        return subprocess.Popen([sys.executable, "-m", "utils.cuda_ext", "build"], cwd=ROOT, stdout=out,
+        return subprocess.Popen([sys.executable, "-m", "utils.native.build", "build"], cwd=ROOT, stdout=out,
                                 stderr=subprocess.STDOUT, env=dict(os.environ, TQDM_DISABLE="1"))
 
 

@@ -209,7 +209,7 @@ COLUMNS = [(64, False, 4096), (64, False, 16384), (128, False, 4096), (128, Fals
 # where each range of findings() was measured, for the reader who wants the run behind it
 HOPPER_RUNS = ("06c_hopper_h200.json", "06c_vdirect_h200.json", "06c_three_h200.json", "06c_persistent_h200.json",
                "06c_diagonal_h200.json", "06c_tma_store_h200.json")
-MMA_RUN = "06b_step15_h200.json"  # the run of the registry's step (cuda_ext.MMA_DEFAULT_STEP)
+MMA_RUN = "06b_step15_h200.json"  # the run of the registry's step (utils.native.build.MMA_DEFAULT_STEP)
 
 
 def _finding(what, values, unit, shapes, source, notebook) -> dict:
@@ -227,9 +227,9 @@ def findings() -> list[dict]:
     from utils.course.bench.backward import ratios as backward_ratios
     from utils.course.bench.cuda_mma import step_label
     from utils.course.bench.peers_sweep import versus
-    from utils.cuda_backward import BWD_DEFAULT_STEP
-    from utils.cuda_ext import MMA_DEFAULT_STEP
-    from utils.hopper import DEFAULT_STEP
+    from utils.native.backward import BWD_DEFAULT_STEP
+    from utils.native.build import MMA_DEFAULT_STEP
+    from utils.native.hopper import DEFAULT_STEP
 
     rows = []
     forward = _load("triton_fwd_h200.json")["results"]
@@ -393,9 +393,9 @@ def stored_kernels(mode: str = "fwd", columns=COLUMNS) -> list[dict]:
     """One row per registered kernel with a stored run: TFLOP/s at each column's shape, and its ratio to each
     baseline (cuDNN, FlashAttention-2, or SDPA's own pick) measured in the same run; None where not measured."""
     from utils.course.bench.cuda_mma import step_label
-    from utils.cuda_backward import BWD_DEFAULT_STEP
-    from utils.cuda_ext import MMA_DEFAULT_STEP
-    from utils.hopper import DEFAULT_STEP
+    from utils.native.backward import BWD_DEFAULT_STEP
+    from utils.native.build import MMA_DEFAULT_STEP
+    from utils.native.hopper import DEFAULT_STEP
 
     default = {("cuda", "fwd"): step_label(MMA_DEFAULT_STEP),
                ("cuda_hopper", "fwd"): step_label(DEFAULT_STEP, "hopper"),

@@ -1,8 +1,8 @@
 """Ring attention over W real processes, checked against one device (notebook 08): course tooling around
-utils.ring_attention.
+utils.ring.attention.
 
 `run_ring_check(cases, world_size=W, backend=...)` starts W processes (torch.multiprocessing, spawn) on gloo (CPU)
-or NCCL (one GPU per rank); every rank runs each `RingCase` through `utils.ring_attention.ring_attention`, and rank
+or NCCL (one GPU per rank); every rank runs each `RingCase` through `utils.ring.attention.ring_attention`, and rank
 0 compares the output and the gradients with single-device attention (and, with `iters`, times both). On 2 GPUs:
 
     python -m utils.course.ring_check --backend nccl --world-size 2
@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from utils import gpu
 from utils.course.testing import random_qkv, tolerances
-from utils.ring_attention import _check_layout_args, pick_local_attention, ring_attention, shard, unshard
+from utils.ring.attention import _check_layout_args, pick_local_attention, ring_attention, shard, unshard
 
 RING_NCCL_JSON = Path(__file__).resolve().parents[2] / "images" / "ring_nccl.json"   # the command line's nccl default
 
@@ -80,7 +80,7 @@ def _time(fn, device, iters):
 def _reference(q, k, v, causal, device):
     """Single-device attention of the full sequence, and the ground truth it is compared with."""
     if device.type == "cpu":
-        from utils.reference import reference_attention
+        from utils.eager.reference import reference_attention
         return reference_attention(q, k, v, causal=causal)
     from torch.nn.attention import SDPBackend, sdpa_kernel
     group = q.shape[1] // k.shape[1]

@@ -1,6 +1,6 @@
 """Show a notebook's reader a piece of C++ by its name: a function, a struct or a named lambda of a CUDA source.
 
-    show_cpp("flash_tiled", "flash_tiled_kernel")   # utils/cuda/flash_tiled.cu, the whole kernel
+    show_cpp("flash_tiled", "flash_tiled_kernel")   # utils/native/src/flash_tiled.cu, the whole kernel
     show_cpp(path_or_text, "block_reduce")
 
 A lesson names what it shows, so editing a comment or a line of the kernel never breaks the lesson (issue 71:
@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-CUDA_DIR = Path(__file__).resolve().parents[1] / "cuda"
+CUDA_DIR = Path(__file__).resolve().parents[1] / "native" / "src"
 _IDENT = re.compile(r"[A-Za-z_]\w*")
 
 
@@ -42,13 +42,13 @@ def _code_mask(text: str) -> list[bool]:
 
 
 def _read(source) -> tuple[str, str]:
-    """(text, label) of `source`: a kernel name of utils/cuda (its .cu), a path, or C++ text (with a newline)."""
+    """(text, label) of `source`: a kernel name of utils/native/src (its .cu), a path, or C++ text (with a newline)."""
     if isinstance(source, Path) or (isinstance(source, str) and "\n" not in source):
         path = Path(source)
         if not path.suffix:
             path = CUDA_DIR / f"{source}.cu"
         if not path.is_file():
-            raise ValueError(f"no C++ source {source!r} (a utils/cuda kernel name, a path, or C++ text)")
+            raise ValueError(f"no C++ source {source!r} (a utils/native/src kernel name, a path, or C++ text)")
         return path.read_text(), path.name
     if isinstance(source, str):
         return source, "source"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from utils.checks import resolve_scale
-from utils.reference import causal_mask, naive_attention, reference_attention
+from utils.eager.reference import causal_mask, naive_attention, reference_attention
 
 # Attention outputs are averages of V rows, of order 1 for standard-normal inputs. fp32 allows for TF32 dots
 # on GPUs (10-bit mantissa); fp16 and bf16 for rounding of P before the P·V product.

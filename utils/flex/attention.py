@@ -11,10 +11,10 @@ import triton.language as tl
 
 from utils.checks import check_bool
 from utils import gpu
-from utils.flash_triton import pick_config, validate
+from utils.tiled.fast.forward import pick_config, validate
 from utils.tiled.forward import Config, smem_estimate
-from utils.flash_triton_bwd import BackwardConfig, _bwd_preprocess, default_config
-from utils.flash_triton_bwd import smem_estimate as bwd_smem_estimate
+from utils.tiled.fast.backward import BackwardConfig, _bwd_preprocess, default_config
+from utils.tiled.fast.backward import smem_estimate as bwd_smem_estimate
 from utils.flex.sparsity import BlockMask, block_mask as build_block_mask
 from utils.flex.kernels import flex_bwd_kernel, flex_fwd_kernel
 from utils.flex.mods import Modifier, causal as causal_modifier

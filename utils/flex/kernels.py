@@ -184,7 +184,7 @@ def flex_fwd_kernel(Q, K, V, O, LSE, s_qb, s_qh, s_qm, s_qd, s_kb, s_kh, s_kn, s
     tl.store(o_base + offs_m[:, None] * s_om + offs_d[None, :] * s_od, acc.to(O.dtype.element_ty), mask=io_mask)
 
 
-# --- backward (notebook 07's three passes; the preprocessing pass is utils.flash_triton_bwd's) -------------------
+# --- backward (notebook 07's three passes; the preprocessing pass is utils.tiled.fast.backward's) -------------------
 
 @triton.jit
 def _dkdv_tile(dk, dv, k, v, q_ptrs, do_ptrs, lse2_row, delta_row, m0, kv_pos, offs_d, b, h, seqlen_q, seqlen_k,

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from utils import gpu
 from utils.checks import check_device
-from utils.flash_pytorch_bwd import check_backward_inputs
+from utils.eager.backward import check_backward_inputs
 from utils.tiled.forward import check_config
 
 HEAD_DIMS = range(16, 257)

@@ -1,6 +1,6 @@
 """FlashAttention-2 forward in Triton, as notebook 05 teaches it: one kernel, one launch, read top to bottom.
 
-Conventions as in utils.reference: (batch, heads, seq, head_dim) tensors with any strides; K/V may have fewer
+Conventions as in utils.eager.reference: (batch, heads, seq, head_dim) tensors with any strides; K/V may have fewer
 heads than Q (GQA, read in place); Nq != Nk allowed; causal masking aligned bottom-right (query i sees keys
 j <= i + Nk - Nq), and a query that sees no key gets output 0 and lse -inf. Head dims 16 to 256, padded to a
 power of two. fp16, bf16, fp32 (exact fp32 dots). On a CPU the Triton interpreter runs it; it has no bf16

@@ -23,13 +23,13 @@ from pathlib import Path
 import torch
 
 from utils.course.bench import attention_flops, benchmark, error_line, median_rows, peers, rotated
-from utils.cuda_backward import BWD_STEPS, flash_mma_backward, flash_mma_forward
+from utils.native.backward import BWD_STEPS, flash_mma_backward, flash_mma_forward
 
 BACKENDS = ("triton", "sdpa_flash", "sdpa_cudnn")                # the default set (notebook 07's)
 # The worklog's Triton backward (utils.course.worklogs.triton_backward) with its loads pinned, (tma, tma_stats):
 # "triton" picks per shape (flash_triton_bwd.default_tma).
 TRITON_LOADS = {"triton_pointer": (False, False), "triton_tma": (True, False), "triton_tma_stats": (True, True)}
-# Measured when asked for; cuda_*: notebook 06bw's tensor-core backward in each of its steps (utils.cuda_backward).
+# Measured when asked for; cuda_*: notebook 06bw's tensor-core backward in each of its steps (utils.native.backward).
 CUDA_BACKENDS = tuple(f"cuda_{step}" for step in BWD_STEPS)
 # The Gluon backward with its launch order pinned (BwdConfig.bh_group): "gluon_bwd" picks per shape (pick_config).
 GLUON_ORDERS = {"gluon_bwd_by_head": 0, "gluon_bwd_grouped": 4}
@@ -57,15 +57,15 @@ def _sdpa_backward(backend_name):
 
 
 def _triton_backward(config=None, **switches):
-    """The fast Triton backward (utils.flash_triton_bwd) after its forward; with `switches` (tma, tma_stats,
+    """The fast Triton backward (utils.tiled.fast.backward) after its forward; with `switches` (tma, tma_stats,
     dq_atomic) the worklog's copy (utils.course.worklogs.triton_backward) with them set."""
     def prepare(q, k, v, do, causal):
-        from utils.flash_triton import flash_attention_forward
+        from utils.tiled.fast.forward import flash_attention_forward
 
         if switches:
             from utils.course.worklogs.triton_backward import flash_attention_backward
         else:
-            from utils.flash_triton_bwd import flash_attention_backward
+            from utils.tiled.fast.backward import flash_attention_backward
 
         o, lse = flash_attention_forward(q, k, v, causal=causal)
         return lambda: flash_attention_backward(do, q, k, v, o, lse, causal=causal, config=config, **switches)
@@ -76,8 +76,8 @@ def _gluon_backward(bh_group=None):
     """Worklog 07w section 5's one-kernel Gluon backward, after the Triton forward's (o, lse); `bh_group`: its
     launch order pinned (None: pick_config's)."""
     def prepare(q, k, v, do, causal):
-        from utils.flash_gluon_bwd import flash_attention_gluon_backward, pick_config
-        from utils.flash_triton import flash_attention_forward
+        from utils.explicit.backward import flash_attention_gluon_backward, pick_config
+        from utils.tiled.fast.forward import flash_attention_forward
 
         o, lse = flash_attention_forward(q, k, v, causal=causal)
         config = None if bh_group is None else pick_config(q.shape[-1], causal)._replace(bh_group=bh_group)
@@ -198,7 +198,7 @@ def triton_tiles(head_dims, dtype, smem: int | None = None) -> dict:
     measured."""
     import dataclasses
 
-    from utils.flash_triton_bwd import _fitted_config
+    from utils.tiled.fast.backward import _fitted_config
 
     return {f"d{d}_{'causal' if c else 'full'}": dataclasses.asdict(_fitted_config(d, dtype, c, smem))
             for d in head_dims for c in (False, True)}
@@ -206,8 +206,8 @@ def triton_tiles(head_dims, dtype, smem: int | None = None) -> dict:
 
 def triton_loads(head_dims) -> dict:
     """{"d64_full": False, ...}: whether backend "triton" loads its tiles (and lse₂ and D) through TMA on an sm_90
-    GPU with aligned 16-bit inputs (utils.flash_triton_bwd.default_tma), stored with a run beside its tiles."""
-    from utils.flash_triton_bwd import default_tma
+    GPU with aligned 16-bit inputs (utils.tiled.fast.backward.default_tma), stored with a run beside its tiles."""
+    from utils.tiled.fast.backward import default_tma
 
     return {f"d{d}_{'causal' if c else 'full'}": default_tma(d, c) for d in head_dims for c in (False, True)}
 
@@ -298,7 +298,7 @@ def main(argv=None) -> list[dict]:
                                         gpu.shared_memory_per_block(torch.device("cuda")))
         extra["tma"] = triton_loads(args.head_dims)
     if any(b.startswith("gluon_bwd") for b in backends):   # gluon_bwd's picked tiles and launch order
-        from utils.flash_gluon_bwd import pick_config
+        from utils.explicit.backward import pick_config
 
         extra["gluon_configs"] = {f"d{d}_{'causal' if c else 'full'}": pick_config(d, c)._asdict()
                                   for d in args.head_dims for c in (False, True)}

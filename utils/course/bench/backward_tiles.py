@@ -1,4 +1,4 @@
-"""The tile sweep behind `utils.flash_triton_bwd.default_config` (notebook 07): each pass's candidates timed in the
+"""The tile sweep behind `utils.tiled.fast.backward.default_config` (notebook 07): each pass's candidates timed in the
 whole backward, the other pass held at the default, one shape per (head dim, masking).
 
 `python -m utils.course.bench.backward_tiles` writes images/07_backward_tiles_h200.json; tests/test_bench_backward.py
@@ -16,7 +16,7 @@ import torch
 from utils.course.bench import benchmark, error_line
 
 if TYPE_CHECKING:
-    from utils.flash_triton_bwd import BackwardConfig
+    from utils.tiled.fast.backward import BackwardConfig
 
 # (block_m, block_n, warps, stages) of the dK/dV pass (block_n keys kept, block_m queries looped over) and of the
 # dQ pass (block_m queries kept, block_n keys looped over).
@@ -42,8 +42,8 @@ def sweep(head_dims=(64, 128), causal=(False, True), *, seqlen=8192, batch=4, he
           dtype=torch.bfloat16) -> list[dict]:
     """Rows {head_dim, causal, kernel, tiles, ms, error}: the whole backward timed with each candidate of one pass.
     Needs a CUDA GPU."""
-    from utils.flash_triton import flash_attention_forward
-    from utils.flash_triton_bwd import default_config, flash_attention_backward
+    from utils.tiled.fast.forward import flash_attention_forward
+    from utils.tiled.fast.backward import default_config, flash_attention_backward
 
     if not torch.cuda.is_available():
         raise RuntimeError("the tile sweep needs a CUDA GPU")

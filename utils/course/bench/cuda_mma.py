@@ -16,8 +16,10 @@ import argparse
 import re
 from functools import partial
 
-from utils import gpu, hopper
-from utils.cuda_ext import MMA_STEPS, flash_mma
+from utils import gpu
+from utils.native import hopper
+from utils.native.build import MMA_STEPS
+from utils.native.kernels import flash_mma
 
 # worklog -> (its steps in order, the kernel taking step=, the label prefix)
 WORKLOGS = {"mma": (MMA_STEPS, flash_mma, "s"), "hopper": (hopper.ATTENTION_STEPS, hopper.flash_hopper, "h")}

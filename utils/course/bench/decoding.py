@@ -1,4 +1,4 @@
-"""Decoding benchmarks (notebook 08): utils.flash_decoding's split-KV kernel against SDPA's backends.
+"""Decoding benchmarks (notebook 08): utils.decoding.split_kv's split-KV kernel against SDPA's backends.
 
     python -m utils.course.bench.decoding --out images                 # decoding_h200.json and its plots (MHA, GQA, splits)
     python -m utils.course.bench.decoding --launch-floor --out images  # the latency floor of one decode step
@@ -17,8 +17,8 @@ import triton
 from einops import rearrange
 
 from utils.course.bench import error_line
-from utils.flash_decoding import choose_num_splits, default_num_sms, flash_decode, flash_decode_paged
-from utils.paged_kv import check_page_size
+from utils.decoding.split_kv import choose_num_splits, default_num_sms, flash_decode, flash_decode_paged
+from utils.decoding.paged_kv import check_page_size
 from utils.triton_utils import cdiv
 
 
@@ -37,7 +37,7 @@ def decoding_methods() -> dict:
     methods = {"flash_decode": lambda q, k, v: flash_decode(q, k, v),
                "flash_decode, 1 split": lambda q, k, v: flash_decode(q, k, v, num_splits=1)}
     try:
-        from utils.flash_triton_bwd import flash_attention
+        from utils.tiled.fast.backward import flash_attention
         methods["notebook 05 kernel"] = lambda q, k, v: flash_attention(q, k, v)
     except ImportError:
         pass

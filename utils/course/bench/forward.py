@@ -52,10 +52,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also time each tile of utils.course.worklogs.triton_forward.TUNE_TILES with host descriptors, every "
                         "exponential on MUFU, 1 in 2 and 1 in 4 on the FMA units (notebook 05b, section 5)")
     p.add_argument("--gluon-tiles", action="store_true",
-                   help="also time the Gluon kernel with each tile of utils.flash_gluon.GLUON_TILES (notebook 05b, "
+                   help="also time the Gluon kernel with each tile of utils.explicit.forward.GLUON_TILES (notebook 05b, "
                         "section 9; H100/H200 only)")
     p.add_argument("--ws-tiles", action="store_true",
-                   help="also time the warp-specialised Gluon kernel with each tile of utils.flash_gluon_ws.WS_TILES "
+                   help="also time the warp-specialised Gluon kernel with each tile of utils.explicit.forward_ws.WS_TILES "
                         "(notebook 05b, section 10; H100/H200 only)")
     peers.add_arguments(p)
     p.add_argument("--name", default="bench_fwd", help="output files images/<name>.json and .png")
@@ -127,13 +127,13 @@ def candidates(args) -> dict:
                 name = f"{tile_label(c)}{' TMA' if tma else ''}"
                 out[name] = variant(c, Steps(tma=tma), name)
     if getattr(args, "gluon_tiles", False):
-        from utils.flash_gluon import GLUON_TILES
-        from utils.flash_gluon import variant as gluon_variant
+        from utils.explicit.forward import GLUON_TILES
+        from utils.explicit.forward import variant as gluon_variant
         for c in GLUON_TILES:
             name = f"gluon {c.block_m}x{c.block_n} w{c.num_warps} s{c.stages}"
             out[name] = gluon_variant(c, name)
     if getattr(args, "ws_tiles", False):
-        from utils import flash_gluon_ws
+        from utils.explicit import forward_ws as flash_gluon_ws
         out.update({flash_gluon_ws.ws_label(c): flash_gluon_ws.variant(c, flash_gluon_ws.ws_label(c))
                     for c in flash_gluon_ws.WS_TILES})
     for step in STEP_LABELS:   # notebook 05b section 5: one switch off and on, per tile, host descriptors

@@ -10,8 +10,8 @@ Per implementation, pass and shape, in µs per call:
          torch.profiler records them over `--calls` calls
   bench  what the course's benchmarks report (utils.course.bench.benchmark: do_bench, L2 flushed before each call)
 When `host` exceeds what the GPU spends per call, the GPU waits for Python and `bench` rises above `gpu`.
-The course's Triton kernel is measured twice: launched directly (utils.launch, the default) and inside
-`utils.launch.dispatch_by_triton()` (every launch through `kernel[grid]`), beside SDPA's FlashAttention-2 and
+The course's Triton kernel is measured twice: launched directly (utils.tiled.fast.launch, the default) and inside
+`utils.tiled.fast.launch.dispatch_by_triton()` (every launch through `kernel[grid]`), beside SDPA's FlashAttention-2 and
 cuDNN backends (forward through F.scaled_dot_product_attention, backward through autograd for all), and
 beside the registry names of `--impls` (the Gluon kernels: gluon, gluon_ws) and the `--peers` (the Triton
 tutorial's attention, read from its own file: utils.course.bench.peers; `--dtype fp16`, the only dtype it takes).
@@ -78,7 +78,7 @@ def host_us(fn, calls: int, reps: int) -> float:
 def implementations(args) -> dict:
     """{label: attention(q, k, v, causal=...)}: IMPLS, then args.impls (registry names), then args.peers."""
     from utils.attention import REGISTRY
-    from utils.flash_triton_bwd import flash_attention
+    from utils.tiled.fast.backward import flash_attention
 
     fns = {"triton": flash_attention, TRITON_DISPATCH: flash_attention,
            **{impl: sdpa_pinned(impl.removeprefix("sdpa-")) for impl in IMPLS if impl.startswith("sdpa-")}}
@@ -102,7 +102,7 @@ def kernel_us(call, calls: int) -> float:
 
 
 def measure_case(impl, attention, mode, q, k, v, causal, args) -> dict:
-    from utils.launch import dispatch_by_triton
+    from utils.tiled.fast.launch import dispatch_by_triton
 
     context = dispatch_by_triton if impl == TRITON_DISPATCH else nullcontext
     if mode == "fwd":

@@ -153,7 +153,7 @@ def _child(args) -> None:
                for _ in range(3))
     if args.worklog == "triton_bwd":
         from utils.course.worklogs.triton_backward import flash_attention_backward
-        from utils.flash_triton import flash_attention_forward
+        from utils.tiled.fast.forward import flash_attention_forward
 
         (step,) = args.steps
         tma, stats = TRITON_BWD_STEPS[step]

@@ -90,7 +90,7 @@ def prepare(fn, mode, q, k, v, do, causal):
 def max_error(fn, q, k, v, causal) -> float:
     """Largest |fn's output - fp32 attention| on the first (batch, head): enough to catch a wrong mask or tile,
     small enough for N = 16k (its N×N scores take 1 GiB)."""
-    from utils.reference import naive_attention
+    from utils.eager.reference import naive_attention
 
     with torch.no_grad():
         out = fn(q, k, v, causal=causal)[:1, :1].float()

@@ -8,7 +8,7 @@ W processes start as in `utils.course.ring_check` (`spawn_ranks`, `rank_group`) 
 of message sizes. A timing is the wall time of back-to-back exchanges, from a barrier until this rank's device
 is done, over their number; the slowest rank's time counts (a ring step ends when the last chunk lands), and
 the median over repeats is kept. GB/s is the bytes one rank sends per second, one direction of its link: the
-number `utils.ring_scale` divides a step's bytes by. Notebook 08's "scale on paper" uses the stored NCCL run.
+number `utils.ring.scale` divides a step's bytes by. Notebook 08's "scale on paper" uses the stored NCCL run.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from utils.checks import check_int, positive_int
 from utils.course.ring_check import check_launch, rank_group, spawn_ranks
-from utils.ring_attention import _post_exchange, _wait
+from utils.ring.attention import _post_exchange, _wait
 
 MEASURE_COMMAND = "python -m utils.course.bench.ring_comm --backend nccl --world-size 2 --out images"
 GPU_SIZES = tuple(2**k for k in range(20, 31, 2))   # 1 MiB to 1 GiB: a 1M-token ring's chunks are 64 MiB-1 GiB
@@ -135,7 +135,7 @@ def write_ring_comm(folder, *, backend: str, world_size: int, sizes, command: st
     path.parent.mkdir(parents=True, exist_ok=True)
     result = dict(environment=gpu.environment(command), backend=backend, world_size=world_size,
                   device=device or "CPU", pattern="every rank: isend to rank+1, irecv from rank-1, at once "
-                  "(utils.ring_attention._post_exchange)", rows=rows)
+                  "(utils.ring.attention._post_exchange)", rows=rows)
     path.write_text(json.dumps(result, indent=1) + "\n")
     return path
 

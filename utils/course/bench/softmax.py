@@ -14,7 +14,8 @@ import torch
 
 from utils import gpu
 from utils.course.bench import benchmark
-from utils.cuda_ext import SOFTMAX_VARIANTS, load
+from utils.native.build import load
+from utils.native.kernels import SOFTMAX_VARIANTS
 
 SOFTMAX_SHAPES = ((1024, 1024), (4096, 4096), (8192, 8192), (65536, 128))
 
@@ -24,7 +25,7 @@ def softmax_table(shapes=SOFTMAX_SHAPES, *, seed: int = 0) -> list[dict]:
 
     Every kernel's output is checked against torch.softmax before it is timed. The kernels are timed through
     the extension function itself (as torch.softmax is timed through its C++ entry), without the Python-side
-    checks of `utils.cuda_ext.softmax()`, which would add microseconds to kernels that take a few of them.
+    checks of `utils.native.kernels.softmax()`, which would add microseconds to kernels that take a few of them.
     """
     if not torch.cuda.is_available():
         raise RuntimeError("softmax_table needs a CUDA GPU")

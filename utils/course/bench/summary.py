@@ -17,7 +17,7 @@ from utils.course.bench import forward as sweep
 from utils.attention import REGISTRY, implementations
 from utils.course.bench import attention_flops, benchmark, error_line, tflops
 from utils.course.memory import peak_memory
-from utils.reference import reference_attention
+from utils.eager.reference import reference_attention
 from utils.course.testing import random_qkv, tolerances
 
 IMAGES = Path(__file__).resolve().parents[3] / "images"

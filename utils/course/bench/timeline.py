@@ -1,5 +1,5 @@
-"""Where a block of notebook 06cw's Hopper kernel spends its time: utils.hopper.block_timeline per step and shape,
-reduced by utils.hopper.timeline_summary, into images/<name>.json (sm_90 GPUs only).
+"""Where a block of notebook 06cw's Hopper kernel spends its time: utils.native.hopper.block_timeline per step and shape,
+reduced by utils.native.hopper.timeline_summary, into images/<name>.json (sm_90 GPUs only).
 
     python -m utils.course.bench.timeline --steps three_consumers tma_store --name 06c_timeline_h200
 
@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from utils import gpu, hopper
+from utils import gpu
+from utils.native import hopper
 from utils.course.bench.forward import IMAGES
 
 
@@ -64,11 +65,11 @@ def measure(args, device="cuda") -> list[dict]:
 
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
-    from utils import cuda_ext
+    from utils.native import build as cuda_build
 
     if not torch.cuda.is_available():
         raise SystemExit("utils.course.bench.timeline needs an sm_90 GPU (H100/H200) and a CUDA build of torch")
-    cuda_ext.check_hopper_capability(gpu.capability())
+    cuda_build.check_hopper_capability(gpu.capability())
     records = measure(args)
     settings = dict(batch=args.batch, heads=args.heads, dtype="bf16", warmup=args.warmup, repeats=args.repeats)
     path = Path(args.out_dir) / f"{args.name}.json"

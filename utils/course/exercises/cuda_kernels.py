@@ -26,7 +26,7 @@ import numpy as np
 
 from utils.course.exercises import STUB_MESSAGE, _spans
 
-CUDA_DIR = Path(__file__).resolve().parents[2] / "cuda"
+CUDA_DIR = Path(__file__).resolve().parents[2] / "native" / "src"
 BUILD_DIR = Path(__file__).resolve().parents[3] / "build" / "exercises"
 
 # ---- compiling ----------------------------------------------------------------------------------------------
@@ -45,7 +45,7 @@ def nvcc_compile(source: str, *, arch: str = "sm_80") -> bool:
     Raises NotImplementedError when the source still holds an exercise stub, RuntimeError with the compiler's
     message for any other compile error.
     """
-    from utils.cuda_ext import find_nvcc
+    from utils.native.build import find_nvcc
 
     nvcc = find_nvcc()
     if nvcc is None:
@@ -154,7 +154,7 @@ inline void __syncwarp(unsigned = 0xffffffffu) { warp_emulation::meeting->arrive
 
 
 def build_host(program: str, *, prefix: str, flags: list, what: str, note: str = "", depends: str = "") -> Path:
-    """Compile C++ `program` with the host compiler (utils/cuda on the include path) and return the binary.
+    """Compile C++ `program` with the host compiler (utils/native/src on the include path) and return the binary.
 
     Builds are cached under build/exercises/ by a hash of the compiler, flags, program and `depends` (the text
     of headers it includes). Each build writes files of its own and renames the binary into place, so that
@@ -212,7 +212,7 @@ def _load_inline(name: str, cpp: str, cuda: str, functions: list[str], flags=Non
     import torch
     from torch.utils.cpp_extension import load_inline
 
-    from utils.cuda_ext import CUDA_FLAGS, build_lock, gencode_flags
+    from utils.native.build import CUDA_FLAGS, build_lock, gencode_flags
 
     flags = [*CUDA_FLAGS, *(flags or gencode_flags(torch.cuda.get_device_capability()))]
     digest = hashlib.sha256("\0".join([cpp, cuda, *functions, *flags]).encode()).hexdigest()[:12]
@@ -304,7 +304,7 @@ def check_warp_reductions(source: str) -> None:
         _check_softmax_on_gpu(source)
 
 
-# One warp per row, as softmax_row_per_warp in utils/cuda/softmax.cu: the learner's reductions are the whole
+# One warp per row, as softmax_row_per_warp in utils/native/src/softmax.cu: the learner's reductions are the whole
 # cross-lane part. expf (not __expf) keeps the comparison with float64 tight.
 _SOFTMAX_INCLUDES = "#include <cuda_runtime.h>\n#include <math.h>\n"
 _SOFTMAX_KERNEL = r"""
@@ -360,12 +360,12 @@ def _check_softmax_on_gpu(source: str) -> None:
 # ---- Exercise 6b.5: V's B fragments with ldmatrix.trans (notebook 06b) --------------------------------------
 
 def _smem_offset_source() -> str:
-    """smem_offset<D, kSwizzle> from utils/cuda/flash_mma.cuh: the emulation stores tiles exactly as the
+    """smem_offset<D, kSwizzle> from utils/native/src/flash_mma.cuh: the emulation stores tiles exactly as the
     kernel does."""
     text = (CUDA_DIR / "flash_mma.cuh").read_text()
     match = re.search(r"^template <int D, bool kSwizzle>.*?^}\n", text, re.S | re.M)
     if match is None:
-        raise RuntimeError("smem_offset not found in utils/cuda/flash_mma.cuh")
+        raise RuntimeError("smem_offset not found in utils/native/src/flash_mma.cuh")
     return match.group(0)
 
 

@@ -211,7 +211,7 @@ def check_split_kv(kernel, *, device="cpu") -> None:
     and the launch must run the kernel passed."""
     from utils.course.exercises.refuse import refusing
     from utils.course.exercises.triton_forward import learner_kernel
-    from utils.flash_decoding import flash_decode, flash_decode_paged, merge_partials
+    from utils.decoding.split_kv import flash_decode, flash_decode_paged, merge_partials
 
     learner_kernel(kernel, "split_kv_partial")
     tol = 1e-4 if device == "cpu" else 1e-2

@@ -1,11 +1,11 @@
-"""Checks of notebook 06c's exercises, whose solutions are C++ functions of utils/cuda/hopper_layout.h (6c.1,
+"""Checks of notebook 06c's exercises, whose solutions are C++ functions of utils/native/src/hopper_layout.h (6c.1,
 6c.2, 6c.4) or Python (6c.3).
 
 1. On the CPU (any machine with a C++ compiler): the learner's function is compiled beside the header with a
    small driver that prints what it returns for every input the kernel uses; the answers are compared with
-   utils.hopper's model, and the message names the threads, rows or descriptor fields that are wrong.
-2. On an sm_90 GPU (H100/H200): the wgmma GEMM of utils/cuda/wgmma_gemm.cu (6c.1, 6c.2) or the attention
-   kernel of utils/cuda/hopper_attention.cu (6c.4) is rebuilt with the learner's function in place of the
+   utils.native.hopper's model, and the message names the threads, rows or descriptor fields that are wrong.
+2. On an sm_90 GPU (H100/H200): the wgmma GEMM of utils/native/src/wgmma_gemm.cu (6c.1, 6c.2) or the attention
+   kernel of utils/native/src/hopper_attention.cu (6c.4) is rebuilt with the learner's function in place of the
    course's and compared with a float64 reference, block by block.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import subprocess
 from functools import partial
 
-from utils import hopper
+from utils.native import hopper
 from utils.course.exercises import _spans
 from utils.course.exercises.cuda_kernels import CUDA_DIR, _load_inline, build_host
 
@@ -28,7 +28,7 @@ def _with_header(function: str, source: str) -> str:
 
 
 def run_host(program: str, *, timeout: float = 20.0) -> str:
-    """Compile C++ `program` (utils/cuda on the include path) with the host compiler, run it, return stdout.
+    """Compile C++ `program` (utils/native/src on the include path) with the host compiler, run it, return stdout.
     A stub raises NotImplementedError."""
     binary = build_host(program, prefix="hopper", flags=["-std=c++17", "-O1", "-w"],
                         what="the host compiler, building your function",
@@ -112,7 +112,7 @@ def check_gemm_desc(source: str) -> None:
 # ---- on an H100/H200: the GEMM with the learner's function inside --------------------------------------------
 
 def _build_on_hopper(kernel: str, entry: str, sources: dict):
-    """utils/cuda/<kernel>.cu rebuilt with the learner's functions (`sources`: exercise name -> C++) in place of
+    """utils/native/src/<kernel>.cu rebuilt with the learner's functions (`sources`: exercise name -> C++) in place of
     the course's, or None off an sm_90 GPU, where the CPU part of a check is the whole check."""
     import torch
 

@@ -14,7 +14,7 @@ _FUSED = "write the formula with torch operations, not a fused attention functio
 
 def course_attention() -> list:
     """The course's attention functions: each one answers an exercise that asks for attention itself."""
-    from utils import flash_pytorch, reference, softmax
+    from utils.eager import forward as flash_pytorch, reference, softmax
 
     return [reference.naive_attention, reference.reference_attention, reference.sdpa_attention,
             reference.causal_mask, softmax.attention_with_lse, flash_pytorch.flash1_attention,
@@ -24,7 +24,7 @@ def course_attention() -> list:
 def check_split_merge_heads(split_heads, merge_heads) -> None:
     """Exercise 1.1: split_heads(x, h) turns (B, N, h·d) into (B, h, N, d), head h holding features h·d to
     (h+1)·d - 1; merge_heads is its inverse. `MultiHeadAttention.split_heads` and `.merge_heads` are refused."""
-    from utils.mha import MultiHeadAttention
+    from utils.eager.mha import MultiHeadAttention
 
     gen = torch.Generator().manual_seed(11)
     for b, n, h, d in [(2, 5, 3, 4), (1, 7, 4, 2), (3, 1, 1, 6)]:
@@ -41,7 +41,7 @@ def check_split_merge_heads(split_heads, merge_heads) -> None:
 def check_causal_attention(causal_attention) -> None:
     """Exercise 1.2: bottom-right causal attention, zeros for a query that sees no key.
 
-    The inputs are (heads, N, d) tensors. The course's attention functions (utils.reference and the later
+    The inputs are (heads, N, d) tensors. The course's attention functions (utils.eager.reference and the later
     notebooks') are refused while the learner's function runs, and so is PyTorch's fused attention."""
     # SDPA under a dispatch mode shows up as its math decomposition, whose softmax is _safe_softmax
     forbidden = {name: _FUSED for name in ("scaled_dot_product_attention", "_safe_softmax",

@@ -38,7 +38,8 @@ def run_without(fn, args, forbidden: dict[str, str]):
 
 def course_lse() -> list:
     """The course's functions that compute a running (max, sum) or a log-sum-exp, or merge them."""
-    from utils import flash_decoding, softmax
+    from utils.decoding import split_kv as flash_decoding
+    from utils.eager import softmax
 
     return [softmax.softmax_state, softmax.merge_states, softmax.lse_from_state, softmax.logsumexp,
             softmax.merge_attention, softmax.attention_with_lse, flash_decoding.merge_partials]

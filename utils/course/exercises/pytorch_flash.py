@@ -11,11 +11,11 @@ import math
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from utils import flash_pytorch
+from utils.eager import forward as flash_pytorch
 from utils.course.exercises import assert_rows_close
 from utils.course.exercises.naive_attention import course_attention
 from utils.course.exercises.refuse import refusing
-from utils.flash_pytorch import HBMCounter, flash1_attention, flash2_attention
+from utils.eager.forward import HBMCounter, flash1_attention, flash2_attention
 from utils.course.testing import random_qkv
 
 # The course functions that answer each exercise, or measure its answer (a run with an HBMCounter).

@@ -4,7 +4,7 @@
 (an AssertionError, so a check reports it as wrong) until the block ends, then restores them, also on error.
 
 It swaps each function's `__code__`, not a module attribute: a name bound before the check, such as
-`from utils.flash_pytorch import flash2_attention` in a notebook, a method reached through its class, or a
+`from utils.eager.forward import flash2_attention` in a notebook, a method reached through its class, or a
 course module calling it internally, all hold the same function object, so all of them refuse. A function the
 learner's own code only defines in the notebook (an earlier cell's helper) is refused by name through
 `names=` and the learner function's globals.
@@ -25,7 +25,7 @@ class RefusedAnswer(AssertionError):
 
 
 def refused_name(fn) -> str:
-    """'utils.softmax.logsumexp' for a course function; the bare name for one defined in a notebook."""
+    """'utils.eager.softmax.logsumexp' for a course function; the bare name for one defined in a notebook."""
     module = getattr(fn, "__module__", None)
     name = getattr(fn, "__qualname__", getattr(fn, "__name__", repr(fn)))
     return name if module in (None, "__main__", "builtins") else f"{module}.{name}"

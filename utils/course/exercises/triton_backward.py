@@ -126,8 +126,8 @@ DKDV_HINTS = (
 
 def _course_backward():
     """The course's functions that compute dK and dV: refused while the capstone's kernel runs."""
-    from utils import flash_triton_bwd
-    from utils.flash_pytorch_bwd import attention_gradients, flash_attention_pytorch, flash_backward_pytorch
+    from utils.tiled.fast import backward as flash_triton_bwd
+    from utils.eager.backward import attention_gradients, flash_attention_pytorch, flash_backward_pytorch
     from utils.tiled.attention import flash_attention
     from utils.tiled.backward import flash_attention_backward
 

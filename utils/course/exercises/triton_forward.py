@@ -15,7 +15,7 @@ move between key blocks. A failure names the (batch, head) slices, rows and Q bl
 
 Before a launch, `learner_kernel` makes sure the kernel is the learner's own step kernel: a Triton kernel, not
 one of the course's (utils), not another step's (a later step's kernel does more than the step asks), and not
-calling a course device function that does the step (utils.flash_triton's online softmax, say).
+calling a course device function that does the step (utils.tiled.fast.forward's online softmax, say).
 """
 from __future__ import annotations
 
@@ -228,7 +228,7 @@ def check_causal_key_range(causal_key_range) -> None:
     """Exercise 5.6: causal_key_range(start_m, block_m, Nq, Nk) = (n_full, n_end): the keys every query of the
     block sees, and one past the last key any of them sees, from the bottom-right causal mask. The notebook's
     `kernel_key_ranges` and `block_kinds` and the course's `flash2_kv_end` are refused while it runs."""
-    from utils.flash_pytorch import flash2_kv_end
+    from utils.eager.forward import flash2_kv_end
 
     for seqlen_q, seqlen_k in [(8, 8), (5, 12), (12, 5), (1, 7), (7, 1)]:
         for block_m in (1, 2, 4):

@@ -1,4 +1,4 @@
-"""The worklog's Triton backward (notebooks 07 and 07w): utils.flash_triton_bwd's kernels with every option the
+"""The worklog's Triton backward (notebooks 07 and 07w): utils.tiled.fast.backward's kernels with every option the
 worklog measures, each still runnable.
 
 Three launches, in the order of FlashAttention-2 (Dao, 2023, Algorithm 2), with the dQ pass split off:
@@ -9,10 +9,10 @@ Three launches, in the order of FlashAttention-2 (Dao, 2023, Algorithm 2), with 
 3. `_bwd_dq`: one program per (Q block, query head) keeps Q_i, dO_i, dQ_i on chip and loops over the K/V blocks
    it sees.
 
-Beyond utils.flash_triton_bwd, `flash_attention_backward` takes `tma` and `tma_stats` (the loads pinned: worklog
+Beyond utils.tiled.fast.backward, `flash_attention_backward` takes `tma` and `tma_stats` (the loads pinned: worklog
 07w, sections 2 and 3) and `dq_atomic` (dQ added by the dK/dV pass with atomic adds, ATOMIC=1, or TMA bulk
 reduce-adds, ATOMIC=2, instead of a dQ pass: section 4). With those at their defaults it compiles to the same
-PTX as utils.flash_triton_bwd (tests/test_fast_identity.py). `flash_attention` pairs it with the worklog's
+PTX as utils.tiled.fast.backward (tests/test_fast_identity.py). `flash_attention` pairs it with the worklog's
 forward (utils.course.worklogs.triton_forward).
 """
 from __future__ import annotations
@@ -28,17 +28,17 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from utils import gpu
 from utils.checks import AttentionShape, check_bool
-from utils.flash_pytorch_bwd import check_backward_inputs
+from utils.eager.backward import check_backward_inputs
 from utils.course.worklogs.triton_forward import _forward, _kind, tma_supported
-from utils.flash_triton_bwd import BackwardConfig   # the same tiles: one class for both
-from utils import launch
-from utils.launch import FastLauncher
+from utils.tiled.fast.backward import BackwardConfig   # the same tiles: one class for both
+from utils.tiled.fast import launch
+from utils.tiled.fast.launch import FastLauncher
 from utils.triton_utils import cdiv
 
 __all__ = ["flash_attention", "FlashAttentionFunction", "flash_attention_backward", "BackwardConfig", "default_config",
            "default_tma", "tma_reduce_supported", "HEAD_DIMS", "DTYPES"]
 
-HEAD_DIMS = tuple(range(16, 257))   # as the forward (utils.flash_triton): padded to a power of two
+HEAD_DIMS = tuple(range(16, 257))   # as the forward (utils.tiled.fast.forward): padded to a power of two
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 LOG2E = 1.4426950408889634
 
@@ -321,7 +321,7 @@ def _bwd_dq(Q, K, V, DO, LSE2, DELTA, DQ, KD, VD,
 
 # --- host side -----------------------------------------------------------------------------------------------
 
-# Launched without Triton's per-call dispatch (utils.launch; notebook 05b measures what that saves).
+# Launched without Triton's per-call dispatch (utils.tiled.fast.launch; notebook 05b measures what that saves).
 _launch_preprocess, _launch_dkdv, _launch_dq = (FastLauncher(k) for k in (_bwd_preprocess, _bwd_dkdv, _bwd_dq))
 
 
@@ -408,7 +408,7 @@ def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, sm_scale=None
     fp64; in the interpreter bf16 is computed in fp32 (NumPy has no bf16 arithmetic). Any strides.
     `config`: a BackwardConfig (default: `default_config`). `tma`: load the looped-over tiles (Q and dO in the
     dK/dV pass, K and V in the dQ pass) through Hopper's TMA copy engine. None: where `default_tma` says it pays
-    and the inputs allow it (`utils.flash_triton.tma_supported`); False: pointer loads; True: TMA, or a
+    and the inputs allow it (`utils.tiled.fast.forward.tma_supported`); False: pointer loads; True: TMA, or a
     ValueError saying why not. `tma_stats`: with TMA, load the lse₂ and D of each Q tile of the dK/dV loop
     through descriptors too. None: wherever TMA is on and seqlen_q is a multiple of 4 (16-byte aligned fp32
     rows); True: that, or a ValueError saying why not. `dq_atomic`: True: no dQ pass; the dK/dV pass adds each
@@ -419,7 +419,7 @@ def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, sm_scale=None
 
     The checks, the choices and the launches' fixed arguments are made once per kind of call (shapes, strides,
     dtypes, device, 16-byte alignment, options) and kept for the next call of that kind on a GPU, which then
-    passes only its tensors (utils.launch.Bound): at N <= 1k the host's time per call is the call's time
+    passes only its tensors (utils.tiled.fast.launch.Bound): at N <= 1k the host's time per call is the call's time
     (notebook 05b, section 7).
     """
     key = _call_key(do, q, k, v, o, lse, causal, sm_scale, config, tma, tma_stats, dq_atomic)

@@ -1,4 +1,4 @@
-"""The worklog's Triton forward (notebooks 05b and 05bw): utils.flash_triton's kernel with every switch those
+"""The worklog's Triton forward (notebooks 05b and 05bw): utils.tiled.fast.forward's kernel with every switch those
 notebooks measure, each still runnable.
 
 `Steps` turns notebook 05b's speed-ups on one by one: the autotuner, TMA loads and stores with descriptors made
@@ -7,9 +7,9 @@ by every program (TMA=1) or once by the host (TMA=2), the unmasked loop overlapp
 names the kernel before each step; `variant` and `worklog_variant` make attention functions of them for
 `python -m utils.course.bench.forward --worklog`, and SWEEP_CONFIGS are the tiles of `--sweep`.
 
-The registry's kernel is utils.flash_triton: this module's kernel with the switches off (TMA 0 or 2, chosen per
+The registry's kernel is utils.tiled.fast.forward: this module's kernel with the switches off (TMA 0 or 2, chosen per
 shape by the tuner), which compiles to the same PTX (tests/test_fast_identity.py). Conventions, dtypes and the
-returned (o, lse) are utils.flash_triton's. `utils.course.worklogs.triton_backward.flash_attention` makes this
+returned (o, lse) are utils.tiled.fast.forward's. `utils.course.worklogs.triton_backward.flash_attention` makes this
 forward differentiable.
 """
 from __future__ import annotations
@@ -22,9 +22,10 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from utils import gpu, launch
+from utils import gpu
+from utils.tiled.fast import launch
 from utils.checks import check_attention_inputs, resolve_scale
-from utils.launch import FastLauncher
+from utils.tiled.fast.launch import FastLauncher
 from utils.tiled.forward import H200_TILES, Config
 from utils.tiled.forward import pick_config as tiled_pick_config
 from utils.triton_utils import cdiv
@@ -522,7 +523,7 @@ _KINDS = launch.kind_cache()   # _call_key -> launch.Kind of Choices: the launch
 
 
 def _call_key(q, k, v, causal, sm_scale):
-    """Everything the checks and the launch depend on (utils.launch.kind_key), for CUDA tensors and options of the
+    """Everything the checks and the launch depend on (utils.tiled.fast.launch.kind_key), for CUDA tensors and options of the
     expected types; None otherwise (such a call is checked every time)."""
     if not (type(causal) is bool and type(sm_scale) in (float, int, type(None))):
         return None

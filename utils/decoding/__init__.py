@@ -1,0 +1,1 @@
+"""Attention for decoding: split-KV (flash decoding) and the paged KV cache."""

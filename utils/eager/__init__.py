@@ -1,0 +1,1 @@
+"""Attention in eager PyTorch: reference, softmax, multi-head, FlashAttention forward and backward."""

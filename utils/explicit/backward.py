@@ -1,0 +1,583 @@
+"""The whole FlashAttention backward in ONE warp-specialised Gluon kernel (worklog 07w, section 5).
+
+Notebook 07's Triton backward runs two kernels: dK, dV per key block, then a dQ pass per query block that
+recomputes S and dP. That is seven matrix products per tile where five would do, and 07w's section 4 measured the
+five-product versions (dQ added atomically) slower still: the adds sat on the critical path. This kernel takes
+FlashAttention-3's division of labour (Shah et al. 2024, section 3.3 and appendix B) and writes it for this
+course:
+
+    one program per (block of 128 keys, batch, K/V head), four partitions:
+    producer (1 warp)     K, V once; then, per tile of query rows, Q, dO, lse2 and D by TMA into a ring of
+                          STAGES slots (full/empty mbarriers; a slot is free when both consumers are done)
+    consumer W = 0, 1     64 of the 128 keys each: dK, dV in registers; per tile
+    (a warpgroup each)      Sᵀ = K Qᵀ and dPᵀ = V dOᵀ issued together; Pᵀ = exp2(Sᵀ·scale - lse2);
+                            dV += Pᵀ dO; dSᵀ = Pᵀ ∘ (dPᵀ - D); dK += dSᵀ Q; dSᵀ to shared memory;
+                            both consumers meet (named barrier 15, 256 threads), then consumer W computes
+                            its half of the tile's dQ = dS K over all 128 keys (rows [64W, 64W + 64) of a
+                            128-row tile, else columns [W·D/2, (W+1)·D/2)) and adds it to an fp32
+                            accumulator in global memory with TMA bulk reduce-adds
+                            (cp.reduce.async.bulk.tensor): one instruction per 64 × 32 box, off the warps
+
+Choices in the schedule (worklog 07w section 5 measures each one from its stored run):
+  - each consumer adds its own half of dQ rather than a partial sum over its 64 keys: half the reduce
+    traffic into L2 and no partials to add;
+  - that half is one 64 × 64 block, computed by one chain of N = 64 products, so each product reads a
+    whole 64 × 16 tile of dS from shared memory (narrower slices read it for half the work);
+  - at head dim 64 (`prefetch_s`) the next tile's Sᵀ is issued as soon as dQ is staged, so the tensor cores
+    work through the reduce, the release of the ring slot and the loop's turn; at 128 there are no registers
+    to spare for it;
+  - the reduce is issued from shared memory and waited for one tile later (the builtin below: Gluon 3.6 has no
+    wrapper for it; a register-to-global reduce waits for its own staging copy every time);
+  - lse2 and D arrive by TMA with Q and dO and are read from shared memory when needed, so they hold no
+    registers across the wgmma waits;
+  - causal at head dim 128, the programs are launched four (batch, K/V head)s at a time, key block by key
+    block (BwdConfig.bh_group), not head by head: programs of about the same length run side by side.
+
+The reduce-adds from the programs of one head arrive in any order, so dQ's last bits vary from run to run
+(notebook 07's dQ pass is deterministic); dK and dV do not. Gluon has no interpreter: the kernel runs on sm_90
+(H100/H200) only; utils.course.cross_compile compiles it on a CPU, and replay_protocol replays its synchronisation.
+
+The registry's differentiable entries live here, with the backward, so that no forward module imports it:
+`flash_attention_gluon` (over utils.explicit.forward) and `flash_attention_gluon_ws` (over utils.explicit.forward_ws).
+"""
+from __future__ import annotations
+
+import random
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+import triton
+from triton._C.libtriton import ir
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                             warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from utils.explicit import forward as fg
+from utils.tiled.fast import backward as tb
+from utils.explicit.forward import flash_attention_gluon_forward
+from utils.explicit.forward_ws import flash_attention_gluon_ws_forward
+from utils.checks import check_device
+from utils.eager.backward import check_backward_inputs
+from utils.tiled.fast import launch
+from utils.tiled.fast.launch import FastLauncher
+
+SUB_N = 64              # keys per consumer warpgroup
+BLOCK_N = 2 * SUB_N     # keys per program
+DQ_ROWS = 64            # rows of a dQ reduce box
+DQ_COLS = 32            # columns of a dQ reduce box: an fp32 TMA box row of 128 bytes (the 128-byte swizzle)
+_barrier = fg._cta_barrier
+
+
+class BwdConfig(NamedTuple):
+    block_m: int               # query rows per tile (the N of the Sᵀ, dPᵀ products)
+    stages: int                # ring slots for Q, dO, lse2, D
+    consumer_regs: int         # registers per consumer thread (setmaxnreg); the producer keeps 24
+    prefetch_s: bool = False   # issue the next tile's Sᵀ once dQ is staged (waits for that tile: stages >= 2)
+    bh_group: int = 0          # > 0: launched key block by key block over groups of this many (batch, K/V head)s
+
+
+def pick_config(head_dim: int, causal: bool = False) -> BwdConfig:
+    """128-row tiles and Sᵀ prefetched at head dim 64; at 128 the registers of dK, dV (64 keys × 128 fp32
+    each) leave room for 64-row tiles only, and none for a prefetched Sᵀ beside the dQ block. Causal at 128:
+    programs launched four (batch, K/V head)s at a time (`bh_group`). Worklog 07w section 5 has the runs."""
+    if head_dim == 64:
+        return BwdConfig(128, 2, 240, True)
+    return BwdConfig(64, 2, 240, False, bh_group=4 if causal else 0)
+
+
+def check_config(config, head_dim: int) -> BwdConfig:
+    """`config` as a BwdConfig, or a ValueError/TypeError naming what does not fit `head_dim`."""
+    if not isinstance(config, BwdConfig):
+        raise TypeError(f"config must be a BwdConfig, got {type(config).__name__}")
+    if config.block_m not in (64, 128):
+        raise ValueError(f"config.block_m must be 64 or 128, got {config.block_m}")
+    if head_dim == 128 and config.block_m != 64:
+        raise ValueError("config.block_m must be 64 at head dim 128: Sᵀ, dPᵀ of 128 rows do not fit the "
+                         "registers beside dK, dV")
+    if config.stages not in (1, 2, 3):
+        raise ValueError(f"config.stages must be 1, 2 or 3, got {config.stages}")
+    if config.consumer_regs not in range(160, 241, 8):
+        raise ValueError(f"config.consumer_regs must be a multiple of 8 in [160, 240], got {config.consumer_regs}")
+    if not isinstance(config.prefetch_s, bool):
+        raise TypeError(f"config.prefetch_s must be a bool, got {type(config.prefetch_s).__name__}")
+    if type(config.bh_group) is not int:
+        raise TypeError(f"config.bh_group must be an int, got {type(config.bh_group).__name__}")
+    if config.bh_group < 0:
+        raise ValueError(f"config.bh_group must be >= 0, got {config.bh_group}")
+    if config.prefetch_s and config.stages < 2:
+        raise ValueError("config.prefetch_s needs stages >= 2: a consumer waits for the next tile before it frees "
+                         "the slot of this one")
+    return config
+
+
+@builtin
+def _tma_reduce_add(desc, coord, src, _semantic=None):
+    """Add shared-memory tile `src` into global memory at `coord` of `desc` (cp.reduce.async.bulk.tensor, its own
+    bulk group: tma.store_wait(n) waits for it to have READ `src`)."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, desc.handle, coord, src.handle)
+
+
+@gluon.jit
+def _pair_barrier(x):
+    """bar.sync over both consumer warpgroups (256 threads). Barrier 15: Triton's partitions use the low ids.
+    `x` only gives the inline assembly a (scalar) operand."""
+    gl.inline_asm_elementwise("bar.sync 15, 256; mov.b32 $0, 0;", "=r,r", [x], dtype=gl.int32, is_pure=False,
+                              pack=1)
+
+
+@gluon.jit
+def _tile(t, hk, first_m, n_m, GROUP: gl.constexpr, BLOCK_M: gl.constexpr):
+    """(query head, first row) of tile t: the query heads of the K/V head's group in turn, each its row blocks."""
+    n = gl.maximum(n_m, 1)
+    return hk * GROUP + t // n, (first_m + t % n) * BLOCK_M
+
+
+@gluon.jit
+def _producer(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem, lse_smem,
+              delta_smem, kv_bar, full, empty, b, hk, heads, first_m, n_m, n_tiles, start_n,
+              GROUP: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    SUB: gl.constexpr = k_desc.block_type.shape[2]
+    mbarrier.expect(kv_bar, 2 * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
+    for w in gl.static_range(2):
+        tma.async_copy_global_to_shared(k_desc, [b, hk, start_n + w * SUB, 0], kv_bar, k_smem.index(w))
+        tma.async_copy_global_to_shared(v_desc, [b, hk, start_n + w * SUB, 0], kv_bar, v_smem.index(w))
+    tile_bytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes + lse_desc.block_type.nbytes
+                                + delta_desc.block_type.nbytes)
+    for t in range(n_tiles):
+        slot = t % STAGES
+        mbarrier.wait(empty.index(slot), ((t // STAGES) & 1) ^ 1)   # a fresh slot passes at once
+        h, row = _tile(t, hk, first_m, n_m, GROUP, BLOCK_M)
+        bar = full.index(slot)
+        mbarrier.expect(bar, tile_bytes)
+        # Rows past seqlen_q read as zeros: Q = dO = 0, lse2 = D = 0 give P = 1 but dS = 0 and P dO = 0.
+        tma.async_copy_global_to_shared(q_desc, [b, h, row, 0], bar, q_smem.index(slot))
+        tma.async_copy_global_to_shared(do_desc, [b, h, row, 0], bar, do_smem.index(slot))
+        tma.async_copy_global_to_shared(lse_desc, [b * heads + h, row], bar, lse_smem.index(slot))
+        tma.async_copy_global_to_shared(delta_desc, [b * heads + h, row], bar, delta_smem.index(slot))
+
+
+@gluon.jit
+def _consumer(dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
+              stage_smem, kv_bar, full, empty, b, hk, heads, first_m, n_m, n_tiles, start_n, seqlen_q, seqlen_k,
+              qk_scale, sm_scale, W: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
+              BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PREFETCH_S: gl.constexpr):
+    SUB: gl.constexpr = dk_desc.block_type.shape[2]
+    dtype: gl.constexpr = dk_desc.dtype
+    # This consumer's half of the tile's dQ: a (DQR × COLS) block at rows r0, columns c0; it leaves in NB boxes
+    # of DQR × DQC.
+    DQR: gl.constexpr = dq_desc.block_type.shape[1]
+    DQC: gl.constexpr = dq_desc.block_type.shape[2]
+    SPLIT_ROWS: gl.constexpr = BLOCK_M == 2 * DQR
+    COLS: gl.constexpr = HEAD_DIM if SPLIT_ROWS else HEAD_DIM // 2
+    r0: gl.constexpr = W * DQR if SPLIT_ROWS else 0
+    c0: gl.constexpr = 0 if SPLIT_ROWS else W * COLS
+    NB: gl.constexpr = COLS // DQC
+    # Sᵀ, dPᵀ: (keys × queries) accumulators; dK, dV: (keys × D); Pᵀ and dSᵀ enter the dV, dK products from
+    # registers.
+    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, BLOCK_M, 16])
+    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, HEAD_DIM, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, COLS, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+    col_st: gl.constexpr = gl.SliceLayout(0, st_layout)
+    k = k_smem.index(W).reshape([SUB, HEAD_DIM])
+    v = v_smem.index(W).reshape([SUB, HEAD_DIM])
+    k0 = k_smem.index(0).reshape([SUB, HEAD_DIM])
+    k1 = k_smem.index(1).reshape([SUB, HEAD_DIM])
+    key0 = start_n + W * SUB
+    offs_n = key0 + gl.arange(0, SUB, layout=gl.SliceLayout(1, st_layout))
+    causal_offset = seqlen_k - seqlen_q
+    ragged = key0 + SUB > seqlen_k
+    st_zero = gl.zeros([SUB, BLOCK_M], gl.float32, st_layout)
+    dq_zero = gl.zeros([DQR, COLS], gl.float32, dq_layout)
+    # The staging boxes, seen as one (DQR × COLS) block per consumer (the 128-byte swizzle lays a wider block
+    # out as its 32-column boxes one after the other).
+    block_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+    dq_block = stage_smem._reinterpret(gl.float32, [2, DQR, COLS], block_layout).index(W)
+    dk = gl.zeros([SUB, HEAD_DIM], gl.float32, kv_layout)
+    dv = gl.zeros([SUB, HEAD_DIM], gl.float32, kv_layout)
+    mbarrier.wait(kv_bar, 0)
+    if PREFETCH_S:   # tile 0's Sᵀ (a program without tiles computes one on stale shared memory and drops it)
+        mbarrier.wait(full.index(0), 0, pred=n_tiles > 0)
+        st = warpgroup_mma(k, q_smem.index(0).reshape([BLOCK_M, HEAD_DIM]).permute((1, 0)), st_zero,
+                           use_acc=False, is_async=True)
+        st, _ = warpgroup_mma_wait(0, deps=(st, k))
+    for t in range(n_tiles):
+        slot = t % STAGES
+        h, start_m = _tile(t, hk, first_m, n_m, GROUP, BLOCK_M)
+        q = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
+        do = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
+        if not PREFETCH_S:
+            mbarrier.wait(full.index(slot), (t // STAGES) & 1)
+            st = warpgroup_mma(k, q.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+        dpt = warpgroup_mma(v, do.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+        if not PREFETCH_S:
+            st, _, _ = warpgroup_mma_wait(1, deps=(st, k, q))
+        lse2 = lse_smem.index(slot).reshape([BLOCK_M]).load(col_st)
+        masked = ragged
+        if CAUSAL:   # query i sees key j <= i + seqlen_k - seqlen_q; only the tiles on the diagonal need it
+            masked = masked | (start_m + causal_offset < key0 + SUB - 1)
+        if masked:
+            offs_m = start_m + gl.arange(0, BLOCK_M, layout=col_st)
+            keep = offs_n[:, None] < seqlen_k
+            if CAUSAL:
+                keep = keep & (offs_n[:, None] <= offs_m[None, :] + causal_offset)
+            st = gl.where(keep, st, float("-inf"))
+        pt = gl.exp2(st * qk_scale - lse2[None, :])
+        dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), do, dv, is_async=True)
+        dpt, _, _ = warpgroup_mma_wait(1, deps=(dpt, v, do))
+        delta = delta_smem.index(slot).reshape([BLOCK_M]).load(col_st)
+        dst = (pt * (dpt - delta[None, :])).to(dtype)
+        dk = warpgroup_mma(gl.convert_layout(dst, op_layout), q, dk, is_async=True)
+        buf = (t % 2) * 2       # dSᵀ double-buffered: the other consumer may still read the previous tile's
+        ds_smem.index(buf + W).store(dst)
+        fence_async_shared()
+        tma.store_wait(0)       # the previous tile's reduces have read the staging buffers
+        _pair_barrier(t)        # both halves of dSᵀ are in place (and every thread of ours passed store_wait)
+        dv, _ = warpgroup_mma_wait(1, deps=(dv, do))   # dV done, dK still running
+        if SPLIT_ROWS:   # dS rows r0.. (dSᵀ columns), each key half
+            ds0 = ds_smem.index(buf).slice(r0, DQR, dim=1).permute((1, 0))
+            ds1 = ds_smem.index(buf + 1).slice(r0, DQR, dim=1).permute((1, 0))
+        else:
+            ds0 = ds_smem.index(buf).permute((1, 0))
+            ds1 = ds_smem.index(buf + 1).permute((1, 0))
+        # dQ block = dS K[:, c0:c0 + COLS] over both key halves; dK was issued first: it is done too.
+        acc = warpgroup_mma(ds0, k0.slice(c0, COLS, dim=1), dq_zero, use_acc=False, is_async=True)
+        acc = warpgroup_mma(ds1, k1.slice(c0, COLS, dim=1), acc, is_async=True)
+        acc, dk, _, _, _ = warpgroup_mma_wait(0, deps=(acc, dk, q, ds0, ds1))
+        dq_block.store(acc * sm_scale)
+        if PREFETCH_S:   # the next tile's Sᵀ runs while dQ leaves (past the last tile: as in the prologue)
+            nslot = (t + 1) % STAGES
+            mbarrier.wait(full.index(nslot), ((t + 1) // STAGES) & 1, pred=t + 1 < n_tiles)
+            st = warpgroup_mma(k, q_smem.index(nslot).reshape([BLOCK_M, HEAD_DIM]).permute((1, 0)), st_zero,
+                               use_acc=False, is_async=True)
+        fence_async_shared()
+        _barrier()                                     # every warp's part of dQ is staged
+        row = (b * heads + h)
+        for c in gl.static_range(NB):
+            _tma_reduce_add(dq_desc, [row, start_m + r0, c0 + c * DQC], stage_smem.index(W * NB + c))
+        mbarrier.arrive(empty.index(slot))             # done with Q, dO, lse2, D of this tile
+        if PREFETCH_S:
+            st, _ = warpgroup_mma_wait(0, deps=(st, k))
+    # dK and dV leave through this consumer's K and V buffers, once the other consumer's dQ products are done
+    # with this K half.
+    _pair_barrier(n_tiles)
+    k.store((dk * sm_scale).to(dtype))
+    v.store(dv.to(dtype))
+    fence_async_shared()
+    _barrier()
+    tma.async_copy_shared_to_global(dk_desc, [b, hk, key0, 0], k_smem.index(W))
+    tma.async_copy_shared_to_global(dv_desc, [b, hk, key0, 0], v_smem.index(W))
+    tma.store_wait(0)
+
+
+@gluon.jit(do_not_specialize=["heads", "seqlen_q", "seqlen_k"])
+def gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc,
+                     heads, seqlen_q, seqlen_k, qk_scale, sm_scale,
+                     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                     CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, PREFETCH_S: gl.constexpr,
+                     BH_GROUP: gl.constexpr):
+    SUB: gl.constexpr = k_desc.block_type.shape[2]
+    pid_n = gl.program_id(0)
+    pid_bh = gl.program_id(1)
+    # Causal programs differ in length (key block 0 sees every query, the last block a few). Launched head by
+    # head, a head's long programs run beside the next heads' short ones. With BH_GROUP, program i of the grid
+    # takes key block i // BH_GROUP of (batch, head) i % BH_GROUP of its group: residents of similar length.
+    if BH_GROUP > 0:
+        n_blocks = gl.num_programs(0)
+        pid = pid_n + pid_bh * n_blocks
+        base = pid // (BH_GROUP * n_blocks) * BH_GROUP
+        size = gl.minimum(gl.num_programs(1) - base, BH_GROUP)
+        r = pid - base * n_blocks
+        pid_n = r // size
+        pid_bh = base + r % size
+    heads_kv = heads // GROUP
+    b = pid_bh // heads_kv
+    hk = pid_bh % heads_kv
+    start_n = pid_n * (2 * SUB)
+    if CAUSAL:   # the first query block that sees a key of this block (bottom-right aligned mask)
+        first_m = gl.maximum(start_n - (seqlen_k - seqlen_q), 0) // BLOCK_M
+    else:
+        first_m = 0
+    n_m = gl.maximum(gl.cdiv(seqlen_q, BLOCK_M) - first_m, 0)
+    n_tiles = GROUP * n_m
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + lse_desc.block_type.shape, lse_desc.layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES] + delta_desc.block_type.shape, delta_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [2] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [2] + v_desc.block_type.shape, v_desc.layout)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([SUB, BLOCK_M], dtype)
+    ds_smem = gl.allocate_shared_memory(dtype, [4, SUB, BLOCK_M], ds_layout)      # [tile parity · 2 + consumer]
+    DQ_BOX: gl.constexpr = dq_desc.block_type.shape[1] * dq_desc.block_type.shape[2]
+    stage_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M * HEAD_DIM // DQ_BOX] + dq_desc.block_type.shape,
+                                           dq_desc.layout)   # the tile's dQ, in reduce boxes
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(full.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)       # one arrive per consumer
+    fence_async_shared()
+    # (Tuples written inline: a tuple kept in a variable turns its constexpr ints into tensors.)
+    gl.warp_specialize([
+        (_consumer, (dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
+                     stage_smem, kv_bar, full, empty, b, hk, heads, first_m, n_m, n_tiles, start_n, seqlen_q,
+                     seqlen_k, qk_scale, sm_scale, 0, GROUP, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, PREFETCH_S)),
+        (_consumer, (dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
+                     stage_smem, kv_bar, full, empty, b, hk, heads, first_m, n_m, n_tiles, start_n, seqlen_q,
+                     seqlen_k, qk_scale, sm_scale, 1, GROUP, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, PREFETCH_S)),
+        (_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
+                     lse_smem, delta_smem, kv_bar, full, empty, b, hk, heads, first_m, n_m, n_tiles, start_n,
+                     GROUP, BLOCK_M, STAGES))],
+        [4, 1], [CONSUMER_REGS, 24])
+
+
+_launcher = FastLauncher(gluon_bwd_kernel)
+
+
+# The statistics' and dQ's shared layouts (unswizzled rows; DQ_COLS fp32 = 128-byte rows, 128-byte swizzle), built
+# once: at N <= 1k the host's time per call is the time of the call.
+_ROW_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+_DQ_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=3)
+
+
+def _row_descriptor(x: torch.Tensor, block_m: int) -> TensorDescriptor:
+    """A TMA descriptor over a (B·H, N) fp32 tensor of per-row statistics; tile [bh, row] is `block_m` rows."""
+    return TensorDescriptor(x, list(x.shape), list(x.stride()), [1, block_m], _ROW_LAYOUT)
+
+
+def _stats(o, do, lse, heads):
+    """(lse2, D) as (B·H, N') fp32, N' = N rounded up to 4 so that a row is 16-byte aligned (TMA): notebook 07's
+    preprocess kernel (D = rowsum(dO ∘ O); lse2 = lse·log2(e), +inf where no key is visible)."""
+    b, _, nq, d = o.shape
+    delta = torch.empty((b * heads, nq), dtype=torch.float32, device=o.device)
+    lse2 = torch.empty_like(delta)
+    head, (launcher, grid, tail, meta) = _preprocess(o, do, lse, delta, lse2, heads)
+    launcher[grid](*head, *tail, **meta)
+    if nq % 4:
+        lse2, delta = (F.pad(x, (0, 4 - nq % 4)) for x in (lse2, delta))
+    return lse2, delta
+
+
+def _preprocess(o, do, lse, delta, lse2, heads) -> tuple:
+    """The preprocess launch: (its leading arguments, (launcher, grid, trailing arguments, constexprs))."""
+    b, _, nq, d = o.shape
+    return (o, do, lse, delta, lse2), (tb._launch_preprocess, (triton.cdiv(nq, 64), b * heads),
+                                       (*o.stride(), *do.stride(), heads, nq, d),
+                                       dict(BLOCK_M=64, BLOCK_D=d, ACC=triton.language.float32))
+
+
+_KINDS = launch.kind_cache()   # _call_key -> launch.Kind of (shape, scale, config): the MAX_KINDS used most recently
+
+
+def _call_key(do, q, k, v, o, lse, causal, sm_scale, config):
+    """What the checks, the config and the launches depend on (utils.tiled.fast.launch.kind_key), for CUDA tensors, options
+    of the expected types and Nq a multiple of 4 (otherwise the statistics are padded between the two launches);
+    None otherwise (such a call is checked every time)."""
+    if not (type(causal) is bool and type(sm_scale) in (float, int, type(None))
+            and type(config) in (BwdConfig, type(None)) and type(q) is torch.Tensor and q.dim() == 4
+            and q.shape[2] % 4 == 0):
+        return None
+    return launch.kind_key((do, q, k, v, o, lse), (causal, sm_scale, config))
+
+
+def _choose(do, q, k, v, o, lse, causal, sm_scale, config) -> tuple:
+    """flash_attention_gluon_backward's checks (a ValueError or TypeError naming the argument) and its
+    (shape, scale, config)."""
+    shape, scale = check_backward_inputs(do, q, k, v, o, lse, causal=causal, sm_scale=sm_scale,
+                                         head_dims=fg.HEAD_DIMS, dtypes=fg.DTYPES)
+    check_device("q", q, "cuda")
+    fg.check_sm90(q, "flash_attention_gluon_backward")
+    return shape, scale, (pick_config(shape.head_dim, causal) if config is None
+                          else check_config(config, shape.head_dim))
+
+
+def flash_attention_gluon_backward(do, q, k, v, o, lse, *, causal=False, sm_scale=None,
+                                   config: BwdConfig | None = None):
+    """(dq, dk, dv) of softmax(Q Kᵀ · sm_scale) V for the forward's o and lse (natural log, (B, H, Nq)).
+
+    fp16/bf16, head dim 64 or 128, GQA, Nq != Nk (bottom-right causal mask), on an sm_90 GPU. `config`: tiles
+    (default: pick_config's). As the Triton backward (utils.tiled.fast.backward), the checks, the config and the two
+    launches are kept per kind of call (utils.tiled.fast.launch.Kind), so a later call of a kind passes only its tensors."""
+    key = _call_key(do, q, k, v, o, lse, causal, sm_scale, config)
+    kind = launch.kind_of(_KINDS, key, lambda: _choose(do, q, k, v, o, lse, causal, sm_scale, config))
+    (b, h, _, nq, _, d), scale, config = kind.choices
+    q, k, v, do = (fg._tma_ready(x) for x in (q, k, v, do))
+    lse = lse.float().contiguous()
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    dq_acc = torch.zeros((b * h, nq, d), dtype=torch.float32, device=q.device)
+    if key is None:   # checked every time; the statistics may need padding between the launches
+        lse2, delta = _stats(o, do, lse, h)
+        _launch(q, k, v, do, dk, dv, dq_acc, lse2, delta, causal, scale, config)
+    else:
+        delta = torch.empty((b * h, nq), dtype=torch.float32, device=q.device)
+        lse2 = torch.empty_like(delta)
+        pre_head, pre = _preprocess(o, do, lse, delta, lse2, h)
+        tensors = (q, k, v, do, dk, dv, dq_acc, lse2, delta)
+        head = kind.descriptors(tensors, lambda: _descriptors(*tensors, config))   # made once, then copied
+        kind.launch((pre_head, head), lambda: (pre, _main(q, k, causal, scale, config)), keep=True)
+    return dq_acc.view(b, h, nq, d).to(q.dtype), dk, dv
+
+
+def _descriptors(q, k, v, do, dk, dv, dq_acc, lse2, delta, config: BwdConfig) -> tuple:
+    """The kernel's nine descriptor arguments, its leading ones."""
+    dq_desc = TensorDescriptor(dq_acc, list(dq_acc.shape), list(dq_acc.stride()), [1, DQ_ROWS, DQ_COLS],
+                               _DQ_LAYOUT)
+    return (fg._descriptor(q, config.block_m), fg._descriptor(k, SUB_N), fg._descriptor(v, SUB_N),
+            fg._descriptor(do, config.block_m), fg._descriptor(dk, SUB_N), fg._descriptor(dv, SUB_N),
+            dq_desc, _row_descriptor(lse2, config.block_m), _row_descriptor(delta, config.block_m))
+
+
+def _main(q, k, causal: bool, scale: float, config: BwdConfig) -> tuple:
+    """The kernel's launch on checked inputs but its descriptors: (launcher, grid, trailing arguments,
+    constexprs and options)."""
+    b, h, nq, d = q.shape
+    hk, nk = k.shape[1], k.shape[2]
+    return (_launcher, (triton.cdiv(nk, BLOCK_N), b * hk), (h, nq, nk, scale * fg.LOG2E, scale),
+            dict(GROUP=h // hk, HEAD_DIM=d, BLOCK_M=config.block_m, STAGES=config.stages, CAUSAL=causal,
+                 CONSUMER_REGS=config.consumer_regs, PREFETCH_S=config.prefetch_s, BH_GROUP=config.bh_group,
+                 num_warps=4))
+
+
+def _launch(q, k, v, do, dk, dv, dq_acc, lse2, delta, causal: bool, scale: float, config: BwdConfig) -> None:
+    """The kernel on checked inputs (utils.course.cross_compile captures this launch to compile it on a CPU)."""
+    launcher, grid, tail, meta = _main(q, k, causal, scale, config)
+    launcher[grid](*_descriptors(q, k, v, do, dk, dv, dq_acc, lse2, delta, config), *tail, **meta)
+
+
+class GluonAttentionFunction(torch.autograd.Function):
+    """Autograd for the Gluon forwards: `forward` is the (o, lse) function of utils.explicit.forward or
+    utils.explicit.forward_ws; the backward is this module's kernel."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, sm_scale, forward):
+        o, lse = forward(q, k, v, causal=causal, sm_scale=sm_scale)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.causal, ctx.sm_scale = causal, sm_scale
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = flash_attention_gluon_backward(do, q, k, v, o, lse, causal=ctx.causal, sm_scale=ctx.sm_scale)
+        return dq, dk, dv, None, None, None
+
+
+def differentiable(forward, q, k, v, causal, sm_scale):
+    """O = forward(q, k, v, ...)[0], through GluonAttentionFunction when a gradient is wanted (skipping the
+    autograd Function otherwise, which saves host time on every call)."""
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v)):
+        return GluonAttentionFunction.apply(q, k, v, causal, sm_scale, forward)
+    return forward(q, k, v, causal=causal, sm_scale=sm_scale)[0]
+
+
+def flash_attention_gluon(q, k, v, *, causal=False, sm_scale=None):
+    """The registry's "gluon": the output of utils.explicit.forward.flash_attention_gluon_forward, differentiable
+    (the backward is this module's kernel)."""
+    return differentiable(flash_attention_gluon_forward, q, k, v, causal, sm_scale)
+
+
+def flash_attention_gluon_ws(q, k, v, *, causal=False, sm_scale=None):
+    """The registry's "gluon_ws": the output of utils.explicit.forward_ws.flash_attention_gluon_ws_forward,
+    differentiable (the backward is this module's kernel)."""
+    return differentiable(flash_attention_gluon_ws_forward, q, k, v, causal, sm_scale)
+
+
+def replay_protocol(n_tiles: int, stages: int, seed: int = 0, *, prefetch_s: bool = False, ds_buffers: int = 2,
+                    wait_reduces: bool = True, last_meeting: bool = True) -> None:
+    """Replay the kernel's synchronisation in one random interleaving of the producer, the two consumers, the
+    TMA copies landing and the TMA engine reading the staged dQ tiles. Shared buffers hold the tile they were
+    last written for; every read checks it sees its own tile, from its first to its last step. With
+    `prefetch_s` the consumers wait for tile t+1 (whose Sᵀ they issue early) before they free tile t's slot, as
+    the kernel does with BwdConfig.prefetch_s: with one stage that waits forever, which check_config forbids.
+
+    The kernel's rules, which the keyword arguments break on purpose (the tests plant each bug):
+    `ds_buffers` = 2: dSᵀ alternates between two slots per consumer, so a consumer writing tile t+1's dSᵀ
+    never overwrites tile t's while the other consumer's dQ products still read it; `wait_reduces`: before the
+    consumers meet, each waits until the TMA engine has read its previous staged dQ (tma.store_wait(0));
+    `last_meeting`: after the loop the consumers meet once more before dK overwrites the K half that the
+    other consumer's dQ products read. Raises AssertionError naming the tile and the buffer on a stale read,
+    an early overwrite or a hang."""
+    rng = random.Random(seed)
+    full, released, holds = [0] * stages, [0] * stages, [None] * stages   # the Q/dO/lse2/D ring
+    ds = {(b, w): None for b in range(ds_buffers) for w in (0, 1)}       # dSᵀ slots: the tile written last
+    staged, reading = [None, None], [[], []]                            # staged dQ; tiles the TMA still reads
+    k_half = ["K", "K"]                                                  # K halves: "K", then "dK"
+    met = [0, 0]                                                         # meetings reached per consumer
+    landing = []
+
+    def producer():
+        for t in range(n_tiles):
+            s = t % stages
+            while (released[s] // 2) % 2 == ((t // stages) & 1) ^ 1:
+                yield f"the producer waits for slot {s} (tile {t})"
+            assert released[s] >= 2 * (t // stages), f"tile {t}: slot {s} refilled while tile {t - stages} is read"
+            landing.append((s, t))
+            yield None
+
+    def meet(w, what):
+        met[w] += 1
+        while met[1 - w] < met[w]:
+            yield f"consumer {w} waits for the other at {what}"
+
+    def wait_tile(w, t):
+        while full[t % stages] % 2 == (t // stages) % 2:
+            yield f"consumer {w} waits for tile {t}"
+
+    def consumer(w):
+        if prefetch_s and n_tiles:
+            yield from wait_tile(w, 0)
+        for t in range(n_tiles):
+            s = t % stages
+            if not prefetch_s:
+                yield from wait_tile(w, t)
+            assert holds[s] == t, f"consumer {w}, tile {t}: slot {s} holds tile {holds[s]}"
+            ds[t % ds_buffers, w] = t                                    # dSᵀ of its 64 keys
+            yield None
+            while wait_reduces and reading[w]:
+                yield f"consumer {w} waits for the TMA to read its staged dQ"
+            yield from meet(w, f"tile {t}")
+            for step in range(2):                                        # dQ = dS K: both halves, two steps
+                for half in (0, 1):
+                    assert ds[t % ds_buffers, half] == t, (
+                        f"consumer {w}, tile {t}: dSᵀ slot {t % ds_buffers} of consumer {half} holds tile "
+                        f"{ds[t % ds_buffers, half]}")
+                    assert k_half[half] == "K", f"consumer {w}, tile {t}: K half {half} already holds dK"
+                yield None
+            assert staged[w] not in reading[w], (f"consumer {w}, tile {t}: staged dQ of tile {staged[w]} "
+                                                 "overwritten before the TMA read it")
+            staged[w] = t
+            if prefetch_s and t + 1 < n_tiles:                           # the next tile's Sᵀ, issued
+                yield from wait_tile(w, t + 1)
+                assert holds[(t + 1) % stages] == t + 1, f"consumer {w}: tile {t + 1} not in its slot"
+            reading[w].append(t)                                         # the reduce-adds, issued
+            released[s] += 1
+            yield None
+        if last_meeting:
+            yield from meet(w, "the end")
+        k_half[w] = "dK"
+        yield None
+
+    def land():
+        s, t = landing.pop(rng.randrange(len(landing)))
+        holds[s], full[s] = t, full[s] + 1
+
+    def read(w):   # the TMA engine reads consumer w's oldest staged dQ
+        t = reading[w].pop(0)
+        assert staged[w] == t, f"the TMA reads consumer {w}'s dQ of tile {t}, finds tile {staged[w]}"
+
+    def events():
+        return ([land] if landing else []) + [lambda w=w: read(w) for w in (0, 1) if reading[w]]
+
+    fg.interleave([producer(), consumer(0), consumer(1)], events, rng,
+                  f"hang with {n_tiles} tiles and {stages} stages", p_event=0.4)

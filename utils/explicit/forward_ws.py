@@ -1,0 +1,258 @@
+"""FlashAttention-3's warp specialisation, written in Gluon (notebook 05b section 10; issue 22).
+
+The forward of utils.explicit.forward keeps one warpgroup per program: with two (a 128-row tile), its CTA-wide barrier,
+which frees the K/V ring's slots, made both warpgroups step together, and at head dim 128 the 64-row tile
+reads every K/V tile for only 64 queries. This kernel keeps the 128-row tile and drops the barrier by giving
+each job its own warps (`gl.warp_specialize`):
+
+    producer (1 warp)        for each key tile t: wait until slot t % STAGES is empty, then TMA-copy K_t, V_t
+    consumers (2 x 4 warps)  each 64 of the 128 query rows: forward.py's loop (S_j, P_{j-1}V_{j-1}, wait(1),
+                             softmax, wait(0)), then arrive on the "empty" mbarriers of the slots it has read
+
+A slot has two mbarriers. "full" completes a phase when its copy lands (the consumers wait on it, as in
+forward.py); "empty" completes a phase when both consumers have arrived (count 2), and the producer waits on
+it before refilling. Nothing makes the two consumers wait for each other, so the SM's schedulers are free to run
+one's softmax while the other's products keep the tensor cores busy. The producer needs few registers: it gives
+them to the consumers (`setmaxnreg`, the worker partitions' register counts).
+
+Same conventions, limits and validation as utils.explicit.forward (fp16/bf16, head dims 64 and 128, sm_90 only, GQA,
+ragged and unequal lengths with bottom-right causal alignment); measured in images/05b_gluon_ws_h200.json.
+"""
+from __future__ import annotations
+
+import random
+from typing import NamedTuple
+
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                             warpgroup_mma_wait)
+
+from utils.explicit import forward as fg
+from utils.tiled.fast.launch import FastLauncher
+
+SUB_M = 64                  # query rows per consumer warpgroup (the Q and O descriptors' tile)
+BLOCK_M = 2 * SUB_M         # query rows per program
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_full, k_empty, v_full, v_empty,
+              b, h, h_kv, start_m, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """One warp: both consumers' Q, then every K and V tile, each into a slot once both consumers left it."""
+    SUB_M: gl.constexpr = q_desc.block_type.shape[2]
+    for w in gl.static_range(2):
+        mbarrier.expect(q_bar.index(w), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [b, h, start_m + w * SUB_M, 0], q_bar.index(w), q_smem.index(w))
+    for t in range(n_tiles):
+        slot = t % STAGES
+        free = ((t // STAGES) & 1) ^ 1     # use u of a slot waits for u releases; a fresh slot passes at once
+        mbarrier.wait(k_empty.index(slot), free)
+        mbarrier.expect(k_full.index(slot), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [b, h_kv, t * BLOCK_N, 0], k_full.index(slot), k_smem.index(slot))
+        mbarrier.wait(v_empty.index(slot), free)
+        mbarrier.expect(v_full.index(slot), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [b, h_kv, t * BLOCK_N, 0], v_full.index(slot), v_smem.index(slot))
+
+
+@gluon.jit
+def _consumer(o_desc, LSE, q_smem, k_smem, v_smem, q_bar, k_full, k_empty, v_full, v_empty,
+              b, h, pid_bh, start_m, n_tiles, n_unmasked, seqlen_q, seqlen_k, qk_scale,
+              WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+              CAUSAL: gl.constexpr):
+    """One warpgroup: rows [start_m + WG*64, +64) through forward.py's loop; an arrive frees each slot read."""
+    SUB_M: gl.constexpr = o_desc.block_type.shape[2]
+    dtype: gl.constexpr = o_desc.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    row0 = start_m + WG * SUB_M
+    causal_offset = seqlen_k - seqlen_q
+    offs_m = row0 + gl.arange(0, SUB_M, layout=row_s)
+    q = q_smem.index(WG).reshape([SUB_M, HEAD_DIM])
+    mbarrier.wait(q_bar.index(WG), 0)
+
+    s_zero = gl.zeros([SUB_M, BLOCK_N], gl.float32, s_layout)
+    acc = gl.zeros([SUB_M, HEAD_DIM], gl.float32, o_layout)
+    m_i = gl.full([SUB_M], float("-inf"), gl.float32, row_s)
+    l_i = gl.zeros([SUB_M], gl.float32, row_s)
+    p = gl.zeros([SUB_M, BLOCK_N], dtype, p_layout)
+    if n_tiles > 0:
+        k = fg._arrived(k_smem, k_full, 0, BLOCK_N, HEAD_DIM, STAGES)
+        s = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s, _, _ = warpgroup_mma_wait(0, deps=(s, q, k))
+        mbarrier.arrive(k_empty.index(0))
+        p32, alpha, l_i, m_i = fg._softmax(s, m_i, l_i, qk_scale, offs_m, 0, seqlen_k, causal_offset,
+                                           0 >= n_unmasked, BLOCK_N, CAUSAL, col_s)
+        p = gl.convert_layout(p32.to(dtype), p_layout)
+    for j in range(1, n_tiles):
+        k = fg._arrived(k_smem, k_full, j, BLOCK_N, HEAD_DIM, STAGES)
+        s = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        v = fg._arrived(v_smem, v_full, j - 1, BLOCK_N, HEAD_DIM, STAGES)
+        acc = warpgroup_mma(p, v, acc, is_async=True)
+        s, _, _ = warpgroup_mma_wait(1, deps=(s, q, k))
+        mbarrier.arrive(k_empty.index(j % STAGES))            # this warpgroup is done with K_j
+        p32, alpha, l_i, m_i = fg._softmax(s, m_i, l_i, qk_scale, offs_m, j * BLOCK_N, seqlen_k, causal_offset,
+                                           j >= n_unmasked, BLOCK_N, CAUSAL, col_s)
+        acc, _, _ = warpgroup_mma_wait(0, deps=(acc, p, v))
+        mbarrier.arrive(v_empty.index((j - 1) % STAGES))      # ... and with V_{j-1}
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        p = gl.convert_layout(p32.to(dtype), p_layout)
+    if n_tiles > 0:
+        v = fg._arrived(v_smem, v_full, n_tiles - 1, BLOCK_N, HEAD_DIM, STAGES)
+        acc = warpgroup_mma(p, v, acc, is_async=True)
+        acc, _, _ = warpgroup_mma_wait(0, deps=(acc, p, v))
+        mbarrier.arrive(v_empty.index((n_tiles - 1) % STAGES))
+
+    seen = l_i > 0.0            # rows that saw no key: output 0 and lse = -inf, as in forward.py
+    l_safe = gl.where(seen, l_i, 1.0)
+    lse = gl.where(seen, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    gl.store(LSE + pid_bh.to(gl.int64) * seqlen_q + offs_m, lse, mask=offs_m < seqlen_q)
+    acc = acc / gl.convert_layout(l_safe, row_o)[:, None]
+    q.store(acc.to(dtype))          # this warpgroup's Q buffer is read no more: it takes the output
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [b, h, row0, 0], q_smem.index(WG))
+    tma.store_wait(0)
+
+
+@gluon.jit(do_not_specialize=["heads", "group", "seqlen_q", "seqlen_k"])
+def gluon_ws_kernel(q_desc, k_desc, v_desc, o_desc, LSE, heads, group, seqlen_q, seqlen_k, qk_scale,
+                    HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                    CONSUMER_REGS: gl.constexpr):
+    """One program: 128 queries of one (batch, head), longest causal rows first. Grid (cdiv(seqlen_q, 128),
+    batch * heads); launched with 4 warps (the first consumer) plus the worker partitions' 4 + 1."""
+    BLOCK_M: gl.constexpr = 2 * q_desc.block_type.shape[2]
+    pid_bh, b, h, h_kv, start_m = fg._program_rows(heads, group, BLOCK_M, CAUSAL)
+    # Both consumers walk the program's tiles (a fully masked one is a no-op).
+    _, n_unmasked, n_tiles = fg._key_tiles(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(q_bar.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_full.index(i), count=1)
+        mbarrier.init(v_full.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)    # one arrive per consumer warpgroup
+        mbarrier.init(v_empty.index(i), count=2)
+    fence_async_shared()
+    gl.warp_specialize([(_consumer, (o_desc, LSE, q_smem, k_smem, v_smem, q_bar, k_full, k_empty, v_full, v_empty,
+                                     b, h, pid_bh, start_m, n_tiles, n_unmasked, seqlen_q, seqlen_k, qk_scale,
+                                     0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL)),
+                        (_consumer, (o_desc, LSE, q_smem, k_smem, v_smem, q_bar, k_full, k_empty, v_full, v_empty,
+                                     b, h, pid_bh, start_m, n_tiles, n_unmasked, seqlen_q, seqlen_k, qk_scale,
+                                     1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL)),
+                        (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_full, k_empty,
+                                     v_full, v_empty, b, h, h_kv, start_m, n_tiles, BLOCK_N, STAGES))],
+                       [4, 1], [CONSUMER_REGS, 24])
+
+
+_launcher = FastLauncher(gluon_ws_kernel)
+
+
+class WSConfig(NamedTuple):
+    block_n: int          # keys per tile
+    stages: int           # K and V buffers in each ring
+    consumer_regs: int    # registers per thread of the second consumer (setmaxnreg); the producer keeps 24
+
+
+# The tiles `python -m utils.course.bench.forward --ws-tiles` times (notebook 05b section 10).
+WS_TILES = (WSConfig(128, 2, 232), WSConfig(128, 2, 240), WSConfig(128, 3, 232), WSConfig(64, 3, 232))
+
+
+def ws_label(config: WSConfig) -> str:
+    return f"gluon_ws n{config.block_n} s{config.stages} r{config.consumer_regs}"
+
+
+def pick_config(head_dim: int) -> WSConfig:
+    """The tile per head dim, the fastest over N >= 4k in images/05b_gluon_ws_h200.json."""
+    return WS_TILES[0]
+
+
+def check_config(config, head_dim: int) -> WSConfig:
+    """`config`, or a TypeError/ValueError naming what the kernel cannot run: key tiles of 64 or 128, 1 to 4
+    buffers per ring, Q plus both rings within shared memory, and a register count setmaxnreg takes (a multiple
+    of 8 from 24 to 256)."""
+    if not isinstance(config, WSConfig):
+        raise TypeError(f"config must be a utils.explicit.forward_ws.WSConfig, got {type(config).__name__}")
+    if not 24 <= config.consumer_regs <= 256 or config.consumer_regs % 8:
+        raise ValueError(f"config: consumer_regs must be a multiple of 8 from 24 to 256, got {config}")
+    return fg.check_rings(config, head_dim, BLOCK_M)
+
+
+def variant(config: WSConfig, name: str):
+    """fn(q, k, v, *, causal=False, sm_scale=None) running the kernel with fixed tiles (the benchmark's lines)."""
+    return fg.fixed_tiles(flash_attention_gluon_ws_forward, config, name)
+
+
+def flash_attention_gluon_ws_forward(q, k, v, *, causal=False, sm_scale=None, config: WSConfig | None = None):
+    """(o, lse) as utils.explicit.forward.flash_attention_gluon_forward; `config`: fixed tiles (default: pick_config's)."""
+    scale = fg.validate(q, k, v, causal, sm_scale)
+    config = pick_config(q.shape[-1]) if config is None else check_config(config, q.shape[-1])
+    q, k, v, o, lse = fg.tma_buffers(q, k, v)
+    _launch(q, k, v, o, lse, causal, scale, config)
+    return o, lse
+
+
+def _launch(q, k, v, o, lse, causal: bool, scale: float, config: WSConfig) -> None:
+    """The kernel on checked inputs (utils.course.cross_compile captures this launch to compile it on a CPU)."""
+    batch, heads, seqlen_q, head_dim = q.shape
+    grid = (triton.cdiv(seqlen_q, BLOCK_M), batch * heads)
+    _launcher[grid](fg._descriptor(q, SUB_M), fg._descriptor(k, config.block_n), fg._descriptor(v, config.block_n),
+                    fg._descriptor(o, SUB_M), lse, heads, heads // k.shape[1], seqlen_q, k.shape[2],
+                    scale * fg.LOG2E, HEAD_DIM=head_dim, BLOCK_N=config.block_n, STAGES=config.stages,
+                    CAUSAL=causal, CONSUMER_REGS=config.consumer_regs, num_warps=4)
+
+
+
+def replay_protocol(n_tiles: int, stages: int, empty_parity, seed: int = 0) -> None:
+    """Replay the kernel's ring protocol in one random interleaving of the producer, the two consumers and the
+    copies' landing, with `empty_parity(tile, stages)` as the parity of the producer's wait on a slot's "empty"
+    barrier (the kernel's `free`). An mbarrier wait with parity p blocks while the barrier's completed phases
+    are p modulo 2. Raises AssertionError naming the tile if the producer refills a slot that a consumer still
+    reads, or if every agent waits and no copy is in flight (a hang). For exercise 5b.7 and the tests."""
+    rng = random.Random(seed)
+    full = {(r, s): 0 for r in "KV" for s in range(stages)}      # phases completed: copies landed
+    released = {(r, s): 0 for r in "KV" for s in range(stages)}  # consumers' arrives on "empty" (2 per phase)
+    holds = {(r, s): None for r in "KV" for s in range(stages)}  # the tile whose copy landed last
+    landing = []                                                 # copies in flight: (ring, slot, tile)
+
+    def producer():
+        for t in range(n_tiles):
+            for r in "KV":
+                s = t % stages
+                while (released[r, s] // 2) % 2 == empty_parity(t, stages) % 2:
+                    yield f"the producer waits to copy {r} tile {t} into slot {s}"
+                assert released[r, s] >= 2 * (t // stages), (
+                    f"{r} tile {t} with {stages} stages: the producer refills slot {s} while a consumer still "
+                    f"reads tile {t - stages} from it")
+                landing.append((r, s, t))
+                yield None
+
+    def consumer():
+        order = [("K", 0)] + [x for j in range(1, n_tiles) for x in (("K", j), ("V", j - 1))] + [("V", n_tiles - 1)]
+        for r, t in order if n_tiles else []:
+            s = t % stages
+            while full[r, s] % 2 == (t // stages) % 2:
+                yield f"a consumer waits for {r} tile {t}"
+            assert holds[r, s] == t, f"{r} tile {t} with {stages} stages: slot {s} holds tile {holds[r, s]}"
+            released[r, s] += 1
+            yield None
+
+    def land():
+        r, s, t = landing.pop(rng.randrange(len(landing)))
+        holds[r, s], full[r, s] = t, full[r, s] + 1
+
+    fg.interleave([producer(), consumer(), consumer()], lambda: [land] if landing else [], rng,
+                  f"hang with {n_tiles} tiles and {stages} stages")

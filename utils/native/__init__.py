@@ -1,0 +1,1 @@
+"""CUDA C++ kernels: their sources (src/), their build and their Python entries."""

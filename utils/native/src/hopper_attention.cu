@@ -1,0 +1,187 @@
+// Notebook 06c: the FlashAttention-2 forward on Hopper's instructions. One warpgroup per 64
+// query rows; per tile of 64 keys:
+//   1. one thread asks TMA for the K tile and the Vᵀ tile (128-byte swizzled, counted on an mbarrier);
+//   2. S = Q Kᵀ with wgmma, both operands from shared memory (Q was loaded once, the same way);
+//   3. the online softmax on S in registers (each row lives in the 4 lanes of a quad: two shuffles per reduction);
+//   4. P, rounded to 16 bits, is already in wgmma's register A-fragment layout: O += P V with A from registers
+//      and B = the Vᵀ tile (V transposed by the caller, so every operand is K-major).
+// Step 1 (kStages = 1): loads and multiplies take turns, as in the GEMM's step 2. Step 2 (kStages = 2): two
+// K/Vᵀ buffers, the next tile's copy issued before this tile's multiplies. Steps 3-16 (hopper_attention_ws_kernel):
+// warp specialisation, then FlashAttention-3's refinements one at a time.
+// Causal attention is bottom-right aligned (key c is visible to query r when c <= r + Nk - Nq), tiles past the
+// diagonal are skipped, and TMA's zero fill covers the ragged last tiles.
+#ifndef COURSE_TORCH_WRAPPER
+#include "hopper_attention_kernel.cuh"
+
+namespace course_hopper {
+
+template <typename T, int D>
+cudaError_t launch_step(int step, bool causal, const CUtensorMap& q, const CUtensorMap& k, const CUtensorMap& vt,
+                        const CUtensorMap& o_map, void* o, const AttentionParams& p, int batch_heads,
+                        cudaStream_t stream) {
+  switch (step) {
+    case 1: return launch_attention<HopperStep1Tma, T, D>(
+        causal, q, k, vt, o_map, o, p, batch_heads, stream);
+    case 2: return launch_attention<HopperStep2Pipelined, T, D>(
+        causal, q, k, vt, o_map, o, p, batch_heads, stream);
+    case 3: return launch_attention<HopperStep3Specialised, T, D>(
+        causal, q, k, vt, o_map, o, p, batch_heads, stream);
+    case 4: return launch_attention<HopperStep4Softmax, T, D>(
+        causal, q, k, vt, o_map, o, p, batch_heads, stream);
+    case 5: return launch_attention<HopperStep5Stages, T, D>(
+        causal, q, k, vt, o_map, o, p, batch_heads, stream);
+    case 6: return launch_attention<HopperStep6Overlap, T, D>(
+        causal, q, k, vt, o_map, o, p, batch_heads, stream);
+    case 7: return launch_attention<HopperStep7Pingpong, T, D>(
+        causal, q, k, vt, o_map, o, p, batch_heads, stream);
+    case 8: return launch_attention<HopperStep8HeavyFirst, T, D>(
+        causal, q, k, vt, o_map, o, p, batch_heads, stream);
+    case 9: return launch_attention<HopperStep9WideTiles, T, D>(
+        causal, q, k, vt, o_map, o, p, batch_heads, stream);
+    case 10: return launch_attention<HopperStep10VDirect, T, D>(
+        causal, q, k, vt, o_map, o, p, batch_heads, stream);
+    case 11: return launch_attention<HopperStep11ThreeConsumers, T, D>(
+        causal, q, k, vt, o_map, o, p, batch_heads, stream);
+    case 12: return launch_attention<HopperStep12Persistent, T, D>(
+        causal, q, k, vt, o_map, o, p, batch_heads, stream);
+    case 13: return launch_attention<HopperStep13HeadGroups, T, D>(
+        causal, q, k, vt, o_map, o, p, batch_heads, stream);
+    case 14: return launch_attention<HopperStep14OwnDiagonal, T, D>(
+        causal, q, k, vt, o_map, o, p, batch_heads, stream);
+    case 15: return launch_attention<HopperStep15TmaStore, T, D>(causal, q, k, vt, o_map, o, p, batch_heads, stream);
+    default: return launch_attention<HopperStep16WideVDirect, T, D>(
+        causal, q, k, vt, o_map, o, p, batch_heads, stream);
+  }
+}
+
+// Plain launcher (no torch types); the wrapper has checked the shapes and built the tensor maps. Steps 1-2: one
+// warpgroup per block (loads and multiplies in turn, then overlapped); steps 3-16: a producer and two or three
+// consumer warpgroups (Q's tensor map then reads 128 rows at a time, from step 11 64 per consumer). `o_map`
+// (O in boxes of 64 rows) is step 15's way out; the other steps store through `o`.
+cudaError_t hopper_attention_launch(int step, bool bf16, int head_dim, bool causal, const CUtensorMap& q,
+                                    const CUtensorMap& k, const CUtensorMap& vt, const CUtensorMap& o_map, void* o,
+                                    const AttentionParams& p, int batch_heads, cudaStream_t stream) {
+  if (step < 1 || step > 16) return cudaErrorInvalidValue;
+  if (bf16) {
+    return head_dim == 64
+               ? launch_step<__nv_bfloat16, 64>(step, causal, q, k, vt, o_map, o, p, batch_heads, stream)
+               : launch_step<__nv_bfloat16, 128>(step, causal, q, k, vt, o_map, o, p, batch_heads, stream);
+  }
+  return head_dim == 64 ? launch_step<__half, 64>(step, causal, q, k, vt, o_map, o, p, batch_heads, stream)
+                        : launch_step<__half, 128>(step, causal, q, k, vt, o_map, o, p, batch_heads, stream);
+}
+
+}  // namespace course_hopper
+
+#else  // COURSE_TORCH_WRAPPER: host C++ only
+#include <algorithm>
+#include <cuda_runtime_api.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+#include "course_str.h"
+#include "hopper_host.h"
+
+namespace course_hopper {
+struct AttentionParams {
+  int seqlen_q, seqlen_k, heads, kv_heads, batch_heads;
+  float scale_log2;
+  int* work_counter;
+  int head_group;
+  long long* timeline;
+};
+cudaError_t hopper_attention_launch(int step, bool bf16, int head_dim, bool causal, const CUtensorMap& q,
+                                    const CUtensorMap& k, const CUtensorMap& vt, const CUtensorMap& o_map, void* o,
+                                    const AttentionParams& p, int batch_heads, cudaStream_t stream);
+
+// A contiguous (batch, heads, rows, cols) tensor seen as 3-d (cols, rows, batch x heads), read in boxes of
+// 64 columns x `box_rows` rows.
+inline CUtensorMap map_3d(const torch::Tensor& t, int box_rows) {
+  const int64_t rows = t.size(2), cols = t.size(3);
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows),
+                              static_cast<cuuint64_t>(t.size(0) * t.size(1))};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(cols * 2), static_cast<cuuint64_t>(rows * cols * 2)};
+  const cuuint32_t box[3] = {64, static_cast<cuuint32_t>(box_rows), 1};
+  return tensor_map("hopper_attention", t, 3, dims, strides, box);
+}
+}  // namespace course_hopper
+
+// q (B, H, Nq, D), k (B, Hkv, Nk, D) and vt (B, Hkv, D, Nk padded to a multiple of 8: V transposed; from step
+// 10, V itself, (B, Hkv, Nk, D)), all
+// contiguous fp16 or bf16 on an sm_90 GPU, D = 64 or 128 -> o (B, H, Nq, D). `timeline`: empty, or (steps 3-16)
+// int64 room for kTimelineSlots per block of 64 query rows (more than any step launches), filled per block.
+torch::Tensor hopper_attention_forward(torch::Tensor q, torch::Tensor k, torch::Tensor vt, int64_t seqlen_k,
+                                       bool causal, double scale, int64_t step, torch::Tensor timeline) {
+  TORCH_CHECK(step >= 1 && step <= 16, "hopper_attention: step must be 1 to 16 (utils.native.hopper.ATTENTION_STEPS), got ",
+              course::num(step));
+  const torch::Tensor* inputs[] = {&q, &k, &vt};
+  const char* names[] = {"q", "k", "vt"};
+  for (int i = 0; i < 3; ++i) {
+    const torch::Tensor& t = *inputs[i];
+    TORCH_CHECK(t.is_cuda() && t.dim() == 4 && t.is_contiguous(), "hopper_attention: ", names[i],
+                " must be a contiguous 4-d CUDA tensor, got shape ", course::shape(t.sizes()));
+    TORCH_CHECK(t.scalar_type() == q.scalar_type() && (q.scalar_type() == torch::kFloat16 ||
+                q.scalar_type() == torch::kBFloat16), "hopper_attention: ", names[i], " must be float16 or ",
+                "bfloat16 like q, got ", t.scalar_type());
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, "hopper_attention: ", names[i],
+                " must start on 16 bytes");
+  }
+  const int64_t d = q.size(3);
+  TORCH_CHECK(d == 64 || d == 128, "hopper_attention: head_dim must be 64 or 128, got ", course::num(d));
+  TORCH_CHECK(k.size(0) == q.size(0) && k.size(3) == d && q.size(1) % k.size(1) == 0 && k.size(2) == seqlen_k,
+              "hopper_attention: k of shape ", course::shape(k.sizes()), " does not fit q of shape ",
+              course::shape(q.sizes()));
+  if (step >= 10) {
+    TORCH_CHECK(vt.sizes() == k.sizes(), "hopper_attention: from step 10 vt is V, shaped like k ",
+                course::shape(k.sizes()), ", got ", course::shape(vt.sizes()));
+  } else {
+    TORCH_CHECK(vt.size(0) == k.size(0) && vt.size(1) == k.size(1) && vt.size(2) == d && vt.size(3) >= seqlen_k &&
+                vt.size(3) % 8 == 0, "hopper_attention: vt must be (B, Hkv, D, Nk rounded up to 8), got ",
+                course::shape(vt.sizes()));
+  }
+  TORCH_CHECK(seqlen_k > 0 && q.size(2) > 0 && q.size(2) <= INT32_MAX && seqlen_k <= INT32_MAX,
+              "hopper_attention: empty or too long, q ", course::shape(q.sizes()), ", Nk = ", course::num(seqlen_k));
+  TORCH_CHECK(scale > 0 && std::isfinite(scale), "hopper_attention: scale must be finite and positive, got ",
+              course::num(scale));
+  // steps 12-14 lay their blocks out in one line; the others launch a row per (batch, head), at most 65,535
+  TORCH_CHECK((step >= 12 && step <= 14) || q.size(0) * q.size(1) <= 65535, "hopper_attention: batch x heads = ",
+              course::num(q.size(0)), " x ", course::num(q.size(1)), " is more than step ", course::num(step),
+              "'s grid has rows (gridDim.y, at most 65535); split the batch");
+  const int64_t most_blocks = (q.size(2) + 63) / 64 * q.size(0) * q.size(1);
+  TORCH_CHECK(timeline.numel() == 0 || (step >= 3 && timeline.is_cuda() && timeline.scalar_type() == torch::kInt64 &&
+              timeline.is_contiguous() && timeline.numel() >= most_blocks * 8), "hopper_attention: timeline must be "
+              "empty, or for steps 3-16 a contiguous int64 CUDA tensor of at least ", course::num(most_blocks * 8),
+              " elements, got ", course::shape(timeline.sizes()));
+  course_hopper::check_sm90("hopper_attention", q);
+  const c10::cuda::CUDAGuard guard(q.device());
+  auto o = torch::empty_like(q);
+  // step 12's blocks take query blocks from this counter; the other steps need none
+  torch::Tensor counter;
+  if (step == 12) counter = torch::zeros({1}, q.options().dtype(torch::kInt32));
+  // step 13 starts the blocks of this many heads together under a causal mask: as many as half the L2 cache holds
+  // the K and V of (heads sharing K and V count once), at least 1
+  int l2_bytes = 0;
+  cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, q.device().index());
+  const int64_t kv_bytes = 2 * seqlen_k * d * 2, sharing = q.size(1) / k.size(1);
+  const int head_group = causal ? static_cast<int>(std::clamp<int64_t>(
+      l2_bytes / 2 / kv_bytes * sharing, 1, q.size(0) * q.size(1))) : 1;
+  const course_hopper::AttentionParams p{static_cast<int>(q.size(2)), static_cast<int>(seqlen_k),
+                                         static_cast<int>(q.size(1)), static_cast<int>(k.size(1)),
+                                         static_cast<int>(q.size(0) * q.size(1)),
+                                         static_cast<float>(scale * 1.4426950408889634),
+                                         counter.defined() ? counter.data_ptr<int>() : nullptr, head_group,
+                                         timeline.numel() ? reinterpret_cast<long long*>(timeline.data_ptr<int64_t>())
+                                                          : nullptr};
+  // Q in boxes of the block's rows (128 from step 3; from step 11 one box of 64 per consumer), K of the tile's keys
+  // (128 at steps 9 and 16), Vᵀ of D rows (from step 10: V, as K)
+  const int keys = step == 9 || step == 16 ? 128 : 64;
+  const CUtensorMap map_q = course_hopper::map_3d(q, step >= 3 && step < 11 ? 128 : 64),
+                    map_k = course_hopper::map_3d(k, keys),
+                    map_vt = course_hopper::map_3d(vt, step >= 10 ? keys : static_cast<int>(d)),
+                    map_o = course_hopper::map_3d(o, 64);  // step 15 stores O in boxes of 64 rows
+  const cudaError_t err = course_hopper::hopper_attention_launch(
+      static_cast<int>(step), q.scalar_type() == torch::kBFloat16, static_cast<int>(d), causal, map_q, map_k, map_vt,
+      map_o, o.data_ptr(), p, static_cast<int>(q.size(0) * q.size(1)), c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "hopper_attention: launch failed: ", cudaGetErrorString(err));
+  return o;
+}
+#endif

@@ -1,0 +1,1 @@
+"""Ring attention across GPUs and its scaling model."""
