@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from utils import hopper
+from utils import cuda_ext, hopper
 from utils.course import flatten
 
 LESSON = "06b"
@@ -26,6 +26,15 @@ def test_the_lesson_has_one_generated_file_per_step():
     names = sorted(p.name for p in (flatten.STEPS_DIR / LESSON).glob("*.cu"))
     assert names == sorted(flatten.step_path(LESSON, n).name for n in STEPS)
     assert flatten.step_path(LESSON, 12).name == "s12_hoisted.cu"
+
+
+def test_the_steps_are_the_extensions_steps_and_their_files_what_the_extensions_build():
+    """utils.cuda_ext builds step n from the file this module writes (through flash_mma_step.cu.in)."""
+    assert [s.name for s in flatten.steps(LESSON)] == list(cuda_ext.MMA_STEPS)
+    for n, step in enumerate(cuda_ext.MMA_STEPS, 1):
+        path = flatten.step_path(LESSON, n)
+        assert path.relative_to(cuda_ext.CUDA_DIR).as_posix() == cuda_ext.mma_step_file(step)
+        assert f"cudaError_t launch_{cuda_ext.mma_kernel_name(step)}(" in path.read_text()
 
 
 @pytest.mark.parametrize("n", STEPS)

@@ -68,15 +68,11 @@ class Step:
 
     @property
     def name(self) -> str:
-        """'Step12Hoisted' -> 'hoisted': the name of its .cu file in utils/cuda (flash_mma_s12_hoisted.cu), as
-        utils.cuda_ext.MMA_STEPS names it. 'HopperStep15TmaStore' -> 'tma_store' (utils.hopper.ATTENTION_STEPS)."""
-        if self.lesson != "06b":
-            tail = self.struct[len(LESSON[self.lesson].struct) + len(str(self.number)):]
-            return re.sub(r"(?<!^)(?=[A-Z])", "_", tail).lower()
-        found = sorted(CUDA_DIR.glob(f"flash_mma_s{self.number}_*.cu"))
-        if len(found) != 1:
-            raise ValueError(f"expected one utils/cuda/flash_mma_s{self.number}_<name>.cu, found {len(found)}")
-        return found[0].stem.split("_", 3)[3]
+        """'Step12Hoisted' -> 'hoisted', 'Step8SplitKV' -> 'split_kv': the step's name in utils.cuda_ext.MMA_STEPS
+        (06b; its extension is flash_mma_s12_hoisted). 'HopperStep10VDirect' -> 'v_direct'
+        (utils.hopper.ATTENTION_STEPS)."""
+        tail = self.struct[len(LESSON[self.lesson].struct) + len(str(self.number)):]
+        return re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_", tail).lower()
 
 
 # ---- the steps table --------------------------------------------------------------------------------------------
@@ -681,7 +677,7 @@ def _launcher(step: Step) -> str:
     """The end of a flattened step (and of its templated twin for the PTX check): a launcher of this step alone."""
     n, name = step.number, step.name
     if step.lesson == "06b":
-        return (f"// This step's launcher: flash_mma_s{n}_{name}.cu compiles the same kernel from the template.\n"
+        return (f"// This step's launcher, which the extension flash_mma_s{n}_{name} calls (utils/cuda_ext.py).\n"
                 f"cudaError_t launch_flash_mma_s{n}_{name}(const Params& p, DType dtype, cudaStream_t stream) {{\n"
                 f"  return launch_flash_mma<{step.struct}>(p, dtype, stream);\n}}")
     args = "causal, q, k, vt, o_map, o, p, batch_heads, stream"
@@ -787,13 +783,11 @@ def normalised_ptx(source: Path, nvcc: str, arch: str = "sm_80") -> str:
 
 
 def templated_source(lesson: str, n: int) -> Path:
-    """The .cu file that compiles step n from the template: utils/cuda/flash_mma_s12_hoisted.cu (06b); for 06c a
-    file in the temporary directory that includes hopper_attention_kernel.cuh and ends as the flattened step does."""
-    step, _ = _step(lesson, n)
-    if lesson == "06b":
-        return CUDA_DIR / f"flash_mma_s{n}_{step.name}.cu"
+    """A .cu file that compiles step n from the template: in the temporary directory, it includes the lesson's
+    kernel (flash_mma_kernel.cuh, hopper_attention_kernel.cuh) and ends as the flattened step does."""
     import tempfile
 
+    step, _ = _step(lesson, n)
     les = LESSON[lesson]
     path = Path(tempfile.gettempdir()) / "course_flatten" / f"{lesson}_s{n:02d}_{step.name}.cu"
     path.parent.mkdir(parents=True, exist_ok=True)
