@@ -224,7 +224,7 @@ def test_kernels_and_torch_wrappers_are_separate():
         assert checks and "__global__" not in wrapper_part, name
     assert "TORCH_CHECK" in (cuda_ext.CUDA_DIR / "flash_mma_torch.h").read_text()
     for header in ("flash_params.h", "flash_common.cuh", "flash_mma.cuh", "flash_mma_steps.cuh",
-                   "flash_mma_kernel.cuh", "hopper.cuh", "hopper_layout.h"):
+                   "flash_mma_bwd_steps.cuh", "flash_mma_kernel.cuh", "hopper.cuh", "hopper_layout.h"):
         text = (cuda_ext.CUDA_DIR / header).read_text()
         assert not any(f"#include <{lib}" in text for lib in ("torch", "ATen", "c10")), header
 
