@@ -18,7 +18,7 @@ from utils.course.testing import ODD_SHAPES_64_128, assert_gradients_match_refer
 CUDA = torch.cuda.is_available()
 MMA_GPU = CUDA and gpu.capability() >= (8, 0)
 needs_mma = pytest.mark.skipif(not MMA_GPU, reason="needs an sm_80+ GPU (mma.sync with bf16)")
-KERNEL = (cuda_build.CUDA_DIR / "flash_mma_bwd_kernel.cuh").read_text()
+STEPS_TABLE = (cuda_build.CUDA_DIR / "flash_mma_bwd_steps.cuh").read_text()
 STORED = cuda_build.ROOT / "images" / "06b_cuda_backward_h200.json"
 
 
@@ -29,7 +29,7 @@ def test_steps_are_the_kernel_structs_in_order():
     structs = [launched[str(i + 1)] for i in range(len(BWD_STEPS))]
     assert len(launched) == len(BWD_STEPS) and CUDA_BACKENDS == tuple(f"cuda_{s}" for s in BWD_STEPS)
     for index, struct in enumerate(structs[1:], start=1):
-        parent = re.search(rf"struct {struct} : (\w+) {{", KERNEL).group(1)
+        parent = re.search(rf"struct {struct} : (\w+) {{", STEPS_TABLE).group(1)
         assert parent in structs[:index], f"step {index + 1} ({struct}) builds on {parent}"
     assert f"step <= {len(BWD_STEPS)}" in source  # the wrapper's check of the step number
 

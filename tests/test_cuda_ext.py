@@ -225,7 +225,7 @@ def test_kernels_and_torch_wrappers_are_separate():
         assert checks and "__global__" not in wrapper_part, name
     assert "TORCH_CHECK" in (cuda_build.CUDA_DIR / "flash_mma_torch.h").read_text()
     for header in ("flash_params.h", "flash_common.cuh", "flash_mma.cuh", "flash_mma_steps.cuh",
-                   "flash_mma_kernel.cuh", "hopper.cuh", "hopper_layout.h"):
+                   "flash_mma_bwd_steps.cuh", "flash_mma_kernel.cuh", "hopper.cuh", "hopper_layout.h"):
         text = (cuda_build.CUDA_DIR / header).read_text()
         assert not any(f"#include <{lib}" in text for lib in ("torch", "ATen", "c10")), header
 
@@ -274,7 +274,7 @@ def test_mma_steps_are_named_and_registered():
                                                                             "flash_mma_s7_causal_skip"]
     for step in cuda_build.MMA_STEPS:
         name = cuda_build.mma_kernel_name(step)
-        assert (cuda_build.CUDA_DIR / f"{name}.cu").is_file() and KERNELS[name][0] == f"{name}_forward"
+        assert KERNELS[name][0] == f"{name}_forward"
     with pytest.raises(ValueError, match="step must be one of"):
         cuda_build.mma_kernel_name("wgmma")
     impl = REGISTRY["cuda"]
@@ -286,6 +286,39 @@ def test_mma_steps_are_named_and_registered():
     bases = {**dict(zip(MMA_STRUCTS[1:], MMA_STRUCTS)), "Step11WarpRows": "Step7CausalSkip"}
     for after, before in bases.items():
         assert f"struct {after} : {before} {{" in steps, after
+
+
+def test_a_step_builds_its_flattened_kernel_through_the_one_template():
+    """What nvcc compiles for a step of 06b is the file a learner reads, steps/06b/sNN_<step>.cu; the rest of its
+    source is flash_mma_step.cu.in with the step's names, and no per-step .cu file is left in utils/native/src."""
+    assert not list(cuda_build.CUDA_DIR.glob("flash_mma_s[0-9]*.cu"))
+    template = (cuda_build.CUDA_DIR / cuda_build.MMA_STEP_TEMPLATE).read_text()
+    for n, step in enumerate(cuda_build.MMA_STEPS, 1):
+        name, file = cuda_build.mma_kernel_name(step), cuda_build.mma_step_file(step)
+        assert file == f"steps/06b/s{n:02d}_{step}.cu" and (cuda_build.CUDA_DIR / file).is_file()
+        source = cuda_build.kernel_source(name)
+        kernels_part = source.split("#ifndef COURSE_TORCH_WRAPPER")[1].split("#else  // COURSE_TORCH")[0]
+        assert re.findall(r'#include "([^"]+)"', kernels_part) == [file]
+        assert file in KERNELS[name][1] and "flash_mma_kernel.cuh" not in KERNELS[name][1]
+        names = (("${kernel}", name), ("${file}", file.rsplit("/", 1)[1]), ("${number}", str(n)),
+                 ("${steps}", str(len(cuda_build.MMA_STEPS))))
+        rendered = template
+        for placeholder, value in names:
+            rendered = rendered.replace(placeholder, value)
+        assert source == rendered and "$" not in source
+
+
+def test_an_edited_flattened_step_is_a_new_build(tmp_path, monkeypatch):
+    name = cuda_build.mma_kernel_name("exp2")
+    before = extension_name(name)
+    copy = tmp_path / "cuda"
+    shutil.copytree(cuda_build.CUDA_DIR, copy)
+    monkeypatch.setattr(cuda_build, "CUDA_DIR", copy)
+    assert extension_name(name) == before
+    step = copy / cuda_build.mma_step_file("exp2")
+    step.write_text(step.read_text() + "\n// edited\n")
+    assert extension_name(name) != before
+    assert extension_name(cuda_build.mma_kernel_name("tiles")) == extension_name(cuda_build.mma_kernel_name("tiles"))
 
 
 def test_flash_mma_validates_before_building():

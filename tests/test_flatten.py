@@ -1,4 +1,4 @@
-"""utils.course.flatten: the flattened sources of notebook 06b's forward steps and 06c's Hopper steps
+"""utils.course.flatten: the flattened sources of notebook 06b's forward and backward steps and 06c's Hopper steps
 (utils/native/src/steps/06b, 06c) are current, fold every switch, refuse what the parser does not understand, and (with
 nvcc) compile to the PTX of the templated steps they stand for."""
 import re
@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from utils.native import hopper
+from utils.native import backward as cuda_backward, build as cuda_build, hopper
 from utils.course import flatten
 
 LESSON = "06b"
@@ -23,9 +23,18 @@ def test_committed_files_are_what_the_generator_writes_now(lesson):
 
 
 def test_the_lesson_has_one_generated_file_per_step():
-    names = sorted(p.name for p in (flatten.STEPS_DIR / LESSON).glob("*.cu"))
+    names = sorted(p.name for p in (flatten.STEPS_DIR / LESSON).glob("s*.cu"))
     assert names == sorted(flatten.step_path(LESSON, n).name for n in STEPS)
     assert flatten.step_path(LESSON, 12).name == "s12_hoisted.cu"
+
+
+def test_the_steps_are_the_extensions_steps_and_their_files_what_the_extensions_build():
+    """utils.native.build builds step n from the file this module writes (through flash_mma_step.cu.in)."""
+    assert [s.name for s in flatten.steps(LESSON)] == list(cuda_build.MMA_STEPS)
+    for n, step in enumerate(cuda_build.MMA_STEPS, 1):
+        path = flatten.step_path(LESSON, n)
+        assert path.relative_to(cuda_build.CUDA_DIR).as_posix() == cuda_build.mma_step_file(step)
+        assert f"cudaError_t launch_{cuda_build.mma_kernel_name(step)}(" in path.read_text()
 
 
 @pytest.mark.parametrize("n", STEPS)
@@ -255,4 +264,66 @@ def test_a_flattened_06c_step_compiles_to_the_ptx_of_the_templated_step(n):
         for d in (64, 128):
             for causal in (0, 1):
                 assert any(f"{dtype}Li{d}ELb{causal}E" in e for e in entries), (dtype, d, causal, entries)
+    assert flat == templated
+
+
+# ---- 06b's backward: flash_mma_bwd_kernel.cuh and flash_mma_bwd_steps.cuh ------------------------------------------
+
+BWD = "06b_bwd"
+BWD_STEPS = range(1, len(cuda_backward.BWD_STEPS) + 1)
+BWD_SAMPLED = (2, 9)  # the dQ pass, and the default (cuda_backward.BWD_DEFAULT_STEP) with step 7's fallback
+
+
+def test_the_backward_has_one_generated_file_per_step_named_as_utils_cuda_backward_names_them():
+    assert [s.name for s in flatten.steps(BWD)] == list(cuda_backward.BWD_STEPS)
+    names = sorted(p.name for p in (flatten.STEPS_DIR / "06b").glob("bwd_*.cu"))
+    assert names == sorted(f"bwd_s{n:02d}_{name}.cu" for n, name in enumerate(cuda_backward.BWD_STEPS, 1))
+    assert cuda_backward.BWD_STEPS.index(cuda_backward.BWD_DEFAULT_STEP) + 1 in BWD_SAMPLED
+
+
+@pytest.mark.parametrize("n", BWD_STEPS)
+def test_the_backward_every_switch_is_folded(n):
+    source = flatten.step_source(BWD, n)
+    assert flatten.GENERATED in source and f"Step {n} of 9 of the backward" in source
+    code = re.sub(r"//[^\n]*", "", source)
+    assert "Step::k" not in code
+    assert not re.search(r"Step::template (?!(rows|min_blocks)<D>\(\))", code)  # kept: step 7's fallback reads them
+    assert not re.search(r"\b(true|false)\s*(\?|&&|\|\|)|(&&|\|\|)\s*(true|false)\b|if (constexpr )?\((true|false)\)",
+                         code)
+
+
+def test_the_backward_parents_follow_the_structs_bases():
+    assert [flatten.parent(BWD, n) for n in range(2, 10)] == [1, 1, 3, 4, 5, 5, 7, 8]
+    assert flatten.lineage(BWD, 9) == [1, 3, 4, 5, 7, 8, 9]
+
+
+def test_a_backward_step_keeps_only_its_own_lineage():
+    code = {n: re.sub(r"//[^\n]*", "", flatten.step_source(BWD, n)) for n in (1, 2, 7, 9)}
+    assert "flash_bwd_dq_kernel" in code[2] and "flash_bwd_dq_kernel" not in code[1]  # step 2's dQ pass alone
+    assert "flash_bwd_dkdv_tiled_kernel" not in code[7] and "flash_bwd_dkdv_tiled_kernel" in code[9]
+    assert "launch_bwd_rows<BwdMaskAfter, T, D>" in code[9]  # where the warp tiles do not fit: step 7's kernel
+    assert "// Step 8" not in flatten.step_source(BWD, 7)
+
+
+def test_the_diff_of_backward_step_7_masks_after_the_exponentials(capsys):
+    flatten.show_step_diff(BWD, 7)
+    out = capsys.readouterr().out
+    assert out.startswith("--- steps/06b/bwd_s05_per_head_dim.cu\n+++ steps/06b/bwd_s07_mask_after.cu")
+    changed = [ln for ln in out.splitlines() if ln[:1] in "+-" and ln[:3] not in ("+++", "---")]
+    assert "-    probs_t<kTilesS, false>(s, lse2, p, key0, q0, masked, offset, t);" in changed
+    assert "+    probs_t<kTilesS, true>(s, lse2, p, key0, q0, masked, offset, t);" in changed
+
+
+@needs_nvcc
+@pytest.mark.parametrize("n", [pytest.param(n, marks=() if n in BWD_SAMPLED else pytest.mark.full)
+                               for n in BWD_STEPS])
+def test_a_flattened_backward_step_compiles_to_the_ptx_of_the_templated_step(n):
+    """Both files instantiate the step's launcher: fp16 and bf16 at D = 64 and 128, each tile the GPU may get."""
+    templated = flatten.step_ptx(BWD, n, nvcc, flat=False)
+    flat = flatten.step_ptx(BWD, n, nvcc, flat=True)
+    struct = flatten.steps(BWD)[n - 1].struct
+    entries = re.findall(r"\.entry (\w+)", flat)
+    for dtype in ("6__half", "13__nv_bfloat16"):
+        for d in (64, 128):
+            assert any(f"{struct}E{dtype}Li{d}E" in e for e in entries), (dtype, d, entries)
     assert flat == templated

@@ -1,13 +1,14 @@
-"""Flattened sources of the steps of notebooks 06b (forward) and 06c (Hopper), and their diffs: course tooling
-(kernels never import it).
+"""Flattened sources of the steps of notebooks 06b (forward; "06b_bwd": the backward of 06bw) and 06c (Hopper),
+and their diffs: course tooling (kernels never import it).
 
-flash_mma_kernel.cuh (06b) and hopper_attention_kernel.cuh (06c) are each one template for every step of their
-worklog: `Step` (a struct of flash_mma_steps.cuh, hopper_attention_steps.cuh) switches each optimisation on through
+flash_mma_kernel.cuh (06b), flash_mma_bwd_kernel.cuh (06b_bwd) and hopper_attention_kernel.cuh (06c) are each one
+template for every step of their worklog: `Step` (a struct of flash_mma_steps.cuh, flash_mma_bwd_steps.cuh,
+hopper_attention_steps.cuh) switches each optimisation on through
 a branch. A learner reads one step at a time. For step N this module puts the step's values into the template (the
 switches, and the sizes), folds every `if constexpr`, plain `if`, `&&`, `||` and `?:` that became constant, drops
 what the step no longer reaches (dead branches, locals, functions, comments about steps outside its lineage) and
-writes utils/native/src/steps/<lesson>/sNN_<name>.cu. 06b's keys per tile (block_cols<D>) stay a member of Step:
-HalfTile halves them where shared memory is short.
+writes utils/native/src/steps/<lesson>/sNN_<name>.cu (the backward: steps/06b/bwd_sNN_<name>.cu). 06b's keys per tile
+(block_cols<D>) stay a member of Step: HalfTile halves them where shared memory is short.
 
 The parser is strict: a steps table or a switch use it does not understand is refused with a ValueError, and
 tests/test_flatten.py checks that each flattened step compiles to the same PTX as the templated one.
@@ -40,14 +41,23 @@ class Lesson:
     root: str         # the template's launcher, which the pruning starts from
     arch: str         # what nvcc compiles the PTX for
     kept: tuple = ()  # Step members kept as members of the type
+    title: str = ""   # who reads the steps: "notebook 06b"
+    directory: str = ""  # under utils/native/src/steps: 06b (the lesson's name when empty)
+    prefix: str = ""  # of the generated files' names: bwd_s03_narrow_rows.cu
+    numbered: bool = True  # Step12Hoisted: the number is in the struct's name (else its place in the table)
 
 
 LESSON = {
     # HalfTile<Step> overrides block_cols, so it must stay a call on Step.
     "06b": Lesson("flash_mma_steps.cuh", "flash_mma_kernel.cuh", "course_flash", "Step", "launch_flash_mma", "sm_80",
-                  ("block_cols",)),
+                  ("block_cols",), "notebook 06b"),
     "06c": Lesson("hopper_attention_steps.cuh", "hopper_attention_kernel.cuh", "course_hopper", "HopperStep",
-                  "launch_attention", "sm_90a"),
+                  "launch_attention", "sm_90a", title="notebook 06c"),
+    # The tensor-core backward (worklog 06bw, section 6): BwdAtomicDQ ... BwdHoisted, next to the forward's steps.
+    # rows and min_blocks stay on Step: steps 8 and 9 fall back to step 7's kernel, which reads its own.
+    "06b_bwd": Lesson("flash_mma_bwd_steps.cuh", "flash_mma_bwd_kernel.cuh", "course_flash", "Bwd",
+                      "launch_flash_mma_bwd", "sm_80", ("rows", "min_blocks"), title="the backward of notebook 06bw",
+                      directory="06b", prefix="bwd_", numbered=False),
 }
 LESSONS = tuple(LESSON)
 
@@ -68,15 +78,12 @@ class Step:
 
     @property
     def name(self) -> str:
-        """'Step12Hoisted' -> 'hoisted': the name of its .cu file in utils/native/src (flash_mma_s12_hoisted.cu), as
-        utils.native.build.MMA_STEPS names it. 'HopperStep15TmaStore' -> 'tma_store' (utils.native.hopper.ATTENTION_STEPS)."""
-        if self.lesson != "06b":
-            tail = self.struct[len(LESSON[self.lesson].struct) + len(str(self.number)):]
-            return re.sub(r"(?<!^)(?=[A-Z])", "_", tail).lower()
-        found = sorted(CUDA_DIR.glob(f"flash_mma_s{self.number}_*.cu"))
-        if len(found) != 1:
-            raise ValueError(f"expected one utils/native/src/flash_mma_s{self.number}_<name>.cu, found {len(found)}")
-        return found[0].stem.split("_", 3)[3]
+        """'Step12Hoisted' -> 'hoisted', 'Step8SplitKV' -> 'split_kv': the step's name in utils.native.build.MMA_STEPS
+        (06b; its extension is flash_mma_s12_hoisted). 'HopperStep10VDirect' -> 'v_direct'
+        (utils.native.hopper.ATTENTION_STEPS). 'BwdNarrowRows' -> 'narrow_rows' (utils.native.backward.BWD_STEPS)."""
+        les = LESSON[self.lesson]
+        tail = self.struct[len(les.struct) + (len(str(self.number)) if les.numbered else 0):]
+        return re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_", tail).lower()
 
 
 # ---- the steps table --------------------------------------------------------------------------------------------
@@ -112,7 +119,8 @@ def parse_steps(text: str, lesson: str = "06b") -> list[Step]:
     steps: dict[str, Step] = {}
     pos = 0
     comment: list[str] = []
-    struct_re = re.compile(r"struct (" + prefix + r"(\d+)\w*)(?: : (\w+))? \{")
+    numbered = LESSON[lesson].numbered
+    struct_re = re.compile(r"struct (" + prefix + (r"(\d+)\w*" if numbered else r"()[A-Z]\w*") + r")(?: : (\w+))? \{")
     while pos < len(body):
         line_end = body.find("\n", pos)
         line_end = len(body) if line_end < 0 else line_end
@@ -129,7 +137,8 @@ def parse_steps(text: str, lesson: str = "06b") -> list[Step]:
         if sm is None:
             raise ValueError(f"steps table line {_line(text, offset + pos)}: expected a comment or "
                              f"`struct {prefix}N... [: Parent] {{`, got {line!r}")
-        struct, number, parent = sm.group(1), int(sm.group(2)), sm.group(3)
+        struct, parent = sm.group(1), sm.group(3)
+        number = int(sm.group(2)) if numbered else len(steps) + 1
         close = body.find("};", sm.end())
         if close < 0:
             raise ValueError(f"steps table: struct {struct} is not closed by `}};`")
@@ -561,7 +570,7 @@ def prune_unreached(body: str, roots: set[str]) -> str:
 def _lesson_dir(lesson: str) -> Path:
     if lesson not in LESSONS:
         raise ValueError(f"lesson must be one of {LESSONS}, got {lesson!r}")
-    return STEPS_DIR / lesson
+    return STEPS_DIR / (LESSON[lesson].directory or lesson)
 
 
 def steps(lesson: str = "06b") -> list[Step]:
@@ -623,6 +632,12 @@ def _shape(step: Step) -> str:
             return _eval_d(value, d)
         return value == "true" if value in ("true", "false") else int(value)
 
+    if step.lesson == "06b_bwd":
+        rows = ", ".join(f"{val('rows', d)} at D = {d}" for d in HEAD_DIMS)
+        blocks = ", ".join(f"{val('min_blocks', d)} at D = {d}" for d in HEAD_DIMS)
+        return (f"// Shape: queries per step of the dK/dV loop, rows<D>: {rows};\n"
+                f"//   blocks per SM asked of ptxas, min_blocks<D>: {blocks}; k loops unrolled {val('kUnrollD')} "
+                f"times.")
     if step.lesson == "06c":
         if not val("kSpecialised"):
             return (f"// Shape: one warpgroup of 64 query rows a block; {val('kKeys')} keys per tile, "
@@ -667,7 +682,7 @@ def flatten(lesson: str, n: int) -> str:
     if left:
         raise ValueError(f"step {n}: left unfolded: {left.group(0)!r}")
     par = parent(lesson, n)
-    head = [f"// Step {n} of {len(table)} of notebook {lesson}: {step.struct} ({les.table})"
+    head = [f"// Step {n} of {len(table)} of {les.title}: {step.struct} ({les.table})"
             + (f", on step {par}." if par else "."),
             f"// {les.kernel} with this step's switches evaluated away. {GENERATED}",
             "//"]
@@ -680,8 +695,13 @@ def flatten(lesson: str, n: int) -> str:
 def _launcher(step: Step) -> str:
     """The end of a flattened step (and of its templated twin for the PTX check): a launcher of this step alone."""
     n, name = step.number, step.name
+    if step.lesson == "06b_bwd":
+        return (f"// This step's launcher (flash_mma_bwd.cu launches the same kernels from the template, as step "
+                f"{n}).\ncudaError_t launch_flash_mma_bwd_s{n}_{name}(const BwdParams& bp, DType dtype,\n"
+                f"                                    cudaStream_t stream) {{\n"
+                f"  return launch_flash_mma_bwd<{step.struct}>(bp, dtype, stream);\n}}")
     if step.lesson == "06b":
-        return (f"// This step's launcher: flash_mma_s{n}_{name}.cu compiles the same kernel from the template.\n"
+        return (f"// This step's launcher, which the extension flash_mma_s{n}_{name} calls (utils/native/build.py).\n"
                 f"cudaError_t launch_flash_mma_s{n}_{name}(const Params& p, DType dtype, cudaStream_t stream) {{\n"
                 f"  return launch_flash_mma<{step.struct}>(p, dtype, stream);\n}}")
     args = "causal, q, k, vt, o_map, o, p, batch_heads, stream"
@@ -702,7 +722,7 @@ def _launcher(step: Step) -> str:
 def step_path(lesson: str, n: int) -> Path:
     """Where the generated file of step n lies: utils/native/src/steps/06b/s12_hoisted.cu."""
     step, _ = _step(lesson, n)
-    return _lesson_dir(lesson) / f"s{n:02d}_{step.name}.cu"
+    return _lesson_dir(lesson) / f"{LESSON[lesson].prefix}s{n:02d}_{step.name}.cu"
 
 
 def step_source(lesson: str, n: int) -> str:
@@ -751,7 +771,7 @@ def step_diff(lesson: str, n: int, against: int | None = None, context: int = 3)
     _step(lesson, against)
     a, b = step_path(lesson, against), step_path(lesson, n)
     return "\n".join(difflib.unified_diff(_without_launcher(a.read_text()), _without_launcher(b.read_text()),
-                                          f"steps/{lesson}/{a.name}", f"steps/{lesson}/{b.name}",
+                                          f"steps/{a.parent.name}/{a.name}", f"steps/{b.parent.name}/{b.name}",
                                           n=context, lineterm=""))
 
 
@@ -771,7 +791,7 @@ def check(lesson: str = "06b") -> list[Path]:
     """The generated files that differ from what is committed (or are missing, or are left over)."""
     files = generate(lesson)
     bad = [p for p, text in files.items() if not p.is_file() or p.read_text() != text]
-    bad += [p for p in sorted(_lesson_dir(lesson).glob("*.cu")) if p not in files]
+    bad += [p for p in sorted(_lesson_dir(lesson).glob(f"{LESSON[lesson].prefix}s[0-9]*.cu")) if p not in files]
     return bad
 
 
@@ -787,13 +807,11 @@ def normalised_ptx(source: Path, nvcc: str, arch: str = "sm_80") -> str:
 
 
 def templated_source(lesson: str, n: int) -> Path:
-    """The .cu file that compiles step n from the template: utils/native/src/flash_mma_s12_hoisted.cu (06b); for 06c a
-    file in the temporary directory that includes hopper_attention_kernel.cuh and ends as the flattened step does."""
-    step, _ = _step(lesson, n)
-    if lesson == "06b":
-        return CUDA_DIR / f"flash_mma_s{n}_{step.name}.cu"
+    """A .cu file that compiles step n from the template: in the temporary directory, it includes the lesson's
+    kernel (flash_mma_kernel.cuh, hopper_attention_kernel.cuh) and ends as the flattened step does."""
     import tempfile
 
+    step, _ = _step(lesson, n)
     les = LESSON[lesson]
     path = Path(tempfile.gettempdir()) / "course_flatten" / f"{lesson}_s{n:02d}_{step.name}.cu"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -3,7 +3,7 @@
 - `flash_mma_forward(q, k, v)` -> (o, lse): the registry's "cuda" forward (utils.native.build.MMA_DEFAULT_STEP), which also
   writes the log-sum-exp the backward rebuilds P from.
 - `flash_mma_backward(do, q, k, v, o, lse)` -> (dq, dk, dv), as of one of BWD_STEPS, the backward's worklog
-  (utils/native/src/flash_mma_bwd_kernel.cuh, one struct per step): "atomic_dq" (1) one kernel per block of keys
+  (utils/native/src/flash_mma_bwd_steps.cuh, one struct per step): "atomic_dq" (1) one kernel per block of keys
   computes dK and dV and adds its share of dQ with fp32 atomics, as FlashAttention-2 does; "dq_pass" (2) the same
   kernel without dQ, then a kernel per block of queries that recomputes S and dP and writes dQ once (no atomics:
   deterministic, two more matmuls); "narrow_rows" (3) 32 queries per step instead of 64; "two_blocks" (4) and

@@ -44,27 +44,49 @@ KERNELS = {
     "flash_naive": ("flash_naive_forward", ("flash_params.h", "flash_common.cuh", "flash_torch.h", "course_str.h")),
     "flash_tiled": ("flash_tiled_forward", ("flash_params.h", "flash_common.cuh", "flash_torch.h", "course_str.h")),
 }
-# Notebook 06b: the tensor-core kernel, one file per step of its worklog (utils/native/src/flash_mma_steps.cuh), so
-# that the final step alone is built for the registry and the steps build in parallel.
+# Notebook 06b: the tensor-core kernel, one extension per step of its worklog (utils/native/src/flash_mma_steps.cuh), so
+# that the final step alone is built for the registry and the steps build in parallel. A step's source is
+# MMA_STEP_TEMPLATE rendered for it (mma_step_source): it compiles the step's flattened kernel, steps/06b/sNN_<step>.cu,
+# which a learner reads (utils.course.flatten generates it from flash_mma_kernel.cuh).
 MMA_STEPS = ("mma", "ldmatrix", "swizzle", "cp_async", "tiles", "exp2", "causal_skip", "split_kv", "occupancy",
              "one_group", "warp_rows", "hoisted", "late_copy", "rare_rescale", "whole_tiles")
 # The registry's "cuda" and flash_mma's default: the fastest step measured (images/06b_step15_h200.json).
 MMA_DEFAULT_STEP = "whole_tiles"
 MMA_HEADERS = ("flash_params.h", "flash_common.cuh", "flash_torch.h", "course_str.h", "flash_mma.cuh",
                "flash_mma_steps.cuh", "flash_mma_kernel.cuh", "flash_mma_torch.h")
+MMA_STEP_TEMPLATE = "flash_mma_step.cu.in"
 
 
 def mma_kernel_name(step: str) -> str:
-    """'exp2' -> 'flash_mma_s6_exp2', the KERNELS name (and .cu file) of that step."""
+    """'exp2' -> 'flash_mma_s6_exp2', the KERNELS name (and extension) of that step."""
     if step not in MMA_STEPS:
         raise ValueError(f"step must be one of {MMA_STEPS}, got {step!r}")
     return f"flash_mma_s{MMA_STEPS.index(step) + 1}_{step}"
 
 
-KERNELS.update({mma_kernel_name(s): (f"{mma_kernel_name(s)}_forward", MMA_HEADERS) for s in MMA_STEPS})
+def mma_step_file(step: str) -> str:
+    """'exp2' -> 'steps/06b/s06_exp2.cu': the flattened kernel of that step, under utils/native/src."""
+    mma_kernel_name(step)  # validates
+    return f"steps/06b/s{MMA_STEPS.index(step) + 1:02d}_{step}.cu"
+
+
+def mma_step_source(step: str) -> str:
+    """The .cu source of a step's extension: MMA_STEP_TEMPLATE with the step's names filled in."""
+    from string import Template
+
+    return Template((CUDA_DIR / MMA_STEP_TEMPLATE).read_text()).substitute(
+        number=MMA_STEPS.index(step) + 1, steps=len(MMA_STEPS), kernel=mma_kernel_name(step),
+        file=mma_step_file(step).rsplit("/", 1)[1])
+
+
+_MMA_STEP_OF = {mma_kernel_name(s): s for s in MMA_STEPS}
+# A step's build: the template, the flattened kernel and what it includes (not flash_mma_kernel.cuh).
+KERNELS.update({name: (f"{name}_forward", (*[h for h in MMA_HEADERS if h != "flash_mma_kernel.cuh"],
+                                           MMA_STEP_TEMPLATE, mma_step_file(step)))
+                for name, step in _MMA_STEP_OF.items()})
 # Notebook 06bw, section 6: MMA_DEFAULT_STEP's forward with the log-sum-exp, and the backward (utils.native.backward).
 KERNELS["flash_mma_bwd"] = (("flash_mma_bwd_forward", "flash_mma_bwd_backward"),
-                            (*MMA_HEADERS, "flash_mma_bwd_kernel.cuh"))
+                            (*MMA_HEADERS, "flash_mma_bwd_steps.cuh", "flash_mma_bwd_kernel.cuh"))
 # Notebook 06c: Hopper's wgmma and TMA exist only in sm_90a code, which runs on sm_90 GPUs (H100/H200) alone.
 HOPPER_HEADERS = ("hopper.cuh", "hopper_layout.h", "hopper_host.h", "course_str.h")
 KERNELS["wgmma_gemm"] = ("wgmma_gemm_forward", HOPPER_HEADERS)
@@ -87,8 +109,10 @@ def _check_name(name) -> str:
 
 
 def kernel_source(name: str) -> str:
-    """The text of utils/native/src/<name>.cu."""
-    return (CUDA_DIR / f"{_check_name(name)}.cu").read_text()
+    """The text of utils/native/src/<name>.cu; for a step of notebook 06b, its rendered MMA_STEP_TEMPLATE."""
+    if _check_name(name) in _MMA_STEP_OF:
+        return mma_step_source(_MMA_STEP_OF[name])
+    return (CUDA_DIR / f"{name}.cu").read_text()
 
 
 def source_hash(name: str, flags=CUDA_FLAGS) -> str:
@@ -111,7 +135,8 @@ def extension_name(name: str, flags=CUDA_FLAGS) -> str:
     """The load_inline name: `course_<name>_<hash>`, a new name whenever sources or flags change."""
     _check_name(name)
     # Hashing reads the files; a stat per call is enough to notice an edit (the hash is then recomputed).
-    files = [CUDA_DIR / f"{name}.cu", *[CUDA_DIR / h for h in KERNELS[name][1]]]
+    own = [] if name in _MMA_STEP_OF else [CUDA_DIR / f"{name}.cu"]  # a step's template is one of its headers
+    files = [*own, *[CUDA_DIR / h for h in KERNELS[name][1]]]
     key = (name, tuple(flags), tuple(f.stat().st_mtime_ns for f in files))
     if key not in _NAMES:
         _NAMES[key] = f"course_{name}_{source_hash(name, flags)}"
@@ -397,7 +422,11 @@ def _compile_one(nvcc: str, name: str, arch: str) -> list[KernelResources]:
         result = [KernelResources(**r) for r in json.loads(cache.read_text())]
     else:
         with tempfile.TemporaryDirectory() as tmp:
-            proc = subprocess.run([nvcc, "-c", *flags, f"-I{CUDA_DIR}", str(CUDA_DIR / f"{name}.cu"),
+            source = CUDA_DIR / f"{name}.cu"
+            if name in _MMA_STEP_OF:  # rendered, no file of its own; it includes its kernel through -I
+                source = Path(tmp) / f"{name}.cu"
+                source.write_text(kernel_source(name))
+            proc = subprocess.run([nvcc, "-c", *flags, f"-I{CUDA_DIR}", str(source),
                                    "-o", str(Path(tmp) / f"{name}.o")], capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"nvcc failed on {name}.cu for {arch}:\n{proc.stderr[-4000:]}")

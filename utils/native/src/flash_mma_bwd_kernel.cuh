@@ -16,52 +16,10 @@
 // = lse · log2(e), +inf for rows that see no key and for the padding (so P = 2^(S·scale·log2 e − lse2) is 0
 // there), delta = D (0 in the padding). Bottom-right causal alignment, as the forward.
 #pragma once
+#include "flash_mma_bwd_steps.cuh"
 #include "flash_mma_kernel.cuh"
 
 namespace course_flash {
-
-// The steps of the backward's worklog, each the one before with one change (as flash_mma_steps.cuh).
-// Step 1: dQ by fp32 atomics from the dkdv kernel; 64 queries per step of its loop; one block per SM.
-struct BwdAtomicDQ {
-  static constexpr bool kAtomicDQ = true;
-  static constexpr bool kMaskAfter = false;                         // step 7
-  static constexpr bool kWarpTiles = false;                         // step 8
-  static constexpr bool kHoisted = false;                           // step 9
-  static constexpr int kUnrollD = 8;                                 // step 6: iterations of the k loops unrolled
-  template <int D> static constexpr int rows() { return 64; }       // BR
-  template <int D> static constexpr int min_blocks() { return 1; }  // blocks per SM asked of ptxas
-};
-// Step 2: dQ by a pass of its own (no atomics: deterministic; S and dP computed twice).
-struct BwdDQPass : BwdAtomicDQ { static constexpr bool kAtomicDQ = false; };
-// Step 3: step 1 with 32 queries per step: Sᵀ and dPᵀ take 16 registers each instead of 32, which ends the
-// spills at D = 128 and leaves registers for fragments loaded ahead.
-struct BwdNarrowRows : BwdAtomicDQ { template <int D> static constexpr int rows() { return 32; } };
-// Step 4: step 3 with two blocks per SM at D = 64 (registers capped at 128).
-struct BwdTwoBlocks : BwdNarrowRows {
-  template <int D> static constexpr int min_blocks() { return D == 64 ? 2 : 1; }
-};
-// Step 5: each head dim with what paid for it: D = 64 step 4's, D = 128 step 1's 64 queries per step.
-struct BwdPerHeadDim : BwdTwoBlocks { template <int D> static constexpr int rows() { return D == 64 ? 32 : 64; } };
-// Step 6: the k loops of Sᵀ = K Qᵀ and dPᵀ = V dOᵀ unrolled twice, not fully. Fully unrolled, the compiler
-// hoisted every fragment address out of the query loop and spilled at D = 128 (images/06b_ncu_backward_h200.txt);
-// with two iterations in flight the mma still overlap the next ldmatrix, and nothing spills.
-struct BwdUnrollTwo : BwdPerHeadDim { static constexpr int kUnrollD = 2; };
-// Step 7: Pᵀ's exponentials first and its mask after them, only in tiles the mask touches (probs_t, kMaskAfter).
-// Written as `hidden ? 0 : exp2(..)` per element, as in Exercise 6b.6, each exp2 sits behind a branch: in the SASS of
-// step 5's loop, 32 of its 48 convergence barriers (BSSY/BSYNC) wrap one exp2 each.
-struct BwdMaskAfter : BwdPerHeadDim { static constexpr bool kMaskAfter = true; };
-// Step 8: FlashAttention-2's warp tiles (flash_bwd_dkdv_tiled_kernel below). Each warp computes a 32 x 32 tile of
-// Sᵀ and dPᵀ instead of 16 keys x 64 queries, so every fragment read from shared memory serves two mma, not one;
-// Pᵀ and dSᵀ then go through shared memory, where dV, dK and dQ are tiled 32 x D/2, 32 x D/2 and 32 x D/4.
-struct BwdWarpTiles : BwdMaskAfter {
-  static constexpr bool kWarpTiles = true;
-  template <int D> static constexpr int rows() { return 64; }
-  template <int D> static constexpr int min_blocks() { return 1; }
-};
-// Step 9: the addresses worked out once. In step 8's loop, integer instructions outnumber the mma three to one:
-// each copy and each ldmatrix recomputes its row, column and swizzle. Here every thread's copy rows and every
-// lane's ldmatrix offsets are computed before the loop.
-struct BwdHoisted : BwdWarpTiles { static constexpr bool kHoisted = true; };
 
 using BwdLoad = Step7CausalSkip;  // how tiles are loaded and read: cp.async, swizzled, ldmatrix (06b step 7)
 
@@ -693,6 +651,31 @@ cudaError_t launch_with_smem(Kernel kernel, dim3 grid, int threads, int smem, cu
   return cudaGetLastError();
 }
 
+// Steps 1-7's dK/dV kernel, and step 2's dQ pass after it. 8 warps and two stages (144 KB at D = 128) where the
+// GPU grants it; 4 warps and one stage (72 KB) elsewhere.
+template <typename Step, typename T, int D>
+cudaError_t launch_bwd_rows(const BwdParams& bp, int limit, cudaStream_t stream) {
+  const Params& p = bp.fwd;
+  using Big = BwdTile<Step, D>;
+  using Small = BwdTile<Step, D, 4, 1>;
+  const bool big = Big::kSmemBytes <= limit;
+  const int cols = big ? Big::kCols : Small::kCols;
+  const dim3 grid((p.seqlen_k + cols - 1) / cols, p.batch * p.kv_heads);
+  cudaError_t err = big ? launch_with_smem(flash_bwd_dkdv_kernel<Step, T, D, Big>, grid, Big::kThreads,
+                                           Big::kSmemBytes, stream, bp)
+                        : launch_with_smem(flash_bwd_dkdv_kernel<Step, T, D, Small>, grid, Small::kThreads,
+                                           Small::kSmemBytes, stream, bp);
+  if constexpr (Step::kAtomicDQ) {
+    return err;
+  } else {  // step 2: dQ by a pass of its own
+    if (err != cudaSuccess) return err;
+    using DQ = DQTile<D>;
+    if (DQ::kSmemBytes > limit) return cudaErrorInvalidConfiguration;
+    const dim3 dq_grid((p.seqlen_q + DQ::kRows - 1) / DQ::kRows, p.batch * p.heads);
+    return launch_with_smem(flash_bwd_dq_kernel<T, D>, dq_grid, DQ::kThreads, DQ::kSmemBytes, stream, bp);
+  }
+}
+
 template <typename Step, typename T, int D>
 cudaError_t launch_bwd_d(const BwdParams& bp, cudaStream_t stream) {
   const Params& p = bp.fwd;
@@ -709,23 +692,11 @@ cudaError_t launch_bwd_d(const BwdParams& bp, cudaStream_t stream) {
     if (One::kSmemBytes <= limit)
       return launch_with_smem(flash_bwd_dkdv_tiled_kernel<Step, T, D, One>, grid, One::kThreads,
                               One::kSmemBytes, stream, bp);
-    return launch_bwd_d<BwdMaskAfter, T, D>(bp, stream);
+    // Step 7's kernel. It reads only switches steps 8 and 9 share with step 7 (kAtomicDQ, kMaskAfter, kUnrollD)
+    // and its own rows<D> and min_blocks<D>, so a flattened step 8 or 9 (utils.course.flatten) launches it as is.
+    return launch_bwd_rows<BwdMaskAfter, T, D>(bp, limit, stream);
   } else {
-    // 8 warps and two stages (144 KB at D = 128) where the GPU grants it; 4 warps and one stage (72 KB) elsewhere.
-    using Big = BwdTile<Step, D>;
-    using Small = BwdTile<Step, D, 4, 1>;
-    const bool big = Big::kSmemBytes <= limit;
-    const int cols = big ? Big::kCols : Small::kCols;
-    const dim3 grid((p.seqlen_k + cols - 1) / cols, p.batch * p.kv_heads);
-    cudaError_t err = big ? launch_with_smem(flash_bwd_dkdv_kernel<Step, T, D, Big>, grid, Big::kThreads,
-                                             Big::kSmemBytes, stream, bp)
-                          : launch_with_smem(flash_bwd_dkdv_kernel<Step, T, D, Small>, grid, Small::kThreads,
-                                             Small::kSmemBytes, stream, bp);
-    if (err != cudaSuccess || Step::kAtomicDQ) return err;
-    using DQ = DQTile<D>;
-    if (DQ::kSmemBytes > limit) return cudaErrorInvalidConfiguration;
-    const dim3 dq_grid((p.seqlen_q + DQ::kRows - 1) / DQ::kRows, p.batch * p.heads);
-    return launch_with_smem(flash_bwd_dq_kernel<T, D>, dq_grid, DQ::kThreads, DQ::kSmemBytes, stream, bp);
+    return launch_bwd_rows<Step, T, D>(bp, limit, stream);
   }
 }
 

@@ -1,4 +1,4 @@
-// The torch side of the tensor-core kernels (flash_mma_s*.cu, flash_mma_bwd.cu), compiled by the host C++
+// The torch side of the tensor-core kernels (flash_mma_step.cu.in, flash_mma_bwd.cu), compiled by the host C++
 // compiler: what they support beyond flash_torch.h's checks (fp16/bf16, D = 64 or 128, an sm_80+ GPU, rows on
 // 16 bytes), then the common forward.
 #pragma once

@@ -305,7 +305,7 @@ cudaError_t launch_flash_mma(const Params& p, DType dtype, cudaStream_t stream) 
   }
 }
 
-// This step's launcher: flash_mma_s2_ldmatrix.cu compiles the same kernel from the template.
+// This step's launcher, which the extension flash_mma_s2_ldmatrix calls (utils/native/build.py).
 cudaError_t launch_flash_mma_s2_ldmatrix(const Params& p, DType dtype, cudaStream_t stream) {
   return launch_flash_mma<Step2Ldmatrix>(p, dtype, stream);
 }

@@ -325,7 +325,7 @@ cudaError_t launch_flash_mma(const Params& p, DType dtype, cudaStream_t stream) 
   }
 }
 
-// This step's launcher: flash_mma_s4_cp_async.cu compiles the same kernel from the template.
+// This step's launcher, which the extension flash_mma_s4_cp_async calls (utils/native/build.py).
 cudaError_t launch_flash_mma_s4_cp_async(const Params& p, DType dtype, cudaStream_t stream) {
   return launch_flash_mma<Step4CpAsync>(p, dtype, stream);
 }

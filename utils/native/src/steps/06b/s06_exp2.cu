@@ -327,7 +327,7 @@ cudaError_t launch_flash_mma(const Params& p, DType dtype, cudaStream_t stream) 
   }
 }
 
-// This step's launcher: flash_mma_s6_exp2.cu compiles the same kernel from the template.
+// This step's launcher, which the extension flash_mma_s6_exp2 calls (utils/native/build.py).
 cudaError_t launch_flash_mma_s6_exp2(const Params& p, DType dtype, cudaStream_t stream) {
   return launch_flash_mma<Step6Exp2>(p, dtype, stream);
 }

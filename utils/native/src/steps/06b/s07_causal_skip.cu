@@ -329,7 +329,7 @@ cudaError_t launch_flash_mma(const Params& p, DType dtype, cudaStream_t stream) 
   }
 }
 
-// This step's launcher: flash_mma_s7_causal_skip.cu compiles the same kernel from the template.
+// This step's launcher, which the extension flash_mma_s7_causal_skip calls (utils/native/build.py).
 cudaError_t launch_flash_mma_s7_causal_skip(const Params& p, DType dtype, cudaStream_t stream) {
   return launch_flash_mma<Step7CausalSkip>(p, dtype, stream);
 }

@@ -337,7 +337,7 @@ cudaError_t launch_flash_mma(const Params& p, DType dtype, cudaStream_t stream) 
   }
 }
 
-// This step's launcher: flash_mma_s8_split_kv.cu compiles the same kernel from the template.
+// This step's launcher, which the extension flash_mma_s8_split_kv calls (utils/native/build.py).
 cudaError_t launch_flash_mma_s8_split_kv(const Params& p, DType dtype, cudaStream_t stream) {
   return launch_flash_mma<Step8SplitKV>(p, dtype, stream);
 }

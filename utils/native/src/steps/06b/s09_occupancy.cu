@@ -338,7 +338,7 @@ cudaError_t launch_flash_mma(const Params& p, DType dtype, cudaStream_t stream) 
   }
 }
 
-// This step's launcher: flash_mma_s9_occupancy.cu compiles the same kernel from the template.
+// This step's launcher, which the extension flash_mma_s9_occupancy calls (utils/native/build.py).
 cudaError_t launch_flash_mma_s9_occupancy(const Params& p, DType dtype, cudaStream_t stream) {
   return launch_flash_mma<Step9Occupancy>(p, dtype, stream);
 }

@@ -331,7 +331,7 @@ cudaError_t launch_flash_mma(const Params& p, DType dtype, cudaStream_t stream) 
   }
 }
 
-// This step's launcher: flash_mma_s10_one_group.cu compiles the same kernel from the template.
+// This step's launcher, which the extension flash_mma_s10_one_group calls (utils/native/build.py).
 cudaError_t launch_flash_mma_s10_one_group(const Params& p, DType dtype, cudaStream_t stream) {
   return launch_flash_mma<Step10OneGroup>(p, dtype, stream);
 }

@@ -341,7 +341,7 @@ cudaError_t launch_flash_mma(const Params& p, DType dtype, cudaStream_t stream) 
   }
 }
 
-// This step's launcher: flash_mma_s11_warp_rows.cu compiles the same kernel from the template.
+// This step's launcher, which the extension flash_mma_s11_warp_rows calls (utils/native/build.py).
 cudaError_t launch_flash_mma_s11_warp_rows(const Params& p, DType dtype, cudaStream_t stream) {
   return launch_flash_mma<Step11WarpRows>(p, dtype, stream);
 }

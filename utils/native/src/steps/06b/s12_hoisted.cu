@@ -356,7 +356,7 @@ cudaError_t launch_flash_mma(const Params& p, DType dtype, cudaStream_t stream) 
   }
 }
 
-// This step's launcher: flash_mma_s12_hoisted.cu compiles the same kernel from the template.
+// This step's launcher, which the extension flash_mma_s12_hoisted calls (utils/native/build.py).
 cudaError_t launch_flash_mma_s12_hoisted(const Params& p, DType dtype, cudaStream_t stream) {
   return launch_flash_mma<Step12Hoisted>(p, dtype, stream);
 }

@@ -376,7 +376,7 @@ cudaError_t launch_flash_mma(const Params& p, DType dtype, cudaStream_t stream) 
   }
 }
 
-// This step's launcher: flash_mma_s14_rare_rescale.cu compiles the same kernel from the template.
+// This step's launcher, which the extension flash_mma_s14_rare_rescale calls (utils/native/build.py).
 cudaError_t launch_flash_mma_s14_rare_rescale(const Params& p, DType dtype, cudaStream_t stream) {
   return launch_flash_mma<Step14RareRescale>(p, dtype, stream);
 }

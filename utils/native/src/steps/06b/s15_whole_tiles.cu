@@ -371,7 +371,7 @@ cudaError_t launch_flash_mma(const Params& p, DType dtype, cudaStream_t stream) 
   }
 }
 
-// This step's launcher: flash_mma_s15_whole_tiles.cu compiles the same kernel from the template.
+// This step's launcher, which the extension flash_mma_s15_whole_tiles calls (utils/native/build.py).
 cudaError_t launch_flash_mma_s15_whole_tiles(const Params& p, DType dtype, cudaStream_t stream) {
   return launch_flash_mma<Step15WholeTiles>(p, dtype, stream);
 }

@@ -1,0 +1,50 @@
+// The steps of the tensor-core backward's worklog (notebook 06bw, section 6), each the one before with one change,
+// as flash_mma_steps.cuh is for the forward. flash_mma_bwd_kernel.cuh reads them; python -m utils.course.flatten
+// writes each step alone, with its switches evaluated away, into steps/06b/bwd_sNN_<step>.cu.
+#pragma once
+
+namespace course_flash {
+
+// Step 1: dQ by fp32 atomics from the dkdv kernel; 64 queries per step of its loop; one block per SM.
+struct BwdAtomicDQ {
+  static constexpr bool kAtomicDQ = true;
+  static constexpr bool kMaskAfter = false;                         // step 7
+  static constexpr bool kWarpTiles = false;                         // step 8
+  static constexpr bool kHoisted = false;                           // step 9
+  static constexpr int kUnrollD = 8;                                 // step 6: iterations of the k loops unrolled
+  template <int D> static constexpr int rows() { return 64; }       // BR
+  template <int D> static constexpr int min_blocks() { return 1; }  // blocks per SM asked of ptxas
+};
+// Step 2: dQ by a pass of its own (no atomics: deterministic; S and dP computed twice).
+struct BwdDQPass : BwdAtomicDQ { static constexpr bool kAtomicDQ = false; };
+// Step 3: step 1 with 32 queries per step: Sᵀ and dPᵀ take 16 registers each instead of 32, which ends the
+// spills at D = 128 and leaves registers for fragments loaded ahead.
+struct BwdNarrowRows : BwdAtomicDQ { template <int D> static constexpr int rows() { return 32; } };
+// Step 4: step 3 with two blocks per SM at D = 64 (registers capped at 128).
+struct BwdTwoBlocks : BwdNarrowRows {
+  template <int D> static constexpr int min_blocks() { return D == 64 ? 2 : 1; }
+};
+// Step 5: each head dim with what paid for it: D = 64 step 4's, D = 128 step 1's 64 queries per step.
+struct BwdPerHeadDim : BwdTwoBlocks { template <int D> static constexpr int rows() { return D == 64 ? 32 : 64; } };
+// Step 6: the k loops of Sᵀ = K Qᵀ and dPᵀ = V dOᵀ unrolled twice, not fully. Fully unrolled, the compiler
+// hoisted every fragment address out of the query loop and spilled at D = 128 (images/06b_ncu_backward_h200.txt);
+// with two iterations in flight the mma still overlap the next ldmatrix, and nothing spills.
+struct BwdUnrollTwo : BwdPerHeadDim { static constexpr int kUnrollD = 2; };
+// Step 7: Pᵀ's exponentials first and its mask after them, only in tiles the mask touches (probs_t, kMaskAfter).
+// Written as `hidden ? 0 : exp2(..)` per element, as in Exercise 6b.6, each exp2 sits behind a branch: in the SASS of
+// step 5's loop, 32 of its 48 convergence barriers (BSSY/BSYNC) wrap one exp2 each.
+struct BwdMaskAfter : BwdPerHeadDim { static constexpr bool kMaskAfter = true; };
+// Step 8: FlashAttention-2's warp tiles (flash_bwd_dkdv_tiled_kernel below). Each warp computes a 32 x 32 tile of
+// Sᵀ and dPᵀ instead of 16 keys x 64 queries, so every fragment read from shared memory serves two mma, not one;
+// Pᵀ and dSᵀ then go through shared memory, where dV, dK and dQ are tiled 32 x D/2, 32 x D/2 and 32 x D/4.
+struct BwdWarpTiles : BwdMaskAfter {
+  static constexpr bool kWarpTiles = true;
+  template <int D> static constexpr int rows() { return 64; }
+  template <int D> static constexpr int min_blocks() { return 1; }
+};
+// Step 9: the addresses worked out once. In step 8's loop, integer instructions outnumber the mma three to one:
+// each copy and each ldmatrix recomputes its row, column and swizzle. Here every thread's copy rows and every
+// lane's ldmatrix offsets are computed before the loop.
+struct BwdHoisted : BwdWarpTiles { static constexpr bool kHoisted = true; };
+
+}  // namespace course_flash
