@@ -1,5 +1,5 @@
-"""utils.course.bench.timeline and the timeline helpers of utils.native.hopper: arguments, the summary and the records on fake
-timelines (CPU); the kernel's own milestones on an H100/H200."""
+"""utils.course.bench.timeline and the timeline helpers of utils.native.hopper: arguments, the summary and the
+records on fake timelines (CPU); the kernel's own milestones on an H100/H200."""
 import json
 
 import pytest

@@ -182,7 +182,8 @@ def test_the_gluon_forwards_differentiate_through_it(name):
 
 
 def test_calls_on_a_cpu_or_with_nq_not_a_multiple_of_4_are_checked_every_time():
-    """No kind (utils.tiled.fast.launch.kind_key) for CPU tensors, nor where the statistics are padded between launches."""
+    """No kind (utils.tiled.fast.launch.kind_key) for CPU tensors, nor where the statistics are padded between
+    launches."""
     assert gb._call_key(*_inputs(), False, None, None) is None
     do, q, k, v, o, lse = _inputs((1, 2, 2, 13, 16, 64))
     assert gb._call_key(do, q, k, v, o, lse, False, None, None) is None

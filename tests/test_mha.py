@@ -1,4 +1,5 @@
-"""utils.eager.mha.MultiHeadAttention: shapes, equality with torch.nn.MultiheadAttention, swappable kernels, validation."""
+"""utils.eager.mha.MultiHeadAttention: shapes, equality with torch.nn.MultiheadAttention, swappable kernels,
+validation."""
 import math
 
 import pytest

@@ -1,6 +1,6 @@
-"""The paged KV cache (utils.decoding.paged_kv) and decoding through its block table (flash_decode_paged): every result is
-compared with the contiguous `flash_decode` on a cache the test keeps itself, on the CPU through the interpreter
-and, where there is one, on a GPU."""
+"""The paged KV cache (utils.decoding.paged_kv) and decoding through its block table (flash_decode_paged): every
+result is compared with the contiguous `flash_decode` on a cache the test keeps itself, on the CPU through the
+interpreter and, where there is one, on a GPU."""
 import pytest
 import torch
 

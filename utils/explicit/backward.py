@@ -381,8 +381,8 @@ _KINDS = launch.kind_cache()   # _call_key -> launch.Kind of (shape, scale, conf
 
 
 def _call_key(do, q, k, v, o, lse, causal, sm_scale, config):
-    """What the checks, the config and the launches depend on (utils.tiled.fast.launch.kind_key), for CUDA tensors, options
-    of the expected types and Nq a multiple of 4 (otherwise the statistics are padded between the two launches);
+    """What the checks, the config and the launches depend on (utils.tiled.fast.launch.kind_key), for CUDA tensors,
+    options of the expected types and Nq a multiple of 4 (otherwise the statistics are padded between the two launches);
     None otherwise (such a call is checked every time)."""
     if not (type(causal) is bool and type(sm_scale) in (float, int, type(None))
             and type(config) in (BwdConfig, type(None)) and type(q) is torch.Tensor and q.dim() == 4
@@ -408,7 +408,8 @@ def flash_attention_gluon_backward(do, q, k, v, o, lse, *, causal=False, sm_scal
 
     fp16/bf16, head dim 64 or 128, GQA, Nq != Nk (bottom-right causal mask), on an sm_90 GPU. `config`: tiles
     (default: pick_config's). As the Triton backward (utils.tiled.fast.backward), the checks, the config and the two
-    launches are kept per kind of call (utils.tiled.fast.launch.Kind), so a later call of a kind passes only its tensors."""
+    launches are kept per kind of call (utils.tiled.fast.launch.Kind), so a later call of a kind passes only its
+    tensors."""
     key = _call_key(do, q, k, v, o, lse, causal, sm_scale, config)
     kind = launch.kind_of(_KINDS, key, lambda: _choose(do, q, k, v, o, lse, causal, sm_scale, config))
     (b, h, _, nq, _, d), scale, config = kind.choices

@@ -197,7 +197,8 @@ def variant(config: WSConfig, name: str):
 
 
 def flash_attention_gluon_ws_forward(q, k, v, *, causal=False, sm_scale=None, config: WSConfig | None = None):
-    """(o, lse) as utils.explicit.forward.flash_attention_gluon_forward; `config`: fixed tiles (default: pick_config's)."""
+    """(o, lse) as utils.explicit.forward.flash_attention_gluon_forward; `config`: fixed tiles (default:
+    pick_config's)."""
     scale = fg.validate(q, k, v, causal, sm_scale)
     config = pick_config(q.shape[-1]) if config is None else check_config(config, q.shape[-1])
     q, k, v, o, lse = fg.tma_buffers(q, k, v)

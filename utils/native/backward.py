@@ -1,7 +1,8 @@
-"""The backward pass of the course's tensor-core CUDA kernel (worklog notebook 06bw, section 6; utils/native/src/flash_mma_bwd.cu).
+"""The backward pass of the course's tensor-core CUDA kernel (worklog notebook 06bw, section 6;
+utils/native/src/flash_mma_bwd.cu).
 
-- `flash_mma_forward(q, k, v)` -> (o, lse): the registry's "cuda" forward (utils.native.build.MMA_DEFAULT_STEP), which also
-  writes the log-sum-exp the backward rebuilds P from.
+- `flash_mma_forward(q, k, v)` -> (o, lse): the registry's "cuda" forward (utils.native.build.MMA_DEFAULT_STEP),
+  which also writes the log-sum-exp the backward rebuilds P from.
 - `flash_mma_backward(do, q, k, v, o, lse)` -> (dq, dk, dv), as of one of BWD_STEPS, the backward's worklog
   (utils/native/src/flash_mma_bwd_steps.cuh, one struct per step): "atomic_dq" (1) one kernel per block of keys
   computes dK and dV and adds its share of dQ with fp32 atomics, as FlashAttention-2 does; "dq_pass" (2) the same
@@ -13,8 +14,8 @@
   32 x 32 warp tiles, Pᵀ and dSᵀ through shared memory; "hoisted" (9) every copy and ldmatrix address worked out
   once, before the loop (the default; 06bw compares the steps from their stored runs).
 - `flash_mma_attention(q, k, v)`: differentiable attention with both.
-- `flash_attention_cuda(q, k, v)`: the registry's "cuda": the kernels of utils.native.kernels without a gradient (flash_mma,
-  or flash_tiled where the tensor cores cannot run), flash_mma_attention when a gradient is wanted.
+- `flash_attention_cuda(q, k, v)`: the registry's "cuda": the kernels of utils.native.kernels without a gradient
+  (flash_mma, or flash_tiled where the tensor cores cannot run), flash_mma_attention when a gradient is wanted.
 
 D = rowsum(dO ∘ O) and lse·log2(e) are prepared here in torch (two small element-wise passes), padded so that
 the kernels read them in whole tiles.
@@ -29,7 +30,8 @@ import torch
 from utils import gpu
 from utils.native import build as cuda_build, kernels as cuda_kernels
 from utils.checks import CUDA_GRID_Y, check_attention_inputs, check_batch_heads, check_device, resolve_scale
-from utils.native.kernels import CUDA_HEAD_DIMS, FLASH_DTYPES, MMA_HEAD_DIMS, check_mma_capability, flash_mma, flash_tiled
+from utils.native.kernels import (CUDA_HEAD_DIMS, FLASH_DTYPES, MMA_HEAD_DIMS, check_mma_capability, flash_mma,
+                                  flash_tiled)
 from utils.eager.backward import check_backward_inputs
 
 BWD_STEPS = ("atomic_dq", "dq_pass", "narrow_rows", "two_blocks", "per_head_dim", "unroll_two", "mask_after",

@@ -1,5 +1,5 @@
-"""Where a block of notebook 06cw's Hopper kernel spends its time: utils.native.hopper.block_timeline per step and shape,
-reduced by utils.native.hopper.timeline_summary, into images/<name>.json (sm_90 GPUs only).
+"""Where a block of notebook 06cw's Hopper kernel spends its time: utils.native.hopper.block_timeline per step and
+shape, reduced by utils.native.hopper.timeline_summary, into images/<name>.json (sm_90 GPUs only).
 
     python -m utils.course.bench.timeline --steps three_consumers tma_store --name 06c_timeline_h200
 

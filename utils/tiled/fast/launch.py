@@ -106,8 +106,8 @@ def runs_directly(compiled) -> bool:
             return True
     if not _warned_run:
         _warned_run = True
-        warnings.warn(f"this Triton's CompiledKernel.run{signature or '(?)'} differs from what utils.tiled.fast.launch passes "
-                      f"({', '.join(RUN_PARAMETERS)}, *args): its kernels launch through kernel[grid]",
+        warnings.warn(f"this Triton's CompiledKernel.run{signature or '(?)'} differs from what "
+                      f"utils.tiled.fast.launch passes ({', '.join(RUN_PARAMETERS)}, *args): its kernels launch through kernel[grid]",
                       RuntimeWarning, stacklevel=3)
     return False
 
