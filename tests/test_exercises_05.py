@@ -23,7 +23,8 @@ import triton.language as tl
 from utils.triton_utils import mask_1d, mask_2d, offsets_1d, offsets_2d, print_if, test_pid_conds
 """
 # Cells each exercise needs after its own: the kernel that calls the helper the learner writes.
-KERNEL_05 = {"5.2": "def fa_step3(", "5.3": "def fa_step4("}
+# Step kernels call 5.1's online_update, so 5.2 and 5.3 also need its (solved) cell.
+KERNEL_05 = {"5.2": ["# Exercise 5.1:", "def fa_step3("], "5.3": ["# Exercise 5.1:", "def fa_step4("]}
 
 
 def namespace(path, marker, *, learner, replace=(), extra=()):
@@ -62,7 +63,7 @@ EXERCISES_05 = {
 
 
 def _extra(number):
-    return [KERNEL_05[number]] if number in KERNEL_05 else []
+    return KERNEL_05.get(number, [])
 
 
 @pytest.mark.parametrize("number", EXERCISES_05)
@@ -223,8 +224,8 @@ def test_05b_wrong_answers_fail(number, wrong, capsys):
 
 # Issue 73: kernel checks accepted any kernel with the step's signature. Each now confirms the kernel is the
 # learner's own step kernel. (exercise, how the namespace is built, what is passed, the refusal's words)
-ONLINE_SOFTMAX_CALL = ("acc, l_i, m_i = flash_triton._online_softmax(qk, v, acc, l_i, m_i, qk_scale, False, "
-                       "\"ieee\")\n        m_ij = m_i")
+ONLINE_SOFTMAX_CALL = ("acc, l_i, m_ij = flash_triton._online_softmax(qk, v, acc, l_i, m_i, qk_scale, False, "
+                       "\"ieee\")\n    return acc, l_i")
 
 
 def _first_solution_line(number):
@@ -243,6 +244,7 @@ def test_05_later_step_kernel_renamed_fails_by_what_it_writes():
     """fa_step2 under step 1's name still writes LSE, which step 1's kernel never stores."""
     ns = {}
     exec_cell(PRELUDE, ns, "prelude")
+    exec_cell(code_cell(NB05, "# Exercise 5.1:"), ns, "5.1")       # fa_step2 calls its online_update
     exec_cell(code_cell(NB05, "def fa_step2(").replace("def fa_step2(", "def fa_step1("), ns, "fa_step2 renamed")
     with pytest.raises(AssertionError, match="wrote LSE, which step 1's fa_step1 never stores"):
         triton_forward.check_online_softmax(ns["fa_step1"])

@@ -331,3 +331,101 @@ def check_softcap(score_mod, score_grad, *, device="cpu") -> None:
         for name, g, e, atol in pairs:
             ok = torch.isclose(g, e, rtol=1e-5, atol=atol) & torch.isfinite(g)
             assert ok.all(), _describe_scores(name, g, e, scores, cap, ok)
+
+
+# --- Exercise 10.4: the key blocks of a program of the varlen kernel ---------------------------------------------
+
+VARLEN_BLOCK = 16
+# (query lengths, key lengths, causal): self-attention with lengths 0 and 1, then cross lengths both ways
+VARLEN_CASES = [([37, 0, 1, 70, 20], [37, 0, 1, 70, 20], True), ([5, 30, 16, 0], [12, 7, 16, 3], True),
+                ([5, 30, 16, 0], [12, 7, 16, 3], False), ([37, 0, 1, 70, 20], [37, 0, 1, 70, 20], False)]
+VARLEN_PRINT = (1, 3)    # the program whose range the learner prints: Q block 1 of sequence 3 (70 tokens)
+
+
+@triton.jit
+def _varlen_probe(CU_Q, CU_K, OUT, n_m, BLOCKS: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
+    """Store what the learner's BLOCKS returns for program (pid_m, b): four integers per program."""
+    pid_m = tl.program_id(0)
+    b = tl.program_id(1)
+    q_start, k_start, n_full, n_end = BLOCKS(CU_Q, CU_K, b, pid_m, CAUSAL, BLOCK_M, BLOCK_N)
+    out = OUT + (b * n_m + pid_m) * 4
+    tl.store(out, q_start)
+    tl.store(out + 1, k_start)
+    tl.store(out + 2, n_full)
+    tl.store(out + 3, n_end)
+
+
+def _cu(lengths) -> torch.Tensor:
+    return torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
+
+
+def varlen_rule(q_lens, k_lens, causal: bool, block_m: int, block_n: int) -> dict:
+    """{(b, pid_m): (q_start, k_start, n_full, n_end)} from the mask itself: causal bottom-right within each
+    sequence, every one of a block's block_m rows counted (rows past the end are masked at the store)."""
+    cu_q, cu_k = _cu(q_lens).tolist(), _cu(k_lens).tolist()
+    n_m = triton.cdiv(max(q_lens), block_m)
+    rule = {}
+    for b, (nq, nk) in enumerate(zip(q_lens, k_lens)):
+        for pid_m in range(n_m):
+            rows = np.arange(pid_m * block_m, (pid_m + 1) * block_m)
+            if rows[0] >= nq:
+                rule[(b, pid_m)] = (cu_q[b], cu_k[b], 0, 0)
+                continue
+            keys = np.arange(nk)
+            sees = (keys[None, :] <= rows[:, None] + nk - nq) if causal else np.ones((len(rows), nk), bool)
+            every = int(sees.all(0).sum())              # keys every row sees: a prefix of the sequence
+            some = int(np.nonzero(sees.any(0))[0].max()) + 1 if sees.any() else 0
+            rule[(b, pid_m)] = (cu_q[b], cu_k[b], every // block_n * block_n, some)
+    return rule
+
+
+def _varlen_text(b, pid_m, nq, nk, causal, got, want) -> str:
+    names = ("q_start", "k_start", "n_full", "n_end")
+    wrong = ", ".join(f"{n} = {g} (expected {w})" for n, g, w in zip(names, got, want) if g != w)
+    rows = f"rows {pid_m * VARLEN_BLOCK}–{pid_m * VARLEN_BLOCK + VARLEN_BLOCK - 1}"
+    return f"sequence {b} (Nq = {nq}, Nk = {nk}{', causal' if causal else ''}), Q block {pid_m} ({rows}): {wrong}"
+
+
+def check_varlen_blocks(varlen_blocks, show_blocks) -> None:
+    """Exercise 10.4: varlen_blocks(CU_Q, CU_K, b, pid_m, CAUSAL, BLOCK_M, BLOCK_N) -> (q_start, k_start, n_full,
+    n_end) for every program of four packed batches, against the rule from the mask; then show_blocks' print_if
+    of program (1, 3). The course's own _sequence and _key_range (utils.flex.kernels) are refused."""
+    from utils.course.exercises.debug_lab import _calls_of, _held_in, watch_helpers
+    from utils.course.exercises.refuse import RefusedAnswer, refusing
+    from utils.course.exercises.triton_forward import _course_kernels_called, _jit_function
+    from utils.flex import flash_varlen
+
+    fn = _jit_function(varlen_blocks)
+    if fn is None:
+        raise AssertionError(f"pass your @triton.jit function varlen_blocks, not a {type(varlen_blocks).__name__}")
+    used = _course_kernels_called(fn)
+    if used or (fn.__module__ or "").startswith("utils."):
+        raise RefusedAnswer(f"the check refuses the course's own `{(used or [fn.__qualname__])[0]}`: it computes "
+                            "the range for you; write varlen_blocks with your own code")
+    block = VARLEN_BLOCK
+    with refusing(flash_varlen):
+        for q_lens, k_lens, causal in VARLEN_CASES:
+            n_m = triton.cdiv(max(q_lens), block)
+            out = torch.full((len(q_lens), n_m, 4), -1, dtype=torch.int32)
+            _varlen_probe[(n_m, len(q_lens))](_cu(q_lens), _cu(k_lens), out, n_m, varlen_blocks, causal, block, block)
+            rule = varlen_rule(q_lens, k_lens, causal, block, block)
+            bad = [_varlen_text(b, m, q_lens[b], k_lens[b], causal, tuple(out[b, m].tolist()), want)
+                   for (b, m), want in rule.items() if tuple(out[b, m].tolist()) != want]
+            if bad:
+                more = f" (and {len(bad) - 4} more programs)" if len(bad) > 4 else ""
+                raise AssertionError("wrong key range: " + "; ".join(bad[:4]) + more)
+
+    q_lens, k_lens, causal = VARLEN_CASES[0]
+    n_m = triton.cdiv(max(q_lens), block)
+    calls = _calls_of(watch_helpers(show_blocks, lambda: show_blocks[(n_m, len(q_lens))](
+        _cu(q_lens), _cu(k_lens), causal, block, block)), "print_if")
+    held = _held_in(calls)
+    assert held == [VARLEN_PRINT], (f"print_if printed in program(s) {held or 'none'}: print in program "
+                                    f"{VARLEN_PRINT} only, Q block 1 of sequence 3 (axis 0 is the Q block, axis 1 "
+                                    "the sequence)")
+    local = [c for c in calls if c["held"]][0]["locals"]
+    assert "n_end" in local, "print_if ran before varlen_blocks returned the range: put it after that line"
+    want = varlen_rule(q_lens, k_lens, causal, block, block)[(VARLEN_PRINT[1], VARLEN_PRINT[0])]
+    print(f"program {VARLEN_PRINT} runs keys 0–{want[2] - 1} of its sequence without a mask and "
+          f"{want[2]}–{want[3] - 1} with it, at rows {want[1]}+ of the packed K")
