@@ -100,6 +100,10 @@ TRIP_WRONG = {
                              r"tile 1, 'issue S i': reads tile 1's K in stage 1 before waiting for its copy to land"),
     "stage freed a trip late": (['"arrive empty i-1"', '"arrive empty i-2"'],
                                 r"tile 1, 'arrive empty i-2': there is no tile -1"),
+    "stage never freed": (['"wait 0",\n            "arrive empty i-1", "rescale"', '"wait 0",\n            "rescale"'],
+                          r"2 tiles, 2 stages: tile 0's stage is never released: the producer waits forever"),
+    "stage freed before its P V": (['"arrive empty i-1"', '"arrive empty i"'],
+                                   r"tile 1, 'arrive empty i': releases stage 1 before tile 1's wgmmas have read it"),
     "no overlap": (['"issue S i", "commit", "issue PV i-1", "commit", "wait 1", "softmax i", "wait 0",\n'
                     '            "arrive empty i-1", "rescale"',
                     '"issue S i", "commit", "wait 0", "softmax i", "rescale", "issue PV i", "commit", '
