@@ -77,3 +77,79 @@ def test_wrong_answer_fails_and_says_where(exercise, old, new, message, capsys):
     with pytest.raises(AssertionError, match=message):
         run_check(exercise, answer(exercise, replace=[(old, new)]))
     assert "✗" in capsys.readouterr().out
+
+
+# Exercise 6c.5 runs on any machine: the trip is a list of events, replayed against a model of the wgmma groups in
+# flight, the K/V stages and the accumulators. Each planted mistake must be named: its tile, its event, and what
+# it does to which stage or accumulator.
+TRIP = "exercise-6c.5"
+TRIP_ANSWER = ('["wait full i", "issue S i", "commit", "issue PV i-1", "commit", "wait 1", "softmax i", "wait 0",\n'
+               '            "arrive empty i-1", "rescale"]')
+TRIP_WRONG = {
+    "stage freed under P V": (['"softmax i", "wait 0",\n            "arrive empty i-1"',
+                               '"softmax i", "arrive empty i-1",\n            "wait 0"'],
+                              r"tile 1, 'arrive empty i-1': releases stage 0 while the wgmma 'PV 0' still reads it"),
+    "softmax before S is done": (['"commit", "wait 1", "softmax i"', '"commit", "softmax i", "wait 1"'],
+                                 r"tile 1, 'softmax i': reads S while the wgmma writing tile 1's scores is in flight"),
+    "P V committed first": (['"issue S i", "commit", "issue PV i-1"', '"issue PV i-1", "commit", "issue S i"'],
+                            r"tile 1, 'softmax i': reads S while the wgmma writing tile 1's scores is in flight"),
+    "rescale under P V": (['"wait 0",\n            "arrive empty i-1", "rescale"',
+                           '"rescale", "wait 0",\n            "arrive empty i-1"'],
+                          r"tile 1, 'rescale': rescales O while the P V of tile 0 still accumulates into it"),
+    "no wait for the copy": (['"wait full i", "issue S i"', '"issue S i"'],
+                             r"tile 1, 'issue S i': reads tile 1's K in stage 1 before waiting for its copy to land"),
+    "stage freed a trip late": (['"arrive empty i-1"', '"arrive empty i-2"'],
+                                r"tile 1, 'arrive empty i-2': there is no tile -1"),
+    "stage never freed": (['"wait 0",\n            "arrive empty i-1", "rescale"', '"wait 0",\n            "rescale"'],
+                          r"2 tiles, 2 stages: tile 0's stage is never released: the producer waits forever"),
+    "stage freed before its P V": (['"arrive empty i-1"', '"arrive empty i"'],
+                                   r"tile 1, 'arrive empty i': releases stage 1 before tile 1's wgmmas have read it"),
+    "no overlap": (['"issue S i", "commit", "issue PV i-1", "commit", "wait 1", "softmax i", "wait 0",\n'
+                    '            "arrive empty i-1", "rescale"',
+                    '"issue S i", "commit", "wait 0", "softmax i", "rescale", "issue PV i", "commit", '
+                    '"wait 0", "arrive empty i"'],
+                   r"tile 1, 'softmax i': no wgmma is in flight while the softmax runs"),
+}
+
+
+def trip_answer(*, learner=False, replace=()):
+    namespace: dict = {}
+    exec(code_cell(NOTEBOOK, "# Exercise 6c.5", learner=learner, replace=replace), namespace)
+    return namespace["consumer_trip"]
+
+
+def run_trip_check(fn):
+    from utils.course.exercises.wgmma_replay import check_consumer_trip
+    return check("6c.5", hint="test")(lambda: check_consumer_trip(fn))
+
+
+def test_trip_solution_passes_and_stub_says_not_yet():
+    assert TRIP_ANSWER in code_cell(NOTEBOOK, "# Exercise 6c.5")
+    assert run_trip_check(trip_answer()) == "right"
+    assert run_trip_check(trip_answer(learner=True)) == "not yet"
+
+
+@pytest.mark.parametrize("mistake", TRIP_WRONG)
+def test_trip_mistake_is_named(mistake, capsys):
+    (old, new), message = TRIP_WRONG[mistake]
+    with pytest.raises(AssertionError, match=message):
+        run_trip_check(trip_answer(replace=[(old, new)]))
+    assert "✗" in capsys.readouterr().out
+
+
+def test_trip_the_courses_order_is_refused():
+    from utils.course.exercises import wgmma_replay
+    with pytest.raises(AssertionError, match=r"refuses the course's own `utils\.course\.exercises\.wgmma_replay"
+                                             r"\.kernel_trip`"):
+        run_trip_check(wgmma_replay.kernel_trip)
+    wgmma_replay.replay_trip(wgmma_replay.kernel_trip(), 5, 2)   # outside the check it runs, and is right
+
+
+def test_trip_bad_input_is_named():
+    from utils.course.exercises.wgmma_replay import replay_trip
+    with pytest.raises(TypeError, match="list of event strings"):
+        replay_trip("commit", 3, 2)
+    with pytest.raises(ValueError, match="stages"):
+        replay_trip([], 3, 0)
+    with pytest.raises(AssertionError, match="unknown event 'issue QK i'"):
+        replay_trip(["wait full i", "issue QK i"], 3, 2)

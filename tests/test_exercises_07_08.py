@@ -265,3 +265,72 @@ def test_capstone_hints_are_two_tiers_without_code():
         assert len(hints) == 2 and name not in hints[0], f"{name}: two tiers, the first not naming the second"
         for hint in hints:
             assert not re.search(r"\btl\.|tl\.load|tl\.store|\w\[:, None\]|range\(", hint), hint
+
+
+# Exercise 7.7 (worklog 07w, section 5): the Gluon backward's synchronisation, written as steps per tile and
+# replayed on the CPU by utils.explicit.backward.replay. Each planted mistake must be named: the partition, the
+# tile and the slot or buffer it concerns.
+PROTOCOL = ("07w_backward_worklog.ipynb", "# Exercise 7.7", "tile_protocol")
+DQ_STEP = '("meet",),\n                ("dq", slot, t % 2), ("arrive empty", slot)]'
+PROTOCOL_WRONG = {
+    "producer waits on the consumers' parity": (
+        ('("wait empty", slot, (lap + 1) % 2)', '("wait empty", slot, lap % 2)'),
+        r"hang with 1 tiles and 1 stages: .*the producer waits for slot 0's empty barrier, parity 0 \(tile 0\)"),
+    "producer never waits": (
+        ('("wait empty", slot, (lap + 1) % 2)', '("wait empty", slot, 1)'),
+        r"the producer, tile 1: refills slot 0 while tile 0 is still read \(the consumers released it 0 of 2"),
+    "consumers wait on the wrong parity": (
+        ('("wait full", slot, lap % 2)', '("wait full", slot, (lap + 1) % 2)'),
+        r"consumer [01], tile 0: reads slot 0 before tile 0's copy landed \(it holds nothing yet\)"),
+    "slot released before the dQ products": (
+        (DQ_STEP, '("meet",), ("arrive empty", slot),\n                ("dq", slot, t % 2)]'),
+        r"consumer [01], tile \d: reads slot \d, which already holds tile \d: refilled while tile \d was still read"),
+    "one dS buffer": (
+        ('t % 2), ("store_wait",)', '0), ("store_wait",)'),
+        r"consumer [01], tile 1: dSᵀ buffer 1 of consumer [01] holds tile nothing yet"),
+    "no wait for the TMA engine": (
+        ('("store_wait",), ', ''),
+        r"consumer [01], tile \d: staged dQ of tile \d overwritten before the TMA read it"),
+    "consumers never meet": (
+        ('("meet",),', ''), r"consumer [01], tile 0: dSᵀ buffer 0 of consumer [01] holds tile nothing yet"),
+}
+
+
+def protocol_outcome(fn):
+    from utils.course.exercises.gluon_backward import check_backward_protocol
+    try:
+        return check("7.7", hint="test")(lambda: check_backward_protocol(fn))
+    except AssertionError as err:
+        return f"wrong: {err}"
+
+
+def test_protocol_exercise_stub_solution():
+    assert protocol_outcome(kernel_from(*PROTOCOL, learner=True)) == "not yet"
+    assert protocol_outcome(kernel_from(*PROTOCOL)) == "right"
+
+
+@pytest.mark.parametrize("mistake", PROTOCOL_WRONG)
+def test_protocol_exercise_names_each_planted_hazard(mistake):
+    (old, new), message = PROTOCOL_WRONG[mistake]
+    result = protocol_outcome(kernel_from(*PROTOCOL, replace=[(old, new)]))
+    assert result.startswith("wrong: ") and re.search(message, result), result
+
+
+def test_protocol_exercise_refuses_the_courses_protocol():
+    from utils.explicit import backward as gbwd
+    result = protocol_outcome(lambda t, stages: gbwd.kernel_protocol()(t, 9, stages))
+    assert "refuses the course's own `utils.explicit.backward.kernel_protocol`" in result, result
+    inner = gbwd.kernel_protocol()    # built before the check: its function is refused too
+    result = protocol_outcome(lambda t, stages: inner(t, 9, stages))
+    assert "refuses the course's own `utils.explicit.backward._kernel_tile`" in result, result
+
+
+def test_protocol_steps_are_validated():
+    from utils.explicit import backward as gbwd
+    for steps, message in [(([("copy", 0, 1)], []), r"\('copy', 0, 1\) takes 1 int after its name"),
+                           (([("meet",)], []), "is not a producer step"),
+                           (([], [("wait full", 2, 0)]), "names slot 2; the ring has slots 0 to 1"),
+                           (([], [("wait full", 0, 2)]), "a parity is 0 or 1"),
+                           (([], [("products", 0, 2)]), "dSᵀ buffers 0 and 1")]:
+        with pytest.raises(AssertionError, match=message):
+            gbwd.replay(lambda t, n, s, steps=steps: steps, 1, 2)

@@ -76,7 +76,7 @@ def test_prefetching_s_with_one_stage_hangs():
 
 
 @pytest.mark.parametrize("broken,match", [
-    (dict(ds_buffers=1), "dSᵀ slot 0 of consumer"),                 # tile t+1's dSᵀ over the one still read
+    (dict(ds_buffers=1), "dSᵀ buffer 0 of consumer"),                 # tile t+1's dSᵀ over the one still read
     (dict(wait_reduces=False), "overwritten before the TMA read it"),  # staging reused too early
     (dict(last_meeting=False), "already holds dK"),                    # dK over the K the other one reads
 ], ids=["one dS slot", "no store_wait", "no last meeting"])

@@ -42,6 +42,7 @@ The registry's differentiable entries live here, with the backward, so that no f
 """
 from __future__ import annotations
 
+import functools
 import random
 from typing import NamedTuple
 
@@ -494,24 +495,74 @@ def flash_attention_gluon_ws(q, k, v, *, causal=False, sm_scale=None):
     return differentiable(flash_attention_gluon_ws_forward, q, k, v, causal, sm_scale)
 
 
-def replay_protocol(n_tiles: int, stages: int, seed: int = 0, *, prefetch_s: bool = False, ds_buffers: int = 2,
-                    wait_reduces: bool = True, last_meeting: bool = True) -> None:
-    """Replay the kernel's synchronisation in one random interleaving of the producer, the two consumers, the
-    TMA copies landing and the TMA engine reading the staged dQ tiles. Shared buffers hold the tile they were
-    last written for; every read checks it sees its own tile, from its first to its last step. With
-    `prefetch_s` the consumers wait for tile t+1 (whose Sᵀ they issue early) before they free tile t's slot, as
-    the kernel does with BwdConfig.prefetch_s: with one stage that waits forever, which check_config forbids.
+# The synchronisation as data: per tile t, the steps of the producer and of each consumer (both run the same
+# steps, each with its own 64 keys). `replay` executes such a description; `kernel_protocol` is the kernel's.
+#   ("wait empty", slot, parity)   producer: mbarrier.wait on the slot's empty barrier (2 arrives per phase)
+#   ("copy", slot)                 producer: TMA copy of tile t's Q, dO, lse2, D into the slot, landing later on
+#                                  the slot's full barrier
+#   ("wait full", slot, parity)    consumer: mbarrier.wait on the slot's full barrier
+#   ("products", slot, buf)        consumer: Sᵀ, dPᵀ, dV, dK from the slot's tile; its dSᵀ into dSᵀ buffer buf
+#   ("store_wait",)                consumer: wait until the TMA engine has read its previous staged dQ
+#   ("meet",)                      consumer: named barrier 15 with the other consumer
+#   ("dq", slot, buf)              consumer: dQ = dS K from both halves of dSᵀ buffer buf (dK's product still
+#                                  reads the slot's Q); dQ staged, its reduce-adds issued
+#   ("arrive empty", slot)         consumer: mbarrier.arrive on the slot's empty barrier
+STEPS = {"producer": ("wait empty", "copy"),
+         "consumer": ("wait full", "products", "store_wait", "meet", "dq", "arrive empty")}
 
-    The kernel's rules, which the keyword arguments break on purpose (the tests plant each bug):
-    `ds_buffers` = 2: dSᵀ alternates between two slots per consumer, so a consumer writing tile t+1's dSᵀ
-    never overwrites tile t's while the other consumer's dQ products still read it; `wait_reduces`: before the
-    consumers meet, each waits until the TMA engine has read its previous staged dQ (tma.store_wait(0));
-    `last_meeting`: after the loop the consumers meet once more before dK overwrites the K half that the
-    other consumer's dQ products read. Raises AssertionError naming the tile and the buffer on a stale read,
-    an early overwrite or a hang."""
+
+def _kernel_tile(t: int, n_tiles: int, stages: int, prefetch_s: bool, ds_buffers: int, wait_reduces: bool):
+    """(producer steps, consumer steps) of tile t in the kernel's protocol (see kernel_protocol)."""
+    slot, lap, buf = t % stages, t // stages, t % ds_buffers
+    producer = [("wait empty", slot, (lap + 1) % 2), ("copy", slot)]
+    consumer = [] if prefetch_s and t > 0 else [("wait full", slot, lap % 2)]   # prefetch: tile t-1 waited
+    consumer += [("products", slot, buf)] + [("store_wait",)] * wait_reduces + [("meet",), ("dq", slot, buf)]
+    if prefetch_s and t + 1 < n_tiles:        # the next tile's Sᵀ is issued before this slot is freed
+        consumer.append(("wait full", (t + 1) % stages, (t + 1) // stages % 2))
+    return producer, consumer + [("arrive empty", slot)]
+
+
+def kernel_protocol(*, prefetch_s: bool = False, ds_buffers: int = 2, wait_reduces: bool = True):
+    """The kernel's synchronisation as a description for `replay`: a function (t, n_tiles, stages) ->
+    (producer steps, consumer steps) of tile t. The keyword arguments break its rules on purpose (see
+    replay_protocol)."""
+    return functools.partial(_kernel_tile, prefetch_s=prefetch_s, ds_buffers=ds_buffers, wait_reduces=wait_reduces)
+
+
+def _validate_step(step, who: str, t: int, stages: int):
+    where = f"the {who}'s steps for tile {t}"
+    if not isinstance(step, tuple) or not step or step[0] not in STEPS[who]:
+        raise AssertionError(f"{where}: {step!r} is not a {who} step (its steps start with one of "
+                             f"{', '.join(repr(s) for s in STEPS[who])})")
+    arity = {"wait empty": 3, "wait full": 3, "copy": 2, "products": 3, "dq": 3, "arrive empty": 2}.get(step[0], 1)
+    if len(step) != arity or not all(isinstance(x, int) for x in step[1:]):
+        raise AssertionError(f"{where}: {step!r} takes {arity - 1} int{'s' * (arity > 2)} after its name")
+    if step[0] in ("wait empty", "wait full", "copy", "products", "dq", "arrive empty") and not 0 <= step[1] < stages:
+        raise AssertionError(f"{where}: {step!r} names slot {step[1]}; the ring has slots 0 to {stages - 1}")
+    if step[0] in ("wait empty", "wait full") and step[2] not in (0, 1):
+        raise AssertionError(f"{where}: {step!r}: a parity is 0 or 1")
+    if step[0] in ("products", "dq") and step[2] not in (0, 1):
+        raise AssertionError(f"{where}: {step!r}: the kernel has dSᵀ buffers 0 and 1 per consumer")
+
+
+def replay(protocol, n_tiles: int, stages: int, seed: int = 0, *, last_meeting: bool = True) -> None:
+    """Replay `protocol` (a function (t, n_tiles, stages) -> (producer steps, consumer steps), the vocabulary of
+    STEPS) in one random interleaving of the producer, the two consumers, the TMA copies landing and the TMA
+    engine reading the staged dQ tiles. Shared buffers hold the tile they were last written for; every read
+    checks it sees its own tile. After the loop each consumer meets the other (unless not `last_meeting`), then
+    writes dK over its K half. Raises AssertionError naming the tile, the slot or buffer and the partition on a
+    stale read, an early overwrite or a hang."""
     rng = random.Random(seed)
+    steps = []
+    for t in range(n_tiles):
+        producer, consumer = protocol(t, n_tiles, stages)
+        producer, consumer = list(producer), list(consumer)
+        for who, part in (("producer", producer), ("consumer", consumer)):
+            for step in part:
+                _validate_step(step, who, t, stages)
+        steps.append((producer, consumer))
     full, released, holds = [0] * stages, [0] * stages, [None] * stages   # the Q/dO/lse2/D ring
-    ds = {(b, w): None for b in range(ds_buffers) for w in (0, 1)}       # dSᵀ slots: the tile written last
+    ds = {}                                                              # (buffer, consumer) -> tile of its dSᵀ
     staged, reading = [None, None], [[], []]                            # staged dQ; tiles the TMA still reads
     k_half = ["K", "K"]                                                  # K halves: "K", then "dK"
     met = [0, 0]                                                         # meetings reached per consumer
@@ -519,51 +570,64 @@ def replay_protocol(n_tiles: int, stages: int, seed: int = 0, *, prefetch_s: boo
 
     def producer():
         for t in range(n_tiles):
-            s = t % stages
-            while (released[s] // 2) % 2 == ((t // stages) & 1) ^ 1:
-                yield f"the producer waits for slot {s} (tile {t})"
-            assert released[s] >= 2 * (t // stages), f"tile {t}: slot {s} refilled while tile {t - stages} is read"
-            landing.append((s, t))
-            yield None
+            for step in steps[t][0]:
+                s = step[1]
+                if step[0] == "wait empty":
+                    while (released[s] // 2) % 2 == step[2]:
+                        yield f"the producer waits for slot {s}'s empty barrier, parity {step[2]} (tile {t})"
+                else:
+                    assert released[s] >= 2 * (t // stages), (
+                        f"the producer, tile {t}: refills slot {s} while tile {t - stages} is still read (the "
+                        f"consumers released it {released[s] - 2 * (t // stages - 1)} of 2 times)")
+                    landing.append((s, t))
+                    yield None
 
     def meet(w, what):
         met[w] += 1
         while met[1 - w] < met[w]:
             yield f"consumer {w} waits for the other at {what}"
 
-    def wait_tile(w, t):
-        while full[t % stages] % 2 == (t // stages) % 2:
-            yield f"consumer {w} waits for tile {t}"
+    def read_slot(w, t, s):
+        if holds[s] is None or holds[s] < t:
+            raise AssertionError(f"consumer {w}, tile {t}: reads slot {s} before tile {t}'s copy landed (it holds "
+                                 f"{'nothing yet' if holds[s] is None else f'tile {holds[s]}'})")
+        assert holds[s] == t, (f"consumer {w}, tile {t}: reads slot {s}, which already holds tile {holds[s]}: "
+                               f"refilled while tile {t} was still read")
 
     def consumer(w):
-        if prefetch_s and n_tiles:
-            yield from wait_tile(w, 0)
         for t in range(n_tiles):
-            s = t % stages
-            if not prefetch_s:
-                yield from wait_tile(w, t)
-            assert holds[s] == t, f"consumer {w}, tile {t}: slot {s} holds tile {holds[s]}"
-            ds[t % ds_buffers, w] = t                                    # dSᵀ of its 64 keys
-            yield None
-            while wait_reduces and reading[w]:
-                yield f"consumer {w} waits for the TMA to read its staged dQ"
-            yield from meet(w, f"tile {t}")
-            for step in range(2):                                        # dQ = dS K: both halves, two steps
-                for half in (0, 1):
-                    assert ds[t % ds_buffers, half] == t, (
-                        f"consumer {w}, tile {t}: dSᵀ slot {t % ds_buffers} of consumer {half} holds tile "
-                        f"{ds[t % ds_buffers, half]}")
-                    assert k_half[half] == "K", f"consumer {w}, tile {t}: K half {half} already holds dK"
-                yield None
-            assert staged[w] not in reading[w], (f"consumer {w}, tile {t}: staged dQ of tile {staged[w]} "
-                                                 "overwritten before the TMA read it")
-            staged[w] = t
-            if prefetch_s and t + 1 < n_tiles:                           # the next tile's Sᵀ, issued
-                yield from wait_tile(w, t + 1)
-                assert holds[(t + 1) % stages] == t + 1, f"consumer {w}: tile {t + 1} not in its slot"
-            reading[w].append(t)                                         # the reduce-adds, issued
-            released[s] += 1
-            yield None
+            for step in steps[t][1]:
+                kind = step[0]
+                if kind == "wait full":
+                    s, parity = step[1:]
+                    while full[s] % 2 == parity:
+                        yield f"consumer {w} waits for slot {s}'s full barrier, parity {parity} (tile {t})"
+                elif kind == "products":
+                    read_slot(w, t, step[1])
+                    ds[step[2], w] = t
+                    yield None
+                elif kind == "store_wait":
+                    while reading[w]:
+                        yield f"consumer {w} waits for the TMA to read its staged dQ (tile {t})"
+                elif kind == "meet":
+                    yield from meet(w, f"tile {t}")
+                elif kind == "dq":
+                    s, buf = step[1:]
+                    for _ in range(2):                                   # two chained products: both K halves
+                        read_slot(w, t, s)
+                        for half in (0, 1):
+                            assert ds.get((buf, half)) == t, (
+                                f"consumer {w}, tile {t}: dSᵀ buffer {buf} of consumer {half} holds tile "
+                                f"{ds.get((buf, half), 'nothing yet')}")
+                            assert k_half[half] == "K", f"consumer {w}, tile {t}: K half {half} already holds dK"
+                        yield None
+                    assert staged[w] not in reading[w], (f"consumer {w}, tile {t}: staged dQ of tile {staged[w]} "
+                                                         "overwritten before the TMA read it")
+                    staged[w] = t
+                    reading[w].append(t)                                 # the reduce-adds, issued
+                else:   # arrive empty
+                    released[step[1]] += 1
+                    yield None
         if last_meeting:
             yield from meet(w, "the end")
         k_half[w] = "dK"
@@ -582,3 +646,24 @@ def replay_protocol(n_tiles: int, stages: int, seed: int = 0, *, prefetch_s: boo
 
     fg.interleave([producer(), consumer(0), consumer(1)], events, rng,
                   f"hang with {n_tiles} tiles and {stages} stages", p_event=0.4)
+    for s in range(stages):
+        uses = len(range(s, n_tiles, stages))
+        assert released[s] == 2 * uses, (f"slot {s} was released {released[s]} times for {uses} tile(s): each "
+                                         "consumer releases each tile once")
+
+
+def replay_protocol(n_tiles: int, stages: int, seed: int = 0, *, prefetch_s: bool = False, ds_buffers: int = 2,
+                    wait_reduces: bool = True, last_meeting: bool = True) -> None:
+    """Replay the kernel's synchronisation (kernel_protocol) in one random interleaving (see `replay`). With
+    `prefetch_s` the consumers wait for tile t+1 (whose Sᵀ they issue early) before they free tile t's slot, as
+    the kernel does with BwdConfig.prefetch_s: with one stage that waits forever, which check_config forbids.
+
+    The kernel's rules, which the keyword arguments break on purpose (the tests plant each bug):
+    `ds_buffers` = 2: dSᵀ alternates between two slots per consumer, so a consumer writing tile t+1's dSᵀ
+    never overwrites tile t's while the other consumer's dQ products still read it; `wait_reduces`: before the
+    consumers meet, each waits until the TMA engine has read its previous staged dQ (tma.store_wait(0));
+    `last_meeting`: after the loop the consumers meet once more before dK overwrites the K half that the
+    other consumer's dQ products read. Raises AssertionError naming the tile and the buffer on a stale read,
+    an early overwrite or a hang."""
+    replay(kernel_protocol(prefetch_s=prefetch_s, ds_buffers=ds_buffers, wait_reduces=wait_reduces), n_tiles,
+           stages, seed, last_meeting=last_meeting)
