@@ -369,3 +369,9 @@ def test_ring_step_refuses_the_course_merge_and_ring(call):
     result = ring_outcome(replace=[(first, first + body)])
     module = "utils.eager.softmax" if call == "merge_attention" else "utils.ring.attention"
     assert f"refuses the course's own `{module}.{call}`" in result, result
+
+
+def test_split_kv_capstone_refuses_the_single_path_kernel_notebook_08_prints():
+    from utils.decoding.single_path import split_kv_contiguous
+    result = split_outcome(split_kv_contiguous)
+    assert "refuses the course's own kernel `utils.decoding.single_path.split_kv_contiguous`" in result, result

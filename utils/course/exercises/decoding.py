@@ -211,6 +211,7 @@ def check_split_kv(kernel, *, device="cpu") -> None:
     and the launch must run the kernel passed."""
     from utils.course.exercises.refuse import refusing
     from utils.course.exercises.triton_forward import learner_kernel
+    from utils.decoding.single_path import decode_contiguous, decode_paged
     from utils.decoding.split_kv import flash_decode, flash_decode_paged, merge_partials
 
     learner_kernel(kernel, "split_kv_partial")
@@ -222,7 +223,8 @@ def check_split_kv(kernel, *, device="cpu") -> None:
         k, v = (torch.randn(len(seqlens), h_kv, cap, d, generator=gen) for _ in range(2))
         k = k * torch.linspace(0.5, 3.0, cap)[:, None]         # the running max moves from tile to tile
         q, k, v = (t.to(device, dtype) for t in (q, k, v))
-        with refusing(flash_decode, flash_decode_paged, merge_partials):   # interpreted kernels are Python
+        with refusing(flash_decode, flash_decode_paged, merge_partials, decode_contiguous,
+                      decode_paged):                                   # interpreted kernels are Python
             o, lse = launch_split_kv(kernel, q, k, v, seqlens, splits, causal)
         o_ref, lse_ref = split_reference(q.cpu(), k.cpu(), v.cpu(), seqlens, splits, causal)
         report = (_split_report(o, o_ref, seqlens, splits, "o", tol)
@@ -308,6 +310,7 @@ def check_window_lookup(kernel, *, device="cpu") -> None:
     what it adds, the sequence and the first wrong key position with its page. The paged decode is refused."""
     from utils.course.exercises.refuse import refusing
     from utils.course.exercises.triton_forward import counted_launch, learner_kernel
+    from utils.decoding.single_path import decode_paged
     from utils.decoding.split_kv import _decode, flash_decode_paged
 
     learner_kernel(kernel, "window_lookup")
@@ -318,7 +321,7 @@ def check_window_lookup(kernel, *, device="cpu") -> None:
         page = torch.full((b, LOOKUP_BLOCK), -1, dtype=torch.int32, device=device)
         offset = torch.full_like(page, -1)
         pos = torch.tensor(positions, dtype=torch.int32, device=device)
-        with refusing(flash_decode_paged, _decode):
+        with refusing(flash_decode_paged, _decode, decode_paged):
             counted_launch(kernel, (b,), table.to(device), pos, first, page, offset, table.stride(0), window,
                            PAGE_SIZE=LOOKUP_PAGE_SIZE, BLOCK=LOOKUP_BLOCK)
         got = (first.cpu(), page.cpu(), offset.cpu())
