@@ -304,6 +304,74 @@ def protocol_outcome(fn):
         return f"wrong: {err}"
 
 
+# Exercise 8.6: the page look-up of the paged decode, with a sliding window. A wrong look-up fails in the first case
+# that adds what it gets wrong, naming the sequence and the first wrong key position with its page.
+LOOKUP = ("08_decoding_and_ring.ipynb", "# Exercise 8.6", "window_lookup")
+
+
+def lookup_outcome(kernel):
+    from utils.course.exercises.decoding import check_window_lookup
+    return outcome(check_window_lookup, kernel)
+
+
+def test_window_lookup_stub_solution():
+    assert lookup_outcome(kernel_from(*LOOKUP, learner=True)) == "not yet"
+    assert lookup_outcome(kernel_from(*LOOKUP)) == "right"
+
+
+@pytest.mark.parametrize("old, new, case, says", [
+    ("start = tl.maximum(p - window + 1, 0)", "start = tl.maximum(p - window, 0)", "case 2",
+     "key position 14 (slot 0) is in block-table entry 0, page 48, row 14; got page 48, row 13"),  # one key more
+    ("start = tl.maximum(p - window + 1, 0)", "start = p * 0", "case 2",
+     "key position 14 (slot 0) is in block-table entry 0, page 48, row 14; got page 48, row 0"),  # no window
+    ("page = tl.load(BLOCK_TABLE + b * stride_table + key // PAGE_SIZE, mask=seen, other=-1)",
+     "page = key // PAGE_SIZE", "case 1", "got page 0, row 0"),                            # the entry, not the page
+    ("key % PAGE_SIZE, mask=seen", "key, mask=seen", "case 1", "key position 16 (slot 16)"),  # row past the page
+    ("seen = key <= p", "seen = key < p", "case 1", "key position 5 (slot 5)"),             # drops the query's own key
+], ids=["window-off-by-one", "no-window", "logical-page", "row-not-modulo", "misses-own-key"])
+def test_window_lookup_wrong_kernels_name_the_key_and_page(old, new, case, says):
+    result = lookup_outcome(kernel_from(*LOOKUP, replace=[(old, new)]))
+    assert result.startswith(f"wrong: {case} ") and "the first to add" in result and says in result, result
+    assert re.search(r"sequence \d \(query at position \d+, window \d+: keys \d+ to \d+\)", result), result
+
+
+def test_window_lookup_refuses_course_kernels():
+    import utils.decoding.split_kv as fd
+    assert "refuses the course's own kernel `utils.decoding.split_kv._split_kv_kernel`" in \
+        lookup_outcome(fd._split_kv_kernel)
+
+
+@pytest.mark.skipif(DEVICE != "cpu",
+                    reason="an interpreted kernel's body is Python, so it could call a course function")
+def test_window_lookup_refuses_a_kernel_body_that_calls_the_paged_decode():
+    namespace = {"triton": triton, "tl": tl}
+    exec_cell("from utils.decoding.split_kv import flash_decode_paged\n", namespace, "import")
+    first = "    b = tl.program_id(0)\n"
+    src = code_cell(NOTEBOOKS / LOOKUP[0], LOOKUP[1], replace=[(first, "    flash_decode_paged(BLOCK_TABLE)\n" + first)])
+    exec_cell(src, namespace, "look-up through the library")
+    result = lookup_outcome(namespace["window_lookup"])
+    assert "refuses the course's own `utils.decoding.split_kv.flash_decode_paged`" in result, result
+
+
+# Exercise 8.7: one step of the simulated ring for every rank. The check names the case, the rank, the step and the
+# chunk it holds, or what a rank received.
+RING = ("08_decoding_and_ring.ipynb", "# Exercise 8.7")
+
+
+def ring_outcome(*, learner=False, replace=(), prefix=""):
+    from utils.course.exercises.ring import check_ring_step
+    from utils.eager.softmax import attention_with_lse, merge_attention
+    from utils.ring.attention import simulate_ring_attention
+    namespace = {"torch": torch, "attention_with_lse": attention_with_lse, "merge_attention": merge_attention,
+                 "simulate_ring_attention": simulate_ring_attention}
+    exec_cell(prefix + code_cell(NOTEBOOKS / RING[0], RING[1], learner=learner, replace=replace), namespace,
+              "exercise 8.7")
+    try:
+        return check("exercise", hint="test")(lambda: check_ring_step(namespace["ring_step"]))
+    except AssertionError as err:
+        return f"wrong: {err}"
+
+
 def test_protocol_exercise_stub_solution():
     assert protocol_outcome(kernel_from(*PROTOCOL, learner=True)) == "not yet"
     assert protocol_outcome(kernel_from(*PROTOCOL)) == "right"
@@ -334,3 +402,45 @@ def test_protocol_steps_are_validated():
                            (([], [("products", 0, 2)]), "dSᵀ buffers 0 and 1")]:
         with pytest.raises(AssertionError, match=message):
             gbwd.replay(lambda t, n, s, steps=steps: steps, 1, 2)
+
+
+def test_ring_step_stub_solution():
+    assert ring_outcome(learner=True) == "not yet"
+    assert ring_outcome() == "right"
+
+
+@pytest.mark.parametrize("old, new, case, says", [
+    ("kv_held = kv_held[-1:] + kv_held[:-1]", "kv_held = kv_held[1:] + kv_held[:1]", "case 1",
+     "after step 0, rank 0 holds chunk 1 for step 1; expected chunk 2, the one rank 2 held"),   # the wrong way round
+    ("kv_held = kv_held[-1:] + kv_held[:-1]", "kv_held = kv_held", "case 1",
+     "after step 0, rank 0 holds chunk 0 for step 1; expected chunk 2"),                          # never passed on
+    ("o_acc[rank] = (w_acc[..., None] * o_acc[rank] + w_part[..., None] * o_part) / total[..., None]",
+     "o_acc[rank] = o_acc[rank] + o_part", "case 1",
+     "rank 0 at step 1 (holding K/V chunk 2): its running o is wrong"),                           # no rescale
+    ("lse_acc[rank] = m + torch.log(total)", "lse_acc[rank] = m", "case 1",
+     "rank 0 at step 1 (holding K/V chunk 2): its running lse is wrong"),                          # lse not merged
+    ("src = (rank - step) % W", "src = (rank + step) % W", "case 2",
+     "rank 1 at step 1 (holding K/V chunk 0): its running o is wrong"),                            # the wrong chunk
+    ("causal=causal and src == rank", "causal=False", "case 2",
+     "rank 0 at step 0 (holding K/V chunk 0): its running o is wrong"),                            # no diagonal mask
+], ids=["passes-backwards", "never-passes", "no-rescale", "lse-not-merged", "wrong-chunk", "no-diagonal-mask"])
+def test_ring_step_wrong_steps_name_rank_and_step(old, new, case, says):
+    result = ring_outcome(replace=[(old, new)])
+    assert result.startswith(f"wrong: {case} ") and "the first to add" in result and says in result, result
+
+
+@pytest.mark.parametrize("call", ["merge_attention", "simulate_ring_attention"])
+def test_ring_step_refuses_the_course_merge_and_ring(call):
+    first = "    W = len(q_chunks)\n"
+    body = {"merge_attention": "    merge_attention(q_chunks[0], lse_acc[0], q_chunks[0], lse_acc[0])\n",
+            "simulate_ring_attention": "    simulate_ring_attention(q_chunks[0], q_chunks[0], q_chunks[0], "
+                                       "world_size=1)\n"}[call]
+    result = ring_outcome(replace=[(first, first + body)])
+    module = "utils.eager.softmax" if call == "merge_attention" else "utils.ring.attention"
+    assert f"refuses the course's own `{module}.{call}`" in result, result
+
+
+def test_split_kv_capstone_refuses_the_single_path_kernel_notebook_08_prints():
+    from utils.decoding.single_path import split_kv_contiguous
+    result = split_outcome(split_kv_contiguous)
+    assert "refuses the course's own kernel `utils.decoding.single_path.split_kv_contiguous`" in result, result

@@ -15,6 +15,7 @@ Causal masking is bottom-right aligned against each sequence's own cache length:
 
 `flash_decode_paged` runs the same kernel on a paged cache (utils/decoding/paged_kv.py): pools of fixed-size pages and a
 block table per sequence. The only difference in the kernel is one look-up per key tile: which page holds it.
+utils/decoding/single_path.py holds the same kernel with one path per cache, as notebook 08 prints it.
 """
 from __future__ import annotations
 

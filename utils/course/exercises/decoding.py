@@ -211,6 +211,7 @@ def check_split_kv(kernel, *, device="cpu") -> None:
     and the launch must run the kernel passed."""
     from utils.course.exercises.refuse import refusing
     from utils.course.exercises.triton_forward import learner_kernel
+    from utils.decoding.single_path import decode_contiguous, decode_paged
     from utils.decoding.split_kv import flash_decode, flash_decode_paged, merge_partials
 
     learner_kernel(kernel, "split_kv_partial")
@@ -222,7 +223,8 @@ def check_split_kv(kernel, *, device="cpu") -> None:
         k, v = (torch.randn(len(seqlens), h_kv, cap, d, generator=gen) for _ in range(2))
         k = k * torch.linspace(0.5, 3.0, cap)[:, None]         # the running max moves from tile to tile
         q, k, v = (t.to(device, dtype) for t in (q, k, v))
-        with refusing(flash_decode, flash_decode_paged, merge_partials):   # interpreted kernels are Python
+        with refusing(flash_decode, flash_decode_paged, merge_partials, decode_contiguous,
+                      decode_paged):                                   # interpreted kernels are Python
             o, lse = launch_split_kv(kernel, q, k, v, seqlens, splits, causal)
         o_ref, lse_ref = split_reference(q.cpu(), k.cpu(), v.cpu(), seqlens, splits, causal)
         report = (_split_report(o, o_ref, seqlens, splits, "o", tol)
@@ -231,3 +233,99 @@ def check_split_kv(kernel, *, device="cpu") -> None:
             raise AssertionError(f"case {number} (lengths {list(seqlens)}, H={h}, H_kv={h_kv}, new tokens={nq}, "
                                  f"d={d}, {splits} split(s){', causal' if causal else ''}), the first to add "
                                  f"{adds}:\n  {report}")
+
+
+# Exercise 8.6: the page look-up of the paged decode, for a query with a sliding window.
+LOOKUP_PAGE_SIZE, LOOKUP_BLOCK = 16, 64
+LOOKUP_CASES = [
+    # (window, query positions, what the case adds)
+    (64, (5, 30, 47), "a window longer than the sequence: it starts at key 0, in block-table entry 0"),
+    (24, (37, 40, 79, 47, 10), "a window that starts inside a page, after pages that fell out of it (freed: -1)"),
+    (1, (0, 16, 31), "a window of one key: the query's own position, at a page's first and last row"),
+]
+LOOKUP_HINTS = (
+    "read the case, the sequence and the key position named; the window keeps the last w keys up to the query's "
+    "position p, never a position below 0; the block table maps a page-sized run of positions to a page of the "
+    "pool, so a key's page is looked up, and its row in that page is what is left over",
+    "the first key is the larger of 0 and p − w + 1; its block-table entry is that key over the page size, "
+    "rounded down; the j-th visible key is the first key plus j, for as long as it is at most p; its page is the "
+    "block table's entry at its position over the page size, rounded down, in this sequence's row; its row in "
+    "the page is its position modulo the page size. Positions past p are left as they are.",
+)
+
+
+def lookup_table(positions, *, page_size=LOOKUP_PAGE_SIZE, window=None, seed=0):
+    """(block_table (B, pages) int32, the pool's size): scattered page ids, -1 for the pages wholly before the
+    window (a server frees them) and past each sequence's last page."""
+    gen = torch.Generator().manual_seed(seed)
+    width = max(p // page_size for p in positions) + 1
+    pool = 2 * len(positions) * width
+    ids = torch.randperm(pool, generator=gen)[:len(positions) * width].reshape(len(positions), width)
+    table = torch.full((len(positions), width), -1, dtype=torch.int32)
+    for b, p in enumerate(positions):
+        first = max(0, p - window + 1) // page_size if window else 0
+        table[b, first:p // page_size + 1] = ids[b, first:p // page_size + 1].to(torch.int32)
+    return table, pool
+
+
+def lookup_reference(table, positions, window, page_size=LOOKUP_PAGE_SIZE, block=LOOKUP_BLOCK):
+    """(first entry (B,), page (B, block), offset (B, block)) of exercise 8.6, -1 past each last visible key."""
+    first = torch.empty(len(positions), dtype=torch.int32)
+    page = torch.full((len(positions), block), -1, dtype=torch.int32)
+    offset = torch.full_like(page, -1)
+    for b, p in enumerate(positions):
+        start = max(0, p - window + 1)
+        first[b] = start // page_size
+        for j, key in enumerate(range(start, p + 1)):
+            page[b, j], offset[b, j] = table[b, key // page_size], key % page_size
+    return first, page, offset
+
+
+def _lookup_report(got, expected, table, positions, window, page_size=LOOKUP_PAGE_SIZE) -> str | None:
+    """None if the look-up is right; otherwise the first wrong sequence: its window, then its first entry or the
+    first key position whose page or row in the page is wrong."""
+    for b, p in enumerate(positions):
+        start = max(0, p - window + 1)
+        where = f"sequence {b} (query at position {p}, window {window}: keys {start} to {p})"
+        if int(got[0][b]) != int(expected[0][b]):
+            return (f"{where}: the first visible key's block-table entry is {int(got[0][b])}, expected "
+                    f"{int(expected[0][b])}")
+        for j in range(LOOKUP_BLOCK):
+            g, e = (int(got[1][b, j]), int(got[2][b, j])), (int(expected[1][b, j]), int(expected[2][b, j]))
+            if g == e:
+                continue
+            key = start + j
+            if key > p:
+                return (f"{where}: slot {j} lies past the query (position {key}) and must stay -1, got page "
+                        f"{g[0]}, row {g[1]}")
+            entry = key // page_size
+            return (f"{where}: key position {key} (slot {j}) is in block-table entry {entry}, page {e[0]}, row "
+                    f"{e[1]}; got page {g[0]}, row {g[1]}")
+    return None
+
+
+def check_window_lookup(kernel, *, device="cpu") -> None:
+    """Exercise 8.6: `window_lookup` writes, per sequence, the block-table entry of the first key a sliding window
+    keeps, and the page and row in the page of each visible key. Run on LOOKUP_CASES; a failure names the case,
+    what it adds, the sequence and the first wrong key position with its page. The paged decode is refused."""
+    from utils.course.exercises.refuse import refusing
+    from utils.course.exercises.triton_forward import counted_launch, learner_kernel
+    from utils.decoding.single_path import decode_paged
+    from utils.decoding.split_kv import _decode, flash_decode_paged
+
+    learner_kernel(kernel, "window_lookup")
+    for number, (window, positions, adds) in enumerate(LOOKUP_CASES, 1):
+        table, _ = lookup_table(positions, window=window, seed=number)
+        b = len(positions)
+        first = torch.full((b,), -1, dtype=torch.int32, device=device)
+        page = torch.full((b, LOOKUP_BLOCK), -1, dtype=torch.int32, device=device)
+        offset = torch.full_like(page, -1)
+        pos = torch.tensor(positions, dtype=torch.int32, device=device)
+        with refusing(flash_decode_paged, _decode, decode_paged):
+            counted_launch(kernel, (b,), table.to(device), pos, first, page, offset, table.stride(0), window,
+                           PAGE_SIZE=LOOKUP_PAGE_SIZE, BLOCK=LOOKUP_BLOCK)
+        got = (first.cpu(), page.cpu(), offset.cpu())
+        report = _lookup_report(got, lookup_reference(table, positions, window), table, positions, window)
+        if report:
+            raise AssertionError(f"case {number} (window {window}, pages of {LOOKUP_PAGE_SIZE}, block table "
+                                 f"{table.tolist()}), the first to add {adds}:\n  {report}")
