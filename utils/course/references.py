@@ -141,6 +141,11 @@ REFERENCES = {
     "peers": (1, ["utils.course.bench.peers_sweep", "--tutorial", ".peer/06-fused-attention.py", "--tutorial-ref",
                   "release/3.6.x", "--impls", "triton", "gluon", "gluon_ws", "--name", "peers_h200",
                   "--rounds", "3"]),
+    # issue 71: the fast registry kernels beside cuDNN before (a copy of the older utils/) and after the regroup
+    "layout_check": (1, ["utils.course.bench.peers_sweep", "--impls", "triton", "gluon", "gluon_ws", "--sdpa", "cudnn",
+                         "--modes", "fwd", "bwd", "--dtypes", "fp16", "bf16", "--head-dims", "64", "128", "--causal",
+                         "both", "--seqlens", "2048", "8192", "--rounds", "3", "--name", "layout_after_h200",
+                         "--out-dir", "images"]),
     "summary": (1, ["utils.course.bench.summary"]),
     "ring_nccl": (2, ["utils.course.ring_check", "--backend", "nccl", "--world-size", "2"]),
     "ring_comm": (2, ["utils.course.bench.ring_comm", "--backend", "nccl", "--world-size", "2", "--out", "images"]),
