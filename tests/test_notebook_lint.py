@@ -189,9 +189,9 @@ def test_a_gpu_cell_that_rebinds_a_later_cells_input_is_found(tmp_path):
 
 
 # Code is shown by name (a function, a kernel, a C++ definition: utils.course.show, utils.triton_utils.show_source),
-# never cut out of a file at text anchors, which break when a comment is edited (issue 71). These notebooks
-# still cut; the list only shrinks.
-CUTS_AT_ANCHORS = {"05b_triton_fast", "05bw_triton_fast_worklog", "06c_hopper_wgmma"}
+# never cut out of a file at text anchors, which break when a comment is edited (issue 71). Notebooks that still
+# cut would be listed here; the list only shrinks, and it is empty.
+CUTS_AT_ANCHORS: set[str] = set()
 ANCHOR_CUTS = (re.compile(r"\bexcerpt\("), re.compile(r"\bshow_source\([^()\n]*,\s*[\"']"),
                re.compile(r"\bshow_lines\("), re.compile(r"\.split\(\s*[\"']//"), re.compile(r"\.index\(\s*[\"']"))
 

@@ -1,7 +1,7 @@
-"""utils.course.show: C++ definitions found by name, never by text anchors."""
+"""utils.course.show: C++ and Python definitions found by name, never by text anchors."""
 import pytest
 
-from utils.course.show import CUDA_DIR, cpp_definition, show_cpp
+from utils.course.show import CUDA_DIR, cpp_definition, python_definition, show_cpp, show_python
 
 SOURCE = """\
 #include <x.h>
@@ -64,3 +64,57 @@ def test_kernels_of_the_course_are_shown_with_their_line_numbers(capsys):
     first = int(out[1].split()[0])
     source = (CUDA_DIR / "flash_naive.cu").read_text().splitlines()
     assert out[1][6:] == source[first - 1] and out[-1][6:] == "}"
+
+
+PYTHON = """\
+import x
+
+
+def outer(a):
+    \"\"\"Not the inner one.\"\"\"
+    def helper(b):
+        return b
+    return helper(a)
+
+
+@decorator(arg=1)
+@another
+def helper(c,
+           d):
+    # a comment inside
+    return c + d
+
+
+class Thing:
+    def method(self):
+        pass
+"""
+
+
+def test_python_definitions_are_found_by_name_with_their_decorators():
+    assert python_definition(PYTHON, "helper") == ("@decorator(arg=1)\n@another\ndef helper(c,\n           d):\n"
+                                                   "    # a comment inside\n    return c + d")
+    assert python_definition(PYTHON, "outer").endswith("    return helper(a)")
+    assert python_definition(PYTHON, "method") == "    def method(self):\n        pass"
+    assert python_definition(PYTHON, "Thing").startswith("class Thing:")
+
+
+def test_python_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="no function or class 'x'"):
+        python_definition(PYTHON, "x")
+    with pytest.raises(ValueError, match="name must be a Python identifier"):
+        python_definition(PYTHON, "helper(")
+    with pytest.raises(ValueError, match="no Python source"):
+        python_definition("no/such/file.py", "f")
+    with pytest.raises(TypeError, match="source must be"):
+        python_definition(3, "f")
+
+
+def test_a_gluon_kernel_file_is_shown_by_name_without_importing_it(capsys):
+    path = CUDA_DIR.parents[1] / "explicit" / "forward.py"
+    show_python(path, "_arrived")
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "# forward.py, _arrived" and out[1].endswith("@gluon.jit") and "def _arrived(" in out[2]
+    source = path.read_text().splitlines()
+    assert all(line[6:] == source[int(line.split()[0]) - 1] for line in out[1:])
+    assert out[-1][6:].startswith("    return ")

@@ -5,10 +5,14 @@
 
 A lesson names what it shows, so editing a comment or a line of the kernel never breaks the lesson (issue 71:
 no cutting at text anchors). The definition comes with the comment block right above it and the file's line
-numbers. Python objects and Triton kernels are shown by `utils.triton_utils.show_source`.
+numbers. Python objects and Triton kernels are shown by `utils.triton_utils.show_source`; a Python function
+read from a file without importing it (a Gluon kernel on a Triton too old to import it) by `show_python`:
+
+    show_python(path_or_text, "_arrived")
 """
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -130,3 +134,43 @@ def show_cpp(source, name: str) -> None:
     lines = text[begin:end].split("\n")
     print(f"// {label}, {name}")
     print("\n".join(f"{first + i:4d}  {line}" for i, line in enumerate(lines)))
+
+
+def _python_text(source) -> tuple[str, str]:
+    """(text, label) of `source`: a path to a .py file, or Python text (with a newline)."""
+    if isinstance(source, Path) or (isinstance(source, str) and "\n" not in source):
+        path = Path(source)
+        if not path.is_file():
+            raise ValueError(f"no Python source {str(source)!r} (a path or Python text)")
+        return path.read_text(), path.name
+    if isinstance(source, str):
+        return source, "source"
+    raise TypeError(f"source must be a path or Python text, got {type(source).__name__}")
+
+
+def _python_span(text: str, name: str) -> tuple[int, int]:
+    """1-based first and last line of the first function or class named `name` (outer ones first, then nested
+    ones), its decorators included."""
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(f"name must be a Python identifier, got {name!r}")
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == name:
+            return min([node.lineno] + [d.lineno for d in node.decorator_list]), node.end_lineno
+    raise ValueError(f"no function or class {name!r} in the source")
+
+
+def python_definition(source, name: str) -> str:
+    """The text of the function or class `name` in `source` (a path or Python text), decorators included: a
+    definition read by name, without importing its module."""
+    text, _ = _python_text(source)
+    first, last = _python_span(text, name)
+    return "\n".join(text.splitlines()[first - 1:last])
+
+
+def show_python(source, name: str) -> None:
+    """Print the function or class `name` of `source` (a path or Python text) with the file's line numbers."""
+    text, label = _python_text(source)
+    first, last = _python_span(text, name)
+    lines = text.splitlines()
+    print(f"# {label}, {name}")
+    print("\n".join(f"{i:4d}  {lines[i - 1]}" for i in range(first, last + 1)))

@@ -115,6 +115,30 @@ def _key_tiles(start_m, seqlen_q, seqlen_k, BLOCK_M: gl.constexpr, BLOCK_N: gl.c
     return causal_offset, n_unmasked, gl.cdiv(n_keys, BLOCK_N)
 
 
+@gluon.jit
+def _overlapped_loop(q, k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, s_zero, acc, m_i, l_i, p, qk_scale, offs_m,
+                     seqlen_k, causal_offset, n_unmasked, n_tiles, b, h_kv, HEAD_DIM: gl.constexpr,
+                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, dtype: gl.constexpr,
+                     col_s: gl.constexpr, row_o: gl.constexpr, p_layout: gl.constexpr):
+    """Key tiles 1 to n_tiles - 1 (Algorithm 2 of FlashAttention-3): S_j, then P_{j-1}·V_{j-1}, issued; the
+    softmax of S_j runs while the second product finishes. Returns the new (acc, m_i, l_i, p)."""
+    for j in range(1, n_tiles):
+        k = _arrived(k_smem, k_bars, j, BLOCK_N, HEAD_DIM, STAGES)
+        s = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        v = _arrived(v_smem, v_bars, j - 1, BLOCK_N, HEAD_DIM, STAGES)
+        acc = warpgroup_mma(p, v, acc, is_async=True)
+        s, _, _ = warpgroup_mma_wait(1, deps=(s, q, k))         # S_j done; P_{j-1}·V_{j-1} may still run
+        p32, alpha, l_i, m_i = _softmax(s, m_i, l_i, qk_scale, offs_m, j * BLOCK_N, seqlen_k, causal_offset,
+                                        j >= n_unmasked, BLOCK_N, CAUSAL, col_s)
+        acc, _, _ = warpgroup_mma_wait(0, deps=(acc, p, v))
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        p = gl.convert_layout(p32.to(dtype), p_layout)
+        _cta_barrier()   # every warpgroup is done with K_j and V_{j-1}: their slots may be refilled
+        _issue(k_desc, k_smem, k_bars, j + STAGES, b, h_kv, BLOCK_N, STAGES, j + STAGES < n_tiles)
+        _issue(v_desc, v_smem, v_bars, j - 1 + STAGES, b, h_kv, BLOCK_N, STAGES, j - 1 + STAGES < n_tiles)
+    return acc, m_i, l_i, p
+
+
 @gluon.jit(do_not_specialize=["heads", "group", "seqlen_q", "seqlen_k"])
 def gluon_fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, heads, group, seqlen_q, seqlen_k, qk_scale,
                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -172,20 +196,9 @@ def gluon_fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, heads, group, seqlen_q
         p = gl.convert_layout(p32.to(dtype), p_layout)
         _cta_barrier()        # every warpgroup is done with K_0: its slot takes tile STAGES
         _issue(k_desc, k_smem, k_bars, STAGES, b, h_kv, BLOCK_N, STAGES, STAGES < n_tiles)
-    for j in range(1, n_tiles):
-        k = _arrived(k_smem, k_bars, j, BLOCK_N, HEAD_DIM, STAGES)
-        s = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        v = _arrived(v_smem, v_bars, j - 1, BLOCK_N, HEAD_DIM, STAGES)
-        acc = warpgroup_mma(p, v, acc, is_async=True)
-        s, _, _ = warpgroup_mma_wait(1, deps=(s, q, k))         # S_j done; P_{j-1}·V_{j-1} may still run
-        p32, alpha, l_i, m_i = _softmax(s, m_i, l_i, qk_scale, offs_m, j * BLOCK_N, seqlen_k, causal_offset,
-                                        j >= n_unmasked, BLOCK_N, CAUSAL, col_s)
-        acc, _, _ = warpgroup_mma_wait(0, deps=(acc, p, v))
-        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-        p = gl.convert_layout(p32.to(dtype), p_layout)
-        _cta_barrier()   # every warpgroup is done with K_j and V_{j-1}: their slots may be refilled
-        _issue(k_desc, k_smem, k_bars, j + STAGES, b, h_kv, BLOCK_N, STAGES, j + STAGES < n_tiles)
-        _issue(v_desc, v_smem, v_bars, j - 1 + STAGES, b, h_kv, BLOCK_N, STAGES, j - 1 + STAGES < n_tiles)
+    acc, m_i, l_i, p = _overlapped_loop(q, k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, s_zero, acc, m_i, l_i, p,
+                                        qk_scale, offs_m, seqlen_k, causal_offset, n_unmasked, n_tiles, b, h_kv,
+                                        HEAD_DIM, BLOCK_N, STAGES, CAUSAL, dtype, col_s, row_o, p_layout)
     if n_tiles > 0:
         v = _arrived(v_smem, v_bars, n_tiles - 1, BLOCK_N, HEAD_DIM, STAGES)
         acc = warpgroup_mma(p, v, acc, is_async=True)

@@ -56,6 +56,29 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_full, k_e
 
 
 @gluon.jit
+def _consumer_loop(q, k_smem, v_smem, k_full, k_empty, v_full, v_empty, s_zero, acc, m_i, l_i, p, qk_scale, offs_m,
+                   seqlen_k, causal_offset, n_unmasked, n_tiles, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                   STAGES: gl.constexpr, CAUSAL: gl.constexpr, dtype: gl.constexpr, col_s: gl.constexpr,
+                   row_o: gl.constexpr, p_layout: gl.constexpr):
+    """Key tiles 1 to n_tiles - 1 of one consumer: forward.py's _overlapped_loop, with an arrive on a slot's
+    "empty" barrier once the product reading it has finished. Returns the new (acc, m_i, l_i, p)."""
+    for j in range(1, n_tiles):
+        k = fg._arrived(k_smem, k_full, j, BLOCK_N, HEAD_DIM, STAGES)
+        s = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        v = fg._arrived(v_smem, v_full, j - 1, BLOCK_N, HEAD_DIM, STAGES)
+        acc = warpgroup_mma(p, v, acc, is_async=True)
+        s, _, _ = warpgroup_mma_wait(1, deps=(s, q, k))
+        mbarrier.arrive(k_empty.index(j % STAGES))            # this warpgroup is done with K_j
+        p32, alpha, l_i, m_i = fg._softmax(s, m_i, l_i, qk_scale, offs_m, j * BLOCK_N, seqlen_k, causal_offset,
+                                           j >= n_unmasked, BLOCK_N, CAUSAL, col_s)
+        acc, _, _ = warpgroup_mma_wait(0, deps=(acc, p, v))
+        mbarrier.arrive(v_empty.index((j - 1) % STAGES))      # ... and with V_{j-1}
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        p = gl.convert_layout(p32.to(dtype), p_layout)
+    return acc, m_i, l_i, p
+
+
+@gluon.jit
 def _consumer(o_desc, LSE, q_smem, k_smem, v_smem, q_bar, k_full, k_empty, v_full, v_empty,
               b, h, pid_bh, start_m, n_tiles, n_unmasked, seqlen_q, seqlen_k, qk_scale,
               WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
@@ -90,19 +113,9 @@ def _consumer(o_desc, LSE, q_smem, k_smem, v_smem, q_bar, k_full, k_empty, v_ful
         p32, alpha, l_i, m_i = fg._softmax(s, m_i, l_i, qk_scale, offs_m, 0, seqlen_k, causal_offset,
                                            0 >= n_unmasked, BLOCK_N, CAUSAL, col_s)
         p = gl.convert_layout(p32.to(dtype), p_layout)
-    for j in range(1, n_tiles):
-        k = fg._arrived(k_smem, k_full, j, BLOCK_N, HEAD_DIM, STAGES)
-        s = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        v = fg._arrived(v_smem, v_full, j - 1, BLOCK_N, HEAD_DIM, STAGES)
-        acc = warpgroup_mma(p, v, acc, is_async=True)
-        s, _, _ = warpgroup_mma_wait(1, deps=(s, q, k))
-        mbarrier.arrive(k_empty.index(j % STAGES))            # this warpgroup is done with K_j
-        p32, alpha, l_i, m_i = fg._softmax(s, m_i, l_i, qk_scale, offs_m, j * BLOCK_N, seqlen_k, causal_offset,
-                                           j >= n_unmasked, BLOCK_N, CAUSAL, col_s)
-        acc, _, _ = warpgroup_mma_wait(0, deps=(acc, p, v))
-        mbarrier.arrive(v_empty.index((j - 1) % STAGES))      # ... and with V_{j-1}
-        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-        p = gl.convert_layout(p32.to(dtype), p_layout)
+    acc, m_i, l_i, p = _consumer_loop(q, k_smem, v_smem, k_full, k_empty, v_full, v_empty, s_zero, acc, m_i, l_i, p,
+                                      qk_scale, offs_m, seqlen_k, causal_offset, n_unmasked, n_tiles, HEAD_DIM,
+                                      BLOCK_N, STAGES, CAUSAL, dtype, col_s, row_o, p_layout)
     if n_tiles > 0:
         v = fg._arrived(v_smem, v_full, n_tiles - 1, BLOCK_N, HEAD_DIM, STAGES)
         acc = warpgroup_mma(p, v, acc, is_async=True)
