@@ -2,6 +2,7 @@
 fails on a plausible wrong answer with a message naming the lanes, and passes on the solution."""
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from utils.native.build import find_nvcc
@@ -135,3 +136,32 @@ def test_online_softmax_check_refuses_the_course_kernel(include):
         check_online_softmax_fragments(include + "\n" + source)
     with pytest.raises(RefusedAnswer, match="course_flash"):
         check_online_softmax_fragments(source.replace("fast_exp2(m[r]", "course_flash::fast_exp2(m[r]"))
+
+
+def test_the_online_softmax_gpu_kernel_gives_the_emulations_records():
+    """The one-warp kernel that the check runs on a GPU, run here in the emulated warp (`__shared__` as a static:
+    one array for the 32 lane threads), must pass the same comparison; a planted mistake must fail it."""
+    from utils.course.exercises import cuda_kernels as ck
+
+    s, v = ck._frag_data()
+    driver = f"""
+int main() {{
+  static const float S[] = {ck._frag_array(s)}, V[] = {ck._frag_array(v)};
+  static float out[{ck._FRAG_TILES} * 32 * 28];
+  warp_emulation::run_warp([&](int) {{ exercise_softmax_step_kernel(S, V, out, {ck._FRAG_TILES}, {ck._FRAG_SCALE_LOG2!r}f); }});
+  for (int i = 0; i < {ck._FRAG_TILES} * 32; ++i) {{
+    std::printf("%d %d", i / 32, i % 32);
+    for (int k = 0; k < 28; ++k) std::printf(" %.9g", out[i * 28 + k]);
+    std::printf("\\n");
+  }}
+}}
+"""
+    def records(source):
+        out = ck.run_emulated("#define __global__\n#define __shared__ static\n" + ck._FRAG_PRELUDE + source
+                              + ck._FRAG_KERNEL + driver)
+        return np.array([line.split() for line in out.split("\n") if line], dtype=np.float64)
+
+    source = exercise_source("6b.5", learner=False)
+    ck._frag_compare(records(source), s, v, "on the GPU: ")
+    with pytest.raises(AssertionError, match=r"on the GPU: tile 2 of 4.*max of this row grew"):
+        ck._frag_compare(records(source.replace("l[r] = l[r] * alpha + sum;", "l[r] += sum;")), s, v, "on the GPU: ")

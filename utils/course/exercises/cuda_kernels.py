@@ -842,16 +842,62 @@ int main() {
 }
 """
 
-# Compiled by nvcc (no GPU needed): the learner's function as a kernel calls it.
+# The driver's loop as a one-warp kernel: nvcc compiles it on every machine, a GPU runs it. Record (j, lane) of
+# `out` holds m, l, P and o after tile j, as the emulation prints them.
 _FRAG_KERNEL = r"""
-__global__ void exercise_softmax_step_kernel(const float* S, float* O, float scale_log2) {
-  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  float s[4][4], o[2][4] = {}, m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-  for (int n = 0; n < 4; ++n)
-    for (int e = 0; e < 4; ++e) s[n][e] = S[(g + 8 * (e / 2)) * 32 + 8 * n + 2 * t + e % 2];
-  online_softmax_step<4, 2>(s, m, l, o, scale_log2);
-  for (int n = 0; n < 2; ++n)
-    for (int e = 0; e < 4; ++e) O[lane * 8 + 4 * n + e] = o[n][e] + s[n][e] + m[e / 2] + l[e / 2];
+__global__ void exercise_softmax_step_kernel(const float* S, const float* V, float* out, int tiles, float scale_log2) {
+  constexpr int kTilesS = 4, kTilesO = 2, cols = 32, d = 16, width = 4 + 4 * kTilesS + 4 * kTilesO;
+  __shared__ float P[32][kTilesS][4];
+  const int lane = threadIdx.x, g = lane / 4, t = lane % 4;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, o[kTilesO][4] = {};
+  for (int j = 0; j < tiles; ++j) {
+    float s[kTilesS][4];
+    for (int n = 0; n < kTilesS; ++n)
+      for (int e = 0; e < 4; ++e) s[n][e] = S[(j * 16 + g + 8 * (e / 2)) * cols + 8 * n + 2 * t + e % 2];
+    online_softmax_step<kTilesS, kTilesO>(s, m, l, o, scale_log2);
+    for (int n = 0; n < kTilesS; ++n)
+      for (int e = 0; e < 4; ++e) P[lane][n][e] = s[n][e];
+    __syncwarp();
+    for (int n = 0; n < kTilesO; ++n)  // O += P V, as the emulation's driver does it
+      for (int e = 0; e < 4; ++e) {
+        const int row = g + 8 * (e / 2), col = 8 * n + 2 * t + e % 2;
+        float acc = 0.f;
+        for (int key = 0; key < cols; ++key)
+          acc += P[4 * (row % 8) + key % 8 / 2][key / 8][2 * (row / 8) + key % 2] * V[(j * cols + key) * d + col];
+        o[n][e] += acc;
+      }
+    __syncwarp();
+    float* rec = out + (j * 32 + lane) * width;
+    rec[0] = m[0], rec[1] = m[1], rec[2] = l[0], rec[3] = l[1];
+    for (int n = 0; n < kTilesS; ++n)
+      for (int e = 0; e < 4; ++e) rec[4 + 4 * n + e] = s[n][e];
+    for (int n = 0; n < kTilesO; ++n)
+      for (int e = 0; e < 4; ++e) rec[4 + 4 * kTilesS + 4 * n + e] = o[n][e];
+  }
+}
+"""
+_FRAG_LAUNCH = r"""
+void exercise_softmax_step_launch(const float* S, const float* V, float* out, int tiles, float scale_log2) {
+  exercise_softmax_step_kernel<<<1, 32>>>(S, V, out, tiles, scale_log2);
+}
+"""
+
+_FRAG_CPP = r"""
+#include <torch/extension.h>
+#include <cuda_runtime_api.h>
+void exercise_softmax_step_launch(const float* S, const float* V, float* out, int tiles, float scale_log2);
+
+torch::Tensor exercise_softmax_step(torch::Tensor s, torch::Tensor v, double scale_log2) {
+  TORCH_CHECK(s.is_cuda() && v.is_cuda() && s.scalar_type() == torch::kFloat32 &&
+              v.scalar_type() == torch::kFloat32 && s.is_contiguous() && v.is_contiguous(),
+              "exercise_softmax_step: s and v must be contiguous fp32 CUDA tensors");
+  TORCH_CHECK(s.dim() == 3 && s.size(1) == 16 && s.size(2) == 32 && v.dim() == 3 && v.size(0) == s.size(0) &&
+              v.size(1) == 32 && v.size(2) == 16, "exercise_softmax_step: s is tiles x 16 x 32, v tiles x 32 x 16");
+  auto out = torch::empty({s.size(0) * 32, 4 + 16 + 8}, s.options());
+  exercise_softmax_step_launch(s.data_ptr<float>(), v.data_ptr<float>(), out.data_ptr<float>(), s.size(0),
+                               static_cast<float>(scale_log2));
+  TORCH_CHECK(cudaGetLastError() == cudaSuccess, "exercise_softmax_step: launch failed");
+  return out;
 }
 """
 
@@ -881,20 +927,35 @@ def _frag_where(row: int, lane: int) -> str:
 def check_online_softmax_fragments(source: str) -> None:
     """Exercise 6b.5: `source` defines `online_softmax_step<kTilesS, kTilesO>(s, m, l, o, scale_log2)`, one
     warp's online-softmax step on the C fragments of a 16-row key tile. Runs it in the emulated warp over a
-    sequence of tiles (m, l and o carried, O += P V between them) and compares with float64. Raises
-    AssertionError naming the tile, row, lane and register that are wrong."""
+    sequence of tiles (m, l and o carried, O += P V between them), and on a GPU as a one-warp kernel, and
+    compares with float64. Raises AssertionError naming the tile, row, lane and register that are wrong."""
     if not isinstance(source, str):
         raise TypeError("source must be the CUDA source string of the exercise")
     _refuse_course_code(source)
-    nvcc_compile(_SOFTMAX_INCLUDES + _FRAG_PRELUDE + source + _FRAG_KERNEL)
+    kernel = _SOFTMAX_INCLUDES + _FRAG_PRELUDE + source + _FRAG_KERNEL + _FRAG_LAUNCH
+    nvcc_compile(kernel)
     s, v = _frag_data()
     driver = (_FRAG_DRIVER.replace("@TILES@", str(_FRAG_TILES)).replace("@COLS@", str(_FRAG_COLS))
               .replace("@D@", str(_FRAG_D)).replace("@S@", _frag_array(s)).replace("@V@", _frag_array(v))
               .replace("@SCALE@", repr(_FRAG_SCALE_LOG2)))
     out = run_emulated(_FRAG_PRELUDE + source + driver)
+    rows = np.array([line.split() for line in out.split("\n") if line], dtype=np.float64)
+    _frag_compare(rows, s, v, "")
+    if _gpu_available():
+        import torch
+
+        ext = _load_inline("softmax_step", _FRAG_CPP, kernel, ["exercise_softmax_step"])
+        records = ext.exercise_softmax_step(torch.from_numpy(s).cuda(), torch.from_numpy(v).cuda(),
+                                            _FRAG_SCALE_LOG2).cpu().double().numpy()
+        index = np.array([(j, lane) for j in range(_FRAG_TILES) for lane in range(32)], dtype=np.float64)
+        _frag_compare(np.hstack([index, records]), s, v, "on the GPU: ")
+
+
+def _frag_compare(rows: np.ndarray, s: np.ndarray, v: np.ndarray, where: str) -> None:
+    """Compare the records (tile, lane, m[2], l[2], P, o) of a run with float64; AssertionError at the first
+    wrong value, prefixed by `where`."""
     k_s, k_o = _FRAG_COLS // 8, _FRAG_D // 8
     width = 6 + 4 * k_s + 4 * k_o
-    rows = np.array([line.split() for line in out.split("\n") if line], dtype=np.float64)
     if rows.shape != (_FRAG_TILES * 32, width):
         raise AssertionError(f"the emulation printed {rows.shape} values, expected {(_FRAG_TILES * 32, width)}")
     want = _frag_reference(s, v)
@@ -903,7 +964,7 @@ def check_online_softmax_fragments(source: str) -> None:
         got = rows[j * 32:(j + 1) * 32]
         m_ref, p_ref, l_ref, o_ref = want[j]
         m_prev = want[j - 1][0] if j else np.full(16, -np.inf)
-        tile = f"tile {j} of {_FRAG_TILES} (m, l and o carried across the tiles)"
+        tile = f"{where}tile {j} of {_FRAG_TILES} (m, l and o carried across the tiles)"
         # m: every lane of a quad holds its rows' running max
         for lane in range(32):
             for r in range(2):
