@@ -81,7 +81,8 @@ WRONG = [
      r"tile 1 of 4.*row 0 \(lanes 0–3, r=0\): lane 0 m\[0\] holds .*this tile's max"),
     ("6b.5", "(m_new == -INFINITY ? 0.f : m_new)", "m_new", r"tile 0 of 4.*row 3 \(lanes 12–15, r=0\).*NaN"),
     ("6b.5", "l[r] = l[r] * alpha + sum;",
-     "sum += __shfl_xor_sync(0xffffffffu, sum, 1); sum += __shfl_xor_sync(0xffffffffu, sum, 2); l[r] = l[r] * alpha + sum;",
+     "sum += __shfl_xor_sync(0xffffffffu, sum, 1); sum += __shfl_xor_sync(0xffffffffu, sum, 2); "
+     "l[r] = l[r] * alpha + sum;",
      r"tile 0 of 4.*row 0.*4 times the row sum"),
 ]
 
@@ -148,7 +149,9 @@ def test_the_online_softmax_gpu_kernel_gives_the_emulations_records():
 int main() {{
   static const float S[] = {ck._frag_array(s)}, V[] = {ck._frag_array(v)};
   static float out[{ck._FRAG_TILES} * 32 * 28];
-  warp_emulation::run_warp([&](int) {{ exercise_softmax_step_kernel(S, V, out, {ck._FRAG_TILES}, {ck._FRAG_SCALE_LOG2!r}f); }});
+  warp_emulation::run_warp([&](int) {{
+    exercise_softmax_step_kernel(S, V, out, {ck._FRAG_TILES}, {ck._FRAG_SCALE_LOG2!r}f);
+  }});
   for (int i = 0; i < {ck._FRAG_TILES} * 32; ++i) {{
     std::printf("%d %d", i / 32, i % 32);
     for (int k = 0; k < 28; ++k) std::printf(" %.9g", out[i * 28 + k]);
