@@ -85,13 +85,38 @@ def test_show_step_prints_numbered_lines(capsys):
     assert len(lines) == len(flatten.step_source(LESSON, 1).splitlines())
 
 
+def test_show_step_hides_or_shows_only_a_marked_region(capsys):
+    markers = ("// Online softmax", "// O += P V")
+    flatten.show_step(LESSON, 1, "flash_mma_kernel")
+    whole = capsys.readouterr().out.splitlines()
+    flatten.show_step(LESSON, 1, "flash_mma_kernel", hide=markers)
+    hidden = capsys.readouterr().out.splitlines()
+    flatten.show_step(LESSON, 1, "flash_mma_kernel", only=markers)
+    only = capsys.readouterr().out.splitlines()
+    assert only[0].endswith(markers[0] + " on the fragments: row r (0: g, 1: g + 8) of tile i owns entries 2r, "
+                                         "2r + 1 of every n8 tile.")
+    assert "__shfl_xor_sync(0xffffffffu, tile_max, 1));" in "\n".join(only)
+    assert not any(line in hidden for line in only)
+    first, last = only[0].split()[0], only[-1].split()[0]
+    assert f"      ... lines {first}-{last} hidden ..." in hidden
+    assert len(hidden) == len(whole) - len(only) + 1 and markers[1] in hidden[hidden.index(
+        f"      ... lines {first}-{last} hidden ...") + 1]
+
+
 @pytest.mark.parametrize("call", [lambda: flatten.show_step("06d", 1), lambda: flatten.show_step("06c", 17),
+                                  lambda: flatten.show_step(LESSON, 1, hide=("no such line", "x")),
+                                  lambda: flatten.show_step(LESSON, 1, hide=("a", "b"), only=("a", "b")),
                                   lambda: flatten.show_step(LESSON, 16),
                                   lambda: flatten.step_source(LESSON, True), lambda: flatten.step_diff(LESSON, 1),
                                   lambda: flatten.step_diff(LESSON, 3, against=0)])
 def test_bad_arguments_are_refused(call):
     with pytest.raises(ValueError):
         call()
+
+
+def test_show_step_refuses_markers_that_are_not_a_pair():
+    with pytest.raises(TypeError):
+        flatten.show_step(LESSON, 1, hide="// Online softmax")
 
 
 TABLE = """#pragma once

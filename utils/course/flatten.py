@@ -730,9 +730,40 @@ def step_source(lesson: str, n: int) -> str:
     return step_path(lesson, n).read_text()
 
 
-def show_step(lesson: str, n: int, name: str | None = None) -> None:
+def _cut(text: str, markers, *, keep: bool) -> str:
+    """The numbered lines of `text` from the first line containing markers[0] up to, not including, the next line
+    containing markers[1]: only those (keep) or all but those, replaced by one line that says so."""
+    if not (isinstance(markers, tuple) and len(markers) == 2 and all(isinstance(m, str) for m in markers)):
+        raise TypeError(f"hide and only take a pair of marker strings, got {markers!r}")
+    lines = text.split("\n")
+    start = next((i for i, line in enumerate(lines) if markers[0] in line), None)
+    if start is None:
+        raise ValueError(f"no line contains {markers[0]!r}")
+    end = next((i for i in range(start + 1, len(lines)) if markers[1] in lines[i]), None)
+    if end is None:
+        raise ValueError(f"no line after {markers[0]!r} contains {markers[1]!r}")
+    if keep:
+        return "\n".join(lines[start:end])
+    first, last = (lines[i].split()[0] for i in (start, end - 1))
+    return "\n".join([*lines[:start], f"      ... lines {first}-{last} hidden ...", *lines[end:]])
+
+
+def show_step(lesson: str, n: int, name: str | None = None, *, hide=None, only=None) -> None:
     """Print the flattened source of step n with its line numbers: the whole file, or the top-level function or
-    struct `name` (every overload of it), with the comment above it."""
+    struct `name` (every overload of it), with the comment above it. `hide=(first, stop)` leaves out the lines
+    from the first one containing `first` up to the next one containing `stop`; `only=(first, stop)` prints
+    just those."""
+    import contextlib
+    import io
+
+    if hide is not None or only is not None:
+        if hide is not None and only is not None:
+            raise ValueError("give hide or only, not both")
+        buffer = io.StringIO()
+        with contextlib.redirect_stdout(buffer):
+            show_step(lesson, n, name)
+        print(_cut(buffer.getvalue().rstrip("\n"), hide or only, keep=only is not None))
+        return
     source = step_source(lesson, n)
     lines = source.splitlines()
     if name is None:

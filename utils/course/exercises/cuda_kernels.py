@@ -357,7 +357,7 @@ def _check_softmax_on_gpu(source: str) -> None:
                           name=f"softmax of a {rows} x {cols} matrix")
 
 
-# ---- Exercise 6b.5: V's B fragments with ldmatrix.trans (notebook 06b) --------------------------------------
+# ---- Exercise 6b.3: V's B fragments with ldmatrix.trans (notebook 06b) --------------------------------------
 
 def _smem_offset_source() -> str:
     """smem_offset<D, kSwizzle> from utils/native/src/flash_mma.cuh: the emulation stores tiles exactly as the
@@ -415,7 +415,7 @@ def expected_b_v(lane: int, i: int, half: int, n0: int, k0: int) -> int:
 
 
 def check_load_b_v(source: str) -> None:
-    """Exercise 6b.5: `source` defines `load_b_v<D, kSwizzle>(b, tile, n0, k0, lane)`, the B fragments of V for
+    """Exercise 6b.3: `source` defines `load_b_v<D, kSwizzle>(b, tile, n0, k0, lane)`, the B fragments of V for
     two n8 tiles of O += P V with one ldmatrix.x4.trans. Raises AssertionError naming the wrong lanes and
     registers, and the elements they hold."""
     if not isinstance(source, str):
@@ -520,7 +520,7 @@ def _check_pv_on_gpu(source: str) -> None:
                           block_rows=8, name=f"O = P V ({keys} keys, D={d}, {'swizzled' if swizzle else 'plain'})")
 
 
-# ---- Exercise 6b.6: Pᵀ and dSᵀ in the backward's transposed frame (notebook 06bw) -------------------------------
+# ---- Exercise 6b.8: Pᵀ and dSᵀ in the backward's transposed frame (notebook 06bw) -------------------------------
 
 class _DsCase(NamedTuple):
     tiles: int        # n8 tiles of queries: BR = 8 tiles
@@ -658,7 +658,7 @@ def _ds_hint(case: _DsCase, data: dict, got_p: np.ndarray, got_ds: np.ndarray, p
 
 
 def check_backward_ds(source: str) -> None:
-    """Exercise 6b.6: `source` defines `probs_t<kTiles>(s, lse2, p, key0, q0, masked, offset, t)` and
+    """Exercise 6b.8: `source` defines `probs_t<kTiles>(s, lse2, p, key0, q0, masked, offset, t)` and
     `ds_t<kTiles>(s, dp, delta, t)`, the element-wise steps of the CUDA backward's dkdv kernel in the transposed
     frame. Raises AssertionError naming the wrong keys, queries and lanes."""
     if not isinstance(source, str):
@@ -757,3 +757,275 @@ def _check_ds_on_gpu(source: str, data: list) -> None:
         for what, got, want in (("Pᵀ", p, want_p), ("dSᵀ", ds, want_ds)):
             assert_rows_close(got, torch.from_numpy(want), atol=1e-5, rtol=1e-4,
                               name=f"{what} on the GPU ({case.describe()}), rows = keys from {case.k0}")
+
+
+# ---- Exercise 6b.5: the online softmax on the C fragments (notebook 06b) -----------------------------------------
+
+# One warp's 16 rows against 4 tiles of 32 keys (kTilesS = 4 n8 tiles), O of 16 columns (kTilesO = 2), carried
+# across the tiles as the kernel carries m, l and o. Rows 3 and 12 see no key in tiles 0 and 1 (m stays -inf);
+# row 10 sees none in tile 2 (its max is carried); tile 1 is lower than tile 0 (a max that must not shrink) and
+# tile 2 higher (every row's max grows: l and o must be rescaled).
+_FRAG_TILES, _FRAG_COLS, _FRAG_D = 4, 32, 16
+_FRAG_SCALE_LOG2 = 0.125 * 1.4426950408889634
+
+
+def _frag_data(seed: int = 0) -> tuple:
+    rng = np.random.default_rng(seed)
+    s = (rng.normal(size=(_FRAG_TILES, 16, _FRAG_COLS)) * 8).astype(np.float32)
+    s[1] -= 30.0
+    s[2] += 25.0
+    s[0:2, [3, 12]] = -np.inf
+    s[1, 5, ::3] = -np.inf
+    s[2, 10] = -np.inf
+    v = rng.normal(size=(_FRAG_TILES, _FRAG_COLS, _FRAG_D)).astype(np.float32)
+    return s, v
+
+
+def _frag_reference(s: np.ndarray, v: np.ndarray, *, carry_max=True, rescale=True, fold_scale=True) -> list:
+    """Per tile: (m, P, l, O after O += P V) in float64; the flags give the mistakes the check recognises."""
+    c = _FRAG_SCALE_LOG2 if fold_scale else 1.0
+    m, l, o, out = np.full(16, -np.inf), np.zeros(16), np.zeros((16, _FRAG_D)), []
+    with np.errstate(invalid="ignore", over="ignore"):
+        for j in range(len(s)):
+            sj = s[j].astype(np.float64)
+            tile_max = sj.max(axis=1)
+            m_new = np.maximum(m, tile_max) if carry_max else tile_max
+            ref = np.where(m_new == -np.inf, 0.0, m_new)
+            alpha = np.exp2(m * c - ref * c) if rescale else np.ones(16)
+            p = np.exp2(sj * c - ref[:, None] * c)
+            l = l * alpha + p.sum(axis=1)
+            o = o * alpha[:, None] + p @ v[j].astype(np.float64)
+            m = m_new
+            out.append((m.copy(), p, l.copy(), o.copy()))
+    return out
+
+
+_FRAG_PRELUDE = r"""
+__device__ __forceinline__ float fast_exp2(float x) { return exp2f(x); }  // the kernel's uses ex2.approx
+"""
+_FRAG_DRIVER = r"""
+int main() {
+  constexpr int kTiles = @TILES@, kTilesS = @COLS@ / 8, kTilesO = @D@ / 8, cols = @COLS@, d = @D@;
+  static const float S[] = @S@, V[] = @V@;
+  static float m[32][2], l[32][2], o[32][kTilesO][4], P[32][kTilesS][4];
+  for (int lane = 0; lane < 32; ++lane) m[lane][0] = m[lane][1] = -INFINITY, l[lane][0] = l[lane][1] = 0.f;
+  for (int j = 0; j < kTiles; ++j) {
+    warp_emulation::run_warp([&](int lane) {
+      const int g = lane / 4, t = lane % 4;
+      float s[kTilesS][4];
+      for (int n = 0; n < kTilesS; ++n)  // the C layout: (row g + 8 (e / 2), column 8n + 2t + e % 2)
+        for (int e = 0; e < 4; ++e) s[n][e] = S[(j * 16 + g + 8 * (e / 2)) * cols + 8 * n + 2 * t + e % 2];
+      online_softmax_step<kTilesS, kTilesO>(s, m[lane], l[lane], o[lane], @SCALE@f);
+      std::memcpy(P[lane], s, sizeof(s));
+    });
+    // O += P V, as the kernel's mma do it: row r of P is spread over the 4 lanes of its quad
+    for (int lane = 0; lane < 32; ++lane)
+      for (int n = 0; n < kTilesO; ++n)
+        for (int e = 0; e < 4; ++e) {
+          const int row = lane / 4 + 8 * (e / 2), col = 8 * n + 2 * (lane % 4) + e % 2;
+          double acc = 0;
+          for (int key = 0; key < cols; ++key) {
+            const int owner = 4 * (row % 8) + key % 8 / 2;
+            acc += double(P[owner][key / 8][2 * (row / 8) + key % 2]) * V[(j * cols + key) * d + col];
+          }
+          o[lane][n][e] += float(acc);
+        }
+    for (int lane = 0; lane < 32; ++lane) {
+      std::printf("%d %d %.9g %.9g %.9g %.9g", j, lane, m[lane][0], m[lane][1], l[lane][0], l[lane][1]);
+      for (int n = 0; n < kTilesS; ++n)
+        for (int e = 0; e < 4; ++e) std::printf(" %.9g", P[lane][n][e]);
+      for (int n = 0; n < kTilesO; ++n)
+        for (int e = 0; e < 4; ++e) std::printf(" %.9g", o[lane][n][e]);
+      std::printf("\n");
+    }
+  }
+}
+"""
+
+# The driver's loop as a one-warp kernel: nvcc compiles it on every machine, a GPU runs it. Record (j, lane) of
+# `out` holds m, l, P and o after tile j, as the emulation prints them.
+_FRAG_KERNEL = r"""
+__global__ void exercise_softmax_step_kernel(const float* S, const float* V, float* out, int tiles, float scale_log2) {
+  constexpr int kTilesS = 4, kTilesO = 2, cols = 32, d = 16, width = 4 + 4 * kTilesS + 4 * kTilesO;
+  __shared__ float P[32][kTilesS][4];
+  const int lane = threadIdx.x, g = lane / 4, t = lane % 4;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, o[kTilesO][4] = {};
+  for (int j = 0; j < tiles; ++j) {
+    float s[kTilesS][4];
+    for (int n = 0; n < kTilesS; ++n)
+      for (int e = 0; e < 4; ++e) s[n][e] = S[(j * 16 + g + 8 * (e / 2)) * cols + 8 * n + 2 * t + e % 2];
+    online_softmax_step<kTilesS, kTilesO>(s, m, l, o, scale_log2);
+    for (int n = 0; n < kTilesS; ++n)
+      for (int e = 0; e < 4; ++e) P[lane][n][e] = s[n][e];
+    __syncwarp();
+    for (int n = 0; n < kTilesO; ++n)  // O += P V, as the emulation's driver does it
+      for (int e = 0; e < 4; ++e) {
+        const int row = g + 8 * (e / 2), col = 8 * n + 2 * t + e % 2;
+        float acc = 0.f;
+        for (int key = 0; key < cols; ++key)
+          acc += P[4 * (row % 8) + key % 8 / 2][key / 8][2 * (row / 8) + key % 2] * V[(j * cols + key) * d + col];
+        o[n][e] += acc;
+      }
+    __syncwarp();
+    float* rec = out + (j * 32 + lane) * width;
+    rec[0] = m[0], rec[1] = m[1], rec[2] = l[0], rec[3] = l[1];
+    for (int n = 0; n < kTilesS; ++n)
+      for (int e = 0; e < 4; ++e) rec[4 + 4 * n + e] = s[n][e];
+    for (int n = 0; n < kTilesO; ++n)
+      for (int e = 0; e < 4; ++e) rec[4 + 4 * kTilesS + 4 * n + e] = o[n][e];
+  }
+}
+"""
+_FRAG_LAUNCH = r"""
+void exercise_softmax_step_launch(const float* S, const float* V, float* out, int tiles, float scale_log2) {
+  exercise_softmax_step_kernel<<<1, 32>>>(S, V, out, tiles, scale_log2);
+}
+"""
+
+_FRAG_CPP = r"""
+#include <torch/extension.h>
+#include <cuda_runtime_api.h>
+void exercise_softmax_step_launch(const float* S, const float* V, float* out, int tiles, float scale_log2);
+
+torch::Tensor exercise_softmax_step(torch::Tensor s, torch::Tensor v, double scale_log2) {
+  TORCH_CHECK(s.is_cuda() && v.is_cuda() && s.scalar_type() == torch::kFloat32 &&
+              v.scalar_type() == torch::kFloat32 && s.is_contiguous() && v.is_contiguous(),
+              "exercise_softmax_step: s and v must be contiguous fp32 CUDA tensors");
+  TORCH_CHECK(s.dim() == 3 && s.size(1) == 16 && s.size(2) == 32 && v.dim() == 3 && v.size(0) == s.size(0) &&
+              v.size(1) == 32 && v.size(2) == 16, "exercise_softmax_step: s is tiles x 16 x 32, v tiles x 32 x 16");
+  auto out = torch::empty({s.size(0) * 32, 4 + 16 + 8}, s.options());
+  exercise_softmax_step_launch(s.data_ptr<float>(), v.data_ptr<float>(), out.data_ptr<float>(), s.size(0),
+                               static_cast<float>(scale_log2));
+  TORCH_CHECK(cudaGetLastError() == cudaSuccess, "exercise_softmax_step: launch failed");
+  return out;
+}
+"""
+
+
+def _frag_array(values) -> str:
+    return "{" + ", ".join("-INFINITY" if x == -np.inf else f"{float(x)!r}f" for x in np.ravel(values)) + "}"
+
+
+def _refuse_course_code(source: str) -> None:
+    """RefusedAnswer if `source` includes one of the course's CUDA headers or names its namespace."""
+    from utils.course.exercises.refuse import RefusedAnswer
+
+    course_files = {p.name for p in CUDA_DIR.rglob("*") if p.is_file()}
+    for name in re.findall(r'#\s*include\s*[<"]([^>"]+)[>"]', source):
+        if Path(name).name in course_files:
+            raise RefusedAnswer(f"the check refuses the course's own `{name}`: it holds the kernel this exercise "
+                                f"asks for; write the step with your own code")
+    if "course_flash" in source:
+        raise RefusedAnswer("the check refuses the course's own namespace `course_flash`: it holds the kernel "
+                            "this exercise asks for; write the step with your own code")
+
+
+def _frag_where(row: int, lane: int) -> str:
+    return f"row {row} (lanes {4 * (row % 8)}–{4 * (row % 8) + 3}, r={row // 8})"
+
+
+def check_online_softmax_fragments(source: str) -> None:
+    """Exercise 6b.5: `source` defines `online_softmax_step<kTilesS, kTilesO>(s, m, l, o, scale_log2)`, one
+    warp's online-softmax step on the C fragments of a 16-row key tile. Runs it in the emulated warp over a
+    sequence of tiles (m, l and o carried, O += P V between them), and on a GPU as a one-warp kernel, and
+    compares with float64. Raises AssertionError naming the tile, row, lane and register that are wrong."""
+    if not isinstance(source, str):
+        raise TypeError("source must be the CUDA source string of the exercise")
+    _refuse_course_code(source)
+    kernel = _SOFTMAX_INCLUDES + _FRAG_PRELUDE + source + _FRAG_KERNEL + _FRAG_LAUNCH
+    nvcc_compile(kernel)
+    s, v = _frag_data()
+    driver = (_FRAG_DRIVER.replace("@TILES@", str(_FRAG_TILES)).replace("@COLS@", str(_FRAG_COLS))
+              .replace("@D@", str(_FRAG_D)).replace("@S@", _frag_array(s)).replace("@V@", _frag_array(v))
+              .replace("@SCALE@", repr(_FRAG_SCALE_LOG2)))
+    out = run_emulated(_FRAG_PRELUDE + source + driver)
+    rows = np.array([line.split() for line in out.split("\n") if line], dtype=np.float64)
+    _frag_compare(rows, s, v, "")
+    if _gpu_available():
+        import torch
+
+        ext = _load_inline("softmax_step", _FRAG_CPP, kernel, ["exercise_softmax_step"])
+        records = ext.exercise_softmax_step(torch.from_numpy(s).cuda(), torch.from_numpy(v).cuda(),
+                                            _FRAG_SCALE_LOG2).cpu().double().numpy()
+        index = np.array([(j, lane) for j in range(_FRAG_TILES) for lane in range(32)], dtype=np.float64)
+        _frag_compare(np.hstack([index, records]), s, v, "on the GPU: ")
+
+
+def _frag_compare(rows: np.ndarray, s: np.ndarray, v: np.ndarray, where: str) -> None:
+    """Compare the records (tile, lane, m[2], l[2], P, o) of a run with float64; AssertionError at the first
+    wrong value, prefixed by `where`."""
+    k_s, k_o = _FRAG_COLS // 8, _FRAG_D // 8
+    width = 6 + 4 * k_s + 4 * k_o
+    if rows.shape != (_FRAG_TILES * 32, width):
+        raise AssertionError(f"the emulation printed {rows.shape} values, expected {(_FRAG_TILES * 32, width)}")
+    want = _frag_reference(s, v)
+    close = lambda a, b: np.isclose(a, b, rtol=1e-4, atol=1e-5) | ((a == b) & np.isinf(b))
+    for j in range(_FRAG_TILES):
+        got = rows[j * 32:(j + 1) * 32]
+        m_ref, p_ref, l_ref, o_ref = want[j]
+        m_prev = want[j - 1][0] if j else np.full(16, -np.inf)
+        tile = f"{where}tile {j} of {_FRAG_TILES} (m, l and o carried across the tiles)"
+        # m: every lane of a quad holds its rows' running max
+        for lane in range(32):
+            for r in range(2):
+                row = lane // 4 + 8 * r
+                if not close(got[lane, 2 + r], m_ref[row]):
+                    own = max(s[j, row, 8 * n + 2 * (lane % 4) + e] for n in range(k_s) for e in range(2))
+                    why = ""
+                    if np.isclose(got[lane, 2 + r], own) and own != s[j, row].max():
+                        why = (". That is the max of this lane's own entries: the other three lanes of the "
+                               "quad hold the rest of the row")
+                    elif np.isclose(got[lane, 2 + r], s[j, row].max()):
+                        why = (f". That is this tile's max; the running max before it was {m_prev[row]:.6g}, and "
+                               f"the max of all keys so far is never smaller")
+                    raise AssertionError(f"{tile}, {_frag_where(row, lane)}: lane {lane} m[{r}] holds "
+                                         f"{got[lane, 2 + r]:.6g}, expected {m_ref[row]:.6g}{why}")
+        # P, in place of s
+        got_p = np.empty((16, _FRAG_COLS))
+        got_o = np.empty((16, _FRAG_D))
+        for lane in range(32):
+            for n in range(k_s):
+                for e in range(4):
+                    got_p[lane // 4 + 8 * (e // 2), 8 * n + 2 * (lane % 4) + e % 2] = got[lane, 6 + 4 * n + e]
+            for n in range(k_o):
+                for e in range(4):
+                    got_o[lane // 4 + 8 * (e // 2), 8 * n + 2 * (lane % 4) + e % 2] = got[lane, 6 + 4 * k_s + 4 * n + e]
+        ok = close(got_p, p_ref)
+        if not ok.all():
+            row, col = (int(x[0]) for x in np.nonzero(~ok))
+            lane, n, e = 4 * (row % 8) + col % 8 // 2, col // 8, 2 * (row // 8) + col % 2
+            why = ""
+            if close(got_p[row], _frag_reference(s, v, fold_scale=False)[j][1][row]).all():
+                why = (". These are 2^(s − m) without the softmax scale: fold scale·log₂ e (scale_log2) into the "
+                       "exponent, for s and m alike")
+            elif np.isnan(got_p[row]).any():
+                why = (". NaN: this row has no visible key yet (its max is −∞), and −∞ − (−∞) is NaN. Subtract 0 "
+                       "instead when the max is −∞")
+            raise AssertionError(f"{tile}, {_frag_where(row, lane)}: P wrong in columns "
+                                 f"{_spans(np.flatnonzero(~ok[row]).tolist())} of that row; lane {lane} s[{n}][{e}] "
+                                 f"(column {col}) holds {got_p[row, col]:.6g}, expected {p_ref[row, col]:.6g}{why}")
+        # l: each lane keeps its part; the quad's four parts add up to the row sum
+        for row in range(16):
+            lanes = [4 * (row % 8) + t for t in range(4)]
+            total = got[lanes, 4 + row // 8].sum()
+            if not close(total, l_ref[row]):
+                why = ""
+                if np.isclose(total, 4 * l_ref[row], rtol=1e-4):
+                    why = (". That is 4 times the row sum: each lane keeps only the sum of its own entries; the "
+                           "kernel adds the quad's four parts once, after the last tile")
+                elif np.isclose(total, _frag_reference(s, v, rescale=False)[j][2][row], rtol=1e-4):
+                    why = (f". The max of this row grew from {m_prev[row]:.6g} to {m_ref[row]:.6g} here: the sum "
+                           f"so far was taken against the old max")
+                raise AssertionError(f"{tile}, {_frag_where(row, lanes[0])}: the four lanes' l[{row // 8}] add up "
+                                     f"to {total:.6g}, expected the row sum {l_ref[row]:.6g}{why}")
+        ok = close(got_o, o_ref)
+        if not ok.all():
+            row, col = (int(x[0]) for x in np.nonzero(~ok))
+            lane, n, e = 4 * (row % 8) + col % 8 // 2, col // 8, 2 * (row // 8) + col % 2
+            why = ""
+            if m_prev[row] != m_ref[row] and m_prev[row] != -np.inf:
+                why = (f". The max of this row grew from {m_prev[row]:.6g} to {m_ref[row]:.6g} here: the row's "
+                       f"accumulators were summed against the old max")
+            raise AssertionError(f"{tile}, {_frag_where(row, lane)}: O (after O += P V) wrong; lane {lane} "
+                                 f"o[{n}][{e}] (column {col}) holds {got_o[row, col]:.6g}, expected "
+                                 f"{o_ref[row, col]:.6g}{why}")

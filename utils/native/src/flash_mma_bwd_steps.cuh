@@ -31,7 +31,7 @@ struct BwdPerHeadDim : BwdTwoBlocks { template <int D> static constexpr int rows
 // with two iterations in flight the mma still overlap the next ldmatrix, and nothing spills.
 struct BwdUnrollTwo : BwdPerHeadDim { static constexpr int kUnrollD = 2; };
 // Step 7: Pᵀ's exponentials first and its mask after them, only in tiles the mask touches (probs_t, kMaskAfter).
-// Written as `hidden ? 0 : exp2(..)` per element, as in Exercise 6b.6, each exp2 sits behind a branch: in the SASS of
+// Written as `hidden ? 0 : exp2(..)` per element, as in Exercise 6b.8, each exp2 sits behind a branch: in the SASS of
 // step 5's loop, 32 of its 48 convergence barriers (BSSY/BSYNC) wrap one exp2 each.
 struct BwdMaskAfter : BwdPerHeadDim { static constexpr bool kMaskAfter = true; };
 // Step 8: FlashAttention-2's warp tiles (flash_bwd_dkdv_tiled_kernel below). Each warp computes a 32 x 32 tile of

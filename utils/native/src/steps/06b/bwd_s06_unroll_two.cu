@@ -60,7 +60,7 @@ __device__ __forceinline__ void mma_a_bt(float (&acc)[kTiles][4], const T* A, co
   }
 }
 
-// The two element-wise steps of the transposed frame (Exercise 6b.6). In a warp's accumulators of Sᵀ = K Qᵀ,
+// The two element-wise steps of the transposed frame (Exercise 6b.8). In a warp's accumulators of Sᵀ = K Qᵀ,
 // s[n][e] of the lane with g = lane / 4, t = lane % 4 holds key key0 + 8 (e / 2), where key0 = the warp's first
 // key + g, and query q0 + 8n + 2t + e % 2: the C layout with keys as rows. So the per-query values lse2 and delta
 // (the block's, from query q0) are indexed by the column.
