@@ -40,15 +40,15 @@ def test_inputs_are_checked_before_anything_is_built():
 
 
 @pytest.mark.parametrize("config,head_dim,error,match", [
-    ((64, 2, 240), 64, TypeError, "config must be a BwdConfig"),
-    (gb.BwdConfig(32, 2, 240), 64, ValueError, "block_m must be 64 or 128"),
-    (gb.BwdConfig(128, 2, 240), 128, ValueError, "must be 64 at head dim 128"),
-    (gb.BwdConfig(64, 4, 240), 64, ValueError, "stages must be 1, 2 or 3"),
-    (gb.BwdConfig(64, 2, 244), 64, ValueError, "consumer_regs must be a multiple of 8"),
-    (gb.BwdConfig(64, 2, 240, 1), 64, TypeError, "prefetch_s must be a bool"),
-    (gb.BwdConfig(128, 1, 240, True), 64, ValueError, "prefetch_s needs stages >= 2"),
-    (gb.BwdConfig(64, 2, 240, False, 4.0), 128, TypeError, "bh_group must be an int"),
-    (gb.BwdConfig(64, 2, 240, False, -1), 128, ValueError, "bh_group must be >= 0"),
+    ((64, 2, 240), 64, TypeError, "config must be a utils.explicit.backward.Config"),
+    (gb.Config(32, 2, 240), 64, ValueError, "block_m must be 64 or 128"),
+    (gb.Config(128, 2, 240), 128, ValueError, "must be 64 at head dim 128"),
+    (gb.Config(64, 4, 240), 64, ValueError, "stages must be 1, 2 or 3"),
+    (gb.Config(64, 2, 244), 64, ValueError, "consumer_regs must be a multiple of 8"),
+    (gb.Config(64, 2, 240, 1), 64, TypeError, "prefetch_s must be a bool"),
+    (gb.Config(128, 1, 240, True), 64, ValueError, "prefetch_s needs stages >= 2"),
+    (gb.Config(64, 2, 240, False, 4.0), 128, TypeError, "bh_group must be an int"),
+    (gb.Config(64, 2, 240, False, -1), 128, ValueError, "bh_group must be >= 0"),
 ])
 def test_bad_configs_are_named(config, head_dim, error, match):
     with pytest.raises(error, match=match):
@@ -151,10 +151,10 @@ def test_gradients_match_float64_on_odd_shapes(dtype, causal):
 
 @on_hopper
 @pytest.mark.parametrize("config,head_dim", [
-    (gb.BwdConfig(64, 2, 240), 64), (gb.BwdConfig(128, 1, 232), 64), (gb.BwdConfig(64, 3, 240, True), 64),
-    (gb.BwdConfig(128, 2, 240, False), 64), (gb.BwdConfig(64, 3, 240, True), 128),
-    (gb.BwdConfig(128, 2, 240, True, 3), 64), (gb.BwdConfig(64, 2, 240, False, 3), 128),
-    (gb.BwdConfig(64, 2, 240, False, 8), 128)],
+    (gb.Config(64, 2, 240), 64), (gb.Config(128, 1, 232), 64), (gb.Config(64, 3, 240, True), 64),
+    (gb.Config(128, 2, 240, False), 64), (gb.Config(64, 3, 240, True), 128),
+    (gb.Config(128, 2, 240, True, 3), 64), (gb.Config(64, 2, 240, False, 3), 128),
+    (gb.Config(64, 2, 240, False, 8), 128)],
     ids=["64x2 d64", "128x1 d64", "64x3 prefetch d64", "128x2 no prefetch d64", "64x3 prefetch d128",
          "groups of 3 d64", "groups of 3 d128", "one group of 4 d128"])
 def test_every_config_gives_the_same_gradients(config, head_dim):

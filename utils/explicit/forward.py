@@ -312,7 +312,7 @@ def _tma_ready(x: torch.Tensor) -> torch.Tensor:
     return x if aligned else x.contiguous()
 
 
-def validate(q, k, v, causal, sm_scale) -> float:
+def check_inputs(q, k, v, causal, sm_scale) -> float:
     """The inputs' checks (utils.checks), then the GPU generation; returns the softmax scale."""
     check_attention_inputs(q, k, v, causal=causal, head_dims=HEAD_DIMS, dtypes=DTYPES, runs_on="cuda")
     check_sm90(q, "flash_attention_gluon")
@@ -356,7 +356,7 @@ def interleave(agents, events, rng, hang: str, p_event: float = 0.5) -> None:
 def flash_attention_gluon_forward(q, k, v, *, causal=False, sm_scale=None, config: Config | None = None):
     """(o, lse): o like q, lse (batch, heads, seqlen_q) fp32 natural-log log-sum-exp. `config`: fixed tiles
     (default: pick_config's)."""
-    scale = validate(q, k, v, causal, sm_scale)
+    scale = check_inputs(q, k, v, causal, sm_scale)
     config = pick_config(q.shape[-1]) if config is None else check_config(config, q.shape[-1])
     q, k, v, o, lse = tma_buffers(q, k, v)
     _launch(q, k, v, o, lse, causal, scale, config)
