@@ -59,8 +59,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from utils.explicit import forward as fg
 from utils.tiled.fast import backward as tb
-from utils.explicit.forward import flash_attention_gluon_forward
-from utils.explicit.forward_ws import flash_attention_gluon_ws_forward
+from utils.explicit import forward_ws as fws
 from utils.checks import check_device
 from utils.eager.backward import check_backward_inputs
 from utils.tiled.fast import launch
@@ -393,17 +392,17 @@ def _call_key(do, q, k, v, o, lse, causal, sm_scale, config):
 
 
 def _choose(do, q, k, v, o, lse, causal, sm_scale, config) -> tuple:
-    """flash_attention_gluon_backward's checks (a ValueError or TypeError naming the argument) and its
+    """flash_attention_backward's checks (a ValueError or TypeError naming the argument) and its
     (shape, scale, config)."""
     shape, scale = check_backward_inputs(do, q, k, v, o, lse, causal=causal, sm_scale=sm_scale,
                                          head_dims=fg.HEAD_DIMS, dtypes=fg.DTYPES)
     check_device("q", q, "cuda")
-    fg.check_sm90(q, "flash_attention_gluon_backward")
+    fg.check_sm90(q, "utils.explicit.backward.flash_attention_backward")
     return shape, scale, (pick_config(shape.head_dim, causal) if config is None
                           else check_config(config, shape.head_dim))
 
 
-def flash_attention_gluon_backward(do, q, k, v, o, lse, *, causal=False, sm_scale=None,
+def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, sm_scale=None,
                                    config: Config | None = None):
     """(dq, dk, dv) of softmax(Q Kᵀ · sm_scale) V for the forward's o and lse (natural log, (B, H, Nq)).
 
@@ -471,7 +470,7 @@ class GluonAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = flash_attention_gluon_backward(do, q, k, v, o, lse, causal=ctx.causal, sm_scale=ctx.sm_scale)
+        dq, dk, dv = flash_attention_backward(do, q, k, v, o, lse, causal=ctx.causal, sm_scale=ctx.sm_scale)
         return dq, dk, dv, None, None, None
 
 
@@ -484,15 +483,15 @@ def differentiable(forward, q, k, v, causal, sm_scale):
 
 
 def flash_attention_gluon(q, k, v, *, causal=False, sm_scale=None):
-    """The registry's "gluon": the output of utils.explicit.forward.flash_attention_gluon_forward, differentiable
+    """The registry's "gluon": the output of utils.explicit.forward.flash_attention_forward, differentiable
     (the backward is this module's kernel)."""
-    return differentiable(flash_attention_gluon_forward, q, k, v, causal, sm_scale)
+    return differentiable(fg.flash_attention_forward, q, k, v, causal, sm_scale)
 
 
 def flash_attention_gluon_ws(q, k, v, *, causal=False, sm_scale=None):
-    """The registry's "gluon_ws": the output of utils.explicit.forward_ws.flash_attention_gluon_ws_forward,
+    """The registry's "gluon_ws": the output of utils.explicit.forward_ws.flash_attention_forward,
     differentiable (the backward is this module's kernel)."""
-    return differentiable(flash_attention_gluon_ws_forward, q, k, v, causal, sm_scale)
+    return differentiable(fws.flash_attention_forward, q, k, v, causal, sm_scale)
 
 
 # The synchronisation as data: per tile t, the steps of the producer and of each consumer (both run the same

@@ -193,11 +193,11 @@ def check_config(config, head_dim: int) -> Config:
 
 def variant(config: Config, name: str):
     """fn(q, k, v, *, causal=False, sm_scale=None) running the kernel with fixed tiles (the benchmark's lines)."""
-    return fg.fixed_tiles(flash_attention_gluon_ws_forward, config, name)
+    return fg.fixed_tiles(flash_attention_forward, config, name)
 
 
-def flash_attention_gluon_ws_forward(q, k, v, *, causal=False, sm_scale=None, config: Config | None = None):
-    """(o, lse) as utils.explicit.forward.flash_attention_gluon_forward; `config`: fixed tiles (default:
+def flash_attention_forward(q, k, v, *, causal=False, sm_scale=None, config: Config | None = None):
+    """(o, lse) as utils.explicit.forward.flash_attention_forward; `config`: fixed tiles (default:
     pick_config's)."""
     scale = fg.check_inputs(q, k, v, causal, sm_scale)
     config = pick_config(q.shape[-1]) if config is None else check_config(config, q.shape[-1])

@@ -77,7 +77,7 @@ def _gluon_backward(bh_group=None):
     """Worklog 07w section 5's one-kernel Gluon backward, after the Triton forward's (o, lse); `bh_group`: its
     launch order pinned (None: pick_config's)."""
     def prepare(q, k, v, do, causal):
-        from utils.explicit.backward import flash_attention_gluon_backward, pick_config
+        from utils.explicit.backward import flash_attention_backward as flash_attention_gluon_backward, pick_config
         from utils.tiled.fast.forward import flash_attention_forward
 
         o, lse = flash_attention_forward(q, k, v, causal=causal)
