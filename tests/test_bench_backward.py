@@ -7,7 +7,7 @@ import torch
 from utils.course.bench import backward_tiles
 from utils.course.bench.backward import (TRITON_LOADS, format_table, load_results, plot_backward_benchmark, ratios,
                                   run_backward_benchmark, save_results, triton_loads, triton_tiles)
-from utils.tiled.fast.backward import BackwardConfig, _fitted_config
+from utils.tiled.fast.backward import Config, _fitted_config
 
 ROWS = [dict(backend=b, seqlen=n, head_dim=64, causal=c, ms=1.0, tflops=t, error=None)
         for n in (2048, 4096) for c in (False, True)
@@ -110,7 +110,7 @@ def test_a_run_records_where_triton_uses_tma():
                                        "d128_causal": True}
 
 
-# ---- the tile sweep behind default_config (utils.course.bench.backward_tiles) -------------------------------------
+# ---- the tile sweep behind pick_config (utils.course.bench.backward_tiles) ----------------------------------------
 TILE_ROWS = [dict(head_dim=64, causal=False, kernel="dq", tiles=[128, 64, 8, 3], ms=2.0, error=None),
              dict(head_dim=64, causal=False, kernel="dq", tiles=[64, 64, 4, 3], ms=1.0, error=None),
              dict(head_dim=64, causal=False, kernel="dq", tiles=[64, 128, 4, 2], ms=None, error="OutOfResources"),
@@ -118,7 +118,7 @@ TILE_ROWS = [dict(head_dim=64, causal=False, kernel="dq", tiles=[128, 64, 8, 3],
 
 
 def test_candidate_config_replaces_one_pass_only():
-    base = BackwardConfig()
+    base = Config()
     c = backward_tiles.candidate_config(base, "dq", (64, 32, 8, 2))
     assert (c.block_m2, c.block_n2, c.warps2, c.stages2) == (64, 32, 8, 2)
     assert (c.block_m1, c.block_n1, c.warps1, c.stages1) == (base.block_m1, base.block_n1, base.warps1, base.stages1)
@@ -128,7 +128,7 @@ def test_candidate_config_replaces_one_pass_only():
         backward_tiles.candidate_config(base, "dk", (64, 128, 8, 3))
     with pytest.raises(ValueError, match="tiles must be"):
         backward_tiles.candidate_config(base, "dq", (64, 128))
-    with pytest.raises(ValueError, match="power of two"):   # BackwardConfig's own check still applies
+    with pytest.raises(ValueError, match="power of two"):   # Config's own check still applies
         backward_tiles.candidate_config(base, "dq", (48, 128, 4, 3))
 
 
@@ -152,7 +152,7 @@ def test_sweep_needs_a_gpu():
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 def test_default_tiles_are_within_tolerance_of_the_stored_fastest(head_dim, causal):
-    """default_config's 16-bit tiles are what the stored H200 sweep measured fastest, give or take its noise."""
+    """pick_config's 16-bit tiles are what the stored H200 sweep measured fastest, give or take its noise."""
     rows = json.loads(backward_tiles.DEFAULT_OUT.read_text())["rows"]
     config = _fitted_config(head_dim, torch.bfloat16, causal, None)   # the H200's choice, even in the interpreter
     for which, fields in backward_tiles.PASSES.items():
@@ -168,7 +168,7 @@ def test_a_run_records_the_tiles_it_measured():
     assert sorted(tiles) == ["d128_causal", "d128_full", "d64_causal", "d64_full"]
     assert tiles["d128_full"] == dict(block_m1=64, block_n1=128, warps1=8, stages1=3,
                                       block_m2=128, block_n2=64, warps2=8, stages2=3)
-    assert BackwardConfig(**tiles["d64_full"]) == _fitted_config(64, torch.bfloat16, False, None)
+    assert Config(**tiles["d64_full"]) == _fitted_config(64, torch.bfloat16, False, None)
     t4 = triton_tiles([128], torch.bfloat16, smem=64 * 1024)   # a T4's tiles shrink to fit its shared memory
-    assert BackwardConfig(**t4["d128_full"]) == _fitted_config(128, torch.bfloat16, False, 64 * 1024) != \
-        BackwardConfig(**tiles["d128_full"])
+    assert Config(**t4["d128_full"]) == _fitted_config(128, torch.bfloat16, False, 64 * 1024) != \
+        Config(**tiles["d128_full"])

@@ -193,7 +193,7 @@ def test_a_tile_that_does_not_fit_is_recorded_not_raised():
 
 
 def test_ws_tiles_adds_the_warp_specialised_kernel_with_each_tile():
-    from utils.explicit.forward_ws import WS_TILES, ws_label
+    from utils.explicit.forward_ws import WS_TILES, label as ws_label
     fns = bm.candidates(bm.parse_args(["--ws-tiles", "--impls", "gluon_ws", "--sdpa", "cudnn"]))
     assert list(fns) == ["gluon_ws", *(ws_label(c) for c in WS_TILES), "sdpa-cudnn"]
     assert fns["gluon_ws n128 s2 r232"].__name__ == "gluon_ws n128 s2 r232"

@@ -13,7 +13,7 @@ import triton.language as tl
 from triton.runtime.jit import JITFunction
 
 from utils.course import cross_compile
-from utils.tiled.fast.backward import SMALL_SMEM_CONFIGS, BackwardConfig, default_config, smem_estimate
+from utils.tiled.fast.backward import SMALL_SMEM_CONFIGS, Config, pick_config, smem_estimate
 from utils.gpu import PROFILES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,16 +84,16 @@ def test_backward_tiles_shrink_to_the_gpus_shared_memory(monkeypatch):
     for d in (16, 64, 80, 128, 256):
         for dtype in (torch.float16, torch.bfloat16, torch.float32):
             for causal in (False, True):
-                h200 = default_config(d, dtype, causal, 227 * 1024)
-                assert h200 == default_config(d, dtype, causal), "an H200 keeps the measured tiles"
-                t4 = default_config(d, dtype, causal, 64 * 1024)
+                h200 = pick_config(d, dtype, causal, 227 * 1024)
+                assert h200 == pick_config(d, dtype, causal), "an H200 keeps the measured tiles"
+                t4 = pick_config(d, dtype, causal, 64 * 1024)
                 assert t4 in (h200, *SMALL_SMEM_CONFIGS)
                 if (d, dtype) == (256, torch.float32):   # 96 KiB even with 16 x 16 tiles: Triton's launch says
                     assert t4 == SMALL_SMEM_CONFIGS[-1]  # "out of resource: shared memory" on a T4
                     continue
                 assert smem_estimate(t4, d, torch.finfo(dtype).bits // 8) <= 64 * 1024, (d, dtype, causal, t4)
     # sm_75's allocation (Triton 3.6): dK/dV 2 bytes x 128 x (2 x 32 + 4 x 64) for these tiles.
-    assert smem_estimate(BackwardConfig(32, 64, 4, 2, 64, 32, 4, 2), 128, 2) == 81920
+    assert smem_estimate(Config(32, 64, 4, 2, 64, 32, 4, 2), 128, 2) == 81920
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="subprocess environment")

@@ -83,7 +83,7 @@ def _backward_launches(case):
     lse = torch.zeros(1, 2, 1024)
     config = fast._fitted_config(d, torch.float16, causal, None)
     with mock.patch.object(fast, "tma_supported", lambda *args: True), \
-            mock.patch.object(fast, "default_tma", lambda head_dim, causal: bool(tma)):
+            mock.patch.object(fast, "use_tma", lambda head_dim, causal: bool(tma)):
         ours = _capture(lambda: fast.flash_attention_backward(q, q, q, q, q, lse, causal=causal, config=config))
     with mock.patch.object(worklog, "tma_supported", lambda *args: True):
         theirs = _capture(lambda: worklog.flash_attention_backward(q, q, q, q, q, lse, causal=causal, config=config,

@@ -143,12 +143,12 @@ def test_autograd_function_is_exposed():
 # --- the Triton kernels --------------------------------------------------------------------------------------
 
 from utils import gpu  # noqa: E402
-from utils.tiled.fast.backward import BackwardConfig, default_config, default_tma, flash_attention_backward  # noqa: E402
+from utils.tiled.fast.backward import Config, pick_config, use_tma, flash_attention_backward  # noqa: E402
 from utils.course.worklogs import triton_backward as worklog  # noqa: E402  (the switches 07w measures)
 from utils.course.testing import ODD_SHAPES_64_128  # noqa: E402
 
 # Small tiles in the interpreter so that every shape crosses several blocks and both loop kinds run.
-SMALL = BackwardConfig(16, 16, 4, 1, 16, 16, 4, 1)
+SMALL = Config(16, 16, 4, 1, 16, 16, 4, 1)
 CONFIGS = [None] if CUDA else [SMALL, None]
 
 
@@ -223,16 +223,16 @@ def test_triton_backward_validates_inputs():
         flash_attention_backward(do, q, k, v, o, lse[:, :1])
     with pytest.raises(TypeError, match="do has dtype"):
         flash_attention_backward(do.half(), q, k, v, o, lse)
-    with pytest.raises(TypeError, match="config must be a BackwardConfig"):
+    with pytest.raises(TypeError, match="config must be a utils.tiled.fast.backward.Config"):
         flash_attention_backward(do, q, k, v, o, lse, config=(16, 16))
     with pytest.raises(ValueError, match="not a multiple"):
         flash_attention_backward(do, q, k[:, :1].expand(1, 3, 8, 16), v[:, :1].expand(1, 3, 8, 16), o, lse)
     with pytest.raises(TypeError, match="sm_scale"):
         flash_attention_backward(do, q, k, v, o, lse, sm_scale="0.1")
     with pytest.raises(ValueError, match="block_m1 must be a power of two"):
-        BackwardConfig(block_m1=24)
+        Config(block_m1=24)
     with pytest.raises(ValueError, match="warps2 must be a positive int"):
-        BackwardConfig(warps2=0)
+        Config(warps2=0)
 
 
 def test_tma_argument_is_checked():
@@ -286,11 +286,11 @@ def test_dq_atomic_is_checked():
     assert not worklog.tma_reduce_supported(q.half())
 
 
-def test_default_tma_only_where_it_paid():
+def test_use_tma_only_where_it_paid():
     """The whole dK/dV loop through TMA (tiles, lse₂ and D) beat pointer loads on the H200 at head dim 128, causal
     or not, and TMA lost at 64 (notebook 07, sections 8 and 9)."""
-    assert default_tma(128, False) and default_tma(128, True)
-    assert not any(default_tma(d, c) for d in (16, 32, 64, 80, 96, 256) for c in (False, True))
+    assert use_tma(128, False) and use_tma(128, True)
+    assert not any(use_tma(d, c) for d in (16, 32, 64, 80, 96, 256) for c in (False, True))
 
 
 HOPPER = CUDA and gpu.capability() >= (9, 0)
@@ -320,7 +320,7 @@ def test_triton_backward_tma_matches_autograd(causal, dtype):
 def test_tma_stats_backward_matches_pointer_loads(causal):
     """lse₂ and D through descriptors compute what the pointer loads do, on GQA, a ragged end (N = 300, a multiple
     of 4 but not of the tiles), both head dims and 4-warp tiles; N = 302 falls back (None) or says why (True)."""
-    four = BackwardConfig(32, 64, 4, 3, 64, 32, 4, 3)
+    four = Config(32, 64, 4, 3, 64, 32, 4, 3)
     for b, h, hk, n, d, config in ((2, 4, 4, 1024, 128, None), (1, 4, 2, 300, 128, None), (1, 4, 2, 300, 64, None),
                                    (1, 2, 2, 256, 128, four)):
         q, k, v = random_qkv(b, h, n, n, d, kv_heads=hk, dtype=torch.bfloat16, device=DEVICE, seed=n + d)
@@ -343,8 +343,8 @@ def test_tma_stats_backward_matches_pointer_loads(causal):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="TMA needs an sm_90+ GPU")
-def test_default_loads_follow_default_tma(monkeypatch):
-    """The backward makes descriptors exactly where default_tma says so (4 tiles, and lse₂ and D for the dK/dV
+def test_default_loads_follow_use_tma(monkeypatch):
+    """The backward makes descriptors exactly where use_tma says so (4 tiles, and lse₂ and D for the dK/dV
     loops); unaligned inputs fall back to pointers."""
     import utils.tiled.fast.backward as bwd
 
@@ -357,7 +357,7 @@ def test_default_loads_follow_default_tma(monkeypatch):
             q, k, v = random_qkv(1, 2, 256, 256, d, dtype=torch.bfloat16, device=DEVICE)
             o, lse = forward_lse(q, k, v, causal)
             flash_attention_backward(torch.randn_like(q), q, k, v, o.to(q.dtype), lse.float(), causal=causal)
-            assert len(made) == (6 if default_tma(d, causal) else 0), (d, causal, made)
+            assert len(made) == (6 if use_tma(d, causal) else 0), (d, causal, made)
     made.clear()
     q, k, v = (t[..., 1:129] for t in random_qkv(1, 2, 256, 256, 130, dtype=torch.bfloat16, device=DEVICE))
     o, lse = forward_lse(q, k, v, False)
@@ -412,7 +412,7 @@ def test_a_kind_of_call_is_checked_once_and_others_apart(monkeypatch):
         assert len(bwd._KINDS) == n, what
     flash_attention_backward(*args, causal=True, sm_scale=0.5)
     assert len(bwd._KINDS) == 4
-    with pytest.raises(TypeError, match="config must be a BackwardConfig"):
+    with pytest.raises(TypeError, match="config must be a utils.tiled.fast.backward.Config"):
         flash_attention_backward(*args, causal=True, config=(16, 16))
     with pytest.raises(TypeError, match="sm_scale"):
         flash_attention_backward(*args, causal=True, sm_scale="0.1")
@@ -489,11 +489,11 @@ def test_the_kinds_of_call_kept_stay_at_the_bound(monkeypatch):
     assert len(flash_triton._KINDS) == len(bwd._KINDS) == 2
 
 
-def test_default_config_is_valid_for_every_case():
+def test_pick_config_is_valid_for_every_case():
     for d in (16, 64, 80, 128, 256):
         for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
             for causal in (False, True):
-                assert isinstance(default_config(d, dtype, causal), BackwardConfig)
+                assert isinstance(pick_config(d, dtype, causal), Config)
 
 
 # --- end to end: the differentiable Triton attention (forward of notebook 05, backward of notebook 07) --------

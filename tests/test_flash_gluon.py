@@ -136,7 +136,7 @@ def test_lse_is_the_log_sum_exp_and_minus_inf_for_rows_that_see_no_key(causal):
     from utils.course.testing import random_qkv, reference_lse
 
     q, k, v = random_qkv(2, 4, 300, 200, 128, kv_heads=2, dtype=torch.bfloat16, device="cuda")
-    _, lse = fg.flash_attention_gluon_forward(q, k, v, causal=causal)   # causal: the first 100 rows see no key
+    _, lse = fg.flash_attention_forward(q, k, v, causal=causal)   # causal: the first 100 rows see no key
     torch.testing.assert_close(lse.double(), reference_lse(q, k, causal=causal), rtol=0, atol=2e-2)
 
 

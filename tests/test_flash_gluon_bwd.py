@@ -26,29 +26,29 @@ def _inputs(shape=(1, 2, 2, 16, 16, 64), dtype=torch.bfloat16, device="cpu"):
 def test_inputs_are_checked_before_anything_is_built():
     do, q, k, v, o, lse = _inputs()
     with pytest.raises(ValueError, match="q is on cpu"):
-        gb.flash_attention_gluon_backward(do, q, k, v, o, lse)
+        gb.flash_attention_backward(do, q, k, v, o, lse)
     with pytest.raises(TypeError, match="q has dtype torch.float32"):
-        gb.flash_attention_gluon_backward(do.float(), q.float(), k.float(), v.float(), o.float(), lse)
+        gb.flash_attention_backward(do.float(), q.float(), k.float(), v.float(), o.float(), lse)
     with pytest.raises(ValueError, match="head_dim 32"):
-        gb.flash_attention_gluon_backward(*(t[..., :32] for t in (do, q, k, v, o)), lse)
+        gb.flash_attention_backward(*(t[..., :32] for t in (do, q, k, v, o)), lse)
     with pytest.raises(TypeError, match="causal must be a bool"):
-        gb.flash_attention_gluon_backward(do, q, k, v, o, lse, causal=1)
+        gb.flash_attention_backward(do, q, k, v, o, lse, causal=1)
     with pytest.raises(ValueError, match="lse must have shape"):
-        gb.flash_attention_gluon_backward(do, q, k, v, o, lse[:, :1])
+        gb.flash_attention_backward(do, q, k, v, o, lse[:, :1])
     with pytest.raises(ValueError, match="do has shape"):
-        gb.flash_attention_gluon_backward(do[:, :, :8], q, k, v, o, lse)
+        gb.flash_attention_backward(do[:, :, :8], q, k, v, o, lse)
 
 
 @pytest.mark.parametrize("config,head_dim,error,match", [
-    ((64, 2, 240), 64, TypeError, "config must be a BwdConfig"),
-    (gb.BwdConfig(32, 2, 240), 64, ValueError, "block_m must be 64 or 128"),
-    (gb.BwdConfig(128, 2, 240), 128, ValueError, "must be 64 at head dim 128"),
-    (gb.BwdConfig(64, 4, 240), 64, ValueError, "stages must be 1, 2 or 3"),
-    (gb.BwdConfig(64, 2, 244), 64, ValueError, "consumer_regs must be a multiple of 8"),
-    (gb.BwdConfig(64, 2, 240, 1), 64, TypeError, "prefetch_s must be a bool"),
-    (gb.BwdConfig(128, 1, 240, True), 64, ValueError, "prefetch_s needs stages >= 2"),
-    (gb.BwdConfig(64, 2, 240, False, 4.0), 128, TypeError, "bh_group must be an int"),
-    (gb.BwdConfig(64, 2, 240, False, -1), 128, ValueError, "bh_group must be >= 0"),
+    ((64, 2, 240), 64, TypeError, "config must be a utils.explicit.backward.Config"),
+    (gb.Config(32, 2, 240), 64, ValueError, "block_m must be 64 or 128"),
+    (gb.Config(128, 2, 240), 128, ValueError, "must be 64 at head dim 128"),
+    (gb.Config(64, 4, 240), 64, ValueError, "stages must be 1, 2 or 3"),
+    (gb.Config(64, 2, 244), 64, ValueError, "consumer_regs must be a multiple of 8"),
+    (gb.Config(64, 2, 240, 1), 64, TypeError, "prefetch_s must be a bool"),
+    (gb.Config(128, 1, 240, True), 64, ValueError, "prefetch_s needs stages >= 2"),
+    (gb.Config(64, 2, 240, False, 4.0), 128, TypeError, "bh_group must be an int"),
+    (gb.Config(64, 2, 240, False, -1), 128, ValueError, "bh_group must be >= 0"),
 ])
 def test_bad_configs_are_named(config, head_dim, error, match):
     with pytest.raises(error, match=match):
@@ -145,16 +145,16 @@ def test_gradients_match_float64_on_odd_shapes(dtype, causal):
         q, k, v = random_qkv(b, h, nq, nk, d, kv_heads=hk, dtype=dtype, device="cuda", seed=nq + nk)
         do = torch.randn_like(q)
         o, lse = flash_attention_forward(q, k, v, causal=causal)
-        grads = gb.flash_attention_gluon_backward(do, q, k, v, o, lse, causal=causal)
+        grads = gb.flash_attention_backward(do, q, k, v, o, lse, causal=causal)
         assert_gradients_close(grads, reference_gradients(q, k, v, do, causal=causal), dtype)
 
 
 @on_hopper
 @pytest.mark.parametrize("config,head_dim", [
-    (gb.BwdConfig(64, 2, 240), 64), (gb.BwdConfig(128, 1, 232), 64), (gb.BwdConfig(64, 3, 240, True), 64),
-    (gb.BwdConfig(128, 2, 240, False), 64), (gb.BwdConfig(64, 3, 240, True), 128),
-    (gb.BwdConfig(128, 2, 240, True, 3), 64), (gb.BwdConfig(64, 2, 240, False, 3), 128),
-    (gb.BwdConfig(64, 2, 240, False, 8), 128)],
+    (gb.Config(64, 2, 240), 64), (gb.Config(128, 1, 232), 64), (gb.Config(64, 3, 240, True), 64),
+    (gb.Config(128, 2, 240, False), 64), (gb.Config(64, 3, 240, True), 128),
+    (gb.Config(128, 2, 240, True, 3), 64), (gb.Config(64, 2, 240, False, 3), 128),
+    (gb.Config(64, 2, 240, False, 8), 128)],
     ids=["64x2 d64", "128x1 d64", "64x3 prefetch d64", "128x2 no prefetch d64", "64x3 prefetch d128",
          "groups of 3 d64", "groups of 3 d128", "one group of 4 d128"])
 def test_every_config_gives_the_same_gradients(config, head_dim):
@@ -167,7 +167,7 @@ def test_every_config_gives_the_same_gradients(config, head_dim):
     q, k, v = random_qkv(2, 4, 777, 1000, head_dim, kv_heads=2, dtype=torch.bfloat16, device="cuda", seed=3)
     do = torch.randn_like(q)
     o, lse = flash_attention_forward(q, k, v, causal=True)
-    grads = gb.flash_attention_gluon_backward(do, q, k, v, o, lse, causal=True, config=config)
+    grads = gb.flash_attention_backward(do, q, k, v, o, lse, causal=True, config=config)
     assert_gradients_close(grads, reference_gradients(q, k, v, do, causal=True), torch.bfloat16)
 
 
@@ -203,7 +203,7 @@ def test_a_kind_of_call_is_checked_once_and_launched_bound(monkeypatch):
     o, lse = flash_attention_forward(q, k, v, causal=True)
     args = (do, q, k, v, o, lse)
     gb._KINDS.clear()
-    first = gb.flash_attention_gluon_backward(*args, causal=True)
+    first = gb.flash_attention_backward(*args, causal=True)
     calls, run = [], Bound.__call__
 
     def counted(self, stream, *head):
@@ -211,10 +211,10 @@ def test_a_kind_of_call_is_checked_once_and_launched_bound(monkeypatch):
         run(self, stream, *head)
 
     monkeypatch.setattr(Bound, "__call__", counted)
-    again = gb.flash_attention_gluon_backward(*(t.clone() for t in args), causal=True)
+    again = gb.flash_attention_backward(*(t.clone() for t in args), causal=True)
     assert len(gb._KINDS) == 1 and calls == [5, 9]      # preprocess, then the kernel's nine descriptors
     with dispatch_by_triton():
-        through_triton = gb.flash_attention_gluon_backward(*args, causal=True)
+        through_triton = gb.flash_attention_backward(*args, causal=True)
     assert len(calls) == 2
     truth = reference_gradients(q, k, v, do, causal=True)
     for grads in (first, again, through_triton):
@@ -223,10 +223,10 @@ def test_a_kind_of_call_is_checked_once_and_launched_bound(monkeypatch):
             torch.testing.assert_close(a, b, atol=0, rtol=0)
     q, k, v, do = (t[:, :, :13] for t in (q, k, v, do))       # 13 query rows: their statistics are padded
     o, lse = flash_attention_forward(q, k, v, causal=True)
-    assert_gradients_close(gb.flash_attention_gluon_backward(do, q, k, v, o, lse, causal=True),
+    assert_gradients_close(gb.flash_attention_backward(do, q, k, v, o, lse, causal=True),
                            reference_gradients(q, k, v, do, causal=True), torch.bfloat16)
     with pytest.raises(TypeError, match="causal must be a bool"):
-        gb.flash_attention_gluon_backward(*args, causal=1)
+        gb.flash_attention_backward(*args, causal=1)
     assert len(gb._KINDS) == 1
 
 
@@ -244,7 +244,7 @@ def test_the_kinds_of_call_kept_stay_at_the_bound(monkeypatch):
         q, k, v = random_qkv(1, 2, n, n, 64, dtype=torch.bfloat16, device="cuda", seed=n)
         do = torch.randn_like(q)
         o, lse = flash_attention_forward(q, k, v, causal=True)
-        assert_gradients_close(gb.flash_attention_gluon_backward(do, q, k, v, o, lse, causal=True),
+        assert_gradients_close(gb.flash_attention_backward(do, q, k, v, o, lse, causal=True),
                                reference_gradients(q, k, v, do, causal=True), torch.bfloat16)
         keys.append(gb._call_key(do, q, k, v, o, lse, True, None, None))
     assert None not in keys and list(gb._KINDS) == keys[2:]

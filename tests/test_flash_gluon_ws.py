@@ -32,12 +32,12 @@ def test_inputs_are_checked_before_anything_is_built():
 
 
 @pytest.mark.parametrize("config,error,match", [
-    ((128, 2, 232), TypeError, "must be a utils.explicit.forward_ws.WSConfig"),
-    (ws.WSConfig(32, 2, 232), ValueError, "block_n must be 64 or 128"),
-    (ws.WSConfig(128, 5, 232), ValueError, "stages 1 to 4"),
-    (ws.WSConfig(128, 2, 230), ValueError, "multiple of 8 from 24 to 256"),
-    (ws.WSConfig(128, 2, 264), ValueError, "multiple of 8 from 24 to 256"),
-    (ws.WSConfig(128, 4, 232), ValueError, "exceeds the 227 KiB"),
+    ((128, 2, 232), TypeError, "must be a utils.explicit.forward_ws.Config"),
+    (ws.Config(32, 2, 232), ValueError, "block_n must be 64 or 128"),
+    (ws.Config(128, 5, 232), ValueError, "stages 1 to 4"),
+    (ws.Config(128, 2, 230), ValueError, "multiple of 8 from 24 to 256"),
+    (ws.Config(128, 2, 264), ValueError, "multiple of 8 from 24 to 256"),
+    (ws.Config(128, 4, 232), ValueError, "exceeds the 227 KiB"),
 ])
 def test_bad_tiles_are_named(config, error, match):
     with pytest.raises(error, match=match):
@@ -75,7 +75,7 @@ def test_the_picked_tile_is_the_fastest_of_the_stored_benchmark():
         score = {}
         for c in ws.WS_TILES:
             rows = [r["tflops"] for r in results
-                    if r["impl"] == ws.ws_label(c) and r["head_dim"] == head_dim and r["seqlen"] >= 4096]
+                    if r["impl"] == ws.label(c) and r["head_dim"] == head_dim and r["seqlen"] >= 4096]
             assert len(rows) == 6, (c, head_dim)
             score[c] = math.fsum(math.log(t) for t in rows)
         assert ws.pick_config(head_dim) == max(score, key=score.get), (head_dim, score)
@@ -101,7 +101,7 @@ def test_the_compiled_consumers_keep_one_product_in_flight_and_the_producer_give
     for line in printed.splitlines()[1:]:
         tile, _, block = line.strip().partition(":")
         schedules.setdefault(tile, []).append(block.strip())
-    assert list(schedules) == [ws.ws_label(c).removeprefix("gluon_ws ") for c in ws.WS_TILES], printed
+    assert list(schedules) == [ws.label(c).removeprefix("gluon_ws ") for c in ws.WS_TILES], printed
     for config, blocks in zip(ws.WS_TILES, schedules.values()):
         loops = [b for b in blocks if "wait(1)" in b]
         assert loops, blocks
@@ -116,7 +116,7 @@ def test_the_compiled_consumers_keep_one_product_in_flight_and_the_producer_give
 @on_hopper
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("config", ws.WS_TILES, ids=lambda c: ws.ws_label(c).removeprefix("gluon_ws "))
+@pytest.mark.parametrize("config", ws.WS_TILES, ids=lambda c: ws.label(c).removeprefix("gluon_ws "))
 def test_every_tile_matches_the_reference(config, dtype, causal):
     from utils.course.testing import assert_matches_on_odd_shapes
 
@@ -129,5 +129,5 @@ def test_lse_is_the_log_sum_exp_and_minus_inf_for_rows_that_see_no_key(causal):
     from utils.course.testing import random_qkv, reference_lse
 
     q, k, v = random_qkv(2, 4, 300, 200, 128, kv_heads=2, dtype=torch.bfloat16, device="cuda")
-    _, lse = ws.flash_attention_gluon_ws_forward(q, k, v, causal=causal)   # causal: the first 100 rows see no key
+    _, lse = ws.flash_attention_forward(q, k, v, causal=causal)   # causal: the first 100 rows see no key
     torch.testing.assert_close(lse.double(), reference_lse(q, k, causal=causal), rtol=0, atol=2e-2)

@@ -10,7 +10,7 @@ import triton.language as tl
 
 from utils.tiled.fast import forward as flash_triton, backward as flash_triton_bwd, launch
 from utils.course.worklogs import triton_forward as worklog
-from utils.tiled.fast.forward import Config, Steps, flash_attention_forward, pick_config, tma_supported, tunable
+from utils.tiled.fast.forward import Config, Steps, flash_attention_forward, launch_config, tma_supported, tunable
 from utils.tiled.fast.backward import flash_attention   # the registry's "triton": this forward, made differentiable
 from utils.eager.reference import reference_attention
 from utils.course.testing import assert_close, misaligned, random_qkv, reference_lse
@@ -380,12 +380,12 @@ def test_bad_arguments_raise():
         flash_attention_forward(q, k, v[:, :, :4])
 
 
-def test_pick_config():
+def test_launch_config():
     cpu = torch.device("cpu")
-    assert pick_config(64, torch.float32, cpu).block_m >= 16
+    assert launch_config(64, torch.float32, cpu).block_m >= 16
     for d in (16, 64, 80, 128, 256):
         for dtype in (torch.float16, torch.bfloat16, torch.float32):
-            c = pick_config(d, dtype, torch.device("cuda"))
+            c = launch_config(d, dtype, torch.device("cuda"))
             assert c.block_m >= 16 and c.block_n >= 16 and c.num_warps in (4, 8) and c.num_stages >= 1
 
 
@@ -475,8 +475,8 @@ def test_a_kind_of_call_replays_its_first_launch_with_fresh_tensors(monkeypatch)
     monkeypatch.setattr(flash_triton, "_KINDS", launch.kind_cache())
     q, k, v = qkv(nq=20, nk=30, d=32)
     first = flash_attention(q, k, v, causal=True)
-    checked, validate = [], flash_triton.validate
-    monkeypatch.setattr(flash_triton, "validate", lambda *a: checked.append(a) or validate(*a))
+    checked, validate = [], flash_triton.check_inputs
+    monkeypatch.setattr(flash_triton, "check_inputs", lambda *a: checked.append(a) or validate(*a))
     fresh = [t.clone() for t in (q, k, v)]
     with monkeypatch.context() as m:   # nor are the steps and tiles chosen again
         m.setattr(flash_triton.Steps, "fastest", staticmethod(lambda *a: pytest.fail("the choices were made again")))
@@ -514,8 +514,8 @@ def test_a_kind_of_call_is_checked_once_and_others_apart(monkeypatch):
     q, k, v = random_qkv(2, 4, 300, 300, 64, dtype=torch.float16, device="cuda")
     flash_triton._KINDS.clear()
     first = flash_attention(q, k, v, causal=True, return_lse=True)
-    checked, calls, run, validate = [], [], Bound.__call__, flash_triton.validate
-    monkeypatch.setattr(flash_triton, "validate", lambda *a: checked.append(a) or validate(*a))
+    checked, calls, run, validate = [], [], Bound.__call__, flash_triton.check_inputs
+    monkeypatch.setattr(flash_triton, "check_inputs", lambda *a: checked.append(a) or validate(*a))
 
     def counted(bound, stream, *head):
         calls.append(len(head))
@@ -550,20 +550,20 @@ def test_a_kind_of_call_is_checked_once_and_others_apart(monkeypatch):
     assert len(flash_triton._KINDS) == 6
 
 
-def test_pick_config_fits_the_gpus_shared_memory(monkeypatch):
+def test_launch_config_fits_the_gpus_shared_memory(monkeypatch):
     """The H200's tiles where they fit; smaller ones on a GPU with 64 KiB per block (a T4, or its emulation)."""
-    from utils.tiled.fast.forward import pick_config
+    from utils.tiled.fast.forward import launch_config
     from utils.tiled.forward import H200_TILES, SMALL_SMEM_TILES, smem_estimate
 
     assert smem_estimate(Config(128, 64, 8, 3), 128, 2) == 2 * 128 * (128 + 3 * 2 * 64)
     cuda = torch.device("cuda")
     monkeypatch.setattr("utils.gpu.shared_memory_per_block", lambda device=None: 227 * 1024)  # H100/H200
-    assert pick_config(128, torch.bfloat16, cuda) == H200_TILES
-    assert pick_config(256, torch.bfloat16, cuda) == Config(64, 64, 8, 2)
+    assert launch_config(128, torch.bfloat16, cuda) == H200_TILES
+    assert launch_config(256, torch.bfloat16, cuda) == Config(64, 64, 8, 2)
     monkeypatch.setattr("utils.gpu.shared_memory_per_block", lambda device=None: 64 * 1024)   # T4
     for d in (16, 64, 80, 128, 256):
         for dtype in (torch.float16, torch.float32):
-            config = pick_config(d, dtype, cuda)
+            config = launch_config(d, dtype, cuda)
             assert smem_estimate(config, d, torch.finfo(dtype).bits // 8) <= 64 * 1024, (d, dtype, config)
-    assert pick_config(128, torch.float16, cuda) in SMALL_SMEM_TILES
-    assert pick_config(64, torch.float16, torch.device("cpu")) == Config(32, 32, 4, 1)  # the interpreter
+    assert launch_config(128, torch.float16, cuda) in SMALL_SMEM_TILES
+    assert launch_config(64, torch.float16, torch.device("cpu")) == Config(32, 32, 4, 1)  # the interpreter

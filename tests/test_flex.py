@@ -6,7 +6,7 @@ import triton
 import triton.language as tl
 
 from utils import flex
-from utils.flex.attention import SPARSE_TILES, _Problem, configs
+from utils.flex.attention import SPARSE_TILES, _Problem, pick_configs
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -182,11 +182,11 @@ def test_backward_in_one_launch_or_two(monkeypatch, launches):
     """dK/dV and dQ programs share one grid when the config gives both the same warps and stages, else each kind
     gets a launch of its own (PART 1 and 2); tiles of different sizes in the two passes, GQA, a packed batch."""
     import utils.flex.attention as A
-    from utils.tiled.fast.backward import BackwardConfig
+    from utils.tiled.fast.backward import Config
 
-    bwd = BackwardConfig(16, 32, 4, 1, 32, 16, 4 if launches == 1 else 8, 1)
-    real = A.configs
-    monkeypatch.setattr(A, "configs", lambda p, dtype, device: (real(p, dtype, device)[0], bwd))
+    bwd = Config(16, 32, 4, 1, 32, 16, 4 if launches == 1 else 8, 1)
+    real = A.pick_configs
+    monkeypatch.setattr(A, "pick_configs", lambda p, dtype, device: (real(p, dtype, device)[0], bwd))
     check_against_reference(flex.softcap(3.0, window=20), *qkv(2, 4, 2, 45, 70, 32))
     varlen_check([3, 0, 20], [9, 4, 33], True)
 
@@ -196,7 +196,7 @@ def test_tuned_tiles_divide_the_block_mask():
         for size in (fwd.block_m, fwd.block_n, bwd.block_m1, bwd.block_n1, bwd.block_m2, bwd.block_n2):
             assert 128 % size == 0
     p = _Problem(1, 1, 1, 64, 64, 64, 0.1, None, None)
-    assert configs(p, torch.float32, torch.device("cpu"))[0].block_m <= 64
+    assert pick_configs(p, torch.float32, torch.device("cpu"))[0].block_m <= 64
 
 
 def test_whole_tiles_are_loaded_without_masks():

@@ -2,7 +2,8 @@
 inside functions alike.
 
 Rules: kernel code never imports the course's tooling; no two modules import each other, directly or round a
-loop; a forward never imports its backward; no folder is named after a library. What breaks a rule today is
+loop; a forward never imports its backward; no folder is named after a library; a kernel module names its
+configuration class `Config`, beside a `pick_config` (issue 71 item 6). What breaks a rule today is
 listed in KNOWN_* below, each with the step that removes it. The lists may only shrink: an entry that no
 longer happens fails too, so that fixing a violation also takes it off the list.
 """
@@ -24,6 +25,11 @@ FORWARD_BACKWARD = (("utils.eager.forward", "utils.eager.backward"),
                     ("utils.native.build", "utils.native.backward"),
                     ("utils.course.worklogs.triton_forward", "utils.course.worklogs.triton_backward"))
 LIBRARY_NAMES = {"triton", "torch", "cuda", "gluon", "cutlass", "numpy"}
+# Names retired by issue 71 item 6 for the roles Config, pick_config, check_inputs and use_tma: no kernel module
+# defines them at module level again.
+RETIRED_NAMES = {"validate", "fit_config", "default_config", "default_tma", "ws_label", "configs"}
+# Kernel modules within the tooling: the worklogs' copies of the fast Triton kernels follow the same names.
+KERNEL_COPIES = ("utils.course.worklogs",)
 
 # Today's violations, to be removed by the layout steps of issue 71 (then deleted here).
 KNOWN_TOOLING_IMPORTS: set = set()
@@ -137,3 +143,35 @@ def test_no_folder_is_named_after_a_library():
 
 def test_triton_utils_keeps_its_name_and_place():
     assert (ROOT / "utils" / "triton_utils.py").is_file()
+
+
+def naming_problems(source: str) -> list[str]:
+    """What breaks the naming scheme in one module's source: a module-level class named like a configuration
+    (ending in Config) but not `Config`, a `Config` without a module-level `pick_config`, or a retired name."""
+    tree = ast.parse(source)
+    classes = {node.name for node in tree.body if isinstance(node, ast.ClassDef)}
+    functions = {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    problems = [f"class {name}: name it Config" for name in sorted(classes) if name.endswith("Config") and name != "Config"]
+    if "Config" in classes and "pick_config" not in functions:
+        problems.append("Config without pick_config")
+    problems += [f"def {name}: retired name" for name in sorted(functions & RETIRED_NAMES)]
+    return problems
+
+
+def test_the_naming_check_finds_a_misnamed_configuration():
+    assert naming_problems("class Config:\n    pass\ndef pick_config(head_dim, dtype):\n    pass\n") == []
+    assert naming_problems("class BwdConfig:\n    pass\ndef pick_config(head_dim):\n    pass\n") == \
+        ["class BwdConfig: name it Config"]
+    assert naming_problems("class Config:\n    pass\ndef default_config(head_dim):\n    pass\n") == \
+        ["Config without pick_config", "def default_config: retired name"]
+
+
+def test_each_kernel_module_names_its_configuration_config_beside_pick_config():
+    checked = {name: path for name, path in modules().items()
+               if not in_package(name, TOOLING) or in_package(name, KERNEL_COPIES)}
+    problems = {name: found for name, path in checked.items() if (found := naming_problems(path.read_text()))}
+    assert not problems, f"kernel modules off the naming scheme (issue 71 item 6): {problems}"
+    with_config = sorted(name for name, path in checked.items() if "Config" in {
+        node.name for node in ast.parse(path.read_text()).body if isinstance(node, ast.ClassDef)})
+    assert {"utils.tiled.forward", "utils.tiled.backward", "utils.tiled.fast.backward", "utils.explicit.forward",
+            "utils.explicit.forward_ws", "utils.explicit.backward"} <= set(with_config), with_config

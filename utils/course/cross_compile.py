@@ -196,7 +196,7 @@ def _backward_launches(head_dim: int, causal: bool, **options) -> dict[str, Laun
 
     q = torch.zeros(1, 2, 1024, head_dim, dtype=torch.float16)
     lse = torch.zeros(1, 2, 1024)
-    config = bwd.default_config(head_dim, torch.float16, causal, None)
+    config = bwd.pick_config(head_dim, torch.float16, causal, None)
     with mock.patch.object(bwd, "tma_supported", lambda *args: True), \
             mock.patch.object(bwd, "tma_reduce_supported", lambda q: True):
         launches = _capture(lambda: bwd.flash_attention_backward(q, q, q, q, q, lse, causal=causal, config=config,
@@ -217,9 +217,9 @@ def backward_dq_schedules(head_dim: int = 64, capability=(9, 0)) -> dict[str, li
     """The dK/dV pass (notebook 07's default tiles and loads, not causal, 16-bit) compiled for `capability` with
     each way of getting dQ: the separate pass, an atomic add per element, a bulk reduce-add per tile (section
     10). {name: schedule with DQ_EVENTS}."""
-    from utils.tiled.fast.backward import default_tma
+    from utils.tiled.fast.backward import use_tma
 
-    tma = default_tma(head_dim, False)
+    tma = use_tma(head_dim, False)
     return {name: schedule(compile_launch(_backward_launches(head_dim, False, tma=tma, dq_atomic=dq_atomic)["dkdv"],
                                           capability).asm["ptx"], DQ_EVENTS)
             for name, dq_atomic in (("dQ pass", False), ("atomic adds", True), ("bulk reduce", "tma"))}
@@ -240,7 +240,7 @@ def gluon_schedules(head_dim: int = 64, capability=(9, 0), warp_specialized: boo
             (launch,) = _capture(lambda: flash_gluon_ws._launch(q, q, q, q, lse, False, 0.1, c))
             ptx = compile_launch(launch, capability).asm["ptx"]
             regs = sorted({int(line.split()[-1].rstrip(";")) for line in ptx.splitlines() if "setmaxnreg" in line})
-            out[flash_gluon_ws.ws_label(c).removeprefix("gluon_ws ")] = schedule(ptx) + [
+            out[flash_gluon_ws.label(c).removeprefix("gluon_ws ")] = schedule(ptx) + [
                 "setmaxnreg to " + ", ".join(map(str, regs))]
         return out
     for c in flash_gluon.GLUON_TILES:
@@ -326,8 +326,8 @@ def course_launches(profile: Profile) -> list[tuple[str, str, Launch]]:
         q = torch.zeros(1, 2, 256, d, dtype=dtype)
         lse = torch.zeros(1, 2, 256)
         name = f"D={d} {str(dtype).removeprefix('torch.')}"
-        fwd = flash_triton.fit_config(d, dtype, smem)
-        bwd = flash_triton_bwd.default_config(d, dtype, True, smem)
+        fwd = flash_triton.pick_config(d, dtype, smem)
+        bwd = flash_triton_bwd.pick_config(d, dtype, True, smem)
         out += [("05", f"forward {name}", x) for x in _capture(
             lambda: flash_triton._launch(q, q, q, True, 0.1, config=fwd, steps=flash_triton.Steps()))]
         out += [("07", f"backward {name}", x) for x in _capture(
@@ -340,9 +340,9 @@ def course_launches(profile: Profile) -> list[tuple[str, str, Launch]]:
                               dtype=torch.int8)
         bm = sparsity.from_states(states, 128, 128, 256, 256, "causal")
         on_profile = contextlib.ExitStack()
-        real_configs = flex_attention.configs
+        real_configs = flex_attention.pick_configs
         on_profile.enter_context(mock.patch.object(gpu, "shared_memory_per_block", lambda device=None: smem))
-        on_profile.enter_context(mock.patch.object(flex_attention, "configs",
+        on_profile.enter_context(mock.patch.object(flex_attention, "pick_configs",
                                           lambda p, dt, dev: real_configs(p, dt, torch.device("cuda"))))
         with on_profile:
             q.requires_grad_(True)

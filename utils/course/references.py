@@ -123,7 +123,8 @@ REFERENCES = {
                               "--steps", "pointer", "tma", "--name", "07_ncu_d128_h200"]),
     "backward_ncu_d128_causal": (1, ["utils.course.bench.ncu", "--worklog", "triton_bwd", "--seqlen", "4096", "--causal",
                                      "--name", "07_ncu_d128_causal_h200"]),
-    # the tiles of the Triton backward's two passes, each candidate timed in the whole backward (default_config)
+    # the tiles of the Triton backward's two passes, each candidate timed in the whole backward
+    # (utils.tiled.fast.backward.pick_config)
     "backward_tiles": (1, ["utils.course.bench.backward_tiles", "--out", "images/07_backward_tiles_h200.json"]),
     # notebook 06b's tensor-core backward, every step of its worklog beside SDPA's FA2 and cuDNN backwards
     "cuda_backward": (1, ["utils.course.bench.backward", "--backends", "cuda_atomic_dq", "cuda_dq_pass", "cuda_narrow_rows",

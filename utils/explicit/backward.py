@@ -31,7 +31,7 @@ Choices in the schedule (worklog 07w section 5 measures each one from its stored
   - lse2 and D arrive by TMA with Q and dO and are read from shared memory when needed, so they hold no
     registers across the wgmma waits;
   - causal at head dim 128, the programs are launched four (batch, K/V head)s at a time, key block by key
-    block (BwdConfig.bh_group), not head by head: programs of about the same length run side by side.
+    block (Config.bh_group), not head by head: programs of about the same length run side by side.
 
 The reduce-adds from the programs of one head arrive in any order, so dQ's last bits vary from run to run
 (notebook 07's dQ pass is deterministic); dK and dV do not. Gluon has no interpreter: the kernel runs on sm_90
@@ -59,8 +59,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from utils.explicit import forward as fg
 from utils.tiled.fast import backward as tb
-from utils.explicit.forward import flash_attention_gluon_forward
-from utils.explicit.forward_ws import flash_attention_gluon_ws_forward
+from utils.explicit import forward_ws as fws
 from utils.checks import check_device
 from utils.eager.backward import check_backward_inputs
 from utils.tiled.fast import launch
@@ -73,7 +72,7 @@ DQ_COLS = 32            # columns of a dQ reduce box: an fp32 TMA box row of 128
 _barrier = fg._cta_barrier
 
 
-class BwdConfig(NamedTuple):
+class Config(NamedTuple):
     block_m: int               # query rows per tile (the N of the Sᵀ, dPᵀ products)
     stages: int                # ring slots for Q, dO, lse2, D
     consumer_regs: int         # registers per consumer thread (setmaxnreg); the producer keeps 24
@@ -81,19 +80,19 @@ class BwdConfig(NamedTuple):
     bh_group: int = 0          # > 0: launched key block by key block over groups of this many (batch, K/V head)s
 
 
-def pick_config(head_dim: int, causal: bool = False) -> BwdConfig:
+def pick_config(head_dim: int, causal: bool = False) -> Config:
     """128-row tiles and Sᵀ prefetched at head dim 64; at 128 the registers of dK, dV (64 keys × 128 fp32
     each) leave room for 64-row tiles only, and none for a prefetched Sᵀ beside the dQ block. Causal at 128:
     programs launched four (batch, K/V head)s at a time (`bh_group`). Worklog 07w section 5 has the runs."""
     if head_dim == 64:
-        return BwdConfig(128, 2, 240, True)
-    return BwdConfig(64, 2, 240, False, bh_group=4 if causal else 0)
+        return Config(128, 2, 240, True)
+    return Config(64, 2, 240, False, bh_group=4 if causal else 0)
 
 
-def check_config(config, head_dim: int) -> BwdConfig:
-    """`config` as a BwdConfig, or a ValueError/TypeError naming what does not fit `head_dim`."""
-    if not isinstance(config, BwdConfig):
-        raise TypeError(f"config must be a BwdConfig, got {type(config).__name__}")
+def check_config(config, head_dim: int) -> Config:
+    """`config` as a Config, or a ValueError/TypeError naming what does not fit `head_dim`."""
+    if not isinstance(config, Config):
+        raise TypeError(f"config must be a utils.explicit.backward.Config, got {type(config).__name__}")
     if config.block_m not in (64, 128):
         raise ValueError(f"config.block_m must be 64 or 128, got {config.block_m}")
     if head_dim == 128 and config.block_m != 64:
@@ -386,25 +385,25 @@ def _call_key(do, q, k, v, o, lse, causal, sm_scale, config):
     options of the expected types and Nq a multiple of 4 (otherwise the statistics are padded between the two launches);
     None otherwise (such a call is checked every time)."""
     if not (type(causal) is bool and type(sm_scale) in (float, int, type(None))
-            and type(config) in (BwdConfig, type(None)) and type(q) is torch.Tensor and q.dim() == 4
+            and type(config) in (Config, type(None)) and type(q) is torch.Tensor and q.dim() == 4
             and q.shape[2] % 4 == 0):
         return None
     return launch.kind_key((do, q, k, v, o, lse), (causal, sm_scale, config))
 
 
 def _choose(do, q, k, v, o, lse, causal, sm_scale, config) -> tuple:
-    """flash_attention_gluon_backward's checks (a ValueError or TypeError naming the argument) and its
+    """flash_attention_backward's checks (a ValueError or TypeError naming the argument) and its
     (shape, scale, config)."""
     shape, scale = check_backward_inputs(do, q, k, v, o, lse, causal=causal, sm_scale=sm_scale,
                                          head_dims=fg.HEAD_DIMS, dtypes=fg.DTYPES)
     check_device("q", q, "cuda")
-    fg.check_sm90(q, "flash_attention_gluon_backward")
+    fg.check_sm90(q, "utils.explicit.backward.flash_attention_backward")
     return shape, scale, (pick_config(shape.head_dim, causal) if config is None
                           else check_config(config, shape.head_dim))
 
 
-def flash_attention_gluon_backward(do, q, k, v, o, lse, *, causal=False, sm_scale=None,
-                                   config: BwdConfig | None = None):
+def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, sm_scale=None,
+                                   config: Config | None = None):
     """(dq, dk, dv) of softmax(Q Kᵀ · sm_scale) V for the forward's o and lse (natural log, (B, H, Nq)).
 
     fp16/bf16, head dim 64 or 128, GQA, Nq != Nk (bottom-right causal mask), on an sm_90 GPU. `config`: tiles
@@ -431,7 +430,7 @@ def flash_attention_gluon_backward(do, q, k, v, o, lse, *, causal=False, sm_scal
     return dq_acc.view(b, h, nq, d).to(q.dtype), dk, dv
 
 
-def _descriptors(q, k, v, do, dk, dv, dq_acc, lse2, delta, config: BwdConfig) -> tuple:
+def _descriptors(q, k, v, do, dk, dv, dq_acc, lse2, delta, config: Config) -> tuple:
     """The kernel's nine descriptor arguments, its leading ones."""
     dq_desc = TensorDescriptor(dq_acc, list(dq_acc.shape), list(dq_acc.stride()), [1, DQ_ROWS, DQ_COLS],
                                _DQ_LAYOUT)
@@ -440,7 +439,7 @@ def _descriptors(q, k, v, do, dk, dv, dq_acc, lse2, delta, config: BwdConfig) ->
             dq_desc, _row_descriptor(lse2, config.block_m), _row_descriptor(delta, config.block_m))
 
 
-def _main(q, k, causal: bool, scale: float, config: BwdConfig) -> tuple:
+def _main(q, k, causal: bool, scale: float, config: Config) -> tuple:
     """The kernel's launch on checked inputs but its descriptors: (launcher, grid, trailing arguments,
     constexprs and options)."""
     b, h, nq, d = q.shape
@@ -451,7 +450,7 @@ def _main(q, k, causal: bool, scale: float, config: BwdConfig) -> tuple:
                  num_warps=4))
 
 
-def _launch(q, k, v, do, dk, dv, dq_acc, lse2, delta, causal: bool, scale: float, config: BwdConfig) -> None:
+def _launch(q, k, v, do, dk, dv, dq_acc, lse2, delta, causal: bool, scale: float, config: Config) -> None:
     """The kernel on checked inputs (utils.course.cross_compile captures this launch to compile it on a CPU)."""
     launcher, grid, tail, meta = _main(q, k, causal, scale, config)
     launcher[grid](*_descriptors(q, k, v, do, dk, dv, dq_acc, lse2, delta, config), *tail, **meta)
@@ -471,7 +470,7 @@ class GluonAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = flash_attention_gluon_backward(do, q, k, v, o, lse, causal=ctx.causal, sm_scale=ctx.sm_scale)
+        dq, dk, dv = flash_attention_backward(do, q, k, v, o, lse, causal=ctx.causal, sm_scale=ctx.sm_scale)
         return dq, dk, dv, None, None, None
 
 
@@ -484,15 +483,15 @@ def differentiable(forward, q, k, v, causal, sm_scale):
 
 
 def flash_attention_gluon(q, k, v, *, causal=False, sm_scale=None):
-    """The registry's "gluon": the output of utils.explicit.forward.flash_attention_gluon_forward, differentiable
+    """The registry's "gluon": the output of utils.explicit.forward.flash_attention_forward, differentiable
     (the backward is this module's kernel)."""
-    return differentiable(flash_attention_gluon_forward, q, k, v, causal, sm_scale)
+    return differentiable(fg.flash_attention_forward, q, k, v, causal, sm_scale)
 
 
 def flash_attention_gluon_ws(q, k, v, *, causal=False, sm_scale=None):
-    """The registry's "gluon_ws": the output of utils.explicit.forward_ws.flash_attention_gluon_ws_forward,
+    """The registry's "gluon_ws": the output of utils.explicit.forward_ws.flash_attention_forward,
     differentiable (the backward is this module's kernel)."""
-    return differentiable(flash_attention_gluon_ws_forward, q, k, v, causal, sm_scale)
+    return differentiable(fws.flash_attention_forward, q, k, v, causal, sm_scale)
 
 
 # The synchronisation as data: per tile t, the steps of the producer and of each consumer (both run the same
@@ -656,7 +655,7 @@ def replay_protocol(n_tiles: int, stages: int, seed: int = 0, *, prefetch_s: boo
                     wait_reduces: bool = True, last_meeting: bool = True) -> None:
     """Replay the kernel's synchronisation (kernel_protocol) in one random interleaving (see `replay`). With
     `prefetch_s` the consumers wait for tile t+1 (whose Sᵀ they issue early) before they free tile t's slot, as
-    the kernel does with BwdConfig.prefetch_s: with one stage that waits forever, which check_config forbids.
+    the kernel does with Config.prefetch_s: with one stage that waits forever, which check_config forbids.
 
     The kernel's rules, which the keyword arguments break on purpose (the tests plant each bug):
     `ds_buffers` = 2: dSᵀ alternates between two slots per consumer, so a consumer writing tile t+1's dSᵀ

@@ -17,7 +17,7 @@ so the exponentials of tile j overlap the P·V product of tile j-1. K and V arri
 shared-memory buffers filled by TMA; buffer s is refilled once every warp has finished the products that read
 it (one `thread_barrier` per iteration), which leaves a whole iteration to hide the copy's latency.
 
-`flash_attention_gluon_forward(q, k, v, *, causal=False, sm_scale=None)` -> (o, lse) follows the course conventions
+`flash_attention_forward(q, k, v, *, causal=False, sm_scale=None)` -> (o, lse) follows the course conventions
 (utils.eager.reference): (batch, heads, seq, head_dim) tensors, GQA, any lengths, Nq != Nk with bottom-right causal
 alignment and a zero output for a query that sees no key. fp16 and bf16, head dims 64 and 128, sm_90 only:
 Gluon has no interpreter, so this kernel runs on an H100/H200 and nowhere else. The 4-D tensor descriptors
@@ -293,7 +293,7 @@ def check_rings(config, head_dim: int, block_m: int):
 
 def variant(config: Config, name: str):
     """fn(q, k, v, *, causal=False, sm_scale=None) running the kernel with fixed tiles (the benchmark's lines)."""
-    return fixed_tiles(flash_attention_gluon_forward, config, name)
+    return fixed_tiles(flash_attention_forward, config, name)
 
 
 def fixed_tiles(forward, config, name: str):
@@ -325,7 +325,7 @@ def _tma_ready(x: torch.Tensor) -> torch.Tensor:
     return x if aligned else x.contiguous()
 
 
-def validate(q, k, v, causal, sm_scale) -> float:
+def check_inputs(q, k, v, causal, sm_scale) -> float:
     """The inputs' checks (utils.checks), then the GPU generation; returns the softmax scale."""
     check_attention_inputs(q, k, v, causal=causal, head_dims=HEAD_DIMS, dtypes=DTYPES, runs_on="cuda")
     check_sm90(q, "flash_attention_gluon")
@@ -366,10 +366,10 @@ def interleave(agents, events, rng, hang: str, p_event: float = 0.5) -> None:
             blocked.clear()
 
 
-def flash_attention_gluon_forward(q, k, v, *, causal=False, sm_scale=None, config: Config | None = None):
+def flash_attention_forward(q, k, v, *, causal=False, sm_scale=None, config: Config | None = None):
     """(o, lse): o like q, lse (batch, heads, seqlen_q) fp32 natural-log log-sum-exp. `config`: fixed tiles
     (default: pick_config's)."""
-    scale = validate(q, k, v, causal, sm_scale)
+    scale = check_inputs(q, k, v, causal, sm_scale)
     config = pick_config(q.shape[-1]) if config is None else check_config(config, q.shape[-1])
     q, k, v, o, lse = tma_buffers(q, k, v)
     _launch(q, k, v, o, lse, causal, scale, config)

@@ -174,52 +174,52 @@ def gluon_ws_kernel(q_desc, k_desc, v_desc, o_desc, LSE, heads, group, seqlen_q,
 _launcher = FastLauncher(gluon_ws_kernel)
 
 
-class WSConfig(NamedTuple):
+class Config(NamedTuple):
     block_n: int          # keys per tile
     stages: int           # K and V buffers in each ring
     consumer_regs: int    # registers per thread of the second consumer (setmaxnreg); the producer keeps 24
 
 
 # The tiles `python -m utils.course.bench.forward --ws-tiles` times (notebook 05b section 10).
-WS_TILES = (WSConfig(128, 2, 232), WSConfig(128, 2, 240), WSConfig(128, 3, 232), WSConfig(64, 3, 232))
+WS_TILES = (Config(128, 2, 232), Config(128, 2, 240), Config(128, 3, 232), Config(64, 3, 232))
 
 
-def ws_label(config: WSConfig) -> str:
+def label(config: Config) -> str:
     return f"gluon_ws n{config.block_n} s{config.stages} r{config.consumer_regs}"
 
 
-def pick_config(head_dim: int) -> WSConfig:
+def pick_config(head_dim: int) -> Config:
     """The tile per head dim, the fastest over N >= 4k in images/05b_gluon_ws_h200.json."""
     return WS_TILES[0]
 
 
-def check_config(config, head_dim: int) -> WSConfig:
+def check_config(config, head_dim: int) -> Config:
     """`config`, or a TypeError/ValueError naming what the kernel cannot run: key tiles of 64 or 128, 1 to 4
     buffers per ring, Q plus both rings within shared memory, and a register count setmaxnreg takes (a multiple
     of 8 from 24 to 256)."""
-    if not isinstance(config, WSConfig):
-        raise TypeError(f"config must be a utils.explicit.forward_ws.WSConfig, got {type(config).__name__}")
+    if not isinstance(config, Config):
+        raise TypeError(f"config must be a utils.explicit.forward_ws.Config, got {type(config).__name__}")
     if not 24 <= config.consumer_regs <= 256 or config.consumer_regs % 8:
         raise ValueError(f"config: consumer_regs must be a multiple of 8 from 24 to 256, got {config}")
     return fg.check_rings(config, head_dim, BLOCK_M)
 
 
-def variant(config: WSConfig, name: str):
+def variant(config: Config, name: str):
     """fn(q, k, v, *, causal=False, sm_scale=None) running the kernel with fixed tiles (the benchmark's lines)."""
-    return fg.fixed_tiles(flash_attention_gluon_ws_forward, config, name)
+    return fg.fixed_tiles(flash_attention_forward, config, name)
 
 
-def flash_attention_gluon_ws_forward(q, k, v, *, causal=False, sm_scale=None, config: WSConfig | None = None):
-    """(o, lse) as utils.explicit.forward.flash_attention_gluon_forward; `config`: fixed tiles (default:
+def flash_attention_forward(q, k, v, *, causal=False, sm_scale=None, config: Config | None = None):
+    """(o, lse) as utils.explicit.forward.flash_attention_forward; `config`: fixed tiles (default:
     pick_config's)."""
-    scale = fg.validate(q, k, v, causal, sm_scale)
+    scale = fg.check_inputs(q, k, v, causal, sm_scale)
     config = pick_config(q.shape[-1]) if config is None else check_config(config, q.shape[-1])
     q, k, v, o, lse = fg.tma_buffers(q, k, v)
     _launch(q, k, v, o, lse, causal, scale, config)
     return o, lse
 
 
-def _launch(q, k, v, o, lse, causal: bool, scale: float, config: WSConfig) -> None:
+def _launch(q, k, v, o, lse, causal: bool, scale: float, config: Config) -> None:
     """The kernel on checked inputs (utils.course.cross_compile captures this launch to compile it on a CPU)."""
     batch, heads, seqlen_q, head_dim = q.shape
     grid = (triton.cdiv(seqlen_q, BLOCK_M), batch * heads)

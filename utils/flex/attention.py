@@ -11,9 +11,9 @@ import triton.language as tl
 
 from utils.checks import check_bool
 from utils import gpu
-from utils.tiled.fast.forward import pick_config, validate
+from utils.tiled.fast.forward import launch_config, check_inputs
 from utils.tiled.forward import Config, smem_estimate
-from utils.tiled.fast.backward import BackwardConfig, _bwd_preprocess, default_config
+from utils.tiled.fast.backward import Config as BackwardConfig, _bwd_preprocess, pick_config as pick_backward_config
 from utils.tiled.fast.backward import smem_estimate as bwd_smem_estimate
 from utils.flex.sparsity import BlockMask, block_mask as build_block_mask
 from utils.flex.kernels import flex_bwd_kernel, flex_fwd_kernel
@@ -95,7 +95,7 @@ SPARSE_TILES = {64: (Config(64, 64, 4, 2), BackwardConfig(64, 64, 4, 2, 64, 64, 
                 128: (Config(64, 64, 4, 3), BackwardConfig(64, 64, 4, 2, 64, 64, 4, 2))}
 
 
-def configs(p: _Problem, dtype, device) -> tuple:
+def pick_configs(p: _Problem, dtype, device) -> tuple:
     """(forward Config, BackwardConfig) for one problem, within the GPU's shared memory per block."""
     smem = gpu.shared_memory_per_block(device) if device.type == "cuda" else None
     return _configs(p.head_dim, p.block_mask is not None, dtype, device, smem)
@@ -103,7 +103,7 @@ def configs(p: _Problem, dtype, device) -> tuple:
 
 @functools.lru_cache(maxsize=None)   # asked at every call: at small N the host's time per call is on the clock
 def _configs(head_dim: int, masked: bool, dtype, device, smem: int | None) -> tuple:
-    fwd, bwd = pick_config(head_dim, dtype, device), default_config(head_dim, dtype, True, smem)
+    fwd, bwd = launch_config(head_dim, dtype, device), pick_backward_config(head_dim, dtype, True, smem)
     d = 64 if head_dim <= 64 else 128 if head_dim <= 128 else None
     if device.type != "cuda" or dtype == torch.float32 or d is None or not masked:
         return fwd, bwd
@@ -178,7 +178,7 @@ class _FlexFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, problem):
         cpu_bf16 = q.device.type == "cpu" and q.dtype == torch.bfloat16   # the interpreter has no bf16 arithmetic
         qf, kf, vf = (t.float() for t in (q, k, v)) if cpu_bf16 else (q, k, v)
-        fwd_config, ctx.config = configs(problem, qf.dtype, qf.device)
+        fwd_config, ctx.config = pick_configs(problem, qf.dtype, qf.device)
         o, lse = _forward(qf, kf, vf, problem, fwd_config)
         ctx.save_for_backward(qf, kf, vf, o, lse)
         ctx.problem, ctx.dtype = problem, q.dtype
@@ -238,7 +238,7 @@ def flex_attention(q, k, v, modifier=None, *, block_mask=None, causal=False, sm_
     for this modifier and shape, built once and reused (None: built here, every call). Differentiable. Returns O
     like q, or (O, lse) with return_lse (lse fp32 (B, H, Nq), natural log, -inf where a query sees no key).
     """
-    shape, scale = validate(q, k, v, causal, sm_scale)
+    shape, scale = check_inputs(q, k, v, causal, sm_scale)
     check_bool("return_lse", return_lse)
     _check_modifier(modifier)
     if causal and modifier is not None:
@@ -283,7 +283,7 @@ def flash_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, sm_scale=
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 3:
             raise ValueError(f"{name} must have 3 dims (total, heads, head_dim), got shape {tuple(t.shape)}")
-    shape, scale = validate(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], causal,
+    shape, scale = check_inputs(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], causal,
                             sm_scale)
     check_bool("return_lse", return_lse)
     _check_modifier(modifier)

@@ -31,7 +31,8 @@ BACKENDS = ("triton", "sdpa_flash", "sdpa_cudnn")                # the default s
 TRITON_LOADS = {"triton_pointer": (False, False), "triton_tma": (True, False), "triton_tma_stats": (True, True)}
 # Measured when asked for; cuda_*: notebook 06bw's tensor-core backward in each of its steps (utils.native.backward).
 CUDA_BACKENDS = tuple(f"cuda_{step}" for step in BWD_STEPS)
-# The Gluon backward with its launch order pinned (BwdConfig.bh_group): "gluon_bwd" picks per shape (pick_config).
+# The Gluon backward with its launch order pinned (utils.explicit.backward.Config.bh_group): "gluon_bwd" picks
+# per shape (pick_config).
 GLUON_ORDERS = {"gluon_bwd_by_head": 0, "gluon_bwd_grouped": 4}
 KNOWN = (BACKENDS + tuple(TRITON_LOADS) + ("triton_atomic_dq", "triton_reduce_dq", "gluon_bwd", *GLUON_ORDERS,
                                           "sdpa_efficient", "triton_tutorial") + CUDA_BACKENDS)
@@ -76,7 +77,7 @@ def _gluon_backward(bh_group=None):
     """Worklog 07w section 5's one-kernel Gluon backward, after the Triton forward's (o, lse); `bh_group`: its
     launch order pinned (None: pick_config's)."""
     def prepare(q, k, v, do, causal):
-        from utils.explicit.backward import flash_attention_gluon_backward, pick_config
+        from utils.explicit.backward import flash_attention_backward as flash_attention_gluon_backward, pick_config
         from utils.tiled.fast.forward import flash_attention_forward
 
         o, lse = flash_attention_forward(q, k, v, causal=causal)
@@ -193,7 +194,7 @@ def format_table(rows: list[dict], course: str = "triton") -> str:
 
 
 def triton_tiles(head_dims, dtype, smem: int | None = None) -> dict:
-    """{"d64_full": {block_m1: ..., ...}, ...}: the tiles `default_config` gives the Triton backward on a GPU with
+    """{"d64_full": {block_m1: ..., ...}, ...}: the tiles `pick_config` gives the Triton backward on a GPU with
     `smem` bytes of shared memory per block (None: an H200), stored with a run so that the JSON says what it
     measured."""
     import dataclasses
@@ -206,10 +207,10 @@ def triton_tiles(head_dims, dtype, smem: int | None = None) -> dict:
 
 def triton_loads(head_dims) -> dict:
     """{"d64_full": False, ...}: whether backend "triton" loads its tiles (and lse₂ and D) through TMA on an sm_90
-    GPU with aligned 16-bit inputs (utils.tiled.fast.backward.default_tma), stored with a run beside its tiles."""
-    from utils.tiled.fast.backward import default_tma
+    GPU with aligned 16-bit inputs (utils.tiled.fast.backward.use_tma), stored with a run beside its tiles."""
+    from utils.tiled.fast.backward import use_tma
 
-    return {f"d{d}_{'causal' if c else 'full'}": default_tma(d, c) for d in head_dims for c in (False, True)}
+    return {f"d{d}_{'causal' if c else 'full'}": use_tma(d, c) for d in head_dims for c in (False, True)}
 
 
 def save_results(rows: list[dict], path, environment: dict | None = None, **meta) -> Path:

@@ -1,4 +1,4 @@
-"""The tile sweep behind `utils.tiled.fast.backward.default_config` (notebook 07): each pass's candidates timed in the
+"""The tile sweep behind `utils.tiled.fast.backward.pick_config` (notebook 07): each pass's candidates timed in the
 whole backward, the other pass held at the default, one shape per (head dim, masking).
 
 `python -m utils.course.bench.backward_tiles` writes images/07_backward_tiles_h200.json; tests/test_bench_backward.py
@@ -16,7 +16,7 @@ import torch
 from utils.course.bench import benchmark, error_line
 
 if TYPE_CHECKING:
-    from utils.tiled.fast.backward import BackwardConfig
+    from utils.tiled.fast.backward import Config
 
 # (block_m, block_n, warps, stages) of the dK/dV pass (block_n keys kept, block_m queries looped over) and of the
 # dQ pass (block_m queries kept, block_n keys looped over).
@@ -29,7 +29,7 @@ TOLERANCE = 0.03   # timings of one run move by about this much; closer candidat
 DEFAULT_OUT = Path(__file__).resolve().parents[3] / "images" / "07_backward_tiles_h200.json"
 
 
-def candidate_config(default: BackwardConfig, which: str, tiles) -> BackwardConfig:
+def candidate_config(default: Config, which: str, tiles) -> Config:
     """`default` with pass `which` ("dkdv" or "dq") given `tiles` = (block_m, block_n, warps, stages)."""
     if which not in PASSES:
         raise ValueError(f"which must be one of {sorted(PASSES)}, got {which!r}")
@@ -43,7 +43,7 @@ def sweep(head_dims=(64, 128), causal=(False, True), *, seqlen=8192, batch=4, he
     """Rows {head_dim, causal, kernel, tiles, ms, error}: the whole backward timed with each candidate of one pass.
     Needs a CUDA GPU."""
     from utils.tiled.fast.forward import flash_attention_forward
-    from utils.tiled.fast.backward import default_config, flash_attention_backward
+    from utils.tiled.fast.backward import pick_config, flash_attention_backward
 
     if not torch.cuda.is_available():
         raise RuntimeError("the tile sweep needs a CUDA GPU")
@@ -54,7 +54,7 @@ def sweep(head_dims=(64, 128), causal=(False, True), *, seqlen=8192, batch=4, he
                        for _ in range(4))
         for c in causal:
             o, lse = flash_attention_forward(q, k, v, causal=c)
-            default = default_config(d, dtype, c)
+            default = pick_config(d, dtype, c)
             for which, candidates in (("dkdv", DKDV_CANDIDATES), ("dq", DQ_CANDIDATES)):
                 for tiles in candidates:
                     config = candidate_config(default, which, tiles)

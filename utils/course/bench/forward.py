@@ -134,7 +134,7 @@ def candidates(args) -> dict:
             out[name] = gluon_variant(c, name)
     if getattr(args, "ws_tiles", False):
         from utils.explicit import forward_ws as flash_gluon_ws
-        out.update({flash_gluon_ws.ws_label(c): flash_gluon_ws.variant(c, flash_gluon_ws.ws_label(c))
+        out.update({flash_gluon_ws.label(c): flash_gluon_ws.variant(c, flash_gluon_ws.label(c))
                     for c in flash_gluon_ws.WS_TILES})
     for step in STEP_LABELS:   # notebook 05b section 5: one switch off and on, per tile, host descriptors
         if getattr(args, step, False):

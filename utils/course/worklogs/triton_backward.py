@@ -30,13 +30,13 @@ from utils import gpu
 from utils.checks import AttentionShape, check_bool
 from utils.eager.backward import check_backward_inputs
 from utils.course.worklogs.triton_forward import _forward, _kind, tma_supported
-from utils.tiled.fast.backward import BackwardConfig   # the same tiles: one class for both
+from utils.tiled.fast.backward import Config   # the same tiles: one class for both
 from utils.tiled.fast import launch
 from utils.tiled.fast.launch import FastLauncher
 from utils.triton_utils import cdiv
 
-__all__ = ["flash_attention", "FlashAttentionFunction", "flash_attention_backward", "BackwardConfig", "default_config",
-           "default_tma", "tma_reduce_supported", "HEAD_DIMS", "DTYPES"]
+__all__ = ["flash_attention", "FlashAttentionFunction", "flash_attention_backward", "Config", "pick_config",
+           "use_tma", "tma_reduce_supported", "HEAD_DIMS", "DTYPES"]
 
 HEAD_DIMS = tuple(range(16, 257))   # as the forward (utils.tiled.fast.forward): padded to a power of two
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -48,11 +48,11 @@ def _interpreting() -> bool:
 
 
 # Smaller tiles, in the order tried, for GPUs with less shared memory per block (a T4 has 64 KiB).
-SMALL_SMEM_CONFIGS = (BackwardConfig(32, 64, 4, 2, 64, 32, 4, 2), BackwardConfig(32, 32, 4, 1, 32, 32, 4, 1),
-                      BackwardConfig(16, 32, 4, 1, 32, 16, 4, 1), BackwardConfig(16, 16, 4, 1, 16, 16, 4, 1))
+SMALL_SMEM_CONFIGS = (Config(32, 64, 4, 2, 64, 32, 4, 2), Config(32, 32, 4, 1, 32, 32, 4, 1),
+                      Config(16, 32, 4, 1, 32, 16, 4, 1), Config(16, 16, 4, 1, 16, 16, 4, 1))
 
 
-def smem_estimate(config: BackwardConfig, head_dim: int, elem_bytes: int) -> int:
+def smem_estimate(config: Config, head_dim: int, elem_bytes: int) -> int:
     """Shared memory the larger of the two main kernels needs, in bytes: what Triton 3.6 allocates on sm_75
     (where tl.dot runs on FMA units, and stages add nothing), an upper bound of what it allocates on sm_80+ with
     pointer loads (utils.course.cross_compile compiles both to check). TMA's staging buffers take more (165 KB at head
@@ -62,8 +62,7 @@ def smem_estimate(config: BackwardConfig, head_dim: int, elem_bytes: int) -> int
                                       4 * config.block_m2 + 2 * config.block_n2)
 
 
-def default_config(head_dim: int, dtype: torch.dtype, causal: bool = False, smem: int | None = None
-                   ) -> BackwardConfig:
+def pick_config(head_dim: int, dtype: torch.dtype, causal: bool = False, smem: int | None = None) -> Config:
     """Launch parameters. 16-bit, head dims up to 128: within 3% of the fastest of each pass's candidates in
     `python -m utils.course.bench.backward_tiles` on an H200 (images/07_backward_tiles_h200.json: bf16, B=4, H=16,
     N=8192; the same tiles win causal or not). Smaller tiles for fp32/fp64 (exact dots, twice
@@ -71,20 +70,20 @@ def default_config(head_dim: int, dtype: torch.dtype, causal: bool = False, smem
     NumPy work and fewer, larger tiles run fastest. `smem`: bytes of shared memory per block of the GPU
     (utils.gpu.shared_memory_per_block); the tiles shrink until they fit. None: an H200's choice."""
     if _interpreting():
-        return BackwardConfig(32, 32, 4, 1, 32, 32, 4, 1)
+        return Config(32, 32, 4, 1, 32, 32, 4, 1)
     return _fitted_config(head_dim, dtype, causal, smem)
 
 
 @functools.lru_cache(maxsize=None)  # asked at every launch
-def _fitted_config(head_dim: int, dtype: torch.dtype, causal: bool, smem: int | None) -> BackwardConfig:
+def _fitted_config(head_dim: int, dtype: torch.dtype, causal: bool, smem: int | None) -> Config:
     if head_dim > 128:
-        preferred = BackwardConfig(16, 32, 4, 1, 32, 16, 4, 1)
+        preferred = Config(16, 32, 4, 1, 32, 16, 4, 1)
     elif dtype in (torch.float32, torch.float64):
-        preferred = BackwardConfig(32, 64, 4, 2, 64, 32, 4, 2)
+        preferred = Config(32, 64, 4, 2, 64, 32, 4, 2)
     elif head_dim <= 64:
-        preferred = BackwardConfig(32, 128, 4, 3, 128, 64, 8, 3)
+        preferred = Config(32, 128, 4, 3, 128, 64, 8, 3)
     else:
-        preferred = BackwardConfig(64, 128, 8, 3, 128, 64, 8, 3)
+        preferred = Config(64, 128, 8, 3, 128, 64, 8, 3)
     if smem is None:
         return preferred
     elem_bytes = torch.finfo(dtype).bits // 8
@@ -92,7 +91,7 @@ def _fitted_config(head_dim: int, dtype: torch.dtype, causal: bool, smem: int | 
     return fits[0] if fits else SMALL_SMEM_CONFIGS[-1]
 
 
-def default_tma(head_dim: int, causal: bool) -> bool:
+def use_tma(head_dim: int, causal: bool) -> bool:
     """Whether `tma=None` loads the looped-over tiles, and lse₂ and D with them, through TMA (where the inputs
     allow it): at head dim 128, where that beat pointer loads on an H200 (images/07_backward_benchmark.json,
     columns triton_tma_stats and triton_pointer; worklog 07w, sections 2 and 3). At 64 TMA was slower; causal
@@ -329,7 +328,7 @@ class Choices(NamedTuple):
     """What flash_attention_backward checked and decided for one kind of call."""
     shape: AttentionShape
     scale: float
-    config: BackwardConfig
+    config: Config
     tma: bool
     stats: bool
     dq_atomic: bool | str
@@ -347,7 +346,7 @@ def _call_key(do, q, k, v, o, lse, causal, sm_scale, config, tma, tma_stats, dq_
     """Everything the checks, the choices and Triton's specialization of the launches depend on, for CUDA tensors
     and options of the expected types; None otherwise (such a call is checked every time)."""
     if not (type(causal) is bool and type(sm_scale) in (float, int, type(None))
-            and type(config) in (BackwardConfig, type(None))
+            and type(config) in (Config, type(None))
             and all(x is None or x is True or x is False for x in (tma, tma_stats))   # 1 == True: `is`
             and (dq_atomic is True or dq_atomic is False or dq_atomic == "tma")):
         return None
@@ -362,9 +361,9 @@ def _choose(do, q, k, v, o, lse, causal, sm_scale, config, tma, tma_stats, dq_at
                          f"{HEAD_DIMS[0]} to {HEAD_DIMS[-1]}")
     if config is None:
         smem = gpu.shared_memory_per_block(q.device) if q.device.type == "cuda" else None
-        config = default_config(shape.head_dim, q.dtype, causal, smem)
-    elif not isinstance(config, BackwardConfig):
-        raise TypeError(f"config must be a BackwardConfig or None, got {type(config).__name__}")
+        config = pick_config(shape.head_dim, q.dtype, causal, smem)
+    elif not isinstance(config, Config):
+        raise TypeError(f"config must be a utils.tiled.fast.backward.Config or None, got {type(config).__name__}")
     if not isinstance(dq_atomic, (bool, str)):
         raise TypeError(f"dq_atomic must be a bool or \"tma\", got {type(dq_atomic).__name__}")
     if isinstance(dq_atomic, str) and dq_atomic != "tma":
@@ -372,7 +371,7 @@ def _choose(do, q, k, v, o, lse, causal, sm_scale, config, tma, tma_stats, dq_at
     for name, value in (("tma", tma), ("tma_stats", tma_stats)):
         if value is not None and not isinstance(value, bool):
             raise TypeError(f"{name} must be a bool or None, got {type(value).__name__}")
-    if tma or (tma is None and default_tma(shape.head_dim, causal)):  # asked only then: it costs host time
+    if tma or (tma is None and use_tma(shape.head_dim, causal)):  # asked only then: it costs host time
         allowed = tma_supported(q, k, v) and tma_supported(do, k, v)
         if tma and not allowed:
             raise ValueError("tma=True needs an sm_90+ GPU, 16-bit inputs, a power-of-two head dim and q, k, v, do "
@@ -406,8 +405,8 @@ def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, sm_scale=None
     gradients of the query heads of a group summed); do and o like q; lse float (B, H, Nq), natural log, -inf for
     rows that see no key (their gradients are 0). Head dims 16 to 256 (padded to a power of two). dtypes: fp16, bf16, fp32,
     fp64; in the interpreter bf16 is computed in fp32 (NumPy has no bf16 arithmetic). Any strides.
-    `config`: a BackwardConfig (default: `default_config`). `tma`: load the looped-over tiles (Q and dO in the
-    dK/dV pass, K and V in the dQ pass) through Hopper's TMA copy engine. None: where `default_tma` says it pays
+    `config`: a Config (default: `pick_config`). `tma`: load the looped-over tiles (Q and dO in the
+    dK/dV pass, K and V in the dQ pass) through Hopper's TMA copy engine. None: where `use_tma` says it pays
     and the inputs allow it (`utils.tiled.fast.forward.tma_supported`); False: pointer loads; True: TMA, or a
     ValueError saying why not. `tma_stats`: with TMA, load the lse₂ and D of each Q tile of the dK/dV loop
     through descriptors too. None: wherever TMA is on and seqlen_q is a multiple of 4 (16-byte aligned fp32

@@ -260,20 +260,26 @@ def flash_fwd_kernel(Q, K, V, O, LSE, QD, KD, VD, OD,
 NOTEBOOK_05_TILES = H200_TILES
 
 
-def pick_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> Config:
-    """Block sizes, warps and pipeline stages for one launch when nothing is tuned: `fit_config` for the GPU's
-    shared memory (utils.gpu, which a T4 profile can emulate). In the interpreter the blocks only trade Python
-    overhead against wasted padding, so they are small.
+def launch_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> Config:
+    """Block sizes, warps and pipeline stages for one launch on `device` when nothing is tuned: `pick_config` for
+    the GPU's shared memory (utils.gpu, which a T4 profile can emulate). In the interpreter the blocks only trade
+    Python overhead against wasted padding, so they are small.
     """
     if device.type != "cuda":
         return Config(32, 32, 4, 1)
-    return fit_config(head_dim, dtype, gpu.shared_memory_per_block(device))
+    return pick_config(head_dim, dtype, gpu.shared_memory_per_block(device))
+
+
+def pick_config(head_dim: int, dtype: torch.dtype, smem: int | None = None) -> Config:
+    """The tiles for a head dim and dtype that fit `smem` bytes of shared memory per block (None: an H200's
+    choice), as utils.tiled.forward.pick_config. utils.course.cross_compile checks a T4's by compiling."""
+    if smem is not None and (isinstance(smem, bool) or not isinstance(smem, int)):
+        raise TypeError(f"smem must be an int or None, got {type(smem).__name__}")
+    return _fitted_config(head_dim, dtype, smem)
 
 
 @functools.lru_cache(maxsize=None)  # asked at every launch
-def fit_config(head_dim: int, dtype: torch.dtype, smem: int | None) -> Config:
-    """utils.tiled.forward.pick_config, remembered: the tiles for a head dim and dtype that fit `smem` bytes of
-    shared memory per block (None: an H200's choice). utils.course.cross_compile checks a T4's by compiling."""
+def _fitted_config(head_dim: int, dtype: torch.dtype, smem: int | None) -> Config:
     return tiled_pick_config(head_dim, dtype, smem)
 
 
@@ -423,7 +429,7 @@ def _launch(q, k, v, causal, scale, config: Config | None = None, steps: Steps |
             return o, lse
         # Later calls launch directly: the autotuner's own Python costs ~50 µs a call.
         config, switches["TMA"] = _tuned_configs[key]
-    config = config or pick_config(d, q.dtype, q.device)
+    config = config or launch_config(d, q.dtype, q.device)
     tiles = (config.block_m, config.block_n) if switches["TMA"] == 2 else None
     head = (q, k, v, o, lse, *_descriptors(q, k, v, o, tiles))
     grid = (cdiv(nq, config.block_m), b * h)
@@ -460,7 +466,7 @@ SWEEP_CONFIGS = [Config(*c) for c in ((128, 64, 8, 3), (128, 128, 8, 2), (128, 1
 
 def variant(config: Config | None, steps: Steps | None, name: str = "variant"):
     """An attention function (course signature, validated inputs) that runs the kernel with fixed block sizes
-    (`config`; None: autotuned or pick_config) and fixed switches (`steps`; None: `Steps.fastest` per call):
+    (`config`; None: autotuned or launch_config) and fixed switches (`steps`; None: `Steps.fastest` per call):
     the worklog's and the sweep's."""
     if config is not None and not isinstance(config, Config):
         raise TypeError(f"config must be a Config or None, got {type(config).__name__}")
@@ -468,7 +474,7 @@ def variant(config: Config | None, steps: Steps | None, name: str = "variant"):
         raise TypeError(f"steps must be a Steps or None, got {type(steps).__name__}")
 
     def attention(q, k, v, *, causal=False, sm_scale=None):
-        _, scale = validate(q, k, v, causal, sm_scale)
+        _, scale = check_inputs(q, k, v, causal, sm_scale)
         if steps is None:
             return _launch(q, k, v, causal, scale, config, None)[0]
         if steps.host_descriptors and not steps.tma:
@@ -499,7 +505,7 @@ def worklog_variant(name: str):
     return variant(*WORKLOG[name], name=name)
 
 
-def validate(q, k, v, causal, sm_scale):
+def check_inputs(q, k, v, causal, sm_scale):
     shape = check_attention_inputs(q, k, v, causal=causal, dtypes=DTYPES)
     if shape.head_dim not in HEAD_DIMS:
         raise ValueError(f"head_dim {shape.head_dim} is not supported by the Triton kernel; supported: "
@@ -531,11 +537,11 @@ def _call_key(q, k, v, causal, sm_scale):
 
 
 def _kind(q, k, v, causal, sm_scale) -> launch.Kind:
-    """The kind of this call: `validate` runs on its first call (a ValueError or TypeError naming the argument);
+    """The kind of this call: `check_inputs` runs on its first call (a ValueError or TypeError naming the argument);
     later calls of a kind (same shapes, strides, dtypes, device, alignment and options) skip the checks and
     the choices, and launch the kernel bound by the first (notebook 05b, section 7)."""
     return launch.kind_of(_KINDS, _call_key(q, k, v, causal, sm_scale),
-                          lambda: Choices(validate(q, k, v, causal, sm_scale)[1]))
+                          lambda: Choices(check_inputs(q, k, v, causal, sm_scale)[1]))
 
 
 def triton_interpreting() -> bool:

@@ -13,7 +13,7 @@ atomics are needed (the design of Triton's fused-attention tutorial, which recom
 Causal masking is aligned bottom-right (query i sees key j <= i + Nk − Nq). Tiles entirely above the diagonal are
 skipped; only tiles that cross it, or the ragged end of the sequence, pay for a mask (a constexpr flag compiles
 two versions of the inner loop). Pointer arithmetic with masks, any strides; on Hopper, at head dim 128, the tiles
-the passes loop over come through TMA descriptors instead (`default_tma`), and so do the per-row lse₂ and D
+the passes loop over come through TMA descriptors instead (`use_tma`), and so do the per-row lse₂ and D
 that the dK/dV loop reads with each Q tile. The loads pinned either way and dQ added by the dK/dV pass (worklog
 07w) live in utils.course.worklogs.triton_backward.
 """
@@ -37,8 +37,8 @@ from utils.tiled.fast import launch
 from utils.tiled.fast.launch import FastLauncher
 from utils.triton_utils import cdiv
 
-__all__ = ["flash_attention", "FlashAttentionFunction", "flash_attention_backward", "BackwardConfig", "default_config",
-           "default_tma", "HEAD_DIMS", "DTYPES"]
+__all__ = ["flash_attention", "FlashAttentionFunction", "flash_attention_backward", "Config", "pick_config",
+           "use_tma", "HEAD_DIMS", "DTYPES"]
 
 HEAD_DIMS = tuple(range(16, 257))   # as the forward (utils.tiled.fast.forward): padded to a power of two
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -46,7 +46,7 @@ LOG2E = 1.4426950408889634
 
 
 @dataclass(frozen=True)
-class BackwardConfig:
+class Config:
     """Launch parameters of the two main kernels. dK/dV pass: tiles of block_n1 keys (kept on chip) by block_m1
     queries (looped over); dQ pass: block_m2 queries (kept) by block_n2 keys (looped over)."""
     block_m1: int = 32
@@ -71,11 +71,11 @@ def _interpreting() -> bool:
 
 
 # Smaller tiles, in the order tried, for GPUs with less shared memory per block (a T4 has 64 KiB).
-SMALL_SMEM_CONFIGS = (BackwardConfig(32, 64, 4, 2, 64, 32, 4, 2), BackwardConfig(32, 32, 4, 1, 32, 32, 4, 1),
-                      BackwardConfig(16, 32, 4, 1, 32, 16, 4, 1), BackwardConfig(16, 16, 4, 1, 16, 16, 4, 1))
+SMALL_SMEM_CONFIGS = (Config(32, 64, 4, 2, 64, 32, 4, 2), Config(32, 32, 4, 1, 32, 32, 4, 1),
+                      Config(16, 32, 4, 1, 32, 16, 4, 1), Config(16, 16, 4, 1, 16, 16, 4, 1))
 
 
-def smem_estimate(config: BackwardConfig, head_dim: int, elem_bytes: int) -> int:
+def smem_estimate(config: Config, head_dim: int, elem_bytes: int) -> int:
     """Shared memory the larger of the two main kernels needs, in bytes: what Triton 3.6 allocates on sm_75
     (where tl.dot runs on FMA units, and stages add nothing), an upper bound of what it allocates on sm_80+ with
     pointer loads (utils.course.cross_compile compiles both to check). TMA's staging buffers take more (165 KB at head
@@ -85,28 +85,27 @@ def smem_estimate(config: BackwardConfig, head_dim: int, elem_bytes: int) -> int
                                       4 * config.block_m2 + 2 * config.block_n2)
 
 
-def default_config(head_dim: int, dtype: torch.dtype, causal: bool = False, smem: int | None = None
-                   ) -> BackwardConfig:
+def pick_config(head_dim: int, dtype: torch.dtype, causal: bool = False, smem: int | None = None) -> Config:
     """Launch parameters. 16-bit, head dims up to 128: the tiles the sweep of `python -m
     utils.course.bench.backward_tiles` chose for each pass on an H200 (notebook 07). Smaller tiles for fp32/fp64
     (exact dots, twice the bytes) and head dims above 128 (registers); mid-sized tiles in the interpreter, where
     each program is NumPy work and fewer, larger tiles run fastest. `smem`: bytes of shared memory per block of
     the GPU (utils.gpu.shared_memory_per_block); the tiles shrink until they fit. None: an H200's choice."""
     if _interpreting():
-        return BackwardConfig(32, 32, 4, 1, 32, 32, 4, 1)
+        return Config(32, 32, 4, 1, 32, 32, 4, 1)
     return _fitted_config(head_dim, dtype, causal, smem)
 
 
 @functools.lru_cache(maxsize=None)  # asked at every launch
-def _fitted_config(head_dim: int, dtype: torch.dtype, causal: bool, smem: int | None) -> BackwardConfig:
+def _fitted_config(head_dim: int, dtype: torch.dtype, causal: bool, smem: int | None) -> Config:
     if head_dim > 128:
-        preferred = BackwardConfig(16, 32, 4, 1, 32, 16, 4, 1)
+        preferred = Config(16, 32, 4, 1, 32, 16, 4, 1)
     elif dtype in (torch.float32, torch.float64):
-        preferred = BackwardConfig(32, 64, 4, 2, 64, 32, 4, 2)
+        preferred = Config(32, 64, 4, 2, 64, 32, 4, 2)
     elif head_dim <= 64:
-        preferred = BackwardConfig(32, 128, 4, 3, 128, 64, 8, 3)
+        preferred = Config(32, 128, 4, 3, 128, 64, 8, 3)
     else:
-        preferred = BackwardConfig(64, 128, 8, 3, 128, 64, 8, 3)
+        preferred = Config(64, 128, 8, 3, 128, 64, 8, 3)
     if smem is None:
         return preferred
     elem_bytes = torch.finfo(dtype).bits // 8
@@ -114,7 +113,7 @@ def _fitted_config(head_dim: int, dtype: torch.dtype, causal: bool, smem: int | 
     return fits[0] if fits else SMALL_SMEM_CONFIGS[-1]
 
 
-def default_tma(head_dim: int, causal: bool) -> bool:
+def use_tma(head_dim: int, causal: bool) -> bool:
     """Whether the backward loads the looped-over tiles, and lse₂ and D with them, through TMA (where the inputs
     allow it: `utils.tiled.fast.forward.tma_supported`): at head dim 128 (worklog 07w, sections 2 and 3, compares the
     loads)."""
@@ -332,7 +331,7 @@ class Choices(NamedTuple):
     """What flash_attention_backward checked and decided for one kind of call."""
     shape: AttentionShape
     scale: float
-    config: BackwardConfig
+    config: Config
     tma: bool
     stats: bool
     upcast: bool          # bf16 in the interpreter: computed in fp32
@@ -349,7 +348,7 @@ def _call_key(do, q, k, v, o, lse, causal, sm_scale, config):
     """Everything the checks, the choices and Triton's specialization of the launches depend on, for CUDA tensors
     and options of the expected types; None otherwise (such a call is checked every time)."""
     if not (type(causal) is bool and type(sm_scale) in (float, int, type(None))
-            and type(config) in (BackwardConfig, type(None))):
+            and type(config) in (Config, type(None))):
         return None
     return launch.kind_key((do, q, k, v, o, lse), (causal, sm_scale, config))
 
@@ -362,12 +361,12 @@ def _choose(do, q, k, v, o, lse, causal, sm_scale, config) -> Choices:
                          f"{HEAD_DIMS[0]} to {HEAD_DIMS[-1]}")
     if config is None:
         smem = gpu.shared_memory_per_block(q.device) if q.device.type == "cuda" else None
-        config = default_config(shape.head_dim, q.dtype, causal, smem)
-    elif not isinstance(config, BackwardConfig):
-        raise TypeError(f"config must be a BackwardConfig or None, got {type(config).__name__}")
-    # TMA where default_tma says so and the inputs allow it (asked only then: it costs host time); lse₂ and D
+        config = pick_config(shape.head_dim, q.dtype, causal, smem)
+    elif not isinstance(config, Config):
+        raise TypeError(f"config must be a utils.tiled.fast.backward.Config or None, got {type(config).__name__}")
+    # TMA where use_tma says so and the inputs allow it (asked only then: it costs host time); lse₂ and D
     # through descriptors too where their rows (seqlen_q fp32 values) are 16-byte aligned.
-    tma = default_tma(shape.head_dim, causal) and tma_supported(q, k, v) and tma_supported(do, k, v)
+    tma = use_tma(shape.head_dim, causal) and tma_supported(q, k, v) and tma_supported(do, k, v)
     stats = tma and shape.seqlen_q % 4 == 0
     interpret = _interpreting()
     if q.device.type != "cuda" and not (interpret and q.device.type == "cpu"):
@@ -385,8 +384,8 @@ def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, sm_scale=None
     gradients of the query heads of a group summed); do and o like q; lse float (B, H, Nq), natural log, -inf for
     rows that see no key (their gradients are 0). Head dims 16 to 256 (padded to a power of two). dtypes: fp16, bf16, fp32,
     fp64; in the interpreter bf16 is computed in fp32 (NumPy has no bf16 arithmetic). Any strides.
-    `config`: a BackwardConfig (default: `default_config`). The looped-over tiles (Q and dO in the dK/dV pass, K
-    and V in the dQ pass) come through Hopper's TMA copy engine where `default_tma` says so and the inputs allow
+    `config`: a Config (default: `pick_config`). The looped-over tiles (Q and dO in the dK/dV pass, K
+    and V in the dQ pass) come through Hopper's TMA copy engine where `use_tma` says so and the inputs allow
     it (`utils.tiled.fast.forward.tma_supported`), and so do lse₂ and D when seqlen_q is a multiple of 4.
 
     The checks, the choices and the launches' fixed arguments are made once per kind of call (shapes, strides,
