@@ -171,20 +171,20 @@ def test_lab_gpu_module_says_it_needs_a_gpu():
 
 
 # Notebook 05b's exercises whose checks are notebook cells, each against its stub, plausible wrong answers and its
-# solution. 5b.5 (2^x on the FMA units) counts a shortcut through torch.exp2, the special-function unit's answer
-# the exercise is about avoiding, as wrong; 5b.6 (the ring's phases) must name the tile whose wait goes wrong, and
+# solution. 5b.8 (2^x on the FMA units) counts a shortcut through torch.exp2, the special-function unit's answer
+# the exercise is about avoiding, as wrong; 5b.5 (the ring's phases) must name the tile whose wait goes wrong, and
 # 5b.7 (the producer's parity) the tile copied over data still read, or the hang.
 NB05B = ROOT / "notebooks" / "05b_triton_fast.ipynb"
-NB05BW = ROOT / "notebooks" / "05bw_triton_fast_worklog.ipynb"   # 5b.5 sits beside the measurement it is about
+NB05BW = ROOT / "notebooks" / "05bw_triton_fast_worklog.ipynb"   # 5b.8 sits beside the measurement it is about
 RING_ANSWER = "return tile % stages, (tile // stages) % 2"
 PARITY_ANSWER = "return (tile // stages + 1) % 2"
 EXERCISES_05B = {
-    "5b.5": dict(notebook=NB05BW, cell="def exp2_poly(", right="5b.5 2^x on the FMA units", match=None, wrong={
+    "5b.8": dict(notebook=NB05BW, cell="def exp2_poly(", right="5b.8 2^x on the FMA units", match=None, wrong={
         "not Horner": [("p = p * f + c", "p = p + c * f")],
         "floor, not nearest": [("j = torch.round(x)", "j = torch.floor(x)")],
         "no clamp": [("    x = x.clamp(min=-126.0)\n", "")],
         "torch.exp2": [("    x = x.clamp(min=-126.0)\n", "    return torch.exp2(x)\n")]}),
-    "5b.6": dict(cell="def slot_and_phase(", right="5b.6 the ring's phases", match=r"[KV] tile \d+ with \d stages?",
+    "5b.5": dict(cell="def slot_and_phase(", right="5b.5 the ring's phases", match=r"[KV] tile \d+ with \d stages?",
                  wrong={"parity off by one": [(RING_ANSWER, "return tile % stages, (tile // stages + 1) % 2")],
                         "parity of the tile": [(RING_ANSWER, "return tile % stages, tile % 2")],
                         "next slot": [(RING_ANSWER, "return (tile + 1) % stages, (tile // stages) % 2")]}),

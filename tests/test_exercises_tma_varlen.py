@@ -1,4 +1,4 @@
-"""Two kernel-core exercises checked in the Triton interpreter (issue 73, item 5): 05b's TMA load path (5b.1b) and
+"""Two kernel-core exercises checked in the Triton interpreter (issue 73, item 5): 05b's TMA load path (5b.2) and
 10's varlen block ranges (10.4). Each check says "not yet" on the learner's stub, names the wrong heads, blocks or
 programs of a plausible wrong answer, refuses the course's own code, and passes on the solution. Both have the
 learner write a print_if call."""
@@ -25,7 +25,7 @@ from utils.triton_utils import print_if
 # Both checks run the learner's kernels, print_if included, in the interpreter; on a GPU the notebook cells print
 # how to run them with TRITON_INTERPRET=1 instead (CPU CI runs these tests).
 pytestmark = pytest.mark.skipif(not interpreting(), reason="the checks run in the Triton interpreter")
-TMA = "# Exercise 5b.1b:"
+TMA = "# Exercise 5b.2:"
 VARLEN = "# Exercise 10.4:"
 
 
@@ -46,7 +46,7 @@ def run_varlen(**kwargs):
     return check_varlen_blocks(ns["varlen_blocks"], ns["show_blocks"])
 
 
-@pytest.mark.parametrize("run", [run_tma, run_varlen], ids=["5b.1b", "10.4"])
+@pytest.mark.parametrize("run", [run_tma, run_varlen], ids=["5b.2", "10.4"])
 def test_solution_passes_and_stub_is_not_yet(run, capsys):
     assert check("t", hint="h")(lambda: run()) == "right"
     assert check("t", hint="h")(lambda: run(learner=True)) == "not yet"

@@ -228,7 +228,7 @@ _launcher = FastLauncher(gluon_fwd_kernel)   # Gluon's own dispatch costs ~30 µ
 def ring_schedule(n_tiles: int, stages: int) -> list[tuple[str, str, int]]:
     """The kernel's copies and waits on its K and V rings, in program order, as (event, ring, tile) with event
     "issue" (a TMA copy into slot tile % stages) or "wait" (mbarrier.wait before a product reads the tile). A
-    model of gluon_fwd_kernel's loop for exercise 5b.6 and the tests: every wait must find its tile's copy
+    model of gluon_fwd_kernel's loop for exercise 5b.5 and the tests: every wait must find its tile's copy
     issued, and no slot may be refilled before the wait for its previous tile."""
     events = []
     for t in range(min(stages, n_tiles)):                  # the prologue fills every slot of both rings

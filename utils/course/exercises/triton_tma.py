@@ -1,4 +1,4 @@
-"""Exercise 5b.1b (notebook 05b): the TMA load path of the forward's key loop, checked in the Triton interpreter.
+"""Exercise 5b.2 (notebook 05b): the TMA load path of the forward's key loop, checked in the Triton interpreter.
 
 The learner's kernel `tma_attention(Q, K, V, O, seqlen_q, seqlen_k, qk_scale, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N)`
 computes non-causal attention of contiguous (heads, seq, HEAD_DIM) tensors, one program per (Q block, query
@@ -73,7 +73,7 @@ def _silenced(fn):
 
 
 def check_tma_attention(kernel) -> None:
-    """5b.1b: the descriptors and tile loads (outputs right on ragged lengths and GQA), then the print_if of the
+    """5b.2: the descriptors and tile loads (outputs right on ragged lengths and GQA), then the print_if of the
     K tiles of program (0, 3)."""
     learner_kernel(kernel, "tma_attention")
     fn = _jit_function(kernel)
