@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from utils.native import build as cuda_build, hopper
+from utils.native import build as native_build, hopper
 from utils.course.bench import cuda_mma as cm
 from utils.native.build import MMA_STEPS
 
@@ -87,12 +87,12 @@ def test_worklog_table_marks_missing_numbers_and_refuses_an_unmeasured_shape():
         cm.worklog_table([_record("s1_mma", 1.0)], head_dim=64, causal=False, seqlen=4096)
 
 
-@pytest.mark.parametrize("worklog,default,stored", [("mma", cuda_build.MMA_DEFAULT_STEP, "06b_*_h200.json"),
+@pytest.mark.parametrize("worklog,default,stored", [("mma", native_build.MMA_DEFAULT_STEP, "06b_*_h200.json"),
                                                     ("hopper", hopper.DEFAULT_STEP, "06c_*_h200.json")])
 def test_the_default_step_is_the_fastest_stored(worklog, default, stored):
     """Each worklog's default step (the registry's kernel) has a geometric-mean TFLOP/s over N >= 4k within 2%
     (run-to-run noise) of the best step's, in every stored timing run of that worklog that timed it."""
-    runs = [json.loads(p.read_text()) for p in sorted((cuda_build.ROOT / "images").glob(stored))]
+    runs = [json.loads(p.read_text()) for p in sorted((native_build.ROOT / "images").glob(stored))]
     runs = [run for run in runs if "utils.course.bench.cuda_mma" in run["environment"]["command"]]  # timings only
     labels = {cm.step_label(s, worklog) for s in cm.WORKLOGS[worklog][0]}
     timed = 0

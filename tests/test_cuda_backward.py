@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from utils import gpu
-from utils.native import build as cuda_build, kernels as cuda_kernels, backward as cuda_backward
+from utils.native import build as native_build, kernels as native_kernels, backward as native_backward
 from utils.course.bench.backward import CUDA_BACKENDS, ratios
 from utils.native.backward import (BWD_DEFAULT_STEP, BWD_STEPS, backward_inputs, flash_mma_attention,
                                  flash_mma_backward, flash_mma_forward)
@@ -18,13 +18,13 @@ from utils.course.testing import ODD_SHAPES_64_128, assert_gradients_match_refer
 CUDA = torch.cuda.is_available()
 MMA_GPU = CUDA and gpu.capability() >= (8, 0)
 needs_mma = pytest.mark.skipif(not MMA_GPU, reason="needs an sm_80+ GPU (mma.sync with bf16)")
-STEPS_TABLE = (cuda_build.CUDA_DIR / "flash_mma_bwd_steps.cuh").read_text()
-STORED = cuda_build.ROOT / "images" / "06b_cuda_backward_h200.json"
+STEPS_TABLE = (native_build.CUDA_DIR / "flash_mma_bwd_steps.cuh").read_text()
+STORED = native_build.ROOT / "images" / "06b_cuda_backward_h200.json"
 
 
 def test_steps_are_the_kernel_structs_in_order():
     """BWD_STEPS[i] is launched as `case i + 1`, and each step's struct derives from one before it."""
-    source = cuda_build.kernel_source("flash_mma_bwd")
+    source = native_build.kernel_source("flash_mma_bwd")
     launched = dict(re.findall(r"case (\d): return launch_flash_mma_bwd<(\w+)>", source))
     structs = [launched[str(i + 1)] for i in range(len(BWD_STEPS))]
     assert len(launched) == len(BWD_STEPS) and CUDA_BACKENDS == tuple(f"cuda_{s}" for s in BWD_STEPS)
@@ -39,10 +39,10 @@ def test_backward_inputs_pad_and_mark_rows_without_keys():
     lse = torch.randn(2, 3, 5)
     lse[0, 1, 2] = -math.inf  # a query that saw no key
     lse2, delta = backward_inputs(do, o, lse)
-    assert lse2.shape == delta.shape == (6, cuda_backward.LSE_PAD) and lse2.dtype == delta.dtype == torch.float32
+    assert lse2.shape == delta.shape == (6, native_backward.LSE_PAD) and lse2.dtype == delta.dtype == torch.float32
     torch.testing.assert_close(delta[:, :5], (do * o).sum(-1).reshape(6, 5))
     assert lse2[1, 2] == math.inf and torch.isinf(lse2[:, 5:]).all() and (delta[:, 5:] == 0).all()
-    torch.testing.assert_close(lse2[0, :5], lse[0, 0] * cuda_backward.LOG2E)
+    torch.testing.assert_close(lse2[0, :5], lse[0, 0] * native_backward.LOG2E)
 
 
 def test_validation_before_any_build():
@@ -62,7 +62,7 @@ def test_validation_before_any_build():
         with pytest.raises(ValueError, match="cuda"):
             flash_mma_backward(q, q, k, v, o, lse)
     with pytest.raises(TypeError, match="takes float16 or bfloat16"):  # the registry's cuda, fp32 with a gradient
-        cuda_backward.flash_attention_cuda(*(t.float().requires_grad_() for t in (q, k, v)))
+        native_backward.flash_attention_cuda(*(t.float().requires_grad_() for t in (q, k, v)))
 
 
 def test_more_batch_heads_than_a_grid_has_is_refused_before_any_build():
@@ -113,7 +113,7 @@ def test_every_step_matches_float64_autograd(step, causal, dtype):
 def test_forward_is_the_registry_step_and_writes_the_log_sum_exp():
     q, k, v = random_qkv(2, 4, 333, 200, 128, kv_heads=2, dtype=torch.bfloat16, device="cuda")
     o, lse = flash_mma_forward(q, k, v, causal=True)
-    assert torch.equal(o, cuda_kernels.flash_mma(q, k, v, causal=True))
+    assert torch.equal(o, native_kernels.flash_mma(q, k, v, causal=True))
     scores = (q.double() @ k.double().repeat_interleave(2, 1).transpose(-2, -1)) / math.sqrt(128)
     hidden = torch.ones(333, 200, dtype=torch.bool, device="cuda").triu(200 - 333 + 1)
     expected = torch.logsumexp(scores.masked_fill(hidden, -math.inf), -1)
@@ -133,7 +133,7 @@ def test_views_at_odd_addresses_and_determinism():
     o, lse = flash_mma_forward(q, k, v)
     first, second = (flash_mma_backward(do, q, k, v, o, lse, step="dq_pass") for _ in range(2))
     assert all(torch.equal(a, b) for a, b in zip(first, second))
-    ext = cuda_build.load("flash_mma_bwd")
+    ext = native_build.load("flash_mma_bwd")
     lse2, delta = backward_inputs(do, o, lse)
     with pytest.raises(RuntimeError, match="rows must start on 16 bytes"):
         ext.flash_mma_bwd_backward(do, q, k, v, lse2, delta, False, 0.125, 1)

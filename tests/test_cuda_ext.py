@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from utils import gpu
-from utils.native import build as cuda_build, kernels as cuda_kernels
+from utils.native import build as native_build, kernels as native_kernels
 from utils.native.build import (KERNELS, KernelResources, compile_check, extension_name, find_nvcc, gencode_flags,
                                 parse_ptxas, short_kernel_name, source_hash)
 from utils.native.backward import flash_attention_cuda
@@ -35,11 +35,11 @@ MMA_STRUCTS = ("Step1Mma", "Step2Ldmatrix", "Step3Swizzle", "Step4CpAsync", "Ste
 # Steps 5-10: 128 x 128 tiles at D = 128 need 160 KB of shared memory, so a half tile for 99 KB GPUs (step 11's
 # 128 x 64 tiles take 96 KB and need none).
 HALF_TILED = MMA_STRUCTS[4:10]
-for _step, _struct in zip(cuda_build.MMA_STEPS, MMA_STRUCTS, strict=True):
-    EXPECTED[cuda_build.mma_kernel_name(_step)] = {f"flash_mma_kernel<course_flash::{_struct}, {t}, {d}>"
+for _step, _struct in zip(native_build.MMA_STEPS, MMA_STRUCTS, strict=True):
+    EXPECTED[native_build.mma_kernel_name(_step)] = {f"flash_mma_kernel<course_flash::{_struct}, {t}, {d}>"
                                                  for t in DTYPES[1:] for d in (64, 128)}
     if _struct in HALF_TILED:
-        EXPECTED[cuda_build.mma_kernel_name(_step)] |= {
+        EXPECTED[native_build.mma_kernel_name(_step)] |= {
             f"flash_mma_kernel<course_flash::HalfTile<course_flash::{_struct}>, {t}, 128>" for t in DTYPES[1:]}
 
 # The backward's file: the forward of the registry's step (with its half tile), steps 1-7's dkdv kernel in its two
@@ -48,7 +48,7 @@ for _step, _struct in zip(cuda_build.MMA_STEPS, MMA_STRUCTS, strict=True):
 BWD_STRUCTS = ("BwdAtomicDQ", "BwdDQPass", "BwdNarrowRows", "BwdTwoBlocks", "BwdPerHeadDim", "BwdUnrollTwo",
                "BwdMaskAfter")
 BWD_TILED = ("BwdWarpTiles", "BwdHoisted")
-_forward = MMA_STRUCTS[cuda_build.MMA_STEPS.index(cuda_build.MMA_DEFAULT_STEP)]
+_forward = MMA_STRUCTS[native_build.MMA_STEPS.index(native_build.MMA_DEFAULT_STEP)]
 EXPECTED["flash_mma_bwd"] = (
     {f"flash_mma_kernel<course_flash::{_forward}, {t}, {d}>" for t in DTYPES[1:] for d in (64, 128)}
     | {f"flash_mma_kernel<course_flash::HalfTile<course_flash::{_forward}>, {t}, 128>" for t in DTYPES[1:]
@@ -64,12 +64,12 @@ EXPECTED["flash_mma_bwd"] = (
 
 # make test on a CPU compiles notebook 06's kernels and the registry's tensor-core step; the other steps (one
 # template, compiled once per step) and the backward run in the GPU suite and under `pytest --full`.
-SAMPLED_KERNELS = ("softmax", "flash_naive", "flash_tiled", cuda_build.mma_kernel_name(cuda_build.MMA_DEFAULT_STEP))
+SAMPLED_KERNELS = ("softmax", "flash_naive", "flash_tiled", native_build.mma_kernel_name(native_build.MMA_DEFAULT_STEP))
 
 
 @needs_nvcc
 @pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in SAMPLED_KERNELS else pytest.mark.full)
-                                  for n in KERNELS if n not in cuda_build.HOPPER_KERNELS])
+                                  for n in KERNELS if n not in native_build.HOPPER_KERNELS])
 def test_compile_check_builds_every_kernel_for_sm80_and_sm90(name):
     results = compile_check(name, ("sm_80", "sm_90"))
     for arch in ("sm_80", "sm_90"):
@@ -87,7 +87,7 @@ def test_compile_check_builds_every_kernel_for_sm80_and_sm90(name):
         # both measured slower); step 12, with fewer addresses to keep, spills under 64 bytes at D = 128 and
         # nothing at D = 64. More than that is a regression.
         if name.startswith("flash_mma"):
-            capped = name in (cuda_build.mma_kernel_name("occupancy"), cuda_build.mma_kernel_name("one_group"))
+            capped = name in (native_build.mma_kernel_name("occupancy"), native_build.mma_kernel_name("one_group"))
 
             def allowed(r) -> int:  # the bytes a kernel may spill
                 if "Step11WarpRows" in r.kernel:
@@ -114,10 +114,10 @@ def test_compile_check_is_cached_within_the_process():
 @needs_nvcc
 def test_compile_check_reports_nvcc_errors(tmp_path, monkeypatch):
     broken = tmp_path / "cuda"
-    shutil.copytree(cuda_build.CUDA_DIR, broken)
+    shutil.copytree(native_build.CUDA_DIR, broken)
     (broken / "softmax.cu").write_text((broken / "softmax.cu").read_text() + "\nthis is not C++;\n")
-    monkeypatch.setattr(cuda_build, "CUDA_DIR", broken)
-    monkeypatch.setattr(cuda_build, "BUILD_DIR", tmp_path / "build")
+    monkeypatch.setattr(native_build, "CUDA_DIR", broken)
+    monkeypatch.setattr(native_build, "BUILD_DIR", tmp_path / "build")
     with pytest.raises(RuntimeError, match="nvcc failed on softmax.cu"):
         compile_check("softmax", "sm_80")
 
@@ -132,7 +132,7 @@ def test_compile_check_validates_arguments():
 
 
 def test_compile_check_without_nvcc_says_so(monkeypatch):
-    monkeypatch.setattr(cuda_build, "find_nvcc", lambda: None)
+    monkeypatch.setattr(native_build, "find_nvcc", lambda: None)
     with pytest.raises(RuntimeError, match="nvcc not found"):
         compile_check("softmax")
 
@@ -195,8 +195,8 @@ def test_extension_name_is_stable_and_follows_the_sources(tmp_path, monkeypatch)
     assert extension_name("flash_tiled", flags=("-O2",)) != name  # flags are part of the build
     assert source_hash("flash_naive") != source_hash("flash_tiled")
     copy = tmp_path / "cuda"
-    shutil.copytree(cuda_build.CUDA_DIR, copy)
-    monkeypatch.setattr(cuda_build, "CUDA_DIR", copy)
+    shutil.copytree(native_build.CUDA_DIR, copy)
+    monkeypatch.setattr(native_build, "CUDA_DIR", copy)
     assert extension_name("flash_tiled") == name  # same text elsewhere: same name
     (copy / "flash_common.cuh").write_text((copy / "flash_common.cuh").read_text() + "\n// edited\n")
     assert extension_name("flash_tiled") != name  # an edited header is a new build, not a stale cache hit
@@ -216,17 +216,17 @@ def test_gencode_flags():
 def test_kernels_and_torch_wrappers_are_separate():
     """nvcc must never see torch: the kernels come before `#else`, the wrapper after (host compiler only)."""
     for name in KERNELS:
-        text = cuda_build.kernel_source(name)
+        text = native_build.kernel_source(name)
         assert text.count("#ifndef COURSE_TORCH_WRAPPER") == 1 and "#else  // COURSE_TORCH_WRAPPER" in text, name
         kernels_part, wrapper_part = text.split("#ifndef COURSE_TORCH_WRAPPER")[1].split("#else  // COURSE_TORCH")
         for header in ("#include <torch", "#include <ATen", "#include <c10", '#include "flash_torch.h"'):
             assert header not in kernels_part, f"{name}.cu includes {header} where nvcc compiles"
         checks = "TORCH_CHECK" in wrapper_part or '#include "flash_mma_torch.h"' in wrapper_part
         assert checks and "__global__" not in wrapper_part, name
-    assert "TORCH_CHECK" in (cuda_build.CUDA_DIR / "flash_mma_torch.h").read_text()
+    assert "TORCH_CHECK" in (native_build.CUDA_DIR / "flash_mma_torch.h").read_text()
     for header in ("flash_params.h", "flash_common.cuh", "flash_mma.cuh", "flash_mma_steps.cuh",
                    "flash_mma_bwd_steps.cuh", "flash_mma_kernel.cuh", "hopper.cuh", "hopper_layout.h"):
-        text = (cuda_build.CUDA_DIR / header).read_text()
+        text = (native_build.CUDA_DIR / header).read_text()
         assert not any(f"#include <{lib}" in text for lib in ("torch", "ATen", "c10")), header
 
 
@@ -235,9 +235,9 @@ def test_kernels_and_torch_wrappers_are_separate():
 def test_importing_the_registry_compiles_nothing():
     from utils.attention import REGISTRY, implementations
 
-    built = dict(cuda_build._LOADED)
-    assert REGISTRY["cuda_tiled"].load() is cuda_kernels.flash_tiled and REGISTRY["cuda_naive"].load() is cuda_kernels.flash_naive
-    assert cuda_build._LOADED == built  # looking the functions up built nothing
+    built = dict(native_build._LOADED)
+    assert REGISTRY["cuda_tiled"].load() is native_kernels.flash_tiled and REGISTRY["cuda_naive"].load() is native_kernels.flash_naive
+    assert native_build._LOADED == built  # looking the functions up built nothing
     assert REGISTRY["cuda_tiled"].runs_on == "cuda" and REGISTRY["cuda_tiled"].notebook == "06"
     if not CUDA:
         assert "cuda_tiled" not in implementations("cpu") and "cuda_naive" not in implementations("cpu")
@@ -245,7 +245,7 @@ def test_importing_the_registry_compiles_nothing():
 
 def test_flash_wrappers_validate_before_building():
     q = torch.randn(1, 2, 8, 64)
-    for fn in (cuda_kernels.flash_naive, cuda_kernels.flash_tiled):
+    for fn in (native_kernels.flash_naive, native_kernels.flash_tiled):
         with pytest.raises(ValueError, match="needs CUDA tensors"):
             fn(q, q, q)
         with pytest.raises(TypeError, match="k has dtype"):
@@ -258,31 +258,31 @@ def test_flash_wrappers_validate_before_building():
             fn(q, q, q, causal=1)
     wide = torch.randn(1, 1, 4, 136)
     with pytest.raises(ValueError, match="head_dim 136"):
-        cuda_kernels.flash_naive(wide, wide, wide)
+        native_kernels.flash_naive(wide, wide, wide)
     wider = torch.randn(1, 1, 4, 264)
     with pytest.raises(ValueError, match="head_dim 264"):
-        cuda_kernels.flash_tiled(wider, wider, wider)
+        native_kernels.flash_tiled(wider, wider, wider)
     odd = torch.randn(1, 1, 4, 60)
     with pytest.raises(ValueError, match="head_dim 60"):
-        cuda_kernels.flash_tiled(odd, odd, odd)
+        native_kernels.flash_tiled(odd, odd, odd)
 
 
 def test_mma_steps_are_named_and_registered():
     from utils.attention import REGISTRY
 
-    assert [cuda_build.mma_kernel_name(s) for s in ("mma", "causal_skip")] == ["flash_mma_s1_mma",
+    assert [native_build.mma_kernel_name(s) for s in ("mma", "causal_skip")] == ["flash_mma_s1_mma",
                                                                             "flash_mma_s7_causal_skip"]
-    for step in cuda_build.MMA_STEPS:
-        name = cuda_build.mma_kernel_name(step)
+    for step in native_build.MMA_STEPS:
+        name = native_build.mma_kernel_name(step)
         assert KERNELS[name][0] == f"{name}_forward"
     with pytest.raises(ValueError, match="step must be one of"):
-        cuda_build.mma_kernel_name("wgmma")
+        native_build.mma_kernel_name("wgmma")
     impl = REGISTRY["cuda"]
     assert impl.load() is flash_attention_cuda and impl.runs_on == "cuda" and impl.notebook == "06b"
-    assert impl.head_dims == cuda_kernels.CUDA_HEAD_DIMS and set(cuda_kernels.MMA_HEAD_DIMS) <= set(impl.head_dims)
+    assert impl.head_dims == native_kernels.CUDA_HEAD_DIMS and set(native_kernels.MMA_HEAD_DIMS) <= set(impl.head_dims)
     # Each step's struct derives from the one before: the steps header reads as the worklog. Step 11 starts
     # again from step 7, the last step that paid.
-    steps = (cuda_build.CUDA_DIR / "flash_mma_steps.cuh").read_text()
+    steps = (native_build.CUDA_DIR / "flash_mma_steps.cuh").read_text()
     bases = {**dict(zip(MMA_STRUCTS[1:], MMA_STRUCTS)), "Step11WarpRows": "Step7CausalSkip"}
     for after, before in bases.items():
         assert f"struct {after} : {before} {{" in steps, after
@@ -291,17 +291,17 @@ def test_mma_steps_are_named_and_registered():
 def test_a_step_builds_its_flattened_kernel_through_the_one_template():
     """What nvcc compiles for a step of 06b is the file a learner reads, steps/06b/sNN_<step>.cu; the rest of its
     source is flash_mma_step.cu.in with the step's names, and no per-step .cu file is left in utils/native/src."""
-    assert not list(cuda_build.CUDA_DIR.glob("flash_mma_s[0-9]*.cu"))
-    template = (cuda_build.CUDA_DIR / cuda_build.MMA_STEP_TEMPLATE).read_text()
-    for n, step in enumerate(cuda_build.MMA_STEPS, 1):
-        name, file = cuda_build.mma_kernel_name(step), cuda_build.mma_step_file(step)
-        assert file == f"steps/06b/s{n:02d}_{step}.cu" and (cuda_build.CUDA_DIR / file).is_file()
-        source = cuda_build.kernel_source(name)
+    assert not list(native_build.CUDA_DIR.glob("flash_mma_s[0-9]*.cu"))
+    template = (native_build.CUDA_DIR / native_build.MMA_STEP_TEMPLATE).read_text()
+    for n, step in enumerate(native_build.MMA_STEPS, 1):
+        name, file = native_build.mma_kernel_name(step), native_build.mma_step_file(step)
+        assert file == f"steps/06b/s{n:02d}_{step}.cu" and (native_build.CUDA_DIR / file).is_file()
+        source = native_build.kernel_source(name)
         kernels_part = source.split("#ifndef COURSE_TORCH_WRAPPER")[1].split("#else  // COURSE_TORCH")[0]
         assert re.findall(r'#include "([^"]+)"', kernels_part) == [file]
         assert file in KERNELS[name][1] and "flash_mma_kernel.cuh" not in KERNELS[name][1]
         names = (("${kernel}", name), ("${file}", file.rsplit("/", 1)[1]), ("${number}", str(n)),
-                 ("${steps}", str(len(cuda_build.MMA_STEPS))))
+                 ("${steps}", str(len(native_build.MMA_STEPS))))
         rendered = template
         for placeholder, value in names:
             rendered = rendered.replace(placeholder, value)
@@ -309,21 +309,21 @@ def test_a_step_builds_its_flattened_kernel_through_the_one_template():
 
 
 def test_an_edited_flattened_step_is_a_new_build(tmp_path, monkeypatch):
-    name = cuda_build.mma_kernel_name("exp2")
+    name = native_build.mma_kernel_name("exp2")
     before = extension_name(name)
     copy = tmp_path / "cuda"
-    shutil.copytree(cuda_build.CUDA_DIR, copy)
-    monkeypatch.setattr(cuda_build, "CUDA_DIR", copy)
+    shutil.copytree(native_build.CUDA_DIR, copy)
+    monkeypatch.setattr(native_build, "CUDA_DIR", copy)
     assert extension_name(name) == before
-    step = copy / cuda_build.mma_step_file("exp2")
+    step = copy / native_build.mma_step_file("exp2")
     step.write_text(step.read_text() + "\n// edited\n")
     assert extension_name(name) != before
-    assert extension_name(cuda_build.mma_kernel_name("tiles")) == extension_name(cuda_build.mma_kernel_name("tiles"))
+    assert extension_name(native_build.mma_kernel_name("tiles")) == extension_name(native_build.mma_kernel_name("tiles"))
 
 
 def test_flash_mma_validates_before_building():
     q = torch.randn(1, 2, 8, 64)
-    for fn in (cuda_kernels.flash_mma, flash_attention_cuda):
+    for fn in (native_kernels.flash_mma, flash_attention_cuda):
         with pytest.raises(ValueError, match="needs CUDA tensors"):
             fn(q.half(), q.half(), q.half())
         with pytest.raises(TypeError, match="k has dtype"):
@@ -333,14 +333,14 @@ def test_flash_mma_validates_before_building():
         with pytest.raises(TypeError, match="sm_scale"):
             fn(q.half(), q.half(), q.half(), sm_scale="1")
         # the kernels take 64 and 128; the registry's entry pads every other multiple of 16 up to 128
-        for d in (32, 96, 256) if fn is cuda_kernels.flash_mma else (8, 72, 136, 256):
+        for d in (32, 96, 256) if fn is native_kernels.flash_mma else (8, 72, 136, 256):
             odd = torch.randn(1, 1, 4, d, dtype=torch.float16)
             with pytest.raises(ValueError, match=f"head_dim {d} is not supported"):
                 fn(odd, odd, odd)
     with pytest.raises(TypeError, match="dtype torch.float32"):  # tensor cores: 16-bit inputs only
-        cuda_kernels.flash_mma(q, q, q)
+        native_kernels.flash_mma(q, q, q)
     with pytest.raises(ValueError, match="step must be one of"):
-        cuda_kernels.flash_mma(q.half(), q.half(), q.half(), step="fastest")
+        native_kernels.flash_mma(q.half(), q.half(), q.half(), step="fastest")
     with pytest.raises(ValueError, match="needs CUDA tensors"):  # float32 goes to flash_tiled, which says so
         flash_attention_cuda(q, q, q)
 
@@ -353,8 +353,8 @@ def _many_heads(batch, heads, d, dtype):
 def test_cuda_wrappers_refuse_more_batch_heads_than_a_grid_has():
     """Every attention kernel puts its (batch, head) pairs on the grid's y dimension, at most 65,535 blocks: more is
     a ValueError that names the limit and the sizes, raised before a build (a launch would fail, or worse)."""
-    cases = ((8, torch.float32, (cuda_kernels.flash_naive, cuda_kernels.flash_tiled)),
-             (64, torch.float16, (cuda_kernels.flash_mma, flash_attention_cuda)))
+    cases = ((8, torch.float32, (native_kernels.flash_naive, native_kernels.flash_tiled)),
+             (64, torch.float16, (native_kernels.flash_mma, flash_attention_cuda)))
     for d, dtype, fns in cases:
         for fn in fns:
             for batch, heads in ((65536, 1), (256, 257)):
@@ -369,25 +369,25 @@ def test_cuda_wrappers_refuse_more_batch_heads_than_a_grid_has():
 
 def test_check_mma_capability():
     for ok in ((8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0)):
-        cuda_kernels.check_mma_capability(ok)
+        native_kernels.check_mma_capability(ok)
     with pytest.raises(RuntimeError, match="sm_75. flash_tiled runs on it"):
-        cuda_kernels.check_mma_capability((7, 5))
+        native_kernels.check_mma_capability((7, 5))
     with pytest.raises(TypeError):
-        cuda_kernels.check_mma_capability("sm_90")
+        native_kernels.check_mma_capability("sm_90")
 
 
 def test_softmax_wrapper_validates_before_building():
     x = torch.randn(4, 8)
     with pytest.raises(TypeError, match="must be a torch.Tensor"):
-        cuda_kernels.softmax([1.0, 2.0])
+        native_kernels.softmax([1.0, 2.0])
     with pytest.raises(ValueError, match="variant must be one of"):
-        cuda_kernels.softmax(x, "fast")
+        native_kernels.softmax(x, "fast")
     with pytest.raises(TypeError, match="float32"):
-        cuda_kernels.softmax(x.half())
+        native_kernels.softmax(x.half())
     with pytest.raises(ValueError, match="at least one"):
-        cuda_kernels.softmax(torch.randn(0, 3))
+        native_kernels.softmax(torch.randn(0, 3))
     with pytest.raises(ValueError, match="CUDA tensor"):
-        cuda_kernels.softmax(x)
+        native_kernels.softmax(x)
 
 
 def test_a_stale_build_lock_is_removed_and_a_live_one_waited_for(tmp_path):
@@ -423,27 +423,27 @@ import os, signal, sys
 from pathlib import Path
 import torch
 import torch.utils.cpp_extension as cpp
-from utils.native import build as cuda_build, kernels as cuda_kernels
-cuda_build.BUILD_DIR = Path(sys.argv[1])
+from utils.native import build as native_build, kernels as native_kernels
+native_build.BUILD_DIR = Path(sys.argv[1])
 torch.cuda.is_available = lambda: True
-cuda_build.arch_flags = lambda name=None: []
+native_build.arch_flags = lambda name=None: []
 cpp.verify_ninja_availability = lambda: None
 def load_inline(build_directory, **_):
     Path(build_directory, "lock").touch()
     os.kill(os.getpid(), signal.SIGKILL)
 cpp.load_inline = load_inline
-cuda_build.load("softmax")
+native_build.load("softmax")
 """
 
 
 def _fake_build(monkeypatch, tmp_path, load_inline):
     import torch.utils.cpp_extension as cpp
 
-    monkeypatch.setattr(cuda_build, "BUILD_DIR", tmp_path)
-    monkeypatch.setattr(cuda_build, "_LOADED", {})
-    monkeypatch.setattr(cuda_build, "_FAILED", {})
+    monkeypatch.setattr(native_build, "BUILD_DIR", tmp_path)
+    monkeypatch.setattr(native_build, "_LOADED", {})
+    monkeypatch.setattr(native_build, "_FAILED", {})
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(cuda_build, "arch_flags", lambda name=None: [])
+    monkeypatch.setattr(native_build, "arch_flags", lambda name=None: [])
     monkeypatch.setattr(cpp, "verify_ninja_availability", lambda: None)
     monkeypatch.setattr(cpp, "load_inline", load_inline)
 
@@ -454,10 +454,10 @@ def test_load_after_a_build_killed_half_way_starts_at_once(tmp_path, monkeypatch
     build that made it is gone and build at once (a workshop's interrupted cell used to wait ten minutes)."""
     import signal
 
-    killed = subprocess.run([sys.executable, "-c", _KILLED_MID_BUILD, str(tmp_path)], cwd=cuda_build.ROOT)
+    killed = subprocess.run([sys.executable, "-c", _KILLED_MID_BUILD, str(tmp_path)], cwd=native_build.ROOT)
     assert killed.returncode == -signal.SIGKILL
     _fake_build(monkeypatch, tmp_path, None)  # the directory's name is the same in both processes
-    lock = tmp_path / "torch_extensions" / cuda_build.extension_name("softmax") / "lock"
+    lock = tmp_path / "torch_extensions" / native_build.extension_name("softmax") / "lock"
     assert lock.exists()
     waited = []
 
@@ -470,10 +470,10 @@ def test_load_after_a_build_killed_half_way_starts_at_once(tmp_path, monkeypatch
         return "module"
 
     _fake_build(monkeypatch, tmp_path, load_inline)
-    monkeypatch.setattr(cuda_build.time, "sleep", sleep)
+    monkeypatch.setattr(native_build.time, "sleep", sleep)
     with warnings.catch_warnings(record=True) as warned:
         warnings.simplefilter("always")
-        assert cuda_build.load("softmax") == "module"
+        assert native_build.load("softmax") == "module"
     assert not lock.exists() and any("did not finish" in str(w.message) for w in warned)
 
 
@@ -490,54 +490,54 @@ with build_lock(sys.argv[1]):
 def test_a_live_build_is_waited_for_and_an_interrupted_one_lets_go(tmp_path):
     """build_lock waits for a build that still runs, saying once which process holds it; an exception (a
     KeyboardInterrupt) inside the block lets go of the lock at once."""
-    holder = subprocess.Popen([sys.executable, "-c", _HOLD_BUILD_LOCK, str(tmp_path)], cwd=cuda_build.ROOT,
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD_BUILD_LOCK, str(tmp_path)], cwd=native_build.ROOT,
                               stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
         said = []
         with pytest.raises(TimeoutError, match=f"process {holder.pid}"):
-            with cuda_build.build_lock(tmp_path, timeout_s=0.5, poll_s=0.05, say=said.append):
+            with native_build.build_lock(tmp_path, timeout_s=0.5, poll_s=0.05, say=said.append):
                 pass
         assert len(said) == 1 and f"waiting for another build of {tmp_path.name} (process {holder.pid}" in said[0]
     finally:
         holder.kill()
         holder.wait()
     with pytest.raises(KeyboardInterrupt):
-        with cuda_build.build_lock(tmp_path, timeout_s=1) as removed:
+        with native_build.build_lock(tmp_path, timeout_s=1) as removed:
             assert removed is False  # no lock file of load_inline's was left
             raise KeyboardInterrupt
-    with cuda_build.build_lock(tmp_path, timeout_s=0):  # free again
+    with native_build.build_lock(tmp_path, timeout_s=0):  # free again
         pass
     for bad in (-1, "1", True, float("nan")):
         with pytest.raises(ValueError, match="timeout_s must be None or a number"):
-            with cuda_build.build_lock(tmp_path, timeout_s=bad):
+            with native_build.build_lock(tmp_path, timeout_s=bad):
                 pass
     with pytest.raises(ValueError, match="poll_s must be a positive number"):
-        with cuda_build.build_lock(tmp_path, poll_s=0):
+        with native_build.build_lock(tmp_path, poll_s=0):
             pass
 
 
 @pytest.mark.skipif(CUDA, reason="on a GPU the extension builds")
 def test_load_without_a_gpu_explains():
     with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
-        cuda_build.load("softmax")
+        native_build.load("softmax")
 
 
 def test_load_all_validates_names_before_building():
     for bad in ("softmax", [1], None):
         with pytest.raises(TypeError, match="names must be a list"):
-            cuda_build.load_all(bad)
+            native_build.load_all(bad)
     with pytest.raises(ValueError, match="unknown kernel file 'nope'"):
-        cuda_build.load_all(["softmax", "nope"])
-    assert cuda_build.load_all([]) == {}
+        native_build.load_all(["softmax", "nope"])
+    assert native_build.load_all([]) == {}
 
 
 @pytest.mark.skipif(CUDA, reason="on a GPU the extensions build")
 def test_load_all_and_the_build_command_without_a_gpu_explain():
     with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
-        cuda_build.load_all(["softmax"])
+        native_build.load_all(["softmax"])
     with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
-        cuda_build.main(["build"])
+        native_build.main(["build"])
 
 
 def test_load_all_builds_at_once_and_names_a_failed_build(monkeypatch):
@@ -553,25 +553,30 @@ def test_load_all_builds_at_once_and_names_a_failed_build(monkeypatch):
         built.append(name)
         return f"module {name}"
 
-    monkeypatch.setattr(cuda_build, "load", fake_load)
-    monkeypatch.setattr(cuda_build.os, "cpu_count", lambda: 8)
+    monkeypatch.setattr(native_build, "load", fake_load)
+    monkeypatch.setattr(native_build.os, "cpu_count", lambda: 8)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     names = ["softmax", "flash_naive", "softmax"]   # a repeated name builds once
-    assert cuda_build.load_all(names, progress=False) == {"softmax": "module softmax", "flash_naive": "module flash_naive"}
+    said = []
+    assert native_build.load_all(names, progress=False, say=said.append) == {"softmax": "module softmax",
+                                                                             "flash_naive": "module flash_naive"}
     assert sorted(built) == ["flash_naive", "softmax"]
+    assert sorted(line.split(":")[0] for line in said) == ["flash_naive", "softmax"]   # one timed line per build
+    assert all(line.endswith(" s") for line in said), said
     together.reset()
     with pytest.raises(RuntimeError, match=r"building flash_tiled.cu failed \(1 of 3 builds failed\): nvcc said no"):
-        cuda_build.load_all(["softmax", "flash_tiled", "flash_naive"], progress=False)
+        native_build.load_all(["softmax", "flash_tiled", "flash_naive"], progress=False)
 
 
 def test_buildable_follows_the_capability():
-    mma = {cuda_build.mma_kernel_name(s) for s in cuda_build.MMA_STEPS} | {"flash_mma_bwd"}
-    assert cuda_build.buildable((9, 0)) == list(KERNELS)
-    assert set(cuda_build.buildable((8, 0))) == set(KERNELS) - set(cuda_build.HOPPER_KERNELS)
-    assert set(cuda_build.buildable((12, 0))) == set(KERNELS) - set(cuda_build.HOPPER_KERNELS)
-    assert set(cuda_build.buildable((7, 5))) == set(KERNELS) - set(cuda_build.HOPPER_KERNELS) - mma
+    mma = {native_build.mma_kernel_name(s) for s in native_build.MMA_STEPS} | {"flash_mma_bwd"}
+    assert sorted(native_build.buildable((9, 0))) == sorted(KERNELS)
+    assert native_build.buildable((9, 0))[:3] == list(native_build.LONGEST_BUILDS)  # started first
+    assert set(native_build.buildable((8, 0))) == set(KERNELS) - set(native_build.HOPPER_KERNELS)
+    assert set(native_build.buildable((12, 0))) == set(KERNELS) - set(native_build.HOPPER_KERNELS)
+    assert set(native_build.buildable((7, 5))) == set(KERNELS) - set(native_build.HOPPER_KERNELS) - mma
     with pytest.raises(TypeError, match="capability"):
-        cuda_build.buildable("sm_90")
+        native_build.buildable("sm_90")
 
 
 # ---- on a GPU -----------------------------------------------------------------------------------------------
@@ -581,26 +586,26 @@ SOFTMAX_SHAPES = [(1, 1), (3, 7), (5, 1000), (7, 1023), (33, 4096), (2, 5000), (
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", cuda_kernels.SOFTMAX_VARIANTS)
+@pytest.mark.parametrize("variant", native_kernels.SOFTMAX_VARIANTS)
 @pytest.mark.parametrize("shape", SOFTMAX_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_softmax_matches_torch(variant, shape):
     x = torch.randn(*shape, device="cuda") * 5
-    torch.testing.assert_close(cuda_kernels.softmax(x, variant), torch.softmax(x, -1), atol=1e-6, rtol=1e-4)
+    torch.testing.assert_close(native_kernels.softmax(x, variant), torch.softmax(x, -1), atol=1e-6, rtol=1e-4)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", cuda_kernels.SOFTMAX_VARIANTS)
+@pytest.mark.parametrize("variant", native_kernels.SOFTMAX_VARIANTS)
 def test_softmax_on_views_and_misaligned_rows(variant):
     x = torch.randn(64, 96, device="cuda")
-    torch.testing.assert_close(cuda_kernels.softmax(x.t(), variant), torch.softmax(x.t(), -1), atol=1e-6, rtol=1e-4)
+    torch.testing.assert_close(native_kernels.softmax(x.t(), variant), torch.softmax(x.t(), -1), atol=1e-6, rtol=1e-4)
     flat = torch.randn(16 * 256 + 1, device="cuda")
     shifted = flat[1:].view(16, 256)  # contiguous but 4 bytes off a 16-byte boundary: float4 must not be used
     assert shifted.data_ptr() % 16 != 0
-    torch.testing.assert_close(cuda_kernels.softmax(shifted, variant), torch.softmax(shifted, -1), atol=1e-6,
+    torch.testing.assert_close(native_kernels.softmax(shifted, variant), torch.softmax(shifted, -1), atol=1e-6,
                                rtol=1e-4)
     big = torch.full((2, 300), -1e30, device="cuda")
     big[:, 7] = 1e30  # extreme logits: the max subtraction keeps them finite
-    out = cuda_kernels.softmax(big, variant)
+    out = native_kernels.softmax(big, variant)
     assert torch.isfinite(out).all() and torch.equal(out[:, 7], torch.ones(2, device="cuda"))
 
 
@@ -609,11 +614,11 @@ def torch_check_messages(setup: str, calls: str) -> list:
     first line of the RuntimeError it raised (None if it raised nothing). A fresh process, because a C++ error
     that crashes instead of raising must fail this test, not end the test session."""
     code = "\n".join([
-        "import json, torch", "from utils.native import build as cuda_build, kernels as cuda_kernels", setup, "out = []",
+        "import json, torch", "from utils.native import build as native_build, kernels as cuda_kernels", setup, "out = []",
         *[f"try:\n    {call}\n    out.append(None)\nexcept RuntimeError as err:\n"
           f"    out.append(str(err).splitlines()[0])" for call in calls.strip().splitlines()],
         "print(json.dumps(out))"])
-    proc = subprocess.run([sys.executable, "-c", code], cwd=cuda_build.ROOT, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", code], cwd=native_build.ROOT, capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, f"the process died (returncode {proc.returncode}):\n{proc.stderr[-3000:]}"
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -636,7 +641,7 @@ def test_torch_check_messages_reports_errors_and_crashes():
 @pytest.mark.gpu
 def test_softmax_torch_checks():
     messages = torch_check_messages(
-        'ext = cuda_build.load("softmax"); x = torch.randn(8, 32, device="cuda")', """
+        'ext = native_build.load("softmax"); x = torch.randn(8, 32, device="cuda")', """
 ext.softmax_forward(x.cpu(), 1)
 ext.softmax_forward(x.double(), 1)
 ext.softmax_forward(x[None], 1)
@@ -653,7 +658,7 @@ ext.softmax_forward(x, 7)
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["flash_naive", "flash_tiled"])
 def test_flash_torch_checks(name):
-    setup = (f'f = cuda_build.load("{name}").{name}_forward\n'
+    setup = (f'f = native_build.load("{name}").{name}_forward\n'
              'q = torch.randn(1, 4, 16, 64, device="cuda", dtype=torch.float16)\n'
              'z = lambda d: torch.zeros(1, 1, 4, d, device="cuda", dtype=torch.half)')
     cases = [
@@ -678,18 +683,18 @@ def test_flash_torch_checks(name):
 
 @pytest.mark.gpu
 def test_load_all_returns_what_load_returns():
-    modules = cuda_build.load_all(["softmax", "flash_naive"], progress=False)
-    assert modules == {"softmax": cuda_build.load("softmax"), "flash_naive": cuda_build.load("flash_naive")}
+    modules = native_build.load_all(["softmax", "flash_naive"], progress=False)
+    assert modules == {"softmax": native_build.load("softmax"), "flash_naive": native_build.load("flash_naive")}
 
 
 @pytest.mark.gpu
 def test_load_is_cached_and_rows_without_keys_are_zero():
-    assert cuda_build.load("flash_tiled") is cuda_build.load("flash_tiled")
+    assert native_build.load("flash_tiled") is native_build.load("flash_tiled")
     q = torch.randn(1, 2, 70, 64, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(1, 2, 20, 64, device="cuda", dtype=torch.bfloat16)
-    mma_steps = cuda_build.MMA_STEPS if gpu.capability() >= (8, 0) else ()  # none on a T4
-    for fn in (cuda_kernels.flash_naive, cuda_kernels.flash_tiled, *[
-            lambda *a, step=s, **kw: cuda_kernels.flash_mma(*a, step=step, **kw) for s in mma_steps]):
+    mma_steps = native_build.MMA_STEPS if gpu.capability() >= (8, 0) else ()  # none on a T4
+    for fn in (native_kernels.flash_naive, native_kernels.flash_tiled, *[
+            lambda *a, step=s, **kw: native_kernels.flash_mma(*a, step=step, **kw) for s in mma_steps]):
         out = fn(q, k, k, causal=True)
         assert torch.equal(out[:, :, :50], torch.zeros_like(out[:, :, :50]))  # queries 0..49 see no key
         assert out[:, :, 50:].abs().sum() > 0
@@ -701,13 +706,13 @@ def test_load_is_cached_and_rows_without_keys_are_zero():
 @pytest.mark.capability(8, 0)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("step", cuda_build.MMA_STEPS)
+@pytest.mark.parametrize("step", native_build.MMA_STEPS)
 def test_flash_mma_steps_match_reference(step, dtype, causal):
     from functools import partial
 
     from utils.course.testing import assert_matches_on_odd_shapes
 
-    assert_matches_on_odd_shapes(partial(cuda_kernels.flash_mma, step=step), dtype=dtype, causal=causal)
+    assert_matches_on_odd_shapes(partial(native_kernels.flash_mma, step=step), dtype=dtype, causal=causal)
 
 
 @pytest.mark.gpu
@@ -725,7 +730,7 @@ def test_flash_mma_growing_maxima(step, causal):
         q, k, v = random_qkv(2, 4, 700, 1000, 128, dtype=dtype, device="cuda", seed=14)
         k = k * torch.linspace(0.5, 6.0, 1000, device="cuda", dtype=dtype)[:, None]
         k[:, :, 811] *= 4  # one key far above every earlier maximum: a rescale long after the first tiles
-        fn = lambda *a, **kw: cuda_kernels.flash_mma(*a, step=step, **kw)  # noqa: E731
+        fn = lambda *a, **kw: native_kernels.flash_mma(*a, step=step, **kw)  # noqa: E731
         assert_attention_matches_reference(fn, q, k, v, causal=causal)
 
 
@@ -738,7 +743,7 @@ def test_flash_mma_on_views(step):
     buf = torch.randn(2, 300, 3, 3 * 64 + 4, device="cuda", dtype=torch.bfloat16)
     q, k, v = (buf[..., i * 64 + 4: (i + 1) * 64 + 4].transpose(1, 2) for i in range(3))
     assert q.stride(-1) == 1 and q.stride(2) % 8 != 0  # rows not on 16 bytes: copied before the launch
-    fn = lambda *a, **kw: cuda_kernels.flash_mma(*a, step=step, **kw)  # noqa: E731
+    fn = lambda *a, **kw: native_kernels.flash_mma(*a, step=step, **kw)  # noqa: E731
     assert_attention_matches_reference(fn, q, k, v, causal=True)
     bnhd = torch.randn(2, 500, 4, 128, device="cuda", dtype=torch.float16).transpose(1, 2)  # strides multiple of 8
     assert_attention_matches_reference(fn, bnhd, bnhd, bnhd)
@@ -752,7 +757,7 @@ def test_flash_mma_on_views(step):
 @pytest.mark.gpu
 @pytest.mark.capability(8, 0)
 def test_flash_mma_torch_checks():
-    setup = ('f = cuda_build.load("flash_mma_s7_causal_skip").flash_mma_s7_causal_skip_forward\n'
+    setup = ('f = native_build.load("flash_mma_s7_causal_skip").flash_mma_s7_causal_skip_forward\n'
              'q = torch.randn(1, 4, 16, 64, device="cuda", dtype=torch.bfloat16)')
     cases = [
         ("f(q.cpu(), q, q, False, 0.125)", "q must be a CUDA tensor"),
@@ -774,7 +779,7 @@ def test_flash_mma_torch_checks():
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA or gpu.capability() != (9, 0), reason="wgmma needs an sm_90 GPU")
 def test_wgmma_gemm_torch_checks():
-    setup = ('f = cuda_build.load("wgmma_gemm").wgmma_gemm_forward\n'
+    setup = ('f = native_build.load("wgmma_gemm").wgmma_gemm_forward\n'
              'a = torch.randn(64, 128, device="cuda", dtype=torch.bfloat16)')
     assert_torch_checks(setup, [
         ("f(a, a, 3)", "step must be 1 (thread copies) or 2 (TMA), got 3"),
@@ -794,7 +799,7 @@ def test_wgmma_gemm_torch_checks():
 @pytest.mark.skipif(not CUDA or gpu.capability() != (9, 0), reason="wgmma needs an sm_90 GPU")
 def test_hopper_attention_torch_check_of_batch_heads():
     """Steps with a row of blocks per (batch, head) refuse more than gridDim.y holds, even called directly."""
-    setup = ('f = cuda_build.load("hopper_attention").hopper_attention_forward\n'
+    setup = ('f = native_build.load("hopper_attention").hopper_attention_forward\n'
              'q = torch.zeros(65536, 1, 8, 64, device="cuda", dtype=torch.bfloat16)\n'
              'vt = torch.zeros(65536, 1, 64, 8, device="cuda", dtype=torch.bfloat16)\n'  # V transposed (steps 1-9)
              'none = torch.empty(0, dtype=torch.int64, device="cuda")')
@@ -810,13 +815,13 @@ def test_registry_cuda_runs_the_last_step_and_falls_back_for_float32():
     q, k, v = random_qkv(1, 2, 100, 100, 64, dtype=torch.float16, device="cuda")
     if gpu.capability() >= (8, 0):
         assert torch.equal(flash_attention_cuda(q, k, v, causal=True),
-                           cuda_kernels.flash_mma(q, k, v, causal=True))
+                           native_kernels.flash_mma(q, k, v, causal=True))
     else:
         with pytest.warns(UserWarning, match="no bf16 mma.sync"):
             out = flash_attention_cuda(q, k, v, causal=True)
-        assert torch.equal(out, cuda_kernels.flash_tiled(q, k, v, causal=True))
+        assert torch.equal(out, native_kernels.flash_tiled(q, k, v, causal=True))
         with pytest.raises(RuntimeError, match="compute capability 8.0 or newer"):
-            cuda_kernels.flash_mma(q, k, v)
+            native_kernels.flash_mma(q, k, v)
     q, k, v = (t.float() for t in (q, k, v))
     assert_attention_matches_reference(flash_attention_cuda, q, k, v, causal=True)
 
@@ -859,7 +864,7 @@ SAFE_MESSAGE_ARG = re.compile(r'^("([^"\\]|\\.)*"\s*)+$|^(name|names\[i\])$|\.de
 
 
 def test_torch_check_messages_never_stream_numbers():
-    sources = {p.name: p.read_text() for p in cuda_build.CUDA_DIR.iterdir() if p.suffix in (".cu", ".h", ".cuh")}
+    sources = {p.name: p.read_text() for p in native_build.CUDA_DIR.iterdir() if p.suffix in (".cu", ".h", ".cuh")}
     found = {name: torch_check_message_args(text) for name, text in sources.items()}
     assert sum(map(len, found.values())) > 40  # the parser sees the checks
     unsafe = [(name, arg) for name, args in found.items() for arg in args if not SAFE_MESSAGE_ARG.search(arg)]

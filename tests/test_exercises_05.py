@@ -197,11 +197,11 @@ EXERCISES_05B = {
 
 
 def run_05b(number, learner=False, replace=()):
-    from utils.explicit import forward as flash_gluon, forward_ws as flash_gluon_ws
-    from utils.tiled.fast import forward as flash_triton
+    from utils.explicit import forward as gluon_forward, forward_ws as gluon_ws
+    from utils.tiled.fast import forward as fast_forward
     from utils.course.worklogs import triton_forward as worklog_fwd
-    ns = {"torch": torch, "check": check, "flash_triton": flash_triton, "worklog_fwd": worklog_fwd,
-          "flash_gluon": flash_gluon, "flash_gluon_ws": flash_gluon_ws}
+    ns = {"torch": torch, "check": check, "fast_forward": fast_forward, "worklog_fwd": worklog_fwd,
+          "gluon_forward": gluon_forward, "gluon_ws": gluon_ws}
     notebook = EXERCISES_05B[number].get("notebook", NB05B)
     exec_cell(code_cell(notebook, EXERCISES_05B[number]["cell"], learner=learner, replace=replace), ns, number)
     return exec_cell(code_cell(notebook, f'@check("{number}'), ns, f"{number} check")
@@ -224,7 +224,7 @@ def test_05b_wrong_answers_fail(number, wrong, capsys):
 
 # Issue 73: kernel checks accepted any kernel with the step's signature. Each now confirms the kernel is the
 # learner's own step kernel. (exercise, how the namespace is built, what is passed, the refusal's words)
-ONLINE_SOFTMAX_CALL = ("acc, l_i, m_ij = flash_triton._online_softmax(qk, v, acc, l_i, m_i, qk_scale, False, "
+ONLINE_SOFTMAX_CALL = ("acc, l_i, m_ij = fast_forward._online_softmax(qk, v, acc, l_i, m_i, qk_scale, False, "
                        "\"ieee\")\n    return acc, l_i")
 
 
@@ -254,7 +254,7 @@ def test_05_kernel_calling_the_course_online_softmax_is_refused():
     """fa_step1 whose loop calls utils.tiled.fast.forward's _online_softmax: the library does the step."""
     first = _first_solution_line("5.1")
     ns = {}
-    exec_cell(PRELUDE + "from utils.tiled.fast import forward as flash_triton\n", ns, "prelude")
+    exec_cell(PRELUDE + "from utils.tiled.fast import forward as fast_forward\n", ns, "prelude")
     src = code_cell(NB05, "# Exercise 5.1:").replace(first, ONLINE_SOFTMAX_CALL, 1)
     exec_cell(src, ns, "5.1 through the library")
     with pytest.raises(AssertionError, match=r"calls the course's own `utils.tiled.fast.forward._online_softmax`"):
@@ -264,9 +264,9 @@ def test_05_kernel_calling_the_course_online_softmax_is_refused():
 @pytest.mark.parametrize("check_fn", [triton_forward.check_online_softmax, triton_forward.check_ragged,
                                       triton_forward.check_causal])
 def test_05_course_kernel_is_refused(check_fn):
-    from utils.tiled.fast import forward as flash_triton
+    from utils.tiled.fast import forward as fast_forward
     with pytest.raises(AssertionError, match="refuses the course's own kernel `utils.tiled.fast.forward.flash_fwd_kernel`"):
-        check_fn(flash_triton.flash_fwd_kernel)
+        check_fn(fast_forward.flash_fwd_kernel)
 
 
 BLOCK_KINDS_PRELUDE = PRELUDE + """

@@ -79,11 +79,11 @@ def test_dkdv_capstone_wrong_kernel_fails_naming_case_and_blocks(old, new, says,
 
 
 def test_dkdv_capstone_refuses_course_kernels_and_other_kernels():
-    from utils.tiled.fast import backward as flash_triton_bwd
+    from utils.tiled.fast import backward as fast_backward
     from utils.tiled import backward as bwd
 
     for kernel, name in ((bwd._bwd_dkdv, "utils.tiled.backward._bwd_dkdv"),
-                         (flash_triton_bwd._bwd_dkdv, "utils.tiled.fast.backward._bwd_dkdv")):
+                         (fast_backward._bwd_dkdv, "utils.tiled.fast.backward._bwd_dkdv")):
         with pytest.raises(AssertionError, match=f"refuses the course's own kernel `{re.escape(name)}`"):
             check_dkdv_kernel(kernel)
     with pytest.raises(AssertionError, match="for your kernel `dkdv_kernel`, not `dq_kernel`"):

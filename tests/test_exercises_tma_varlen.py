@@ -90,9 +90,9 @@ def test_tma_refuses_the_course_kernels(capsys):
     with pytest.raises(RefusedAnswer, match="course's own kernel"):
         check_tma_attention(worklog.flash_fwd_kernel)
     # a tma_attention whose loop calls the library's online softmax: the library does the step
-    ns = namespace(NB05B, TMA, prelude="from utils.tiled.fast import forward as flash_triton\n",
+    ns = namespace(NB05B, TMA, prelude="from utils.tiled.fast import forward as fast_forward\n",
                    replace=[("m_new = tl.maximum(m_i, tl.max(qk, 1))",
-                             "m_new = tl.maximum(m_i, tl.max(qk, 1))\n        flash_triton._online_softmax")])
+                             "m_new = tl.maximum(m_i, tl.max(qk, 1))\n        fast_forward._online_softmax")])
     with pytest.raises(RefusedAnswer, match="_online_softmax"):
         check_tma_attention(ns["tma_attention"])
 

@@ -445,13 +445,13 @@ def test_autograd_keeps_the_backward_kinds_in_the_forward_kind():
     """Through autograd the backward's kinds of call live in the forward's, keyed by dO alone: the second call
     of a dO layout takes the kept kind (bitwise the gradients of flash_attention_backward), and a dO of other
     strides or another alignment gets a kind of its own."""
-    from utils.tiled.fast import forward as flash_triton
+    from utils.tiled.fast import forward as fast_forward
     from utils.tiled.fast.backward import flash_attention
 
     q, k, v = (t.requires_grad_() for t in random_qkv(2, 4, 200, 200, 64, dtype=torch.float16, device=DEVICE,
                                                         seed=5))
     o, lse = flash_attention(q, k, v, causal=True, return_lse=True)
-    forward_kind = flash_triton._KINDS[flash_triton._call_key(q, k, v, True, None)]
+    forward_kind = fast_forward._KINDS[fast_forward._call_key(q, k, v, True, None)]
     forward_kind.derived.clear()
     do = torch.randn_like(o)
     layouts = {"contiguous": do, "strides": do.transpose(1, 2).contiguous().transpose(1, 2),
@@ -471,10 +471,10 @@ def test_the_kinds_of_call_kept_stay_at_the_bound(monkeypatch):
     """Under autograd with shapes and dO layouts that vary, the forward's kinds, the backward's and the ones kept
     in each forward kind stay at launch.MAX_KINDS (here 2), and the gradients stay right."""
     import utils.tiled.fast.backward as bwd
-    from utils.tiled.fast import forward as flash_triton, launch
+    from utils.tiled.fast import forward as fast_forward, launch
 
     monkeypatch.setattr(launch, "MAX_KINDS", 2)
-    monkeypatch.setattr(flash_triton, "_KINDS", launch.kind_cache())
+    monkeypatch.setattr(fast_forward, "_KINDS", launch.kind_cache())
     monkeypatch.setattr(bwd, "_KINDS", launch.kind_cache())
     for n in (64, 72, 80, 88):
         q, k, v = (t.requires_grad_() for t in random_qkv(1, 2, n, n, 64, dtype=torch.float16, device=DEVICE,
@@ -484,9 +484,9 @@ def test_the_kinds_of_call_kept_stay_at_the_bound(monkeypatch):
         for g in (do, do.transpose(1, 2).contiguous().transpose(1, 2), misaligned(do)):
             got = torch.autograd.grad(o, (q, k, v), g, retain_graph=True)
             assert_gradients_close(got, reference_gradients(q, k, v, g, causal=True), torch.float16)
-        forward_kind = flash_triton._KINDS[flash_triton._call_key(q, k, v, True, None)]
+        forward_kind = fast_forward._KINDS[fast_forward._call_key(q, k, v, True, None)]
         assert len(forward_kind.derived) == 2
-    assert len(flash_triton._KINDS) == len(bwd._KINDS) == 2
+    assert len(fast_forward._KINDS) == len(bwd._KINDS) == 2
 
 
 def test_pick_config_is_valid_for_every_case():

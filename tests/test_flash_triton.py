@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from utils.tiled.fast import forward as flash_triton, backward as flash_triton_bwd, launch
+from utils.tiled.fast import forward as fast_forward, backward as fast_backward, launch
 from utils.course.worklogs import triton_forward as worklog
 from utils.tiled.fast.forward import Config, Steps, flash_attention_forward, launch_config, tma_supported, tunable
 from utils.tiled.fast.backward import flash_attention   # the registry's "triton": this forward, made differentiable
@@ -65,7 +65,7 @@ def test_block_sizes_and_the_causal_split(config, nq, nk, causal):
     """Several key blocks on each side of the diagonal, ragged last blocks, BLOCK_M smaller and larger than
     BLOCK_N: the split into unmasked and masked blocks must not change the result."""
     q, k, v = qkv(nq=nq, nk=nk, d=48)
-    o, lse = flash_triton._launch(q, k, v, causal, 0.2, config)
+    o, lse = fast_forward._launch(q, k, v, causal, 0.2, config)
     assert_close(o, reference_attention(q, k, v, causal=causal, sm_scale=0.2))
 
 
@@ -79,10 +79,10 @@ def test_tensor_descriptors_keep_the_result(nq, nk, hk, causal):
     if CUDA and not tma_supported(q, k, v):
         pytest.skip("this GPU has no TMA")
     config = Config(64, 32, 4, 2) if CUDA else Config(16, 16, 4, 1)
-    o_ref, lse_ref = flash_triton._launch(q, k, v, causal, 0.2, config, Steps(tma=False))
+    o_ref, lse_ref = fast_forward._launch(q, k, v, causal, 0.2, config, Steps(tma=False))
     assert_close(o_ref, reference_attention(q, k, v, causal=causal, sm_scale=0.2), dtype=dtype)
     for _ in range(2):  # on a GPU the second call takes utils.tiled.fast.launch's direct path, descriptors included
-        o, lse = flash_triton._launch(q, k, v, causal, 0.2, config, Steps(tma=True))   # made by the host
+        o, lse = fast_forward._launch(q, k, v, causal, 0.2, config, Steps(tma=True))   # made by the host
         assert torch.equal(o, o_ref) and torch.equal(lse, lse_ref)  # the same arithmetic, other loads
     # The worklog's: descriptors made per program (TMA=1), and by the host with section 5's overlapped loop (the
     # same tiles in the same order, the next tile's scores asked for earlier).
@@ -151,12 +151,12 @@ def test_host_descriptors_cover_strided_views_and_gqa():
     if CUDA and not tma_supported(q, k, v):
         pytest.skip("this GPU has no TMA")
     config = Config(64, 32, 4, 2) if CUDA else Config(16, 32, 4, 1)
-    descs = flash_triton.host_descriptors(q, k, v, q, config.block_m, config.block_n)
+    descs = fast_forward.host_descriptors(q, k, v, q, config.block_m, config.block_n)
     assert [d.block_shape for d in descs] == [[1, 1, config.block_m, 32], [1, 1, config.block_n, 32],
                                               [1, 1, config.block_n, 32], [1, 1, config.block_m, 32]]
     assert list(descs[0].strides) == list(q.stride()) and list(descs[1].shape) == list(k.shape)
     for causal in (False, True):
-        o, _ = flash_triton._launch(q, k, v, causal, 0.2, config, Steps(tma=True))
+        o, _ = fast_forward._launch(q, k, v, causal, 0.2, config, Steps(tma=True))
         assert_close(o, reference_attention(q, k, v, causal=causal, sm_scale=0.2), dtype=dtype)
 
 
@@ -235,7 +235,7 @@ def test_autotuned_config_is_asked_once_per_shape_class_then_launched_directly(m
     import triton
 
     calls, launched = [], []
-    plain = flash_triton.flash_fwd_kernel
+    plain = fast_forward.flash_fwd_kernel
 
     class FakeAutotuner:  # stands in for triton.autotune (which needs a GPU): runs the winner, records the call
         best_config = triton.Config({"BLOCK_M": 16, "BLOCK_N": 32, "TMA": 0}, num_warps=4, num_stages=1)
@@ -249,18 +249,18 @@ def test_autotuned_config_is_asked_once_per_shape_class_then_launched_directly(m
                                   num_stages=1)
             return run
 
-    monkeypatch.setattr(flash_triton, "_tuners", {mode: FakeAutotuner() for mode in (0, 1, 2)})
-    monkeypatch.setattr(flash_triton, "_tuned_configs", {})
-    monkeypatch.setattr(flash_triton, "_progress_total", flash_triton._progress_total)  # restored afterwards
-    monkeypatch.setattr(flash_triton, "_fwd_launcher", type("K", (), {
+    monkeypatch.setattr(fast_forward, "_tuners", {mode: FakeAutotuner() for mode in (0, 1, 2)})
+    monkeypatch.setattr(fast_forward, "_tuned_configs", {})
+    monkeypatch.setattr(fast_forward, "_progress_total", fast_forward._progress_total)  # restored afterwards
+    monkeypatch.setattr(fast_forward, "_fwd_launcher", type("K", (), {
         "__getitem__": lambda self, grid: (launched.append(grid), plain[grid])[1]})())
     for nq in (20, 30, 17, 40):  # buckets 32, 32, 32, 64
         q, k, v = qkv(nq=nq, nk=nq, d=32, dtype=torch.float16)
-        o, _ = flash_triton._launch(q, k, v, True, 0.25, None, Steps(autotune=True))
+        o, _ = fast_forward._launch(q, k, v, True, 0.25, None, Steps(autotune=True))
         assert_close(o, reference_attention(q, k, v, causal=True, sm_scale=0.25), dtype=torch.float16)
     assert calls == [32, 64], calls
     assert len(launched) == 2 and launched[0] == (2, 2)  # nq=30 and 17 went straight to the kernel, 16-row blocks
-    assert flash_triton._tuned_configs[(q.device, torch.float16, 32, True, 0, 64)] == (Config(16, 32, 4, 1), 0)
+    assert fast_forward._tuned_configs[(q.device, torch.float16, 32, True, 0, 64)] == (Config(16, 32, 4, 1), 0)
 
 
 def test_autotuner_timer_shows_one_progress_bar_per_tuning(monkeypatch):
@@ -270,26 +270,26 @@ def test_autotuner_timer_shows_one_progress_bar_per_tuning(monkeypatch):
     calls = []
     monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: calls.append(kw) or [1.0, 0.9, 1.1])
     n = 4
-    monkeypatch.setattr(flash_triton, "_progress_total", n)
+    monkeypatch.setattr(fast_forward, "_progress_total", n)
     for _ in range(2):
         for i in range(n):
-            assert flash_triton._time_with_progress(lambda: None, (0.5, 0.2, 0.8)) == [1.0, 0.9, 1.1]
-            bar = flash_triton._progress
+            assert fast_forward._time_with_progress(lambda: None, (0.5, 0.2, 0.8)) == [1.0, 0.9, 1.1]
+            bar = fast_forward._progress
             assert (bar is None) == (i == n - 1) and (bar is None or bar.disable or bar.n == i + 1)
     assert len(calls) == 2 * n and calls[0]["quantiles"] == (0.5, 0.2, 0.8)
     import tqdm.auto
     real = tqdm.auto.tqdm   # a disabled bar (TQDM_DISABLE=1) counts nothing: the tuning still ends its bar
     monkeypatch.setattr(tqdm.auto, "tqdm", lambda **kw: real(**{**kw, "disable": True}))
     for i in range(n):
-        flash_triton._time_with_progress(lambda: None, None)
-        assert (flash_triton._progress is None) == (i == n - 1)
+        fast_forward._time_with_progress(lambda: None, None)
+        assert (fast_forward._progress is None) == (i == n - 1)
     monkeypatch.setattr(tqdm.auto, "tqdm", real)
     monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: 1 / 0)
     with pytest.raises(ZeroDivisionError):
-        flash_triton._time_with_progress(lambda: None, None)
-    assert flash_triton._progress_left == n - 1   # the failed config counted
-    flash_triton._progress.close()
-    monkeypatch.setattr(flash_triton, "_progress", None)
+        fast_forward._time_with_progress(lambda: None, None)
+    assert fast_forward._progress_left == n - 1   # the failed config counted
+    fast_forward._progress.close()
+    monkeypatch.setattr(fast_forward, "_progress", None)
 
 
 def _strided_views(q, k, v, kind):
@@ -315,8 +315,8 @@ def test_arbitrary_strides(kind):
 def test_gqa_reads_kv_in_place(monkeypatch):
     """K/V reach the kernel as they are: the same storage, with fewer heads than Q (no repeat_interleave)."""
     seen = []
-    launch = flash_triton._launch
-    monkeypatch.setattr(flash_triton, "_launch",
+    launch = fast_forward._launch
+    monkeypatch.setattr(fast_forward, "_launch",
                         lambda q, k, v, *a, **kw: seen.append((k, v)) or launch(q, k, v, *a, **kw))
     q, k, v = qkv(h=8, hk=2, nq=20, d=32)
     out = flash_attention(q, k, v)
@@ -396,7 +396,7 @@ def test_backward_calls_the_notebook_07_module_with_the_saved_tensors(monkeypatc
         calls.append(dict(kind=kind, do=do, q=q, o=o, lse=lse, causal=causal, sm_scale=sm_scale))
         return 2 * q, 3 * k, 4 * v
 
-    monkeypatch.setattr(flash_triton_bwd, "backward_for_forward", fake_backward)
+    monkeypatch.setattr(fast_backward, "backward_for_forward", fake_backward)
     q, k, v = (t.requires_grad_() for t in qkv(nq=16, nk=24, hk=1))
     o, lse = flash_attention(q, k, v, causal=True, sm_scale=0.3, return_lse=True)
     o.sum().backward()
@@ -470,24 +470,24 @@ def test_a_kind_of_call_replays_its_first_launch_with_fresh_tensors(monkeypatch)
     monkeypatch.setattr(launch, "driver", _OneDevice)
     monkeypatch.setattr(launch, "kind_key", lambda tensors, options: (*options, *(
         (t.shape, t.stride(), t.dtype, t.device) for t in tensors)))
-    replay = _Replaying(flash_triton._fwd_launcher.kernel)
-    monkeypatch.setattr(flash_triton, "_fwd_launcher", replay)
-    monkeypatch.setattr(flash_triton, "_KINDS", launch.kind_cache())
+    replay = _Replaying(fast_forward._fwd_launcher.kernel)
+    monkeypatch.setattr(fast_forward, "_fwd_launcher", replay)
+    monkeypatch.setattr(fast_forward, "_KINDS", launch.kind_cache())
     q, k, v = qkv(nq=20, nk=30, d=32)
     first = flash_attention(q, k, v, causal=True)
-    checked, validate = [], flash_triton.check_inputs
-    monkeypatch.setattr(flash_triton, "check_inputs", lambda *a: checked.append(a) or validate(*a))
+    checked, validate = [], fast_forward.check_inputs
+    monkeypatch.setattr(fast_forward, "check_inputs", lambda *a: checked.append(a) or validate(*a))
     fresh = [t.clone() for t in (q, k, v)]
     with monkeypatch.context() as m:   # nor are the steps and tiles chosen again
-        m.setattr(flash_triton.Steps, "fastest", staticmethod(lambda *a: pytest.fail("the choices were made again")))
+        m.setattr(fast_forward.Steps, "fastest", staticmethod(lambda *a: pytest.fail("the choices were made again")))
         again = flash_attention(*fresh, causal=True)
     (head,) = replay.heads
-    assert not checked and len(flash_triton._KINDS) == 1 and len(head) == 9 and head[3] is not head[4]
+    assert not checked and len(fast_forward._KINDS) == 1 and len(head) == 9 and head[3] is not head[4]
     assert all(a is b for a, b in zip(head[:3], fresh)) and head[5:] == (None,) * 4
     torch.testing.assert_close(again, first, atol=0, rtol=0)
     assert_close(again, reference_attention(q, k, v, causal=True))
     assert_close(flash_attention(q, k, v, causal=False), reference_attention(q, k, v))
-    assert len(checked) == 1 and len(flash_triton._KINDS) == 2 and len(replay.heads) == 1
+    assert len(checked) == 1 and len(fast_forward._KINDS) == 2 and len(replay.heads) == 1
 
 
 def test_the_forward_keeps_its_kinds_of_call_up_to_the_bound(monkeypatch):
@@ -495,11 +495,11 @@ def test_the_forward_keeps_its_kinds_of_call_up_to_the_bound(monkeypatch):
     monkeypatch.setattr(launch, "kind_key", lambda tensors, options: (*options, *(
         (t.shape, t.stride(), t.dtype, t.device) for t in tensors)))   # a key on the CPU too
     monkeypatch.setattr(launch, "MAX_KINDS", 2)
-    monkeypatch.setattr(flash_triton, "_KINDS", launch.kind_cache())
+    monkeypatch.setattr(fast_forward, "_KINDS", launch.kind_cache())
     shapes = [qkv(nq=n, nk=n, d=16) for n in (8, 9, 10, 11)]
     for q, k, v in shapes:
         assert_close(flash_attention(q, k, v), reference_attention(q, k, v))
-    assert list(flash_triton._KINDS) == [flash_triton._call_key(*shapes[i], False, None) for i in (2, 3)]
+    assert list(fast_forward._KINDS) == [fast_forward._call_key(*shapes[i], False, None) for i in (2, 3)]
 
 
 @pytest.mark.gpu
@@ -512,10 +512,10 @@ def test_a_kind_of_call_is_checked_once_and_others_apart(monkeypatch):
     from utils.tiled.fast.launch import Bound, dispatch_by_triton
 
     q, k, v = random_qkv(2, 4, 300, 300, 64, dtype=torch.float16, device="cuda")
-    flash_triton._KINDS.clear()
+    fast_forward._KINDS.clear()
     first = flash_attention(q, k, v, causal=True, return_lse=True)
-    checked, calls, run, validate = [], [], Bound.__call__, flash_triton.check_inputs
-    monkeypatch.setattr(flash_triton, "check_inputs", lambda *a: checked.append(a) or validate(*a))
+    checked, calls, run, validate = [], [], Bound.__call__, fast_forward.check_inputs
+    monkeypatch.setattr(fast_forward, "check_inputs", lambda *a: checked.append(a) or validate(*a))
 
     def counted(bound, stream, *head):
         calls.append(len(head))
@@ -523,7 +523,7 @@ def test_a_kind_of_call_is_checked_once_and_others_apart(monkeypatch):
 
     monkeypatch.setattr(Bound, "__call__", counted)
     again = flash_attention(*(t.clone() for t in (q, k, v)), causal=True, return_lse=True)
-    assert len(flash_triton._KINDS) == 1 and calls == [9] and not checked   # q, k, v, o, lse, 4 descriptors
+    assert len(fast_forward._KINDS) == 1 and calls == [9] and not checked   # q, k, v, o, lse, 4 descriptors
     with dispatch_by_triton():                                              # Triton's own dispatch
         through_triton = flash_attention(q, k, v, causal=True, return_lse=True)
     assert calls == [9]
@@ -537,17 +537,17 @@ def test_a_kind_of_call_is_checked_once_and_others_apart(monkeypatch):
         options = {"causal": True, **options}
         expected = reference_attention(*tensors, **options)
         assert_close(flash_attention(*tensors, **options), expected, dtype=torch.float16)
-        assert len(flash_triton._KINDS) == n and len(checked) == n - 1, what
+        assert len(fast_forward._KINDS) == n and len(checked) == n - 1, what
     monkeypatch.setenv(gpu.EMULATE_VAR, "t4")                               # the T4's tiles: another kind
     assert_close(flash_attention(q, k, v, causal=True), first[0], dtype=torch.float16)
-    assert len(flash_triton._KINDS) == 6
+    assert len(fast_forward._KINDS) == 6
     with pytest.raises(TypeError, match="causal must be a bool"):
         flash_attention(q, k, v, causal=1)
     with pytest.raises(ValueError, match="sm_scale must be finite and positive"):
         flash_attention(q, k, v, causal=True, sm_scale=-1.0)
     with pytest.raises(TypeError, match="k has dtype"):
         flash_attention(q, k.float(), v, causal=True)
-    assert len(flash_triton._KINDS) == 6
+    assert len(fast_forward._KINDS) == 6
 
 
 def test_launch_config_fits_the_gpus_shared_memory(monkeypatch):

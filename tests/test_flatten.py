@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from utils.native import backward as cuda_backward, build as cuda_build, hopper
+from utils.native import backward as native_backward, build as native_build, hopper
 from utils.course import flatten
 
 LESSON = "06b"
@@ -30,11 +30,11 @@ def test_the_lesson_has_one_generated_file_per_step():
 
 def test_the_steps_are_the_extensions_steps_and_their_files_what_the_extensions_build():
     """utils.native.build builds step n from the file this module writes (through flash_mma_step.cu.in)."""
-    assert [s.name for s in flatten.steps(LESSON)] == list(cuda_build.MMA_STEPS)
-    for n, step in enumerate(cuda_build.MMA_STEPS, 1):
+    assert [s.name for s in flatten.steps(LESSON)] == list(native_build.MMA_STEPS)
+    for n, step in enumerate(native_build.MMA_STEPS, 1):
         path = flatten.step_path(LESSON, n)
-        assert path.relative_to(cuda_build.CUDA_DIR).as_posix() == cuda_build.mma_step_file(step)
-        assert f"cudaError_t launch_{cuda_build.mma_kernel_name(step)}(" in path.read_text()
+        assert path.relative_to(native_build.CUDA_DIR).as_posix() == native_build.mma_step_file(step)
+        assert f"cudaError_t launch_{native_build.mma_kernel_name(step)}(" in path.read_text()
 
 
 @pytest.mark.parametrize("n", STEPS)
@@ -295,15 +295,15 @@ def test_a_flattened_06c_step_compiles_to_the_ptx_of_the_templated_step(n):
 # ---- 06b's backward: flash_mma_bwd_kernel.cuh and flash_mma_bwd_steps.cuh ------------------------------------------
 
 BWD = "06b_bwd"
-BWD_STEPS = range(1, len(cuda_backward.BWD_STEPS) + 1)
-BWD_SAMPLED = (2, 9)  # the dQ pass, and the default (cuda_backward.BWD_DEFAULT_STEP) with step 7's fallback
+BWD_STEPS = range(1, len(native_backward.BWD_STEPS) + 1)
+BWD_SAMPLED = (2, 9)  # the dQ pass, and the default (native_backward.BWD_DEFAULT_STEP) with step 7's fallback
 
 
 def test_the_backward_has_one_generated_file_per_step_named_as_utils_cuda_backward_names_them():
-    assert [s.name for s in flatten.steps(BWD)] == list(cuda_backward.BWD_STEPS)
+    assert [s.name for s in flatten.steps(BWD)] == list(native_backward.BWD_STEPS)
     names = sorted(p.name for p in (flatten.STEPS_DIR / "06b").glob("bwd_*.cu"))
-    assert names == sorted(f"bwd_s{n:02d}_{name}.cu" for n, name in enumerate(cuda_backward.BWD_STEPS, 1))
-    assert cuda_backward.BWD_STEPS.index(cuda_backward.BWD_DEFAULT_STEP) + 1 in BWD_SAMPLED
+    assert names == sorted(f"bwd_s{n:02d}_{name}.cu" for n, name in enumerate(native_backward.BWD_STEPS, 1))
+    assert native_backward.BWD_STEPS.index(native_backward.BWD_DEFAULT_STEP) + 1 in BWD_SAMPLED
 
 
 @pytest.mark.parametrize("n", BWD_STEPS)

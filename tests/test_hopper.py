@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from utils import gpu
-from utils.native import build as cuda_build, hopper
+from utils.native import build as native_build, hopper
 from utils.native.build import find_nvcc
 from utils.course.exercises.cuda_kernels import host_compiler
 
@@ -86,7 +86,7 @@ def test_the_cuda_header_computes_what_the_model_does(tmp_path):
     source = tmp_path / "check.cpp"
     source.write_text('#include <cstdio>\n#include "hopper_layout.h"\nusing namespace course_hopper;\n'
                       "int main() {\n" + "\n".join(lines) + "\n}\n")
-    subprocess.run([host_compiler(), "-std=c++17", f"-I{cuda_build.CUDA_DIR}", str(source), "-o", str(tmp_path / "a")],
+    subprocess.run([host_compiler(), "-std=c++17", f"-I{native_build.CUDA_DIR}", str(source), "-o", str(tmp_path / "a")],
                    check=True, capture_output=True)
     out = subprocess.run([str(tmp_path / "a")], check=True, capture_output=True, text=True).stdout.splitlines()
     assert len(out) == len(cases)
@@ -98,23 +98,23 @@ def test_the_cuda_header_computes_what_the_model_does(tmp_path):
 
 @needs_nvcc
 def test_the_wgmma_kernel_compiles_for_sm90a_only():
-    results = cuda_build.compile_check("wgmma_gemm")
+    results = native_build.compile_check("wgmma_gemm")
     assert {(r.arch, r.kernel) for r in results} == {
         ("sm_90a", f"wgmma_gemm_kernel<{t}, {tma}>") for t in ("__half", "__nv_bfloat16") for tma in ("false", "true")}
     assert all(r.spill_stores == r.spill_loads == 0 and r.registers <= 168 for r in results)
     with pytest.raises(ValueError, match="compiles for 'sm_90a' only"):
-        cuda_build.compile_check("wgmma_gemm", "sm_90")
+        native_build.compile_check("wgmma_gemm", "sm_90")
     with pytest.raises(ValueError, match="only .* are written for it"):
-        cuda_build.compile_check("softmax", "sm_90a")
+        native_build.compile_check("softmax", "sm_90a")
 
 
 def test_check_hopper_capability():
-    cuda_build.check_hopper_capability((9, 0))
+    native_build.check_hopper_capability((9, 0))
     for other in ((8, 0), (8, 9), (10, 0), (7, 5)):
         with pytest.raises(RuntimeError, match="need an sm_90 GPU"):
-            cuda_build.check_hopper_capability(other)
+            native_build.check_hopper_capability(other)
     with pytest.raises(TypeError):
-        cuda_build.check_hopper_capability("sm_90")
+        native_build.check_hopper_capability("sm_90")
 
 
 def test_wgmma_gemm_validates_before_building():
@@ -190,7 +190,7 @@ def test_wgmma_gemm_copies_what_it_cannot_read(step):
 @needs_nvcc
 @pytest.mark.full   # every step of the 06c kernel, compiled for sm_90a
 def test_the_attention_kernel_compiles_without_spills_or_serialized_wgmma():
-    results = cuda_build.compile_check("hopper_attention")
+    results = native_build.compile_check("hopper_attention")
     cases = [(t, d, c) for t in ("__half", "__nv_bfloat16") for d in (64, 128) for c in ("false", "true")]
     # the step is a struct of hopper_attention_steps.cuh: HopperStep15TmaStore for "tma_store"
     structs = [f"course_hopper::HopperStep{n}" + name.title().replace("_", "")

@@ -299,9 +299,10 @@ def load(name: str, *, verbose: bool = False):
     return module
 
 
-def load_all(names, *, progress: bool = True) -> dict:
-    """`load` each of `names`, several builds at a time: a build is mostly one nvcc and one host compiler run
-    over torch's headers, single-threaded, so notebook 06b's ten steps build in about the time of a few.
+def load_all(names, *, progress: bool = True, say=None) -> dict:
+    """`load` each of `names`, several builds at a time, started in the order given: a build is mostly one nvcc
+    and one host compiler run over torch's headers, single-threaded, so notebook 06b's ten steps build in about
+    the time of a few. `say`, if given, is called with a line as each build ends (its name and seconds).
     Returns {name: module}; a failed build raises after the others finish, naming the file."""
     if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
         raise TypeError(f"names must be a list of kernel file names, got {names!r}")
@@ -313,7 +314,14 @@ def load_all(names, *, progress: bool = True) -> dict:
     workers = max(1, min(len(names), (os.cpu_count() or 2) // 2))  # two compiles per build
     with ThreadPoolExecutor(max_workers=workers) as pool, \
             tqdm(total=len(names), desc="building CUDA extensions", disable=not progress, leave=False) as bar:
-        futures = {name: pool.submit(load, name) for name in names}
+        def timed(name):
+            start = time.perf_counter()
+            module = load(name)
+            if say is not None:
+                say(f"{name}: {time.perf_counter() - start:.0f} s")
+            return module
+
+        futures = {name: pool.submit(timed, name) for name in names}
         for future in futures.values():
             future.add_done_callback(lambda _: bar.update())
         errors = {name: f.exception() for name, f in futures.items() if f.exception() is not None}
@@ -323,12 +331,18 @@ def load_all(names, *, progress: bool = True) -> dict:
     return {name: future.result() for name, future in futures.items()}
 
 
+# The builds that take longest (one nvcc run over many template instantiations) start first, so that the
+# last build to finish is a short one.
+LONGEST_BUILDS = ("hopper_attention", "flash_mma_bwd", "wgmma_gemm")
+
+
 def buildable(capability) -> list[str]:
-    """The kernel files a GPU of this (major, minor) runs: the Hopper ones on sm_90 only, the tensor-core ones
-    (notebook 06b) from sm_80."""
+    """The kernel files a GPU of this (major, minor) runs, longest build first: the Hopper ones on sm_90 only,
+    the tensor-core ones (notebook 06b) from sm_80."""
     capability = check_capability(capability)
     mma = [mma_kernel_name(s) for s in MMA_STEPS] + ["flash_mma_bwd"]
-    return [name for name in KERNELS
+    order = [*LONGEST_BUILDS, *(name for name in KERNELS if name not in LONGEST_BUILDS)]
+    return [name for name in order
             if (name not in HOPPER_KERNELS or capability == (9, 0)) and (name not in mma or capability >= (8, 0))]
 
 
@@ -485,7 +499,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.what == "build":
         names = buildable(gpu.capability()) if torch.cuda.is_available() else list(KERNELS)
-        modules = load_all(names)
+        modules = load_all(names, say=lambda line: print(line, flush=True))
         print(f"built {len(modules)} extensions under {BUILD_DIR / 'torch_extensions'}: {', '.join(modules)}")
         return list(modules)
     records = [asdict(r) for r in compile_check()]
