@@ -114,12 +114,12 @@ def test_builds_of_one_program_at_once_all_get_a_whole_binary(tmp_path, monkeypa
     import subprocess
     from concurrent.futures import ThreadPoolExecutor
 
-    from utils.course.exercises import native_kernels
+    from utils.course.exercises import cuda_kernels
 
-    monkeypatch.setattr(native_kernels, "BUILD_DIR", tmp_path)
+    monkeypatch.setattr(cuda_kernels, "BUILD_DIR", tmp_path)
 
     def build(program):
-        return native_kernels.build_host(program, prefix="p", flags=["-std=c++17"], what="the test")
+        return cuda_kernels.build_host(program, prefix="p", flags=["-std=c++17"], what="the test")
 
     with ThreadPoolExecutor(6) as pool:
         binaries = list(pool.map(lambda _: build("int main() { return 7; }"), range(6)))
@@ -142,7 +142,7 @@ def test_online_softmax_check_refuses_the_course_kernel(include):
 def test_the_online_softmax_gpu_kernel_gives_the_emulations_records():
     """The one-warp kernel that the check runs on a GPU, run here in the emulated warp (`__shared__` as a static:
     one array for the 32 lane threads), must pass the same comparison; a planted mistake must fail it."""
-    from utils.course.exercises import native_kernels as ck
+    from utils.course.exercises import cuda_kernels as ck
 
     s, v = ck._frag_data()
     driver = f"""
