@@ -147,6 +147,11 @@ REFERENCES = {
                          "--modes", "fwd", "bwd", "--dtypes", "fp16", "bf16", "--head-dims", "64", "128", "--causal",
                          "both", "--seqlens", "2048", "8192", "--rounds", "3", "--name", "layout_after_h200",
                          "--out-dir", "images"]),
+    # issue 71: the Gluon kernels at N = 2048 (noisy in layout_check), two runs of each tree alternated, 5 rounds
+    "layout_check_gluon2k": (1, ["utils.course.bench.peers_sweep", "--impls", "gluon", "gluon_ws", "--sdpa", "cudnn",
+                                 "--modes", "fwd", "bwd", "--dtypes", "fp16", "bf16", "--head-dims", "64", "128",
+                                 "--causal", "both", "--seqlens", "2048", "--rounds", "5", "--name", "gluon2k_after_0",
+                                 "--out-dir", "images"]),
     "summary": (1, ["utils.course.bench.summary"]),
     "ring_nccl": (2, ["utils.course.ring_check", "--backend", "nccl", "--world-size", "2"]),
     "ring_comm": (2, ["utils.course.bench.ring_comm", "--backend", "nccl", "--world-size", "2", "--out", "images"]),
