@@ -99,3 +99,34 @@ def test_setup_on_a_gpu_leaves_triton_unimported():
     done = subprocess.run([sys.executable, "-c", code], cwd=bootstrap.ROOT, capture_output=True, text=True,
                           timeout=300, env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
     assert done.returncode == 0 and done.stdout.strip().endswith("False"), done.stdout + done.stderr[-2000:]
+
+
+def test_run_after_cell_waits_for_the_checks_it_names(capsys, monkeypatch):
+    from utils.course import exercises
+    from utils.course.bootstrap import run_after_cell
+
+    for name, empty in (("RESULTS", {}), ("HINTS", {}), ("_last_failed", [])):
+        monkeypatch.setattr(exercises, name, empty)
+    ns = {}
+
+    def right():
+        pass
+
+    def stub():
+        raise NotImplementedError(exercises.STUB_MESSAGE)
+
+    exercises.check("9.1 one", hints=("a", "b"))(right)
+    exercises.check("9.2 two", hints=("a", "b"))(stub)
+    assert exercises.RESULTS == {"9.1": "right", "9.2": "not yet"}
+    assert exercises.solved("9.1") and not exercises.solved("9.1", "9.2") and not exercises.solved("9.3")
+    capsys.readouterr()
+    assert run_after_cell("9.1 9.2", "x = 1\nx + 1", ns) is None and "x" not in ns
+    assert "skipped: this cell runs your answer to 9.2; run it again once that check says right" in \
+        capsys.readouterr().out
+    assert run_after_cell("9.1", "x = 20\nx + 1", ns) == 21 and ns["x"] == 20
+    exercises.check("9.1 one", hints=("a", "b"))(stub)           # a check run again forgets its earlier right
+    assert run_after_cell("9.1", "y = 1", ns) is None and "y" not in ns
+    with pytest.raises(ValueError, match="name the exercises"):
+        run_after_cell("  ", "x = 1", ns)
+    with pytest.raises(TypeError, match="exercise numbers as strings"):
+        exercises.solved(9.1)

@@ -70,33 +70,88 @@ def test_each_lesson_has_at_least_three_exercises(path):
     assert count >= 3, f"{path.name} has {count} solution blocks"
 
 
-def cells_up_to_first_check(nb):
-    """The cells up to and including the first check cell after the first stub."""
-    seen_stub = False
-    for i, cell in enumerate(nb.cells):
-        if cell.cell_type != "code":
-            continue
-        seen_stub = seen_stub or STUB in cell.source or CUDA_STUB in cell.source  # Python or CUDA exercise
-        if seen_stub and "@check(" in cell.source:
-            return nb.cells[: i + 1]
-    raise AssertionError("no check cell after the first stub")
-
-
-# make test on a CPU runs three learner versions, one per kind of exercise (PyTorch, a Triton kernel in the
-# interpreter, CUDA source); the GPU suite and `pytest --full` run every notebook's.
+# make test on a CPU runs three learner versions whole, one per kind of exercise (PyTorch, a Triton kernel in the
+# interpreter, CUDA source); the GPU suite and `pytest --full` run every notebook's, each as on a CPU (CUDA hidden
+# from its kernel): exercises are checked on a CPU, and a GPU would only add the notebook's GPU work again.
 SAMPLED = {"02_softmax.ipynb", "05_triton_flash_attention.ipynb", "06_cuda_load_inline.ipynb"}
 
 
+def cell_text(cell) -> str:
+    return "".join(o.get("text", "") for o in cell.get("outputs", []) if o.output_type == "stream")
+
+
 @pytest.mark.parametrize("path", [pytest.param(p, id=p.name, marks=() if p.name in SAMPLED else pytest.mark.full)
-                                  for p in LESSONS])
-def test_learner_version_runs_to_its_first_stub_and_says_not_yet(path):
-    learner, _ = learner_version(json.loads(path.read_text()))
+                                  for p in NOTEBOOKS])
+def test_learner_version_runs_whole_and_its_checks_say_not_yet(path, monkeypatch):
+    """Every cell of the learner version runs: each check says "not yet" (or is skipped, where it needs something
+    this run lacks), and each cell that runs an answer (`%%after`) is skipped, so nothing crashes."""
+    learner, count = learner_version(json.loads(path.read_text()))
     nb = nbformat.from_dict(learner)
-    nb.cells = cells_up_to_first_check(nb)
-    NotebookClient(nb, timeout=600, kernel_name="python3",
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    NotebookClient(nb, timeout=600, kernel_name="python3", allow_errors=True,
                    resources={"metadata": {"path": str(path.parent)}}).execute()
-    last = "".join(o.get("text", "") for o in nb.cells[-1].outputs if o.output_type == "stream")
-    assert "not yet" in last, last
+    errors = [(i, o.ename, o.evalue[:200]) for i, c in enumerate(nb.cells) if c.cell_type == "code"
+              for o in c.outputs if o.output_type == "error"]
+    assert not errors, f"{path.name}: cells that crash in the learner version (index, error): {errors}"
+    checks = [(i, cell_text(c)) for i, c in enumerate(nb.cells) if c.cell_type == "code" and "@check(" in c.source]
+    wrong = [(i, text[-300:]) for i, text in checks if "not yet" not in text and "skipped" not in text]
+    assert not wrong, f"{path.name}: checks that did not say 'not yet' (index, output): {wrong}"
+    assert not count or any("not yet" in text for _, text in checks), f"{path.name}: no check said 'not yet'"
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type == "code" and cell.source.startswith("%%after"):
+            assert cell_text(cell).startswith("skipped: this cell runs your answer"), (path.name, i)
+
+
+def stubbed_names(nb) -> set:
+    """Names of the functions and variables whose definition holds a stub, in a learner version."""
+    import ast
+
+    names = set()
+    for cell in nb["cells"]:
+        source = "".join(cell["source"])
+        if cell["cell_type"] != "code" or (STUB not in source and CUDA_STUB not in source):
+            continue
+        for node in ast.parse(source).body:
+            segment = ast.get_source_segment(source, node)
+            if STUB in segment or CUDA_STUB in segment:
+                if isinstance(node, ast.FunctionDef):
+                    names.add(node.name)
+                elif isinstance(node, ast.Assign):
+                    names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+    return names
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_no_gpu_cell_runs_an_unfinished_answer(path):
+    """The learner versions run whole on a CPU, where `%%gpu` cells are skipped; on a GPU those cells run, so none
+    may call a stubbed function (a cell that must is an `%%after` cell instead)."""
+    import re
+
+    learner, _ = learner_version(json.loads(path.read_text()))
+    names = stubbed_names(learner)
+    for i, cell in enumerate(learner["cells"]):
+        source = "".join(cell["source"])
+        if cell["cell_type"] == "code" and source.startswith("%%gpu"):
+            used = sorted(n for n in names if re.search(rf"\b{re.escape(n)}\b", source))
+            assert not used, f"{path.name} cell {i}: a %%gpu cell runs the exercise answers {used}"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_after_cells_name_checks_that_run_before_them(path):
+    """`%%after N` waits for exercise N's check: that check must come earlier in the notebook and run on every
+    machine (a check inside an `if` might never say right, and the cell would never run)."""
+    cells = json.loads(path.read_text())["cells"]
+    seen = set()
+    for i, cell in enumerate(cells):
+        source = "".join(cell["source"])
+        if cell["cell_type"] != "code":
+            continue
+        if source.startswith("%%after"):
+            numbers = source.splitlines()[0].split()[1:]
+            assert numbers and set(numbers) <= seen, f"{path.name} cell {i}: %%after {numbers}, checks run: {seen}"
+        for line in source.splitlines():
+            if line.startswith('@check("'):
+                seen.add(line.split('"')[1].split()[0])
 
 
 def test_code_cell_finds_one_cell_and_stubs_it(tmp_path):

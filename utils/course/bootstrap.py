@@ -158,7 +158,29 @@ def run_gpu_cell(cell: str, namespace: dict, *, gpu: bool | None = None):
     if not gpu:
         print("skipped: this cell needs a CUDA GPU")
         return None
-    filename = register_source(cell, "gpu-cell")
+    return run_body(cell, namespace, "gpu-cell")
+
+
+def run_after_cell(line: str, cell: str, namespace: dict):
+    """Body of the `%%after 10.1a 10.1b` cell magic: run `cell` in `namespace` only once the checks of the
+    exercises named on the line have said right in this session, since the cell runs the learner's answers to
+    them. Until then the cell is skipped with a message, so a notebook with exercises still open runs to its end."""
+    from utils.course.exercises import RESULTS
+
+    numbers = line.split()
+    if not numbers:
+        raise ValueError("%%after: name the exercises whose answers the cell runs, e.g. %%after 10.2")
+    waiting = [n for n in numbers if RESULTS.get(n) != "right"]
+    if waiting:
+        print(f"skipped: this cell runs your answer to {' and '.join(waiting)}; run it again once "
+              f"{'that check says' if len(waiting) == 1 else 'those checks say'} right")
+        return None
+    return run_body(cell, namespace, "after-cell")
+
+
+def run_body(cell: str, namespace: dict, name: str):
+    """Run a cell's code in `namespace` as Jupyter would: the value of a final expression is returned."""
+    filename = register_source(cell, name)
     tree = ast.parse(cell, filename)
     last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
     exec(compile(tree, filename, "exec"), namespace)
@@ -177,7 +199,7 @@ def register_source(source: str, name: str) -> str:
 
 
 def register_gpu_magic() -> bool:
-    """Register `%%gpu` in the running IPython, if any. Returns whether it was registered."""
+    """Register `%%gpu` and `%%after` in the running IPython, if any. Returns whether they were registered."""
     try:
         from IPython import get_ipython
     except ImportError:
@@ -189,5 +211,9 @@ def register_gpu_magic() -> bool:
     def gpu(line, cell):
         return run_gpu_cell(shell.transform_cell(cell), shell.user_ns)
 
+    def after(line, cell):
+        return run_after_cell(line, shell.transform_cell(cell), shell.user_ns)
+
     shell.register_magic_function(gpu, magic_kind="cell", magic_name="gpu")
+    shell.register_magic_function(after, magic_kind="cell", magic_name="after")
     return True

@@ -28,7 +28,15 @@ def is_stub_error(err: BaseException | None) -> bool:
 
 
 HINTS: dict[str, tuple[str, str]] = {}   # exercise number (the title's first word) -> (first hint, second)
+RESULTS: dict[str, str] = {}             # exercise number -> what its check said last: "right", "not yet", "wrong"
 _last_failed: list[str] = []             # the number of the exercise that said "not yet" or ✗ last
+
+
+def solved(*numbers: str) -> bool:
+    """Whether the check of each exercise in `numbers` ("10.2", ...) has run in this session and said right."""
+    if not numbers or not all(isinstance(n, str) for n in numbers):
+        raise TypeError(f"solved: give exercise numbers as strings, e.g. solved('10.2'), got {numbers!r}")
+    return all(RESULTS.get(n) == "right" for n in numbers)
 
 
 def check(title: str, *, hints: tuple[str, str] | None = None, hint: str | None = None):
@@ -53,6 +61,7 @@ def check(title: str, *, hints: tuple[str, str] | None = None, hint: str | None 
         HINTS.pop(number, None)
 
     def run(test):
+        RESULTS.pop(number, None)
         try:
             test()
         except Exception as err:
@@ -60,11 +69,14 @@ def check(title: str, *, hints: tuple[str, str] | None = None, hint: str | None 
             if failed:
                 _last_failed[:] = [number]
             if is_stub_error(err):
+                RESULTS[number] = "not yet"
                 print(f"… {title}: not yet. Hint: {first}")
                 return "not yet"
+            RESULTS[number] = "wrong"
             if isinstance(err, AssertionError):
                 print(f"✗ {title}: {err or 'wrong answer'}. Hint: {first}")
             raise
+        RESULTS[number] = "right"
         print(f"✓ {title}: right")
         return "right"
 
