@@ -230,21 +230,21 @@ def gluon_schedules(head_dim: int = 64, capability=(9, 0), warp_specialized: boo
     with `warp_specialized` the producer/consumer kernel (section 10) with each of WS_TILES: {tile label:
     schedule}. Their loops show the two products in flight and `wait(1)` before the softmax; the
     warp-specialised kernel's blocks end with its register split (`setmaxnreg`)."""
-    from utils.explicit import forward as flash_gluon, forward_ws as flash_gluon_ws
+    from utils.explicit import forward as gluon_forward, forward_ws as gluon_ws
 
     q = torch.zeros(1, 2, 1024, head_dim, dtype=torch.bfloat16)
     lse = torch.zeros(1, 2, 1024)
     out = {}
     if warp_specialized:
-        for c in flash_gluon_ws.WS_TILES:
-            (launch,) = _capture(lambda: flash_gluon_ws._launch(q, q, q, q, lse, False, 0.1, c))
+        for c in gluon_ws.WS_TILES:
+            (launch,) = _capture(lambda: gluon_ws._launch(q, q, q, q, lse, False, 0.1, c))
             ptx = compile_launch(launch, capability).asm["ptx"]
             regs = sorted({int(line.split()[-1].rstrip(";")) for line in ptx.splitlines() if "setmaxnreg" in line})
-            out[flash_gluon_ws.label(c).removeprefix("gluon_ws ")] = schedule(ptx) + [
+            out[gluon_ws.label(c).removeprefix("gluon_ws ")] = schedule(ptx) + [
                 "setmaxnreg to " + ", ".join(map(str, regs))]
         return out
-    for c in flash_gluon.GLUON_TILES:
-        (launch,) = _capture(lambda: flash_gluon._launch(q, q, q, q, lse, False, 0.1, c))
+    for c in gluon_forward.GLUON_TILES:
+        (launch,) = _capture(lambda: gluon_forward._launch(q, q, q, q, lse, False, 0.1, c))
         out[f"{c.block_m}x{c.block_n} w{c.num_warps} s{c.stages}"] = schedule(compile_launch(launch, capability)
                                                                               .asm["ptx"])
     return out
@@ -281,12 +281,12 @@ def in_fresh_process(*args: str, timeout: int = 900) -> str:
 def cpu_launches():
     """Let the course's launchers take CPU tensors, as they do in the interpreter: they read TRITON_INTERPRET
     at call time, or ask utils.tiled.fast.forward (the kernels, defined before, stay compilable)."""
-    from utils.tiled.fast import forward as flash_triton
+    from utils.tiled.fast import forward as fast_forward
 
     saved = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     try:
-        with mock.patch.object(flash_triton, "triton_interpreting", lambda: True):
+        with mock.patch.object(fast_forward, "triton_interpreting", lambda: True):
             yield
     finally:
         if saved is None:
@@ -316,7 +316,7 @@ def course_launches(profile: Profile) -> list[tuple[str, str, Launch]]:
     a learner runs on it (16-bit is fp16 where the GPU has no bf16 tensor cores, sm < 80)."""
     from utils import gpu
     from utils.decoding import split_kv as flash_decoding
-    from utils.tiled.fast import forward as flash_triton, backward as flash_triton_bwd
+    from utils.tiled.fast import forward as fast_forward, backward as fast_backward
     from utils.flex import attention as flex_attention, causal, sparsity
 
     half = torch.float16 if profile.capability < (8, 0) else torch.bfloat16
@@ -326,12 +326,12 @@ def course_launches(profile: Profile) -> list[tuple[str, str, Launch]]:
         q = torch.zeros(1, 2, 256, d, dtype=dtype)
         lse = torch.zeros(1, 2, 256)
         name = f"D={d} {str(dtype).removeprefix('torch.')}"
-        fwd = flash_triton.pick_config(d, dtype, smem)
-        bwd = flash_triton_bwd.pick_config(d, dtype, True, smem)
+        fwd = fast_forward.pick_config(d, dtype, smem)
+        bwd = fast_backward.pick_config(d, dtype, True, smem)
         out += [("05", f"forward {name}", x) for x in _capture(
-            lambda: flash_triton._launch(q, q, q, True, 0.1, config=fwd, steps=flash_triton.Steps()))]
+            lambda: fast_forward._launch(q, q, q, True, 0.1, config=fwd, steps=fast_forward.Steps()))]
         out += [("07", f"backward {name}", x) for x in _capture(
-            lambda: flash_triton_bwd.flash_attention_backward(q, q, q, q, q, lse, causal=True, config=bwd))]
+            lambda: fast_backward.flash_attention_backward(q, q, q, q, q, lse, causal=True, config=bwd))]
         if dtype != half or d > 128:
             continue
         out += [("08", f"decode {name}", x) for x in _capture(

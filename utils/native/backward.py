@@ -28,7 +28,7 @@ import warnings
 import torch
 
 from utils import gpu
-from utils.native import build as cuda_build, kernels as cuda_kernels
+from utils.native import build as native_build, kernels as native_kernels
 from utils.checks import CUDA_GRID_Y, check_attention_inputs, check_batch_heads, check_device, resolve_scale
 from utils.native.kernels import (CUDA_HEAD_DIMS, FLASH_DTYPES, MMA_HEAD_DIMS, check_mma_capability, flash_mma,
                                   flash_tiled)
@@ -45,21 +45,21 @@ _EXTENSIONS: dict = {}
 
 def _extension(q):
     capability = gpu.capability(q.device)
-    cuda_kernels.check_mma_capability(capability)
+    native_kernels.check_mma_capability(capability)
     if capability not in _EXTENSIONS:  # load() once: its check for edited sources costs ~30 µs a call
-        _EXTENSIONS[capability] = cuda_build.load("flash_mma_bwd")
+        _EXTENSIONS[capability] = native_build.load("flash_mma_bwd")
     return _EXTENSIONS[capability]
 
 
 def flash_mma_forward(q, k, v, *, causal=False, sm_scale=None):
     """(o, lse): the tensor-core forward of notebook 06b and the natural-log log-sum-exp of the scaled scores,
     fp32 (batch, heads, seqlen_q), -inf for a query that sees no key. fp16/bf16, D = 64 or 128, sm_80+."""
-    shape = check_attention_inputs(q, k, v, causal=causal, head_dims=cuda_kernels.MMA_HEAD_DIMS,
-                                   dtypes=cuda_kernels.MMA_DTYPES, max_batch_heads=CUDA_GRID_Y)
+    shape = check_attention_inputs(q, k, v, causal=causal, head_dims=native_kernels.MMA_HEAD_DIMS,
+                                   dtypes=native_kernels.MMA_DTYPES, max_batch_heads=CUDA_GRID_Y)
     scale = resolve_scale(sm_scale, shape.head_dim)
     check_device("q", q, "cuda")
     ext = _extension(q)
-    o, lse = ext.flash_mma_bwd_forward(*(cuda_kernels._aligned(t) for t in (q, k, v)), causal, scale)
+    o, lse = ext.flash_mma_bwd_forward(*(native_kernels._aligned(t) for t in (q, k, v)), causal, scale)
     return o, lse
 
 
@@ -85,12 +85,12 @@ def flash_mma_backward(do, q, k, v, o, lse, *, causal=False, sm_scale=None, step
     if step not in BWD_STEPS:
         raise ValueError(f"step must be one of {BWD_STEPS}, got {step!r}")
     shape, scale = check_backward_inputs(do, q, k, v, o, lse, causal=causal, sm_scale=sm_scale,
-                                         head_dims=cuda_kernels.MMA_HEAD_DIMS, dtypes=cuda_kernels.MMA_DTYPES)
+                                         head_dims=native_kernels.MMA_HEAD_DIMS, dtypes=native_kernels.MMA_DTYPES)
     check_batch_heads(shape.batch, shape.heads)  # the dQ pass's grid has a row per (batch, head), as the forward's
     check_device("q", q, "cuda")
     ext = _extension(q)
     lse2, delta = backward_inputs(do, o, lse)
-    dq, dk, dv = ext.flash_mma_bwd_backward(*(cuda_kernels._aligned(t) for t in (do, q, k, v)), lse2, delta, causal,
+    dq, dk, dv = ext.flash_mma_bwd_backward(*(native_kernels._aligned(t) for t in (do, q, k, v)), lse2, delta, causal,
                                             scale, BWD_STEPS.index(step) + 1)
     if step != "dq_pass":  # the atomics' accumulator: fp32 and not yet scaled
         dq = (dq * scale).to(q.dtype)
@@ -118,8 +118,8 @@ def flash_mma_attention(q, k, v, *, causal=False, sm_scale=None, step: str = BWD
     """Differentiable tensor-core attention: `flash_mma_forward`, and `flash_mma_backward` in `step`."""
     if step not in BWD_STEPS:
         raise ValueError(f"step must be one of {BWD_STEPS}, got {step!r}")
-    shape = check_attention_inputs(q, k, v, causal=causal, head_dims=cuda_kernels.MMA_HEAD_DIMS,
-                                   dtypes=cuda_kernels.MMA_DTYPES, max_batch_heads=CUDA_GRID_Y)
+    shape = check_attention_inputs(q, k, v, causal=causal, head_dims=native_kernels.MMA_HEAD_DIMS,
+                                   dtypes=native_kernels.MMA_DTYPES, max_batch_heads=CUDA_GRID_Y)
     resolve_scale(sm_scale, shape.head_dim)  # errors at the call, not inside autograd
     check_device("q", q, "cuda")
     return FlashMmaFunction.apply(q, k, v, causal, sm_scale, step)

@@ -115,7 +115,7 @@ def wgmma_gemm(a: torch.Tensor, b: torch.Tensor, *, step: str = GEMM_STEPS[-1]) 
     "tma" with the tensor memory accelerator. Anywhere but an H100/H200 it raises a RuntimeError that says so,
     before compiling anything."""
     from utils import gpu
-    from utils.native import build as cuda_build
+    from utils.native import build as native_build
 
     if step not in GEMM_STEPS:
         raise ValueError(f"step must be one of {GEMM_STEPS}, got {step!r}")
@@ -139,9 +139,9 @@ def wgmma_gemm(a: torch.Tensor, b: torch.Tensor, *, step: str = GEMM_STEPS[-1]) 
                          f"{CUDA_GRID_Y * GEMM_TILE} rows")
     if a.device != b.device or a.device.type != "cuda":
         raise ValueError(f"a and b must be on one CUDA device, got {a.device} and {b.device}")
-    cuda_build.check_hopper_capability(gpu.capability(a.device))
+    native_build.check_hopper_capability(gpu.capability(a.device))
     a, b = _readable(a), _readable(b)
-    return cuda_build.load("wgmma_gemm").wgmma_gemm_forward(a, b, GEMM_STEPS.index(step) + 1)
+    return native_build.load("wgmma_gemm").wgmma_gemm_forward(a, b, GEMM_STEPS.index(step) + 1)
 
 
 def flash_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False, sm_scale=None,
@@ -155,7 +155,7 @@ def flash_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: b
     `module`: the build of hopper_attention.cu to run (default: the course's; exercise 6c.4 passes one with the
     learner's function inside). `timeline`: block_timeline's buffer (the kernel notes its milestones in it)."""
     from utils import gpu
-    from utils.native import build as cuda_build
+    from utils.native import build as native_build
     from utils.checks import check_attention_inputs, resolve_scale
 
     if step not in ATTENTION_STEPS:
@@ -164,7 +164,7 @@ def flash_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: b
                                    dtypes=(torch.float16, torch.bfloat16), runs_on="cuda",
                                    max_batch_heads=None if step in ONE_LINE_STEPS else CUDA_GRID_Y)
     scale = resolve_scale(sm_scale, shape.head_dim)
-    cuda_build.check_hopper_capability(gpu.capability(q.device))
+    native_build.check_hopper_capability(gpu.capability(q.device))
     q, k = _readable(q), _readable(k)
     if ATTENTION_STEPS.index(step) >= ATTENTION_STEPS.index("v_direct"):  # the kernel reads V as it is (N-major)
         vt = _readable(v)
@@ -172,7 +172,7 @@ def flash_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: b
         padded = -(-shape.seqlen_k // 8) * 8
         vt = torch.zeros(shape.batch, shape.kv_heads, shape.head_dim, padded, device=v.device, dtype=v.dtype)
         vt[..., :shape.seqlen_k] = v.transpose(-1, -2)
-    module = module if module is not None else cuda_build.load("hopper_attention")
+    module = module if module is not None else native_build.load("hopper_attention")
     if timeline is None:
         timeline = torch.empty(0, dtype=torch.int64, device=q.device)
     return module.hopper_attention_forward(q, k, vt, shape.seqlen_k, causal, scale, ATTENTION_STEPS.index(step) + 1,

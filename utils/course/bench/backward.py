@@ -27,7 +27,7 @@ from utils.native.backward import BWD_STEPS, flash_mma_backward, flash_mma_forwa
 
 BACKENDS = ("triton", "sdpa_flash", "sdpa_cudnn")                # the default set (notebook 07's)
 # The worklog's Triton backward (utils.course.worklogs.triton_backward) with its loads pinned, (tma, tma_stats):
-# "triton" picks per shape (flash_triton_bwd.default_tma).
+# "triton" picks per shape (utils.tiled.fast.backward.use_tma).
 TRITON_LOADS = {"triton_pointer": (False, False), "triton_tma": (True, False), "triton_tma_stats": (True, True)}
 # Measured when asked for; cuda_*: notebook 06bw's tensor-core backward in each of its steps (utils.native.backward).
 CUDA_BACKENDS = tuple(f"cuda_{step}" for step in BWD_STEPS)

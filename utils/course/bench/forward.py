@@ -133,9 +133,9 @@ def candidates(args) -> dict:
             name = f"gluon {c.block_m}x{c.block_n} w{c.num_warps} s{c.stages}"
             out[name] = gluon_variant(c, name)
     if getattr(args, "ws_tiles", False):
-        from utils.explicit import forward_ws as flash_gluon_ws
-        out.update({flash_gluon_ws.label(c): flash_gluon_ws.variant(c, flash_gluon_ws.label(c))
-                    for c in flash_gluon_ws.WS_TILES})
+        from utils.explicit import forward_ws as gluon_ws
+        out.update({gluon_ws.label(c): gluon_ws.variant(c, gluon_ws.label(c))
+                    for c in gluon_ws.WS_TILES})
     for step in STEP_LABELS:   # notebook 05b section 5: one switch off and on, per tile, host descriptors
         if getattr(args, step, False):
             from utils.course.worklogs.triton_forward import TUNE_TILES, Steps, variant

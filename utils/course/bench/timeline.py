@@ -65,11 +65,11 @@ def measure(args, device="cuda") -> list[dict]:
 
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
-    from utils.native import build as cuda_build
+    from utils.native import build as native_build
 
     if not torch.cuda.is_available():
         raise SystemExit("utils.course.bench.timeline needs an sm_90 GPU (H100/H200) and a CUDA build of torch")
-    cuda_build.check_hopper_capability(gpu.capability())
+    native_build.check_hopper_capability(gpu.capability())
     records = measure(args)
     settings = dict(batch=args.batch, heads=args.heads, dtype="bf16", warmup=args.warmup, repeats=args.repeats)
     path = Path(args.out_dir) / f"{args.name}.json"

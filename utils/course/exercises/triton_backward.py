@@ -126,13 +126,13 @@ DKDV_HINTS = (
 
 def _course_backward():
     """The course's functions that compute dK and dV: refused while the capstone's kernel runs."""
-    from utils.tiled.fast import backward as flash_triton_bwd
+    from utils.tiled.fast import backward as fast_backward
     from utils.eager.backward import attention_gradients, flash_attention_pytorch, flash_backward_pytorch
     from utils.tiled.attention import flash_attention
     from utils.tiled.backward import flash_attention_backward
 
     return (attention_gradients, flash_attention_pytorch, flash_backward_pytorch, flash_attention,
-            flash_attention_backward, flash_triton_bwd.flash_attention, flash_triton_bwd.flash_attention_backward)
+            flash_attention_backward, fast_backward.flash_attention, fast_backward.flash_attention_backward)
 
 
 def check_dkdv_kernel(kernel, *, device="cpu") -> None:

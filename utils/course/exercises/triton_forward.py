@@ -67,7 +67,7 @@ def _names(code: types.CodeType) -> set[str]:
 
 
 def _course_kernels_called(fn, seen=None) -> list[str]:
-    """The course's device functions that `fn` calls, directly, through a module (`flash_triton._f`) or through
+    """The course's device functions that `fn` calls, directly, through a module (`fast_forward._f`) or through
     a device function of the learner's own."""
     seen = set() if seen is None else seen
     seen.add(fn)
