@@ -303,8 +303,8 @@ GLOO_CASES = [RingCase(causal=causal, layout=layout, kv_heads=kv_heads, seqlen=4
                    (True, "contiguous", 1, True, 1)])]
 
 
-@pytest.mark.parametrize("world_size", [2, *(pytest.param(n, marks=pytest.mark.full) for n in (3, 4))])
 # 3 and 4 in the full suite: make test runs notebook 08, whose ring check runs 4 gloo processes
+@pytest.mark.parametrize("world_size", [2, *(pytest.param(n, marks=pytest.mark.full) for n in (3, 4))])
 def test_ring_with_gloo_processes(world_size):
     results = run_ring_check(GLOO_CASES, world_size=world_size, backend="gloo")
     assert len(results) == len(GLOO_CASES)
