@@ -278,3 +278,14 @@ def test_main_spreads_the_workers_only_over_several_gpus(tmp_path, monkeypatch, 
     report = tmp_path / "r.json"
     assert gpu_suite.main(["--report", str(report), "--part", "tests"]) == 0
     assert seen == [spread] and json.loads(report.read_text())["environment"]["gpus"] == count
+
+
+@committed_reports
+def test_readme_and_instructors_give_the_gpu_suites_time_from_its_report():
+    """The minutes README and INSTRUCTORS give for the GPU suite are the committed report's runs, added up."""
+    report = json.loads(report_path(None).read_text())
+    minutes = f"{sum(run['seconds'] for run in report['runs']) / 60:.1f}"
+    for doc in ("README.md", "INSTRUCTORS.md"):
+        text = " ".join((ROOT / doc).read_text().split())
+        found = re.findall(r"GPU suite.{0,80}? took (\d+\.\d) minutes", text)
+        assert found == [minutes], f"{doc} gives {found} for the GPU suite; its report says {minutes} minutes"
