@@ -9,6 +9,7 @@
 - Tests marked `@pytest.mark.full` are the slow checks (every compile of a template, every learner notebook)
   that `make test` on a CPU samples instead of running all: they run on a CUDA machine (so in the GPU suite,
   which runs before every release) or anywhere with `pytest --full`.
+- A notebook's kernel that dies while starting is started again (`retrying`), up to three times.
 - Under pytest-xdist (`make test` runs `pytest -n auto`), each worker runs one CPU thread, and a notebook's
   cells stay together on one worker, in order, since they share one kernel; the notebooks are handed out first
   (the longest units of work), then the unit tests one by one.
@@ -39,7 +40,31 @@ def pytest_addoption(parser):
                      help="also run the tests marked full (always run on a CUDA machine)")
 
 
+KERNEL_START_TRIES = 3
+
+
+def retrying(start, tries: int = KERNEL_START_TRIES):
+    """`start` (jupyter_client's start_new_kernel), tried again when the kernel dies before it answers: with many
+    notebooks starting at once, two kernels can be handed the same port. Each failed try shuts its kernel down."""
+    def start_retrying(*args, **kwargs):
+        for attempt in range(1, tries + 1):
+            try:
+                return start(*args, **kwargs)
+            except RuntimeError:
+                if attempt == tries:
+                    raise
+    start_retrying.retried = start
+    return start_retrying
+
+
 def pytest_configure(config):
+    try:
+        import nbval.kernel
+    except ImportError:
+        pass
+    else:
+        if not hasattr(nbval.kernel.start_new_kernel, "retried"):
+            nbval.kernel.start_new_kernel = retrying(nbval.kernel.start_new_kernel)
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU; skipped without one")
     config.addinivalue_line("markers", "capability(major, minor): needs a GPU at least this new (the emulated one "
                                        "under COURSE_EMULATE_GPU); skipped on older ones, as on a T4")

@@ -289,3 +289,29 @@ def test_readme_and_instructors_give_the_gpu_suites_time_from_its_report():
         text = " ".join((ROOT / doc).read_text().split())
         found = re.findall(r"GPU suite.{0,80}? took (\d+\.\d) minutes", text)
         assert found == [minutes], f"{doc} gives {found} for the GPU suite; its report says {minutes} minutes"
+
+
+def test_a_notebook_kernel_that_dies_while_starting_is_started_again():
+    import conftest
+
+    calls = []
+
+    def flaky(*args, **kwargs):
+        calls.append(args)
+        if len(calls) < conftest.KERNEL_START_TRIES:
+            raise RuntimeError("Kernel died before replying to kernel_info")
+        return "kernel"
+
+    assert conftest.retrying(flaky)("python3") == "kernel" and len(calls) == conftest.KERNEL_START_TRIES
+    calls.clear()
+
+    def dead(*args, **kwargs):
+        calls.append(args)
+        raise RuntimeError("Kernel died before replying to kernel_info")
+
+    with pytest.raises(RuntimeError, match="kernel_info"):
+        conftest.retrying(dead)()
+    assert len(calls) == conftest.KERNEL_START_TRIES
+    import nbval.kernel
+
+    assert nbval.kernel.start_new_kernel.retried   # conftest wrapped nbval's kernel start
