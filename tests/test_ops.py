@@ -1,0 +1,106 @@
+"""utils.ops.attention: the Triton kernels as torch.library operators (issue 76): opcheck, autograd against the
+float64 reference, and a transformer block that torch.compile takes whole (fullgraph=True)."""
+from functools import partial
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from utils.course.testing import assert_attention_matches_reference, assert_gradients_match_reference, random_qkv
+from utils.ops import attention as ops
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+DTYPE = torch.bfloat16 if CUDA else torch.float32   # the interpreter has no bf16 arithmetic
+KERNELS = list(ops.KERNELS)
+
+
+def inputs(b=1, h=4, hk=2, nq=40, nk=72, d=32, *, layout="bhnd", seed=0):
+    q, k, v = random_qkv(b, h, nq, nk, d, kv_heads=hk, dtype=DTYPE, device=DEVICE, seed=seed)
+    if layout == "bnhd":   # views of a (batch, seq, heads, dim) buffer, as a model's projections give them
+        q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    return q, k, v
+
+
+# make test runs one case (the registry's kernel, causal, a model's layout); the operators share their code.
+@pytest.mark.parametrize("kernel,causal,layout", [
+    ("triton", True, "bnhd"),
+    *(pytest.param(*case, marks=pytest.mark.full) for case in [("triton", False, "bhnd"),
+                                                                ("triton_lesson", True, "bnhd"),
+                                                                ("triton_lesson", False, "bhnd")])])
+def test_opcheck_passes(kernel, causal, layout):
+    """Schema, fake tensors (shapes, dtypes, strides), autograd registration and a dynamic-shape trace."""
+    q, k, v = (t.requires_grad_() for t in inputs(layout=layout))
+    torch.library.opcheck(ops.OPS[kernel], (q, k, v, causal, 0.2))
+    o, lse = ops.OPS[kernel](q, k, v, causal, 0.2)
+    do = torch.randn_like(o)
+    torch.library.opcheck(torch.ops.course.__getattr__(f"{kernel}_attention_backward"),
+                          (do, q.detach(), k.detach(), v.detach(), o.detach(), lse, causal, 0.2))
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_operator_matches_the_reference_forward_and_backward(kernel, causal):
+    q, k, v = inputs(nq=72, nk=40)   # Nq > Nk, causal: the first rows see no key
+    fn = partial(ops.attention, kernel=kernel)
+    assert_attention_matches_reference(fn, q, k, v, causal=causal)
+    assert_gradients_match_reference(fn, q, k, v, causal=causal)
+    o, lse = ops.attention(q, k, v, causal=causal, kernel=kernel, return_lse=True)
+    assert lse.shape == q.shape[:3] and lse.dtype == torch.float32 and o.is_contiguous()
+
+
+def test_bad_arguments_are_refused():
+    q, k, v = inputs()
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        ops.attention(q, k, v, kernel="mine")
+    with pytest.raises(TypeError, match="return_lse must be a bool"):
+        ops.attention(q, k, v, return_lse=1)
+    k3, v3 = (torch.cat([t, t[:, :1]], dim=1) for t in (k, v))   # 3 K/V heads for 4 query heads
+    with pytest.raises(ValueError, match="not a multiple"):
+        ops.attention(q, k3, v3)
+    with pytest.raises(TypeError, match="sm_scale"):
+        ops.attention(q, k, v, sm_scale="big")
+
+
+class Block(torch.nn.Module):
+    """A pre-norm transformer block with grouped-query attention: what a small Llama stacks."""
+
+    def __init__(self, dim=64, heads=4, kv_heads=2, attend=None):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
+        self.norm1, self.norm2 = torch.nn.LayerNorm(dim), torch.nn.LayerNorm(dim)
+        self.qkv = torch.nn.Linear(dim, (heads + 2 * kv_heads) * self.head_dim, bias=False)
+        self.out = torch.nn.Linear(dim, dim, bias=False)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(dim, 4 * dim), torch.nn.GELU(), torch.nn.Linear(4 * dim, dim))
+        self.attend = attend
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, n, -1, self.head_dim).transpose(1, 2).split(
+            [self.heads, self.kv_heads, self.kv_heads], dim=1)
+        o = self.attend(q, k, v)
+        x = x + self.out(o.transpose(1, 2).reshape(b, n, -1))
+        return x + self.mlp(self.norm2(x))
+
+
+def sdpa(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_transformer_block_compiles_whole_and_trains_like_sdpa(kernel):
+    """fullgraph=True fails on any graph break, so the operator is one node of the compiled graph. On a CPU the
+    graph runs through aot_eager (the kernels in the interpreter); on a GPU through inductor."""
+    torch.manual_seed(0)   # float32 (exact dots in the kernels), so that SDPA's answer is close to the digit
+    ours = Block(attend=partial(ops.attention, causal=True, kernel=kernel)).to(DEVICE)
+    theirs = Block(attend=sdpa).to(DEVICE)
+    theirs.load_state_dict(ours.state_dict())
+    compiled = torch.compile(ours, fullgraph=True, backend="inductor" if CUDA else "aot_eager")
+    x = torch.randn(2, 48, 64, device=DEVICE)
+    y, y_ref = compiled(x), theirs(x)
+    tol = dict(atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(y, y_ref, **tol)
+    y.square().mean().backward()
+    y_ref.square().mean().backward()
+    for (name, p), p_ref in zip(ours.named_parameters(), theirs.parameters()):
+        torch.testing.assert_close(p.grad, p_ref.grad, **tol, msg=lambda m, name=name: f"{name}: {m}")
