@@ -25,7 +25,7 @@ $(STAMP): requirements.txt
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "Python 3.11 or newer is needed (found %s)" % sys.version.split()[0])'
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --upgrade pip
-	$(BIN)/python -m pip install --no-compile -r requirements.txt   # bytecode is compiled on first import instead
+	$(BIN)/python -m pip install -r requirements.txt
 	touch $(STAMP)
 
 # Notebooks are committed without outputs (tests/test_repo.py checks).

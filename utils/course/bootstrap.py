@@ -165,12 +165,12 @@ def run_after_cell(line: str, cell: str, namespace: dict):
     """Body of the `%%after 10.1a 10.1b` cell magic: run `cell` in `namespace` only once the checks of the
     exercises named on the line have said right in this session, since the cell runs the learner's answers to
     them. Until then the cell is skipped with a message, so a notebook with exercises still open runs to its end."""
-    from utils.course.exercises import RESULTS
+    from utils.course.exercises import solved
 
     numbers = line.split()
     if not numbers:
         raise ValueError("%%after: name the exercises whose answers the cell runs, e.g. %%after 10.2")
-    waiting = [n for n in numbers if RESULTS.get(n) != "right"]
+    waiting = [n for n in numbers if not solved(n)]
     if waiting:
         print(f"skipped: this cell runs your answer to {' and '.join(waiting)}; run it again once "
               f"{'that check says' if len(waiting) == 1 else 'those checks say'} right")
