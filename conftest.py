@@ -12,7 +12,7 @@
 - A notebook's kernel that dies while starting is started again (`retrying`), up to three times.
 - Under pytest-xdist (`make test` runs `pytest -n auto`), each worker runs one CPU thread, and a notebook's
   cells stay together on one worker, in order, since they share one kernel; the notebooks are handed out first
-  (the longest units of work), then the unit tests one by one.
+  (the longest units of work), then the unit tests one by one, those marked `long` first.
 """
 import os
 
@@ -69,6 +69,8 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "capability(major, minor): needs a GPU at least this new (the emulated one "
                                        "under COURSE_EMULATE_GPU); skipped on older ones, as on a T4")
     config.addinivalue_line("markers", "full: a slow check that make test on a CPU samples; run on a GPU or with --full")
+    config.addinivalue_line("markers", "long: a test of a minute or more: handed out first, so that it does not "
+                                       "start last and hold up the end of the run")
 
 
 def is_gpu_cell(item) -> bool:
@@ -91,6 +93,9 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 def pytest_collection_modifyitems(config, items):
+    # The long tests first, the rest as collected (a stable sort). pytest-xdist hands out the notebooks (units of
+    # many items) before single tests, and single tests in this order.
+    items.sort(key=lambda item: "long" not in item.keywords)
     if not CUDA and not config.getoption("--full"):
         skip_full = pytest.mark.skip(reason="a full-suite check: runs on a GPU or with pytest --full")
         for item in items:

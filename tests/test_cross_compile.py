@@ -98,6 +98,7 @@ def test_backward_tiles_shrink_to_the_gpus_shared_memory(monkeypatch):
 
 @pytest.mark.skipif(sys.platform == "win32", reason="subprocess environment")
 @pytest.mark.full   # every Triton kernel compiled for sm_75: minutes on two cores
+@pytest.mark.long
 def test_every_course_kernel_fits_a_t4():
     """Compiles the forward, backward, decode and flex kernels for sm_75 as configured for a T4 (about two
     minutes on two cores). Before the backward's tiles shrank, its dQ kernel asked for 160 KiB there."""

@@ -68,8 +68,10 @@ SAMPLED_KERNELS = ("softmax", "flash_naive", "flash_tiled", native_build.mma_ker
 
 
 @needs_nvcc
+@pytest.mark.long   # flash_mma_bwd: minutes
 @pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in SAMPLED_KERNELS else pytest.mark.full)
-                                  for n in KERNELS if n not in native_build.HOPPER_KERNELS])
+                                  for n in sorted(KERNELS, key=lambda n: n != "flash_mma_bwd")   # longest first
+                                  if n not in native_build.HOPPER_KERNELS])
 def test_compile_check_builds_every_kernel_for_sm80_and_sm90(name):
     results = compile_check(name, ("sm_80", "sm_90"))
     for arch in ("sm_80", "sm_90"):

@@ -315,3 +315,15 @@ def test_a_notebook_kernel_that_dies_while_starting_is_started_again():
     import nbval.kernel
 
     assert nbval.kernel.start_new_kernel.retried   # conftest wrapped nbval's kernel start
+
+
+def test_long_tests_are_collected_first():
+    """conftest.py puts the tests marked long first (pytest-xdist hands single tests out in that order), keeping
+    the order of the rest."""
+    import conftest
+
+    items = [SimpleNamespace(keywords=set(k)) for k in (["a"], ["long"], ["b"], ["long", "full"], ["c"])]
+    names = [id(i) for i in items]
+    config = SimpleNamespace(getoption=lambda name: True)
+    conftest.pytest_collection_modifyitems(config, items)
+    assert [names.index(id(i)) for i in items] == [1, 3, 0, 2, 4]

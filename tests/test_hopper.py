@@ -189,6 +189,7 @@ def test_wgmma_gemm_copies_what_it_cannot_read(step):
 
 @needs_nvcc
 @pytest.mark.full   # every step of the 06c kernel, compiled for sm_90a
+@pytest.mark.long
 def test_the_attention_kernel_compiles_without_spills_or_serialized_wgmma():
     results = native_build.compile_check("hopper_attention")
     cases = [(t, d, c) for t in ("__half", "__nv_bfloat16") for d in (64, 128) for c in ("false", "true")]

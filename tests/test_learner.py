@@ -81,6 +81,7 @@ def cell_text(cell) -> str:
     return "".join(o.get("text", "") for o in cell.get("outputs", []) if o.output_type == "stream")
 
 
+@pytest.mark.long   # a notebook run each
 @pytest.mark.parametrize("path", [pytest.param(p, id=p.name, marks=() if p.name in SAMPLED else pytest.mark.full)
                                   for p in NOTEBOOKS])
 def test_learner_version_runs_whole_and_its_checks_say_not_yet(path, monkeypatch):
