@@ -44,14 +44,15 @@ KERNEL_START_TRIES = 3
 
 
 def retrying(start, tries: int = KERNEL_START_TRIES):
-    """`start` (jupyter_client's start_new_kernel), tried again when the kernel dies before it answers: with many
-    notebooks starting at once, two kernels can be handed the same port. Each failed try shuts its kernel down."""
+    """`start` (jupyter_client's start_new_kernel, or a notebook run that starts its kernel), tried again when the
+    kernel dies before it answers: with many notebooks starting at once, two kernels can be handed the same port.
+    Each failed try shuts its kernel down. Any other error is raised at once."""
     def start_retrying(*args, **kwargs):
         for attempt in range(1, tries + 1):
             try:
                 return start(*args, **kwargs)
-            except RuntimeError:
-                if attempt == tries:
+            except RuntimeError as err:
+                if attempt == tries or not any(s in str(err) for s in ("kernel_info", "heartbeats")):
                     raise
     start_retrying.retried = start
     return start_retrying

@@ -312,6 +312,15 @@ def test_a_notebook_kernel_that_dies_while_starting_is_started_again():
     with pytest.raises(RuntimeError, match="kernel_info"):
         conftest.retrying(dead)()
     assert len(calls) == conftest.KERNEL_START_TRIES
+    calls.clear()
+
+    def broken(*args, **kwargs):   # not a kernel dying at start: raised at once
+        calls.append(args)
+        raise RuntimeError("a cell failed")
+
+    with pytest.raises(RuntimeError, match="a cell failed"):
+        conftest.retrying(broken)()
+    assert len(calls) == 1
     import nbval.kernel
 
     assert nbval.kernel.start_new_kernel.retried   # conftest wrapped nbval's kernel start

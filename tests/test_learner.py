@@ -5,7 +5,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from conftest import KERNEL_START_TRIES
+from conftest import retrying
 from utils.course.learner import CUDA_STUB, STUB, generate, learner_version, strip_solutions, was_edited
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,14 +90,9 @@ def test_learner_version_runs_whole_and_its_checks_say_not_yet(path, monkeypatch
     learner, count = learner_version(json.loads(path.read_text()))
     nb = nbformat.from_dict(learner)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    for attempt in range(1, KERNEL_START_TRIES + 1):   # a kernel that dies while starting is started again
-        try:
-            NotebookClient(nb, timeout=600, kernel_name="python3", allow_errors=True,
-                           resources={"metadata": {"path": str(path.parent)}}).execute()
-            break
-        except RuntimeError as err:
-            if attempt == KERNEL_START_TRIES or "kernel_info" not in str(err):
-                raise
+    run = retrying(lambda: NotebookClient(nb, timeout=600, kernel_name="python3", allow_errors=True,
+                                          resources={"metadata": {"path": str(path.parent)}}).execute())
+    run()   # a kernel that dies while starting is started again
     errors = [(i, o.ename, o.evalue[:200]) for i, c in enumerate(nb.cells) if c.cell_type == "code"
               for o in c.outputs if o.output_type == "error"]
     assert not errors, f"{path.name}: cells that crash in the learner version (index, error): {errors}"
