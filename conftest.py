@@ -40,6 +40,19 @@ def pytest_addoption(parser):
                      help="also run the tests marked full (always run on a CUDA machine)")
 
 
+def give_back_cached_gpu_memory():
+    """Hand this process's cached GPU blocks back to the device. Sixteen workers share one GPU; blocks one keeps
+    cached are memory another's kernel launch cannot get (CUDA "out of memory" at launch)."""
+    if CUDA:
+        torch.cuda.empty_cache()
+
+
+@pytest.fixture(autouse=True)
+def _after_each_test():
+    yield
+    give_back_cached_gpu_memory()
+
+
 KERNEL_START_TRIES = 3
 
 

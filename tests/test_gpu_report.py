@@ -7,6 +7,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from utils.course import gpu_suite
 from utils.course.gpu_suite import PARTS, ROOT, TRACKED_DIRS, Collector, report_path, summarize, tree_id
@@ -331,8 +332,22 @@ def test_long_tests_are_collected_first():
     the order of the rest."""
     import conftest
 
-    items = [SimpleNamespace(keywords=set(k)) for k in (["a"], ["long"], ["b"], ["long", "full"], ["c"])]
+    items = [SimpleNamespace(keywords=set(k), get_closest_marker=lambda name: None) for k in (["a"], ["long"], ["b"], ["long", "full"], ["c"])]
     names = [id(i) for i in items]
     config = SimpleNamespace(getoption=lambda name: True)
     conftest.pytest_collection_modifyitems(config, items)
     assert [names.index(id(i)) for i in items] == [1, 3, 0, 2, 4]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_each_test_gives_back_its_cached_gpu_memory():
+    """What conftest's autouse fixture calls after every test empties this worker's CUDA cache."""
+    import conftest
+
+    before = torch.cuda.memory_reserved()
+    block = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+    del block
+    assert torch.cuda.memory_reserved() >= before + (64 << 20)
+    conftest.give_back_cached_gpu_memory()
+    assert torch.cuda.memory_reserved() <= before
+
