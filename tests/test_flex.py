@@ -43,7 +43,12 @@ def check_against_reference(mod, q, k, v, **kw):
         torch.testing.assert_close(g.double(), r, **tol, msg=lambda m: f"d{name} of {mod}: {m}")
 
 
-@pytest.mark.parametrize("index", range(12), ids=lambda i: modifiers(70)[i].name if modifiers(70)[i] else "none")
+# Each modifier runs in make test; four twins that differ from a kept case only in causal run in the full suite.
+TWINS = {"ALiBi", "softcap 3", "sliding window 17, causal", "document, causal"}
+
+
+@pytest.mark.parametrize("index", [pytest.param(i, id=name, marks=pytest.mark.full if name in TWINS else ())
+                                   for i, name in enumerate(m.name if m else "none" for m in modifiers(70))])
 def test_every_modifier_forward_and_backward(index):
     mod = modifiers(70)[index]
     check_against_reference(mod, *qkv(2, 4, 2, 70, 70, 32))
@@ -75,7 +80,7 @@ def _position_scale_grad(score, b, h, q_idx, kv_idx, args):
 
 
 @pytest.mark.parametrize("masked", [False, True], ids=["score_mod", "with_mask_mod"])
-@pytest.mark.parametrize("nq, nk", [(40, 70), (70, 70), (1, 50)])
+@pytest.mark.parametrize("nq, nk", [(40, 70), pytest.param(70, 70, marks=pytest.mark.full), (1, 50)])
 def test_modifiers_get_no_position_past_the_last_key(masked, nq, nk):
     """Ragged tiles hold rows past the last query and keys past the last key: the modifiers (score_mod, its
     derivative, mask_mod) get them clamped to the last key, so a score_mod that indexes a per-position table
@@ -199,7 +204,7 @@ def test_tuned_tiles_divide_the_block_mask():
     assert pick_configs(p, torch.float32, torch.device("cpu"))[0].block_m <= 64
 
 
-def test_whole_tiles_are_loaded_without_masks():
+def test_whole_tiles_are_loaded_without_masks(request):
     """EVEN (every tile of the block mask whole: no packed sequences, lengths multiples of its tiles) drops the
     kernels' load masks. Both ways must match the reference, with block-mask tiles larger than the kernels' (they
     walk a listed tile to its end: N = 64 is whole for a kernel tile, not for a 128 x 128 mask tile), Nq != Nk
@@ -215,7 +220,10 @@ def test_whole_tiles_are_loaded_without_masks():
     assert not _even(problem(63, 128))
     cu = torch.tensor([0, 64])
     assert not _even(_Problem(1, 1, 1, 64, 64, 64, 0.1, None, None, cu_q=cu, cu_k=cu))   # packed
-    for nq, nk in ((128, 128), (128, 256), (64, 64), (32, 96), (64, 101)):
+    shapes = [(128, 256), (64, 64), (64, 101)]   # whole, whole for a kernel tile only, partial
+    if CUDA or request.config.getoption("--full"):
+        shapes += [(128, 128), (32, 96)]
+    for nq, nk in shapes:
         for mod, heads in ((flex.sliding_window(20), 1),
                            (flex.document(flex.document_ids([nk // 3, nk - nk // 3], device=DEVICE), causal=False), 2)):
             bm = flex.block_mask(mod, 1, 2, nq, nk, device=DEVICE, block_m=128, block_n=128)

@@ -1,12 +1,14 @@
 """The paged KV cache (utils.decoding.paged_kv) and decoding through its block table (flash_decode_paged): every
 result is compared with the contiguous `flash_decode` on a cache the test keeps itself, on the CPU through the
 interpreter and, where there is one, on a GPU."""
+import itertools
+
 import pytest
 import torch
 
 from utils.decoding.split_kv import flash_decode, flash_decode_paged
 from utils.decoding.paged_kv import OutOfPages, PagedKVCache, check_page_size
-from utils.course.testing import assert_close
+from utils.course.testing import assert_close, pairwise
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -78,9 +80,17 @@ CASES = [((0, 37, 300), 4, 2, 1, False, 32),
          ((130, 2), 4, 1, 3, True, 64)]
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("case", CASES, ids=["ragged-gqa", "causal-mqa"])
-@pytest.mark.parametrize("page_size", [16, 64, 256])
+def _decode_cases():
+    """Page size x case x dtype: make test runs a covering design of strength 2 (every pair of values of two axes
+    at least once); the full suite runs the product."""
+    axes = dict(page_size=[16, 64, 256], case=[0, 1], dtype=DTYPES)
+    covered = {tuple(row.values()) for row in pairwise(axes)}
+    for page_size, case, dtype in itertools.product(*axes.values()):
+        yield pytest.param(page_size, CASES[case], dtype, id=f"{page_size}-{('ragged-gqa', 'causal-mqa')[case]}-{dtype}",
+                           marks=() if (page_size, case, dtype) in covered else pytest.mark.full)
+
+
+@pytest.mark.parametrize("page_size, case, dtype", list(_decode_cases()))
 def test_paged_decode_equals_contiguous(page_size, case, dtype):
     lengths, heads, kv_heads, new_tokens, causal, head_dim = case
     h = Harness(64, page_size, kv_heads, head_dim, dtype=dtype, seed=page_size)
