@@ -14,9 +14,11 @@ LAB_ARGS ?= $(if $(filter 0,$(shell id -u)),--allow-root)
 lab: $(STAMP)
 	$(BIN)/jupyter lab $(LAB_ARGS) notebooks/
 
-# Both cores (or all): pytest-xdist; a notebook's cells stay on one worker (conftest.py).
+# Both cores (or all): pytest-xdist; a notebook's cells stay on one worker (conftest.py). Compiled-module caches
+# on, where the environment turns them off (PYTHONDONTWRITEBYTECODE): the workers and the notebooks' kernels then
+# compile the course's modules and pytest's rewritten tests once, not each in every process.
 test: $(STAMP)
-	$(BIN)/pytest -n auto
+	env -u PYTHONDONTWRITEBYTECODE $(BIN)/pytest -n auto
 
 install: $(STAMP)
 

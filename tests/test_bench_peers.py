@@ -360,7 +360,7 @@ def test_sweep_json_resume_and_plot(fake, tmp_path):
     assert data["results"] == records and data["settings"]["batch"] == 1 and data["earlier"] == []
     assert data["peers"]["triton-tutorial"]["sha256"] == hashlib.sha256(fake.read_bytes()).hexdigest()
     assert data["environment"]["command"] == "python -m utils.course.bench.peers_sweep"
-    assert [p.name for p in tmp_path.iterdir() if p.suffix != ".py"] == ["s.json"]  # no partial file left
+    assert [p.name for p in tmp_path.iterdir() if p.is_file() and p.suffix != ".py"] == ["s.json"]  # no partial file
     kept, earlier = peers_sweep.resume_from(path, args, fns)
     assert kept == records and earlier == [data["environment"]]
     again = small_sweep(fake, "--modes", "fwd", "--resume", "--remeasure", "fwd")   # every fwd record dropped
