@@ -139,8 +139,10 @@ def run_cases(cases) -> str:
 
 
 # One case a test, each in its own process, so that pytest-xdist spreads the compiles over the cores.
-@pytest.mark.parametrize("case", [*DEFAULT_CASES, *(pytest.param(c, marks=pytest.mark.full) for c in FULL_CASES)],
-                         ids=case_id)
+# make test compiles the first default case of each pass (TMA on); the full suite the other two and FULL_CASES.
+@pytest.mark.parametrize("case", [*(pytest.param(c, marks=() if i in (0, 2) else pytest.mark.full)
+                                    for i, c in enumerate(DEFAULT_CASES)),
+                                  *(pytest.param(c, marks=pytest.mark.full) for c in FULL_CASES)], ids=case_id)
 def test_the_fast_kernels_compile_to_the_worklog_kernels_ptx(case):
     out = run_cases([case])
     assert out.strip() == f"{case_id(case)}: same", out

@@ -182,7 +182,7 @@ def test_varlen_different_q_and_k_lengths_with_softcap():
     varlen_check([3, 2, 20], [9, 0, 20], False, flex.softcap(3.0, causal=False))
 
 
-@pytest.mark.parametrize("launches", [1, 2])
+@pytest.mark.parametrize("launches", [pytest.param(1, marks=pytest.mark.full), 2])
 def test_backward_in_one_launch_or_two(monkeypatch, launches):
     """dK/dV and dQ programs share one grid when the config gives both the same warps and stages, else each kind
     gets a launch of its own (PART 1 and 2); tiles of different sizes in the two passes, GQA, a packed batch."""

@@ -344,6 +344,7 @@ def test_spawn_hides_the_file_triton_interpreter_leaves_in_main(monkeypatch):
         assert main.__file__ == "/home/me/train.py"
 
 
+@pytest.mark.full   # make test runs the 2-process ring itself (test_ring_with_gloo_processes)
 def test_gloo_command_line_writes_its_results_with_their_environment(tmp_path):
     """The command line (the one that makes images/ring_nccl.json on GPUs) records where it measured."""
     from utils.course.ring_check import _main
