@@ -431,7 +431,7 @@ def test_lengths_and_tables_are_read_once_until_written():
 
 
 @pytest.mark.filterwarnings("ignore:All-NaN slice:RuntimeWarning")   # the interpreter's max of NaN rows
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("causal", [False, pytest.param(True, marks=pytest.mark.full)], ids=["full", "causal"])
 def test_a_table_written_without_a_version_bump_is_never_followed_out_of_the_pool(causal):
     """A kernel or a CUDA graph's replay writes a checked table or lengths without bumping their version counter
     (here: through `.data`), so the host check is skipped. The kernel still reads nothing outside the pool and
