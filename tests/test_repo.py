@@ -103,3 +103,20 @@ def test_notebook_has_badge_objectives_and_recap(path):
     assert "colab-badge" in markdown[0] and f"notebooks/{path.name}" in markdown[0], "Colab badge for this notebook"
     assert "By the end you will be able to" in markdown[0], "learning objectives at the top"
     assert any(m.lstrip().startswith("## Recap") for m in markdown), "a recap at the end"
+
+
+def test_readme_and_instructors_give_make_tests_time_from_its_report():
+    """The minutes README and INSTRUCTORS give for `make test` on a CPU are those of tests/make_test_report.json,
+    written by .ci/time_make_test.py from fresh clones."""
+    report = json.loads((ROOT / "tests" / "make_test_report.json").read_text())
+    assert report["command"] == "python3 .ci/time_make_test.py" and report["total_s"] == pytest.approx(
+        report["install_s"] + report["test_s"], abs=0.11)
+    assert "passed" in report["result"] and "failed" not in report["result"], report["result"]
+    total, unit = f"{report['total_s'] / 60:.1f}", f"{report['unit_tests_s'] / 60:.1f}"
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert re.findall(r"CPU-only machine with (\d+) cores it took (\d+\.\d) minutes", readme) == [
+        (str(report["cpus"]), total)], f"README's make test time is not the report's {total} minutes"
+    assert re.findall(r"the unit tests alone (\d+\.\d) minutes", readme) == [unit]
+    instructors = " ".join((ROOT / "INSTRUCTORS.md").read_text().split())
+    assert re.findall(r"`make test` on the machine you will teach from \((\d+\.\d) minutes on (\d+) CPU cores",
+                      instructors) == [(total, str(report["cpus"]))]

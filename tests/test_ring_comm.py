@@ -12,7 +12,7 @@ from utils.course.references import REFERENCES
 ENV_KEYS = ("gpu", "capability", "torch", "triton", "cuda", "cudnn", "driver", "date", "command")
 
 
-@pytest.mark.full   # make test runs notebook 08, whose cells measure gloo the same way
+@pytest.mark.full   # spawns gloo processes; make test keeps notebook 08's gloo rings and this file's other tests
 def test_gloo_run_writes_the_json_the_notebook_reads(tmp_path):
     argv = ["--backend", "gloo", "--world-size", "2", "--sizes", "4096", "65536", "--repeats", "3",
             "--warmup", "1", "--out", str(tmp_path)]
