@@ -43,7 +43,7 @@ def check_against_reference(mod, q, k, v, **kw):
         torch.testing.assert_close(g.double(), r, **tol, msg=lambda m: f"d{name} of {mod}: {m}")
 
 
-# Each modifier runs in make test; four twins that differ from a kept case only in causal run in the full suite.
+# Each modifier runs in make test; four twins of kept cases (the same modifier, causal or not) run in the full suite.
 TWINS = {"ALiBi", "softcap 3", "sliding window 17, causal", "document, causal"}
 
 
