@@ -332,7 +332,8 @@ def test_long_tests_are_collected_first():
     the order of the rest."""
     import conftest
 
-    items = [SimpleNamespace(keywords=set(k), get_closest_marker=lambda name: None) for k in (["a"], ["long"], ["b"], ["long", "full"], ["c"])]
+    items = [SimpleNamespace(keywords=set(k), get_closest_marker=lambda name: None)   # conftest asks it on a GPU
+             for k in (["a"], ["long"], ["b"], ["long", "full"], ["c"])]
     names = [id(i) for i in items]
     config = SimpleNamespace(getoption=lambda name: True)
     conftest.pytest_collection_modifyitems(config, items)
@@ -350,4 +351,3 @@ def test_each_test_gives_back_its_cached_gpu_memory():
     assert torch.cuda.memory_reserved() >= before + (64 << 20)
     conftest.give_back_cached_gpu_memory()
     assert torch.cuda.memory_reserved() <= before
-

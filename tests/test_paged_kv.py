@@ -86,7 +86,8 @@ def _decode_cases():
     axes = dict(page_size=[16, 64, 256], case=[0, 1], dtype=DTYPES)
     covered = {tuple(row.values()) for row in pairwise(axes)}
     for page_size, case, dtype in itertools.product(*axes.values()):
-        yield pytest.param(page_size, CASES[case], dtype, id=f"{page_size}-{('ragged-gqa', 'causal-mqa')[case]}-{dtype}",
+        name = f"{page_size}-{('ragged-gqa', 'causal-mqa')[case]}-{dtype}"
+        yield pytest.param(page_size, CASES[case], dtype, id=name,
                            marks=() if (page_size, case, dtype) in covered else pytest.mark.full)
 
 
