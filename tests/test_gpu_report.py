@@ -351,3 +351,13 @@ def test_each_test_gives_back_its_cached_gpu_memory():
     assert torch.cuda.memory_reserved() >= before + (64 << 20)
     conftest.give_back_cached_gpu_memory()
     assert torch.cuda.memory_reserved() <= before
+
+
+def test_a_complete_run_lists_only_itself():
+    """Runs of some files or one part add to the earlier runs of the same trees; a complete run starts afresh."""
+    trees = {"utils": "a", "notebooks": "b"}
+    old = dict(trees=trees, runs=[dict(files=[], seconds=500.0, finished=False)])
+    assert gpu_suite.kept_runs(old, trees, [], "all") == []
+    assert gpu_suite.kept_runs(old, trees, ["tests/test_x.py"], "all") == old["runs"]
+    assert gpu_suite.kept_runs(old, trees, [], "tests") == old["runs"]
+    assert gpu_suite.kept_runs(old, dict(trees, utils="c"), ["tests/test_x.py"], "all") == []

@@ -4,10 +4,10 @@ from functools import partial
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from utils.course.testing import assert_attention_matches_reference, assert_gradients_match_reference, random_qkv
 from utils.ops import attention as ops
+from utils.ops.model import Block, sdpa_causal
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -62,38 +62,13 @@ def test_bad_arguments_are_refused():
         ops.attention(q, k, v, sm_scale="big")
 
 
-class Block(torch.nn.Module):
-    """A pre-norm transformer block with grouped-query attention: what a small Llama stacks."""
-
-    def __init__(self, dim=64, heads=4, kv_heads=2, attend=None):
-        super().__init__()
-        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
-        self.norm1, self.norm2 = torch.nn.LayerNorm(dim), torch.nn.LayerNorm(dim)
-        self.qkv = torch.nn.Linear(dim, (heads + 2 * kv_heads) * self.head_dim, bias=False)
-        self.out = torch.nn.Linear(dim, dim, bias=False)
-        self.mlp = torch.nn.Sequential(torch.nn.Linear(dim, 4 * dim), torch.nn.GELU(), torch.nn.Linear(4 * dim, dim))
-        self.attend = attend
-
-    def forward(self, x):
-        b, n, _ = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(b, n, -1, self.head_dim).transpose(1, 2).split(
-            [self.heads, self.kv_heads, self.kv_heads], dim=1)
-        o = self.attend(q, k, v)
-        x = x + self.out(o.transpose(1, 2).reshape(b, n, -1))
-        return x + self.mlp(self.norm2(x))
-
-
-def sdpa(q, k, v):
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-
-
 @pytest.mark.parametrize("kernel", [k if k == "triton" else pytest.param(k, marks=pytest.mark.full) for k in KERNELS])
 def test_a_transformer_block_compiles_whole_and_trains_like_sdpa(kernel):
     """fullgraph=True fails on any graph break, so the operator is one node of the compiled graph. On a CPU the
     graph runs through aot_eager (the kernels in the interpreter); on a GPU through inductor."""
     torch.manual_seed(0)   # float32 (exact dots in the kernels), so that SDPA's answer is close to the digit
-    ours = Block(attend=partial(ops.attention, causal=True, kernel=kernel)).to(DEVICE)
-    theirs = Block(attend=sdpa).to(DEVICE)
+    ours = Block(partial(ops.attention, causal=True, kernel=kernel)).to(DEVICE)
+    theirs = Block(sdpa_causal).to(DEVICE)
     theirs.load_state_dict(ours.state_dict())
     compiled = torch.compile(ours, fullgraph=True, backend="inductor" if CUDA else "aot_eager")
     x = torch.randn(2, 48, 64, device=DEVICE)

@@ -187,6 +187,14 @@ def unfinished(results: dict) -> dict:
     return {name: (done, total) for name, (done, total) in counts.items() if total is not None and done < total}
 
 
+def kept_runs(old: dict, trees: dict, files, part: str) -> list:
+    """The earlier runs a new run's report lists beside its own: those of the same trees, unless the new run is
+    complete (every part, every file), whose results replace theirs."""
+    if old.get("trees") != trees or (not files and part == "all"):
+        return []
+    return list(old.get("runs", []))
+
+
 def run_parts(parts, files=(), pytest_args=(), old: dict | None = None, save=lambda results: None):
     """Run `parts` (all of their files, or `files` of them) in one pytest session, so that pytest-xdist's workers
     share the unit tests and the notebooks out together; returns ({part: results}, pytest's exit code).
@@ -238,7 +246,7 @@ def main(argv=None) -> int:
     command = " ".join(["python -m utils.course.gpu_suite", *(["--emulate", args.emulate] if args.emulate else []),
                         *(["--", *args.pytest_args] if args.pytest_args else [])])   # -n: run by pytest-xdist
 
-    runs = old.get("runs", []) if old.get("trees") == trees else []
+    runs = kept_runs(old, trees, args.files, args.part)
 
     start = time.monotonic()
 

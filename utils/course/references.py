@@ -153,6 +153,7 @@ REFERENCES = {
                                  "--causal", "both", "--seqlens", "2048", "--rounds", "5", "--name", "gluon2k_after_0",
                                  "--out-dir", "images"]),
     "summary": (1, ["utils.course.bench.summary"]),
+    "real_model": (1, ["utils.course.bench.real_model"]),
     "ring_nccl": (2, ["utils.course.ring_check", "--backend", "nccl", "--world-size", "2"]),
     "ring_comm": (2, ["utils.course.bench.ring_comm", "--backend", "nccl", "--world-size", "2", "--out", "images"]),
 }

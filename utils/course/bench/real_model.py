@@ -1,0 +1,98 @@
+"""Training-step time of a small decoder with the course's attention operator against SDPA: eager, compiled
+by Inductor, and compiled with CUDA graphs (notebook 07b).
+
+    python -m utils.course.bench.real_model            # writes images/07b_real_model_h200.json
+
+The model is utils.ops.model.Decoder in bf16 on one GPU. A step is the forward, the cross-entropy loss and the
+backward; the optimizer's update is left out (the same for every attention). Every row is measured in one run,
+side by side, with triton.testing.do_bench (median, gradients reset between calls). Each row also records the
+loss of its first step: the same weights and tokens give the same loss with any attention, up to bf16 rounding.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ATTENTIONS = ("sdpa", "triton", "triton_lesson")
+# torch.compile's options per mode; None: eager
+MODES = {"eager": None, "compiled": dict(fullgraph=True), "cuda_graphs": dict(fullgraph=True, mode="reduce-overhead")}
+DEFAULT_OUT = Path(__file__).resolve().parents[3] / "images" / "07b_real_model_h200.json"
+
+
+def attention_function(name: str):
+    """The attend(q, k, v) of `name`: SDPA, or the operator of one of the course's kernels."""
+    from utils.ops import attention as ops
+    from utils.ops.model import sdpa_causal
+
+    if name not in ATTENTIONS:
+        raise ValueError(f"attention must be one of {ATTENTIONS}, got {name!r}")
+    return sdpa_causal if name == "sdpa" else partial(ops.attention, causal=True, kernel=name)
+
+
+def measure(attention: str, mode: str, *, batch: int, seq: int, dim: int, heads: int, kv_heads: int, layers: int,
+            vocab: int, rep: int) -> dict:
+    """One row: the median step time in ms of `attention` in `mode`, and the loss of its first step."""
+    import triton
+
+    from utils.ops.model import Decoder
+
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {tuple(MODES)}, got {mode!r}")
+    torch.manual_seed(0)   # the same weights and tokens for every row
+    model = Decoder(attention_function(attention), vocab, dim, heads, kv_heads, layers).to("cuda", torch.bfloat16)
+    ids = torch.randint(0, vocab, (batch, seq + 1), device="cuda")
+    forward = model if MODES[mode] is None else torch.compile(model, **MODES[mode])
+
+    def step():
+        model.zero_grad(set_to_none=True)   # under CUDA graphs last step's gradients live in memory it reuses
+        if mode == "cuda_graphs":
+            torch.compiler.cudagraph_mark_step_begin()   # a new step: the graphs' outputs of the last may be reused
+        logits = forward(ids[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten())
+        loss.backward()
+        return loss
+
+    first = step().item()
+    for _ in range(2):   # compiled modes: compile and record before timing
+        step()
+    ms = triton.testing.do_bench(step, rep=rep)
+    return dict(attention=attention, mode=mode, ms=round(ms, 4), first_loss=first)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m utils.course.bench.real_model", description=__doc__.split("\n\n")[0])
+    p.add_argument("--attentions", nargs="+", default=list(ATTENTIONS), choices=ATTENTIONS)
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    for name, default in (("batch", 4), ("seq", 2048), ("dim", 1024), ("heads", 16), ("kv-heads", 4),
+                          ("layers", 4), ("vocab", 32000), ("rep", 200)):
+        p.add_argument(f"--{name}", type=int, default=default)
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    from utils import gpu
+
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("the real-model benchmark needs a CUDA GPU")
+    shape = dict(batch=args.batch, seq=args.seq, dim=args.dim, heads=args.heads, kv_heads=args.kv_heads,
+                 layers=args.layers, vocab=args.vocab)
+    data = dict(environment=gpu.environment(), settings=dict(shape, dtype="bfloat16", rep_ms=args.rep), rows=[])
+    for mode in args.modes:
+        for attention in args.attentions:
+            torch._dynamo.reset()
+            row = measure(attention, mode, **shape, rep=args.rep)
+            data["rows"].append(row)
+            print(f"{mode:12} {attention:14} {row['ms']:8.2f} ms   first loss {row['first_loss']:.4f}", flush=True)
+            args.out.write_text(json.dumps(data, indent=1) + "\n")   # after each row: a cut run keeps its rows
+    return data
+
+
+if __name__ == "__main__":
+    main()
