@@ -15,6 +15,9 @@ def test_arguments_and_refusals():
         real_model.attention_function("flash")
     with pytest.raises(SystemExit):
         real_model.parse_args(["--modes", "jit"])
+    assert set(real_model.SDPA_PINNED) < set(real_model.ATTENTIONS)
+    from torch.nn.attention import SDPBackend
+    assert all(hasattr(SDPBackend, b) for b in real_model.SDPA_PINNED.values())
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
@@ -32,6 +35,9 @@ def test_a_small_run_writes_every_row_with_its_environment(tmp_path):
     assert {"gpu", "torch", "triton", "date", "command"} <= set(data["environment"])
     rows = {(r["mode"], r["attention"]): r for r in data["rows"]}
     assert set(rows) == {(m, a) for m in real_model.MODES for a in real_model.ATTENTIONS}
-    assert all(r["ms"] > 0 for r in rows.values())
-    losses = [r["first_loss"] for r in rows.values()]
+    refused = [r for r in rows.values() if "error" in r]
+    assert all(r["attention"] in real_model.SDPA_PINNED for r in refused), refused   # only a pinned backend may
+    timed = [r for r in rows.values() if "error" not in r]
+    assert all(r["ms"] > 0 for r in timed) and {r["attention"] for r in timed} >= {"sdpa", "triton", "triton_lesson"}
+    losses = [r["first_loss"] for r in timed]
     assert max(losses) - min(losses) < 0.05, losses   # same weights and tokens: one loss, up to bf16 rounding

@@ -7,6 +7,10 @@ The model is utils.ops.model.Decoder in bf16 on one GPU. A step is the forward, 
 backward; the optimizer's update is left out (the same for every attention). Every row is measured in one run,
 side by side, with triton.testing.do_bench (median, gradients reset between calls). Each row also records the
 loss of its first step: the same weights and tokens give the same loss with any attention, up to bf16 rounding.
+
+SDPA runs three ways: its own choice of backend (`sdpa`), and pinned to FlashAttention-2 (`sdpa_flash`) or
+cuDNN (`sdpa_cudnn`) with torch.nn.attention.sdpa_kernel. A pinned backend that refuses the shape (cuDNN and
+grouped-query heads, on some versions) gives a row with its error instead of a time.
 """
 from __future__ import annotations
 
@@ -18,7 +22,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-ATTENTIONS = ("sdpa", "triton", "triton_lesson")
+ATTENTIONS = ("sdpa", "sdpa_flash", "sdpa_cudnn", "triton", "triton_lesson")
+SDPA_PINNED = {"sdpa_flash": "FLASH_ATTENTION", "sdpa_cudnn": "CUDNN_ATTENTION"}   # names in SDPBackend
 # torch.compile's options per mode; None: eager
 MODES = {"eager": None, "compiled": dict(fullgraph=True), "cuda_graphs": dict(fullgraph=True, mode="reduce-overhead")}
 DEFAULT_OUT = Path(__file__).resolve().parents[3] / "images" / "07b_real_model_h200.json"
@@ -31,18 +36,36 @@ def attention_function(name: str):
 
     if name not in ATTENTIONS:
         raise ValueError(f"attention must be one of {ATTENTIONS}, got {name!r}")
-    return sdpa_causal if name == "sdpa" else partial(ops.attention, causal=True, kernel=name)
+    if name.startswith("sdpa"):
+        return sdpa_causal   # pinned backends: measure() holds the choice for the whole step
+    return partial(ops.attention, causal=True, kernel=name)
 
 
 def measure(attention: str, mode: str, *, batch: int, seq: int, dim: int, heads: int, kv_heads: int, layers: int,
             vocab: int, rep: int) -> dict:
-    """One row: the median step time in ms of `attention` in `mode`, and the loss of its first step."""
+    """One row: the median step time in ms of `attention` in `mode`, and the loss of its first step. A pinned
+    SDPA backend that cannot run the shape gives a row with its `error` instead."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {tuple(MODES)}, got {mode!r}")
+    pinned = SDPA_PINNED.get(attention)
+    shape = dict(batch=batch, seq=seq, dim=dim, heads=heads, kv_heads=kv_heads, layers=layers, vocab=vocab, rep=rep)
+    if pinned is None:
+        return _measure(attention, mode, **shape)
+    # Dynamo and Inductor pick SDPA's backend while they trace, so the choice holds for compiled steps too.
+    with sdpa_kernel([getattr(SDPBackend, pinned)]):
+        try:
+            return _measure(attention, mode, **shape)
+        except RuntimeError as err:   # "No available kernel": the backend refused the inputs
+            return dict(attention=attention, mode=mode, error=str(err).strip().splitlines()[0][:300])
+
+
+def _measure(attention: str, mode: str, *, batch, seq, dim, heads, kv_heads, layers, vocab, rep) -> dict:
     import triton
 
     from utils.ops.model import Decoder
 
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {tuple(MODES)}, got {mode!r}")
     torch.manual_seed(0)   # the same weights and tokens for every row
     model = Decoder(attention_function(attention), vocab, dim, heads, kv_heads, layers).to("cuda", torch.bfloat16)
     ids = torch.randint(0, vocab, (batch, seq + 1), device="cuda")
@@ -89,7 +112,10 @@ def main(argv=None) -> dict:
             torch._dynamo.reset()
             row = measure(attention, mode, **shape, rep=args.rep)
             data["rows"].append(row)
-            print(f"{mode:12} {attention:14} {row['ms']:8.2f} ms   first loss {row['first_loss']:.4f}", flush=True)
+            if "error" in row:
+                print(f"{mode:12} {attention:14} refused: {row['error']}", flush=True)
+            else:
+                print(f"{mode:12} {attention:14} {row['ms']:8.2f} ms   first loss {row['first_loss']:.4f}", flush=True)
             args.out.write_text(json.dumps(data, indent=1) + "\n")   # after each row: a cut run keeps its rows
     return data
 
