@@ -110,7 +110,7 @@ def _reference(q, k, v, causal, scale):
     s = scale * q.double() @ k.transpose(-2, -1)
     if causal:
         nq, nk = s.shape[-2:]
-        s = s.masked_fill(torch.ones(nq, nk, dtype=torch.bool).triu(nk - nq + 1), float("-inf"))
+        s = s.masked_fill(torch.ones(nq, nk, dtype=torch.bool, device=s.device).triu(nk - nq + 1), float("-inf"))
     return (torch.softmax(s, dim=-1) @ v).transpose(1, 2)   # (batch, seq, heads, head_dim), as transformers wants
 
 
@@ -126,9 +126,9 @@ def check_transformers_adapter(fn) -> None:
 
     if not callable(fn):
         raise TypeError(f"fn must be a function, got {type(fn).__name__}")
+    device = "cuda" if torch.cuda.is_available() else "cpu"   # where the course's kernels run
     gen = torch.Generator().manual_seed(0)
-    q = torch.randn(1, 4, 24, 16, generator=gen)
-    k, v = torch.randn(1, 2, 24, 16, generator=gen), torch.randn(1, 2, 24, 16, generator=gen)
+    q, k, v = (torch.randn(1, h, 24, 16, generator=gen).to(device) for h in (4, 2, 2))
     cases = [("module causal, scaling 0.3", SimpleNamespace(is_causal=True), dict(scaling=0.3), True, 0.3),
              ("is_causal=False given", SimpleNamespace(is_causal=True), dict(is_causal=False), False, 0.25),
              ("scaling None (default 1/sqrt(16))", SimpleNamespace(is_causal=False), {}, False, 0.25)]
@@ -143,8 +143,8 @@ def check_transformers_adapter(fn) -> None:
                 f"{tuple(want.shape)}"
             bad = ((o.double() - want).abs() > 1e-4).any(dim=(0, 2, 3)).nonzero().flatten().tolist()
             assert not bad, f"{name}: query positions {bad[0]}–{bad[-1]} wrong (causal={causal}, scale={scale:.3g})"
-        for name, args, kwargs in (("a padding mask", (torch.ones(1, 1, 24, 24, dtype=torch.bool),), {}),
-                                   ("dropout=0.1", (None,), dict(dropout=0.1))):
+        mask = torch.ones(1, 1, 24, 24, dtype=torch.bool, device=device)
+        for name, args, kwargs in (("a padding mask", (mask,), {}), ("dropout=0.1", (None,), dict(dropout=0.1))):
             try:
                 fn(SimpleNamespace(is_causal=True), q, k, v, *args, **kwargs)
             except ValueError:
