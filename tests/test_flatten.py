@@ -296,14 +296,16 @@ def test_a_flattened_06c_step_compiles_to_the_ptx_of_the_templated_step(n):
 
 BWD = "06b_bwd"
 BWD_STEPS = range(1, len(native_backward.BWD_STEPS) + 1)
-BWD_SAMPLED = (9,)  # the default (native_backward.BWD_DEFAULT_STEP), with step 7's fallback; all in the full suite
+# make test compiles no backward step (nvcc takes 20 s for one, twice over); the GPU suite and --full compile all
+# 9, the default (native_backward.BWD_DEFAULT_STEP) among them.
+BWD_SAMPLED = ()
 
 
 def test_the_backward_has_one_generated_file_per_step_named_as_utils_cuda_backward_names_them():
     assert [s.name for s in flatten.steps(BWD)] == list(native_backward.BWD_STEPS)
     names = sorted(p.name for p in (flatten.STEPS_DIR / "06b").glob("bwd_*.cu"))
     assert names == sorted(f"bwd_s{n:02d}_{name}.cu" for n, name in enumerate(native_backward.BWD_STEPS, 1))
-    assert native_backward.BWD_STEPS.index(native_backward.BWD_DEFAULT_STEP) + 1 in BWD_SAMPLED
+    assert native_backward.BWD_DEFAULT_STEP in native_backward.BWD_STEPS
 
 
 @pytest.mark.parametrize("n", BWD_STEPS)
