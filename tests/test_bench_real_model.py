@@ -15,7 +15,11 @@ def test_arguments_and_refusals():
         real_model.attention_function("flash")
     with pytest.raises(SystemExit):
         real_model.parse_args(["--modes", "jit"])
-    assert set(real_model.SDPA_PINNED) < set(real_model.ATTENTIONS)
+    assert set(real_model.SDPA_PINNED) == set(real_model.PINNED_BACKEND) < set(real_model.ATTENTIONS)
+    assert real_model.backend_of({"void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64>>"}) == "flash"
+    assert real_model.backend_of({"ampere_sgemm", "cudnn_generated_fort_native_sdpa_sm90_flash_fprop"}) == "cudnn"
+    assert real_model.backend_of({"fmha_cutlassF_bf16_aligned_64x64_rf_sm80"}) == "efficient"
+    assert real_model.backend_of({"cudnn_gemm_kernel", "vectorized_elementwise_kernel"}) == "unknown"
     from torch.nn.attention import SDPBackend
     assert all(hasattr(SDPBackend, b) for b in real_model.SDPA_PINNED.values())
 
@@ -35,6 +39,8 @@ def test_a_small_run_writes_every_row_with_its_environment(tmp_path):
     assert {"gpu", "torch", "triton", "date", "command"} <= set(data["environment"])
     rows = {(r["mode"], r["attention"]): r for r in data["rows"]}
     assert set(rows) == {(m, a) for m in real_model.MODES for a in real_model.ATTENTIONS}
+    assert rows["eager", "sdpa_flash"].get("backend", "flash") == "flash"   # eager keeps a pin (or refuses)
+    assert all(r["backend"] in (*real_model.BACKEND_MARKERS, "unknown") for r in rows.values() if "backend" in r)
     refused = [r for r in rows.values() if "error" in r]
     assert all(r["attention"] in real_model.SDPA_PINNED for r in refused), refused   # only a pinned backend may
     timed = [r for r in rows.values() if "error" not in r]

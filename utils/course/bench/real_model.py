@@ -9,8 +9,9 @@ side by side, with triton.testing.do_bench (median, gradients reset between call
 loss of its first step: the same weights and tokens give the same loss with any attention, up to bf16 rounding.
 
 SDPA runs three ways: its own choice of backend (`sdpa`), and pinned to FlashAttention-2 (`sdpa_flash`) or
-cuDNN (`sdpa_cudnn`) with torch.nn.attention.sdpa_kernel. A pinned backend that refuses the shape (cuDNN and
-grouped-query heads, on some versions) gives a row with its error instead of a time.
+cuDNN (`sdpa_cudnn`) with torch.nn.attention.sdpa_kernel. Each SDPA row records the backend whose kernels one
+profiled step launched. A pinned row whose backend refuses the shape, or that torch.compile does not keep (it
+may choose its own), gives its reason instead of a time.
 """
 from __future__ import annotations
 
@@ -24,6 +25,18 @@ import torch.nn.functional as F
 
 ATTENTIONS = ("sdpa", "sdpa_flash", "sdpa_cudnn", "triton", "triton_lesson")
 SDPA_PINNED = {"sdpa_flash": "FLASH_ATTENTION", "sdpa_cudnn": "CUDNN_ATTENTION"}   # names in SDPBackend
+# A backend by the names of the CUDA kernels it launches (torch 2.11's flash and cuDNN, the memory-efficient one)
+BACKEND_MARKERS = {"flash": ("pytorch_flash::",), "cudnn": ("cudnn", "sdpa"), "efficient": ("fmha_cutlass",)}
+PINNED_BACKEND = {"sdpa_flash": "flash", "sdpa_cudnn": "cudnn"}
+
+
+def backend_of(kernel_names) -> str:
+    """flash, cudnn or efficient: the SDPA backend among these CUDA kernel names; unknown if none is (the math
+    backend, or kernels the profiler did not see)."""
+    for backend, markers in BACKEND_MARKERS.items():
+        if any(all(m in name for m in markers) for name in kernel_names):
+            return backend
+    return "unknown"
 # torch.compile's options per mode; None: eager
 MODES = {"eager": None, "compiled": dict(fullgraph=True), "cuda_graphs": dict(fullgraph=True, mode="reduce-overhead")}
 DEFAULT_OUT = Path(__file__).resolve().parents[3] / "images" / "07b_real_model_h200.json"
@@ -53,12 +66,14 @@ def measure(attention: str, mode: str, *, batch: int, seq: int, dim: int, heads:
     shape = dict(batch=batch, seq=seq, dim=dim, heads=heads, kv_heads=kv_heads, layers=layers, vocab=vocab, rep=rep)
     if pinned is None:
         return _measure(attention, mode, **shape)
-    # Dynamo and Inductor pick SDPA's backend while they trace, so the choice holds for compiled steps too.
     with sdpa_kernel([getattr(SDPBackend, pinned)]):
         try:
-            return _measure(attention, mode, **shape)
+            row = _measure(attention, mode, **shape)
         except RuntimeError as err:   # "No available kernel": the backend refused the inputs
             return dict(attention=attention, mode=mode, error=str(err).strip().splitlines()[0][:300])
+    if row["backend"] not in (PINNED_BACKEND[attention], "unknown"):   # torch.compile chose its own backend
+        return dict(attention=attention, mode=mode, error=f"not kept: this mode ran {row['backend']}")
+    return row
 
 
 def _measure(attention: str, mode: str, *, batch, seq, dim, heads, kv_heads, layers, vocab, rep) -> dict:
@@ -84,7 +99,20 @@ def _measure(attention: str, mode: str, *, batch, seq, dim, heads, kv_heads, lay
     for _ in range(2):   # compiled modes: compile and record before timing
         step()
     ms = triton.testing.do_bench(step, rep=rep)
-    return dict(attention=attention, mode=mode, ms=round(ms, 4), first_loss=first)
+    row = dict(attention=attention, mode=mode, ms=round(ms, 4), first_loss=first)
+    if attention.startswith("sdpa"):
+        row["backend"] = backend_of(_kernels_of(step))
+    return row
+
+
+def _kernels_of(step) -> set:
+    """The names of the CUDA kernels one call of `step` launches."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    return {e.name for e in prof.events() if e.device_type.name == "CUDA"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -115,7 +143,8 @@ def main(argv=None) -> dict:
             if "error" in row:
                 print(f"{mode:12} {attention:14} refused: {row['error']}", flush=True)
             else:
-                print(f"{mode:12} {attention:14} {row['ms']:8.2f} ms   first loss {row['first_loss']:.4f}", flush=True)
+                print(f"{mode:12} {attention:14} {row['ms']:8.2f} ms   first loss {row['first_loss']:.4f}   "
+                      f"{row.get('backend', '')}", flush=True)
             args.out.write_text(json.dumps(data, indent=1) + "\n")   # after each row: a cut run keeps its rows
     return data
 
