@@ -33,6 +33,20 @@ def _inputs(b, h, hk, nq, nk, d, layout, dtype):
     return make(h, nq), make(hk, nk), make(hk, nk)
 
 
+def _call_fake(fake, args, where: str, names: tuple) -> tuple:
+    """fake(*args) on fake tensors, refused if it calls a course operator; its outputs, checked to be a tuple of
+    len(names) tensors."""
+    log = _OpLog()
+    with log:
+        out = fake(*args)
+    course = sorted({n for n in log.names if n.startswith("course::")})
+    assert not course, f"{where}: your function calls the course's operator ({', '.join(course)}); " \
+                       "a fake function describes the outputs itself"
+    assert isinstance(out, tuple) and len(out) == len(names) and all(isinstance(t, torch.Tensor) for t in out), \
+        f"{where}: return a tuple ({', '.join(names)}) of {len(names)} tensors, got {type(out).__name__}"
+    return out
+
+
 def check_attention_fake(fake) -> None:
     """`fake(q, k, v, causal, scale) -> (o, lse)` must say what the operator returns without computing it: o new
     and contiguous, q's shape and dtype; lse (batch, heads, Nq) in float32. It runs on fake tensors; calling the
@@ -44,15 +58,7 @@ def check_attention_fake(fake) -> None:
         where = _case_name(*case)
         with FakeTensorMode() as mode:
             q, k, v = (mode.from_tensor(t) for t in _inputs(*case))
-            log = _OpLog()
-            with log:
-                out = fake(q, k, v, True, 0.125)
-        course = sorted({n for n in log.names if n.startswith("course::")})
-        assert not course, f"{where}: your function calls the course's operator ({', '.join(course)}); " \
-                           "a fake function describes the outputs itself"
-        assert isinstance(out, tuple) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out), \
-            f"{where}: return a tuple (o, lse) of two tensors, got {type(out).__name__}"
-        o, lse = out
+            o, lse = _call_fake(fake, (q, k, v, True, 0.125), where, ("o", "lse"))
         assert tuple(o.shape) == tuple(q.shape), f"{where}: o has shape {tuple(o.shape)}, expected q's " \
                                                  f"{tuple(q.shape)}"
         assert o.dtype == q.dtype, f"{where}: o has dtype {o.dtype}, expected q's {q.dtype}"
@@ -86,14 +92,7 @@ def check_backward_fake(fake) -> None:
             lse = torch.empty(b, h, nq, dtype=torch.float32)
             args = (do, q, k, v, o, lse, True, 0.125)
             expected = torch.ops.course.triton_attention_backward(*args)   # the registered fake
-            log = _OpLog()
-            with log:
-                out = fake(*args)
-        course = sorted({n for n in log.names if n.startswith("course::")})
-        assert not course, f"{where}: your function calls the course's operator ({', '.join(course)}); " \
-                           "a fake function describes the outputs itself"
-        assert isinstance(out, tuple) and len(out) == 3 and all(isinstance(t, torch.Tensor) for t in out), \
-            f"{where}: return a tuple (dq, dk, dv) of three tensors, got {type(out).__name__}"
+            out = _call_fake(fake, args, where, ("dq", "dk", "dv"))
         for name, got, want, of in zip(("dq", "dk", "dv"), out, expected, ("q", "k", "v")):
             assert tuple(got.shape) == tuple(want.shape), \
                 f"{where}: {name} has shape {tuple(got.shape)}, expected {of}'s {tuple(want.shape)}"
