@@ -24,10 +24,14 @@ import torch
 import torch.nn.functional as F
 
 ATTENTIONS = ("sdpa", "sdpa_flash", "sdpa_cudnn", "triton", "triton_lesson")
-SDPA_PINNED = {"sdpa_flash": "FLASH_ATTENTION", "sdpa_cudnn": "CUDNN_ATTENTION"}   # names in SDPBackend
+# names in SDPBackend; each row's name past "sdpa_" is the backend's name in BACKEND_MARKERS
+SDPA_PINNED = {"sdpa_flash": "FLASH_ATTENTION", "sdpa_cudnn": "CUDNN_ATTENTION"}
 # A backend by the names of the CUDA kernels it launches (torch 2.11's flash and cuDNN, the memory-efficient one)
 BACKEND_MARKERS = {"flash": ("pytorch_flash::",), "cudnn": ("cudnn", "sdpa"), "efficient": ("fmha_cutlass",)}
-PINNED_BACKEND = {"sdpa_flash": "flash", "sdpa_cudnn": "cudnn"}
+
+# torch.compile's options per mode; None: eager
+MODES = {"eager": None, "compiled": dict(fullgraph=True), "cuda_graphs": dict(fullgraph=True, mode="reduce-overhead")}
+DEFAULT_OUT = Path(__file__).resolve().parents[3] / "images" / "07b_real_model_h200.json"
 
 
 def backend_of(kernel_names) -> str:
@@ -37,9 +41,6 @@ def backend_of(kernel_names) -> str:
         if any(all(m in name for m in markers) for name in kernel_names):
             return backend
     return "unknown"
-# torch.compile's options per mode; None: eager
-MODES = {"eager": None, "compiled": dict(fullgraph=True), "cuda_graphs": dict(fullgraph=True, mode="reduce-overhead")}
-DEFAULT_OUT = Path(__file__).resolve().parents[3] / "images" / "07b_real_model_h200.json"
 
 
 def attention_function(name: str):
@@ -71,7 +72,7 @@ def measure(attention: str, mode: str, *, batch: int, seq: int, dim: int, heads:
             row = _measure(attention, mode, **shape)
         except RuntimeError as err:   # "No available kernel": the backend refused the inputs
             return dict(attention=attention, mode=mode, error=str(err).strip().splitlines()[0][:300])
-    if row["backend"] not in (PINNED_BACKEND[attention], "unknown"):   # torch.compile chose its own backend
+    if row["backend"] not in (attention.removeprefix("sdpa_"), "unknown"):   # torch.compile chose its own backend
         return dict(attention=attention, mode=mode, error=f"not kept: this mode ran {row['backend']}")
     return row
 
