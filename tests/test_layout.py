@@ -19,6 +19,7 @@ TOOLING = ("utils.course",)
 FORWARD_BACKWARD = (("utils.eager.forward", "utils.eager.backward"),
                     ("utils.tiled.forward", "utils.tiled.backward"),
                     ("utils.tiled.fast.forward", "utils.tiled.fast.backward"),
+                    ("utils.sinks.forward", "utils.sinks.backward"),
                     ("utils.explicit.forward", "utils.explicit.backward"),
                     ("utils.explicit.forward_ws", "utils.explicit.backward"),
                     ("utils.native.kernels", "utils.native.backward"),
