@@ -104,6 +104,48 @@ def test_decode_in_bf16_and_with_every_sequence_full():
     assert_close(lse, lse_ref, dtype=torch.bfloat16)
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="DeepSeek's shape: r = 512 is minutes in the interpreter")
+@pytest.mark.parametrize("heads", [16, 128])
+def test_decode_at_deepseeks_shape(heads):
+    q_latent, q_rope, c, k_rope, seqlens = _problem(heads, 1, 512, 64, lengths=(1, 700, 2049),
+                                                    dtype=torch.bfloat16, seed=heads)
+    o, lse = mla_decode(q_latent, q_rope, c, k_rope, seqlens, sm_scale=DEEPSEEK_SM_SCALE)
+    o_ref, lse_ref = mla_absorbed_reference(q_latent, q_rope, c, k_rope, seqlens, sm_scale=DEEPSEEK_SM_SCALE)
+    assert_close(o, o_ref, dtype=torch.bfloat16)
+    assert_close(lse, lse_ref, dtype=torch.bfloat16)
+
+
+SMEM_PROBE = """
+import torch
+from utils.course.cross_compile import _capture, compile_launch
+from utils.mla.decode import mla_decode
+for heads in (16, 128):
+    ql, qr = torch.zeros(2, heads, 1, 512, dtype=torch.bfloat16), torch.zeros(2, heads, 1, 64, dtype=torch.bfloat16)
+    c, kr = torch.zeros(2, 1024, 512, dtype=torch.bfloat16), torch.zeros(2, 1024, 64, dtype=torch.bfloat16)
+    launch = _capture(lambda: mla_decode(ql, qr, c, kr, num_splits=4))[0]
+    print(heads, compile_launch(launch, (9, 0)).metadata.shared)
+"""
+
+
+@pytest.mark.full
+def test_the_kernel_at_deepseeks_shape_fits_an_h200s_shared_memory():
+    """Compiled for sm_90 (in a process without the interpreter): at r = 512 the c tiles in flight fill most of
+    the 227 KiB a block may have, and a launch that asks for more fails only on the GPU."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    run = subprocess.run([sys.executable, "-c", SMEM_PROBE], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    shared = dict(tuple(map(int, line.split())) for line in run.stdout.split("\n") if line.strip())
+    assert set(shared) == {16, 128} and all(0 < b <= 227 * 1024 for b in shared.values()), shared
+
+
 @pytest.mark.skipif(DEVICE == "cuda", reason="counts the loads of the Triton interpreter")
 @pytest.mark.parametrize("heads, n_q, latent, rope", [(16, 2, 64, 16), (40, 2, 16, 16)])
 def test_each_cache_entry_is_loaded_once_per_block_of_heads(monkeypatch, heads, n_q, latent, rope):
@@ -144,7 +186,8 @@ def test_pick_splits_and_the_layout():
     assert pick_splits(1, 100, block_n=32, num_sms=132) == 1                   # too short to cut
     assert pick_splits(1, 1 << 20, block_n=16, num_sms=1000) == MAX_SPLITS
     layout = decode_layout(4, 128, 1, 4096, 512, num_sms=132)
-    assert (layout.block_m, layout.block_n, layout.row_blocks, layout.num_splits) == (64, 32, 2, 16)
+    assert (layout.block_m, layout.block_n, layout.row_blocks, layout.num_splits) == (64, 16, 2, 16)
+    assert (layout.num_warps, layout.num_stages) == (8, 3)
     assert layout.grid == (2, 16, 4)
     assert decode_layout(2, 16, 1, 4096, 512).row_blocks == 1   # 16 heads: one tile reads the cache for all
 

@@ -100,6 +100,7 @@ class Layout(NamedTuple):
     row_blocks: int              # Q tiles per sequence: how many times each cache entry is loaded
     num_splits: int
     num_warps: int
+    num_stages: int              # cache tiles in flight (software pipelining)
 
 
 def pick_splits(batch: int, seqlen: int, *, row_blocks: int = 1, block_n: int = 32, num_sms: int = 132) -> int:
@@ -116,12 +117,16 @@ def decode_layout(batch: int, heads: int, n_q: int, seqlen: int, latent_dim: int
     capped at 64: the fp32 accumulator is BLOCK_M × r (128 KiB at 64 × 512), held in registers."""
     rows = heads * n_q
     block_m = min(64, max(16, triton.next_power_of_2(rows)))
-    block_n = 32 if latent_dim >= 256 else 64     # a c tile of 32 × 512 bf16 is 32 KiB of shared memory
+    # At r = 512 a program's shared memory is mostly the c tiles in flight, plus copies Triton makes to feed c
+    # to both products: 16-entry tiles, three in flight, fit an H200's 227 KiB per block (compiled for sm_90
+    # here: 225.5 KiB at 64 rows); 32-entry tiles would allow only two.
+    block_n = 16 if latent_dim >= 256 else 64
     num_warps = 8 if latent_dim >= 256 else 4     # more threads to hold the wide accumulator
+    num_stages = 3
     row_blocks = cdiv(rows, block_m)
     if num_splits is None:
         num_splits = pick_splits(batch, seqlen, row_blocks=row_blocks, block_n=block_n, num_sms=num_sms)
-    return Layout((row_blocks, num_splits, batch), block_m, block_n, row_blocks, num_splits, num_warps)
+    return Layout((row_blocks, num_splits, batch), block_m, block_n, row_blocks, num_splits, num_warps, num_stages)
 
 
 def _check_dtype_and_device(name: str, t: torch.Tensor, like: torch.Tensor) -> None:
@@ -198,7 +203,7 @@ def _decode(q_latent, q_rope, c, k_rope, seqlens, *, scale: float, num_splits):
         *q_latent.stride()[:3], *q_rope.stride()[:3], *c.stride()[:2], *k_rope.stride()[:2],
         *o_parts.stride()[:4], *lse_parts.stride(), heads * n_q, n_q, scale * LOG2E,
         BLOCK_M=layout.block_m, BLOCK_N=layout.block_n, LATENT=latent, ROPE=q_rope.shape[3],
-        num_warps=layout.num_warps)
+        num_warps=layout.num_warps, num_stages=layout.num_stages)
     o, lse = merge_partials(o_parts, lse_parts, out_dtype=q_latent.dtype)
     return o.to(out_dtype), lse   # .to: a no-op except for bf16 on the CPU
 
