@@ -96,6 +96,47 @@ def test_backward_tiles_shrink_to_the_gpus_shared_memory(monkeypatch):
     assert smem_estimate(Config(32, 64, 4, 2, 64, 32, 4, 2), 128, 2) == 81920
 
 
+def test_backward_tiles_a_compile_found_too_big_are_not_picked_again(monkeypatch):
+    """The fast backward's fallback when Triton allocates more than smem_estimate says (Triton 3.7 at head dim 128
+    on sm_90): the same tiles with one stage fewer come next, then the small ones; the last resort stays."""
+    from utils.tiled.fast import backward as fast_bwd
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(fast_bwd, "_TOO_BIG", set())
+    fast_bwd._fitted_config.cache_clear()
+    h200 = 227 * 1024
+    preferred = pick_config(128, torch.bfloat16, False, h200)
+    assert preferred.stages1 == preferred.stages2 == 3
+    assert fast_bwd._drop_if_too_big(preferred, h200)
+    fewer = pick_config(128, torch.bfloat16, False, h200)
+    assert (fewer.block_m1, fewer.block_n1, fewer.stages1, fewer.stages2) == (preferred.block_m1,
+                                                                             preferred.block_n1, 2, 2)
+    assert pick_config(128, torch.bfloat16, False, 64 * 1024) == pick_config(128, torch.bfloat16, False, 64 * 1024)
+    assert pick_config(128, torch.bfloat16, False), "without smem: the H200's tiles, whatever was dropped"
+    assert fast_bwd._drop_if_too_big(fewer, h200)
+    assert pick_config(128, torch.bfloat16, False, h200) == SMALL_SMEM_CONFIGS[0]
+    assert not fast_bwd._drop_if_too_big(SMALL_SMEM_CONFIGS[-1], h200), "the last resort is never dropped"
+    assert not fast_bwd._drop_if_too_big(preferred, None)
+    fast_bwd._fitted_config.cache_clear()
+
+
+def test_lesson_backward_tiles_to_try_when_the_first_are_too_big():
+    """The lesson backward's tiles in the order it tries them: pick_config's, the same with one stage fewer
+    (where Triton's buffers per stage are what outgrows the GPU), then the small ones that fit."""
+    from utils.tiled import backward as lesson_bwd
+
+    h200 = 227 * 1024
+    tried = lesson_bwd.candidate_configs(128, torch.bfloat16, h200)
+    assert tried[0] == lesson_bwd.pick_config(128, torch.bfloat16, h200) == lesson_bwd.pick_config(128, torch.bfloat16)
+    assert tried[1] == tried[0]._replace(stages1=2, stages2=2)
+    assert tried[2:] == list(lesson_bwd.SMALL_SMEM_CONFIGS)
+    for d in (16, 64, 128, 256):
+        for dtype in (torch.bfloat16, torch.float32):
+            t4 = lesson_bwd.candidate_configs(d, dtype, 64 * 1024)
+            assert len(set(t4)) == len(t4) and t4[-1] == lesson_bwd.SMALL_SMEM_CONFIGS[-1]
+            assert all(lesson_bwd.smem_estimate(c, d, dtype.itemsize) <= 64 * 1024 for c in t4) or t4 == [t4[-1]]
+
+
 @pytest.mark.skipif(sys.platform == "win32", reason="subprocess environment")
 @pytest.mark.full   # every Triton kernel compiled for sm_75: minutes on two cores
 @pytest.mark.long
@@ -111,6 +152,46 @@ def test_every_course_kernel_fits_a_t4():
     kernels = {line.split()[-4] for line in lines[1:]}
     assert {"flash_fwd_kernel", "_bwd_dkdv", "_bwd_dq", "_split_kv_kernel", "flex_fwd_kernel"} <= kernels
     assert all(line.endswith("fits") for line in lines[1:]) and len(lines) > 20
+
+
+H200_BACKWARD_PROBE = """
+import torch
+from utils.course.cross_compile import _capture, compile_launch
+from utils.tiled import backward as lesson
+from utils.tiled.fast import backward as fast
+q, lse = torch.zeros(1, 2, 256, 128, dtype=torch.bfloat16), torch.zeros(1, 2, 256)
+for name, module in (("lesson", lesson), ("fast", fast)):
+    preferred = module.pick_config(128, torch.bfloat16)
+    for stages in (preferred.stages1, preferred.stages1 - 1):
+        config = module.Config(*preferred[:3], stages, *preferred[4:7], stages) if name == "lesson" else \\
+            module.Config(**{**vars(preferred), "stages1": stages, "stages2": stages})
+        for launch in _capture(lambda: module.flash_attention_backward(q, q, q, q, q, lse, causal=True,
+                                                                        config=config))[1:]:
+            print(name, stages, launch.name, compile_launch(launch, (9, 0)).metadata.shared, flush=True)
+"""
+
+
+@pytest.mark.full   # four kernels compiled for sm_90: minutes on two cores
+@pytest.mark.long
+def test_backward_tiles_fit_an_h200_at_most_one_stage_down():
+    """Head dim 128, bf16, the H200's tiles: where this Triton asks more than the 227 KiB a block may have (3.7
+    does, with a buffer per pipelined loop), the tiles with one stage fewer, which the backwards fall back to
+    after Triton's "out of resource", fit."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    run = subprocess.run([sys.executable, "-c", H200_BACKWARD_PROBE], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=1200)
+    assert run.returncode == 0, run.stderr[-2000:]
+    shared = {}
+    for line in run.stdout.splitlines():
+        name, stages, kernel, size = line.split()
+        shared.setdefault((name, int(stages)), {})[kernel] = int(size)
+    assert {kernels.keys() == {"_bwd_dkdv", "_bwd_dq"} for kernels in shared.values()} == {True}, shared
+    limit = 227 * 1024
+    for name in ("lesson", "fast"):
+        first, second = (max(kernels.values()) for (n, _), kernels in sorted(shared.items(), reverse=True)
+                         if n == name)
+        assert first <= limit or second <= limit, (name, shared)
 
 
 def test_the_command_refuses_interpreted_kernels():

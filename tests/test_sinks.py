@@ -205,6 +205,18 @@ def test_backward_matches_reference(case):
     assert_grads_close(grads, reference_grads(q, k, v, s, do, causal=causal, window=window))
 
 
+@pytest.mark.gpu
+def test_backward_tries_smaller_tiles_where_the_first_are_too_big(monkeypatch):
+    """As the lesson backward: Triton's "out of resource: shared memory" for the first tiles, the next ones."""
+    huge = backward.Config(128, 256, 8, 4, 256, 128, 8, 4)   # far beyond any GPU's shared memory per block
+    monkeypatch.setattr(backward, "candidate_configs", lambda d, dtype, smem=None: [huge, SMALL_BWD])
+    q, k, v, s = inputs(1, 4, 2, 70, 70, 128)
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    o, lse = sink_attention_forward(q, k, v, s, causal=True, window=16)
+    grads = sink_attention_backward(do, q, k, v, s, o, lse, causal=True, window=16)
+    assert_grads_close(grads, reference_grads(q, k, v, s, do, causal=True, window=16))
+
+
 def test_autograd_with_a_custom_scale():
     q, k, v, s = inputs(1, 4, 2, 30, 40, 32)
     tensors = [t.requires_grad_() for t in (q, k, v, s)]

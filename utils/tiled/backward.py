@@ -17,6 +17,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from utils import gpu
 from utils.checks import check_device
@@ -224,6 +225,14 @@ def smem_estimate(config: Config, head_dim: int, elem_bytes: int) -> int:
 def pick_config(head_dim: int, dtype: torch.dtype, smem: int | None = None) -> Config:
     """The tiles for a head dim and dtype, shrunk until they fit `smem` bytes of shared memory per block
     (None: an H200's choice)."""
+    return candidate_configs(head_dim, dtype, smem)[0]
+
+
+def candidate_configs(head_dim: int, dtype: torch.dtype, smem: int | None = None) -> list[Config]:
+    """pick_config's tiles first, then the smaller ones that also fit `smem` by smem_estimate. The estimate
+    counts tiles, but Triton decides the buffers (3.7 gives each pipelined loop its own: 289 KiB for the H200's
+    tiles at head dim 128, where 3.6 needs under 227 KiB), so a launch may still ask for too much; the next
+    tiles are for that case: the same with one stage fewer, then the small ones."""
     if head_dim > 128:   # registers
         preferred = Config(16, 32, 4, 1, 32, 16, 4, 1)
     elif dtype in (torch.float32, torch.float64):   # exact dots, twice the bytes
@@ -233,9 +242,11 @@ def pick_config(head_dim: int, dtype: torch.dtype, smem: int | None = None) -> C
     else:
         preferred = Config(64, 128, 8, 3, 128, 64, 8, 3)
     if smem is None:
-        return preferred
-    fits = [c for c in (preferred, *SMALL_SMEM_CONFIGS) if smem_estimate(c, head_dim, dtype.itemsize) <= smem]
-    return fits[0] if fits else SMALL_SMEM_CONFIGS[-1]
+        return [preferred]
+    fewer_stages = preferred._replace(stages1=max(1, preferred.stages1 - 1), stages2=max(1, preferred.stages2 - 1))
+    fits = [c for c in dict.fromkeys((preferred, fewer_stages, *SMALL_SMEM_CONFIGS))
+            if smem_estimate(c, head_dim, dtype.itemsize) <= smem]
+    return fits or [SMALL_SMEM_CONFIGS[-1]]
 
 
 def check_inputs(do, q, k, v, o, lse, causal, sm_scale):
@@ -252,9 +263,15 @@ def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, sm_scale=None
     that sees no key). q, do, o: (B, H, Nq, D); k, v: (B, Hkv, Nk, D), their gradients summed over the query
     heads of a GQA group. `config`: tiles (None: pick_config)."""
     (b, h, hk, nq, nk, d), scale = check_inputs(do, q, k, v, o, lse, causal, sm_scale)
-    if config is None:
-        config = pick_config(d, q.dtype, gpu.shared_memory_per_block(q.device)) if q.is_cuda else INTERPRETER_CONFIG
-    c = check_config(config, Config)
+    if config is None and q.is_cuda:
+        *first, last = candidate_configs(d, q.dtype, gpu.shared_memory_per_block(q.device))
+        for tiles in first:
+            try:
+                return flash_attention_backward(do, q, k, v, o, lse, causal=causal, sm_scale=scale, config=tiles)
+            except OutOfResources:   # Triton's kernel needs more shared memory than the estimate: smaller tiles
+                pass
+        return flash_attention_backward(do, q, k, v, o, lse, causal=causal, sm_scale=scale, config=last)
+    c = check_config(INTERPRETER_CONFIG if config is None else config, Config)
     if q.device.type == "cpu" and q.dtype == torch.bfloat16:   # the interpreter has no bf16 arithmetic
         grads = flash_attention_backward(*(t.float() for t in (do, q, k, v, o)), lse, causal=causal,
                                          sm_scale=scale, config=c)

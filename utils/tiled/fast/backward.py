@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from utils import gpu
@@ -109,8 +110,31 @@ def _fitted_config(head_dim: int, dtype: torch.dtype, causal: bool, smem: int | 
     if smem is None:
         return preferred
     elem_bytes = torch.finfo(dtype).bits // 8
-    fits = [c for c in (preferred, *SMALL_SMEM_CONFIGS) if smem_estimate(c, head_dim, elem_bytes) <= smem]
+    fits = [c for c in _candidates(preferred) if smem_estimate(c, head_dim, elem_bytes) <= smem
+            and (smem, c) not in _TOO_BIG]
     return fits[0] if fits else SMALL_SMEM_CONFIGS[-1]
+
+
+def _candidates(preferred: Config) -> tuple[Config, ...]:
+    """The tiles tried in order: the preferred ones, with one stage fewer (the buffers of a stage are what a
+    newer Triton allocates more of), then the small ones."""
+    fewer = replace(preferred, stages1=max(1, preferred.stages1 - 1), stages2=max(1, preferred.stages2 - 1))
+    return tuple(dict.fromkeys((preferred, fewer, *SMALL_SMEM_CONFIGS)))
+
+
+# (shared memory per block, Config): tiles whose compiled kernels asked more shared memory than such a GPU has.
+# smem_estimate is exact for the Triton it was fitted to; another version may allocate more (Triton 3.7 at head
+# dim 128 on sm_90 asks 289 KiB for the H200's tiles, where 3.6 fits them in 227 KiB).
+_TOO_BIG: set[tuple[int, Config]] = set()
+
+
+def _drop_if_too_big(config: Config, smem: int | None) -> bool:
+    """Never pick `config` again for GPUs of `smem` bytes per block; False when it is the last resort."""
+    if smem is None or config == SMALL_SMEM_CONFIGS[-1] or (smem, config) in _TOO_BIG:
+        return False
+    _TOO_BIG.add((smem, config))
+    _fitted_config.cache_clear()
+    return True
 
 
 def use_tma(head_dim: int, causal: bool) -> bool:
@@ -399,7 +423,15 @@ def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, sm_scale=None
         grads = flash_attention_backward(*(t.float() for t in (do, q, k, v, o)), lse, causal=causal,
                                          sm_scale=sm_scale, config=config)
         return tuple(g.to(torch.bfloat16) for g in grads)
-    return _run(kind, key is not None, do, q, k, v, o, lse)
+    try:
+        return _run(kind, key is not None, do, q, k, v, o, lse)
+    except OutOfResources:   # the estimate fit, the compiled kernel does not: pick again without these tiles
+        smem = gpu.shared_memory_per_block(q.device)
+        if config is not None or not _drop_if_too_big(kind.choices.config, smem):
+            raise
+        if key is not None:
+            _KINDS.pop(key, None)
+        return flash_attention_backward(do, q, k, v, o, lse, causal=causal, sm_scale=sm_scale)
 
 
 def backward_for_forward(forward_kind: launch.Kind, do, q, k, v, o, lse, *, causal, sm_scale):
