@@ -78,7 +78,8 @@ WRONG = [
      r"rows 16–44 wrong \(29 of 45\), in block\(s\) 1–2 of 16 rows"),
     (MERGE, [("@triton.jit\n", "from utils.mla.cascade import merge_two\n\n\n@triton.jit\n"),
              (BEGIN, BEGIN + "    merge_two(O1, LSE1, O2, LSE2)\n")],
-     r"refuses the course's own `utils.mla.cascade.merge_two`"),
+     # interpreted, the call runs and is refused; compiled, Triton refuses a Python function in a kernel
+     r"refuses the course's own `utils.mla.cascade.merge_two`|does not compile: Unsupported function.*merge_two"),
     # 11.4: no magnitude, no guard for zeros, the short block dropped, the scale upside down, the course's quantiser
     (SCALES, ("x.abs()", "x"), r"batch 0, head 1, block 1's largest magnitude is a negative entry"),
     (SCALES, ("torch.where(amax > 0, amax / 448.0, 1.0)", "amax / 448.0"),
@@ -97,3 +98,15 @@ def test_a_wrong_answer_says_what_is_wrong(marker, edit, message):
     said = outcome(marker, replace=edit if isinstance(edit, list) else [edit])
     assert said.startswith("wrong: ")
     assert re.search(message, said, re.S), said
+
+
+def test_a_kernel_triton_cannot_compile_is_reported_as_wrong(monkeypatch):
+    """On a GPU the learner's kernel is compiled; the compiler's complaint becomes the check's message."""
+    from utils.course.exercises import modern
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("Unsupported function referenced: <function merge_two at 0x0>")
+
+    monkeypatch.setattr(modern, "run_merge_two", refuse)
+    with pytest.raises(AssertionError, match=r"the kernel does not compile: Unsupported function referenced"):
+        modern.check_merge_two(object())

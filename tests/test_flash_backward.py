@@ -215,50 +215,6 @@ def test_lesson_backward_tries_smaller_tiles_where_the_first_are_too_big(monkeyp
         lesson_bwd.flash_attention_backward(do, q, k, v, o.to(q.dtype), lse.float(), causal=True, config=huge)
 
 
-@pytest.mark.gpu
-def test_tiles_whose_compiled_kernel_is_too_big_are_dropped(monkeypatch):
-    """Where Triton allocates more shared memory than smem_estimate says (3.7 at head dim 128 on sm_90), the
-    launch's "out of resource" makes the backward drop those tiles and pick again, once."""
-    from utils.tiled.fast import backward as fast_bwd
-
-    huge = Config(128, 256, 8, 4, 256, 128, 8, 4)   # far beyond any GPU's shared memory per block
-    monkeypatch.setattr(fast_bwd, "_TOO_BIG", set())
-    monkeypatch.setattr(fast_bwd, "_candidates", lambda preferred: (huge, *fast_bwd.SMALL_SMEM_CONFIGS))
-    monkeypatch.setattr(fast_bwd, "smem_estimate", lambda *args: 0)
-    fast_bwd._fitted_config.cache_clear()
-    fast_bwd._KINDS.clear()
-    try:
-        q, k, v = random_qkv(1, 2, 300, 300, 128, dtype=torch.bfloat16, device=DEVICE, seed=3)
-        do = torch.randn_like(q)
-        o, lse = forward_lse(q, k, v, True)
-        for _ in range(2):   # the second call finds the kind chosen again, with the tiles that fit
-            grads = flash_attention_backward(do, q, k, v, o.to(q.dtype), lse.float(), causal=True)
-            assert_gradients_close(grads, reference_gradients(q, k, v, do, causal=True), torch.bfloat16)
-        assert fast_bwd._TOO_BIG == {(gpu.shared_memory_per_block(q.device), huge)}
-        with pytest.raises(Exception, match="out of resource|OutOfResources"):   # tiles the caller chose: Triton's error
-            flash_attention_backward(do, q, k, v, o.to(q.dtype), lse.float(), causal=True, config=huge)
-    finally:
-        fast_bwd._fitted_config.cache_clear()
-        fast_bwd._KINDS.clear()
-
-
-@pytest.mark.gpu
-def test_lesson_backward_drops_tiles_too_big_for_the_gpu(monkeypatch):
-    """The lesson kernel's retry after "out of resource: shared memory": the same call with the next tiles."""
-    from utils.tiled import backward as lesson_bwd
-
-    huge = lesson_bwd.Config(128, 256, 8, 4, 256, 128, 8, 4)
-    monkeypatch.setattr(lesson_bwd, "TOO_BIG", set())
-    monkeypatch.setattr(lesson_bwd, "pick_config", lambda d, dtype, smem=None: lesson_bwd.SMALL_SMEM_CONFIGS[0]
-                        if (smem, huge) in lesson_bwd.TOO_BIG else huge)
-    q, k, v = random_qkv(1, 2, 300, 300, 128, dtype=torch.bfloat16, device=DEVICE, seed=3)
-    do = torch.randn_like(q)
-    o, lse = forward_lse(q, k, v, True)
-    grads = lesson_bwd.flash_attention_backward(do, q, k, v, o.to(q.dtype), lse.float(), causal=True)
-    assert_gradients_close(grads, reference_gradients(q, k, v, do, causal=True), torch.bfloat16)
-    assert lesson_bwd.TOO_BIG == {(gpu.shared_memory_per_block(q.device), huge)}
-
-
 def test_triton_backward_non_contiguous_and_scale():
     """Views of (batch, seq, heads, dim) buffers, as a model's reshaped projections are."""
     q, k, v = random_qkv(1, 4, 37, 45, 32, kv_heads=2, device=DEVICE)
