@@ -165,13 +165,17 @@ for name, module in (("lesson", lesson), ("fast", fast)):
     for stages in (preferred.stages1, preferred.stages1 - 1):
         config = module.Config(*preferred[:3], stages, *preferred[4:7], stages) if name == "lesson" else \\
             module.Config(**{**vars(preferred), "stages1": stages, "stages2": stages})
-        for launch in _capture(lambda: module.flash_attention_backward(q, q, q, q, q, lse, causal=True,
-                                                                        config=config))[1:]:
-            print(name, stages, launch.name, compile_launch(launch, (9, 0)).metadata.shared, flush=True)
+        sizes = [compile_launch(launch, (9, 0)).metadata.shared for launch in _capture(
+            lambda: module.flash_attention_backward(q, q, q, q, q, lse, causal=True, config=config))[1:]]
+        print(name, stages, *sizes, flush=True)
+        if max(sizes) <= 227 * 1024:   # these fit: the fallback is not needed
+            break
 """
 
 
-@pytest.mark.full   # four kernels compiled for sm_90: minutes on two cores
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a check of this machine's Triton compiling for sm_90; on a "
+                    "GPU the backward's fallback tests run the kernels themselves")
+@pytest.mark.full   # two to four kernels compiled for sm_90: minutes on two cores
 @pytest.mark.long
 def test_backward_tiles_fit_an_h200_at_most_one_stage_down():
     """Head dim 128, bf16, the H200's tiles: where this Triton asks more than the 227 KiB a block may have (3.7
@@ -182,16 +186,13 @@ def test_backward_tiles_fit_an_h200_at_most_one_stage_down():
     run = subprocess.run([sys.executable, "-c", H200_BACKWARD_PROBE], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=1200)
     assert run.returncode == 0, run.stderr[-2000:]
-    shared = {}
+    tried = {}
     for line in run.stdout.splitlines():
-        name, stages, kernel, size = line.split()
-        shared.setdefault((name, int(stages)), {})[kernel] = int(size)
-    assert {kernels.keys() == {"_bwd_dkdv", "_bwd_dq"} for kernels in shared.values()} == {True}, shared
-    limit = 227 * 1024
-    for name in ("lesson", "fast"):
-        first, second = (max(kernels.values()) for (n, _), kernels in sorted(shared.items(), reverse=True)
-                         if n == name)
-        assert first <= limit or second <= limit, (name, shared)
+        name, stages, *sizes = line.split()
+        assert len(sizes) == 2, line   # dK/dV and dQ
+        tried.setdefault(name, []).append(max(map(int, sizes)))
+    assert set(tried) == {"lesson", "fast"} and all(1 <= len(t) <= 2 for t in tried.values()), tried
+    assert all(sizes[-1] <= 227 * 1024 for sizes in tried.values()), tried
 
 
 def test_the_command_refuses_interpreted_kernels():

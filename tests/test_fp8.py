@@ -293,6 +293,28 @@ def test_bench_without_a_gpu_says_so():
         bench.main([])
 
 
+def test_sweep_arguments_and_configs():
+    args = bench.parse_args(["--sweep"])
+    assert args.sweep and args.out == bench.SWEEP_OUT and args.out.name == "11_fp8_sweep_h200.json"
+    assert args.impls == ["fp8"] and args.seqlens == [8192, 16384] and args.accuracy_seqlen == 0
+    assert bench.parse_args(["--sweep", "--seqlens", "4096"]).seqlens == [4096]
+    configs = bench.sweep_configs()
+    assert len(set(configs)) == len(configs) and configs[0] == forward.pick_config(128), "the current choice first"
+    for config in configs:
+        assert forward.check_fp8_config(config) == config
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_sweep_small_run_times_each_config(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench, "sweep_configs", lambda: [Config(64, 64, 4, 2), Config(128, 32, 4, 1)])
+    data = bench.main(["--sweep", "--seqlens", "256", "--tokens", "512", "--heads", "2", "--warmup", "1", "--rep",
+                       "5", "--out", str(tmp_path / "sweep.json")])
+    assert data["settings"]["sweep"] and data["accuracy"] is None
+    assert [(r["config"]["block_m"], r["causal"]) for r in data["results"]] == [(64, False), (128, False),
+                                                                                (64, True), (128, True)]
+    assert all(r["error"] is None and r["tflops"] > 0 for r in data["results"])
+
+
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 def test_bench_small_run_writes_every_row(tmp_path):
     import json

@@ -16,7 +16,7 @@ from utils.course.testing import assert_close
 from utils.decoding.split_kv import MAX_SPLITS
 from utils.eager.reference import causal_mask
 from utils.mla.cascade import cascade_decode, cascade_traffic, merge_two
-from utils.mla.decode import decode_layout, mla_decode, mla_decode_kernel, pick_splits
+from utils.mla.decode import Tiles, decode_layout, mla_decode, mla_decode_kernel, pick_splits
 from utils.mla.reference import (DEEPSEEK_SM_SCALE, absorb, mla_absorbed_reference, mla_naive, up_project)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -192,6 +192,30 @@ def test_pick_splits_and_the_layout():
     assert decode_layout(2, 16, 1, 4096, 512).row_blocks == 1   # 16 heads: one tile reads the cache for all
 
 
+@pytest.mark.parametrize("tiles", [Tiles(16, 4, 1), Tiles(32, 2, 2)])
+def test_decode_with_the_callers_tiles(tiles):
+    q_latent, q_rope, c, k_rope, seqlens = _problem(4, 2, seed=5)
+    o, lse = mla_decode(q_latent, q_rope, c, k_rope, seqlens, sm_scale=SCALE, num_splits=2, tiles=tiles)
+    o_ref, lse_ref = mla_absorbed_reference(q_latent, q_rope, c, k_rope, seqlens, sm_scale=SCALE)
+    assert_close(o, o_ref, dtype=torch.float32)
+    assert_close(lse, lse_ref, dtype=torch.float32)
+    layout = decode_layout(3, 4, 2, 100, 64, num_splits=2, tiles=tiles)
+    assert (layout.block_n, layout.num_warps, layout.num_stages) == tiles
+
+
+def test_bad_tiles_are_named():
+    q_latent, q_rope, c, k_rope, _ = _problem(4, 1)
+    for tiles, error, message in [((32, 4, 2), TypeError, "tiles must be a utils.mla.decode.Tiles"),
+                                  (Tiles(24, 4, 2), ValueError, "tiles.block_n must be a power of two"),
+                                  (Tiles(8, 4, 2), ValueError, "tiles.block_n must be a power of two of at least 16"),
+                                  (Tiles(32, 3, 2), ValueError, "tiles.num_warps must be"),
+                                  (Tiles(32, 4, 0), ValueError, "tiles.num_stages must be a positive int"),
+                                  (Tiles(32, 4, 9), ValueError, "tiles.num_stages must be at most 6"),
+                                  (Tiles(32, True, 2), ValueError, "tiles.num_warps must be a positive int")]:
+        with pytest.raises(error, match=message):
+            mla_decode(q_latent, q_rope, c, k_rope, sm_scale=SCALE, tiles=tiles)
+
+
 # --- cascade decoding ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("n_q, splits", [(1, 1), (2, 2)])
@@ -307,9 +331,46 @@ def test_bench_arguments_and_bytes():
             bench.parse_args(bad)
     # batch 2, 16 heads, 1 token, 4096 entries of 512 + 64 in bf16: the cache once, q in, o out
     assert bench.step_bytes(2, 16, 1, 4096, 512, 64, 2) == (2 * 4096 * 576 + 2 * 16 * 576 + 2 * 16 * 512) * 2
+    # per (head, token, entry): 576 products for the score, 512 for o, two FLOPs each
+    assert bench.step_flops(2, 16, 1, 4096, 512, 64) == 2 * 16 * 4096 * 2 * (576 + 512)
+    # at 128 heads a cache byte feeds more FLOPs than an H200's 989 TFLOP/s over 4.8 TB/s (its datasheet)
+    intensity = bench.step_flops(1, 128, 1, 4096, 512, 64) / bench.step_bytes(1, 128, 1, 4096, 512, 64, 2)
+    assert 989 / 4.8 < intensity < 250
+
+
+def test_sweep_arguments_and_tiles():
+    args = bench.parse_args(["--sweep"])
+    assert args.sweep and args.batches == [64] and args.out == bench.SWEEP_OUT
+    assert args.out.name == "11_mla_sweep_h200.json" and args.out.parent.name == "images"
+    assert bench.parse_args(["--sweep", "--batches", "32", "128"]).batches == [32, 128]
+    assert bench.parse_args([]).out == bench.DEFAULT_OUT and not bench.parse_args([]).sweep
+    tiles = bench.sweep_tiles()
+    assert len(set(tiles)) == len(tiles) == 18 and decode_layout(64, 16, 1, 4096, 512)[2:7:4] in {
+        (t.block_n, t.num_stages) for t in tiles}, "the current choice is among those tried"
+    assert None in bench.SWEEP_SPLITS
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
 def test_bench_without_a_gpu_says_so():
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         bench.main([])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_bench_and_sweep_small_runs_write_their_rows(tmp_path, monkeypatch):
+    import json
+
+    small = ["--heads", "16", "--seqlen", "256", "--rep", "5", "--copy-mib", "16"]
+    data = bench.main([*small, "--batches", "2", "--out", str(tmp_path / "mla.json")])
+    assert json.loads((tmp_path / "mla.json").read_text()) == data and not data["settings"]["sweep"]
+    ours = [r for r in data["rows"] if r["method"] == "mla_decode"]
+    assert len(ours) == 1 and ours[0]["tflops"] > 0 and 0 < ours[0]["fraction_of_copy"] and ours[0]["tiles"] is None
+    assert ours[0]["max_abs_err"] < 0.05
+    monkeypatch.setattr(bench, "sweep_tiles", lambda: [Tiles(16, 4, 2), Tiles(32, 8, 1)])
+    monkeypatch.setattr(bench, "SWEEP_SPLITS", (None, 4))
+    swept = bench.main([*small, "--sweep", "--batches", "2", "--out", str(tmp_path / "sweep.json")])
+    assert swept["settings"]["sweep"] and not swept["flash_mla"]["available"]
+    assert [(r["tiles"]["block_n"], r["asked_splits"]) for r in swept["rows"]] == [(16, None), (16, 4), (32, None),
+                                                                                  (32, 4)]
+    assert all(r["gbps"] > 0 and r["max_abs_err"] < 0.05 for r in swept["rows"])
+    assert [r["num_splits"] for r in swept["rows"]][1::2] == [4, 4]

@@ -103,6 +103,33 @@ class Layout(NamedTuple):
     num_stages: int              # cache tiles in flight (software pipelining)
 
 
+class Tiles(NamedTuple):
+    """The cache tiles of a launch: `block_n` entries per tile, `num_stages` of them in flight, `num_warps`
+    warps per program (None: `decode_layout`'s choice)."""
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def check_tiles(tiles) -> Tiles | None:
+    """`tiles` (a Tiles or None), or a TypeError/ValueError naming the field: block_n a power of two of at least
+    16 (a dot's minimum), num_warps a power of two up to 16, num_stages 1 to 6."""
+    if tiles is None:
+        return None
+    if not isinstance(tiles, Tiles):
+        raise TypeError(f"tiles must be a utils.mla.decode.Tiles or None, got {type(tiles).__name__}")
+    for name, value in tiles._asdict().items():
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"tiles.{name} must be a positive int, got {value!r}")
+    if tiles.block_n < 16 or tiles.block_n & (tiles.block_n - 1):
+        raise ValueError(f"tiles.block_n must be a power of two of at least 16, got {tiles.block_n}")
+    if tiles.num_warps > 16 or tiles.num_warps & (tiles.num_warps - 1):
+        raise ValueError(f"tiles.num_warps must be 1, 2, 4, 8 or 16, got {tiles.num_warps}")
+    if tiles.num_stages > 6:
+        raise ValueError(f"tiles.num_stages must be at most 6, got {tiles.num_stages}")
+    return tiles
+
+
 def pick_splits(batch: int, seqlen: int, *, row_blocks: int = 1, block_n: int = 32, num_sms: int = 132) -> int:
     """Slices of the cache per sequence: the most that keep the batch × row_blocks × splits programs within one
     wave of `num_sms` SMs (a second, part-filled wave would leave SMs idle while it runs), but no slice shorter
@@ -112,7 +139,7 @@ def pick_splits(batch: int, seqlen: int, *, row_blocks: int = 1, block_n: int = 
 
 
 def decode_layout(batch: int, heads: int, n_q: int, seqlen: int, latent_dim: int, *, num_splits=None,
-                  num_sms: int = 132) -> Layout:
+                  num_sms: int = 132, tiles: Tiles | None = None) -> Layout:
     """The grid and tiles `mla_decode` launches with (pure Python). Rows are padded to a dot's minimum of 16 and
     capped at 64: the fp32 accumulator is BLOCK_M × r (128 KiB at 64 × 512), held in registers."""
     rows = heads * n_q
@@ -123,6 +150,8 @@ def decode_layout(batch: int, heads: int, n_q: int, seqlen: int, latent_dim: int
     block_n = 16 if latent_dim >= 256 else 64
     num_warps = 8 if latent_dim >= 256 else 4     # more threads to hold the wide accumulator
     num_stages = 3
+    if tiles is not None:   # chosen by the caller (the benchmark's sweep)
+        block_n, num_warps, num_stages = tiles
     row_blocks = cdiv(rows, block_m)
     if num_splits is None:
         num_splits = pick_splits(batch, seqlen, row_blocks=row_blocks, block_n=block_n, num_sms=num_sms)
@@ -187,7 +216,7 @@ def _unit_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _decode(q_latent, q_rope, c, k_rope, seqlens, *, scale: float, num_splits):
+def _decode(q_latent, q_rope, c, k_rope, seqlens, *, scale: float, num_splits, tiles=None):
     """Launch the kernel on validated inputs (seqlens: int32), then merge the splits: (o_latent, lse)."""
     out_dtype = q_latent.dtype
     if q_latent.device.type == "cpu" and out_dtype == torch.bfloat16:   # the interpreter has no bf16 arithmetic
@@ -195,7 +224,7 @@ def _decode(q_latent, q_rope, c, k_rope, seqlens, *, scale: float, num_splits):
     q_latent, q_rope, c, k_rope = (_unit_stride(t) for t in (q_latent, q_rope, c, k_rope))
     batch, heads, n_q, latent = q_latent.shape
     layout = decode_layout(batch, heads, n_q, c.shape[1], latent, num_splits=num_splits,
-                           num_sms=default_num_sms(q_latent.device))
+                           num_sms=default_num_sms(q_latent.device), tiles=tiles)
     o_parts = torch.empty(batch, heads, n_q, layout.num_splits, latent, device=c.device, dtype=torch.float32)
     lse_parts = torch.empty(batch, heads, n_q, layout.num_splits, device=c.device, dtype=torch.float32)
     mla_decode_kernel[layout.grid](
@@ -208,7 +237,8 @@ def _decode(q_latent, q_rope, c, k_rope, seqlens, *, scale: float, num_splits):
     return o.to(out_dtype), lse   # .to: a no-op except for bf16 on the CPU
 
 
-def mla_decode(q_latent, q_rope, c, k_rope, seqlens=None, *, sm_scale=DEEPSEEK_SM_SCALE, num_splits=None):
+def mla_decode(q_latent, q_rope, c, k_rope, seqlens=None, *, sm_scale=DEEPSEEK_SM_SCALE, num_splits=None,
+               tiles=None):
     """MLA decoding over a latent cache: attention of absorbed queries, split over the cache.
 
     - q_latent (B, H, Nq, r): W_UK_h^T q_nope,h per head (`utils.mla.reference.absorb`); q_rope (B, H, Nq, d_rope);
@@ -217,7 +247,8 @@ def mla_decode(q_latent, q_rope, c, k_rope, seqlens=None, *, sm_scale=DEEPSEEK_S
     - seqlens (B,) int32/int64: valid entries per sequence, the Nq new tokens last (None: all N); new token i
       sees entries j <= i + L - Nq. Checked on the host at every call (on a GPU, a sync);
     - sm_scale: 1/sqrt(d_nope + d_rope) of the un-absorbed head dim (default DeepSeek's 1/sqrt(128 + 64));
-    - num_splits: slices of the cache per sequence (None: `pick_splits`).
+    - num_splits: slices of the cache per sequence (None: `pick_splits`);
+    - tiles: a Tiles (None: `decode_layout`'s).
     r in LATENT_DIMS, d_rope in ROPE_DIMS; fp16, bf16 or fp32 (bf16 computed in fp32 on the CPU interpreter).
     Returns (o_latent (B, H, Nq, r) in q_latent's dtype, lse (B, H, Nq) fp32, -inf where no entry was seen);
     W_UV_h o_latent,h is head h's output (`utils.mla.reference.up_project`).
@@ -225,5 +256,6 @@ def mla_decode(q_latent, q_rope, c, k_rope, seqlens=None, *, sm_scale=DEEPSEEK_S
     batch, _, _, n_k, _, _ = check_mla_inputs(q_latent, q_rope, c, k_rope)
     scale = check_mla_scale(sm_scale)
     num_splits = _check_num_splits(num_splits)
+    tiles = check_tiles(tiles)
     lengths = check_seqlens(seqlens, batch, n_k, q_latent.device)
-    return _decode(q_latent, q_rope, c, k_rope, lengths, scale=scale, num_splits=num_splits)
+    return _decode(q_latent, q_rope, c, k_rope, lengths, scale=scale, num_splits=num_splits, tiles=tiles)

@@ -2,6 +2,7 @@
 Triton forward (the registry's "triton") and SDPA pinned to cuDNN and to FlashAttention-2, and the FP8 error.
 
     python -m utils.course.bench.fp8            # writes images/11_fp8_h200.json
+    python -m utils.course.bench.fp8 --sweep    # writes images/11_fp8_sweep_h200.json: the FP8 kernel's tiles
 
 Shapes as FlashAttention-3's benchmarks: head dim 128, 16 heads, N = 2k..16k with batch = 16k / N (16k tokens
 per shape, B·H·N = 16k·16), causal and not. Rows:
@@ -30,6 +31,17 @@ IMPLS = ("fp8", "fp8+quantize", "triton", "sdpa-cudnn", "sdpa-flash")
 FP8_IMPLS = ("fp8", "fp8+quantize")
 FP8_CAPABILITY = (8, 9)          # FP8 tensor cores: Ada and Hopper on
 DEFAULT_OUT = Path(__file__).resolve().parents[3] / "images" / "11_fp8_h200.json"
+SWEEP_OUT = DEFAULT_OUT.with_name("11_fp8_sweep_h200.json")
+
+
+def sweep_configs():
+    """The tiles --sweep times the FP8 kernel with (utils.tiled.forward.Config: block_m, block_n, warps,
+    stages): the current choice, its neighbours in stages and warps, and other tile shapes."""
+    from utils.tiled.forward import Config
+
+    return [Config(128, 128, 8, 3), Config(128, 128, 8, 2), Config(128, 128, 8, 4), Config(128, 128, 4, 3),
+            Config(128, 64, 4, 3), Config(128, 64, 8, 3), Config(64, 128, 4, 3), Config(64, 64, 4, 3),
+            Config(128, 256, 8, 2), Config(256, 128, 8, 2)]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -45,8 +57,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rep", type=int, default=100, help="do_bench repetitions, ms")
     p.add_argument("--accuracy-seqlen", type=int, default=2048,
                    help="N of the accuracy table's shape (batch 1, --heads heads, --head-dim); 0: no table")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    p.add_argument("--sweep", action="store_true", help="time the fp8 row with each of sweep_configs' tiles "
+                   "instead (N 8k and 16k by default, no accuracy table)")
+    p.add_argument("--out", type=Path, default=None,
+                   help=f"default: images/{DEFAULT_OUT.name}, with --sweep images/{SWEEP_OUT.name}")
     args = p.parse_args(argv)
+    if args.out is None:
+        args.out = SWEEP_OUT if args.sweep else DEFAULT_OUT
+    if args.sweep:
+        args.impls, args.accuracy_seqlen = ["fp8"], 0
+        if args.seqlens == [2048, 4096, 8192, 16384]:
+            args.seqlens = [8192, 16384]
     for flag in ("tokens", "heads", "head_dim", "block", "warmup", "rep"):
         if getattr(args, flag) <= 0:
             p.error(f"--{flag.replace('_', '-')} must be positive")
@@ -62,17 +83,18 @@ def batch_for(seqlen: int, tokens: int) -> int:
     return max(1, tokens // seqlen)
 
 
-def timed_call(impl: str, q, k, v, causal: bool, block: int):
-    """A no-argument function that runs `impl` once on q, k, v (bf16); FP8 inputs are quantised here, once."""
+def timed_call(impl: str, q, k, v, causal: bool, block: int, config=None):
+    """A no-argument function that runs `impl` once on q, k, v (bf16); FP8 inputs are quantised here, once.
+    `config`: the FP8 kernel's tiles (None: its own choice)."""
     from utils.attention import REGISTRY
     from utils.course.bench.forward import sdpa_pinned
     from utils.fp8 import forward
 
     if impl == "fp8":
         inputs = forward.quantize_inputs(q, k, v, block=block)
-        return lambda: forward.fp8_attention_quantized(*inputs, scale_block=block, causal=causal)
+        return lambda: forward.fp8_attention_quantized(*inputs, scale_block=block, causal=causal, config=config)
     if impl == "fp8+quantize":
-        return lambda: forward.fp8_attention_forward(q, k, v, causal=causal, block=block)
+        return lambda: forward.fp8_attention_forward(q, k, v, causal=causal, block=block, config=config)
     if impl == "triton":
         fn = REGISTRY["triton"].load()
         return lambda: fn(q, k, v, causal=causal)
@@ -82,8 +104,9 @@ def timed_call(impl: str, q, k, v, causal: bool, block: int):
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
 
 
-def measure(args, impl: str, causal: bool, seqlen: int, q, k, v) -> dict:
-    """One row: the median time in ms and TFLOP/s of `impl` on one shape, or its error."""
+def measure(args, impl: str, causal: bool, seqlen: int, q, k, v, config=None) -> dict:
+    """One row: the median time in ms and TFLOP/s of `impl` on one shape (with the FP8 kernel's tiles
+    `config`, None: its own), or its error."""
     import triton.testing
     from triton.compiler.errors import CompilationError
     from triton.runtime.errors import OutOfResources
@@ -94,11 +117,13 @@ def measure(args, impl: str, causal: bool, seqlen: int, q, k, v) -> dict:
     batch = q.shape[0]
     row = dict(impl=impl, causal=causal, seqlen=seqlen, batch=batch, heads=args.heads, head_dim=args.head_dim,
                ms=None, tflops=None, error=None)
+    if config is not None:
+        row["config"] = config._asdict()
     if impl in FP8_IMPLS and gpu.capability() < FP8_CAPABILITY:
         row["error"] = "not supported: FP8 tensor cores need sm_89 or newer"
         return row
     try:
-        ms = triton.testing.do_bench(timed_call(impl, q, k, v, causal, args.block), warmup=args.warmup,
+        ms = triton.testing.do_bench(timed_call(impl, q, k, v, causal, args.block, config), warmup=args.warmup,
                                      rep=args.rep, return_mode="median")
     except (RuntimeError, ValueError, OutOfResources, CompilationError) as err:   # "No available kernel", memory
         row["error"] = error_line(err)
@@ -140,7 +165,7 @@ def main(argv=None) -> dict:
         raise SystemExit("the FP8 benchmark needs a CUDA GPU")
     settings = dict(impls=args.impls, seqlens=args.seqlens, tokens=args.tokens, heads=args.heads,
                     head_dim=args.head_dim, block=args.block, dtype="bfloat16 (fp8 rows: float8_e4m3fn)",
-                    warmup_ms=args.warmup, rep_ms=args.rep)
+                    warmup_ms=args.warmup, rep_ms=args.rep, sweep=args.sweep)
     data = dict(environment=gpu.environment(), settings=settings, results=[], accuracy=None)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     if args.accuracy_seqlen:
@@ -153,11 +178,14 @@ def main(argv=None) -> dict:
             gen = torch.Generator().manual_seed(0)
             q, k, v = (torch.randn(batch_for(n, args.tokens), args.heads, n, args.head_dim, generator=gen)
                        .to("cuda", torch.bfloat16) for _ in range(3))
-            for impl in args.impls:
-                row = measure(args, impl, causal, n, q, k, v)
+            runs = [("fp8", config) for config in sweep_configs()] if args.sweep else \
+                [(impl, None) for impl in args.impls]
+            for impl, config in runs:
+                row = measure(args, impl, causal, n, q, k, v, config)
                 data["results"].append(row)
                 shown = row["error"] or f"{row['ms']:8.3f} ms {row['tflops']:7.1f} TFLOP/s"
-                print(f"causal={causal!s:5} N={n:6d} B={row['batch']:3d} {impl:13s} {shown}", flush=True)
+                tiles = f" {tuple(config)!s:20}" if config else ""
+                print(f"causal={causal!s:5} N={n:6d} B={row['batch']:3d} {impl:13s}{tiles} {shown}", flush=True)
             args.out.write_text(json.dumps(data, indent=1) + "\n")   # after each shape: a cut run keeps its rows
             del q, k, v
     return data

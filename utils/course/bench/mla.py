@@ -1,13 +1,19 @@
 """MLA decoding bandwidth: utils.mla.decode.mla_decode at DeepSeek's shapes, beside a plain copy (notebook 11).
 
     python -m utils.course.bench.mla            # writes images/11_mla_h200.json
+    python -m utils.course.bench.mla --sweep    # writes images/11_mla_sweep_h200.json: tiles and splits tried
 
 One new token per sequence, r = 512, d_rope = 64, H = 128 and 16 heads, a 4096-token cache, bf16, batch 1 to
 128. Each row is timed with triton.testing.do_bench (median) and turned into GB/s of the bytes a step must move:
 the cache read once (r + d_rope per token), the queries read and the latent outputs written. A large tensor copy
 timed in the same run (bytes read + written over its time) gives the bandwidth the GPU actually reaches, and
-each row its fraction of it. FlashMLA (the `flash_mla` package), if importable, is timed on the same cache as a
-peer; otherwise the file records it as absent.
+each row its fraction of it. Each row also gives TFLOP/s, 2·B·H·Nq·N·(2r + d_rope) over its time: with H = 128
+heads every cache byte feeds about 240 FLOPs, more than an H200 does per byte it reads, so there the step is
+bound by the tensor cores, not by memory. FlashMLA (the `flash_mla` package), if importable, is timed on the
+same cache as a peer; otherwise the file records it as absent.
+
+--sweep times mla_decode alone at batch 64 (by default) for each Tiles of SWEEP_TILES and each number of splits
+of SWEEP_SPLITS (None: pick_splits), so that decode_layout's choice can be read off a stored run.
 """
 from __future__ import annotations
 
@@ -18,6 +24,8 @@ from pathlib import Path
 import torch
 
 DEFAULT_OUT = Path(__file__).resolve().parents[3] / "images" / "11_mla_h200.json"
+SWEEP_OUT = DEFAULT_OUT.with_name("11_mla_sweep_h200.json")
+SWEEP_SPLITS = (None, 4, 8)
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
 FLASH_MLA_PAGE = 64   # FlashMLA reads a paged cache of 64-token pages
 
@@ -28,6 +36,18 @@ def step_bytes(batch: int, heads: int, n_q: int, seqlen: int, latent: int, rope:
     queries = batch * heads * n_q * (latent + rope)
     outputs = batch * heads * n_q * latent
     return (cache + queries + outputs) * itemsize
+
+
+def step_flops(batch: int, heads: int, n_q: int, seqlen: int, latent: int, rope: int) -> int:
+    """FLOPs of a step: per (head, new token, cache entry) a score over r + d_rope dims and r products for o."""
+    return 2 * batch * heads * n_q * seqlen * (2 * latent + rope)
+
+
+def sweep_tiles():
+    """The Tiles --sweep tries: tiles of 16 to 64 entries, one to three in flight, 4 or 8 warps."""
+    from utils.mla.decode import Tiles
+
+    return [Tiles(block_n, warps, stages) for block_n in (16, 32, 64) for stages in (1, 2, 3) for warps in (4, 8)]
 
 
 def copy_gbps(nbytes: int, rep: int) -> dict:
@@ -64,9 +84,11 @@ def _flash_mla_step(flash_mla, q_latent, q_rope, kv, lengths, scale):
     return step
 
 
-def measure(batch: int, heads: int, *, seqlen: int, latent: int, rope: int, rep: int, flash_mla=None) -> list:
-    """Rows for one (batch, heads): mla_decode, and FlashMLA if given; each with ms, GB/s, and its largest
-    difference from the float64 reference (first sequence only: a float64 copy of every cache is large)."""
+def measure(batch: int, heads: int, *, seqlen: int, latent: int, rope: int, rep: int, flash_mla=None,
+            variants=((None, None),)) -> list:
+    """Rows for one (batch, heads): mla_decode with each (tiles, num_splits) of `variants` (None: its own
+    choice), and FlashMLA if given; each with ms, GB/s, TFLOP/s and its largest difference from the float64
+    reference (first sequence only: a float64 copy of every cache is large)."""
     import triton
 
     from utils.mla.decode import decode_layout, mla_decode
@@ -81,17 +103,24 @@ def measure(batch: int, heads: int, *, seqlen: int, latent: int, rope: int, rep:
     ref, _ = mla_absorbed_reference(q_latent[:1], q_rope[:1], c[:1], k_rope[:1], lengths[:1],
                                     sm_scale=DEEPSEEK_SM_SCALE)
     nbytes = step_bytes(batch, heads, 1, seqlen, latent, rope, kv.element_size())
+    flops = step_flops(batch, heads, 1, seqlen, latent, rope)
     case = dict(batch=batch, heads=heads, seqlen=seqlen, latent=latent, rope=rope, bytes=nbytes)
 
-    # seqlens None: every sequence is full, and the timed call reads no lengths on the host (a sync per call)
-    methods = {"mla_decode": lambda: mla_decode(q_latent, q_rope, c, k_rope, sm_scale=DEEPSEEK_SM_SCALE)[0]}
+    def decode(tiles, num_splits):
+        # seqlens None: every sequence is full, and the timed call reads no lengths on the host (a sync per call)
+        return lambda: mla_decode(q_latent, q_rope, c, k_rope, sm_scale=DEEPSEEK_SM_SCALE, tiles=tiles,
+                                  num_splits=num_splits)[0]
+
+    methods = {("mla_decode", tiles, splits): decode(tiles, splits) for tiles, splits in variants}
     if flash_mla is not None:
         try:
-            methods["flash_mla"] = _flash_mla_step(flash_mla, q_latent, q_rope, kv, lengths, DEEPSEEK_SM_SCALE)
+            methods[("flash_mla", None, None)] = _flash_mla_step(flash_mla, q_latent, q_rope, kv, lengths,
+                                                                  DEEPSEEK_SM_SCALE)
         except Exception as err:
-            methods["flash_mla"] = err
+            methods[("flash_mla", None, None)] = err
     rows = []
-    for name, step in methods.items():
+    for (name, tiles, splits), step in methods.items():
+        chosen = {} if name == "flash_mla" else dict(tiles=tiles and tiles._asdict(), asked_splits=splits)
         try:
             if isinstance(step, Exception):
                 raise step
@@ -102,11 +131,12 @@ def measure(batch: int, heads: int, *, seqlen: int, latent: int, rope: int, rep:
             ms = triton.testing.do_bench(step, rep=rep, return_mode="median")
         except Exception as exc:   # a peer that refuses the shape, or its API changed
             from utils.course.bench import error_line
-            rows.append(dict(method=name, **case, error=error_line(exc)))
+            rows.append(dict(method=name, **case, **chosen, error=error_line(exc)))
             continue
-        row = dict(method=name, **case, ms=round(ms, 5), gbps=round(nbytes / ms / 1e6, 1), max_abs_err=err)
+        row = dict(method=name, **case, **chosen, ms=round(ms, 5), gbps=round(nbytes / ms / 1e6, 1),
+                   tflops=round(flops / ms / 1e9, 1), max_abs_err=err)
         if name == "mla_decode":
-            layout = decode_layout(batch, heads, 1, seqlen, latent,
+            layout = decode_layout(batch, heads, 1, seqlen, latent, num_splits=splits, tiles=tiles,
                                    num_sms=torch.cuda.get_device_properties(0).multi_processor_count)
             row.update(num_splits=layout.num_splits, row_blocks=layout.row_blocks)
         rows.append(row)
@@ -119,8 +149,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--heads", nargs="+", type=int, default=[128, 16])
     for name, default in (("seqlen", 4096), ("latent", 512), ("rope", 64), ("rep", 100), ("copy-mib", 1024)):
         p.add_argument(f"--{name}", type=int, default=default)
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    p.add_argument("--sweep", action="store_true",
+                   help="time mla_decode with each of the sweep's tiles and splits instead (batch 64 by default)")
+    p.add_argument("--out", type=Path, default=None, help=f"default: images/{DEFAULT_OUT.name}, with --sweep "
+                   f"images/{SWEEP_OUT.name}")
     args = p.parse_args(argv)
+    if args.out is None:
+        args.out = SWEEP_OUT if args.sweep else DEFAULT_OUT
+    if args.sweep and args.batches == list(BATCHES):
+        args.batches = [64]
     for name in ("seqlen", "latent", "rope", "rep", "copy_mib"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive")
@@ -137,10 +174,12 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("the MLA benchmark needs a CUDA GPU")
-    flash_mla, why_not = flash_mla_peer()
+    flash_mla, why_not = (None, "not timed in a sweep") if args.sweep else flash_mla_peer()
+    variants = [(tiles, splits) for tiles in sweep_tiles() for splits in SWEEP_SPLITS] if args.sweep \
+        else [(None, None)]
     data = dict(environment=gpu.environment(),
                 settings=dict(seqlen=args.seqlen, latent=args.latent, rope=args.rope, new_tokens=1,
-                              dtype="bfloat16", rep_ms=args.rep),
+                              dtype="bfloat16", rep_ms=args.rep, sweep=args.sweep),
                 copy=copy_gbps(args.copy_mib * 2**20, args.rep),
                 flash_mla=dict(available=flash_mla is not None, version=getattr(flash_mla, "__version__", None),
                                error=why_not),
@@ -149,13 +188,16 @@ def main(argv=None) -> dict:
     for heads in args.heads:
         for batch in args.batches:
             for row in measure(batch, heads, seqlen=args.seqlen, latent=args.latent, rope=args.rope, rep=args.rep,
-                               flash_mla=flash_mla):
+                               flash_mla=flash_mla, variants=variants):
+                what = f"H={heads:4} B={batch:4} {row['method']:11}"
+                if args.sweep:
+                    what += f" {tuple(row['tiles'].values())!s:12} splits {row['asked_splits']!s:4}"
                 if "gbps" in row:
                     row["fraction_of_copy"] = round(row["gbps"] / data["copy"]["gbps"], 3)
-                    print(f"H={heads:4} B={batch:4} {row['method']:11} {row['ms']:9.4f} ms {row['gbps']:7.0f} GB/s "
-                          f"({row['fraction_of_copy']:.0%} of copy)", flush=True)
+                    print(f"{what} {row['ms']:9.4f} ms {row['gbps']:7.0f} GB/s ({row['fraction_of_copy']:.0%} of "
+                          f"copy) {row['tflops']:6.1f} TFLOP/s", flush=True)
                 else:
-                    print(f"H={heads:4} B={batch:4} {row['method']:11} {row['error']}", flush=True)
+                    print(f"{what} {row['error']}", flush=True)
                 data["rows"].append(row)
             args.out.write_text(json.dumps(data, indent=1) + "\n")   # after each shape: a cut run keeps its rows
             torch.cuda.empty_cache()
