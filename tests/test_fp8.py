@@ -329,5 +329,10 @@ def test_bench_small_run_writes_every_row(tmp_path):
     acc = data["accuracy"]
     assert [r["method"] for r in acc["emulated"]] == list(study.METHODS)
     # Hopper's FP8 tensor cores add products with fewer mantissa bits than fp32 (bf16 dots are exact there), so a
-    # score now and then moves a P across an e4m3 rounding step: one step of 1/8 of a P, times |v| <= 4 here.
-    assert all(r["max_abs_vs_emulation"] < 0.25 for r in acc["kernel"])
+    # score now and then moves a P across an e4m3 rounding step and the kernel leaves its emulation by that step.
+    # It still has the emulation's error against exact attention, and its gap to the emulation is well inside it.
+    emulated = {r["method"]: r for r in acc["emulated"]}
+    for row in acc["kernel"]:
+        same = emulated[row["method"].removeprefix("kernel ")]
+        assert abs(row["rmse"] - same["rmse"]) < 0.1 * same["rmse"], (row, same)
+        assert row["max_abs_vs_emulation"] < 0.5 * same["max_abs"], (row, same)
