@@ -345,7 +345,7 @@ def test_sweep_arguments_and_tiles():
     assert bench.parse_args(["--sweep", "--batches", "32", "128"]).batches == [32, 128]
     assert bench.parse_args([]).out == bench.DEFAULT_OUT and not bench.parse_args([]).sweep
     tiles = bench.sweep_tiles()
-    assert len(set(tiles)) == len(tiles) == 18 and decode_layout(64, 16, 1, 4096, 512)[2:7:4] in {
+    assert len(set(tiles)) == len(tiles) == 12 and decode_layout(64, 16, 1, 4096, 512)[2:7:4] in {
         (t.block_n, t.num_stages) for t in tiles}, "the current choice is among those tried"
     assert None in bench.SWEEP_SPLITS
 

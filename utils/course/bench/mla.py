@@ -12,7 +12,7 @@ heads every cache byte feeds about 240 FLOPs, more than an H200 does per byte it
 bound by the tensor cores, not by memory. FlashMLA (the `flash_mla` package), if importable, is timed on the
 same cache as a peer; otherwise the file records it as absent.
 
---sweep times mla_decode alone at batch 64 (by default) for each Tiles of SWEEP_TILES and each number of splits
+--sweep times mla_decode alone at batch 64 (by default) for each Tiles of sweep_tiles() and each number of splits
 of SWEEP_SPLITS (None: pick_splits), so that decode_layout's choice can be read off a stored run.
 """
 from __future__ import annotations
@@ -44,10 +44,12 @@ def step_flops(batch: int, heads: int, n_q: int, seqlen: int, latent: int, rope:
 
 
 def sweep_tiles():
-    """The Tiles --sweep tries: tiles of 16 to 64 entries, one to three in flight, 4 or 8 warps."""
+    """The Tiles --sweep tries: tiles of 16 to 64 entries, one to three in flight, with 8 warps (a 64-row tile's
+    accumulator of 64 x 512 fp32 needs them), and with 4 warps one choice per tile size (enough for 16 rows)."""
     from utils.mla.decode import Tiles
 
-    return [Tiles(block_n, warps, stages) for block_n in (16, 32, 64) for stages in (1, 2, 3) for warps in (4, 8)]
+    return [*(Tiles(block_n, 8, stages) for block_n in (16, 32, 64) for stages in (1, 2, 3)),
+            Tiles(16, 4, 3), Tiles(32, 4, 2), Tiles(64, 4, 2)]
 
 
 def copy_gbps(nbytes: int, rep: int) -> dict:
