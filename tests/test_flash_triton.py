@@ -567,3 +567,38 @@ def test_launch_config_fits_the_gpus_shared_memory(monkeypatch):
             assert smem_estimate(config, d, torch.finfo(dtype).bits // 8) <= 64 * 1024, (d, dtype, config)
     assert launch_config(128, torch.float16, cuda) in SMALL_SMEM_TILES
     assert launch_config(64, torch.float16, torch.device("cpu")) == Config(32, 32, 4, 1)  # the interpreter
+
+
+def test_fixed_tiles_triton_refused_are_not_picked_again(monkeypatch):
+    """The fast forward's fixed tiles (short sequences) after Triton's "out of resource": the next of
+    utils.tiled.forward.candidate_tiles for GPUs of that size, remembered; a caller's tiles are not replaced."""
+    monkeypatch.setattr(fast_forward, "_TOO_BIG", set())
+    fast_forward._fitted_config.cache_clear()
+    a100 = 163 * 1024
+    first = fast_forward.pick_config(128, torch.bfloat16, a100)
+    assert fast_forward._drop_if_too_big(first, 128, torch.bfloat16, a100)
+    assert not fast_forward._drop_if_too_big(first, 128, torch.bfloat16, a100), "dropped once"
+    assert fast_forward.pick_config(128, torch.bfloat16, a100) == first._replace(num_stages=first.num_stages - 1)
+    assert fast_forward.pick_config(128, torch.bfloat16, 2 * a100) == first, "other GPUs keep them"
+    assert not fast_forward._drop_if_too_big(first, 128, torch.bfloat16, None)
+    fast_forward._fitted_config.cache_clear()
+
+
+@pytest.mark.gpu
+def test_fixed_tiles_too_big_for_the_gpu_give_way_to_the_next(monkeypatch):
+    huge = Config(256, 128, 8, 4)   # far beyond any GPU's shared memory per block at head dim 128
+    monkeypatch.setattr(fast_forward, "_TOO_BIG", set())
+    monkeypatch.setattr(fast_forward, "tiled_candidate_tiles", lambda d, dtype, smem=None: [huge, Config(64, 32, 4, 2)])
+    fast_forward._fitted_config.cache_clear()
+    fast_forward._KINDS.clear()
+    try:
+        q, k, v = (torch.randn(1, 4, 300, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        for _ in range(2):   # the second call: the kind chosen again, bound to the tiles that fit
+            o, _ = flash_attention_forward(q, k, v, causal=True)
+            torch.testing.assert_close(o.float(), reference_attention(q, k, v, causal=True).float(), atol=2e-2,
+                                       rtol=2e-2)
+        from utils import gpu
+        assert fast_forward._TOO_BIG == {(gpu.shared_memory_per_block(q.device), huge)}
+    finally:
+        fast_forward._fitted_config.cache_clear()
+        fast_forward._KINDS.clear()

@@ -293,6 +293,19 @@ def test_bench_without_a_gpu_says_so():
         bench.main([])
 
 
+def test_tiles_tried_keep_the_keys_per_step_the_emulation_repeats():
+    for d in (64, 128, 256):
+        preferred = forward.pick_config(d)
+        for smem in (64 * 1024, 99 * 1024, 227 * 1024):
+            tried = forward.candidate_tiles(d, smem)
+            assert tried[0] == forward.pick_config(d, smem) and len(set(tried)) == len(tried)
+            assert {c.block_n for c in tried} == {preferred.block_n}, "P is rounded per block of keys"
+            for c in tried:
+                assert forward.check_fp8_config(c) == c
+    assert forward.pick_config(128, 227 * 1024) == forward.H200_TILES
+    assert forward.pick_config(128, 99 * 1024).num_stages < forward.H200_TILES.num_stages   # an L4, sm_89
+
+
 def test_sweep_arguments_and_configs():
     args = bench.parse_args(["--sweep"])
     assert args.sweep and args.out == bench.SWEEP_OUT and args.out.name == "11_fp8_sweep_h200.json"

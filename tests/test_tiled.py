@@ -154,6 +154,64 @@ def test_pick_config_fits_the_shared_memory_it_is_given(module):
                 assert fits or smallest, (d, dtype, smem, config)
 
 
+def test_first_that_launches_tries_the_next_tiles_only_after_out_of_resource():
+    from triton.runtime.errors import OutOfResources
+
+    tried = []
+
+    def launch(tiles, refused=("a", "b")):
+        tried.append(tiles)
+        if tiles in refused:
+            raise OutOfResources(300_000, 232_448, "shared memory")
+        return f"ran with {tiles}"
+
+    assert forward.first_that_launches(launch, ["a", "b", "c", "d"]) == "ran with c" and tried == ["a", "b", "c"]
+    assert forward.first_that_launches(launch, ["c"]) == "ran with c"
+    with pytest.raises(OutOfResources):   # nothing left: the last one's error
+        forward.first_that_launches(launch, ["a", "b"])
+
+    def broken(tiles):
+        raise ValueError("not a shared-memory problem")
+
+    with pytest.raises(ValueError, match="not a shared-memory"):   # other errors are not retried
+        forward.first_that_launches(broken, ["a", "b"])
+
+
+@pytest.mark.parametrize("module, candidates", [(forward, "candidate_tiles"), (backward, "candidate_configs")])
+def test_the_tiles_tried_start_with_pick_config_and_one_stage_fewer(module, candidates):
+    for d in (64, 128):
+        for dtype in (torch.bfloat16, torch.float32):
+            for smem in (64 * 1024, 99 * 1024, 163 * 1024, 227 * 1024):
+                tried = getattr(module, candidates)(d, dtype, smem)
+                assert tried[0] == module.pick_config(d, dtype, smem) and len(set(tried)) == len(tried)
+                assert all(module.smem_estimate(c, d, dtype.itemsize) <= smem for c in tried) or len(tried) == 1
+    h200 = forward.candidate_tiles(128, torch.bfloat16, 227 * 1024)
+    assert h200[:2] == [forward.H200_TILES, forward.H200_TILES._replace(num_stages=2)]
+
+
+@pytest.mark.gpu
+def test_forward_tries_the_next_tiles_where_triton_refuses_the_first(monkeypatch):
+    """Triton's "out of resource: shared memory" for the first tiles (made to happen here, as a GPU with less
+    shared memory or another Triton gives it), then the next ones."""
+    from triton.runtime.errors import OutOfResources
+
+    too_big, fits = forward.Config(128, 64, 8, 3), forward.Config(64, 32, 4, 2)
+    tried = []
+
+    def check_config(config, kind=forward.Config):
+        tried.append(config)
+        if config == too_big:
+            raise OutOfResources(300_000, 232_448, "shared memory")
+        return config
+
+    monkeypatch.setattr(forward, "candidate_tiles", lambda d, dtype, smem=None: [too_big, fits])
+    monkeypatch.setattr(forward, "check_config", check_config)
+    q, k, v = random_qkv(1, 4, 300, 300, 128, kv_heads=2, dtype=torch.bfloat16, device=DEVICE, seed=2)
+    o, lse = flash_attention_forward(q, k, v, causal=True)
+    assert tried == [too_big, fits]
+    assert_close(o, reference_attention(q, k, v, causal=True), dtype=torch.bfloat16)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape", [(2, 16, 4, 2048, 2048, 128), (1, 8, 8, 1000, 1777, 64), (1, 4, 1, 517, 1024, 80)])

@@ -35,9 +35,10 @@ import torch
 import triton
 import triton.language as tl
 
+from utils import gpu
 from utils.checks import check_attention_inputs, check_bool, check_device, positive_int, resolve_scale
 from utils.fp8 import quant
-from utils.tiled.forward import LOG2E, Config, check_config
+from utils.tiled.forward import LOG2E, Config, check_config, first_that_launches, smem_estimate
 
 HEAD_DIMS = range(16, 257)
 INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -179,9 +180,23 @@ def fix_interpreter_fp8_casts() -> bool:
     return True
 
 
-def pick_config(head_dim: int) -> Config:
-    """The tiles for a head dim on a GPU (untuned starting points; see H200_TILES)."""
-    return H200_TILES if head_dim <= 128 else LARGE_HEAD_TILES
+def pick_config(head_dim: int, smem: int | None = None) -> Config:
+    """The tiles for a head dim on a GPU of `smem` bytes of shared memory per block (None: an H200;
+    untuned starting points, see H200_TILES)."""
+    return candidate_tiles(head_dim, smem)[0]
+
+
+def candidate_tiles(head_dim: int, smem: int | None = None) -> list[Config]:
+    """pick_config's tiles, then the ones to try if Triton refuses them (utils.tiled.forward's
+    first_that_launches), each within `smem` by smem_estimate: fewer stages, then fewer queries per program.
+    The keys per step stay: they decide where P is rounded, which the emulation repeats."""
+    preferred = H200_TILES if head_dim <= 128 else LARGE_HEAD_TILES
+    if smem is None:
+        return [preferred]
+    m, n = preferred.block_m, preferred.block_n
+    smaller = (preferred, Config(m, n, 8, 2), Config(m, n, 8, 1), Config(m // 2, n, 4, 1), Config(m // 4, n, 4, 1))
+    fits = [c for c in dict.fromkeys(smaller) if smem_estimate(c, head_dim, 1) <= smem]
+    return fits or [smaller[-1]]
 
 
 def check_fp8_config(config) -> Config:
@@ -258,9 +273,11 @@ def fp8_attention_quantized(q, k, vt, q_scale, k_scale, v_scale, *, scale_block:
         raise TypeError(f"out_dtype must be one of {', '.join(str(t) for t in OUT_DTYPES)}, got {out_dtype}")
     scale = resolve_scale(sm_scale, d)
     check_device("q", q, "triton")
-    if config is None:
-        config = pick_config(d) if q.is_cuda else INTERPRETER_TILES
-    check_fp8_config(config)
+    if config is None and q.is_cuda:   # the first tiles Triton can launch here (utils.tiled.forward)
+        return first_that_launches(lambda tiles: fp8_attention_quantized(
+            q, k, vt, q_scale, k_scale, v_scale, scale_block=scale_block, causal=causal, sm_scale=scale,
+            out_dtype=out_dtype, config=tiles), candidate_tiles(d, gpu.shared_memory_per_block(q.device)))
+    config = check_fp8_config(INTERPRETER_TILES if config is None else config)
 
     kernel_dtype = out_dtype
     if q.device.type == "cpu":

@@ -18,7 +18,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.errors import OutOfResources
 
 from utils import gpu
 from utils.sinks.forward import sink_attention_forward
@@ -26,6 +25,7 @@ from utils.sinks.reference import check_sinks, check_window
 # The preprocess (D = rowsum(dO ∘ O), lse in base 2) and the column mask are the lesson's, unchanged.
 from utils.tiled.backward import (INTERPRETER_CONFIG, LOG2E, Config, _bwd_preprocess, _column_mask,
                                   candidate_configs, check_config, check_inputs, pick_config)
+from utils.tiled.forward import first_that_launches
 
 __all__ = ["sink_attention_backward", "SinkAttention", "sink_attention", "Config", "pick_config"]
 
@@ -222,16 +222,11 @@ def sink_attention_backward(do, q, k, v, sinks, o, lse, *, causal=False, window=
     (b, h, hk, nq, nk, d), scale = check_inputs(do, q, k, v, o, lse, causal, sm_scale)
     sinks = check_sinks(sinks, q)
     window = check_window(window, causal)
-    if config is None and q.is_cuda:   # as utils.tiled.backward: smaller tiles where Triton's need more
-        *first, last = candidate_configs(d, q.dtype, gpu.shared_memory_per_block(q.device))
-        for tiles in first:
-            try:
-                return sink_attention_backward(do, q, k, v, sinks, o, lse, causal=causal, window=window,
-                                               sm_scale=sm_scale, config=tiles)
-            except OutOfResources:
-                pass
-        return sink_attention_backward(do, q, k, v, sinks, o, lse, causal=causal, window=window,
-                                       sm_scale=sm_scale, config=last)
+    if config is None and q.is_cuda:   # as utils.tiled.backward: the first tiles Triton can launch here
+        return first_that_launches(lambda tiles: sink_attention_backward(do, q, k, v, sinks, o, lse, causal=causal,
+                                                                         window=window, sm_scale=sm_scale,
+                                                                         config=tiles),
+                                   candidate_configs(d, q.dtype, gpu.shared_memory_per_block(q.device)))
     c = check_config(INTERPRETER_CONFIG if config is None else config, Config)
     if q.device.type == "cpu" and q.dtype == torch.bfloat16:   # the interpreter has no bf16 arithmetic
         *grads, dsinks = sink_attention_backward(*(t.float() for t in (do, q, k, v)), sinks, o.float(), lse,

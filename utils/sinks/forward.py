@@ -20,7 +20,8 @@ import triton.language as tl
 
 from utils import gpu
 from utils.sinks.reference import check_sinks, check_window
-from utils.tiled.forward import INTERPRETER_TILES, LOG2E, Config, check_config, check_inputs, pick_config
+from utils.tiled.forward import (INTERPRETER_TILES, LOG2E, Config, candidate_tiles, check_config, check_inputs,
+                                 first_that_launches, pick_config)
 
 __all__ = ["sink_attention_forward", "key_blocks", "key_tiles_read", "Config", "pick_config"]
 
@@ -184,9 +185,11 @@ def sink_attention_forward(q, k, v, sinks=None, *, causal=False, window=None, sm
     (b, h, hk, nq, nk, d), scale = check_inputs(q, k, v, causal, sm_scale)
     sinks = check_sinks(sinks, q)
     window = check_window(window, causal)
-    if config is None:
-        config = pick_config(d, q.dtype, gpu.shared_memory_per_block(q.device)) if q.is_cuda else INTERPRETER_TILES
-    check_config(config)
+    if config is None and q.is_cuda:   # as utils.tiled.forward: the first tiles Triton can launch here
+        return first_that_launches(lambda tiles: sink_attention_forward(q, k, v, sinks, causal=causal, window=window,
+                                                                        sm_scale=scale, config=tiles),
+                                   candidate_tiles(d, q.dtype, gpu.shared_memory_per_block(q.device)))
+    config = check_config(INTERPRETER_TILES if config is None else config)
     if q.device.type == "cpu" and q.dtype == torch.bfloat16:   # the interpreter has no bf16 arithmetic
         o, lse = sink_attention_forward(q.float(), k.float(), v.float(), sinks, causal=causal, window=window,
                                         sm_scale=scale, config=config)

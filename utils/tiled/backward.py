@@ -17,12 +17,11 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.errors import OutOfResources
 
 from utils import gpu
 from utils.checks import check_device
 from utils.eager.backward import check_backward_inputs
-from utils.tiled.forward import check_config
+from utils.tiled.forward import check_config, first_that_launches
 
 HEAD_DIMS = range(16, 257)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -229,10 +228,9 @@ def pick_config(head_dim: int, dtype: torch.dtype, smem: int | None = None) -> C
 
 
 def candidate_configs(head_dim: int, dtype: torch.dtype, smem: int | None = None) -> list[Config]:
-    """pick_config's tiles first, then the smaller ones that also fit `smem` by smem_estimate. The estimate
-    counts tiles, but Triton decides the buffers (3.7 gives each pipelined loop its own: 289 KiB for the H200's
-    tiles at head dim 128, where 3.6 needs under 227 KiB), so a launch may still ask for too much; the next
-    tiles are for that case: the same with one stage fewer, then the small ones."""
+    """pick_config's tiles first, then the ones to try if Triton refuses them (utils.tiled.forward's
+    first_that_launches: Triton 3.7 asks 289 KiB for the H200's tiles at head dim 128, where 3.6 fits them in
+    227 KiB): the same with one stage fewer, then the small ones, each within `smem` by smem_estimate."""
     if head_dim > 128:   # registers
         preferred = Config(16, 32, 4, 1, 32, 16, 4, 1)
     elif dtype in (torch.float32, torch.float64):   # exact dots, twice the bytes
@@ -263,14 +261,10 @@ def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, sm_scale=None
     that sees no key). q, do, o: (B, H, Nq, D); k, v: (B, Hkv, Nk, D), their gradients summed over the query
     heads of a GQA group. `config`: tiles (None: pick_config)."""
     (b, h, hk, nq, nk, d), scale = check_inputs(do, q, k, v, o, lse, causal, sm_scale)
-    if config is None and q.is_cuda:
-        *first, last = candidate_configs(d, q.dtype, gpu.shared_memory_per_block(q.device))
-        for tiles in first:
-            try:
-                return flash_attention_backward(do, q, k, v, o, lse, causal=causal, sm_scale=scale, config=tiles)
-            except OutOfResources:   # Triton's kernel needs more shared memory than the estimate: smaller tiles
-                pass
-        return flash_attention_backward(do, q, k, v, o, lse, causal=causal, sm_scale=scale, config=last)
+    if config is None and q.is_cuda:   # the first of the tiles that fit this GPU that Triton can launch
+        return first_that_launches(lambda tiles: flash_attention_backward(do, q, k, v, o, lse, causal=causal,
+                                                                           sm_scale=scale, config=tiles),
+                                   candidate_configs(d, q.dtype, gpu.shared_memory_per_block(q.device)))
     c = check_config(INTERPRETER_CONFIG if config is None else config, Config)
     if q.device.type == "cpu" and q.dtype == torch.bfloat16:   # the interpreter has no bf16 arithmetic
         grads = flash_attention_backward(*(t.float() for t in (do, q, k, v, o)), lse, causal=causal,

@@ -13,6 +13,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from utils import gpu
 from utils.checks import check_attention_inputs, positive_int, resolve_scale
@@ -144,15 +145,37 @@ def smem_estimate(config: Config, head_dim: int, elem_bytes: int) -> int:
 def pick_config(head_dim: int, dtype: torch.dtype, smem: int | None = None) -> Config:
     """The tiles for a head dim and dtype, shrunk until they fit `smem` bytes of shared memory per block
     (None: an H200's choice)."""
+    return candidate_tiles(head_dim, dtype, smem)[0]
+
+
+def candidate_tiles(head_dim: int, dtype: torch.dtype, smem: int | None = None) -> list[Config]:
+    """pick_config's tiles first, then the ones to try if Triton refuses them: the same with one stage fewer,
+    then the small ones, each within `smem` by smem_estimate (see first_that_launches)."""
     block_d = max(16, triton.next_power_of_2(head_dim))
     if dtype == torch.float32:  # exact fp32 dots run on CUDA cores: small tiles keep registers in check
         preferred = Config(64 if block_d <= 64 else 32, 32, 4, 2)
     else:
         preferred = H200_TILES if block_d <= 128 else Config(64, 64, 8, 2)
     if smem is None:
-        return preferred
-    fits = [c for c in (preferred, *SMALL_SMEM_TILES) if smem_estimate(c, head_dim, dtype.itemsize) <= smem]
-    return fits[0] if fits else SMALL_SMEM_TILES[-1]
+        return [preferred]
+    fewer_stages = preferred._replace(num_stages=max(1, preferred.num_stages - 1))
+    fits = [c for c in dict.fromkeys((preferred, fewer_stages, *SMALL_SMEM_TILES))
+            if smem_estimate(c, head_dim, dtype.itemsize) <= smem]
+    return fits or [SMALL_SMEM_TILES[-1]]
+
+
+def first_that_launches(launch, candidates):
+    """launch(tiles) with each of `candidates` in turn until Triton takes one; the last one's error is raised.
+    smem_estimate counts tiles, but Triton decides the buffers: a launch whose compiled kernel needs more shared
+    memory than the GPU has raises OutOfResources (Triton 3.7 gives each pipelined loop its own buffers: 225 KiB
+    for the H200's tiles at head dim 128, more than an A100's 163 KiB)."""
+    *first, last = candidates
+    for tiles in first:
+        try:
+            return launch(tiles)
+        except OutOfResources:
+            pass
+    return launch(last)
 
 
 def check_inputs(q, k, v, causal, sm_scale):
@@ -181,9 +204,11 @@ def flash_attention_forward(q, k, v, *, causal=False, sm_scale=None, config=None
     """(o, lse): o shaped and typed like q (contiguous); lse the natural-log log-sum-exp of each query's scaled
     scores, fp32, (batch, heads, seqlen_q), -inf where a query sees no key. `config`: tiles (None: pick_config)."""
     (b, h, hk, nq, nk, d), scale = check_inputs(q, k, v, causal, sm_scale)
-    if config is None:
-        config = pick_config(d, q.dtype, gpu.shared_memory_per_block(q.device)) if q.is_cuda else INTERPRETER_TILES
-    check_config(config)
+    if config is None and q.is_cuda:   # the first of the tiles that fit this GPU that Triton can launch
+        return first_that_launches(lambda tiles: flash_attention_forward(q, k, v, causal=causal, sm_scale=scale,
+                                                                          config=tiles),
+                                   candidate_tiles(d, q.dtype, gpu.shared_memory_per_block(q.device)))
+    config = check_config(INTERPRETER_TILES if config is None else config)
     if q.device.type == "cpu" and q.dtype == torch.bfloat16:   # the interpreter has no bf16 arithmetic
         o, lse = flash_attention_forward(q.float(), k.float(), v.float(), causal=causal, sm_scale=scale,
                                          config=config)

@@ -31,6 +31,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from utils import gpu
@@ -38,7 +39,7 @@ from utils.tiled.fast import launch
 from utils.checks import check_attention_inputs, resolve_scale
 from utils.tiled.fast.launch import FastLauncher
 from utils.tiled.forward import Config
-from utils.tiled.forward import pick_config as tiled_pick_config
+from utils.tiled.forward import candidate_tiles as tiled_candidate_tiles
 from utils.triton_utils import cdiv
 
 HEAD_DIMS = tuple(range(16, 257))           # any head dim from 16 to 256
@@ -208,7 +209,22 @@ def pick_config(head_dim: int, dtype: torch.dtype, smem: int | None = None) -> C
 
 @functools.lru_cache(maxsize=None)  # asked at every launch
 def _fitted_config(head_dim: int, dtype: torch.dtype, smem: int | None) -> Config:
-    return tiled_pick_config(head_dim, dtype, smem)
+    tried = [c for c in tiled_candidate_tiles(head_dim, dtype, smem) if (smem, c) not in _TOO_BIG]
+    return tried[0] if tried else tiled_candidate_tiles(head_dim, dtype, smem)[-1]
+
+
+# (shared memory per block, Config): fixed tiles whose compiled kernel Triton refused on such a GPU (as
+# utils.tiled.forward.first_that_launches says, smem_estimate can miss Triton's buffers); never picked again.
+_TOO_BIG: set[tuple[int, Config]] = set()
+
+
+def _drop_if_too_big(config: Config, head_dim: int, dtype: torch.dtype, smem: int | None) -> bool:
+    """Remember `config` as too big for GPUs of `smem` bytes per block; False when no other tiles are left."""
+    if smem is None or (smem, config) in _TOO_BIG:
+        return False
+    _TOO_BIG.add((smem, config))
+    _fitted_config.cache_clear()
+    return any((smem, c) not in _TOO_BIG for c in tiled_candidate_tiles(head_dim, dtype, smem))
 
 
 class Steps(NamedTuple):
@@ -340,17 +356,23 @@ def _launch(q, k, v, causal, scale, config: Config | None = None, steps: Steps |
             return o, lse
         # Later calls launch directly, without the autotuner's own Python.
         config, switches["TMA"] = _tuned_configs[key]
+    fixed = config is None   # the GPU's fixed tiles, not a caller's or the tuner's
     config = config or launch_config(d, q.dtype, q.device)
     tiles = (config.block_m, config.block_n) if switches["TMA"] == 2 else None
     head = (q, k, v, o, lse, *_descriptors(q, k, v, o, tiles))
     grid = (cdiv(nq, config.block_m), b * h)
     meta = dict(**switches, BLOCK_M=config.block_m, BLOCK_N=config.block_n, num_warps=config.num_warps,
                 num_stages=config.num_stages)
-    if kind is None:
-        _fwd_launcher[grid](*head, *scalars, 0, **meta)
-    else:
-        kind.choices = kind.choices._replace(tiles=tiles)
-        kind.launch([head], lambda: [(_fwd_launcher, grid, (*scalars, 0), meta)], keep=True)
+    try:
+        if kind is None:
+            _fwd_launcher[grid](*head, *scalars, 0, **meta)
+        else:
+            kind.choices = kind.choices._replace(tiles=tiles)
+            kind.launch([head], lambda: [(_fwd_launcher, grid, (*scalars, 0), meta)], keep=True)
+    except OutOfResources:   # the estimate fit, Triton's compiled kernel does not: the next tiles
+        if not (fixed and _drop_if_too_big(config, d, q.dtype, gpu.shared_memory_per_block(q.device))):
+            raise
+        return _launch(q, k, v, causal, scale, None, steps, kind)
     return o, lse
 
 
