@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from utils.course.exercises import RESULTS
-from utils.course.learner import code_cell, exec_cell
+from utils.course.learner import cell_outcome
 
 NB = Path(__file__).resolve().parents[1] / "notebooks" / "11_attention_2026.ipynb"
 PRELUDE = """
@@ -31,13 +30,7 @@ NUMBER = {SINK: "11.1", WINDOW: "11.2", MERGE: "11.3", SCALES: "11.4"}
 
 def outcome(marker, *, learner=False, replace=()):
     """What the exercise cell's check says: "right", "not yet", or "wrong: <message>"."""
-    ns = {}
-    exec_cell(PRELUDE, ns, "prelude")
-    try:
-        exec_cell(code_cell(NB, marker, learner=learner, replace=replace), ns, marker)
-    except AssertionError as err:
-        return f"wrong: {err}"
-    return RESULTS[NUMBER[marker]]
+    return cell_outcome(NB, marker, NUMBER[marker], PRELUDE, learner=learner, replace=replace)
 
 
 @pytest.mark.parametrize("marker", list(NUMBER))

@@ -23,7 +23,7 @@ import re
 from pathlib import Path
 
 from utils.course.bootstrap import register_source
-from utils.course.exercises import STUB_MESSAGE
+from utils.course.exercises import RESULTS, STUB_MESSAGE
 
 ROOT = Path(__file__).resolve().parents[2]
 BEGIN = re.compile(r"^(\s*)(#|//) BEGIN SOLUTION\s*$")
@@ -141,6 +141,19 @@ def exec_cell(source: str, namespace: dict, name: str = "cell") -> dict:
     exec(compile(source, filename, "exec"), namespace)
     return namespace
 
+
+
+def cell_outcome(path, marker: str, number: str, prelude: str, *, learner: bool = False, replace=()) -> str:
+    """What the check of the exercise cell holding `marker` says when the cell runs after `prelude` (the
+    notebook's imports): "wrong: <message>", or what it recorded for exercise `number` ("right", "not yet").
+    `learner` and `replace` as for code_cell."""
+    namespace: dict = {}
+    exec_cell(prelude, namespace, "prelude")
+    try:
+        exec_cell(code_cell(path, marker, learner=learner, replace=replace), namespace, marker)
+    except AssertionError as err:
+        return f"wrong: {err}"
+    return RESULTS[number]
 
 if __name__ == "__main__":
     main()

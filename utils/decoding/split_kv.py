@@ -265,6 +265,29 @@ def _refuse_capture(name: str) -> None:
                            f"with the same tensors before capturing (checked tensors are remembered)")
 
 
+def check_seqlens(seqlens, batch: int, n_k: int, device, *, name: str = "seqlens", at_least: int = 0,
+                  like: str = "q"):
+    """`seqlens` (B,) int32/int64 within [at_least, n_k] as a contiguous int32 tensor (None: all n_k). Reads the
+    values on the host (a sync on a GPU): a length past the cache would send the kernel outside it. `like`: the
+    tensor whose device it must share, as the message names it."""
+    if seqlens is None:
+        if n_k < at_least:
+            raise ValueError(f"{name} is None, so every sequence holds all {n_k} entries: fewer than {at_least}")
+        return torch.full((batch,), n_k, dtype=torch.int32, device=device)
+    if not isinstance(seqlens, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(seqlens).__name__}")
+    if seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} must be an int32 or int64 tensor, got {seqlens.dtype}")
+    if seqlens.shape != (batch,):
+        raise ValueError(f"{name} must have shape ({batch},), one length per sequence, got {tuple(seqlens.shape)}")
+    if seqlens.device != device:
+        raise ValueError(f"{name} is on {seqlens.device} but {like} is on {device}; they must match")
+    if int(seqlens.min()) < at_least or int(seqlens.max()) > n_k:
+        raise ValueError(f"{name} must lie in [{at_least}, {n_k}] ({n_k}: the cache length), got "
+                         f"{seqlens.tolist() if batch <= 8 else 'values outside'}")
+    return seqlens.to(torch.int32).contiguous()
+
+
 def _check_seqlens(cache_seqlens, batch: int, seqlen_k: int, device, limit="the cache length"):
     if cache_seqlens is None:
         return None

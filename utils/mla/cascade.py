@@ -17,7 +17,8 @@ from typing import NamedTuple
 
 import torch
 
-from utils.mla.decode import _check_num_splits, _decode, check_mla_inputs, check_seqlens, decode_layout
+from utils.decoding.split_kv import check_seqlens
+from utils.mla.decode import _check_num_splits, _decode, check_mla_inputs, decode_layout
 from utils.mla.reference import DEEPSEEK_SM_SCALE, check_mla_scale
 
 
@@ -67,7 +68,8 @@ def cascade_decode(q_latent, q_rope, prefix_c, prefix_k_rope, suffix_c, suffix_k
     _check_prefix(prefix_c, prefix_k_rope, latent, rope, q_latent)
     scale = check_mla_scale(sm_scale)
     num_splits = _check_num_splits(num_splits)
-    lengths = check_seqlens(suffix_seqlens, batch, n_s, q_latent.device, name="suffix_seqlens", at_least=n_q)
+    lengths = check_seqlens(suffix_seqlens, batch, n_s, q_latent.device, name="suffix_seqlens", at_least=n_q,
+                            like="q_latent")
 
     # The prefix: one problem of batch 1 whose B·H·Nq rows are every sequence's heads and new tokens. Nq = 1 in
     # it: each row sees the whole prefix (the causal rule of `mla_decode` would hide its end from early tokens).

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from utils.checks import check_device
-from utils.decoding.split_kv import DTYPES, LOG2E, MAX_SPLITS, default_num_sms, merge_partials
+from utils.decoding.split_kv import DTYPES, LOG2E, MAX_SPLITS, check_seqlens, default_num_sms, merge_partials
 from utils.mla.reference import DEEPSEEK_SM_SCALE, check_latent_shapes, check_mla_scale
 from utils.triton_utils import cdiv
 
@@ -166,27 +166,6 @@ def _check_dtype_and_device(name: str, t: torch.Tensor, like: torch.Tensor) -> N
     check_device(name, t, "triton")
 
 
-def check_seqlens(seqlens, batch: int, n_k: int, device, *, name: str = "seqlens", at_least: int = 0):
-    """`seqlens` (B,) int32/int64 within [at_least, n_k] as a contiguous int32 tensor (None: all n_k). Reads the
-    values on the host (a sync on a GPU): a length past the cache would send the kernel outside it."""
-    if seqlens is None:
-        if n_k < at_least:
-            raise ValueError(f"{name} is None, so every sequence holds all {n_k} entries: fewer than {at_least}")
-        return torch.full((batch,), n_k, dtype=torch.int32, device=device)
-    if not isinstance(seqlens, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(seqlens).__name__}")
-    if seqlens.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"{name} must be an int32 or int64 tensor, got {seqlens.dtype}")
-    if seqlens.shape != (batch,):
-        raise ValueError(f"{name} must have shape ({batch},), one length per sequence, got {tuple(seqlens.shape)}")
-    if seqlens.device != device:
-        raise ValueError(f"{name} is on {seqlens.device} but q_latent is on {device}")
-    if int(seqlens.min()) < at_least or int(seqlens.max()) > n_k:
-        raise ValueError(f"{name} must lie in [{at_least}, {n_k}] ({n_k}: the cache length), got "
-                         f"{seqlens.tolist() if batch <= 8 else 'values outside'}")
-    return seqlens.to(torch.int32).contiguous()
-
-
 def check_mla_inputs(q_latent, q_rope, c, k_rope, *, names=("q_latent", "q_rope", "c", "k_rope")):
     """`check_latent_shapes` plus what the kernel needs: fp16/bf16/fp32 of one dtype, CUDA tensors (or the
     interpreter), a latent dim in LATENT_DIMS and a rope dim in ROPE_DIMS. Returns (B, H, Nq, N, r, d_rope)."""
@@ -257,5 +236,5 @@ def mla_decode(q_latent, q_rope, c, k_rope, seqlens=None, *, sm_scale=DEEPSEEK_S
     scale = check_mla_scale(sm_scale)
     num_splits = _check_num_splits(num_splits)
     tiles = check_tiles(tiles)
-    lengths = check_seqlens(seqlens, batch, n_k, q_latent.device)
+    lengths = check_seqlens(seqlens, batch, n_k, q_latent.device, like="q_latent")
     return _decode(q_latent, q_rope, c, k_rope, lengths, scale=scale, num_splits=num_splits, tiles=tiles)

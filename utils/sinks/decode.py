@@ -20,8 +20,8 @@ import triton.language as tl
 
 from utils.checks import check_attention_inputs, positive_int, resolve_scale
 from utils.decoding.single_path import _head_dim
-from utils.decoding.split_kv import (DTYPES, LOG2E, MAX_SPLITS, _check_launchable, choose_num_splits,
-                                     default_num_sms, merge_partials)
+from utils.decoding.split_kv import (DTYPES, LOG2E, MAX_SPLITS, _check_launchable, check_seqlens,
+                                     choose_num_splits, default_num_sms, merge_partials)
 from utils.sinks.reference import check_sinks, check_window
 from utils.triton_utils import cdiv
 
@@ -90,25 +90,6 @@ def split_kv_window(Q, K, V, O, LSE, SEQLENS,
     tl.store(LSE + b * slb + h * slh + i * sln + split * sls, lse, mask=row_ok)
 
 
-def _check_seqlens(seqlens, batch: int, n: int, device) -> torch.Tensor:
-    """`seqlens` (B,) int32/int64 within [0, n] as contiguous int32 (None: all n). Reads the values on the host
-    (on a GPU, a sync): a length past the cache would send the kernel outside it."""
-    if seqlens is None:
-        return torch.full((batch,), n, dtype=torch.int32, device=device)
-    if not isinstance(seqlens, torch.Tensor):
-        raise TypeError(f"seqlens must be a torch.Tensor or None, got {type(seqlens).__name__}")
-    if seqlens.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"seqlens must be an int32 or int64 tensor, got {seqlens.dtype}")
-    if seqlens.shape != (batch,):
-        raise ValueError(f"seqlens must have shape ({batch},), one length per sequence, got {tuple(seqlens.shape)}")
-    if seqlens.device != device:
-        raise ValueError(f"seqlens is on {seqlens.device} but q is on {device}; they must match")
-    if int(seqlens.min()) < 0 or int(seqlens.max()) > n:
-        raise ValueError(f"seqlens must lie in [0, {n}] (the cache length), got "
-                         f"{seqlens.tolist() if batch <= 8 else 'values outside'}")
-    return seqlens.to(torch.int32).contiguous()
-
-
 def _splits(num_splits, programs: int, span: int, block_n: int, device) -> int:
     if num_splits is None:   # about two waves of programs over the visible span, as flash_decode chooses
         return choose_num_splits(programs, span, block_n, default_num_sms(device))
@@ -142,7 +123,7 @@ def sink_decode(q, k_cache, v_cache, sinks=None, *, seqlens=None, window=None, s
     scale = resolve_scale(sm_scale, shape.head_dim)
     if positive_int("block_n", block_n) < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two of at least 16 (tl.dot), got {block_n}")
-    lengths = _check_seqlens(seqlens, shape.batch, shape.seqlen_k, q.device)
+    lengths = check_seqlens(seqlens, shape.batch, shape.seqlen_k, q.device)
 
     b, h, nq, d = q.shape
     group = h // shape.kv_heads
