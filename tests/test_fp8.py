@@ -2,6 +2,7 @@
 emulation and table, the FP8 Triton forward (in the interpreter on a CPU) and its benchmark's arguments."""
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -316,6 +317,17 @@ def test_sweep_arguments_and_configs():
     for config in configs:
         assert forward.check_fp8_config(config) == config
 
+
+
+def test_the_default_tiles_are_the_fastest_of_the_stored_sweep():
+    data = json.loads((bench.SWEEP_OUT).read_text())
+    assert data["environment"]["gpu"] == "NVIDIA H200"
+    shapes = {(r["causal"], r["seqlen"]) for r in data["results"]}
+    assert len(shapes) == 4
+    for causal, seqlen in sorted(shapes):
+        rows = [r for r in data["results"] if (r["causal"], r["seqlen"]) == (causal, seqlen) and r["error"] is None]
+        fastest = Config(**max(rows, key=lambda r: r["tflops"])["config"])
+        assert fastest == forward.H200_TILES, f"causal={causal} N={seqlen}: {fastest} was the fastest"
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 def test_sweep_small_run_times_each_config(tmp_path, monkeypatch):

@@ -94,10 +94,13 @@ def test_a_sink_takes_attention_from_the_keys():
     """A sink at -inf is no sink; a very large one takes all the attention (o -> 0, lse -> s)."""
     q, k, v, _ = as_double(*inputs(1, 2, 2, 8, 8, 8, sinks=False))
     o, lse = sink_attention_reference(q, k, v, causal=True)
-    o_inf, lse_inf = sink_attention_reference(q, k, v, torch.full((2,), -math.inf, dtype=torch.float64), causal=True)
+    def sinks(value):
+        return torch.full((2,), value, dtype=torch.float64, device=q.device)
+
+    o_inf, lse_inf = sink_attention_reference(q, k, v, sinks(-math.inf), causal=True)
     torch.testing.assert_close(o_inf, o)        # float64 rounding: a GPU may sum the extra column in another order
     torch.testing.assert_close(lse_inf, lse)
-    o_big, lse_big = sink_attention_reference(q, k, v, torch.full((2,), 60.0, dtype=torch.float64), causal=True)
+    o_big, lse_big = sink_attention_reference(q, k, v, sinks(60.0), causal=True)
     assert o_big.abs().max() < 1e-15 and torch.allclose(lse_big, torch.full_like(lse_big, 60.0))
 
 

@@ -26,6 +26,7 @@ import triton.language as tl
 from utils.checks import check_device
 from utils.decoding.split_kv import DTYPES, LOG2E, MAX_SPLITS, check_seqlens, default_num_sms, merge_partials
 from utils.mla.reference import DEEPSEEK_SM_SCALE, check_latent_shapes, check_mla_scale
+from utils.tiled.forward import first_that_launches
 from utils.triton_utils import cdiv
 
 LATENT_DIMS = (16, 32, 64, 128, 256, 512)   # powers of two (tl.arange), at least 16 (tl.dot)
@@ -138,20 +139,26 @@ def pick_splits(batch: int, seqlen: int, *, row_blocks: int = 1, block_n: int = 
     return max(1, min(num_sms // programs, seqlen // (MIN_SPLIT_TILES * block_n), MAX_SPLITS))
 
 
+def candidate_tiles(latent_dim: int) -> list[Tiles]:
+    """decode_layout's tiles first, then the ones `mla_decode` tries if Triton refuses them for want of shared
+    memory (utils.tiled.forward.first_that_launches).
+    At r >= 256 a program's shared memory is mostly the c tiles in flight, plus the copies Triton makes to feed c
+    to both products. 64-entry tiles, two in flight, 8 warps: the fastest of the H200 sweep at 128 heads, within
+    12 % of its fastest at 16 (images/11_mla_sweep_h200.json); three in flight do not fit the H200's 227 KiB per
+    block. 16-entry tiles fit GPUs with less."""
+    if latent_dim >= 256:   # 8 warps: more threads to hold the wide accumulator
+        return [Tiles(64, 8, 2), Tiles(16, 8, 3), Tiles(16, 8, 1)]
+    return [Tiles(64, 4, 3), Tiles(32, 4, 2)]
+
+
 def decode_layout(batch: int, heads: int, n_q: int, seqlen: int, latent_dim: int, *, num_splits=None,
                   num_sms: int = 132, tiles: Tiles | None = None) -> Layout:
-    """The grid and tiles `mla_decode` launches with (pure Python). Rows are padded to a dot's minimum of 16 and
-    capped at 64: the fp32 accumulator is BLOCK_M × r (128 KiB at 64 × 512), held in registers."""
+    """The grid and tiles `mla_decode` launches with (pure Python; tiles None: candidate_tiles' first). Rows are
+    padded to a dot's minimum of 16 and capped at 64: the fp32 accumulator is BLOCK_M × r (128 KiB at 64 × 512),
+    held in registers."""
     rows = heads * n_q
     block_m = min(64, max(16, triton.next_power_of_2(rows)))
-    # At r = 512 a program's shared memory is mostly the c tiles in flight, plus copies Triton makes to feed c
-    # to both products: 16-entry tiles, three in flight, fit an H200's 227 KiB per block (compiled for sm_90
-    # here: 225.5 KiB at 64 rows); 32-entry tiles would allow only two.
-    block_n = 16 if latent_dim >= 256 else 64
-    num_warps = 8 if latent_dim >= 256 else 4     # more threads to hold the wide accumulator
-    num_stages = 3
-    if tiles is not None:   # chosen by the caller (the benchmark's sweep)
-        block_n, num_warps, num_stages = tiles
+    block_n, num_warps, num_stages = tiles or candidate_tiles(latent_dim)[0]
     row_blocks = cdiv(rows, block_m)
     if num_splits is None:
         num_splits = pick_splits(batch, seqlen, row_blocks=row_blocks, block_n=block_n, num_sms=num_sms)
@@ -202,16 +209,24 @@ def _decode(q_latent, q_rope, c, k_rope, seqlens, *, scale: float, num_splits, t
         q_latent, q_rope, c, k_rope = (t.float() for t in (q_latent, q_rope, c, k_rope))
     q_latent, q_rope, c, k_rope = (_unit_stride(t) for t in (q_latent, q_rope, c, k_rope))
     batch, heads, n_q, latent = q_latent.shape
-    layout = decode_layout(batch, heads, n_q, c.shape[1], latent, num_splits=num_splits,
-                           num_sms=default_num_sms(q_latent.device), tiles=tiles)
-    o_parts = torch.empty(batch, heads, n_q, layout.num_splits, latent, device=c.device, dtype=torch.float32)
-    lse_parts = torch.empty(batch, heads, n_q, layout.num_splits, device=c.device, dtype=torch.float32)
-    mla_decode_kernel[layout.grid](
-        q_latent, q_rope, c, k_rope, o_parts, lse_parts, seqlens,
-        *q_latent.stride()[:3], *q_rope.stride()[:3], *c.stride()[:2], *k_rope.stride()[:2],
-        *o_parts.stride()[:4], *lse_parts.stride(), heads * n_q, n_q, scale * LOG2E,
-        BLOCK_M=layout.block_m, BLOCK_N=layout.block_n, LATENT=latent, ROPE=q_rope.shape[3],
-        num_warps=layout.num_warps, num_stages=layout.num_stages)
+
+    def launch(tiles):
+        layout = decode_layout(batch, heads, n_q, c.shape[1], latent, num_splits=num_splits,
+                               num_sms=default_num_sms(q_latent.device), tiles=tiles)
+        o_parts = torch.empty(batch, heads, n_q, layout.num_splits, latent, device=c.device, dtype=torch.float32)
+        lse_parts = torch.empty(batch, heads, n_q, layout.num_splits, device=c.device, dtype=torch.float32)
+        mla_decode_kernel[layout.grid](
+            q_latent, q_rope, c, k_rope, o_parts, lse_parts, seqlens,
+            *q_latent.stride()[:3], *q_rope.stride()[:3], *c.stride()[:2], *k_rope.stride()[:2],
+            *o_parts.stride()[:4], *lse_parts.stride(), heads * n_q, n_q, scale * LOG2E,
+            BLOCK_M=layout.block_m, BLOCK_N=layout.block_n, LATENT=latent, ROPE=q_rope.shape[3],
+            num_warps=layout.num_warps, num_stages=layout.num_stages)
+        return o_parts, lse_parts
+
+    if tiles is None and c.is_cuda:   # the first tiles Triton can launch on this GPU
+        o_parts, lse_parts = first_that_launches(launch, candidate_tiles(latent))
+    else:
+        o_parts, lse_parts = launch(tiles)
     o, lse = merge_partials(o_parts, lse_parts, out_dtype=q_latent.dtype)
     return o.to(out_dtype), lse   # .to: a no-op except for bf16 on the CPU
 
@@ -227,7 +242,7 @@ def mla_decode(q_latent, q_rope, c, k_rope, seqlens=None, *, sm_scale=DEEPSEEK_S
       sees entries j <= i + L - Nq. Checked on the host at every call (on a GPU, a sync);
     - sm_scale: 1/sqrt(d_nope + d_rope) of the un-absorbed head dim (default DeepSeek's 1/sqrt(128 + 64));
     - num_splits: slices of the cache per sequence (None: `pick_splits`);
-    - tiles: a Tiles (None: `decode_layout`'s).
+    - tiles: a Tiles (None: the first of `candidate_tiles` that Triton launches on this GPU).
     r in LATENT_DIMS, d_rope in ROPE_DIMS; fp16, bf16 or fp32 (bf16 computed in fp32 on the CPU interpreter).
     Returns (o_latent (B, H, Nq, r) in q_latent's dtype, lse (B, H, Nq) fp32, -inf where no entry was seen);
     W_UV_h o_latent,h is head h's output (`utils.mla.reference.up_project`).

@@ -39,9 +39,9 @@ def sweep_configs():
     stages): the current choice, its neighbours in stages and warps, and other tile shapes."""
     from utils.tiled.forward import Config
 
-    return [Config(128, 128, 8, 3), Config(128, 128, 8, 2), Config(128, 128, 8, 4), Config(128, 128, 4, 3),
-            Config(128, 64, 4, 3), Config(128, 64, 8, 3), Config(64, 128, 4, 3), Config(64, 64, 4, 3),
-            Config(128, 256, 8, 2), Config(256, 128, 8, 2)]
+    return [Config(64, 128, 4, 3), Config(64, 128, 4, 2), Config(64, 128, 4, 4), Config(64, 128, 8, 3),
+            Config(128, 128, 8, 3), Config(128, 128, 8, 2), Config(128, 64, 8, 3), Config(64, 64, 4, 3),
+            Config(32, 128, 4, 3), Config(128, 256, 8, 2)]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
