@@ -141,13 +141,14 @@ def pick_splits(batch: int, seqlen: int, *, row_blocks: int = 1, block_n: int = 
 
 def candidate_tiles(latent_dim: int) -> list[Tiles]:
     """decode_layout's tiles first, then the ones `mla_decode` tries if Triton refuses them for want of shared
-    memory (utils.tiled.forward.first_that_launches).
+    memory (utils.tiled.forward.first_that_launches), fastest first.
     At r >= 256 a program's shared memory is mostly the c tiles in flight, plus the copies Triton makes to feed c
     to both products. 64-entry tiles, two in flight, 8 warps: the fastest of the H200 sweep at 128 heads, within
-    12 % of its fastest at 16 (images/11_mla_sweep_h200.json); three in flight do not fit the H200's 227 KiB per
-    block. 16-entry tiles fit GPUs with less."""
+    12 % of its fastest at 16 (images/11_mla_sweep_h200.json, Triton 3.6). Triton 3.7 asks more shared memory of
+    the same tiles: compiled for sm_90, 64 rows (128 heads) fit the H200's 227 KiB per block only with 32-entry
+    tiles, two in flight, or smaller."""
     if latent_dim >= 256:   # 8 warps: more threads to hold the wide accumulator
-        return [Tiles(64, 8, 2), Tiles(16, 8, 3), Tiles(16, 8, 1)]
+        return [Tiles(64, 8, 2), Tiles(32, 8, 3), Tiles(64, 8, 1), Tiles(32, 8, 2), Tiles(16, 8, 3), Tiles(16, 8, 1)]
     return [Tiles(64, 4, 3), Tiles(32, 4, 2)]
 
 
