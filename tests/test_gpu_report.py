@@ -237,6 +237,10 @@ def test_main_writes_a_report_per_part(tmp_path, monkeypatch):
     assert json.loads(report.read_text())["environment"]["command"] == "python -m utils.course.gpu_suite --emulate t4"
     assert gpu_suite.main(["--report", str(report), "--no-prebuild", "--files", "notebooks/00_setup.ipynb"]) == 0
     assert len(prebuilds) == 3   # one per run above that built, none for --no-prebuild
+    assert gpu_suite.main(["--report", str(report), "--part", "notebooks", "--no-prebuild"]) == 0
+    data = json.loads(report.read_text())   # a part's run says which part it was, in the command and the runs
+    assert data["environment"]["command"] == "python -m utils.course.gpu_suite --part notebooks"
+    assert data["runs"][-1]["part"] == "notebooks" and data["runs"][-2]["part"] == "all"
 
 
 def test_workers_are_spread_round_robin_over_the_gpus(monkeypatch):

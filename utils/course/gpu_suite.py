@@ -12,7 +12,7 @@ The report records the machine (GPU, capability, driver, CUDA, cuDNN, torch, Tri
 skipped, collected and seconds per test file and per notebook (a file with fewer outcomes than collected tests
 was cut: rerun it with --files), the failures' names, and the git tree ids of utils/ and
 notebooks/ that ran, computed from the files themselves (a copy of the repository without its history works),
-and each run's wall-clock seconds (`runs`; `finished` false: cut before its end). Running one part keeps the
+and each run's part, files and wall-clock seconds (`runs`; `finished` false: cut before its end). Running one part keeps the
 other part's results only if they came from the same trees.
 
 On a fresh machine most of the suite's time is nvcc building the CUDA extensions. So, unless --no-prebuild, a
@@ -244,6 +244,7 @@ def main(argv=None) -> int:
     old = json.loads(path.read_text()) if path.is_file() else {}
     parts = {name: p for name, p in old.get("parts", {}).items() if old.get("trees") == trees}
     command = " ".join(["python -m utils.course.gpu_suite", *(["--emulate", args.emulate] if args.emulate else []),
+                        *(["--part", args.part] if args.part != "all" else []),
                         *(["--", *args.pytest_args] if args.pytest_args else [])])   # -n: run by pytest-xdist
 
     runs = kept_runs(old, trees, args.files, args.part)
@@ -254,7 +255,8 @@ def main(argv=None) -> int:
         # Saved as files finish too, so a run cut short still says how long it ran and that it was cut.
         parts.update(results)
         totals = {k: sum(p["totals"][k] for p in parts.values()) for k in ("passed", "failed", "skipped")}
-        done = runs + [dict(files=args.files, seconds=round(time.monotonic() - start, 1), finished=finished)]
+        done = runs + [dict(part=args.part, files=args.files, seconds=round(time.monotonic() - start, 1),
+                            finished=finished)]
         path.write_text(json.dumps(dict(environment=dict(gpu.environment(command), gpus=gpus), trees=trees,
                                         parts=parts, totals=totals, runs=done), indent=1) + "\n")
         return totals

@@ -74,17 +74,18 @@ def _attend_blocks(acc, l_i, m_i, q, q_scale, k_ptrs, vt_ptrs, ks_ptr, offs_m, o
             vt = tl.load(vt_ptrs)
             k_scale = tl.load(ks_ptr + cols // scale_block)
         qk = tl.dot(q, tl.trans(k))                            # FP8 x FP8 -> fp32, (BLOCK_M, BLOCK_N)
-        s = qk * q_scale[:, None] * k_scale[None, :]           # dequantised scores, base 2
+        t = qk * k_scale[None, :]                              # the scores but for Q's scale
         if MASKED:
             keep = cols[None, :] < seqlen_k
             if CAUSAL:
                 keep = keep & (cols[None, :] <= offs_m[:, None] + causal_offset)
-            s = tl.where(keep, s, float("-inf"))
-        m_ij = tl.maximum(m_i, tl.max(s, 1))
+            t = tl.where(keep, t, float("-inf"))
+        # Q's scale is positive: the row max can be taken first, and s - m is then one multiply-add a score.
+        m_ij = tl.maximum(m_i, tl.max(t, 1) * q_scale)
         m_sub = m_ij
         if MASKED:  # a row that has seen no key yet keeps m = -inf: subtract 0 (-inf - -inf would be nan)
             m_sub = tl.where(m_ij == float("-inf"), 0.0, m_ij)
-        p = tl.math.exp2(s - m_sub[:, None])                   # in [0, 1]: e4m3 holds it with a scale of 1
+        p = tl.math.exp2(t * q_scale[:, None] - m_sub[:, None])   # in [0, 1]: e4m3 holds it with a scale of 1
         alpha = tl.math.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, 1)                       # the sum of the fp32 P, before its rounding
         pv = tl.dot(p.to(tl.float8e4nv), tl.trans(vt))          # FP8 x FP8 -> fp32, from a zero accumulator
@@ -124,9 +125,10 @@ def fp8_fwd_kernel(Q, K, VT, QS, KS, VS, O, LSE,
     ks_ptr = KS + (b * (heads // group) + h_kv).to(tl.int64) * k_blocks
     rows = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
     q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd, mask=rows, other=0.0)
-    # Each query's Q scale with the softmax scale and log2(e) folded in: one multiply per score for both.
+    # Each query's Q scale with the softmax scale and log2(e) folded in: one factor per row for the three.
+    # Rows past the end get a scale of 1: any positive one (their q is 0), so that -inf * scale stays -inf.
     q_scale = tl.load(QS + pid_bh.to(tl.int64) * q_blocks + offs_m // scale_block, mask=offs_m < seqlen_q,
-                      other=0.0) * qk_scale
+                      other=1.0) * qk_scale
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
