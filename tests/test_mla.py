@@ -418,7 +418,8 @@ def test_bench_and_sweep_small_runs_write_their_rows(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "mla.json").read_text()) == data and not data["settings"]["sweep"]
     ours = [r for r in data["rows"] if r["method"] == "mla_decode"]
     assert len(ours) == 1 and ours[0]["tflops"] > 0 and 0 < ours[0]["fraction_of_copy"] and ours[0]["tiles"] is None
-    assert ours[0]["max_abs_err"] < 0.05
+    assert ours[0]["max_abs_err"] < 0.05 and ours[0]["eager_ms"] > 0
+    assert data["settings"]["timing"] == "cuda graph replay"
     monkeypatch.setattr(bench, "sweep_tiles", lambda: [Tiles(16, 4, 2), Tiles(32, 8, 1)])
     monkeypatch.setattr(bench, "SWEEP_SPLITS", (None, 4))
     swept = bench.main([*small, "--sweep", "--batches", "2", "--out", str(tmp_path / "sweep.json")])

@@ -4,8 +4,11 @@
     python -m utils.course.bench.mla --sweep    # writes images/11_mla_sweep_h200.json: tiles and splits tried
 
 One new token per sequence, r = 512, d_rope = 64, H = 128 and 16 heads, a 4096-token cache, bf16, batch 1 to
-128. Each row is timed with triton.testing.do_bench (median) and turned into GB/s of the bytes a step must move:
-the cache read once (r + d_rope per token), the queries read and the latent outputs written. A large tensor copy
+128. Each step is captured in a CUDA graph and its replay timed (triton.testing.do_bench_cudagraph, median), as
+servers replay their decoding steps: that is the GPU's time, turned into GB/s of the bytes a step must move: the
+cache read once (r + d_rope per token), the queries read and the latent outputs written. `eager_ms` is the same
+step called from Python (triton.testing.do_bench, median): checks, allocations and launches included, it is
+bound by the host for small batches. A large tensor copy
 timed in the same run (bytes read + written over its time) gives the bandwidth the GPU actually reaches, and
 each row its fraction of it. Each row also gives TFLOP/s, 2·B·H·Nq·N·(2r + d_rope) over its time: with H = 128
 heads every cache byte feeds about 240 FLOPs, more than an H200 does per byte it reads, so there the step is
@@ -89,7 +92,8 @@ def _flash_mla_step(flash_mla, q_latent, q_rope, kv, lengths, scale):
 def measure(batch: int, heads: int, *, seqlen: int, latent: int, rope: int, rep: int, flash_mla=None,
             variants=((None, None),)) -> list:
     """Rows for one (batch, heads): mla_decode with each (tiles, num_splits) of `variants` (None: its own
-    choice), and FlashMLA if given; each with ms, GB/s, TFLOP/s and its largest difference from the float64
+    choice), and FlashMLA if given; each with ms (a CUDA graph's replay), eager_ms (the Python call), GB/s and
+    TFLOP/s (of ms) and its largest difference from the float64
     reference (first sequence only: a float64 copy of every cache is large)."""
     import triton
 
@@ -130,12 +134,14 @@ def measure(batch: int, heads: int, *, seqlen: int, latent: int, rope: int, rep:
             if name == "flash_mla":
                 out = out.transpose(1, 2)   # (B, 1, H, r) -> (B, H, 1, r)
             err = float((out[:1].double() - ref).abs().max())
-            ms = triton.testing.do_bench(step, rep=rep, return_mode="median")
+            ms = triton.testing.do_bench_cudagraph(step, rep=rep, return_mode="median")
+            eager_ms = triton.testing.do_bench(step, rep=rep, return_mode="median")
         except Exception as exc:   # a peer that refuses the shape, or its API changed
             from utils.course.bench import error_line
             rows.append(dict(method=name, **case, **chosen, error=error_line(exc)))
             continue
-        row = dict(method=name, **case, **chosen, ms=round(ms, 5), gbps=round(nbytes / ms / 1e6, 1),
+        row = dict(method=name, **case, **chosen, ms=round(ms, 5), eager_ms=round(eager_ms, 5),
+                   gbps=round(nbytes / ms / 1e6, 1),
                    tflops=round(flops / ms / 1e9, 1), max_abs_err=err)
         if name == "mla_decode":
             layout = decode_layout(batch, heads, 1, seqlen, latent, num_splits=splits, tiles=tiles,
@@ -181,7 +187,7 @@ def main(argv=None) -> dict:
         else [(None, None)]
     data = dict(environment=gpu.environment(),
                 settings=dict(seqlen=args.seqlen, latent=args.latent, rope=args.rope, new_tokens=1,
-                              dtype="bfloat16", rep_ms=args.rep, sweep=args.sweep),
+                              dtype="bfloat16", rep_ms=args.rep, sweep=args.sweep, timing="cuda graph replay"),
                 copy=copy_gbps(args.copy_mib * 2**20, args.rep),
                 flash_mla=dict(available=flash_mla is not None, version=getattr(flash_mla, "__version__", None),
                                error=why_not),
@@ -197,7 +203,7 @@ def main(argv=None) -> dict:
                 if "gbps" in row:
                     row["fraction_of_copy"] = round(row["gbps"] / data["copy"]["gbps"], 3)
                     print(f"{what} {row['ms']:9.4f} ms {row['gbps']:7.0f} GB/s ({row['fraction_of_copy']:.0%} of "
-                          f"copy) {row['tflops']:6.1f} TFLOP/s", flush=True)
+                          f"copy) {row['tflops']:6.1f} TFLOP/s; eager {row['eager_ms']:.4f} ms", flush=True)
                 else:
                     print(f"{what} {row['error']}", flush=True)
                 data["rows"].append(row)
