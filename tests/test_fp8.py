@@ -310,8 +310,9 @@ def test_tiles_tried_keep_the_keys_per_step_the_emulation_repeats():
 def test_sweep_arguments_and_configs():
     args = bench.parse_args(["--sweep"])
     assert args.sweep and args.out == bench.SWEEP_OUT and args.out.name == "11_fp8_sweep_h200.json"
-    assert args.impls == ["fp8"] and args.seqlens == [8192, 16384] and args.accuracy_seqlen == 0
+    assert args.impls == ["fp8", "fp8-ws"] and args.seqlens == [8192, 16384] and args.accuracy_seqlen == 0
     assert bench.parse_args(["--sweep", "--seqlens", "4096"]).seqlens == [4096]
+    assert list(bench.sweep_configs_by_impl()) == ["fp8", "fp8-ws"]
     configs = bench.sweep_configs()
     assert len(set(configs)) == len(configs) and configs[0] == forward.pick_config(128), "the current choice first"
     for config in configs:
@@ -325,13 +326,15 @@ def test_the_default_tiles_are_the_fastest_of_the_stored_sweep():
     shapes = {(r["causal"], r["seqlen"]) for r in data["results"]}
     assert len(shapes) == 4
     for causal, seqlen in sorted(shapes):
-        rows = [r for r in data["results"] if (r["causal"], r["seqlen"]) == (causal, seqlen) and r["error"] is None]
+        rows = [r for r in data["results"] if (r["impl"], r["causal"], r["seqlen"]) == ("fp8", causal, seqlen)
+                and r["error"] is None]
         fastest = Config(**max(rows, key=lambda r: r["tflops"])["config"])
         assert fastest == forward.H200_TILES, f"causal={causal} N={seqlen}: {fastest} was the fastest"
 
+
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 def test_sweep_small_run_times_each_config(tmp_path, monkeypatch):
-    monkeypatch.setattr(bench, "sweep_configs", lambda: [Config(64, 64, 4, 2), Config(128, 32, 4, 1)])
+    monkeypatch.setattr(bench, "sweep_configs_by_impl", lambda: {"fp8": [Config(64, 64, 4, 2), Config(128, 32, 4, 1)]})
     data = bench.main(["--sweep", "--seqlens", "256", "--tokens", "512", "--heads", "2", "--warmup", "1", "--rep",
                        "5", "--out", str(tmp_path / "sweep.json")])
     assert data["settings"]["sweep"] and data["accuracy"] is None

@@ -236,17 +236,9 @@ def _check_scales(name: str, t, shape: tuple, device) -> torch.Tensor:
     return t.to(torch.float32).contiguous()
 
 
-def fp8_attention_quantized(q, k, vt, q_scale, k_scale, v_scale, *, scale_block: int, causal: bool = False,
-                            sm_scale=None, out_dtype=torch.bfloat16, config=None):
-    """The kernel on tensors already quantised: (o, lse).
-
-    q: (batch, heads, seqlen_q, head_dim), k: (batch, kv_heads, seqlen_k, head_dim), vt: V transposed,
-    (batch, kv_heads, head_dim, seqlen_k) (any strides; seq contiguous is the fast layout), all
-    torch.float8_e4m3fn. q_scale: (batch, heads, ceil(seqlen_q / scale_block)) and k_scale: (batch, kv_heads,
-    ceil(seqlen_k / scale_block)), one per block of rows (utils.fp8.quant.quantize_per_block); v_scale: one number
-    (a 0-dim or 1-element tensor). sm_scale defaults to 1/sqrt(head_dim). o: out_dtype (bf16, fp16 or fp32),
-    (batch, heads, seqlen_q, head_dim), contiguous; lse: fp32, (batch, heads, seqlen_q), natural log, of the scores
-    the FP8 inputs give."""
+def check_quantized_inputs(q, k, vt, q_scale, k_scale, v_scale, scale_block, causal, out_dtype):
+    """fp8_attention_quantized's checks, shared by the FP8 kernels: a TypeError/ValueError naming the argument, or
+    ((b, h, nq, hk, nk, d), q_scale, k_scale, v_scale) with the scales as contiguous fp32 (v_scale 0-dim)."""
     for name, t in (("q", q), ("k", k), ("vt", vt)):
         _check_fp8_tensor(name, t)
     check_bool("causal", causal)
@@ -274,6 +266,22 @@ def fp8_attention_quantized(q, k, vt, q_scale, k_scale, v_scale, *, scale_block:
     v_scale = _check_scales("v_scale", v_scale, tuple(v_scale.shape), q.device).reshape(())
     if out_dtype not in OUT_DTYPES:
         raise TypeError(f"out_dtype must be one of {', '.join(str(t) for t in OUT_DTYPES)}, got {out_dtype}")
+    return (b, h, nq, hk, nk, d), q_scale, k_scale, v_scale
+
+
+def fp8_attention_quantized(q, k, vt, q_scale, k_scale, v_scale, *, scale_block: int, causal: bool = False,
+                            sm_scale=None, out_dtype=torch.bfloat16, config=None):
+    """The kernel on tensors already quantised: (o, lse).
+
+    q: (batch, heads, seqlen_q, head_dim), k: (batch, kv_heads, seqlen_k, head_dim), vt: V transposed,
+    (batch, kv_heads, head_dim, seqlen_k) (any strides; seq contiguous is the fast layout), all
+    torch.float8_e4m3fn. q_scale: (batch, heads, ceil(seqlen_q / scale_block)) and k_scale: (batch, kv_heads,
+    ceil(seqlen_k / scale_block)), one per block of rows (utils.fp8.quant.quantize_per_block); v_scale: one number
+    (a 0-dim or 1-element tensor). sm_scale defaults to 1/sqrt(head_dim). o: out_dtype (bf16, fp16 or fp32),
+    (batch, heads, seqlen_q, head_dim), contiguous; lse: fp32, (batch, heads, seqlen_q), natural log, of the scores
+    the FP8 inputs give."""
+    (b, h, nq, hk, nk, d), q_scale, k_scale, v_scale = check_quantized_inputs(
+        q, k, vt, q_scale, k_scale, v_scale, scale_block, causal, out_dtype)
     scale = resolve_scale(sm_scale, d)
     check_device("q", q, "triton")
     if config is None and q.is_cuda:   # the first tiles Triton can launch here (utils.tiled.forward)

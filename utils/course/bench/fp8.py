@@ -2,21 +2,24 @@
 Triton forward (the registry's "triton") and SDPA pinned to cuDNN and to FlashAttention-2, and the FP8 error.
 
     python -m utils.course.bench.fp8            # writes images/11_fp8_h200.json
-    python -m utils.course.bench.fp8 --sweep    # writes images/11_fp8_sweep_h200.json: the FP8 kernel's tiles
+    python -m utils.course.bench.fp8 --sweep    # writes images/11_fp8_sweep_h200.json: both FP8 kernels' tiles
 
 Shapes as FlashAttention-3's benchmarks: head dim 128, 16 heads, N = 2k..16k with batch = 16k / N (16k tokens
 per shape, B·H·N = 16k·16), causal and not. Rows:
 - fp8: the kernel alone on inputs already quantised (utils.fp8.forward.fp8_attention_quantized), as
   FlashAttention-3 reports its FP8 times;
 - fp8+quantize: from bf16 inputs, the per-block quantisation and V's transpose included (fp8_attention_forward);
+- fp8-ws: the warp-specialised Gluon kernel on the same quantised inputs (utils.fp8.forward_ws, sm_90 only);
 - triton: the course's bf16 forward; sdpa-cudnn, sdpa-flash: SDPA in bf16 with that backend pinned.
 Each is timed with triton.testing.do_bench (median, L2 flushed) in the same run; TFLOP/s = 4·B·H·N²·D / t,
 halved when causal (FP8 is credited the same FLOPs). A row that fails (a backend that refuses the shape, a GPU
 without FP8 tensor cores) records its error instead of a time.
 
 The file also stores utils.fp8.study's accuracy table at one shape of outlier_inputs (emulated, float64 on the
-GPU), and the FP8 kernel's own errors on those inputs: against the float64 reference, and against the
-emulation of its arithmetic (which should agree to fp32 rounding, up to the odd P that rounds the other way).
+GPU), and the FP8 kernels' own errors on those inputs: against the float64 reference, and against the
+emulation of the Triton kernel's arithmetic (which it should match to fp32 rounding, up to the odd P that rounds
+the other way; the Gluon kernel may sum its P·V products in the tensor cores, with fewer bits).
+--sweep times the Triton kernel with each of sweep_configs() and the Gluon kernel with each of its WS_TILES.
 """
 from __future__ import annotations
 
@@ -27,8 +30,8 @@ from pathlib import Path
 
 import torch
 
-IMPLS = ("fp8", "fp8+quantize", "triton", "sdpa-cudnn", "sdpa-flash")
-FP8_IMPLS = ("fp8", "fp8+quantize")
+IMPLS = ("fp8", "fp8+quantize", "fp8-ws", "triton", "sdpa-cudnn", "sdpa-flash")
+FP8_IMPLS = ("fp8", "fp8+quantize", "fp8-ws")
 FP8_CAPABILITY = (8, 9)          # FP8 tensor cores: Ada and Hopper on
 DEFAULT_OUT = Path(__file__).resolve().parents[3] / "images" / "11_fp8_h200.json"
 SWEEP_OUT = DEFAULT_OUT.with_name("11_fp8_sweep_h200.json")
@@ -42,6 +45,14 @@ def sweep_configs():
     return [Config(64, 128, 4, 3), Config(64, 128, 4, 2), Config(64, 128, 4, 4), Config(64, 128, 8, 3),
             Config(128, 128, 8, 3), Config(128, 128, 8, 2), Config(128, 64, 8, 3), Config(64, 64, 4, 3),
             Config(32, 128, 4, 3), Config(128, 256, 8, 2)]
+
+
+def sweep_configs_by_impl():
+    """{impl: the configs --sweep times it with}: the Triton kernel's sweep_configs() and the Gluon kernel's
+    WS_TILES."""
+    from utils.fp8 import forward_ws
+
+    return {"fp8": sweep_configs(), "fp8-ws": list(forward_ws.WS_TILES)}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -65,7 +76,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.out is None:
         args.out = SWEEP_OUT if args.sweep else DEFAULT_OUT
     if args.sweep:
-        args.impls, args.accuracy_seqlen = ["fp8"], 0
+        args.impls, args.accuracy_seqlen = ["fp8", "fp8-ws"], 0
         if args.seqlens == [2048, 4096, 8192, 16384]:
             args.seqlens = [8192, 16384]
     for flag in ("tokens", "heads", "head_dim", "block", "warmup", "rep"):
@@ -93,6 +104,11 @@ def timed_call(impl: str, q, k, v, causal: bool, block: int, config=None):
     if impl == "fp8":
         inputs = forward.quantize_inputs(q, k, v, block=block)
         return lambda: forward.fp8_attention_quantized(*inputs, scale_block=block, causal=causal, config=config)
+    if impl == "fp8-ws":
+        from utils.fp8 import forward_ws
+
+        inputs = forward.quantize_inputs(q, k, v, block=block)
+        return lambda: forward_ws.fp8_attention_ws(*inputs, scale_block=block, causal=causal, config=config)
     if impl == "fp8+quantize":
         return lambda: forward.fp8_attention_forward(q, k, v, causal=causal, block=block, config=config)
     if impl == "triton":
@@ -121,6 +137,9 @@ def measure(args, impl: str, causal: bool, seqlen: int, q, k, v, config=None) ->
         row["config"] = config._asdict()
     if impl in FP8_IMPLS and gpu.capability() < FP8_CAPABILITY:
         row["error"] = "not supported: FP8 tensor cores need sm_89 or newer"
+        return row
+    if impl == "fp8-ws" and gpu.capability() != (9, 0):
+        row["error"] = "not supported: the Gluon FP8 kernel's wgmma code runs on sm_90 only"
         return row
     try:
         ms = triton.testing.do_bench(timed_call(impl, q, k, v, causal, args.block, config), warmup=args.warmup,
@@ -152,6 +171,16 @@ def accuracy(args) -> dict:
         kernel.append(dict(method="kernel fp8 per-block" + (" + Hadamard" if rotate else ""),
                            rmse=math.sqrt(err.square().mean().item()), max_abs=err.max().item(),
                            max_abs_vs_emulation=(o.double() - emulated).abs().max().item()))
+    from utils import gpu
+    if gpu.capability() == (9, 0):
+        from utils.fp8 import forward_ws
+
+        for rotate in (False, True):
+            quantized = forward.quantize_inputs(q, k, v, block=args.block, rotate=rotate)
+            o, _ = forward_ws.fp8_attention_ws(*quantized, scale_block=args.block)
+            err = (o.double() - ref).abs()
+            kernel.append(dict(method="kernel fp8-ws per-block" + (" + Hadamard" if rotate else ""),
+                               rmse=math.sqrt(err.square().mean().item()), max_abs=err.max().item()))
     return dict(shape=dict(batch=1, heads=args.heads, seqlen=n, head_dim=d, block=args.block), inputs=inputs,
                 emulated=study.accuracy_table(q, k, v, block=args.block), kernel=kernel)
 
@@ -178,8 +207,8 @@ def main(argv=None) -> dict:
             gen = torch.Generator().manual_seed(0)
             q, k, v = (torch.randn(batch_for(n, args.tokens), args.heads, n, args.head_dim, generator=gen)
                        .to("cuda", torch.bfloat16) for _ in range(3))
-            runs = [("fp8", config) for config in sweep_configs()] if args.sweep else \
-                [(impl, None) for impl in args.impls]
+            runs = [(impl, config) for impl, configs in sweep_configs_by_impl().items() for config in configs] \
+                if args.sweep else [(impl, None) for impl in args.impls]
             for impl, config in runs:
                 row = measure(args, impl, causal, n, q, k, v, config)
                 data["results"].append(row)
