@@ -132,6 +132,8 @@ def _consumer(o_desc, LSE, QS, KS, VS, q_smem, k_smem, v_smem, o_smem, p_smem, q
         p.store(p32.to(fp8))
         fence_async_shared()
     for j in range(1, n_tiles):
+        # K_j's scales first: the load lands while the tensor cores work, before the softmax needs it
+        k_scale = _key_scales(KS, ks_base, j * BLOCK_N, seqlen_k, scale_block, BLOCK_N, col_s)
         k = fg._arrived(k_smem, k_full, j, BLOCK_N, HEAD_DIM, STAGES)
         s = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         vt = fg._arrived(v_smem, v_full, j - 1, HEAD_DIM, BLOCK_N, STAGES)
@@ -141,7 +143,6 @@ def _consumer(o_desc, LSE, QS, KS, VS, q_smem, k_smem, v_smem, o_smem, p_smem, q
             pv = warpgroup_mma(p, vt.permute((1, 0)), acc, is_async=True)
         s, _, _ = warpgroup_mma_wait(1, deps=(s, q, k))
         mbarrier.arrive(k_empty.index(j % STAGES))            # this warpgroup is done with K_j
-        k_scale = _key_scales(KS, ks_base, j * BLOCK_N, seqlen_k, scale_block, BLOCK_N, col_s)
         p32, alpha, l_i, m_i = _softmax(s, k_scale, q_scale, m_i, l_i, offs_m, j * BLOCK_N, seqlen_k,
                                         causal_offset, j >= n_unmasked, BLOCK_N, CAUSAL, col_s)
         pv, _, _ = warpgroup_mma_wait(0, deps=(pv, p, vt))
