@@ -294,7 +294,7 @@ def test_backward_arguments():
 
 def test_sweep_defaults_are_the_issues_grid():
     args = peers_sweep.parse_args([])
-    assert args.peers == ["triton-tutorial", "triton-tutorial-ws"] and args.impls == ["triton"]
+    assert args.peers == ["triton-tutorial", "triton-tutorial-ws", "flash-attn-4"] and args.impls == ["triton"]
     assert args.sdpa == ["flash", "cudnn", "efficient"] and args.modes == ["fwd", "bwd"]
     assert args.dtypes == ["fp16", "bf16"] and args.head_dims == [64, 128] and args.causal == "both"
     assert args.seqlens == [1024, 2048, 4096, 8192, 16384] and len(peers_sweep.configurations(args)) == 40
@@ -442,6 +442,137 @@ def test_versus_the_course_takes_its_fastest_accurate_kernel_per_shape():
     assert peers_sweep.versus(records, ("gluon",)) == peers_sweep.versus(records, "gluon")
     text = peers_sweep.format_versus(rows, ("triton", "gluon"))
     assert text.startswith("best of triton, gluon / tutorial") and "min 0.75x at fwd fp16 D=64 N=2048" in text
+
+
+# ---- FlashAttention-4 --------------------------------------------------------------------------------------
+
+class FakeFA4:
+    """flash_attn.cute's interface on (batch, N, heads, head_dim) tensors: returns (out, lse) as flash-attn-4 does;
+    records the layout and storage of what it was given."""
+
+    def __init__(self):
+        self.calls = []
+
+    def flash_attn_func(self, q, k, v, softmax_scale=None, causal=False):
+        self.calls.append(dict(shape=tuple(q.shape), ptrs=tuple(t.data_ptr() for t in (q, k, v)),
+                               scale=softmax_scale, causal=causal))
+        out = naive_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal,
+                              sm_scale=softmax_scale)
+        return out.transpose(1, 2), torch.zeros(q.shape[0], q.shape[2], q.shape[1])
+
+
+@pytest.fixture
+def fake_fa4(monkeypatch):
+    import types
+
+    fake = FakeFA4()
+    package, cute = types.ModuleType("flash_attn"), types.ModuleType("flash_attn.cute")
+    cute.flash_attn_func = fake.flash_attn_func
+    package.cute = cute
+    monkeypatch.setitem(sys.modules, "flash_attn", package)
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", cute)
+    return fake
+
+
+def test_flash_attention_4_missing_is_named_with_how_to_get_it(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "flash_attn", None)   # import flash_attn raises ImportError
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", None)
+    with pytest.raises(peers.FlashAttention4Unavailable, match="flash_attn.cute does not import: .*fa4_pack.sh"):
+        peers.load_flash_attention_4()
+    args = argparse.Namespace(peers=["flash-attn-4"], tutorial=None, tutorial_ref=None)
+    assert peers.from_args(args) == {}
+    err = capsys.readouterr().err
+    assert err.startswith("skipping flash-attn-4: flash_attn.cute does not import") and "Traceback" not in err
+
+
+def test_flash_attention_4_gets_views_in_its_layout_and_matches_attention(fake_fa4):
+    peer = peers.load_flash_attention_4()
+    assert peer.label == peer.__name__ == "flash-attn-4"
+    assert peer.provenance()["versions"] == {"flash-attn-4": None, "nvidia-cutlass-dsl": None}   # not installed here
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 37, 64, generator=gen, dtype=torch.float64).to(torch.bfloat16).requires_grad_()
+    k, v = (torch.randn(2, 2, 53, 64, generator=gen).to(torch.bfloat16).requires_grad_() for _ in range(2))
+    out = peer(q, k, v, causal=True, sm_scale=0.2)
+    (call,) = fake_fa4.calls
+    assert call["shape"] == (2, 37, 4, 64) and call["ptrs"] == tuple(t.data_ptr() for t in (q, k, v)), "no copies"
+    assert call["scale"] == 0.2 and call["causal"] is True
+    assert out.shape == q.shape
+    torch.testing.assert_close(out, naive_attention(q, k, v, causal=True, sm_scale=0.2))
+    assert all(g is not None for g in torch.autograd.grad(out.float().sum(), (q, k, v)))
+    peer(q, k, v)
+    assert fake_fa4.calls[-1]["scale"] == pytest.approx(64 ** -0.5)   # the course's default scale, passed on
+
+
+def test_what_flash_attention_4_supports(fake_fa4):
+    peer = peers.load_flash_attention_4()
+    f16, bf16 = torch.float16, torch.bfloat16
+    assert peer.supports(128, bf16, True, seqlen=1000, capability=(9, 0)) and peer.supports(64, f16, False)
+    assert peer.unsupported(64, torch.float32, False) == "float32 (it runs fp16 and bf16)"
+    assert peer.unsupported(20, f16, False) == "head_dim 20 (it runs multiples of 8 from 8 to 256)"
+    assert peer.unsupported(512, f16, False).startswith("head_dim 512")
+    assert peer.unsupported(64, f16, False, capability=(8, 0)) == "sm_80 (its kernels are for sm_90 and sm_100)"
+    assert peer.supports(64, f16, False, capability=(10, 0))
+    with pytest.raises(TypeError, match="dtype"):
+        peer.unsupported(64, "fp16", False)
+    with pytest.raises(ValueError, match="mode"):
+        peer.unsupported(64, f16, False, mode="train")
+    q = torch.zeros(1, 2, 8, 64)
+    with pytest.raises(TypeError, match="q has dtype torch.float32"):
+        peer(q, q, q)
+    with pytest.raises(TypeError, match="fn must be callable"):
+        peers.FlashAttention4Peer(None, {})
+
+
+def test_the_sweep_compares_the_course_with_flash_attention_4(fake_fa4, tmp_path):
+    args = peers_sweep.parse_args(["--impls", "--sdpa", "--peers", "flash-attn-4", "--seqlens", "128",
+                                   "--head-dims", "64", "--batch", "1", "--heads", "2", "--dtypes", "fp16", "fp32",
+                                   "--causal", "no", "--modes", "fwd"])
+    fns = {"naive": naive_attention, **forward.candidates(args)}
+    assert list(fns) == ["naive", "flash-attn-4"]
+    records = peers_sweep.run(args, fns, time_ms=lambda c: 1.0, device="cpu", progress=False)
+    by = {(r["impl"], r["dtype"]): r for r in records}
+    assert by["flash-attn-4", "fp16"]["accurate"] and by["flash-attn-4", "fp32"]["error"].startswith(
+        "not supported: float32")
+    rows = peers_sweep.versus(records, "naive", (peers.FA4,))
+    assert [(r["dtype"], r["peer"], r["ratio"]) for r in rows] == [("fp16", "flash-attn-4", 1.0)]
+    assert peers_sweep.format_versus(rows, "naive", peers.FA4).startswith("naive / flash-attn-4: min 1.00x")
+    assert peers_sweep.versus(records, "naive") == []   # the tutorial was not run
+    path = peers_sweep.write_json(records, args, tmp_path / "s.json", fns)
+    assert json.loads(path.read_text())["peers"]["flash-attn-4"]["package"] == "flash-attn-4"
+    newer = {"flash-attn-4": peers.FlashAttention4Peer(fake_fa4.flash_attn_func, {"flash-attn-4": "9"})}
+    with pytest.raises(ValueError, match="measured flash-attn-4"):
+        peers_sweep.resume_from(path, args, newer)
+
+
+def _fa4_importable() -> bool:
+    import importlib
+
+    try:
+        importlib.import_module("flash_attn.cute")
+    except Exception:  # noqa: BLE001 - not installed, or its libraries do not load
+        return False
+    return True
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and _fa4_importable()), reason="needs flash-attn-4 on a GPU")
+def test_the_real_flash_attention_4_on_gpu():
+    """The installed package against SDPA, forward and backward, GQA and causal, through the peer."""
+    import torch.nn.functional as F
+
+    peer = peers.load_flash_attention_4()
+    assert peer.versions["flash-attn-4"] is not None
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(2, 8, 1000, 128, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+    k, v = (torch.randn(2, 4, 1000, 128, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+            for _ in range(2))
+    for causal in (False, True):
+        out = peer(q, k, v, causal=causal)
+        ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+        torch.testing.assert_close(out, ref, atol=2e-2, rtol=0)
+        do = torch.randn_like(out)
+        for g, g_ref in zip(torch.autograd.grad(out, (q, k, v), do), torch.autograd.grad(ref, (q, k, v), do)):
+            torch.testing.assert_close(g, g_ref, atol=5e-2, rtol=5e-2)
 
 
 # ---- the real tutorial ----------------------------------------------------------------------------------------

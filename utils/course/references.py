@@ -138,7 +138,8 @@ REFERENCES = {
     "decoding_latency": (1, ["utils.course.bench.decoding", "--latency", "--out", "images"]),
     "flex": (1, ["utils.course.bench.flex"]),
     # the Triton tutorial beside the course, from the file of the GPU machine's Triton (3.6: release/3.6.x) put in
-    # the ignored .peer/ (utils.course.bench.peers says how); the sweep records the file's SHA-256
+    # the ignored .peer/ (utils.course.bench.peers says how); the sweep records the file's SHA-256. FlashAttention-4
+    # joins where flash-attn-4 is installed (../shared/tools/fa4_pack.sh), else the sweep says it skipped it
     "peers": (1, ["utils.course.bench.peers_sweep", "--tutorial", ".peer/06-fused-attention.py", "--tutorial-ref",
                   "release/3.6.x", "--impls", "triton", "gluon", "gluon_ws", "--name", "peers_h200",
                   "--rounds", "3"]),
@@ -244,6 +245,7 @@ def findings() -> list[dict]:
     images/*.json."""
     from utils.course.bench.backward import ratios as backward_ratios
     from utils.course.bench.cuda_mma import step_label
+    from utils.course.bench.peers import FA4, PEERS as PEER_LABELS
     from utils.course.bench.peers_sweep import versus
     from utils.native.backward import BWD_DEFAULT_STEP
     from utils.native.build import MMA_DEFAULT_STEP
@@ -274,7 +276,7 @@ def findings() -> list[dict]:
 
     peers = _load("peers_h200.json")
     course = tuple(dict.fromkeys(r["impl"] for r in peers["results"]
-                                 if not r["impl"].startswith(("sdpa-", "triton-tutorial"))))
+                                 if not r["impl"].startswith("sdpa-") and r["impl"] not in PEER_LABELS))
     tutorial = versus(peers["results"], course)
     fastest = "course's best"  # per shape the fastest of `course` (09 names them)
     for mode, name in (("fwd", "forward"), ("bwd", "backward")):
@@ -285,6 +287,12 @@ def findings() -> list[dict]:
     below = sum(r["ratio"] < 1.0 for r in tutorial)
     rows.append(_finding("shapes where the course is below the tutorial", [below], f"of {len(tutorial)}",
                          "fwd and bwd, fp16, N ≥ 1k", "peers_h200.json", "05b"))
+    if any(r["impl"] == FA4 for r in peers["results"]):   # a run with flash-attn-4 installed (issue 78)
+        fa4 = versus(peers["results"], course, (FA4,))
+        for mode, name in (("fwd", "forward"), ("bwd", "backward")):
+            rows.append(_finding(f"{fastest} {name} / FlashAttention-4, fp16 and bf16",
+                                 [r["ratio"] for r in fa4 if r["mode"] == mode and r["seqlen"] >= 2048],
+                                 "×", "N ≥ 2k", "peers_h200.json", "05b, 07"))
     for mode, name, sdpa, label, shortest in (("fwd", "forward", "sdpa-cudnn", "cuDNN", 4096),
                                               ("fwd", "forward", "sdpa-flash", "FlashAttention-2", 1024),
                                               ("bwd", "backward", "sdpa-cudnn", "cuDNN's", 4096)):

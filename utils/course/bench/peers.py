@@ -1,4 +1,5 @@
-"""Outside kernels the benchmarks measure beside the course's: the official Triton tutorial's fused attention.
+"""Outside kernels the benchmarks measure beside the course's: the official Triton tutorial's fused attention,
+and FlashAttention-4 (the `flash-attn-4` package) where it is installed.
 
 The tutorial (`python/tutorials/06-fused-attention.py` of the Triton repository) is not in the Triton wheel and
 is never copied into this repository: the benchmarks import it at run time from its own file, named by
@@ -19,6 +20,12 @@ differentiable autograd function on contiguous (batch, heads, N, head_dim) tenso
 GPU driver (it asks `triton.runtime.driver.active` for the device at import). What it supports (`unsupported`)
 was read from the release/3.6.x file; a file that differs is still measured, and a shape it rejects shows up
 as an error in the results rather than stopping the run.
+
+FlashAttention-4 is imported from its own installed package (`from flash_attn.cute import flash_attn_func`), never
+copied; on the GPU machine `bash ../shared/tools/fa4_pack.sh` prepares it (its header has the commands). It takes
+(batch, N, heads, head_dim) tensors: the peer hands it transposed views of the course's (batch, heads, N,
+head_dim) tensors, which it reads in place, and returns its output the same way. A stored result records the
+package's version and that of the CUTLASS DSL it runs on.
 """
 from __future__ import annotations
 
@@ -37,7 +44,9 @@ from utils.checks import check_attention_inputs, check_bool, check_capability, p
 
 ENV_VAR = "TRITON_TUTORIAL_ATTENTION"
 TUTORIAL_PATH = "python/tutorials/06-fused-attention.py"  # inside the Triton repository
-PEERS = {"triton-tutorial": False, "triton-tutorial-ws": True}  # label -> warp_specialize
+TUTORIAL_PEERS = {"triton-tutorial": False, "triton-tutorial-ws": True}  # label -> warp_specialize
+FA4 = "flash-attn-4"
+PEERS = (*TUTORIAL_PEERS, FA4)
 MODES = ("fwd", "bwd", "fwd_bwd")
 
 # What the release/3.6.x tutorial runs, and why (from its source):
@@ -141,9 +150,9 @@ class Tutorial:
                     ref_matches_triton=matches, takes_warp_specialize=self.warp_specialize, tuned=self.tuned)
 
     def peer(self, label: str) -> "TutorialPeer":
-        if label not in PEERS:
-            raise ValueError(f"unknown peer {label!r}; known: {', '.join(PEERS)}")
-        return TutorialPeer(label, self, PEERS[label])
+        if label not in TUTORIAL_PEERS:
+            raise ValueError(f"unknown peer {label!r} of the tutorial; known: {', '.join(TUTORIAL_PEERS)}")
+        return TutorialPeer(label, self, TUTORIAL_PEERS[label])
 
 
 def load_tutorial(path=None, *, ref: str | None = None, tuned: bool = True) -> Tutorial:
@@ -180,6 +189,19 @@ def load_tutorial(path=None, *, ref: str | None = None, tuned: bool = True) -> T
     return Tutorial(path, sha256, ref, module, tuned)
 
 
+def _check_shape_arguments(head_dim, dtype, causal, seqlen, mode, capability):
+    """The arguments of a peer's `unsupported`, checked; returns the capability as a tuple (or None)."""
+    positive_int("head_dim", head_dim)
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
+    check_bool("causal", causal)
+    if seqlen is not None:
+        positive_int("seqlen", seqlen)
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    return check_capability(capability, optional=True)
+
+
 class TutorialPeer:
     """`peer(q, k, v, causal=..., sm_scale=...)`: the tutorial's attention, differentiable, as the benchmarks
     call every implementation; `unsupported(...)` says which shapes it cannot run (None: it can)."""
@@ -197,15 +219,7 @@ class TutorialPeer:
     def unsupported(self, head_dim, dtype, causal, *, seqlen=None, mode="fwd", capability=None) -> str | None:
         """Why the tutorial cannot run this shape (None if it can). `capability`: the GPU's (major, minor),
         which only decides where warp specialization runs; None: any GPU."""
-        positive_int("head_dim", head_dim)
-        if not isinstance(dtype, torch.dtype):
-            raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
-        check_bool("causal", causal)
-        if seqlen is not None:
-            positive_int("seqlen", seqlen)
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        capability = check_capability(capability, optional=True)
+        capability = _check_shape_arguments(head_dim, dtype, causal, seqlen, mode, capability)
         if head_dim not in HEAD_DIMS:
             return f"head_dim {head_dim} (it runs {', '.join(map(str, HEAD_DIMS))})"
         if dtype not in DTYPES:
@@ -247,10 +261,86 @@ class TutorialPeer:
             raise RuntimeError(f"{self.label} failed: {type(err).__name__}: {err}") from err
 
 
+# ---- FlashAttention-4 ---------------------------------------------------------------------------------------
+
+FA4_PACKAGES = ("flash-attn-4", "nvidia-cutlass-dsl")   # recorded with its results
+FA4_DTYPES = (torch.float16, torch.bfloat16)
+FA4_ARCHS = (9, 10)   # its kernels are written for Hopper (sm_90) and Blackwell (sm_100)
+
+
+class FlashAttention4Unavailable(ImportError):
+    """flash-attn-4 cannot be imported here; the message says why and how to get it."""
+
+
+def load_flash_attention_4() -> "FlashAttention4Peer":
+    """The peer, from the installed package; FlashAttention4Unavailable (naming the cause) if it does not import."""
+    from importlib import metadata
+
+    try:
+        from flash_attn.cute import flash_attn_func
+    except Exception as err:  # noqa: BLE001 - not installed, or its CUDA libraries do not load here
+        first = str(err).splitlines()[0] if str(err) else ""
+        raise FlashAttention4Unavailable(
+            f"flash_attn.cute does not import: {type(err).__name__}: {first} (on the GPU machine "
+            f"`bash ../shared/tools/fa4_pack.sh` prepares the flash-attn-4 package)") from err
+    versions = {}
+    for package in FA4_PACKAGES:
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            versions[package] = None
+    return FlashAttention4Peer(flash_attn_func, versions)
+
+
+class FlashAttention4Peer:
+    """`peer(q, k, v, causal=..., sm_scale=...)`: FlashAttention-4's differentiable attention on the course's
+    (batch, heads, N, head_dim) tensors; `unsupported(...)` says which shapes it cannot run (None: it can)."""
+
+    def __init__(self, fn, versions: dict):
+        if not callable(fn):
+            raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+        self.label = self.__name__ = FA4
+        self.fn, self.versions = fn, dict(versions)
+
+    def __repr__(self):
+        return f"FlashAttention4Peer({self.versions})"
+
+    def provenance(self) -> dict:
+        return dict(package=FA4_PACKAGES[0], versions=self.versions, function=f"{self.fn.__module__}."
+                    f"{getattr(self.fn, '__qualname__', 'flash_attn_func')}")
+
+    def unsupported(self, head_dim, dtype, causal, *, seqlen=None, mode="fwd", capability=None) -> str | None:
+        """Why FlashAttention-4 cannot run this shape (None if it can); `capability`: the GPU's, None: any."""
+        capability = _check_shape_arguments(head_dim, dtype, causal, seqlen, mode, capability)
+        if dtype not in FA4_DTYPES:
+            return f"{str(dtype).removeprefix('torch.')} (it runs fp16 and bf16)"
+        if not 8 <= head_dim <= 256 or head_dim % 8:
+            return f"head_dim {head_dim} (it runs multiples of 8 from 8 to 256)"
+        if capability is not None and capability[0] not in FA4_ARCHS:
+            return f"sm_{capability[0]}{capability[1]} (its kernels are for sm_90 and sm_100)"
+        return None
+
+    def supports(self, head_dim, dtype, causal, **kwargs) -> bool:
+        return self.unsupported(head_dim, dtype, causal, **kwargs) is None
+
+    def __call__(self, q, k, v, *, causal=False, sm_scale=None):
+        shape = check_attention_inputs(q, k, v, causal=causal, dtypes=FA4_DTYPES)
+        capability = tuple(torch.cuda.get_device_capability(q.device)) if q.is_cuda else None
+        why = self.unsupported(shape.head_dim, q.dtype, causal, seqlen=shape.seqlen_q, capability=capability)
+        if why is not None:
+            raise ValueError(f"{self.label} does not support {why}")
+        scale = resolve_scale(sm_scale, shape.head_dim)
+        out = self.fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale, causal=causal)
+        if isinstance(out, tuple):   # (out, lse)
+            out = out[0]
+        return out.transpose(1, 2)
+
+
 def add_arguments(parser, choices=tuple(PEERS), default=()) -> None:
     """--peers, --tutorial and --tutorial-ref for a benchmark's command line."""
     parser.add_argument("--peers", nargs="*", choices=list(choices), default=list(default),
-                        help="outside kernels measured beside the others (the Triton tutorial's attention)")
+                        help="outside kernels measured beside the others (the Triton tutorial's attention, "
+                             "FlashAttention-4 where flash-attn-4 is installed)")
     parser.add_argument("--tutorial", type=Path, default=None,
                         help=f"the tutorial's {Path(TUTORIAL_PATH).name} (default: ${ENV_VAR})")
     parser.add_argument("--tutorial-ref", default=None,
@@ -258,18 +348,28 @@ def add_arguments(parser, choices=tuple(PEERS), default=()) -> None:
 
 
 def from_args(args, stream=None) -> dict:
-    """{label: TutorialPeer} for args.peers; if the tutorial cannot be loaded, a message (no traceback) on
-    `stream` (default stderr) and no peers, so the rest of the benchmark still runs."""
+    """{label: peer} for args.peers, in their order; a peer that cannot be loaded (no tutorial file, flash-attn-4
+    not installed) is left out with a message (no traceback) on `stream` (default stderr), so the rest of the
+    benchmark still runs."""
     names = list(getattr(args, "peers", None) or [])
     if not names:
         return {}
     stream = sys.stderr if stream is None else stream
-    try:
-        tutorial = load_tutorial(getattr(args, "tutorial", None), ref=getattr(args, "tutorial_ref", None))
-    except TutorialUnavailable as err:
-        print(f"skipping {', '.join(names)}: {err}", file=stream)
-        return {}
-    if tutorial.provenance()["ref_matches_triton"] is False:
-        print(f"warning: the tutorial comes from {tutorial.ref} but this is Triton {release_branch()}",
-              file=stream)
-    return {name: tutorial.peer(name) for name in names}
+    loaded = {}
+    tutorial_names = [name for name in names if name in TUTORIAL_PEERS]
+    if tutorial_names:
+        try:
+            tutorial = load_tutorial(getattr(args, "tutorial", None), ref=getattr(args, "tutorial_ref", None))
+        except TutorialUnavailable as err:
+            print(f"skipping {', '.join(tutorial_names)}: {err}", file=stream)
+        else:
+            if tutorial.provenance()["ref_matches_triton"] is False:
+                print(f"warning: the tutorial comes from {tutorial.ref} but this is Triton {release_branch()}",
+                      file=stream)
+            loaded.update((name, tutorial.peer(name)) for name in tutorial_names)
+    if FA4 in names:
+        try:
+            loaded[FA4] = load_flash_attention_4()
+        except FlashAttention4Unavailable as err:
+            print(f"skipping {FA4}: {err}", file=stream)
+    return {name: loaded[name] for name in names if name in loaded}

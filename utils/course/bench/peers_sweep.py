@@ -1,5 +1,6 @@
 """Forward and backward, fp16 and bf16, in one run and one plot: the course's kernel beside SDPA's pinned
-backends (cuDNN, FlashAttention-2, efficient) and the official Triton tutorial's kernel (issue 22).
+backends (cuDNN, FlashAttention-2, efficient), the official Triton tutorial's kernel (issue 22) and, where the
+flash-attn-4 package is installed, FlashAttention-4 (issue 78).
 
     python -m utils.course.bench.peers_sweep --tutorial .peer/06-fused-attention.py --tutorial-ref release/3.6.x \\
         --name peers_h200
@@ -200,8 +201,8 @@ def write_json(records: list[dict], args, path: Path, fns: dict, earlier: list |
 
 def resume_from(path: Path, args, fns: dict) -> tuple[list[dict], list[dict]]:
     """(records, earlier environments) of a previous run of the same sweep, less the records of the modes
-    --remeasure names on this run's grid; ValueError if its settings, its machine (GPU, emulated profile, torch, Triton, cuDNN) or
-    its tutorial file differ, since its numbers would not compare with the new ones."""
+    --remeasure names on this run's grid; ValueError if its settings, its machine (GPU, emulated profile, torch,
+    Triton, cuDNN), its tutorial file or its flash-attn-4 version differ, since its numbers would not compare."""
     data = json.loads(Path(path).read_text())
     if data.get("settings") != settings(args):
         raise ValueError(f"{path} was measured with {data.get('settings')}, not {settings(args)}; "
@@ -213,9 +214,12 @@ def resume_from(path: Path, args, fns: dict) -> tuple[list[dict], list[dict]]:
                              f"{now[field]!r}; drop --resume or give another --name")
     for label, now in provenance(fns).items():
         before = data.get("peers", {}).get(label)
-        if before is not None and before["sha256"] != now["sha256"]:
+        if before is not None and before.get("sha256") != now.get("sha256"):
             raise ValueError(f"{path} measured {label} from another file ({before['path']}, sha256 "
                              f"{before['sha256'][:12]}); drop --resume or give another --name")
+        if before is not None and before.get("versions") != now.get("versions"):
+            raise ValueError(f"{path} measured {label} {before.get('versions')}, this machine has "
+                             f"{now.get('versions')}; drop --resume or give another --name")
     grid = set(configurations(args))
     kept = [r for r in data["results"] if r["mode"] not in args.remeasure
             or (r["dtype"], r["head_dim"], r["causal"], r["seqlen"]) not in grid]
@@ -238,9 +242,10 @@ def format_tables(records: list[dict]) -> str:
     return "\n\n".join(blocks)
 
 
-def versus(records: list[dict], impl="triton", others=tuple(peers.PEERS)) -> list[dict]:
+def versus(records: list[dict], impl="triton", others=tuple(peers.TUTORIAL_PEERS)) -> list[dict]:
     """Per shape where `impl` and at least one of `others` ran accurately: impl's TFLOP/s over the best of the
-    others' (the tutorial with and without warp specialization): the issue's bar is >= 1.0 everywhere. `impl`
+    others' (by default the tutorial with and without warp specialization; or (peers.FA4,)): the issues' bar is
+    >= 1.0 everywhere. `impl`
     may be a tuple of names: per shape the fastest of them that ran accurately (the course's best kernel);
     each row names it."""
     group = (impl,) if isinstance(impl, str) else tuple(impl)
@@ -258,13 +263,13 @@ def versus(records: list[dict], impl="triton", others=tuple(peers.PEERS)) -> lis
     return rows
 
 
-def format_versus(rows: list[dict], impl="triton") -> str:
+def format_versus(rows: list[dict], impl="triton", peer="tutorial (best of its variants)") -> str:
     label = impl if isinstance(impl, str) else "best of " + ", ".join(impl)
     if not rows:
-        return f"{label} vs the tutorial: no shape where both ran accurately"
+        return f"{label} vs {peer}: no shape where both ran accurately"
     worst = min(rows, key=lambda r: r["ratio"])
     below = [r for r in rows if r["ratio"] < 1.0]
-    return (f"{label} / tutorial (best of its variants): min {worst['ratio']:.2f}x at {worst['mode']} "
+    return (f"{label} / {peer}: min {worst['ratio']:.2f}x at {worst['mode']} "
             f"{worst['dtype']} D={worst['head_dim']}{' causal' if worst['causal'] else ''} N={worst['seqlen']}; "
             f"below 1.0 on {len(below)} of {len(rows)} shapes")
 
@@ -327,6 +332,8 @@ def main(argv=None) -> list[dict]:
     course = [name for name in args.impls if any(r["impl"] == name for r in records)]
     for impl in course + ([tuple(course)] if len(course) > 1 else []):
         print(format_versus(versus(records, impl), impl))
+        if any(r["impl"] == peers.FA4 for r in records):
+            print(format_versus(versus(records, impl, (peers.FA4,)), impl, peers.FA4))
     print(f"wrote {json_path} and {png}")
     return records
 
