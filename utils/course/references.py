@@ -160,6 +160,7 @@ REFERENCES = {
     "fp8_sweep": (1, ["utils.course.bench.fp8", "--sweep"]),
     "mla": (1, ["utils.course.bench.mla"]),
     "mla_sweep": (1, ["utils.course.bench.mla", "--sweep"]),
+    "sinks": (1, ["utils.course.bench.sinks"]),
     "context_parallel": (2, ["utils.course.bench.context_parallel"]),
     "ring_nccl": (2, ["utils.course.ring_check", "--backend", "nccl", "--world-size", "2"]),
     "ring_comm": (2, ["utils.course.bench.ring_comm", "--backend", "nccl", "--world-size", "2", "--out", "images"]),
