@@ -88,18 +88,10 @@ for d in W.HEAD_DIMS:
 @pytest.mark.full
 @pytest.mark.skipif(CUDA, reason="checks this Triton compiling for sm_90 from a CPU; on a GPU the kernel runs")
 def test_each_config_compiles_for_sm90_with_fp8_wgmma():
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    from utils.course.cross_compile import script_in_fresh_process
 
-    root = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
-    run = subprocess.run([sys.executable, "-c", COMPILE_PROBE], cwd=root, env=env, capture_output=True, text=True,
-                         timeout=900)
-    assert run.returncode == 0, run.stderr[-3000:]
-    lines = [line.split() for line in run.stdout.splitlines() if line.strip()]
+    out = script_in_fresh_process(COMPILE_PROBE)
+    lines = [line.split() for line in out.splitlines() if line.strip()]
     assert len(lines) == len(forward_ws.HEAD_DIMS) * len(forward_ws.WS_TILES)
     for d, i, shared, wgmma, e4m3 in lines:
         config = forward_ws.WS_TILES[int(i)]

@@ -134,19 +134,11 @@ for heads, tiles in ((16, Tiles(64, 8, 2)), (128, Tiles(32, 8, 2))):
 def test_the_kernel_at_deepseeks_shape_fits_an_h200s_shared_memory():
     """Compiled for sm_90 by this Triton (in a process without the interpreter), at r = 512: the first tiles fit
     the 227 KiB a block may have at 16 heads (16 rows), and at 128 heads (64 rows) a later candidate does."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    from utils.course.cross_compile import script_in_fresh_process
 
     assert candidate_tiles(512)[0] == Tiles(64, 8, 2) and Tiles(32, 8, 2) in candidate_tiles(512)
-    root = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
-    run = subprocess.run([sys.executable, "-c", SMEM_PROBE], cwd=root, env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert run.returncode == 0, run.stderr[-2000:]
-    shared = dict(tuple(map(int, line.split())) for line in run.stdout.split("\n") if line.strip())
+    out = script_in_fresh_process(SMEM_PROBE)
+    shared = dict(tuple(map(int, line.split())) for line in out.split("\n") if line.strip())
     assert set(shared) == {16, 128} and all(0 < b <= 227 * 1024 for b in shared.values()), shared
 
 

@@ -267,13 +267,23 @@ def gluon_bwd_schedule(head_dim: int = 64, causal: bool = False, capability=(9, 
 def in_fresh_process(*args: str, timeout: int = 900) -> str:
     """`python -m utils.course.cross_compile *args` in a process without TRITON_INTERPRET (where the kernels are
     compiled, not interpreted), from a notebook or test that runs interpreted; returns what it printed."""
+    return _uninterpreted(["-m", "utils.course.cross_compile", *args], timeout)
+
+
+def script_in_fresh_process(code: str, timeout: int = 900) -> str:
+    """`python -c code` in a process without TRITON_INTERPRET, the repository importable, as in_fresh_process:
+    a test's own compile probe (capture a launch, compile_launch it). Returns what it printed."""
+    return _uninterpreted(["-c", code], timeout)
+
+
+def _uninterpreted(argv: list[str], timeout: int) -> str:
     root = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
-    run = subprocess.run([sys.executable, "-m", "utils.course.cross_compile", *args], cwd=root, env=env,
-                         capture_output=True, text=True, timeout=timeout)
+    run = subprocess.run([sys.executable, *argv], cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
     if run.returncode != 0:
-        raise RuntimeError(f"python -m utils.course.cross_compile {' '.join(args)} failed:\n{run.stdout}{run.stderr}")
+        shown = " ".join(argv) if argv[0] == "-m" else "-c <probe>"
+        raise RuntimeError(f"python {shown} failed:\n{run.stdout}{run.stderr[-3000:]}")
     return run.stdout
 
 

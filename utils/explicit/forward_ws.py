@@ -38,8 +38,9 @@ BLOCK_M = 2 * SUB_M         # query rows per program
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_full, k_empty, v_full, v_empty,
-              b, h, h_kv, start_m, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """One warp: both consumers' Q, then every K and V tile, each into a slot once both consumers left it."""
+              b, h, h_kv, start_m, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, V_T: gl.constexpr = False):
+    """One warp: both consumers' Q, then every K and V tile, each into a slot once both consumers left it.
+    V_T: v_desc is over Vᵀ (batch, heads, head_dim, seq), as the FP8 kernel (utils.fp8.forward_ws) reads it."""
     SUB_M: gl.constexpr = q_desc.block_type.shape[2]
     for w in gl.static_range(2):
         mbarrier.expect(q_bar.index(w), q_desc.block_type.nbytes)
@@ -52,7 +53,12 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_full, k_e
         tma.async_copy_global_to_shared(k_desc, [b, h_kv, t * BLOCK_N, 0], k_full.index(slot), k_smem.index(slot))
         mbarrier.wait(v_empty.index(slot), free)
         mbarrier.expect(v_full.index(slot), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [b, h_kv, t * BLOCK_N, 0], v_full.index(slot), v_smem.index(slot))
+        if V_T:
+            tma.async_copy_global_to_shared(v_desc, [b, h_kv, 0, t * BLOCK_N], v_full.index(slot),
+                                            v_smem.index(slot))
+        else:
+            tma.async_copy_global_to_shared(v_desc, [b, h_kv, t * BLOCK_N, 0], v_full.index(slot),
+                                            v_smem.index(slot))
 
 
 @gluon.jit

@@ -1,8 +1,9 @@
 """The FP8 forward, warp-specialised, in Gluon: the fast kernel beside utils.fp8.forward (notebook 11; issue 77).
 
 utils.explicit.forward_ws (notebook 05b section 10) with both products in FP8 (e4m3), as utils.fp8.forward
-computes them in Triton. One producer warp copies Q, K and Vᵀ tiles by TMA into a ring of shared-memory slots;
-two consumer warpgroups take 64 query rows each and overlap one tile's softmax with the other's products.
+computes them in Triton. Its producer warp (the bf16 kernel's, reading Vᵀ) copies Q, K and Vᵀ tiles by TMA into
+a ring of shared-memory slots; two consumer warpgroups take 64 query rows each and overlap one tile's softmax with
+the other's products.
 The differences from the bf16 kernel:
 
 - Vᵀ, (batch, kv_heads, head_dim, seq), is what arrives: Hopper's FP8 `wgmma` reads both operands with the
@@ -33,7 +34,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from utils.checks import resolve_scale
-from utils.explicit import forward as fg
+from utils.explicit import forward as fg, forward_ws as fws
 from utils.fp8.forward import check_quantized_inputs
 from utils.tiled.forward import LOG2E
 
@@ -42,25 +43,6 @@ BLOCK_M = 2 * SUB_M         # query rows per program
 HEAD_DIMS = (64, 128)
 OUT_DTYPES = (torch.bfloat16, torch.float16)
 TMA_ALIGN = 16              # bytes: TMA wants 16-byte aligned rows, so Vᵀ's key count is padded to 16
-
-
-@gluon.jit
-def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_full, k_empty, v_full, v_empty,
-              b, h, h_kv, start_m, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """One warp: both consumers' Q, then every K and Vᵀ tile, each into a slot once both consumers left it."""
-    SUB_M: gl.constexpr = q_desc.block_type.shape[2]
-    for w in gl.static_range(2):
-        mbarrier.expect(q_bar.index(w), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [b, h, start_m + w * SUB_M, 0], q_bar.index(w), q_smem.index(w))
-    for t in range(n_tiles):
-        slot = t % STAGES
-        free = ((t // STAGES) & 1) ^ 1     # use u of a slot waits for u releases; a fresh slot passes at once
-        mbarrier.wait(k_empty.index(slot), free)
-        mbarrier.expect(k_full.index(slot), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [b, h_kv, t * BLOCK_N, 0], k_full.index(slot), k_smem.index(slot))
-        mbarrier.wait(v_empty.index(slot), free)
-        mbarrier.expect(v_full.index(slot), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [b, h_kv, 0, t * BLOCK_N], v_full.index(slot), v_smem.index(slot))
 
 
 @gluon.jit
@@ -212,8 +194,8 @@ def fp8_ws_kernel(q_desc, k_desc, v_desc, o_desc, LSE, QS, KS, VS, heads, group,
                                      k_empty, v_full, v_empty, b, h, h_kv, pid_bh, heads, group, start_m, n_tiles,
                                      n_unmasked, seqlen_q, seqlen_k, q_blocks, k_blocks, scale_block, qk_scale,
                                      1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, FP32_SUM)),
-                        (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_full, k_empty,
-                                     v_full, v_empty, b, h, h_kv, start_m, n_tiles, BLOCK_N, STAGES))],
+                        (fws._producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_full, k_empty,
+                                         v_full, v_empty, b, h, h_kv, start_m, n_tiles, BLOCK_N, STAGES, True))],
                        [4, 1], [CONSUMER_REGS, 24])
 
 
