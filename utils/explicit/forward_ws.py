@@ -139,6 +139,26 @@ def _consumer(o_desc, LSE, q_smem, k_smem, v_smem, q_bar, k_full, k_empty, v_ful
     tma.store_wait(0)
 
 
+@gluon.jit
+def _ring_barriers(STAGES: gl.constexpr):
+    """The mbarriers of the two consumers' Q and of the K/V rings, initialised: a slot's "full" completes when its
+    copy lands, its "empty" when both consumers have arrived (count 2)."""
+    q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(q_bar.index(i), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_full.index(i), count=1)
+        mbarrier.init(v_full.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)    # one arrive per consumer warpgroup
+        mbarrier.init(v_empty.index(i), count=2)
+    fence_async_shared()
+    return q_bar, k_full, k_empty, v_full, v_empty
+
+
 @gluon.jit(do_not_specialize=["heads", "group", "seqlen_q", "seqlen_k"])
 def gluon_ws_kernel(q_desc, k_desc, v_desc, o_desc, LSE, heads, group, seqlen_q, seqlen_k, qk_scale,
                     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
@@ -153,19 +173,7 @@ def gluon_ws_kernel(q_desc, k_desc, v_desc, o_desc, LSE, heads, group, seqlen_q,
     q_smem = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
-        mbarrier.init(q_bar.index(i), count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_full.index(i), count=1)
-        mbarrier.init(v_full.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)    # one arrive per consumer warpgroup
-        mbarrier.init(v_empty.index(i), count=2)
-    fence_async_shared()
+    q_bar, k_full, k_empty, v_full, v_empty = _ring_barriers(STAGES)
     gl.warp_specialize([(_consumer, (o_desc, LSE, q_smem, k_smem, v_smem, q_bar, k_full, k_empty, v_full, v_empty,
                                      b, h, pid_bh, start_m, n_tiles, n_unmasked, seqlen_q, seqlen_k, qk_scale,
                                      0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL)),

@@ -173,19 +173,7 @@ def fp8_ws_kernel(q_desc, k_desc, v_desc, o_desc, LSE, QS, KS, VS, heads, group,
     o_smem = gl.allocate_shared_memory(o_desc.dtype, [2] + o_desc.block_type.shape, o_desc.layout)
     p_smem = gl.allocate_shared_memory(fp8, [2, BLOCK_M // 2, BLOCK_N],
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_M // 2, BLOCK_N], fp8))
-    q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
-        mbarrier.init(q_bar.index(i), count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_full.index(i), count=1)
-        mbarrier.init(v_full.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)    # one arrive per consumer warpgroup
-        mbarrier.init(v_empty.index(i), count=2)
-    fence_async_shared()
+    q_bar, k_full, k_empty, v_full, v_empty = fws._ring_barriers(STAGES)
     gl.warp_specialize([(_consumer, (o_desc, LSE, QS, KS, VS, q_smem, k_smem, v_smem, o_smem, p_smem, q_bar, k_full,
                                      k_empty, v_full, v_empty, b, h, h_kv, pid_bh, heads, group, start_m, n_tiles,
                                      n_unmasked, seqlen_q, seqlen_k, q_blocks, k_blocks, scale_block, qk_scale,
