@@ -49,21 +49,29 @@ def check_attention_inputs(q, k, v, *, causal=False, head_dims=None, dtypes=FLOA
             raise TypeError(f"{name} has dtype {t.dtype} but q has {q.dtype}; they must match")
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device} but q is on {q.device}; they must match")
-    (b, h, nq, d), (bk, hk, nk, dk) = q.shape, k.shape
     if v.shape != k.shape:
         raise ValueError(f"v has shape {tuple(v.shape)} but k has {tuple(k.shape)}; they must match")
-    if bk != b:
-        raise ValueError(f"k has batch {bk} but q has {b}; they must match")
-    if dk != d:
-        raise ValueError(f"k has head_dim {dk} but q has {d}; they must match")
-    if h % hk != 0:
-        raise ValueError(f"q has {h} heads, not a multiple of the {hk} heads of k and v")
+    b, h, hk, nq, nk, d = check_query_key_shapes(q, k, kv_names="k and v")
     if head_dims is not None and d not in head_dims:
         raise ValueError(f"head_dim {d} is not supported here; supported: {sorted(head_dims)}")
     if max_batch_heads is not None:
         check_batch_heads(b, h, max_batch_heads)
     check_device("q", q, runs_on)  # last: an argument that is wrong everywhere is named first
     return AttentionShape(b, h, hk, nq, nk, d)
+
+
+def check_query_key_shapes(q, k, *, kv_names: str = "k") -> tuple[int, int, int, int, int, int]:
+    """(batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim) of 4-dim q and k, or a ValueError naming what does
+    not match: batch, head dim, or heads of q that are not a multiple of k's (`kv_names`: how the message names
+    k's heads)."""
+    (b, h, nq, d), (bk, hk, nk, dk) = q.shape, k.shape
+    if bk != b:
+        raise ValueError(f"k has batch {bk} but q has {b}; they must match")
+    if dk != d:
+        raise ValueError(f"k has head_dim {dk} but q has {d}; they must match")
+    if h % hk != 0:
+        raise ValueError(f"q has {h} heads, not a multiple of the {hk} heads of {kv_names}")
+    return b, h, hk, nq, nk, d
 
 
 def check_batch_heads(batch: int, heads: int, limit: int = CUDA_GRID_Y) -> None:

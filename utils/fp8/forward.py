@@ -36,7 +36,8 @@ import triton
 import triton.language as tl
 
 from utils import gpu
-from utils.checks import check_attention_inputs, check_bool, check_device, positive_int, resolve_scale
+from utils.checks import (check_attention_inputs, check_bool, check_device, check_query_key_shapes, positive_int,
+                          resolve_scale)
 from utils.fp8 import quant
 from utils.tiled.forward import LOG2E, Config, check_config, first_that_launches, smem_estimate
 
@@ -242,13 +243,7 @@ def check_quantized_inputs(q, k, vt, q_scale, k_scale, v_scale, scale_block, cau
     for name, t in (("q", q), ("k", k), ("vt", vt)):
         _check_fp8_tensor(name, t)
     check_bool("causal", causal)
-    (b, h, nq, d), (bk, hk, nk, dk) = q.shape, k.shape
-    if bk != b:
-        raise ValueError(f"k has batch {bk} but q has {b}; they must match")
-    if dk != d:
-        raise ValueError(f"k has head_dim {dk} but q has {d}; they must match")
-    if h % hk != 0:
-        raise ValueError(f"q has {h} heads, not a multiple of the {hk} heads of k")
+    b, h, hk, nq, nk, d = check_query_key_shapes(q, k)
     if tuple(vt.shape) != (b, hk, d, nk):
         raise ValueError(f"vt must be V transposed, (batch, kv_heads, head_dim, seqlen_k) = {(b, hk, d, nk)}, got "
                          f"{tuple(vt.shape)}")
