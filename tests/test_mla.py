@@ -120,7 +120,8 @@ SMEM_PROBE = """
 import torch
 from utils.course.cross_compile import _capture, compile_launch
 from utils.mla.decode import Tiles, mla_decode
-for heads, tiles in ((16, Tiles(64, 8, 2)), (128, Tiles(32, 8, 2))):
+from utils.mla.decode import candidate_tiles
+for heads, tiles in ((16, candidate_tiles(512, 16)[0]), (128, Tiles(32, 8, 2))):
     ql, qr = torch.zeros(2, heads, 1, 512, dtype=torch.bfloat16), torch.zeros(2, heads, 1, 64, dtype=torch.bfloat16)
     c, kr = torch.zeros(2, 1024, 512, dtype=torch.bfloat16), torch.zeros(2, 1024, 64, dtype=torch.bfloat16)
     launch = _capture(lambda: mla_decode(ql, qr, c, kr, num_splits=4, tiles=tiles))[0]
@@ -137,6 +138,7 @@ def test_the_kernel_at_deepseeks_shape_fits_an_h200s_shared_memory():
     from utils.course.cross_compile import script_in_fresh_process
 
     assert candidate_tiles(512)[0] == Tiles(64, 8, 2) and Tiles(32, 8, 2) in candidate_tiles(512)
+    assert candidate_tiles(512, 16)[0] == Tiles(64, 4, 2)
     out = script_in_fresh_process(SMEM_PROBE)
     shared = dict(tuple(map(int, line.split())) for line in out.split("\n") if line.strip())
     assert set(shared) == {16, 128} and all(0 < b <= 227 * 1024 for b in shared.values()), shared
@@ -186,12 +188,18 @@ def test_pick_splits_and_the_layout():
     assert (layout.num_warps, layout.num_stages) == (8, 2)
     assert layout.grid == (2, 16, 4)
     assert decode_layout(2, 16, 1, 4096, 512).row_blocks == 1   # 16 heads: one tile reads the cache for all
+    # 16 rows: two programs per SM. Batch 64 takes 4 splits, 128 takes 2; 64 rows fill one wave with batch 64
+    assert pick_splits(64, 4096, block_n=64, num_sms=132, per_sm=2) == 4
+    assert [decode_layout(b, 16, 1, 4096, 512).num_splits for b in (64, 128)] == [4, 2]
+    assert decode_layout(64, 128, 1, 4096, 512).num_splits == 1
 
 
-def test_candidate_tiles_start_with_the_layouts_choice():
+@pytest.mark.parametrize("heads", [16, 128])
+def test_candidate_tiles_start_with_the_layouts_choice(heads):
     for latent in (64, 512):
-        tried = candidate_tiles(latent)
-        assert decode_layout(4, 16, 1, 4096, latent)[2:7:4] == (tried[0].block_n, tried[0].num_stages)
+        tried = candidate_tiles(latent, decode.block_rows(heads))
+        layout = decode_layout(4, heads, 1, 4096, latent)
+        assert (layout.block_n, layout.num_warps, layout.num_stages) == tried[0]
         assert len(set(tried)) == len(tried) > 1 and all(check_tiles(t) == t for t in tried)
         assert tried[-1].block_n * tried[-1].num_stages < tried[0].block_n * tried[0].num_stages, "less in flight"
 
@@ -212,7 +220,7 @@ def test_decode_tries_the_next_tiles_where_triton_refuses_the_first(monkeypatch)
             raise OutOfResources(300_000, 232_448, "shared memory")
         return layout(*args, tiles=tiles, **kwargs)
 
-    monkeypatch.setattr(decode, "candidate_tiles", lambda latent: [too_big, fits])
+    monkeypatch.setattr(decode, "candidate_tiles", lambda latent, block_m: [too_big, fits])
     monkeypatch.setattr(decode, "decode_layout", refusing_layout)
     q_latent, q_rope, c, k_rope, seqlens = _problem(4, 2, seed=6)
     o, lse = mla_decode(q_latent, q_rope, c, k_rope, seqlens, sm_scale=SCALE)
@@ -381,19 +389,22 @@ def test_sweep_arguments_and_tiles():
 
 
 def test_the_default_tiles_against_the_stored_sweep():
-    """candidate_tiles(512)'s first, with pick_splits' splits: the fastest of the stored sweep at 128 heads, and
-    within 12 % of the fastest at 16 heads (where the fastest wants 4 warps: too few for 128 heads)."""
+    """decode_layout's tiles and splits at batch 64: the fastest of the stored sweep at 128 heads, and within 5 %
+    of the fastest at 16 heads (64-entry tiles, three in flight: Triton 3.7 cannot fit them in shared memory)."""
     import json
 
     data = json.loads(bench.SWEEP_OUT.read_text())
     assert data["environment"]["gpu"] == "NVIDIA H200" and data["settings"]["sweep"]
-    ours = candidate_tiles(512)[0]
-    for heads, slack in ((128, 1.0), (16, 1.12)):
-        rows = [r for r in data["rows"] if r["heads"] == heads and r["method"] == "mla_decode" and r.get("ms")]
-        default = [r for r in rows if Tiles(**r["tiles"]) == ours and r["asked_splits"] is None]
-        assert len(rows) > 20 and len(default) == 1
+    for heads, slack in ((128, 1.0), (16, 1.05)):
+        layout = decode_layout(64, heads, 1, data["settings"]["seqlen"], 512)
+        ours = Tiles(layout.block_n, layout.num_warps, layout.num_stages)
+        rows = [r for r in data["rows"] if r["heads"] == heads and r["method"] == "mla_decode" and r.get("ms")
+                and r["batch"] == 64]
+        default = [r for r in rows if Tiles(**r["tiles"]) == ours and r["num_splits"] == layout.num_splits]
+        assert len(rows) > 20 and default, f"{heads} heads: {ours} with {layout.num_splits} splits was not swept"
         fastest = min(rows, key=lambda r: r["ms"])
-        assert default[0]["ms"] <= slack * fastest["ms"], f"{heads} heads: {fastest['tiles']} was faster"
+        assert min(r["ms"] for r in default) <= slack * fastest["ms"], f"{heads} heads: {fastest['tiles']} was faster"
+
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
 def test_bench_without_a_gpu_says_so():

@@ -131,25 +131,34 @@ def check_tiles(tiles) -> Tiles | None:
     return tiles
 
 
-def pick_splits(batch: int, seqlen: int, *, row_blocks: int = 1, block_n: int = 32, num_sms: int = 132) -> int:
+def pick_splits(batch: int, seqlen: int, *, row_blocks: int = 1, block_n: int = 32, num_sms: int = 132,
+                per_sm: int = 1) -> int:
     """Slices of the cache per sequence: the most that keep the batch × row_blocks × splits programs within one
-    wave of `num_sms` SMs (a second, part-filled wave would leave SMs idle while it runs), but no slice shorter
-    than MIN_SPLIT_TILES tiles of `block_n` entries of the `seqlen`-long cache, and at most MAX_SPLITS."""
+    wave of `per_sm` programs on each of `num_sms` SMs (a second, part-filled wave would leave SMs idle while it
+    runs), but no slice shorter than MIN_SPLIT_TILES tiles of `block_n` entries of the `seqlen`-long cache, and
+    at most MAX_SPLITS."""
     programs = batch * row_blocks
-    return max(1, min(num_sms // programs, seqlen // (MIN_SPLIT_TILES * block_n), MAX_SPLITS))
+    return max(1, min(per_sm * num_sms // programs, seqlen // (MIN_SPLIT_TILES * block_n), MAX_SPLITS))
 
 
-def candidate_tiles(latent_dim: int) -> list[Tiles]:
-    """decode_layout's tiles first, then the ones `mla_decode` tries if Triton refuses them for want of shared
-    memory (utils.tiled.forward.first_that_launches), fastest first.
+def candidate_tiles(latent_dim: int, block_m: int = 64) -> list[Tiles]:
+    """decode_layout's tiles for programs of `block_m` rows first, then the ones `mla_decode` tries if Triton
+    refuses them for want of shared memory (utils.tiled.forward.first_that_launches), fastest first.
     At r >= 256 a program's shared memory is mostly the c tiles in flight, plus the copies Triton makes to feed c
-    to both products. 64-entry tiles, two in flight, 8 warps: the fastest of the H200 sweep at 128 heads, within
-    12 % of its fastest at 16 (images/11_mla_sweep_h200.json, Triton 3.6). Triton 3.7 asks more shared memory of
-    the same tiles: compiled for sm_90, 64 rows (128 heads) fit the H200's 227 KiB per block only with 32-entry
-    tiles, two in flight, or smaller."""
-    if latent_dim >= 256:   # 8 warps: more threads to hold the wide accumulator
-        return [Tiles(64, 8, 2), Tiles(32, 8, 3), Tiles(64, 8, 1), Tiles(32, 8, 2), Tiles(16, 8, 3), Tiles(16, 8, 1)]
-    return [Tiles(64, 4, 3), Tiles(32, 4, 2)]
+    to both products. From the H200 sweep (images/11_mla_sweep_h200.json): 64 rows (128 heads) are fastest with
+    64-entry tiles, two in flight, 8 warps; 16 rows (16 heads) with 64-entry tiles, two in flight, 4 warps, and
+    two programs per SM's worth of splits (decode_layout). Triton 3.7 asks more shared memory of the same tiles
+    than 3.6: compiled for sm_90, 64 rows fit the H200's 227 KiB per block only with 32-entry tiles, two in
+    flight, or smaller."""
+    if latent_dim < 256:
+        return [Tiles(64, 4, 3), Tiles(32, 4, 2)]
+    wide = [Tiles(64, 8, 2), Tiles(32, 8, 3), Tiles(64, 8, 1), Tiles(32, 8, 2), Tiles(16, 8, 3), Tiles(16, 8, 1)]
+    return [Tiles(64, 4, 2), *wide] if block_m <= 16 else wide   # 8 warps: threads for a 64 × r accumulator
+
+
+def block_rows(rows: int) -> int:
+    """Query rows (heads × new tokens) per program: padded to a dot's minimum of 16, capped at 64."""
+    return min(64, max(16, triton.next_power_of_2(rows)))
 
 
 def decode_layout(batch: int, heads: int, n_q: int, seqlen: int, latent_dim: int, *, num_splits=None,
@@ -158,11 +167,12 @@ def decode_layout(batch: int, heads: int, n_q: int, seqlen: int, latent_dim: int
     padded to a dot's minimum of 16 and capped at 64: the fp32 accumulator is BLOCK_M × r (128 KiB at 64 × 512),
     held in registers."""
     rows = heads * n_q
-    block_m = min(64, max(16, triton.next_power_of_2(rows)))
-    block_n, num_warps, num_stages = tiles or candidate_tiles(latent_dim)[0]
+    block_m = block_rows(rows)
+    block_n, num_warps, num_stages = tiles or candidate_tiles(latent_dim, block_m)[0]
     row_blocks = cdiv(rows, block_m)
-    if num_splits is None:
-        num_splits = pick_splits(batch, seqlen, row_blocks=row_blocks, block_n=block_n, num_sms=num_sms)
+    if num_splits is None:   # 16-row programs: the sweep found two per SM fastest
+        num_splits = pick_splits(batch, seqlen, row_blocks=row_blocks, block_n=block_n, num_sms=num_sms,
+                                 per_sm=2 if block_m <= 16 else 1)
     return Layout((row_blocks, num_splits, batch), block_m, block_n, row_blocks, num_splits, num_warps, num_stages)
 
 
@@ -225,7 +235,7 @@ def _decode(q_latent, q_rope, c, k_rope, seqlens, *, scale: float, num_splits, t
         return o_parts, lse_parts
 
     if tiles is None and c.is_cuda:   # the first tiles Triton can launch on this GPU
-        o_parts, lse_parts = first_that_launches(launch, candidate_tiles(latent))
+        o_parts, lse_parts = first_that_launches(launch, candidate_tiles(latent, block_rows(heads * n_q)))
     else:
         o_parts, lse_parts = launch(tiles)
     o, lse = merge_partials(o_parts, lse_parts, out_dtype=q_latent.dtype)
