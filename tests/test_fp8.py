@@ -12,7 +12,7 @@ import triton.language as tl
 
 from utils.course.bench import fp8 as bench
 from utils.eager.reference import reference_attention
-from utils.fp8 import forward, quant, study
+from utils.fp8 import forward, forward_ws, quant, study
 from utils.tiled.forward import Config
 
 CUDA = torch.cuda.is_available()
@@ -330,6 +330,10 @@ def test_the_default_tiles_are_the_fastest_of_the_stored_sweep():
                 and r["error"] is None]
         fastest = Config(**max(rows, key=lambda r: r["tflops"])["config"])
         assert fastest == forward.H200_TILES, f"causal={causal} N={seqlen}: {fastest} was the fastest"
+        ws_rows = [r for r in data["results"] if (r["impl"], r["causal"], r["seqlen"]) == ("fp8-ws", causal, seqlen)
+                   and r["error"] is None]
+        ws_fastest = forward_ws.Config(**max(ws_rows, key=lambda r: r["tflops"])["config"])
+        assert ws_fastest == forward_ws.pick_config(128), f"causal={causal} N={seqlen}: {ws_fastest} was the fastest"
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
