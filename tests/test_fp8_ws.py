@@ -28,16 +28,15 @@ def test_every_listed_config_passes_its_checks():
         for config in forward_ws.WS_TILES:
             assert forward_ws.check_config(config) == config
             assert forward_ws.smem_bytes(config, d) <= 227 * 1024
-    assert forward_ws.smem_bytes(forward_ws.Config(128, 4, 240, False), 128) <= 192 * 1024   # the largest
+    assert forward_ws.smem_bytes(forward_ws.Config(128, 4, 240), 128) <= 192 * 1024   # the largest
     assert forward_ws.pick_config(128) in forward_ws.WS_TILES
 
 
 @pytest.mark.parametrize("config, error, message", [
-    ((128, 2, 240, False), TypeError, "config must be a utils.fp8.forward_ws.Config"),
-    (forward_ws.Config(96, 2, 240, False), ValueError, "block_n must be 64 or 128"),
-    (forward_ws.Config(128, 5, 240, False), ValueError, "stages 1 to 4"),
-    (forward_ws.Config(128, 2, 250, False), ValueError, "consumer_regs must be a multiple of 8"),
-    (forward_ws.Config(128, 2, 240, 1), TypeError, "config.fp32_sum must be a bool"),
+    ((128, 2, 240), TypeError, "config must be a utils.fp8.forward_ws.Config"),
+    (forward_ws.Config(96, 2, 240), ValueError, "block_n must be 64 or 128"),
+    (forward_ws.Config(128, 5, 240), ValueError, "stages 1 to 4"),
+    (forward_ws.Config(128, 2, 250), ValueError, "consumer_regs must be a multiple of 8"),
 ])
 def test_bad_configs_are_named(config, error, message):
     with pytest.raises(error, match=message):
@@ -104,8 +103,7 @@ def rmse(a, b) -> float:
 
 
 @pytest.mark.skipif(not SM90, reason="the Gluon FP8 kernel runs on an sm_90 GPU")
-@pytest.mark.parametrize("config", forward_ws.WS_TILES, ids=lambda c: f"n{c.block_n}s{c.stages}"
-                         + ("-fp32sum" if c.fp32_sum else ""))
+@pytest.mark.parametrize("config", forward_ws.WS_TILES, ids=lambda c: f"n{c.block_n}s{c.stages}")
 @pytest.mark.parametrize("shape", [(2, 4, 2, 200, 200, 128, False), (1, 4, 4, 333, 333, 128, True),
                                    (1, 2, 1, 129, 517, 64, True), (1, 2, 2, 517, 129, 64, True),
                                    (1, 2, 2, 1024, 1024, 64, False)],

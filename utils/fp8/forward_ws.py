@@ -12,9 +12,9 @@ The differences from the bf16 kernel:
   subtracts the max (the scales are positive);
 - P is cast to e4m3 with a scale of 1 and stored to shared memory, where `wgmma` reads it (Gluon's wait on an
   asynchronous product cannot hold 8-bit registers, and P in registers must live until the product is done);
-- Hopper sums FP8 products with fewer bits than float32 (notebook 11). With `Config.fp32_sum` each P·V product
-  starts from zero and is added to O in float32, as the Triton kernel does; without it, O accumulates inside the
-  tensor cores, as in the bf16 kernel (64 fewer registers a thread: at head dim 128 the other way spills);
+- O accumulates inside the tensor cores, as in the bf16 kernel. Hopper sums FP8 products with fewer bits than
+  float32 (notebook 11), but adding each P·V to O in float32, as the Triton kernel does, took 64 more registers
+  a thread and was slower on the H200, with no gain in the accuracy table (images/11_fp8_h200.json);
 - the output has its own shared-memory tile (in bf16 it is twice the size of the FP8 Q tile it would reuse).
 
 `fp8_attention_ws` takes what utils.fp8.forward.fp8_attention_quantized takes (the same checks) and returns
@@ -74,10 +74,9 @@ def _key_scales(KS, ks_base, start_n, seqlen_k, scale_block, BLOCK_N: gl.constex
 def _consumer(o_desc, LSE, QS, KS, VS, q_smem, k_smem, v_smem, o_smem, p_smem, q_bar, k_full, k_empty, v_full, v_empty,
               b, h, h_kv, pid_bh, heads, group, start_m, n_tiles, n_unmasked, seqlen_q, seqlen_k, q_blocks,
               k_blocks, scale_block, qk_scale, WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-              STAGES: gl.constexpr, CAUSAL: gl.constexpr, FP32_SUM: gl.constexpr):
+              STAGES: gl.constexpr, CAUSAL: gl.constexpr):
     """One warpgroup: rows [start_m + WG*64, +64). In iteration j: S_j issued, P_{j-1}·V_{j-1} issued, wait for
-    S_j, softmax, wait for the product, then O = (O + P·V) * alpha (FP32_SUM) or O *= alpha (P·V added into O by
-    the product); an arrive frees each slot read."""
+    S_j, softmax, wait for the product (which adds P·V into O), then O *= alpha; an arrive frees each slot read."""
     SUB_M: gl.constexpr = o_desc.block_type.shape[2]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 32])
@@ -98,7 +97,6 @@ def _consumer(o_desc, LSE, QS, KS, VS, q_smem, k_smem, v_smem, o_smem, p_smem, q
     mbarrier.wait(q_bar.index(WG), 0)
 
     s_zero = gl.zeros([SUB_M, BLOCK_N], gl.float32, s_layout)
-    o_zero = gl.zeros([SUB_M, HEAD_DIM], gl.float32, o_layout)
     acc = gl.zeros([SUB_M, HEAD_DIM], gl.float32, o_layout)
     m_i = gl.full([SUB_M], float("-inf"), gl.float32, row_s)
     l_i = gl.zeros([SUB_M], gl.float32, row_s)
@@ -119,31 +117,21 @@ def _consumer(o_desc, LSE, QS, KS, VS, q_smem, k_smem, v_smem, o_smem, p_smem, q
         k = fg._arrived(k_smem, k_full, j, BLOCK_N, HEAD_DIM, STAGES)
         s = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         vt = fg._arrived(v_smem, v_full, j - 1, HEAD_DIM, BLOCK_N, STAGES)
-        if FP32_SUM:
-            pv = warpgroup_mma(p, vt.permute((1, 0)), o_zero, use_acc=False, is_async=True)
-        else:
-            pv = warpgroup_mma(p, vt.permute((1, 0)), acc, is_async=True)
+        pv = warpgroup_mma(p, vt.permute((1, 0)), acc, is_async=True)
         s, _, _ = warpgroup_mma_wait(1, deps=(s, q, k))
         mbarrier.arrive(k_empty.index(j % STAGES))            # this warpgroup is done with K_j
         p32, alpha, l_i, m_i = _softmax(s, k_scale, q_scale, m_i, l_i, offs_m, j * BLOCK_N, seqlen_k,
                                         causal_offset, j >= n_unmasked, BLOCK_N, CAUSAL, col_s)
         pv, _, _ = warpgroup_mma_wait(0, deps=(pv, p, vt))
         mbarrier.arrive(v_empty.index((j - 1) % STAGES))      # ... and with Vᵀ_{j-1}
-        if FP32_SUM:
-            acc = (acc + pv) * gl.convert_layout(alpha, row_o)[:, None]
-        else:
-            acc = pv * gl.convert_layout(alpha, row_o)[:, None]
+        acc = pv * gl.convert_layout(alpha, row_o)[:, None]
         p.store(p32.to(fp8))                                  # P_{j-1}·V_{j-1} has read the last P
         fence_async_shared()
     if n_tiles > 0:
         vt = fg._arrived(v_smem, v_full, n_tiles - 1, HEAD_DIM, BLOCK_N, STAGES)
-        if FP32_SUM:
-            pv = warpgroup_mma(p, vt.permute((1, 0)), o_zero, use_acc=False, is_async=True)
-        else:
-            pv = warpgroup_mma(p, vt.permute((1, 0)), acc, is_async=True)
-        pv, _, _ = warpgroup_mma_wait(0, deps=(pv, p, vt))
+        acc = warpgroup_mma(p, vt.permute((1, 0)), acc, is_async=True)
+        acc, _, _ = warpgroup_mma_wait(0, deps=(acc, p, vt))
         mbarrier.arrive(v_empty.index((n_tiles - 1) % STAGES))
-        acc = acc + pv if FP32_SUM else pv
 
     seen = l_i > 0.0            # rows that saw no key: output 0 and lse = -inf
     l_safe = gl.where(seen, l_i, 1.0)
@@ -160,7 +148,7 @@ def _consumer(o_desc, LSE, QS, KS, VS, q_smem, k_smem, v_smem, o_smem, p_smem, q
 @gluon.jit(do_not_specialize=["heads", "group", "seqlen_q", "seqlen_k", "q_blocks", "k_blocks", "scale_block"])
 def fp8_ws_kernel(q_desc, k_desc, v_desc, o_desc, LSE, QS, KS, VS, heads, group, seqlen_q, seqlen_k, q_blocks,
                   k_blocks, scale_block, qk_scale, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                  STAGES: gl.constexpr, CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, FP32_SUM: gl.constexpr):
+                  STAGES: gl.constexpr, CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr):
     """One program: 128 queries of one (batch, head), longest causal rows first. Grid (cdiv(seqlen_q, 128),
     batch * heads); launched with 4 warps (the first consumer) plus the worker partitions' 4 + 1."""
     BLOCK_M: gl.constexpr = 2 * q_desc.block_type.shape[2]
@@ -177,11 +165,11 @@ def fp8_ws_kernel(q_desc, k_desc, v_desc, o_desc, LSE, QS, KS, VS, heads, group,
     gl.warp_specialize([(_consumer, (o_desc, LSE, QS, KS, VS, q_smem, k_smem, v_smem, o_smem, p_smem, q_bar, k_full,
                                      k_empty, v_full, v_empty, b, h, h_kv, pid_bh, heads, group, start_m, n_tiles,
                                      n_unmasked, seqlen_q, seqlen_k, q_blocks, k_blocks, scale_block, qk_scale,
-                                     0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, FP32_SUM)),
+                                     0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL)),
                         (_consumer, (o_desc, LSE, QS, KS, VS, q_smem, k_smem, v_smem, o_smem, p_smem, q_bar, k_full,
                                      k_empty, v_full, v_empty, b, h, h_kv, pid_bh, heads, group, start_m, n_tiles,
                                      n_unmasked, seqlen_q, seqlen_k, q_blocks, k_blocks, scale_block, qk_scale,
-                                     1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, FP32_SUM)),
+                                     1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL)),
                         (fws._producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_full, k_empty,
                                          v_full, v_empty, b, h, h_kv, start_m, n_tiles, BLOCK_N, STAGES, True))],
                        [4, 1], [CONSUMER_REGS, 24])
@@ -191,13 +179,10 @@ class Config(NamedTuple):
     block_n: int          # keys per tile
     stages: int           # K and Vᵀ buffers in each ring
     consumer_regs: int    # registers per thread of the second consumer (setmaxnreg); the producer keeps 24
-    fp32_sum: bool        # each P·V product from zero, added to O in float32 (else summed in the tensor cores)
 
 
-# Fastest first, by the H200 sweep (images/11_fp8_sweep_h200.json): summing P·V in fp32 was slower, and no
-# more accurate than the tensor cores' sum in its accuracy table.
-WS_TILES = (Config(64, 3, 240, False), Config(128, 2, 240, False), Config(128, 3, 240, False),
-            Config(128, 2, 240, True))
+# Fastest first, by the H200 sweep (images/11_fp8_sweep_h200.json).
+WS_TILES = (Config(64, 3, 240), Config(128, 2, 240), Config(128, 3, 240))
 
 
 def pick_config(head_dim: int) -> Config:
@@ -212,13 +197,11 @@ def smem_bytes(config: Config, head_dim: int, out_bytes: int = 2) -> int:
 
 def check_config(config) -> Config:
     """`config`, or a TypeError/ValueError: key tiles of 64 or 128, 1 to 4 slots per ring, a register count
-    setmaxnreg takes (a multiple of 8 from 24 to 256), and a bool fp32_sum."""
+    setmaxnreg takes (a multiple of 8 from 24 to 256)."""
     if not isinstance(config, Config):
         raise TypeError(f"config must be a utils.fp8.forward_ws.Config, got {type(config).__name__}")
     if config.block_n not in (64, 128) or config.stages not in (1, 2, 3, 4):
         raise ValueError(f"config: block_n must be 64 or 128 and stages 1 to 4, got {config}")
-    if not isinstance(config.fp32_sum, bool):
-        raise TypeError(f"config.fp32_sum must be a bool, got {type(config.fp32_sum).__name__}")
     if not 24 <= config.consumer_regs <= 256 or config.consumer_regs % 8:
         raise ValueError(f"config: consumer_regs must be a multiple of 8 from 24 to 256, got {config}")
     return config   # within shared memory: at most 192 KiB (smem_bytes at 128 keys, 4 slots, head dim 128)
@@ -280,5 +263,5 @@ def _launch(q, k, vt, q_scale, k_scale, v_scale, o, lse, scale_block: int, causa
         _descriptor(vt, (1, 1, head_dim, config.block_n)), _descriptor(o, (1, 1, SUB_M, head_dim)), lse,
         q_scale, k_scale, v_scale, heads, heads // k.shape[1], seqlen_q, k.shape[2], q_scale.shape[-1],
         k_scale.shape[-1], scale_block, scale * LOG2E, HEAD_DIM=head_dim, BLOCK_N=config.block_n,
-        STAGES=config.stages, CAUSAL=causal, CONSUMER_REGS=config.consumer_regs, FP32_SUM=config.fp32_sum,
+        STAGES=config.stages, CAUSAL=causal, CONSUMER_REGS=config.consumer_regs,
         num_warps=4)
