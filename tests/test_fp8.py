@@ -367,7 +367,9 @@ def test_bench_small_run_writes_every_row(tmp_path):
     # score now and then moves a P across an e4m3 rounding step and the kernel leaves its emulation by that step.
     # It still has the emulation's error against exact attention, and its gap to the emulation is well inside it.
     emulated = {r["method"]: r for r in acc["emulated"]}
+    # The Gluon kernel (fp8-ws) has the same scaling but its own tiles: compared with the emulation's error only.
     for row in acc["kernel"]:
-        same = emulated[row["method"].removeprefix("kernel ")]
+        same = emulated[row["method"].removeprefix("kernel ").replace("fp8-ws", "fp8")]
         assert abs(row["rmse"] - same["rmse"]) < 0.1 * same["rmse"], (row, same)
-        assert row["max_abs_vs_emulation"] < 0.5 * same["max_abs"], (row, same)
+        assert ("max_abs_vs_emulation" in row) == ("fp8-ws" not in row["method"]), row
+        assert row.get("max_abs_vs_emulation", 0) < 0.5 * same["max_abs"], (row, same)
