@@ -129,3 +129,21 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords or is_gpu_cell(item):
             item.add_marker(skip)
+
+
+@pytest.fixture
+def refusing():
+    """refusing(too_big, tried, then): a stand-in for a step that takes tiles first (a launch, a config check).
+    It records each tiles it is given in `tried`, raises Triton's shared-memory OutOfResources for `too_big`
+    (as a launch that asks more than the GPU has), and otherwise returns then(tiles, ...)."""
+    from triton.runtime.errors import OutOfResources
+
+    def make(too_big, tried: list, then):
+        def step(tiles, *args, **kwargs):
+            tried.append(tiles)
+            if tiles == too_big:
+                raise OutOfResources(300_000, 232_448, "shared memory")
+            return then(tiles, *args, **kwargs)
+        return step
+
+    return make

@@ -205,20 +205,16 @@ def test_candidate_tiles_start_with_the_layouts_choice(heads):
 
 
 @pytest.mark.gpu
-def test_decode_tries_the_next_tiles_where_triton_refuses_the_first(monkeypatch):
+def test_decode_tries_the_next_tiles_where_triton_refuses_the_first(monkeypatch, refusing):
     """Triton's "out of resource: shared memory" for the first tiles: mla_decode launches the next ones.
     The first tiles' layout is made to fail as Triton's launch does."""
-    from triton.runtime.errors import OutOfResources
-
     too_big, fits = Tiles(128, 8, 3), Tiles(16, 4, 1)
     tried = []
     layout = decode.decode_layout
+    step = refusing(too_big, tried, lambda tiles, *args, **kwargs: layout(*args, tiles=tiles, **kwargs))
 
     def refusing_layout(*args, tiles=None, **kwargs):
-        tried.append(tiles)
-        if tiles == too_big:
-            raise OutOfResources(300_000, 232_448, "shared memory")
-        return layout(*args, tiles=tiles, **kwargs)
+        return step(tiles, *args, **kwargs)
 
     monkeypatch.setattr(decode, "candidate_tiles", lambda latent, block_m: [too_big, fits])
     monkeypatch.setattr(decode, "decode_layout", refusing_layout)

@@ -209,23 +209,14 @@ def test_backward_matches_reference(case):
 
 
 @pytest.mark.gpu
-def test_backward_tries_smaller_tiles_where_the_first_are_too_big(monkeypatch):
+def test_backward_tries_smaller_tiles_where_the_first_are_too_big(monkeypatch, refusing):
     """As the lesson backward: Triton's "out of resource: shared memory" for the first tiles, the next ones.
     The first tiles' launch is made to fail as Triton's does (the lesson's test compiles truly oversized tiles;
     the sink kernels take minutes to compile at that size)."""
-    from triton.runtime.errors import OutOfResources
-
     too_big = backward.Config(64, 128, 8, 3, 128, 64, 8, 3)
     tried = []
-
-    def check_config(config, kind):
-        tried.append(config)
-        if config == too_big:
-            raise OutOfResources(300_000, 232_448, "shared memory")
-        return config
-
     monkeypatch.setattr(backward, "candidate_configs", lambda d, dtype, smem=None: [too_big, SMALL_BWD])
-    monkeypatch.setattr(backward, "check_config", check_config)
+    monkeypatch.setattr(backward, "check_config", refusing(too_big, tried, lambda config, kind: config))
     q, k, v, s = inputs(1, 4, 2, 70, 70, 128)
     do = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     o, lse = sink_attention_forward(q, k, v, s, causal=True, window=16)

@@ -154,21 +154,15 @@ def test_pick_config_fits_the_shared_memory_it_is_given(module):
                 assert fits or smallest, (d, dtype, smem, config)
 
 
-def test_first_that_launches_tries_the_next_tiles_only_after_out_of_resource():
+def test_first_that_launches_tries_the_next_tiles_only_after_out_of_resource(refusing):
     from triton.runtime.errors import OutOfResources
 
     tried = []
-
-    def launch(tiles, refused=("a", "b")):
-        tried.append(tiles)
-        if tiles in refused:
-            raise OutOfResources(300_000, 232_448, "shared memory")
-        return f"ran with {tiles}"
-
-    assert forward.first_that_launches(launch, ["a", "b", "c", "d"]) == "ran with c" and tried == ["a", "b", "c"]
+    launch = refusing("a", tried, lambda tiles: f"ran with {tiles}")
+    assert forward.first_that_launches(launch, ["a", "c", "d"]) == "ran with c" and tried == ["a", "c"]
     assert forward.first_that_launches(launch, ["c"]) == "ran with c"
     with pytest.raises(OutOfResources):   # nothing left: the last one's error
-        forward.first_that_launches(launch, ["a", "b"])
+        forward.first_that_launches(launch, ["a", "a"])
 
     def broken(tiles):
         raise ValueError("not a shared-memory problem")
@@ -190,22 +184,13 @@ def test_the_tiles_tried_start_with_pick_config_and_one_stage_fewer(module, cand
 
 
 @pytest.mark.gpu
-def test_forward_tries_the_next_tiles_where_triton_refuses_the_first(monkeypatch):
+def test_forward_tries_the_next_tiles_where_triton_refuses_the_first(monkeypatch, refusing):
     """Triton's "out of resource: shared memory" for the first tiles (made to happen here, as a GPU with less
     shared memory or another Triton gives it), then the next ones."""
-    from triton.runtime.errors import OutOfResources
-
     too_big, fits = forward.Config(128, 64, 8, 3), forward.Config(64, 32, 4, 2)
     tried = []
-
-    def check_config(config, kind=forward.Config):
-        tried.append(config)
-        if config == too_big:
-            raise OutOfResources(300_000, 232_448, "shared memory")
-        return config
-
     monkeypatch.setattr(forward, "candidate_tiles", lambda d, dtype, smem=None: [too_big, fits])
-    monkeypatch.setattr(forward, "check_config", check_config)
+    monkeypatch.setattr(forward, "check_config", refusing(too_big, tried, lambda config, kind=None: config))
     q, k, v = random_qkv(1, 4, 300, 300, 128, kv_heads=2, dtype=torch.bfloat16, device=DEVICE, seed=2)
     o, lse = flash_attention_forward(q, k, v, causal=True)
     assert tried == [too_big, fits]
