@@ -140,9 +140,13 @@ def _consumer(o_desc, LSE, q_smem, k_smem, v_smem, q_bar, k_full, k_empty, v_ful
 
 
 @gluon.jit
-def _ring_barriers(STAGES: gl.constexpr):
-    """The mbarriers of the two consumers' Q and of the K/V rings, initialised: a slot's "full" completes when its
-    copy lands, its "empty" when both consumers have arrived (count 2)."""
+def _ring(q_desc, k_desc, v_desc, STAGES: gl.constexpr):
+    """The shared memory the producer fills: both consumers' Q tiles and the K and V rings of STAGES slots, with
+    their mbarriers initialised: a slot's "full" completes when its copy lands, its "empty" when both consumers
+    have arrived (count 2)."""
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -156,7 +160,7 @@ def _ring_barriers(STAGES: gl.constexpr):
         mbarrier.init(k_empty.index(i), count=2)    # one arrive per consumer warpgroup
         mbarrier.init(v_empty.index(i), count=2)
     fence_async_shared()
-    return q_bar, k_full, k_empty, v_full, v_empty
+    return q_smem, k_smem, v_smem, q_bar, k_full, k_empty, v_full, v_empty
 
 
 @gluon.jit(do_not_specialize=["heads", "group", "seqlen_q", "seqlen_k"])
@@ -169,11 +173,7 @@ def gluon_ws_kernel(q_desc, k_desc, v_desc, o_desc, LSE, heads, group, seqlen_q,
     pid_bh, b, h, h_kv, start_m = fg._program_rows(heads, group, BLOCK_M, CAUSAL)
     # Both consumers walk the program's tiles (a fully masked one is a no-op).
     _, n_unmasked, n_tiles = fg._key_tiles(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
-    dtype: gl.constexpr = q_desc.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-    q_bar, k_full, k_empty, v_full, v_empty = _ring_barriers(STAGES)
+    q_smem, k_smem, v_smem, q_bar, k_full, k_empty, v_full, v_empty = _ring(q_desc, k_desc, v_desc, STAGES)
     gl.warp_specialize([(_consumer, (o_desc, LSE, q_smem, k_smem, v_smem, q_bar, k_full, k_empty, v_full, v_empty,
                                      b, h, pid_bh, start_m, n_tiles, n_unmasked, seqlen_q, seqlen_k, qk_scale,
                                      0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL)),

@@ -154,14 +154,12 @@ def fp8_ws_kernel(q_desc, k_desc, v_desc, o_desc, LSE, QS, KS, VS, heads, group,
     BLOCK_M: gl.constexpr = 2 * q_desc.block_type.shape[2]
     pid_bh, b, h, h_kv, start_m = fg._program_rows(heads, group, BLOCK_M, CAUSAL)
     _, n_unmasked, n_tiles = fg._key_tiles(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, CAUSAL)
+    q_smem, k_smem, v_smem, q_bar, k_full, k_empty, v_full, v_empty = fws._ring(q_desc, k_desc, v_desc, STAGES)
+    # Beside the bf16 kernel's ring: each consumer's output tile, and its P for the second product
     fp8: gl.constexpr = q_desc.dtype
-    q_smem = gl.allocate_shared_memory(fp8, [2] + q_desc.block_type.shape, q_desc.layout)
-    k_smem = gl.allocate_shared_memory(fp8, [STAGES] + k_desc.block_type.shape, k_desc.layout)
-    v_smem = gl.allocate_shared_memory(fp8, [STAGES] + v_desc.block_type.shape, v_desc.layout)
     o_smem = gl.allocate_shared_memory(o_desc.dtype, [2] + o_desc.block_type.shape, o_desc.layout)
     p_smem = gl.allocate_shared_memory(fp8, [2, BLOCK_M // 2, BLOCK_N],
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_M // 2, BLOCK_N], fp8))
-    q_bar, k_full, k_empty, v_full, v_empty = fws._ring_barriers(STAGES)
     gl.warp_specialize([(_consumer, (o_desc, LSE, QS, KS, VS, q_smem, k_smem, v_smem, o_smem, p_smem, q_bar, k_full,
                                      k_empty, v_full, v_empty, b, h, h_kv, pid_bh, heads, group, start_m, n_tiles,
                                      n_unmasked, seqlen_q, seqlen_k, q_blocks, k_blocks, scale_block, qk_scale,
