@@ -143,6 +143,11 @@ REFERENCES = {
     "peers": (1, ["utils.course.bench.peers_sweep", "--tutorial", ".peer/06-fused-attention.py", "--tutorial-ref",
                   "release/3.6.x", "--impls", "triton", "gluon", "gluon_ws", "--name", "peers_h200",
                   "--rounds", "3"]),
+    # issue 78: FlashAttention-4 (../shared/tools/fa4_pack.sh) beside the course's fast kernels, cuDNN and FA2 in one
+    # run, bf16 at N 2k-16k (the issue's grid); kept apart from "peers" so that neither run needs the other's peer
+    "peers_fa4": (1, ["utils.course.bench.peers_sweep", "--impls", "triton", "gluon", "gluon_ws", "--peers",
+                      "flash-attn-4", "--dtypes", "bf16", "--seqlens", "2048", "4096", "8192", "16384",
+                      "--name", "peers_fa4_h200", "--rounds", "3"]),
     # issue 71: the fast registry kernels beside cuDNN before (a copy of the older utils/) and after the regroup
     "layout_check": (1, ["utils.course.bench.peers_sweep", "--impls", "triton", "gluon", "gluon_ws", "--sdpa", "cudnn",
                          "--modes", "fwd", "bwd", "--dtypes", "fp16", "bf16", "--head-dims", "64", "128", "--causal",
@@ -288,12 +293,16 @@ def findings() -> list[dict]:
     below = sum(r["ratio"] < 1.0 for r in tutorial)
     rows.append(_finding("shapes where the course is below the tutorial", [below], f"of {len(tutorial)}",
                          "fwd and bwd, fp16, N ≥ 1k", "peers_h200.json", "05b"))
-    if any(r["impl"] == FA4 for r in peers["results"]):   # a run with flash-attn-4 installed (issue 78)
-        fa4 = versus(peers["results"], course, (FA4,))
-        for mode, name in (("fwd", "forward"), ("bwd", "backward")):
-            rows.append(_finding(f"{fastest} {name} / FlashAttention-4, fp16 and bf16",
-                                 [r["ratio"] for r in fa4 if r["mode"] == mode and r["seqlen"] >= 2048],
-                                 "×", "N ≥ 2k", "peers_h200.json", "05b, 07"))
+    for name in ("peers_h200.json", "peers_fa4_h200.json"):   # the stored runs with flash-attn-4 (issue 78)
+        records = _load(name)["results"] if (IMAGES / name).exists() else []
+        if any(r["impl"] == FA4 for r in records):
+            fa4 = versus(records, course, (FA4,))
+            dtypes = " and ".join(sorted({r["dtype"] for r in records if r["impl"] == FA4}))
+            for mode, label in (("fwd", "forward"), ("bwd", "backward")):
+                rows.append(_finding(f"{fastest} {label} / FlashAttention-4, {dtypes}",
+                                     [r["ratio"] for r in fa4 if r["mode"] == mode and r["seqlen"] >= 2048],
+                                     "×", "N ≥ 2k", name, "05b, 07"))
+            break
     for mode, name, sdpa, label, shortest in (("fwd", "forward", "sdpa-cudnn", "cuDNN", 4096),
                                               ("fwd", "forward", "sdpa-flash", "FlashAttention-2", 1024),
                                               ("bwd", "backward", "sdpa-cudnn", "cuDNN's", 4096)):
