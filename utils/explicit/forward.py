@@ -70,16 +70,24 @@ def _arrived(smem, bars, tile, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr, STAG
 
 
 @gluon.jit
+def _mask(s, offs_m, start_n, seqlen_k, causal_offset, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+          col_layout: gl.constexpr):
+    """The tile of scores s from key start_n with -inf past the last key and, when causal, right of each query's
+    diagonal (bottom-right alignment: query i sees keys j <= i + causal_offset)."""
+    offs_n = start_n + gl.arange(0, BLOCK_N, layout=col_layout)
+    keep = offs_n[None, :] < seqlen_k
+    if CAUSAL:
+        keep = keep & (offs_n[None, :] <= offs_m[:, None] + causal_offset)
+    return gl.where(keep, s, float("-inf"))
+
+
+@gluon.jit
 def _softmax(s, m_i, l_i, qk_scale, offs_m, start_n, seqlen_k, causal_offset, masked,
              BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, col_layout: gl.constexpr):
     """One tile of scores s (fp32, unscaled) against the running max m_i and sum l_i (base 2): returns the
     probabilities P, the factor alpha that rescales what came before, and the new l_i, m_i."""
     if masked:  # the ragged last tile and, when causal, the tiles that cross the diagonal
-        offs_n = start_n + gl.arange(0, BLOCK_N, layout=col_layout)
-        keep = offs_n[None, :] < seqlen_k
-        if CAUSAL:
-            keep = keep & (offs_n[None, :] <= offs_m[:, None] + causal_offset)
-        s = gl.where(keep, s, float("-inf"))
+        s = _mask(s, offs_m, start_n, seqlen_k, causal_offset, BLOCK_N, CAUSAL, col_layout)
     m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
     m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)   # a row that has seen no key yet: avoid -inf - -inf
     p = gl.exp2(s * qk_scale - m_sub[:, None])

@@ -51,11 +51,7 @@ def _softmax(s, k_scale, q_scale, m_i, l_i, offs_m, start_n, seqlen_k, causal_of
     """utils.explicit.forward's softmax with per-key and per-query scales: (P fp32, alpha, l_i, m_i), base 2."""
     t = s * k_scale[None, :]
     if masked:
-        offs_n = start_n + gl.arange(0, BLOCK_N, layout=col_layout)
-        keep = offs_n[None, :] < seqlen_k
-        if CAUSAL:
-            keep = keep & (offs_n[None, :] <= offs_m[:, None] + causal_offset)
-        t = gl.where(keep, t, float("-inf"))
+        t = fg._mask(t, offs_m, start_n, seqlen_k, causal_offset, BLOCK_N, CAUSAL, col_layout)
     m_new = gl.maximum(m_i, gl.max(t, 1) * q_scale)
     m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
     p = gl.exp2(t * q_scale[:, None] - m_sub[:, None])
