@@ -38,11 +38,13 @@ BLOCK_M = 2 * SUB_M         # query rows per program
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_full, k_empty, v_full, v_empty,
-              b, h, h_kv, start_m, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, V_T: gl.constexpr = False):
-    """One warp: both consumers' Q, then every K and V tile, each into a slot once both consumers left it.
-    V_T: v_desc is over Vᵀ (batch, heads, head_dim, seq), as the FP8 kernel (utils.fp8.forward_ws) reads it."""
+              b, h, h_kv, start_m, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, V_T: gl.constexpr = False,
+              CONSUMERS: gl.constexpr = 2):
+    """One warp: the consumers' Q tiles, then every K and V tile, each into a slot once every consumer left it.
+    V_T: v_desc is over Vᵀ (batch, heads, head_dim, seq), as the FP8 kernel (utils.fp8.forward_ws) reads it.
+    CONSUMERS: warpgroups of 64 query rows (three in utils.explicit.forward_ws3)."""
     SUB_M: gl.constexpr = q_desc.block_type.shape[2]
-    for w in gl.static_range(2):
+    for w in gl.static_range(CONSUMERS):
         mbarrier.expect(q_bar.index(w), q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [b, h, start_m + w * SUB_M, 0], q_bar.index(w), q_smem.index(w))
     for t in range(n_tiles):
@@ -140,25 +142,25 @@ def _consumer(o_desc, LSE, q_smem, k_smem, v_smem, q_bar, k_full, k_empty, v_ful
 
 
 @gluon.jit
-def _ring(q_desc, k_desc, v_desc, STAGES: gl.constexpr):
-    """The shared memory the producer fills: both consumers' Q tiles and the K and V rings of STAGES slots, with
-    their mbarriers initialised: a slot's "full" completes when its copy lands, its "empty" when both consumers
-    have arrived (count 2)."""
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+def _ring(q_desc, k_desc, v_desc, STAGES: gl.constexpr, CONSUMERS: gl.constexpr = 2):
+    """The shared memory the producer fills: the consumers' Q tiles and the K and V rings of STAGES slots, with
+    their mbarriers initialised: a slot's "full" completes when its copy lands, its "empty" when every consumer
+    has arrived (count CONSUMERS)."""
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_bar = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
+    for i in gl.static_range(CONSUMERS):
         mbarrier.init(q_bar.index(i), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_full.index(i), count=1)
         mbarrier.init(v_full.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)    # one arrive per consumer warpgroup
-        mbarrier.init(v_empty.index(i), count=2)
+        mbarrier.init(k_empty.index(i), count=CONSUMERS)    # one arrive per consumer warpgroup
+        mbarrier.init(v_empty.index(i), count=CONSUMERS)
     fence_async_shared()
     return q_smem, k_smem, v_smem, q_bar, k_full, k_empty, v_full, v_empty
 
@@ -244,15 +246,15 @@ def _launch(q, k, v, o, lse, causal: bool, scale: float, config: Config) -> None
 
 
 
-def replay_protocol(n_tiles: int, stages: int, empty_parity, seed: int = 0) -> None:
-    """Replay the kernel's ring protocol in one random interleaving of the producer, the two consumers and the
-    copies' landing, with `empty_parity(tile, stages)` as the parity of the producer's wait on a slot's "empty"
-    barrier (the kernel's `free`). An mbarrier wait with parity p blocks while the barrier's completed phases
+def replay_protocol(n_tiles: int, stages: int, empty_parity, seed: int = 0, consumers: int = 2) -> None:
+    """Replay the kernel's ring protocol in one random interleaving of the producer, the `consumers` consumers
+    (three in utils.explicit.forward_ws3) and the copies' landing, with `empty_parity(tile, stages)` as the
+    parity of the producer's wait on a slot's "empty" barrier (the kernel's `free`). An mbarrier wait with parity p blocks while the barrier's completed phases
     are p modulo 2. Raises AssertionError naming the tile if the producer refills a slot that a consumer still
     reads, or if every agent waits and no copy is in flight (a hang). For exercise 5b.7 and the tests."""
     rng = random.Random(seed)
     full = {(r, s): 0 for r in "KV" for s in range(stages)}      # phases completed: copies landed
-    released = {(r, s): 0 for r in "KV" for s in range(stages)}  # consumers' arrives on "empty" (2 per phase)
+    released = {(r, s): 0 for r in "KV" for s in range(stages)}  # consumers' arrives on "empty" (`consumers` per phase)
     holds = {(r, s): None for r in "KV" for s in range(stages)}  # the tile whose copy landed last
     landing = []                                                 # copies in flight: (ring, slot, tile)
 
@@ -260,9 +262,9 @@ def replay_protocol(n_tiles: int, stages: int, empty_parity, seed: int = 0) -> N
         for t in range(n_tiles):
             for r in "KV":
                 s = t % stages
-                while (released[r, s] // 2) % 2 == empty_parity(t, stages) % 2:
+                while (released[r, s] // consumers) % 2 == empty_parity(t, stages) % 2:
                     yield f"the producer waits to copy {r} tile {t} into slot {s}"
-                assert released[r, s] >= 2 * (t // stages), (
+                assert released[r, s] >= consumers * (t // stages), (
                     f"{r} tile {t} with {stages} stages: the producer refills slot {s} while a consumer still "
                     f"reads tile {t - stages} from it")
                 landing.append((r, s, t))
@@ -282,5 +284,5 @@ def replay_protocol(n_tiles: int, stages: int, empty_parity, seed: int = 0) -> N
         r, s, t = landing.pop(rng.randrange(len(landing)))
         holds[r, s], full[r, s] = t, full[r, s] + 1
 
-    fg.interleave([producer(), consumer(), consumer()], lambda: [land] if landing else [], rng,
+    fg.interleave([producer(), *(consumer() for _ in range(consumers))], lambda: [land] if landing else [], rng,
                   f"hang with {n_tiles} tiles and {stages} stages")
