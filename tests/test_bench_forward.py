@@ -199,6 +199,13 @@ def test_ws_tiles_adds_the_warp_specialised_kernel_with_each_tile():
     assert fns["gluon_ws n128 s2 r232"].__name__ == "gluon_ws n128 s2 r232"
 
 
+def test_ws3_tiles_adds_the_three_consumer_kernel_with_each_tile():
+    from utils.explicit.forward_ws3 import WS3_TILES, label as ws3_label
+    fns = bm.candidates(bm.parse_args(["--ws3-tiles", "--impls", "gluon_ws", "--sdpa", "cudnn"]))
+    assert list(fns) == ["gluon_ws", *(ws3_label(c) for c in WS3_TILES), "sdpa-cudnn"]
+    assert fns["gluon_ws3 n128 s2 r160"].__name__ == "gluon_ws3 n128 s2 r160"
+
+
 def test_rotated_starts_round_r_at_the_rth_item():
     assert [rotated(["a", "b", "c"], r) for r in range(4)] == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"],
                                                                ["a", "b", "c"]]

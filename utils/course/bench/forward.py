@@ -7,6 +7,7 @@
     python -m utils.course.bench.forward --exp2-fma --sdpa cudnn --name 05b_exp2_h200         # 05b: exponentials on FMA
     python -m utils.course.bench.forward --gluon-tiles --sdpa cudnn flash --name 05b_gluon_h200  # 05b: Gluon, per tile
     python -m utils.course.bench.forward --impls gluon gluon_ws --ws-tiles --sdpa cudnn flash --name 05b_gluon_ws_h200  # 05b: WS
+    python -m utils.course.bench.forward --impls gluon_ws --ws3-tiles --sdpa cudnn --head-dims 64 --name 05b_gluon_ws3_h200
     python -m utils.course.bench.forward --dtype fp16 --peers triton-tutorial --tutorial PATH --tutorial-ref release/3.6.x
 
 Every configuration is timed in the same run with `utils.course.bench.benchmark` (triton.testing.do_bench: median,
@@ -57,6 +58,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ws-tiles", action="store_true",
                    help="also time the warp-specialised Gluon kernel with each tile of utils.explicit.forward_ws.WS_TILES "
                         "(notebook 05b, section 10; H100/H200 only)")
+    p.add_argument("--ws3-tiles", action="store_true",
+                   help="also time the three-consumer Gluon kernel (utils.explicit.forward_ws3, head dim 64) with "
+                        "each tile of its WS3_TILES (H100/H200 only)")
     peers.add_arguments(p)
     p.add_argument("--name", default="bench_fwd", help="output files images/<name>.json and .png")
     p.add_argument("--out-dir", type=Path, default=IMAGES)
@@ -136,6 +140,10 @@ def candidates(args) -> dict:
         from utils.explicit import forward_ws as gluon_ws
         out.update({gluon_ws.label(c): gluon_ws.variant(c, gluon_ws.label(c))
                     for c in gluon_ws.WS_TILES})
+    if getattr(args, "ws3_tiles", False):
+        from utils.explicit import forward_ws3
+        out.update({forward_ws3.label(c): forward_ws3.variant(c, forward_ws3.label(c))
+                    for c in forward_ws3.WS3_TILES})
     for step in STEP_LABELS:   # notebook 05b section 5: one switch off and on, per tile, host descriptors
         if getattr(args, step, False):
             from utils.course.worklogs.triton_forward import TUNE_TILES, Steps, variant
