@@ -115,3 +115,9 @@ def test_lse_is_the_log_sum_exp_and_minus_inf_for_rows_that_see_no_key(causal):
     q, k, v = random_qkv(2, 4, 300, 200, 64, kv_heads=2, dtype=torch.bfloat16, device="cuda")
     _, lse = ws3.flash_attention_forward(q, k, v, causal=causal)   # causal: the first 100 rows see no key
     torch.testing.assert_close(lse.double(), reference_lse(q, k, causal=causal), rtol=0, atol=2e-2)
+
+
+def test_notebook_09_reads_the_tile_the_kernel_picks():
+    from utils.course.references import FORWARD_RUNS
+
+    assert FORWARD_RUNS["gluon_ws3"][1] == ws3.label(ws3.pick_config(64))

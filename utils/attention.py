@@ -92,6 +92,11 @@ REGISTRY = {impl.name: impl for impl in [
                    "gluon's",
                    "05b", head_dims=(64, 128), dtypes=(torch.float16, torch.bfloat16), capability=(9, 0),
                    grad_dtypes=(torch.float16, torch.bfloat16)),
+    Implementation("gluon_ws3", "utils.explicit.backward:flash_attention_gluon_ws3", "cuda",
+                   "gluon_ws with three consumer warpgroups: 192 query rows a program, each K/V tile read for "
+                   "192 queries (head dim 64; H100/H200 only); backward as gluon's",
+                   "05b", head_dims=(64,), dtypes=(torch.float16, torch.bfloat16), capability=(9, 0),
+                   grad_dtypes=(torch.float16, torch.bfloat16)),
     Implementation("flash2_pytorch_autograd", "utils.eager.backward:flash_attention_pytorch", "any",
                    "differentiable tiled PyTorch: online-softmax forward, FA2-order tiled backward", "07",
                    grad_dtypes=(torch.float16, torch.bfloat16, torch.float32)),

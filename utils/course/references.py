@@ -53,6 +53,10 @@ REFERENCES = {
     "gluon_ws": (1, ["utils.course.bench.forward", "--impls", "triton", "gluon", "gluon_ws", "--ws-tiles", "--sdpa", "cudnn",
                      "flash", "--seqlens", "1024", "2048", "4096", "8192", "16384", "--rounds", "3", "--name",
                      "05b_gluon_ws_h200"]),
+    # issue 78: three consumer warpgroups (192-row programs) at head dim 64, beside gluon_ws's tiles
+    "gluon_ws3": (1, ["utils.course.bench.forward", "--impls", "gluon_ws", "--ws-tiles", "--ws3-tiles", "--sdpa",
+                      "cudnn", "--head-dims", "64", "--seqlens", "2048", "4096", "8192", "16384", "--rounds", "2",
+                      "--name", "05b_gluon_ws3_h200"]),
     "cuda_flash": (1, ["utils.course.bench.forward", "--impls", "cuda_tiled", "cuda_naive", "--sdpa", "flash",
                        "--name", "06_cuda_flash_h200"]),
     "cuda_mma": (1, ["utils.course.bench.cuda_mma", "--name", "06b_cuda_mma_h200"]),
@@ -145,7 +149,7 @@ REFERENCES = {
                   "--rounds", "3"]),
     # issue 78: FlashAttention-4 (../shared/tools/fa4_pack.sh) beside the course's fast kernels, cuDNN and FA2 in one
     # run, bf16 at N 2k-16k (the issue's grid); kept apart from "peers" so that neither run needs the other's peer
-    "peers_fa4": (1, ["utils.course.bench.peers_sweep", "--impls", "triton", "gluon", "gluon_ws", "--peers",
+    "peers_fa4": (1, ["utils.course.bench.peers_sweep", "--impls", "triton", "gluon", "gluon_ws", "gluon_ws3", "--peers",
                       "flash-attn-4", "--dtypes", "bf16", "--seqlens", "2048", "4096", "8192", "16384",
                       "--name", "peers_fa4_h200", "--rounds", "3"]),
     # issue 71: the fast registry kernels beside cuDNN before (a copy of the older utils/) and after the regroup
@@ -296,7 +300,9 @@ def findings() -> list[dict]:
     for name in ("peers_h200.json", "peers_fa4_h200.json"):   # the stored runs with flash-attn-4 (issue 78)
         records = _load(name)["results"] if (IMAGES / name).exists() else []
         if any(r["impl"] == FA4 for r in records):
-            fa4 = versus(records, course, (FA4,))
+            mine = tuple(dict.fromkeys(r["impl"] for r in records   # the course's kernels in that run
+                                       if not r["impl"].startswith("sdpa-") and r["impl"] not in PEER_LABELS))
+            fa4 = versus(records, mine, (FA4,))
             dtypes = " and ".join(sorted({r["dtype"] for r in records if r["impl"] == FA4}))
             for mode, label in (("fwd", "forward"), ("bwd", "backward")):
                 rows.append(_finding(f"{fastest} {label} / FlashAttention-4, {dtypes}",
@@ -388,6 +394,7 @@ FORWARD_RUNS = {
     "triton": ("triton_fwd_h200.json", "triton", "05b"),
     "gluon": ("05b_gluon_ws_h200.json", "gluon", "05b"),
     "gluon_ws": ("05b_gluon_ws_h200.json", "gluon_ws", "05b"),
+    "gluon_ws3": ("05b_gluon_ws3_h200.json", "gluon_ws3 n128 s2 r160", "05b"),   # forward_ws3.pick_config(64)
     "cuda": (MMA_RUN, None, "06b"),
     "cuda_hopper": (HOPPER_RUNS[-1], None, "06c"),
     "flex_triton": ("10_flex_h200.json", "course", "10"),
@@ -395,7 +402,7 @@ FORWARD_RUNS = {
 # registered kernel -> (stored backward run, its name there, notebook); gluon and gluon_ws share one backward
 BACKWARD_RUNS = {
     "triton": ("07_backward_benchmark.json", "triton", "07"),
-    "gluon, gluon_ws": ("07_gluon_bwd_h200.json", "gluon_bwd", "07"),
+    "gluon, gluon_ws, gluon_ws3": ("07_gluon_bwd_h200.json", "gluon_bwd", "07"),
     "cuda": ("06b_cuda_backward_h200.json", None, "06b"),
     "flex_triton": ("10_flex_h200.json", "course", "10"),
 }

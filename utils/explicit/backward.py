@@ -38,7 +38,8 @@ The reduce-adds from the programs of one head arrive in any order, so dQ's last 
 (H100/H200) only; utils.course.cross_compile compiles it on a CPU, and replay_protocol replays its synchronisation.
 
 The registry's differentiable entries live here, with the backward, so that no forward module imports it:
-`flash_attention_gluon` (over utils.explicit.forward) and `flash_attention_gluon_ws` (over utils.explicit.forward_ws).
+`flash_attention_gluon` (over utils.explicit.forward), `flash_attention_gluon_ws` (over utils.explicit.forward_ws) and
+`flash_attention_gluon_ws3` (over utils.explicit.forward_ws3).
 """
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from utils.explicit import forward as fg
 from utils.tiled.fast import backward as tb
-from utils.explicit import forward_ws as fws
+from utils.explicit import forward_ws as fws, forward_ws3 as fws3
 from utils.checks import check_device
 from utils.eager.backward import check_backward_inputs
 from utils.tiled.fast import launch
@@ -492,6 +493,12 @@ def flash_attention_gluon_ws(q, k, v, *, causal=False, sm_scale=None):
     """The registry's "gluon_ws": the output of utils.explicit.forward_ws.flash_attention_forward,
     differentiable (the backward is this module's kernel)."""
     return differentiable(fws.flash_attention_forward, q, k, v, causal, sm_scale)
+
+
+def flash_attention_gluon_ws3(q, k, v, *, causal=False, sm_scale=None):
+    """The registry's "gluon_ws3" (head dim 64): the output of utils.explicit.forward_ws3.flash_attention_forward,
+    differentiable (the backward is this module's kernel)."""
+    return differentiable(fws3.flash_attention_forward, q, k, v, causal, sm_scale)
 
 
 # The synchronisation as data: per tile t, the steps of the producer and of each consumer (both run the same
