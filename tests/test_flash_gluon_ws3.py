@@ -28,7 +28,7 @@ def test_inputs_are_checked_before_anything_is_built():
 
 
 @pytest.mark.parametrize("config,error,match", [
-    ((128, 2, 160), TypeError, "must be a utils.explicit.forward_ws3.Config"),
+    ((128, 2, 160), TypeError, "must be a utils.explicit.forward_ws.Config"),
     (ws3.Config(32, 2, 160), ValueError, "block_n must be 64 or 128"),
     (ws3.Config(128, 5, 160), ValueError, "stages 1 to 4"),
     (ws3.Config(128, 2, 162), ValueError, "multiple of 8 from 24 to 256"),

@@ -209,15 +209,15 @@ def pick_config(head_dim: int) -> Config:
     return WS_TILES[0]
 
 
-def check_config(config, head_dim: int) -> Config:
+def check_config(config, head_dim: int, block_m: int = BLOCK_M) -> Config:
     """`config`, or a TypeError/ValueError naming what the kernel cannot run: key tiles of 64 or 128, 1 to 4
-    buffers per ring, Q plus both rings within shared memory, and a register count setmaxnreg takes (a multiple
-    of 8 from 24 to 256)."""
+    buffers per ring, Q plus both rings within shared memory for `block_m` query rows, and a register count
+    setmaxnreg takes (a multiple of 8 from 24 to 256)."""
     if not isinstance(config, Config):
         raise TypeError(f"config must be a utils.explicit.forward_ws.Config, got {type(config).__name__}")
     if not 24 <= config.consumer_regs <= 256 or config.consumer_regs % 8:
         raise ValueError(f"config: consumer_regs must be a multiple of 8 from 24 to 256, got {config}")
-    return fg.check_rings(config, head_dim, BLOCK_M)
+    return fg.check_rings(config, head_dim, block_m)
 
 
 def variant(config: Config, name: str):
@@ -235,11 +235,12 @@ def flash_attention_forward(q, k, v, *, causal=False, sm_scale=None, config: Con
     return o, lse
 
 
-def _launch(q, k, v, o, lse, causal: bool, scale: float, config: Config) -> None:
-    """The kernel on checked inputs (utils.course.cross_compile captures this launch to compile it on a CPU)."""
+def _launch(q, k, v, o, lse, causal: bool, scale: float, config: Config, launcher=None, block_m: int = BLOCK_M):
+    """The kernel on checked inputs (utils.course.cross_compile captures this launch to compile it on a CPU);
+    `launcher`, `block_m`: another kernel of the same arguments (utils.explicit.forward_ws3's)."""
     batch, heads, seqlen_q, head_dim = q.shape
-    grid = (triton.cdiv(seqlen_q, BLOCK_M), batch * heads)
-    _launcher[grid](fg._descriptor(q, SUB_M), fg._descriptor(k, config.block_n), fg._descriptor(v, config.block_n),
+    grid = (triton.cdiv(seqlen_q, block_m), batch * heads)
+    (launcher or _launcher)[grid](fg._descriptor(q, SUB_M), fg._descriptor(k, config.block_n), fg._descriptor(v, config.block_n),
                     fg._descriptor(o, SUB_M), lse, heads, heads // k.shape[1], seqlen_q, k.shape[2],
                     scale * fg.LOG2E, HEAD_DIM=head_dim, BLOCK_N=config.block_n, STAGES=config.stages,
                     CAUSAL=causal, CONSUMER_REGS=config.consumer_regs, num_warps=4)

@@ -16,9 +16,6 @@ outputs do not fit the registers an SM has for them.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
@@ -57,10 +54,7 @@ def gluon_ws3_kernel(q_desc, k_desc, v_desc, o_desc, LSE, heads, group, seqlen_q
 _launcher = FastLauncher(gluon_ws3_kernel)
 
 
-class Config(NamedTuple):
-    block_n: int          # keys per tile
-    stages: int           # K and V buffers in each ring
-    consumer_regs: int    # registers per thread of the second and third consumers (setmaxnreg)
+Config = fws.Config   # the same fields: keys per tile, ring depth, the consumers' registers (setmaxnreg)
 
 
 # To be timed on the H200; the first is the starting point. Compiled for sm_90 (Triton 3.7.1), these spill no
@@ -79,14 +73,8 @@ def pick_config(head_dim: int) -> Config:
 
 
 def check_config(config, head_dim: int) -> Config:
-    """`config`, or a TypeError/ValueError naming what the kernel cannot run: key tiles of 64 or 128, 1 to 4
-    buffers per ring, Q plus both rings within shared memory, and a register count setmaxnreg takes (a multiple
-    of 8 from 24 to 256)."""
-    if not isinstance(config, Config):
-        raise TypeError(f"config must be a utils.explicit.forward_ws3.Config, got {type(config).__name__}")
-    if not 24 <= config.consumer_regs <= 256 or config.consumer_regs % 8:
-        raise ValueError(f"config: consumer_regs must be a multiple of 8 from 24 to 256, got {config}")
-    return fg.check_rings(config, head_dim, BLOCK_M)
+    """utils.explicit.forward_ws.check_config for 192-row programs."""
+    return fws.check_config(config, head_dim, BLOCK_M)
 
 
 def variant(config: Config, name: str):
@@ -109,9 +97,4 @@ def flash_attention_forward(q, k, v, *, causal=False, sm_scale=None, config: Con
 
 def _launch(q, k, v, o, lse, causal: bool, scale: float, config: Config) -> None:
     """The kernel on checked inputs (utils.course.cross_compile captures this launch to compile it on a CPU)."""
-    batch, heads, seqlen_q, head_dim = q.shape
-    grid = (triton.cdiv(seqlen_q, BLOCK_M), batch * heads)
-    _launcher[grid](fg._descriptor(q, SUB_M), fg._descriptor(k, config.block_n), fg._descriptor(v, config.block_n),
-                    fg._descriptor(o, SUB_M), lse, heads, heads // k.shape[1], seqlen_q, k.shape[2],
-                    scale * fg.LOG2E, HEAD_DIM=head_dim, BLOCK_N=config.block_n, STAGES=config.stages,
-                    CAUSAL=causal, CONSUMER_REGS=config.consumer_regs, num_warps=4)
+    fws._launch(q, k, v, o, lse, causal, scale, config, _launcher, BLOCK_M)
