@@ -220,6 +220,48 @@ $L__BB0_2:
     assert cross_compile.schedule("\tret;") == []
 
 
+def test_sass_schedule_reads_the_machine_code_in_blocks():
+    sass = """Function:kernel
+--:-:-:-:1\tHGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], RZ, !UPT;
+--:-:-:-:3\tHGMMA.64x64x16.F32.BF16 R88, R148, gdesc[UR8].tnspB, R88, gsb0;
+--:-:-:-:2\tWARPGROUP.DEPBAR.LE gsb0, 0x1;
+--:-:-:-:5\t@!P0 BRA LBB3;
+--:-:0:-:1\tMUFU.EX2 R12, R12;
+LBB3:
+--:-:-:-:2\tWARPGROUP.DEPBAR.LE gsb0, 0x0;
+--:-:-:-:1\tHGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], RZ, !UPT;
+        /*9e20*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;
+"""
+    assert cross_compile.sass_schedule(sass) == ["wgmma×2 wait(1) ex2", "wait(0) wgmma wait(0)"]
+
+
+GLUON_SASS_PROBE = """
+import torch
+from utils.course.cross_compile import _capture, compile_launch, sass_schedule
+from utils.explicit import forward as G, forward_ws as W
+for d in (64, 128):
+    q, lse = torch.zeros(1, 2, 1024, d, dtype=torch.bfloat16), torch.zeros(1, 2, 1024)
+    for causal in (False, True):
+        for name, launch in (("gluon", lambda: G._launch(q, q, q, q, lse, causal, 0.1, G.pick_config(d))),
+                             ("gluon_ws", lambda: W._launch(q, q, q, q, lse, causal, 0.1, W.pick_config(d)))):
+            (captured,) = _capture(launch)
+            print(name, d, causal, "|".join(sass_schedule(compile_launch(captured, (9, 0)).asm["sass"])))
+"""
+
+
+@pytest.mark.full   # four Gluon kernels compiled for sm_90: about a minute on two cores
+def test_the_gluon_loops_exponentials_run_while_p_v_is_in_flight():
+    """In the machine code, each loop's softmax (ex2) comes after wait(1) (S_j done) and before wait(0) (P_{j-1}·V_{j-1}
+    done): the overlap of FlashAttention-3's algorithm 2 survives ptxas's scheduling."""
+    out = cross_compile.script_in_fresh_process(GLUON_SASS_PROBE)
+    lines = [line for line in out.splitlines() if line.count("|")]
+    assert len(lines) == 8, out
+    for line in lines:
+        events = re.findall(r"wait\(\d\)|ex2", line.split(" ", 3)[3])
+        after_wait1 = [events[i + 1] for i, e in enumerate(events[:-1]) if e == "wait(1)"]
+        assert after_wait1 and all(e == "ex2" for e in after_wait1), line
+
+
 def test_schedule_reads_other_kinds_when_asked():
     ptx = """
 $L__BB0_1:

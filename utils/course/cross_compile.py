@@ -7,13 +7,15 @@ on CPU: the kernels' launches are captured instead of run (`capture_launches`), 
 (`shared_memory`), e.g. sm_75 for the T4. On sm_75 Triton lowers tl.dot to FMA instructions (its MMA path
 needs sm_80), and the shared memory it needs differs from sm_80+'s, so only a compile tells. The same compile
 shows the order of a loop's instructions (`schedule`): where Triton waits for its asynchronous Hopper matrix
-products, which decides what overlaps (notebooks 05b and 07).
+products, which decides what overlaps (notebooks 05b and 07). ptxas schedules the PTX again, so for the
+Gluon kernels `--sass` reads the same order in the machine code (`sass_schedule`).
 
     python -m utils.course.cross_compile          # the table for each GPU profile of utils.gpu (a T4 today)
     python -m utils.course.cross_compile --schedule   # the forward loop's instruction order on sm_90 (notebook 05b)
     python -m utils.course.cross_compile --schedule exp2 --head-dim 64   # ... with exponentials moved to the FMA units
     python -m utils.course.cross_compile --schedule gluon --head-dim 64   # the Gluon forward, per tile (05b section 9)
     python -m utils.course.cross_compile --schedule gluon_ws   # ... warp-specialised, per tile (05b section 10)
+    python -m utils.course.cross_compile --schedule gluon_ws --sass   # ... in the machine code ptxas makes of it
     python -m utils.course.cross_compile --schedule backward --head-dim 64   # the backward's passes (notebook 07)
     python -m utils.course.cross_compile --schedule gluon_bwd --head-dim 64  # the one-kernel Gluon backward (07w sec. 5)
 
@@ -156,6 +158,34 @@ def schedule(ptx: str, kinds=SCHEDULE_EVENTS) -> list[str]:
     return [_count_repeats(b) for b in blocks if "wgmma" in b]
 
 
+# The same events in the machine code ptxas makes of the PTX (SASS, disassembled with the cuobjdump that Triton ships).
+SASS_EVENTS = (("HGMMA", "wgmma"), ("WARPGROUP.DEPBAR.LE", "wait"), ("MUFU.EX2", "ex2"), ("UTMALDG", "tma"),
+               ("SYNCS.PHASECHK", "tile?"))
+
+
+def sass_schedule(sass: str, kinds=SASS_EVENTS) -> list[str]:
+    """schedule() for a kernel's SASS (CompiledKernel.asm["sass"]): the blocks that issue tensor-core work, each as
+    the order of its HGMMA (`wgmma`), WARPGROUP.DEPBAR.LE (`wait(n)`), MUFU.EX2 (`ex2`), UTMALDG (`tma`) and
+    SYNCS.PHASECHK (`tile?`) instructions. ptxas schedules the PTX again: a wait can move above the
+    instructions written before it."""
+    blocks, events = [], []
+    for line in sass.splitlines():
+        text = line.split("*/", 1)[-1].split("\t")[-1].strip()   # drop the address or the control bits
+        if text.endswith(":"):   # a label: a new basic block
+            blocks.append(events)
+            events = []
+            continue
+        words = text.split()
+        if not words:
+            continue
+        op = words[1] if words[0].startswith("@") and len(words) > 1 else words[0]
+        for prefix, name in kinds:
+            if op.startswith(prefix):
+                events.append(f"wait({int(text.rstrip(' ;').split(',')[-1], 16)})" if name == "wait" else name)
+    blocks.append(events)
+    return [_count_repeats(b) for b in blocks if "wgmma" in b]
+
+
 def _count_repeats(events: list[str]) -> str:
     runs = []
     for event in events:
@@ -225,11 +255,13 @@ def backward_dq_schedules(head_dim: int = 64, capability=(9, 0)) -> dict[str, li
             for name, dq_atomic in (("dQ pass", False), ("atomic adds", True), ("bulk reduce", "tma"))}
 
 
-def gluon_schedules(head_dim: int = 64, capability=(9, 0), warp_specialized: bool = False) -> dict[str, list[str]]:
+def gluon_schedules(head_dim: int = 64, capability=(9, 0), warp_specialized: bool = False,
+                    sass: bool = False) -> dict[str, list[str]]:
     """The Gluon forward (notebook 05b section 9) compiled for `capability` with each tile of GLUON_TILES, or
     with `warp_specialized` the producer/consumer kernel (section 10) with each of WS_TILES: {tile label:
     schedule}. Their loops show the two products in flight and `wait(1)` before the softmax; the
-    warp-specialised kernel's blocks end with its register split (`setmaxnreg`)."""
+    warp-specialised kernel's blocks end with its register split (`setmaxnreg`). `sass`: the schedule of the
+    machine code (sass_schedule) instead of the PTX."""
     from utils.explicit import forward as gluon_forward, forward_ws as gluon_ws
 
     q = torch.zeros(1, 2, 1024, head_dim, dtype=torch.bfloat16)
@@ -238,15 +270,18 @@ def gluon_schedules(head_dim: int = 64, capability=(9, 0), warp_specialized: boo
     if warp_specialized:
         for c in gluon_ws.WS_TILES:
             (launch,) = _capture(lambda: gluon_ws._launch(q, q, q, q, lse, False, 0.1, c))
-            ptx = compile_launch(launch, capability).asm["ptx"]
-            regs = sorted({int(line.split()[-1].rstrip(";")) for line in ptx.splitlines() if "setmaxnreg" in line})
-            out[gluon_ws.label(c).removeprefix("gluon_ws ")] = schedule(ptx) + [
+            asm = compile_launch(launch, capability).asm
+            regs = sorted({int(line.split()[-1].rstrip(";")) for line in asm["ptx"].splitlines()
+                           if "setmaxnreg" in line})
+            out[gluon_ws.label(c).removeprefix("gluon_ws ")] = (
+                sass_schedule(asm["sass"]) if sass else schedule(asm["ptx"])) + [
                 "setmaxnreg to " + ", ".join(map(str, regs))]
         return out
     for c in gluon_forward.GLUON_TILES:
         (launch,) = _capture(lambda: gluon_forward._launch(q, q, q, q, lse, False, 0.1, c))
-        out[f"{c.block_m}x{c.block_n} w{c.num_warps} s{c.stages}"] = schedule(compile_launch(launch, capability)
-                                                                              .asm["ptx"])
+        asm = compile_launch(launch, capability).asm
+        out[f"{c.block_m}x{c.block_n} w{c.num_warps} s{c.stages}"] = (
+            sass_schedule(asm["sass"]) if sass else schedule(asm["ptx"]))
     return out
 
 
@@ -383,7 +418,12 @@ def main(argv=None) -> int:
                         "backward's with pointer loads and TMA (07), its dK/dV loop with each way of getting dQ "
                         "(07w, section 4), or the one-kernel Gluon backward's (07w, section 5)")
     parser.add_argument("--head-dim", type=int, default=128, choices=(64, 128), help="with --schedule")
+    parser.add_argument("--sass", action="store_true",
+                        help="with --schedule gluon or gluon_ws: the order in the machine code ptxas makes (SASS), "
+                        "not in the PTX")
     args = parser.parse_args(argv)
+    if args.sass and args.schedule not in ("gluon", "gluon_ws"):
+        parser.error("--sass goes with --schedule gluon or gluon_ws")
     if os.environ.get("TRITON_INTERPRET") == "1":
         parser.error("unset TRITON_INTERPRET: the kernels must be defined for compiling, not interpreting")
     if args.schedule == "backward":
@@ -411,8 +451,9 @@ def main(argv=None) -> int:
     if args.schedule in ("gluon", "gluon_ws"):
         ws = args.schedule == "gluon_ws"
         print(f"Triton {triton.__version__}, sm_90: Gluon forward{', warp-specialised' if ws else ''}, "
-              f"d={args.head_dim}, bf16; blocks with wgmma{', then setmaxnreg' if ws else ''}:")
-        for name, blocks in gluon_schedules(args.head_dim, warp_specialized=ws).items():
+              f"d={args.head_dim}, bf16; {'SASS' if args.sass else 'PTX'} blocks with wgmma"
+              f"{', then setmaxnreg' if ws else ''}:")
+        for name, blocks in gluon_schedules(args.head_dim, warp_specialized=ws, sass=args.sass).items():
             for block in blocks:
                 print(f"  {name + ':':<18} {block}")
         return 0
