@@ -166,8 +166,8 @@ SASS_EVENTS = (("HGMMA", "wgmma"), ("WARPGROUP.DEPBAR.LE", "wait"), ("MUFU.EX2",
 def sass_schedule(sass: str, kinds=SASS_EVENTS) -> list[str]:
     """schedule() for a kernel's SASS (CompiledKernel.asm["sass"]): the blocks that issue tensor-core work, each as
     the order of its HGMMA (`wgmma`), WARPGROUP.DEPBAR.LE (`wait(n)`), MUFU.EX2 (`ex2`), UTMALDG (`tma`) and
-    SYNCS.PHASECHK (`tile?`) instructions. ptxas schedules the PTX again: a wait can move above the
-    instructions written before it."""
+    SYNCS.PHASECHK (`tile?`) instructions, and the blocks that run exponentials. ptxas schedules the PTX again:
+    a wait can move above the instructions written before it, and a branch splits what the PTX had in one block."""
     blocks, events = [], []
     for line in sass.splitlines():
         text = line.split("*/", 1)[-1].split("\t")[-1].strip()   # drop the address or the control bits
@@ -183,7 +183,7 @@ def sass_schedule(sass: str, kinds=SASS_EVENTS) -> list[str]:
             if op.startswith(prefix):
                 events.append(f"wait({int(text.rstrip(' ;').split(',')[-1], 16)})" if name == "wait" else name)
     blocks.append(events)
-    return [_count_repeats(b) for b in blocks if "wgmma" in b]
+    return [_count_repeats(b) for b in blocks if "wgmma" in b or "ex2" in b]
 
 
 def _count_repeats(events: list[str]) -> str:
@@ -451,7 +451,7 @@ def main(argv=None) -> int:
     if args.schedule in ("gluon", "gluon_ws"):
         ws = args.schedule == "gluon_ws"
         print(f"Triton {triton.__version__}, sm_90: Gluon forward{', warp-specialised' if ws else ''}, "
-              f"d={args.head_dim}, bf16; {'SASS' if args.sass else 'PTX'} blocks with wgmma"
+              f"d={args.head_dim}, bf16; {'SASS blocks with wgmma or ex2' if args.sass else 'PTX blocks with wgmma'}"
               f"{', then setmaxnreg' if ws else ''}:")
         for name, blocks in gluon_schedules(args.head_dim, warp_specialized=ws, sass=args.sass).items():
             for block in blocks:

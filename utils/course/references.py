@@ -57,6 +57,11 @@ REFERENCES = {
     "gluon_ws3": (1, ["utils.course.bench.forward", "--impls", "gluon_ws", "--ws-tiles", "--ws3-tiles", "--sdpa",
                       "cudnn", "--head-dims", "64", "--seqlens", "2048", "4096", "8192", "16384", "--rounds", "2",
                       "--name", "05b_gluon_ws3_h200"]),
+    # worklog 05bw section 6: the Gluon forwards as they are ("before") and with the whole softmax in each arm of the
+    # mask's branch ("after": the patch section 6 shows, applied by hand), two runs of each tree alternated
+    "sass_split": (1, ["utils.course.bench.forward", "--impls", "gluon", "gluon_ws", "gluon_ws3", "--sdpa", "cudnn",
+                       "--seqlens", "2048", "4096", "8192", "16384", "--rounds", "1", "--name",
+                       "05bw_sass_split_before_0", "--out-dir", "images"]),
     "cuda_flash": (1, ["utils.course.bench.forward", "--impls", "cuda_tiled", "cuda_naive", "--sdpa", "flash",
                        "--name", "06_cuda_flash_h200"]),
     "cuda_mma": (1, ["utils.course.bench.cuda_mma", "--name", "06b_cuda_mma_h200"]),
@@ -149,7 +154,7 @@ REFERENCES = {
                   "--rounds", "3"]),
     # issue 78: FlashAttention-4 (../shared/tools/fa4_pack.sh) beside the course's fast kernels, cuDNN and FA2 in one
     # run, bf16 at N 2k-16k (the issue's grid); kept apart from "peers" so that neither run needs the other's peer
-    "peers_fa4": (1, ["utils.course.bench.peers_sweep", "--impls", "triton", "gluon", "gluon_ws", "--peers",
+    "peers_fa4": (1, ["utils.course.bench.peers_sweep", "--impls", "triton", "gluon", "gluon_ws", "gluon_ws3", "--peers",
                       "flash-attn-4", "--dtypes", "bf16", "--seqlens", "2048", "4096", "8192", "16384",
                       "--name", "peers_fa4_h200", "--rounds", "3"]),
     # issue 71: the fast registry kernels beside cuDNN before (a copy of the older utils/) and after the regroup

@@ -13,7 +13,9 @@ needs (Shah et al., 2024, Algorithm 2): in iteration j,
     softmax(S_j) -> P_j, the rescale factor      (on the CUDA cores, while the tensor cores finish P·V)
     wait for the P·V product; O *= rescale
 
-so the exponentials of tile j overlap the P·V product of tile j-1. K and V arrive through a ring of STAGES
+so the exponentials of tile j overlap the P·V product of tile j-1 -- in the PTX. In the machine code ptxas moves
+the last wait above the exponentials (`python -m utils.course.cross_compile --schedule gluon --sass`); worklog
+05bw section 6 measured the order restored, and it was slower. K and V arrive through a ring of STAGES
 shared-memory buffers filled by TMA; buffer s is refilled once every warp has finished the products that read
 it (one `thread_barrier` per iteration), which leaves a whole iteration to hide the copy's latency.
 
@@ -129,7 +131,8 @@ def _overlapped_loop(q, k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, s_zero, 
                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, dtype: gl.constexpr,
                      col_s: gl.constexpr, row_o: gl.constexpr, p_layout: gl.constexpr):
     """Key tiles 1 to n_tiles - 1 (Algorithm 2 of FlashAttention-3): S_j, then P_{j-1}·V_{j-1}, issued; the
-    softmax of S_j runs while the second product finishes. Returns the new (acc, m_i, l_i, p)."""
+    softmax of S_j is written to run while the second product finishes (ptxas waits for it first: see the
+    module's docstring). Returns the new (acc, m_i, l_i, p)."""
     for j in range(1, n_tiles):
         k = _arrived(k_smem, k_bars, j, BLOCK_N, HEAD_DIM, STAGES)
         s = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
