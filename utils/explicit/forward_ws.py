@@ -228,10 +228,16 @@ def variant(config: Config, name: str):
 def flash_attention_forward(q, k, v, *, causal=False, sm_scale=None, config: Config | None = None):
     """(o, lse) as utils.explicit.forward.flash_attention_forward; `config`: fixed tiles (default:
     pick_config's)."""
+    return forward_with(q, k, v, causal, sm_scale, config, pick_config, check_config, _launch)
+
+
+def forward_with(q, k, v, causal, sm_scale, config, pick, check, launch):
+    """A forward call of this kernel's shape: inputs checked, the tiles picked or checked (`pick(head_dim)`,
+    `check(config, head_dim)`), then `launch(q, k, v, o, lse, causal, scale, config)`; returns (o, lse)."""
     scale = fg.check_inputs(q, k, v, causal, sm_scale)
-    config = pick_config(q.shape[-1]) if config is None else check_config(config, q.shape[-1])
+    config = pick(q.shape[-1]) if config is None else check(config, q.shape[-1])
     q, k, v, o, lse = fg.tma_buffers(q, k, v)
-    _launch(q, k, v, o, lse, causal, scale, config)
+    launch(q, k, v, o, lse, causal, scale, config)
     return o, lse
 
 

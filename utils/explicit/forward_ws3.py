@@ -67,13 +67,21 @@ def label(config: Config) -> str:
     return f"gluon_ws3 n{config.block_n} s{config.stages} r{config.consumer_regs}"
 
 
+def _supported(head_dim: int) -> None:
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"head_dim {head_dim} is not supported by the three-consumer kernel: it takes "
+                         f"{HEAD_DIMS}; use utils.explicit.forward_ws at larger head dims")
+
+
 def pick_config(head_dim: int) -> Config:
-    """The starting point, until a measured sweep picks one."""
+    """The starting point, until a measured sweep picks one; a ValueError for a head dim it does not take."""
+    _supported(head_dim)
     return WS3_TILES[0]
 
 
 def check_config(config, head_dim: int) -> Config:
-    """utils.explicit.forward_ws.check_config for 192-row programs."""
+    """utils.explicit.forward_ws.check_config for 192-row programs, at a head dim the kernel takes."""
+    _supported(head_dim)
     return fws.check_config(config, head_dim, BLOCK_M)
 
 
@@ -83,16 +91,9 @@ def variant(config: Config, name: str):
 
 
 def flash_attention_forward(q, k, v, *, causal=False, sm_scale=None, config: Config | None = None):
-    """(o, lse) as utils.explicit.forward.flash_attention_forward; `config`: fixed tiles (default:
+    """(o, lse) as utils.explicit.forward.flash_attention_forward, head dim 64; `config`: fixed tiles (default:
     pick_config's)."""
-    scale = fg.check_inputs(q, k, v, causal, sm_scale)
-    if q.shape[-1] not in HEAD_DIMS:
-        raise ValueError(f"head_dim {q.shape[-1]} is not supported by the three-consumer kernel: it takes "
-                         f"{HEAD_DIMS}; use utils.explicit.forward_ws at larger head dims")
-    config = pick_config(q.shape[-1]) if config is None else check_config(config, q.shape[-1])
-    q, k, v, o, lse = fg.tma_buffers(q, k, v)
-    _launch(q, k, v, o, lse, causal, scale, config)
-    return o, lse
+    return fws.forward_with(q, k, v, causal, sm_scale, config, pick_config, check_config, _launch)
 
 
 def _launch(q, k, v, o, lse, causal: bool, scale: float, config: Config) -> None:
