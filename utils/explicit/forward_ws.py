@@ -246,18 +246,18 @@ def _launch(q, k, v, o, lse, causal: bool, scale: float, config: Config, launche
     `launcher`, `block_m`: another kernel of the same arguments (utils.explicit.forward_ws3's)."""
     batch, heads, seqlen_q, head_dim = q.shape
     grid = (triton.cdiv(seqlen_q, block_m), batch * heads)
-    (launcher or _launcher)[grid](fg._descriptor(q, SUB_M), fg._descriptor(k, config.block_n), fg._descriptor(v, config.block_n),
-                    fg._descriptor(o, SUB_M), lse, heads, heads // k.shape[1], seqlen_q, k.shape[2],
-                    scale * fg.LOG2E, HEAD_DIM=head_dim, BLOCK_N=config.block_n, STAGES=config.stages,
-                    CAUSAL=causal, CONSUMER_REGS=config.consumer_regs, num_warps=4)
-
+    (launcher or _launcher)[grid](
+        fg._descriptor(q, SUB_M), fg._descriptor(k, config.block_n), fg._descriptor(v, config.block_n),
+        fg._descriptor(o, SUB_M), lse, heads, heads // k.shape[1], seqlen_q, k.shape[2], scale * fg.LOG2E,
+        HEAD_DIM=head_dim, BLOCK_N=config.block_n, STAGES=config.stages, CAUSAL=causal,
+        CONSUMER_REGS=config.consumer_regs, num_warps=4)
 
 
 def replay_protocol(n_tiles: int, stages: int, empty_parity, seed: int = 0, consumers: int = 2) -> None:
     """Replay the kernel's ring protocol in one random interleaving of the producer, the `consumers` consumers
     (three in utils.explicit.forward_ws3) and the copies' landing, with `empty_parity(tile, stages)` as the
-    parity of the producer's wait on a slot's "empty" barrier (the kernel's `free`). An mbarrier wait with parity p blocks while the barrier's completed phases
-    are p modulo 2. Raises AssertionError naming the tile if the producer refills a slot that a consumer still
+    parity of the producer's wait on a slot's "empty" barrier (the kernel's `free`). An mbarrier wait with
+    parity p blocks while the barrier's completed phases are p modulo 2. Raises AssertionError naming the tile if the producer refills a slot that a consumer still
     reads, or if every agent waits and no copy is in flight (a hang). For exercise 5b.7 and the tests."""
     rng = random.Random(seed)
     full = {(r, s): 0 for r in "KV" for s in range(stages)}      # phases completed: copies landed
