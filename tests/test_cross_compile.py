@@ -234,8 +234,11 @@ LBB3:
 --:-:-:-:2\tWARPGROUP.DEPBAR.LE gsb0, 0x0;
 --:-:-:-:1\tHGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], RZ, !UPT;
         /*9e20*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;
+        /*9e30*/                   MUFU.EX2 R13, R16 ;                                   /* 0x00000010000d7308 */
+        /*9e40*/                   WARPGROUP.DEPBAR.LE gsb0, 0x1 ;                       /* 0x00008000000079c5 */
 """
-    assert cross_compile.sass_schedule(sass) == ["wgmma×2 wait(1)", "ex2", "wait(0) wgmma wait(0)"]
+    # the last three lines as `cuobjdump -sass` prints them (FlashAttention-4's dump): address, then encoding
+    assert cross_compile.sass_schedule(sass) == ["wgmma×2 wait(1)", "ex2", "wait(0) wgmma wait(0) ex2 wait(1)"]
 
 
 GLUON_SASS_PROBE = """

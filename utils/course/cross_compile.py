@@ -164,13 +164,15 @@ SASS_EVENTS = (("HGMMA", "wgmma"), ("WARPGROUP.DEPBAR.LE", "wait"), ("MUFU.EX2",
 
 
 def sass_schedule(sass: str, kinds=SASS_EVENTS) -> list[str]:
-    """schedule() for a kernel's SASS (CompiledKernel.asm["sass"]): the blocks that issue tensor-core work, each as
-    the order of its HGMMA (`wgmma`), WARPGROUP.DEPBAR.LE (`wait(n)`), MUFU.EX2 (`ex2`), UTMALDG (`tma`) and
-    SYNCS.PHASECHK (`tile?`) instructions, and the blocks that run exponentials. ptxas schedules the PTX again:
-    a wait can move above the instructions written before it, and a branch splits what the PTX had in one block."""
+    """schedule() for a kernel's SASS (CompiledKernel.asm["sass"], or the text of `cuobjdump -sass`, which has no
+    labels: one block): the blocks that issue tensor-core work, each as the order of its HGMMA (`wgmma`),
+    WARPGROUP.DEPBAR.LE (`wait(n)`), MUFU.EX2 (`ex2`), UTMALDG (`tma`) and SYNCS.PHASECHK (`tile?`)
+    instructions, and the blocks that run exponentials. ptxas schedules the PTX again: a wait can move above the
+    instructions written before it, and a branch splits what the PTX had in one block."""
     blocks, events = [], []
     for line in sass.splitlines():
-        text = line.split("*/", 1)[-1].split("\t")[-1].strip()   # drop the address or the control bits
+        # drop the address or the control bits before the instruction, and cuobjdump's encoding after it
+        text = line.split("*/", 1)[-1].split("\t")[-1].split("/*")[0].strip()
         if text.endswith(":"):   # a label: a new basic block
             blocks.append(events)
             events = []

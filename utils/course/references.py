@@ -62,6 +62,16 @@ REFERENCES = {
     "sass_split": (1, ["utils.course.bench.forward", "--impls", "gluon", "gluon_ws", "gluon_ws3", "--sdpa", "cudnn",
                        "--seqlens", "2048", "4096", "8192", "16384", "--rounds", "1", "--name",
                        "05bw_sass_split_before_0", "--out-dir", "images"]),
+    # worklog 05bw section 7: the Gluon forwards as they are ("before"), with a branch before wait(0) ("branch") and
+    # with membar.cta there ("membar"; both the patch section 7 shows, applied by hand), two runs of each in turn
+    "sass_fence": (1, ["utils.course.bench.forward", "--impls", "gluon", "gluon_ws", "gluon_ws3", "--sdpa",
+                       "--seqlens", "2048", "4096", "8192", "16384", "--rounds", "1", "--name",
+                       "05bw_fence_before_0", "--out-dir", "images"]),
+    # worklog 05bw section 7: gluon_ws and gluon_ws3 as they are ("before") and with every consumer thread arriving
+    # on the "empty" barriers ("after", by hand), two runs of each in turn
+    "release_per_thread": (1, ["utils.course.bench.forward", "--impls", "gluon_ws", "gluon_ws3", "--sdpa", "cudnn",
+                               "--seqlens", "2048", "4096", "8192", "16384", "--rounds", "1", "--name",
+                               "05bw_release_before_0", "--out-dir", "images"]),
     "cuda_flash": (1, ["utils.course.bench.forward", "--impls", "cuda_tiled", "cuda_naive", "--sdpa", "flash",
                        "--name", "06_cuda_flash_h200"]),
     "cuda_mma": (1, ["utils.course.bench.cuda_mma", "--name", "06b_cuda_mma_h200"]),
