@@ -297,7 +297,7 @@ def test_a_flattened_06c_step_compiles_to_the_ptx_of_the_templated_step(n):
 BWD = "06b_bwd"
 BWD_STEPS = range(1, len(native_backward.BWD_STEPS) + 1)
 # make test compiles no backward step (nvcc takes 20 s for one, twice over); the GPU suite and --full compile all
-# 9, the default (native_backward.BWD_DEFAULT_STEP) among them.
+# 12, the default (native_backward.BWD_DEFAULT_STEP) among them.
 BWD_SAMPLED = ()
 
 
@@ -311,7 +311,7 @@ def test_the_backward_has_one_generated_file_per_step_named_as_utils_cuda_backwa
 @pytest.mark.parametrize("n", BWD_STEPS)
 def test_the_backward_every_switch_is_folded(n):
     source = flatten.step_source(BWD, n)
-    assert flatten.GENERATED in source and f"Step {n} of 9 of the backward" in source
+    assert flatten.GENERATED in source and f"Step {n} of {len(BWD_STEPS)} of the backward" in source
     code = re.sub(r"//[^\n]*", "", source)
     assert "Step::k" not in code
     assert not re.search(r"Step::template (?!(rows|min_blocks)<D>\(\))", code)  # kept: step 7's fallback reads them
@@ -320,8 +320,8 @@ def test_the_backward_every_switch_is_folded(n):
 
 
 def test_the_backward_parents_follow_the_structs_bases():
-    assert [flatten.parent(BWD, n) for n in range(2, 10)] == [1, 1, 3, 4, 5, 5, 7, 8]
-    assert flatten.lineage(BWD, 9) == [1, 3, 4, 5, 7, 8, 9]
+    assert [flatten.parent(BWD, n) for n in range(2, 13)] == [1, 1, 3, 4, 5, 5, 7, 8, 9, 10, 11]
+    assert flatten.lineage(BWD, 12) == [1, 3, 4, 5, 7, 8, 9, 10, 11, 12]
 
 
 def test_a_backward_step_keeps_only_its_own_lineage():
@@ -330,6 +330,15 @@ def test_a_backward_step_keeps_only_its_own_lineage():
     assert "flash_bwd_dkdv_tiled_kernel" not in code[7] and "flash_bwd_dkdv_tiled_kernel" in code[9]
     assert "launch_bwd_rows<BwdMaskAfter, T, D>" in code[9]  # where the warp tiles do not fit: step 7's kernel
     assert "// Step 8" not in flatten.step_source(BWD, 7)
+
+
+def test_backward_steps_10_to_12_each_bring_their_one_change():
+    code = {n: re.sub(r"//[^\n]*", "", flatten.step_source(BWD, n)) for n in (9, 10, 11, 12)}
+    assert "rows<D>: 64 at D = 64" in flatten.step_source(BWD, 9)
+    assert "rows<D>: 128 at D = 64, 64 at D = 128" in flatten.step_source(BWD, 10)
+    assert "stmatrix_x4(" not in code[10] and "stmatrix_x4(" in code[11]
+    assert "add_dq_pairs<D>(" not in code[11] and "add_dq_pairs<D>(bp, dq[mi]" in code[12]
+    assert "add_dq_tile<D>(bp, dq[mi]" in code[11] and "add_dq_tile<D>(bp, dq[mi]" not in code[12]  # the warp tiles'
 
 
 def test_the_diff_of_backward_step_7_masks_after_the_exponentials(capsys):

@@ -257,8 +257,9 @@ def replay_protocol(n_tiles: int, stages: int, empty_parity, seed: int = 0, cons
     """Replay the kernel's ring protocol in one random interleaving of the producer, the `consumers` consumers
     (three in utils.explicit.forward_ws3) and the copies' landing, with `empty_parity(tile, stages)` as the
     parity of the producer's wait on a slot's "empty" barrier (the kernel's `free`). An mbarrier wait with
-    parity p blocks while the barrier's completed phases are p modulo 2. Raises AssertionError naming the tile if the producer refills a slot that a consumer still
-    reads, or if every agent waits and no copy is in flight (a hang). For exercise 5b.7 and the tests."""
+    parity p blocks while the barrier's completed phases are p modulo 2. Raises AssertionError naming the tile if
+    the producer refills a slot that a consumer still reads, or if every agent waits and no copy is in flight (a
+    hang). For exercise 5b.7 and the tests."""
     rng = random.Random(seed)
     full = {(r, s): 0 for r in "KV" for s in range(stages)}      # phases completed: copies landed
     released = {(r, s): 0 for r in "KV" for s in range(stages)}  # consumers' arrives on "empty" (`consumers` per phase)

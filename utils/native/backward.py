@@ -12,7 +12,9 @@ utils/native/src/flash_mma_bwd.cu).
   partly unrolled k loops, which end the spills at D = 128;
   "mask_after" (7) Pᵀ's exponentials before its mask, which then takes no branch; "warp_tiles" (8) FlashAttention-2's
   32 x 32 warp tiles, Pᵀ and dSᵀ through shared memory; "hoisted" (9) every copy and ldmatrix address worked out
-  once, before the loop (the default; 06bw compares the steps from their stored runs).
+  once, before the loop; "wide_queries" (10) 128 queries per step at D = 64; "store_matrix" (11) Pᵀ and dSᵀ
+  stored by stmatrix on sm_90 (the default); "pair_dq" (12) dQ added with 8-byte atomics, no shuffles. 06bw
+  compares the steps from their stored runs.
 - `flash_mma_attention(q, k, v)`: differentiable attention with both.
 - `flash_attention_cuda(q, k, v)`: the registry's "cuda": the kernels of utils.native.kernels without a gradient
   (flash_mma, or flash_tiled where the tensor cores cannot run), flash_mma_attention when a gradient is wanted.
@@ -35,8 +37,8 @@ from utils.native.kernels import (CUDA_HEAD_DIMS, FLASH_DTYPES, MMA_HEAD_DIMS, c
 from utils.eager.backward import check_backward_inputs
 
 BWD_STEPS = ("atomic_dq", "dq_pass", "narrow_rows", "two_blocks", "per_head_dim", "unroll_two", "mask_after",
-             "warp_tiles", "hoisted")
-BWD_DEFAULT_STEP = "hoisted"  # the fastest measured (images/06b_cuda_backward_h200.json)
+             "warp_tiles", "hoisted", "wide_queries", "store_matrix", "pair_dq")
+BWD_DEFAULT_STEP = "store_matrix"  # the fastest measured (images/06b_bwd_steps1012_h200.json)
 LSE_PAD = 128  # kLsePad in utils/native/src/flash_params.h
 LOG2E = 1.4426950408889634
 

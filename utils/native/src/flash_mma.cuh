@@ -67,6 +67,18 @@ __device__ __forceinline__ void ldmatrix_x4_at(uint32_t (&r)[4], uint32_t addres
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(address));
 }
 
+// The inverse of ldmatrix_x4 (sm_90's stmatrix): lane l gives the address of row l % 8 of matrix l / 8, and
+// register i holds this lane's two values of matrix i, in the C fragment layout. One instruction for 4 stores.
+// Callers test __CUDA_ARCH__ first; older GPUs have no such instruction.
+__device__ __forceinline__ void stmatrix_x4(uint32_t address, const uint32_t (&r)[4]) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n"
+               :: "r"(address), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
+#else
+  __trap();
+#endif
+}
+
 // An x4 read of two n8 B tiles: matrices 0, 1 are tile 0's two k-halves, matrices 2, 3 tile 1's.
 __device__ __forceinline__ void b_pair(uint32_t (&b)[2][2], const uint32_t (&r)[4]) {
   b[0][0] = r[0], b[0][1] = r[1], b[1][0] = r[2], b[1][1] = r[3];

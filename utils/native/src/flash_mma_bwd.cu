@@ -24,6 +24,9 @@ cudaError_t launch_flash_mma_bwd_backward(const BwdParams& bp, DType dtype, int 
     case 7: return launch_flash_mma_bwd<BwdMaskAfter>(bp, dtype, stream);
     case 8: return launch_flash_mma_bwd<BwdWarpTiles>(bp, dtype, stream);
     case 9: return launch_flash_mma_bwd<BwdHoisted>(bp, dtype, stream);
+    case 10: return launch_flash_mma_bwd<BwdWideQueries>(bp, dtype, stream);
+    case 11: return launch_flash_mma_bwd<BwdStoreMatrix>(bp, dtype, stream);
+    case 12: return launch_flash_mma_bwd<BwdPairDQ>(bp, dtype, stream);
     default: return cudaErrorInvalidValue;
   }
 }
@@ -58,7 +61,7 @@ std::vector<torch::Tensor> flash_mma_bwd_backward(torch::Tensor dout, torch::Ten
                                                   bool causal, double scale, int64_t step) {
   using namespace course_flash;
   const char* name = "flash_mma_bwd_backward";
-  TORCH_CHECK(step >= 1 && step <= 9, name, ": step must be 1 to 9 (utils.native.backward.BWD_STEPS), got ",
+  TORCH_CHECK(step >= 1 && step <= 12, name, ": step must be 1 to 12 (utils.native.backward.BWD_STEPS), got ",
               course::num(step));
   check_mma_inputs(name, q, k, v, &dout);
   const int64_t rows = q.size(0) * q.size(1), padded = (q.size(2) + kLsePad - 1) / kLsePad * kLsePad;

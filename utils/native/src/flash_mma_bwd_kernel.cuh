@@ -45,6 +45,15 @@ __device__ __forceinline__ void atomic_add4(float* dst, float4 x) {
 #endif
 }
 
+// dst[0..1] += x: one 8-byte atomic on sm_90, two before.
+__device__ __forceinline__ void atomic_add2(float* dst, float2 x) {
+#if __CUDA_ARCH__ >= 900
+  atomicAdd(reinterpret_cast<float2*>(dst), x);
+#else
+  atomicAdd(dst, x.x), atomicAdd(dst + 1, x.y);
+#endif
+}
+
 // 16 bytes at a time, like load_tile: `count` floats (a multiple of 4) of an fp32 row, always in bounds.
 template <int kThreads>
 __device__ __forceinline__ void load_floats(float* dst, const float* src, int count) {
@@ -125,6 +134,21 @@ __device__ __forceinline__ void add_dq_tile(const BwdParams& bp, const float (&d
     const float y = __shfl_xor_sync(0xffffffffu, odd ? dq[n][1] : dq[n][3], 1);
     if (q0 + row < bp.fwd.seqlen_q)
       atomic_add4(dst + n * 8, odd ? make_float4(x, y, dq[n][2], dq[n][3]) : make_float4(dq[n][0], dq[n][1], x, y));
+  }
+}
+
+// add_dq_tile with 8-byte atomics (step 12): each thread adds its own pairs, columns 2t, 2t + 1 of rows g and g + 8,
+// straight from the accumulators: no shuffle, and no register that waits for an atomic to read it.
+template <int D, int kTiles>
+__device__ __forceinline__ void add_dq_pairs(const BwdParams& bp, const float (&dq)[kTiles][4], long long bh, int q0,
+                                             int r0, int c0, int g, int t) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = r0 + g + 8 * r;
+    float* dst = bp.dq_accum + (bh * bp.fwd.seqlen_q + q0 + row) * D + c0 + 2 * t;
+    if (q0 + row < bp.fwd.seqlen_q)
+#pragma unroll
+      for (int n = 0; n < kTiles; ++n) atomic_add2(dst + n * 8, make_float2(dq[n][2 * r], dq[n][2 * r + 1]));
   }
 }
 
@@ -283,8 +307,11 @@ __global__ void __launch_bounds__(Tile::kThreads, Step::template min_blocks<D>()
 //   dQ += dS K (atomics)      warp (w % 2, w / 2): queries 32 (w % 2).., columns D/4 (w / 2)..  A: dS (shared)
 // Two m16 tiles per warp: every B fragment read serves 2 mma (step 5: 1 for Sᵀ and dPᵀ), every A fragment 4 or 8.
 // The price is the round trip of Pᵀ and dSᵀ through shared memory and one more barrier per query block.
+// Step 10 at D = 64: BR = 128; a warp's tile of Sᵀ and dPᵀ is then 32 keys x 64 queries, and the dQ tiles are
+// 32 queries x D/2 (warp (w % 4, w / 4)).
 template <typename Step, int D, int kStagesT> struct BwdTiledTile {
-  static constexpr int kWarps = 8, kThreads = 256, kStages = kStagesT, kRows = 64, kCols = 128;  // BR, BC
+  static constexpr int kWarps = 8, kThreads = 256, kStages = kStagesT, kCols = 128;  // BC
+  static constexpr int kRows = Step::template rows<D>();                            // BR: 64 (step 10: 128)
   static constexpr int kPStride = kRows + 8;  // Pᵀ and dSᵀ rows padded by 16 bytes, as dSᵀ in step 1
   // K, V [BC][D]; per stage Q, dO [BR][D] and lse2, delta [BR]; Pᵀ, dSᵀ [BC][BR + 8]
   static constexpr int kSmemBytes = 2 * kCols * D * 2 + kStages * (2 * kRows * D * 2 + 2 * kRows * 4) +
@@ -302,42 +329,64 @@ __device__ __forceinline__ void load_a_padded_trans(uint32_t (&a)[4], const T* t
   ldmatrix_x4_trans(a, tile + (k0 + lane % 8 + lane / 16 * 8) * kStride + r0 + lane / 8 % 2 * 8);
 }
 
-// acc[m] (16 x 32, rows 16m of a warp's 32) += A B: two m16 row tiles by four n8 tiles, k = D.
+// acc[m] (16 x 8kN, rows 16m of a warp's 32) += A B: two m16 row tiles by kN n8 tiles (4; step 10: 8), k = D.
 // `read_a(a, m, kk)` and `read_b(b, nn, kk)` fetch the fragments of k-step kk (b: n8 tiles 2nn, 2nn + 1).
-template <int D, typename T, typename ReadA, typename ReadB>
-__device__ __forceinline__ void mma_tile(float (&acc)[2][4][4], ReadA read_a, ReadB read_b) {
+template <int D, typename T, int kN, typename ReadA, typename ReadB>
+__device__ __forceinline__ void mma_tile(float (&acc)[2][kN][4], ReadA read_a, ReadB read_b) {
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) {
-    uint32_t a[2][4], b[2][2][2];
+    uint32_t a[2][4], b[kN / 2][2][2];
 #pragma unroll
     for (int m = 0; m < 2; ++m) read_a(a[m], m, kk);
 #pragma unroll
-    for (int nn = 0; nn < 2; ++nn) read_b(b[nn], nn, kk);
+    for (int nn = 0; nn < kN / 2; ++nn) read_b(b[nn], nn, kk);
 #pragma unroll
     for (int m = 0; m < 2; ++m)
 #pragma unroll
-      for (int n = 0; n < 4; ++n) mma_16816<T>(acc[m][n], a[m], b[n / 2][n % 2]);
+      for (int n = 0; n < kN; ++n) mma_16816<T>(acc[m][n], a[m], b[n / 2][n % 2]);
   }
 }
 
 // Rows g and g + 8 of a warp's two m16 tiles of C, packed to 16 bits, into a padded [rows][kStride] tile.
-template <int kStride, typename T>
-__device__ __forceinline__ void store_tile(T* tile, const float (&c)[2][4][4], int r0, int c0, int g, int t) {
+template <int kStride, typename T, int kN>
+__device__ __forceinline__ void store_tile(T* tile, const float (&c)[2][kN][4], int r0, int c0, int g, int t) {
 #pragma unroll
   for (int m = 0; m < 2; ++m)
 #pragma unroll
-    for (int n = 0; n < 4; ++n)
+    for (int n = 0; n < kN; ++n)
 #pragma unroll
       for (int r = 0; r < 2; ++r)
         *reinterpret_cast<uint32_t*>(tile + (r0 + 16 * m + g + 8 * r) * kStride + c0 + n * 8 + 2 * t) =
             pack2<T>(c[m][n][2 * r], c[m][n][2 * r + 1]);
 }
 
+// store_tile by stmatrix (step 11; sm_90): one instruction per pair of n8 tiles of an m16 tile, not four 4-byte
+// stores. Lane l gives row l % 8 of matrix l / 8: rows + 8 (l / 8 % 2) of n8 tile n + l / 16.
+template <int kStride, typename T, int kN>
+__device__ __forceinline__ void store_tile_matrix(T* tile, const float (&c)[2][kN][4], int r0, int c0, int g, int t) {
+#if __CUDA_ARCH__ >= 900
+  const int lane = 4 * g + t;
+  const uint32_t at = smem_address(tile + (r0 + lane % 8 + lane / 8 % 2 * 8) * kStride + c0 + lane / 16 * 8);
+#pragma unroll
+  for (int m = 0; m < 2; ++m)
+#pragma unroll
+    for (int n = 0; n < kN; n += 2) {
+      const uint32_t r[4] = {pack2<T>(c[m][n][0], c[m][n][1]), pack2<T>(c[m][n][2], c[m][n][3]),
+                             pack2<T>(c[m][n + 1][0], c[m][n + 1][1]), pack2<T>(c[m][n + 1][2], c[m][n + 1][3])};
+      stmatrix_x4(at + (16 * m * kStride + 8 * n) * 2, r);
+    }
+#else
+  store_tile<kStride>(tile, c, r0, c0, g, t);  // no stmatrix before sm_90
+#endif
+}
+
 template <typename Step, typename T, int D, typename Tile>
 __global__ void __launch_bounds__(Tile::kThreads, Step::template min_blocks<D>())
 flash_bwd_dkdv_tiled_kernel(BwdParams bp) {
   constexpr int BR = Tile::kRows, BC = Tile::kCols, kThreads = Tile::kThreads, kS = Tile::kPStride;
-  constexpr int kTilesKV = D / 16, kTilesQ = D / 32;  // n8 tiles of a warp's dK, dV (D / 2) and dQ (D / 4)
+  // A warp's tiles: Sᵀ and dPᵀ 32 keys x BR / 2 queries (kTilesS n8 tiles), dK and dV 32 keys x D / 2 columns,
+  // dQ 32 queries x kColsQ columns (the 8 warps as BR / 32 x 256 / BR).
+  constexpr int kTilesS = BR / 16, kTilesKV = D / 16, kColsQ = D * BR / 256, kTilesQ = kColsQ / 8;
   constexpr bool kHoisted = Step::kHoisted;           // step 9
   const Params& p = bp.fwd;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -391,9 +440,9 @@ flash_bwd_dkdv_tiled_kernel(BwdParams bp) {
   if (n_iters > 0) load_q_block(hk * group, m_first, 0);
   else cp_async_commit();
 
-  const int rk = warp % 4 * 32, cq = warp / 4 * 32;        // this warp's keys and queries in Sᵀ and dPᵀ
+  const int rk = warp % 4 * 32, cq = warp / 4 * (BR / 2);  // this warp's keys and queries in Sᵀ and dPᵀ
   const int cd = warp / 4 * (D / 2);                       // its columns of dK and dV (keys rk..)
-  const int rq = warp % 2 * 32, cdq = warp / 2 * (D / 4);  // its queries and columns of dQ
+  const int rq = warp % (BR / 32) * 32, cdq = warp / (BR / 32) * kColsQ;  // its queries and columns of dQ
 
   // The fragment reads. Step 9: per-lane offsets (LaneOffsets) computed once, instead of load_a, load_b_k and
   // load_b_v working out the swizzled address of every lane at every call. A: rows lane % 16, columns 8 (lane / 16);
@@ -446,19 +495,21 @@ flash_bwd_dkdv_tiled_kernel(BwdParams bp) {
     const float* delta = delta_s + stage * BR + cq;
 
     {  // Pᵀ and dSᵀ of this warp's 32 keys x 32 queries, into shared memory
-      float s[2][4][4] = {}, dp[2][4][4] = {};
+      float s[2][kTilesS][4] = {}, dp[2][kTilesS][4] = {};
       mma_tile<D, T>(s, [&](uint32_t (&a)[4], int mi, int kk) { read_rows(a, Ks, k_at, rk + 16 * mi, kk * 16); },
                      [&](uint32_t (&bf)[2][2], int nn, int kk) { read_cols(bf, Qt, q_at, cq + 16 * nn, kk * 16); });
       const bool masked = n0 + BC > p.seqlen_k || (p.causal && n0 + BC - 1 > q0 + offset);
 #pragma unroll
       for (int mi = 0; mi < 2; ++mi)
-        probs_t<4, Step::kMaskAfter>(s[mi], lse2, p, n0 + rk + 16 * mi + g, q0 + cq, masked, offset, t);
-      store_tile<kS>(Ps, s, rk, cq, g, t);
+        probs_t<kTilesS, Step::kMaskAfter>(s[mi], lse2, p, n0 + rk + 16 * mi + g, q0 + cq, masked, offset, t);
+      if constexpr (Step::kStoreMatrix) store_tile_matrix<kS>(Ps, s, rk, cq, g, t);
+      else store_tile<kS>(Ps, s, rk, cq, g, t);
       mma_tile<D, T>(dp, [&](uint32_t (&a)[4], int mi, int kk) { read_rows(a, Vs, v_at, rk + 16 * mi, kk * 16); },
                      [&](uint32_t (&bf)[2][2], int nn, int kk) { read_cols(bf, dOt, do_at, cq + 16 * nn, kk * 16); });
 #pragma unroll
       for (int mi = 0; mi < 2; ++mi) ds_t(s[mi], dp[mi], delta, t);
-      store_tile<kS>(dSs, s, rk, cq, g, t);
+      if constexpr (Step::kStoreMatrix) store_tile_matrix<kS>(dSs, s, rk, cq, g, t);
+      else store_tile<kS>(dSs, s, rk, cq, g, t);
     }
     __syncthreads();  // every warp's Pᵀ and dSᵀ are in
 
@@ -517,7 +568,10 @@ flash_bwd_dkdv_tiled_kernel(BwdParams bp) {
     }
 #pragma unroll
     for (int mi = 0; mi < 2; ++mi)
-      add_dq_tile<D>(bp, dq[mi], static_cast<long long>(b) * p.heads + h, q0, rq + 16 * mi, cdq, g, t);
+      if constexpr (Step::kPairDQ)
+        add_dq_pairs<D>(bp, dq[mi], static_cast<long long>(b) * p.heads + h, q0, rq + 16 * mi, cdq, g, t);
+      else
+        add_dq_tile<D>(bp, dq[mi], static_cast<long long>(b) * p.heads + h, q0, rq + 16 * mi, cdq, g, t);
     if (Tile::kStages == 1 && it + 1 < n_iters) {
       __syncthreads();
       load_q_block(next_h, next_m, 0);

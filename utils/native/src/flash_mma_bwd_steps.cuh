@@ -11,6 +11,8 @@ struct BwdAtomicDQ {
   static constexpr bool kMaskAfter = false;                         // step 7
   static constexpr bool kWarpTiles = false;                         // step 8
   static constexpr bool kHoisted = false;                           // step 9
+  static constexpr bool kStoreMatrix = false;                       // step 11
+  static constexpr bool kPairDQ = false;                            // step 12
   static constexpr int kUnrollD = 8;                                 // step 6: iterations of the k loops unrolled
   template <int D> static constexpr int rows() { return 64; }       // BR
   template <int D> static constexpr int min_blocks() { return 1; }  // blocks per SM asked of ptxas
@@ -46,5 +48,16 @@ struct BwdWarpTiles : BwdMaskAfter {
 // each copy and each ldmatrix recomputes its row, column and swizzle. Here every thread's copy rows and every
 // lane's ldmatrix offsets are computed before the loop.
 struct BwdHoisted : BwdWarpTiles { static constexpr bool kHoisted = true; };
+// Step 10: at D = 64, 128 queries per step instead of 64 (FlashAttention-2's block there). Each warp's tile of Sᵀ
+// and dPᵀ grows to 32 keys x 64 queries, so each fragment of K or V read from shared memory serves 8 mma, not 4;
+// the loop runs half as many steps, with half the barriers per mma. At D = 128 dK and dV take 64 registers each,
+// and the larger tiles of Sᵀ and dPᵀ would not fit beside them.
+struct BwdWideQueries : BwdHoisted { template <int D> static constexpr int rows() { return D == 64 ? 128 : 64; } };
+// Step 11: Pᵀ and dSᵀ into shared memory by stmatrix (sm_90), 16 instructions a step instead of 64 4-byte stores.
+struct BwdStoreMatrix : BwdWideQueries { static constexpr bool kStoreMatrix = true; };
+// Step 12: dQ added with 8-byte atomics, a pair of values per thread (add_dq_pairs). Step 1's 16-byte atomics first
+// swap values between neighbouring lanes, and in step 11's machine code each atomic's registers are the next
+// shuffle's: it must wait until the atomic has read them. Here the atomics read the accumulators themselves.
+struct BwdPairDQ : BwdStoreMatrix { static constexpr bool kPairDQ = true; };
 
 }  // namespace course_flash
