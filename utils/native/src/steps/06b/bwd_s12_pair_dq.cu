@@ -448,7 +448,7 @@ flash_bwd_dkdv_tiled_kernel(BwdParams bp) {
     const float* lse2 = lse_s + stage * BR + cq;
     const float* delta = delta_s + stage * BR + cq;
 
-    {  // Pᵀ and dSᵀ of this warp's 32 keys x 32 queries, into shared memory
+    {  // Pᵀ and dSᵀ of this warp's 32 keys x BR / 2 queries, into shared memory
       float s[2][kTilesS][4] = {}, dp[2][kTilesS][4] = {};
       mma_tile<D, T>(s, [&](uint32_t (&a)[4], int mi, int kk) { read_rows(a, Ks, k_at, rk + 16 * mi, kk * 16); },
                      [&](uint32_t (&bf)[2][2], int nn, int kk) { read_cols(bf, Qt, q_at, cq + 16 * nn, kk * 16); });
