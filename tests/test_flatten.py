@@ -297,7 +297,7 @@ def test_a_flattened_06c_step_compiles_to_the_ptx_of_the_templated_step(n):
 BWD = "06b_bwd"
 BWD_STEPS = range(1, len(native_backward.BWD_STEPS) + 1)
 # make test compiles no backward step (nvcc takes 20 s for one, twice over); the GPU suite and --full compile all
-# 12, the default (native_backward.BWD_DEFAULT_STEP) among them.
+# 15, the default (native_backward.BWD_DEFAULT_STEP) among them.
 BWD_SAMPLED = ()
 
 
@@ -320,8 +320,9 @@ def test_the_backward_every_switch_is_folded(n):
 
 
 def test_the_backward_parents_follow_the_structs_bases():
-    assert [flatten.parent(BWD, n) for n in range(2, 13)] == [1, 1, 3, 4, 5, 5, 7, 8, 9, 10, 11]
+    assert [flatten.parent(BWD, n) for n in range(2, 16)] == [1, 1, 3, 4, 5, 5, 7, 8, 9, 10, 11, 11, 11, 14]
     assert flatten.lineage(BWD, 12) == [1, 3, 4, 5, 7, 8, 9, 10, 11, 12]
+    assert flatten.lineage(BWD, 15) == [1, 3, 4, 5, 7, 8, 9, 10, 11, 14, 15]
 
 
 def test_a_backward_step_keeps_only_its_own_lineage():
@@ -338,7 +339,24 @@ def test_backward_steps_10_to_12_each_bring_their_one_change():
     assert "rows<D>: 128 at D = 64, 64 at D = 128" in flatten.step_source(BWD, 10)
     assert "stmatrix_x4(" not in code[10] and "stmatrix_x4(" in code[11]
     assert "add_dq_pairs<D>(" not in code[11] and "add_dq_pairs<D>(bp, dq[mi]" in code[12]
-    assert "add_dq_tile<D>(bp, dq[mi]" in code[11] and "add_dq_tile<D>(bp, dq[mi]" not in code[12]  # the warp tiles'
+    assert "add_dq_tile<D, kTilesQ, false>(bp, dq[mi]" in code[11] and "add_dq_tile<D, kTilesQ" not in code[12]
+
+
+def test_backward_steps_13_to_15_each_bring_their_one_change():
+    """13: dV, then dQ's product and atomics, then dK (two loops where 11 has one); 14: step 11's kernel (its change,
+    the prepare and finish passes, is in flash_mma_bwd.cu); 15: the atomics without the row test."""
+    def code_lines(n):  # without comments, blank lines and trailing spaces
+        return "\n".join(ln.rstrip() for ln in re.sub(r"//[^\n]*", "", flatten.step_source(BWD, n)).splitlines()
+                         if ln.strip())
+    code = {n: code_lines(n) for n in (11, 13, 14, 15)}
+    fused = "mma_16816<T>(dk[mi][n], sa[mi], qb[0]);"
+    assert fused in code[11] and fused not in code[13] and code[13].count("for (int kk = 0; kk < BR / 16; ++kk)") == 2
+    assert code[13].index("mma_16816<T>(dv[mi][n]") < code[13].index("add_dq_tile<D, kTilesQ, false>(bp, dq[mi]") < \
+        code[13].index("mma_16816<T>(dk[mi][n]")
+    assert code[14].replace("BwdPrepare", "BwdStoreMatrix").replace("s14_prepare", "s11_store_matrix") == code[11]
+    assert "add_dq_tile<D, kTilesQ, true>(bp, dq[mi]" in code[15] and code[15].replace(
+        "add_dq_tile<D, kTilesQ, true>", "add_dq_tile<D, kTilesQ, false>").replace("BwdPaddedDQ", "BwdPrepare").replace(
+        "s15_padded_dq", "s14_prepare") == code[14]
 
 
 def test_the_diff_of_backward_step_7_masks_after_the_exponentials(capsys):

@@ -151,11 +151,16 @@ REFERENCES = {
                           "cuda_warp_tiles", "cuda_hoisted", "sdpa_flash", "sdpa_cudnn",
                           "--seqlens", "4096", "8192", "16384", "--out", "images/06b_cuda_backward_h200.json"]),
     # steps 10-12 of that backward beside step 9, N from 2k, each shape in 2 rounds of rotated order: the run that made
-    # step 11 the registry's backward
+    # step 11 the registry's backward until step 14
     "cuda_backward_steps1012": (1, ["utils.course.bench.backward", "--backends", "cuda_hoisted", "cuda_wide_queries",
                                     "cuda_store_matrix", "cuda_pair_dq", "sdpa_flash", "sdpa_cudnn", "--seqlens",
                                     "2048", "4096", "8192", "16384", "--rounds", "2", "--out",
                                     "images/06b_bwd_steps1012_h200.json"]),
+    # steps 13-15 beside step 11, as that run: the run that made step 14 the registry's backward
+    "cuda_backward_steps1315": (1, ["utils.course.bench.backward", "--backends", "cuda_store_matrix", "cuda_dq_between",
+                                    "cuda_prepare", "cuda_padded_dq", "sdpa_flash", "sdpa_cudnn", "--seqlens",
+                                    "2048", "4096", "8192", "16384", "--rounds", "2", "--out",
+                                    "images/06b_bwd_steps1315_h200.json"]),
     "decoding": (1, ["utils.course.bench.decoding", "--out", "images"]),
     "launch_floor": (1, ["utils.course.bench.decoding", "--launch-floor", "--out", "images"]),
     "decoding_tiles": (1, ["utils.course.bench.decoding", "--tile-sweep", "--out", "images"]),
@@ -257,7 +262,7 @@ def _span(values) -> str:
 # the shapes README's tables and notebook 09's tables show: (head dim, causal, N)
 COLUMNS = [(64, False, 4096), (64, False, 16384), (128, False, 4096), (128, False, 16384), (128, True, 16384)]
 # where each range of findings() was measured, for the reader who wants the run behind it
-CUDA_BWD_RUN = "06b_bwd_steps1012_h200.json"  # the run of the CUDA backward's default step (06bw section 8)
+CUDA_BWD_RUN = "06b_bwd_steps1315_h200.json"  # the run of the CUDA backward's default step (06bw section 9)
 HOPPER_RUNS = ("06c_hopper_h200.json", "06c_vdirect_h200.json", "06c_three_h200.json", "06c_persistent_h200.json",
                "06c_diagonal_h200.json", "06c_tma_store_h200.json")
 MMA_RUN = "06b_step15_h200.json"  # the run of the registry's step (utils.native.build.MMA_DEFAULT_STEP)
@@ -558,7 +563,9 @@ TECHNIQUES = [
     ("dQ by atomic adds instead of a dQ pass", "07_backward_atomic_h200.json", "triton_atomic_dq", "triton", "07"),
     ("one warp-specialised kernel (Gluon backward)", "07_gluon_bwd_h200.json", "gluon_bwd", "triton", "07"),
     ("06b's backward steps (CUDA mma.sync)", "06b_cuda_backward_h200.json", "cuda_hoisted", "cuda_atomic_dq", "06b"),
-    ("06b's backward steps 10-11 (CUDA mma.sync)", CUDA_BWD_RUN, "cuda_store_matrix", "cuda_hoisted", "06b"),
+    ("06b's backward steps 10-11 (CUDA mma.sync)", "06b_bwd_steps1012_h200.json", "cuda_store_matrix", "cuda_hoisted",
+     "06b"),
+    ("prepare and finish kernels (06b's CUDA backward)", CUDA_BWD_RUN, "cuda_prepare", "cuda_store_matrix", "06b"),
 ]
 
 

@@ -13,14 +13,16 @@ utils/native/src/flash_mma_bwd.cu).
   "mask_after" (7) Pᵀ's exponentials before its mask, which then takes no branch; "warp_tiles" (8) FlashAttention-2's
   32 x 32 warp tiles, Pᵀ and dSᵀ through shared memory; "hoisted" (9) every copy and ldmatrix address worked out
   once, before the loop; "wide_queries" (10) 128 queries per step at D = 64; "store_matrix" (11) Pᵀ and dSᵀ
-  stored by stmatrix on sm_90 (the default); "pair_dq" (12) dQ added with 8-byte atomics, no shuffles. 06bw
-  compares the steps from their stored runs.
+  stored by stmatrix on sm_90; "pair_dq" (12) dQ added with 8-byte atomics, no shuffles; "dq_between" (13)
+  step 11 with dQ between dV and dK, FlashAttention-2's order; "prepare" (14) step 11 with lse2, delta and dQ's
+  scale and cast by two small kernels (the default); "padded_dq" (15) dQ's accumulator padded, its atomics
+  without a row test. 06bw compares the steps from their stored runs.
 - `flash_mma_attention(q, k, v)`: differentiable attention with both.
 - `flash_attention_cuda(q, k, v)`: the registry's "cuda": the kernels of utils.native.kernels without a gradient
   (flash_mma, or flash_tiled where the tensor cores cannot run), flash_mma_attention when a gradient is wanted.
 
-D = rowsum(dO ∘ O) and lse·log2(e) are prepared here in torch (two small element-wise passes), padded so that
-the kernels read them in whole tiles.
+D = rowsum(dO ∘ O) and lse·log2(e), padded so that the kernels read them in whole tiles, are prepared in torch
+(backward_inputs) up to step 13, and by the extension's prepare kernel from step 14.
 """
 from __future__ import annotations
 
@@ -37,8 +39,8 @@ from utils.native.kernels import (CUDA_HEAD_DIMS, FLASH_DTYPES, MMA_HEAD_DIMS, c
 from utils.eager.backward import check_backward_inputs
 
 BWD_STEPS = ("atomic_dq", "dq_pass", "narrow_rows", "two_blocks", "per_head_dim", "unroll_two", "mask_after",
-             "warp_tiles", "hoisted", "wide_queries", "store_matrix", "pair_dq")
-BWD_DEFAULT_STEP = "store_matrix"  # the fastest measured (images/06b_bwd_steps1012_h200.json)
+             "warp_tiles", "hoisted", "wide_queries", "store_matrix", "pair_dq", "dq_between", "prepare", "padded_dq")
+BWD_DEFAULT_STEP = "prepare"  # the fastest measured (images/06b_bwd_steps1315_h200.json)
 LSE_PAD = 128  # kLsePad in utils/native/src/flash_params.h
 LOG2E = 1.4426950408889634
 
@@ -91,10 +93,14 @@ def flash_mma_backward(do, q, k, v, o, lse, *, causal=False, sm_scale=None, step
     check_batch_heads(shape.batch, shape.heads)  # the dQ pass's grid has a row per (batch, head), as the forward's
     check_device("q", q, "cuda")
     ext = _extension(q)
-    lse2, delta = backward_inputs(do, o, lse)
-    dq, dk, dv = ext.flash_mma_bwd_backward(*(native_kernels._aligned(t) for t in (do, q, k, v)), lse2, delta, causal,
-                                            scale, BWD_STEPS.index(step) + 1)
-    if step != "dq_pass":  # the atomics' accumulator: fp32 and not yet scaled
+    number = BWD_STEPS.index(step) + 1
+    do, q, k, v, o = (native_kernels._aligned(t) for t in (do, q, k, v, o))
+    # from step 14: lse2 and delta, and dQ's scale and cast, by two small kernels instead of torch's passes
+    lse2, delta = ext.flash_mma_bwd_prepare(do, o, lse.contiguous()) if number >= 14 else backward_inputs(do, o, lse)
+    dq, dk, dv = ext.flash_mma_bwd_backward(do, q, k, v, lse2, delta, causal, scale, number)
+    if number >= 14:  # dq: the atomics' fp32 accumulator (from step 15 with padded rows)
+        dq = ext.flash_mma_bwd_finish(dq, q, scale)
+    elif step != "dq_pass":  # the atomics' accumulator: fp32 and not yet scaled
         dq = (dq * scale).to(q.dtype)
     return dq, dk, dv
 

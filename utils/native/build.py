@@ -85,7 +85,8 @@ KERNELS.update({name: (f"{name}_forward", (*[h for h in MMA_HEADERS if h != "fla
                                            MMA_STEP_TEMPLATE, mma_step_file(step)))
                 for name, step in _MMA_STEP_OF.items()})
 # Notebook 06bw, section 6: MMA_DEFAULT_STEP's forward with the log-sum-exp, and the backward (utils.native.backward).
-KERNELS["flash_mma_bwd"] = (("flash_mma_bwd_forward", "flash_mma_bwd_backward"),
+KERNELS["flash_mma_bwd"] = (("flash_mma_bwd_forward", "flash_mma_bwd_backward", "flash_mma_bwd_prepare",
+                             "flash_mma_bwd_finish"),
                             (*MMA_HEADERS, "flash_mma_bwd_steps.cuh", "flash_mma_bwd_kernel.cuh"))
 # Notebook 06c: Hopper's wgmma and TMA exist only in sm_90a code, which runs on sm_90 GPUs (H100/H200) alone.
 HOPPER_HEADERS = ("hopper.cuh", "hopper_layout.h", "hopper_host.h", "course_str.h")

@@ -27,8 +27,109 @@ cudaError_t launch_flash_mma_bwd_backward(const BwdParams& bp, DType dtype, int 
     case 10: return launch_flash_mma_bwd<BwdWideQueries>(bp, dtype, stream);
     case 11: return launch_flash_mma_bwd<BwdStoreMatrix>(bp, dtype, stream);
     case 12: return launch_flash_mma_bwd<BwdPairDQ>(bp, dtype, stream);
+    case 13: return launch_flash_mma_bwd<BwdDQBetween>(bp, dtype, stream);
+    case 14: return launch_flash_mma_bwd<BwdPrepare>(bp, dtype, stream);
+    case 15: return launch_flash_mma_bwd<BwdPaddedDQ>(bp, dtype, stream);
     default: return cudaErrorInvalidValue;
   }
+}
+
+// Two 16-bit values of a 32-bit word, as floats (pack2's inverse).
+template <typename T> __device__ __forceinline__ float2 unpack2(uint32_t x);
+template <> __device__ __forceinline__ float2 unpack2<__half>(uint32_t x) {
+  return __half22float2(*reinterpret_cast<const __half2*>(&x));
+}
+template <> __device__ __forceinline__ float2 unpack2<__nv_bfloat16>(uint32_t x) {
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&x));
+}
+
+// Step 14's prepare pass (FlashAttention-2 has one too): per row of the padded (batch · heads, padded_q), lse2 =
+// lse · log2 e (+inf where lse = -inf: the row sees no key) and delta = rowsum(dO ∘ O) in fp32; +inf and 0 in the
+// padding. One pass over dO and O, instead of torch's casts, product and sum. kLanes threads share a row, each
+// reading 8 elements (16 bytes) at a time, and add up their sums by shuffles.
+template <typename T, int D>
+__global__ void __launch_bounds__(256) flash_bwd_prepare_kernel(BwdPrepareParams pp) {
+  constexpr int kLanes = D / 8;  // 8 (D = 64) or 16 (D = 128): one 16-byte chunk each
+  const long long row = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) / kLanes;
+  const int lane = threadIdx.x % kLanes;
+  if (row >= pp.rows) return;  // whole groups of kLanes leave together: the shuffles below see only live lanes
+  const long long bh = row / pp.padded_q;
+  const int n = static_cast<int>(row % pp.padded_q), b = static_cast<int>(bh / pp.heads);
+  const int h = static_cast<int>(bh % pp.heads);
+  float sum = 0.f;
+  if (n < pp.seqlen_q) {
+    const uint4 x = *reinterpret_cast<const uint4*>(static_cast<const T*>(pp.dout) + b * pp.do_stride[0] +
+                                                   h * pp.do_stride[1] + n * pp.do_stride[2] + lane * 8);
+    const uint4 y = *reinterpret_cast<const uint4*>(static_cast<const T*>(pp.o) + b * pp.o_stride[0] +
+                                                   h * pp.o_stride[1] + n * pp.o_stride[2] + lane * 8);
+    const uint32_t xs[4] = {x.x, x.y, x.z, x.w}, ys[4] = {y.x, y.y, y.z, y.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 a = unpack2<T>(xs[i]), c = unpack2<T>(ys[i]);
+      sum = fmaf(a.x, c.x, fmaf(a.y, c.y, sum));
+    }
+  }
+  const unsigned group = (kLanes == 32 ? 0xffffffffu : ((1u << kLanes) - 1) << (threadIdx.x % 32 / kLanes * kLanes));
+#pragma unroll
+  for (int offset = kLanes / 2; offset > 0; offset /= 2) sum += __shfl_xor_sync(group, sum, offset);
+  if (lane == 0) {
+    const float lse = n < pp.seqlen_q ? pp.lse[bh * pp.seqlen_q + n] : -INFINITY;
+    pp.lse2[row] = lse == -INFINITY ? INFINITY : lse * 1.4426950408889634f;
+    pp.delta[row] = sum;
+  }
+}
+
+// Step 14's finish pass: dQ = scale · its fp32 accumulator, in T, 8 elements a thread. The accumulator has acc_rows
+// rows a head: seqlen_q, or from step 15 seqlen_q padded as lse2's.
+template <typename T, int D>
+__global__ void __launch_bounds__(256) flash_bwd_finish_kernel(const float* accum, T* dq, long long rows,
+                                                               int seqlen_q, int acc_rows, float scale) {
+  const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;  // an 8-element chunk
+  if (i >= rows * (D / 8)) return;
+  const long long row = i / (D / 8), bh = row / seqlen_q;
+  const int col = static_cast<int>(i % (D / 8)) * 8;
+  const float* src = accum + (bh * acc_rows + row % seqlen_q) * D + col;
+  const float4 a = *reinterpret_cast<const float4*>(src), c = *reinterpret_cast<const float4*>(src + 4);
+  *reinterpret_cast<uint4*>(dq + row * D + col) = make_uint4(pack2<T>(a.x * scale, a.y * scale),
+      pack2<T>(a.z * scale, a.w * scale), pack2<T>(c.x * scale, c.y * scale), pack2<T>(c.z * scale, c.w * scale));
+}
+
+template <typename T>
+cudaError_t launch_prepare_t(const BwdPrepareParams& pp, cudaStream_t stream) {
+  const int lanes = pp.head_dim / 8;
+  const long long blocks = (pp.rows * lanes + 255) / 256;
+  if (pp.head_dim == 64) flash_bwd_prepare_kernel<T, 64><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(pp);
+  else flash_bwd_prepare_kernel<T, 128><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(pp);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_flash_mma_bwd_prepare(const BwdPrepareParams& pp, DType dtype, cudaStream_t stream) {
+  if (pp.head_dim != 64 && pp.head_dim != 128) return cudaErrorInvalidValue;
+  if (pp.rows == 0) return cudaSuccess;
+  return dtype == DType::kFloat16 ? launch_prepare_t<__half>(pp, stream) : launch_prepare_t<__nv_bfloat16>(pp, stream);
+}
+
+template <typename T>
+cudaError_t launch_finish_t(const float* accum, void* dq, long long rows, int seqlen_q, int acc_rows, int head_dim,
+                            float scale, cudaStream_t stream) {
+  const long long blocks = (rows * (head_dim / 8) + 255) / 256;
+  T* out = static_cast<T*>(dq);
+  if (head_dim == 64)
+    flash_bwd_finish_kernel<T, 64><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(accum, out, rows, seqlen_q,
+                                                                                         acc_rows, scale);
+  else
+    flash_bwd_finish_kernel<T, 128><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(accum, out, rows, seqlen_q,
+                                                                                          acc_rows, scale);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_flash_mma_bwd_finish(const float* accum, void* dq, long long rows, int seqlen_q, int acc_rows,
+                                        int head_dim, float scale, DType dtype, cudaStream_t stream) {
+  if (head_dim != 64 && head_dim != 128) return cudaErrorInvalidValue;
+  if (rows == 0) return cudaSuccess;
+  return dtype == DType::kFloat16
+             ? launch_finish_t<__half>(accum, dq, rows, seqlen_q, acc_rows, head_dim, scale, stream)
+             : launch_finish_t<__nv_bfloat16>(accum, dq, rows, seqlen_q, acc_rows, head_dim, scale, stream);
 }
 }  // namespace course_flash
 
@@ -38,6 +139,9 @@ cudaError_t launch_flash_mma_bwd_backward(const BwdParams& bp, DType dtype, int 
 namespace course_flash {
 cudaError_t launch_flash_mma_bwd_forward(const Params& p, DType dtype, cudaStream_t stream);
 cudaError_t launch_flash_mma_bwd_backward(const BwdParams& bp, DType dtype, int step, cudaStream_t stream);
+cudaError_t launch_flash_mma_bwd_prepare(const BwdPrepareParams& pp, DType dtype, cudaStream_t stream);
+cudaError_t launch_flash_mma_bwd_finish(const float* accum, void* dq, long long rows, int seqlen_q, int acc_rows,
+                                        int head_dim, float scale, DType dtype, cudaStream_t stream);
 }  // namespace course_flash
 
 // (o, lse): the forward of the "cuda" step, and the natural-log log-sum-exp of every query row (-inf: no key).
@@ -61,7 +165,7 @@ std::vector<torch::Tensor> flash_mma_bwd_backward(torch::Tensor dout, torch::Ten
                                                   bool causal, double scale, int64_t step) {
   using namespace course_flash;
   const char* name = "flash_mma_bwd_backward";
-  TORCH_CHECK(step >= 1 && step <= 12, name, ": step must be 1 to 12 (utils.native.backward.BWD_STEPS), got ",
+  TORCH_CHECK(step >= 1 && step <= 15, name, ": step must be 1 to 15 (utils.native.backward.BWD_STEPS), got ",
               course::num(step));
   check_mma_inputs(name, q, k, v, &dout);
   const int64_t rows = q.size(0) * q.size(1), padded = (q.size(2) + kLsePad - 1) / kLsePad * kLsePad;
@@ -80,8 +184,11 @@ std::vector<torch::Tensor> flash_mma_bwd_backward(torch::Tensor dout, torch::Ten
   bp.padded_q = static_cast<int>(padded);
   const auto contiguous = q.options().memory_format(at::MemoryFormat::Contiguous);
   const bool atomic = step != 2;  // every step but 2 adds dQ up with atomics
-  torch::Tensor dq = atomic ? torch::zeros(q.sizes(), contiguous.dtype(torch::kFloat32))
-                               : torch::empty(q.sizes(), contiguous);
+  // from step 15 on, the accumulator's rows are padded as lse2's (the atomics need no row test)
+  const auto fp32 = contiguous.dtype(torch::kFloat32);
+  torch::Tensor dq = !atomic ? torch::empty(q.sizes(), contiguous)
+                     : step >= 15 ? torch::zeros({q.size(0), q.size(1), padded, q.size(3)}, fp32)
+                                  : torch::zeros(q.sizes(), fp32);
   torch::Tensor dk = torch::empty(k.sizes(), contiguous), dv = torch::empty(v.sizes(), contiguous);
   if (atomic) bp.dq_accum = dq.data_ptr<float>();
   else bp.dq = dq.data_ptr();
@@ -91,5 +198,64 @@ std::vector<torch::Tensor> flash_mma_bwd_backward(torch::Tensor dout, torch::Ten
                                                         c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, name, ": launch failed: ", cudaGetErrorString(err));
   return {dq, dk, dv};
+}
+
+// (lse2, delta) for flash_mma_bwd_backward from dO, the forward's O and its lse (batch, heads, seqlen_q), in one
+// pass on the GPU (from step 14; utils.native.backward.backward_inputs computes the same in torch).
+std::vector<torch::Tensor> flash_mma_bwd_prepare(torch::Tensor dout, torch::Tensor o, torch::Tensor lse) {
+  using namespace course_flash;
+  const char* name = "flash_mma_bwd_prepare";
+  check_mma_inputs(name, o, o, o, &dout);
+  TORCH_CHECK(lse.is_cuda() && lse.device() == o.device() && lse.scalar_type() == torch::kFloat32 &&
+              lse.is_contiguous() && lse.dim() == 3 && lse.size(0) == o.size(0) && lse.size(1) == o.size(1) &&
+              lse.size(2) == o.size(2), name, ": lse must be contiguous fp32 (batch, heads, seqlen_q) on o's device, "
+              "got ", course::shape(lse.sizes()));
+  const c10::cuda::CUDAGuard guard(o.device());
+  const int64_t bh = o.size(0) * o.size(1), padded = (o.size(2) + kLsePad - 1) / kLsePad * kLsePad;
+  const auto fp32 = o.options().dtype(torch::kFloat32);
+  torch::Tensor lse2 = torch::empty({bh, padded}, fp32), delta = torch::empty({bh, padded}, fp32);
+  BwdPrepareParams pp{};
+  pp.dout = dout.data_ptr();
+  pp.o = o.data_ptr();
+  for (int dim = 0; dim < 3; ++dim) pp.do_stride[dim] = dout.stride(dim), pp.o_stride[dim] = o.stride(dim);
+  pp.lse = lse.data_ptr<float>();
+  pp.lse2 = lse2.data_ptr<float>();
+  pp.delta = delta.data_ptr<float>();
+  pp.heads = static_cast<int>(o.size(1));
+  pp.seqlen_q = static_cast<int>(o.size(2));
+  pp.padded_q = static_cast<int>(padded);
+  pp.head_dim = static_cast<int>(o.size(3));
+  pp.rows = bh * padded;
+  const cudaError_t err = launch_flash_mma_bwd_prepare(pp, dtype_of(o), c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, name, ": launch failed: ", cudaGetErrorString(err));
+  return {lse2, delta};
+}
+
+// dQ in q's dtype and shape: scale times the fp32 accumulator of flash_mma_bwd_backward, whose rows a head are
+// seqlen_q or (from step 15) padded as lse2's.
+torch::Tensor flash_mma_bwd_finish(torch::Tensor accum, torch::Tensor q, double scale) {
+  using namespace course_flash;
+  const char* name = "flash_mma_bwd_finish";
+  const int64_t padded = (q.size(2) + kLsePad - 1) / kLsePad * kLsePad;
+  const int64_t acc_rows = accum.dim() == 4 ? accum.size(2) : -1;
+  TORCH_CHECK(q.is_cuda() && (q.scalar_type() == torch::kFloat16 || q.scalar_type() == torch::kBFloat16) &&
+              q.dim() == 4 && (q.size(3) == 64 || q.size(3) == 128), name,
+              ": q must be a CUDA fp16/bf16 (batch, heads, seqlen_q, 64 or 128) tensor, got ",
+              course::shape(q.sizes()));
+  TORCH_CHECK(accum.is_cuda() && accum.device() == q.device() && accum.scalar_type() == torch::kFloat32 &&
+              accum.is_contiguous() && accum.dim() == 4 && accum.size(0) == q.size(0) && accum.size(1) == q.size(1) &&
+              (acc_rows == q.size(2) || acc_rows == padded) && accum.size(3) == q.size(3), name,
+              ": accum must be contiguous fp32 (", course::num(q.size(0)), ", ", course::num(q.size(1)), ", ",
+              course::num(q.size(2)), " or ", course::num(padded), ", ",
+              course::num(q.size(3)), ") on q's device, got ", course::shape(accum.sizes()));
+  const c10::cuda::CUDAGuard guard(q.device());
+  torch::Tensor dq = torch::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
+  const cudaError_t err = launch_flash_mma_bwd_finish(accum.data_ptr<float>(), dq.data_ptr(),
+                                                      q.size(0) * q.size(1) * q.size(2), static_cast<int>(q.size(2)),
+                                                      static_cast<int>(acc_rows), static_cast<int>(q.size(3)),
+                                                      static_cast<float>(scale), dtype_of(q),
+                                                      c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, name, ": launch failed: ", cudaGetErrorString(err));
+  return dq;
 }
 #endif

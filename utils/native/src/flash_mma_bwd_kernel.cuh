@@ -122,17 +122,18 @@ __device__ __forceinline__ void ds_t(float (&s)[kTiles][4], const float (&dp)[kT
 // One m16 tile of dQ (rows r0.. of query block q0 of head bh, kTiles n8 tiles from column c0) added to the fp32
 // dQ with 16-byte atomics. Threads t and t ^ 1 swap a pair of values, so that each holds 4 consecutive columns of
 // one row: even t columns 2t..2t+3 of row g, odd t columns 2t-2..2t+1 of row g + 8.
-template <int D, int kTiles>
+template <int D, int kTiles, bool kPadded = false>
 __device__ __forceinline__ void add_dq_tile(const BwdParams& bp, const float (&dq)[kTiles][4], long long bh, int q0,
                                             int r0, int c0, int g, int t) {
   const bool odd = t & 1;
   const int row = r0 + g + (odd ? 8 : 0);
-  float* dst = bp.dq_accum + (bh * bp.fwd.seqlen_q + q0 + row) * D + c0 + 2 * (t & ~1);
+  const long long rows = kPadded ? bp.padded_q : bp.fwd.seqlen_q;  // step 15: padded rows, no row test
+  float* dst = bp.dq_accum + (bh * rows + q0 + row) * D + c0 + 2 * (t & ~1);
 #pragma unroll
   for (int n = 0; n < kTiles; ++n) {
     const float x = __shfl_xor_sync(0xffffffffu, odd ? dq[n][0] : dq[n][2], 1);
     const float y = __shfl_xor_sync(0xffffffffu, odd ? dq[n][1] : dq[n][3], 1);
-    if (q0 + row < bp.fwd.seqlen_q)
+    if (kPadded || q0 + row < bp.fwd.seqlen_q)
       atomic_add4(dst + n * 8, odd ? make_float4(x, y, dq[n][2], dq[n][3]) : make_float4(dq[n][0], dq[n][1], x, y));
   }
 }
@@ -513,32 +514,54 @@ flash_bwd_dkdv_tiled_kernel(BwdParams bp) {
     }
     __syncthreads();  // every warp's Pᵀ and dSᵀ are in
 
-    // dV += Pᵀ dO and dK += dSᵀ Q: keys rk.., columns cd.., k = the BR queries
+    // Step 13 takes FlashAttention-2's order: dV, then dQ and its atomics, then dK. Before: dV and dK in one loop.
+    if constexpr (Step::kDQBetween) {
+      // dV += Pᵀ dO: keys rk.., columns cd.., k = the BR queries
 #pragma unroll
-    for (int kk = 0; kk < BR / 16; ++kk) {
-      uint32_t pa[2][4], sa[2][4];
+      for (int kk = 0; kk < BR / 16; ++kk) {
+        uint32_t a[2][4];
 #pragma unroll
-      for (int mi = 0; mi < 2; ++mi) {
-        const int at = ((rk + 16 * mi) * kS + kk * 16) * 2;
-        if constexpr (kHoisted) {
-          ldmatrix_x4_at(pa[mi], smem_address(Ps) + pad_at + at, false);
-          ldmatrix_x4_at(sa[mi], smem_address(dSs) + pad_at + at, false);
-        } else {
-          load_a_padded<kS>(pa[mi], Ps, rk + 16 * mi, kk * 16, lane);
-          load_a_padded<kS>(sa[mi], dSs, rk + 16 * mi, kk * 16, lane);
+        for (int mi = 0; mi < 2; ++mi)
+          ldmatrix_x4_at(a[mi], smem_address(Ps) + pad_at + ((rk + 16 * mi) * kS + kk * 16) * 2, false);
+#pragma unroll
+        for (int n = 0; n < kTilesKV; n += 2) {
+          uint32_t bf[2][2];
+          read_trans(bf, dOt, do_at, at_kv, cd + n * 8, n * 8, kk * 16);
+#pragma unroll
+          for (int mi = 0; mi < 2; ++mi) {
+            mma_16816<T>(dv[mi][n], a[mi], bf[0]);
+            mma_16816<T>(dv[mi][n + 1], a[mi], bf[1]);
+          }
         }
       }
+    } else {
+      // dV += Pᵀ dO and dK += dSᵀ Q: keys rk.., columns cd.., k = the BR queries
 #pragma unroll
-      for (int n = 0; n < kTilesKV; n += 2) {
-        uint32_t ob[2][2], qb[2][2];
-        read_trans(ob, dOt, do_at, at_kv, cd + n * 8, n * 8, kk * 16);
-        read_trans(qb, Qt, q_at, at_kv, cd + n * 8, n * 8, kk * 16);
+      for (int kk = 0; kk < BR / 16; ++kk) {
+        uint32_t pa[2][4], sa[2][4];
 #pragma unroll
         for (int mi = 0; mi < 2; ++mi) {
-          mma_16816<T>(dv[mi][n], pa[mi], ob[0]);
-          mma_16816<T>(dv[mi][n + 1], pa[mi], ob[1]);
-          mma_16816<T>(dk[mi][n], sa[mi], qb[0]);
-          mma_16816<T>(dk[mi][n + 1], sa[mi], qb[1]);
+          const int at = ((rk + 16 * mi) * kS + kk * 16) * 2;
+          if constexpr (kHoisted) {
+            ldmatrix_x4_at(pa[mi], smem_address(Ps) + pad_at + at, false);
+            ldmatrix_x4_at(sa[mi], smem_address(dSs) + pad_at + at, false);
+          } else {
+            load_a_padded<kS>(pa[mi], Ps, rk + 16 * mi, kk * 16, lane);
+            load_a_padded<kS>(sa[mi], dSs, rk + 16 * mi, kk * 16, lane);
+          }
+        }
+#pragma unroll
+        for (int n = 0; n < kTilesKV; n += 2) {
+          uint32_t ob[2][2], qb[2][2];
+          read_trans(ob, dOt, do_at, at_kv, cd + n * 8, n * 8, kk * 16);
+          read_trans(qb, Qt, q_at, at_kv, cd + n * 8, n * 8, kk * 16);
+#pragma unroll
+          for (int mi = 0; mi < 2; ++mi) {
+            mma_16816<T>(dv[mi][n], pa[mi], ob[0]);
+            mma_16816<T>(dv[mi][n + 1], pa[mi], ob[1]);
+            mma_16816<T>(dk[mi][n], sa[mi], qb[0]);
+            mma_16816<T>(dk[mi][n + 1], sa[mi], qb[1]);
+          }
         }
       }
     }
@@ -571,7 +594,28 @@ flash_bwd_dkdv_tiled_kernel(BwdParams bp) {
       if constexpr (Step::kPairDQ)
         add_dq_pairs<D>(bp, dq[mi], static_cast<long long>(b) * p.heads + h, q0, rq + 16 * mi, cdq, g, t);
       else
-        add_dq_tile<D>(bp, dq[mi], static_cast<long long>(b) * p.heads + h, q0, rq + 16 * mi, cdq, g, t);
+        add_dq_tile<D, kTilesQ, Step::kPaddedDQ>(bp, dq[mi], static_cast<long long>(b) * p.heads + h, q0,
+                                                 rq + 16 * mi, cdq, g, t);
+    if constexpr (Step::kDQBetween) {
+      // dK += dSᵀ Q, while the atomics are in flight
+#pragma unroll
+      for (int kk = 0; kk < BR / 16; ++kk) {
+        uint32_t a[2][4];
+#pragma unroll
+        for (int mi = 0; mi < 2; ++mi)
+          ldmatrix_x4_at(a[mi], smem_address(dSs) + pad_at + ((rk + 16 * mi) * kS + kk * 16) * 2, false);
+#pragma unroll
+        for (int n = 0; n < kTilesKV; n += 2) {
+          uint32_t bf[2][2];
+          read_trans(bf, Qt, q_at, at_kv, cd + n * 8, n * 8, kk * 16);
+#pragma unroll
+          for (int mi = 0; mi < 2; ++mi) {
+            mma_16816<T>(dk[mi][n], a[mi], bf[0]);
+            mma_16816<T>(dk[mi][n + 1], a[mi], bf[1]);
+          }
+        }
+      }
+    }
     if (Tile::kStages == 1 && it + 1 < n_iters) {
       __syncthreads();
       load_q_block(next_h, next_m, 0);

@@ -13,6 +13,8 @@ struct BwdAtomicDQ {
   static constexpr bool kHoisted = false;                           // step 9
   static constexpr bool kStoreMatrix = false;                       // step 11
   static constexpr bool kPairDQ = false;                            // step 12
+  static constexpr bool kDQBetween = false;                         // step 13
+  static constexpr bool kPaddedDQ = false;                          // step 15
   static constexpr int kUnrollD = 8;                                 // step 6: iterations of the k loops unrolled
   template <int D> static constexpr int rows() { return 64; }       // BR
   template <int D> static constexpr int min_blocks() { return 1; }  // blocks per SM asked of ptxas
@@ -59,5 +61,13 @@ struct BwdStoreMatrix : BwdWideQueries { static constexpr bool kStoreMatrix = tr
 // swap values between neighbouring lanes, and in step 11's machine code each atomic's registers are the next
 // shuffle's: it must wait until the atomic has read them. Here the atomics read the accumulators themselves.
 struct BwdPairDQ : BwdStoreMatrix { static constexpr bool kPairDQ = true; };
+// Step 13: step 11 in FlashAttention-2's order: dV, then dQ and its atomics, then dK, so the atomics are in flight
+// while dK's mma run instead of at the end of the step, before the barrier.
+struct BwdDQBetween : BwdStoreMatrix { static constexpr bool kDQBetween = true; };
+// Step 14: the kernel of step 11; lse2 and delta by a prepare kernel, dQ's scale and cast by a finish kernel
+// (flash_mma_bwd.cu), each one pass over memory, instead of torch's casts, products and sums around it.
+struct BwdPrepare : BwdStoreMatrix {};
+// Step 15: dQ's fp32 accumulator padded as lse2 (to a multiple of 128 rows), so the atomics need no row test.
+struct BwdPaddedDQ : BwdPrepare { static constexpr bool kPaddedDQ = true; };
 
 }  // namespace course_flash

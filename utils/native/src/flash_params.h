@@ -35,6 +35,18 @@ struct BwdParams {
   void* dv;
 };
 
+// The backward's passes around its kernel from step 15 on (flash_mma_bwd.cu): prepare writes lse2 and delta from
+// the forward's lse and O and from dO; finish scales dQ's fp32 accumulator and casts it to the input dtype.
+struct BwdPrepareParams {
+  const void* dout;      // dO and O, (batch, heads, seqlen_q, head_dim) with their own strides
+  const void* o;
+  long long do_stride[3], o_stride[3];
+  const float* lse;      // (batch, heads, seqlen_q), contiguous: natural log, -inf for rows with no key
+  float* lse2;           // (batch * heads, padded_q), as BwdParams
+  float* delta;
+  int heads, seqlen_q, padded_q, head_dim;
+  long long rows;        // batch * heads * padded_q
+};
 constexpr int kMaxHeadDim = 256;
 
 // Kernels are compiled for a few head dims; any head dim up to kMaxHeadDim runs in the next larger one, with
