@@ -343,16 +343,16 @@ def test_backward_steps_10_to_12_each_bring_their_one_change():
 
 
 def test_backward_steps_13_to_15_each_bring_their_one_change():
-    """13: dV, then dQ's product and atomics, then dK (two loops where 11 has one); 14: step 11's kernel (its change,
+    """13: dV, then dQ's product and atomics, then dK (two products where 11 has one loop); 14: step 11's kernel (its change,
     the prepare and finish passes, is in flash_mma_bwd.cu); 15: the atomics without the row test."""
     def code_lines(n):  # without comments, blank lines and trailing spaces
         return "\n".join(ln.rstrip() for ln in re.sub(r"//[^\n]*", "", flatten.step_source(BWD, n)).splitlines()
                          if ln.strip())
     code = {n: code_lines(n) for n in (11, 13, 14, 15)}
     fused = "mma_16816<T>(dk[mi][n], sa[mi], qb[0]);"
-    assert fused in code[11] and fused not in code[13] and code[13].count("for (int kk = 0; kk < BR / 16; ++kk)") == 2
-    assert code[13].index("mma_16816<T>(dv[mi][n]") < code[13].index("add_dq_tile<D, kTilesQ, false>(bp, dq[mi]") < \
-        code[13].index("mma_16816<T>(dk[mi][n]")
+    assert fused in code[11] and fused not in code[13] and code[13].count("mma_padded_a<kS, BR, T>(") == 2
+    assert code[13].index("mma_padded_a<kS, BR, T>(dv,") < code[13].index("add_dq_tile<D, kTilesQ, false>(bp, dq[mi]") \
+        < code[13].index("mma_padded_a<kS, BR, T>(dk,")
     assert code[14].replace("BwdPrepare", "BwdStoreMatrix").replace("s14_prepare", "s11_store_matrix") == code[11]
     assert "add_dq_tile<D, kTilesQ, true>(bp, dq[mi]" in code[15] and code[15].replace(
         "add_dq_tile<D, kTilesQ, true>", "add_dq_tile<D, kTilesQ, false>").replace("BwdPaddedDQ", "BwdPrepare").replace(

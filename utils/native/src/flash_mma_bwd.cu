@@ -34,15 +34,6 @@ cudaError_t launch_flash_mma_bwd_backward(const BwdParams& bp, DType dtype, int 
   }
 }
 
-// Two 16-bit values of a 32-bit word, as floats (pack2's inverse).
-template <typename T> __device__ __forceinline__ float2 unpack2(uint32_t x);
-template <> __device__ __forceinline__ float2 unpack2<__half>(uint32_t x) {
-  return __half22float2(*reinterpret_cast<const __half2*>(&x));
-}
-template <> __device__ __forceinline__ float2 unpack2<__nv_bfloat16>(uint32_t x) {
-  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&x));
-}
-
 // Step 14's prepare pass (FlashAttention-2 has one too): per row of the padded (batch · heads, padded_q), lse2 =
 // lse · log2 e (+inf where lse = -inf: the row sees no key) and delta = rowsum(dO ∘ O) in fp32; +inf and 0 in the
 // padding. One pass over dO and O, instead of torch's casts, product and sum. kLanes threads share a row, each
@@ -62,14 +53,12 @@ __global__ void __launch_bounds__(256) flash_bwd_prepare_kernel(BwdPrepareParams
                                                    h * pp.do_stride[1] + n * pp.do_stride[2] + lane * 8);
     const uint4 y = *reinterpret_cast<const uint4*>(static_cast<const T*>(pp.o) + b * pp.o_stride[0] +
                                                    h * pp.o_stride[1] + n * pp.o_stride[2] + lane * 8);
-    const uint32_t xs[4] = {x.x, x.y, x.z, x.w}, ys[4] = {y.x, y.y, y.z, y.w};
+    const T* xs = reinterpret_cast<const T*>(&x);
+    const T* ys = reinterpret_cast<const T*>(&y);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 a = unpack2<T>(xs[i]), c = unpack2<T>(ys[i]);
-      sum = fmaf(a.x, c.x, fmaf(a.y, c.y, sum));
-    }
+    for (int i = 0; i < 8; ++i) sum = fmaf(to_float(xs[i]), to_float(ys[i]), sum);
   }
-  const unsigned group = (kLanes == 32 ? 0xffffffffu : ((1u << kLanes) - 1) << (threadIdx.x % 32 / kLanes * kLanes));
+  const unsigned group = ((1u << kLanes) - 1) << (threadIdx.x % 32 / kLanes * kLanes);  // this row's kLanes lanes
 #pragma unroll
   for (int offset = kLanes / 2; offset > 0; offset /= 2) sum += __shfl_xor_sync(group, sum, offset);
   if (lane == 0) {

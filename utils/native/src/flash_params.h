@@ -35,8 +35,8 @@ struct BwdParams {
   void* dv;
 };
 
-// The backward's passes around its kernel from step 15 on (flash_mma_bwd.cu): prepare writes lse2 and delta from
-// the forward's lse and O and from dO; finish scales dQ's fp32 accumulator and casts it to the input dtype.
+// The backward's prepare pass from step 14 on (flash_mma_bwd.cu): lse2 and delta from the forward's lse and O and
+// from dO.
 struct BwdPrepareParams {
   const void* dout;      // dO and O, (batch, heads, seqlen_q, head_dim) with their own strides
   const void* o;

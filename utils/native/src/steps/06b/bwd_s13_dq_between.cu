@@ -299,6 +299,29 @@ __device__ __forceinline__ void mma_tile(float (&acc)[2][kN][4], ReadA read_a, R
   }
 }
 
+// dV or dK alone (step 13): acc (a warp's two m16 tiles by kN n8 tiles) += A B over k = kK, A = rows r0.. of a
+// padded [rows][kStride] tile at shared address a_at (this lane's ldmatrix offset included), B by read_b(b, n, k0):
+// n8 tiles n, n + 1 of k-step k0.
+template <int kStride, int kK, typename T, int kN, typename ReadB>
+__device__ __forceinline__ void mma_padded_a(float (&acc)[2][kN][4], uint32_t a_at, int r0, ReadB read_b) {
+#pragma unroll
+  for (int kk = 0; kk < kK / 16; ++kk) {
+    uint32_t a[2][4];
+#pragma unroll
+    for (int m = 0; m < 2; ++m) ldmatrix_x4_at(a[m], a_at + ((r0 + 16 * m) * kStride + kk * 16) * 2, false);
+#pragma unroll
+    for (int n = 0; n < kN; n += 2) {
+      uint32_t b[2][2];
+      read_b(b, n, kk * 16);
+#pragma unroll
+      for (int m = 0; m < 2; ++m) {
+        mma_16816<T>(acc[m][n], a[m], b[0]);
+        mma_16816<T>(acc[m][n + 1], a[m], b[1]);
+      }
+    }
+  }
+}
+
 // Rows g and g + 8 of a warp's two m16 tiles of C, packed to 16 bits, into a padded [rows][kStride] tile.
 template <int kStride, typename T, int kN>
 __device__ __forceinline__ void store_tile(T* tile, const float (&c)[2][kN][4], int r0, int c0, int g, int t) {
@@ -443,23 +466,9 @@ flash_bwd_dkdv_tiled_kernel(BwdParams bp) {
 
     // Step 13 takes FlashAttention-2's order: dV, then dQ and its atomics, then dK. Before: dV and dK in one loop.
     // dV += Pᵀ dO: keys rk.., columns cd.., k = the BR queries
-#pragma unroll
-    for (int kk = 0; kk < BR / 16; ++kk) {
-      uint32_t a[2][4];
-#pragma unroll
-      for (int mi = 0; mi < 2; ++mi)
-        ldmatrix_x4_at(a[mi], smem_address(Ps) + pad_at + ((rk + 16 * mi) * kS + kk * 16) * 2, false);
-#pragma unroll
-      for (int n = 0; n < kTilesKV; n += 2) {
-        uint32_t bf[2][2];
-        read_trans(bf, dOt, do_at, at_kv, cd + n * 8, n * 8, kk * 16);
-#pragma unroll
-        for (int mi = 0; mi < 2; ++mi) {
-          mma_16816<T>(dv[mi][n], a[mi], bf[0]);
-          mma_16816<T>(dv[mi][n + 1], a[mi], bf[1]);
-        }
-      }
-    }
+    mma_padded_a<kS, BR, T>(dv, smem_address(Ps) + pad_at, rk, [&](uint32_t (&bf)[2][2], int n, int k0) {
+      read_trans(bf, dOt, do_at, at_kv, cd + n * 8, n * 8, k0);
+    });
 
     // dQ += dS K: queries rq.., columns cdq.., k = the BC keys; added to the fp32 dQ with 16-byte atomics
     float dq[2][kTilesQ][4] = {};
@@ -486,23 +495,9 @@ flash_bwd_dkdv_tiled_kernel(BwdParams bp) {
       add_dq_tile<D, kTilesQ, false>(bp, dq[mi], static_cast<long long>(b) * p.heads + h, q0,
                                                rq + 16 * mi, cdq, g, t);
     // dK += dSᵀ Q, while the atomics are in flight
-#pragma unroll
-    for (int kk = 0; kk < BR / 16; ++kk) {
-      uint32_t a[2][4];
-#pragma unroll
-      for (int mi = 0; mi < 2; ++mi)
-        ldmatrix_x4_at(a[mi], smem_address(dSs) + pad_at + ((rk + 16 * mi) * kS + kk * 16) * 2, false);
-#pragma unroll
-      for (int n = 0; n < kTilesKV; n += 2) {
-        uint32_t bf[2][2];
-        read_trans(bf, Qt, q_at, at_kv, cd + n * 8, n * 8, kk * 16);
-#pragma unroll
-        for (int mi = 0; mi < 2; ++mi) {
-          mma_16816<T>(dk[mi][n], a[mi], bf[0]);
-          mma_16816<T>(dk[mi][n + 1], a[mi], bf[1]);
-        }
-      }
-    }
+    mma_padded_a<kS, BR, T>(dk, smem_address(dSs) + pad_at, rk, [&](uint32_t (&bf)[2][2], int n, int k0) {
+      read_trans(bf, Qt, q_at, at_kv, cd + n * 8, n * 8, k0);
+    });
     if (Tile::kStages == 1 && it + 1 < n_iters) {
       __syncthreads();
       load_q_block(next_h, next_m, 0);
