@@ -22,6 +22,7 @@ STEPS_TABLE = (native_build.CUDA_DIR / "flash_mma_bwd_steps.cuh").read_text()
 STORED = native_build.ROOT / "images" / "06b_cuda_backward_h200.json"          # steps 1-9
 STORED_1012 = native_build.ROOT / "images" / "06b_bwd_steps1012_h200.json"  # steps 10-12 beside step 9
 STORED_1315 = native_build.ROOT / "images" / "06b_bwd_steps1315_h200.json"  # steps 13-15 beside step 11
+STORED_1619 = native_build.ROOT / "images" / "06b_bwd_steps1619_h200.json"  # steps 16-19 beside step 14
 
 
 def test_steps_are_the_kernel_structs_in_order():
@@ -82,8 +83,9 @@ def test_more_batch_heads_than_a_grid_has_is_refused_before_any_build():
 
 @pytest.mark.parametrize("path, steps, n_shapes, best", [
     (STORED, BWD_STEPS[:9], 12, "hoisted"), (STORED_1012, BWD_STEPS[8:12], 16, "store_matrix"),
-    (STORED_1315, (BWD_STEPS[10], *BWD_STEPS[12:15]), 16, BWD_DEFAULT_STEP)],
-    ids=["steps1-9", "steps9-12", "steps11-15"])
+    (STORED_1315, (BWD_STEPS[10], *BWD_STEPS[12:15]), 16, "prepare"),
+    (STORED_1619, (BWD_STEPS[13], *BWD_STEPS[15:19]), 16, BWD_DEFAULT_STEP)],
+    ids=["steps1-9", "steps9-12", "steps11-15", "steps14-19"])
 def test_stored_runs_back_the_default_step(path, steps, n_shapes, best):
     """Each stored H200 run has its steps beside SDPA's FlashAttention-2 and cuDNN backwards on each shape and its
     environment. The best geometric mean of each run is the step the next run starts from; the last run's best is

@@ -43,12 +43,12 @@ for _step, _struct in zip(native_build.MMA_STEPS, MMA_STRUCTS, strict=True):
             f"flash_mma_kernel<course_flash::HalfTile<course_flash::{_struct}>, {t}, 128>" for t in DTYPES[1:]}
 
 # The backward's file: the forward of the registry's step (with its half tile), steps 1-7's dkdv kernel in its two
-# sizes (8 warps and two stages; 4 warps and one stage for 99 KB GPUs), steps 8-15's warp-tiled kernel in two and
-# one stages, plus step 2's dQ pass and the prepare and finish passes of steps 14 and 15.
+# sizes (8 warps and two stages; 4 warps and one stage for 99 KB GPUs), steps 8-19's warp-tiled kernel in two and
+# one stages, plus step 2's dQ pass and the prepare and finish passes of steps 14 on.
 BWD_STRUCTS = ("BwdAtomicDQ", "BwdDQPass", "BwdNarrowRows", "BwdTwoBlocks", "BwdPerHeadDim", "BwdUnrollTwo",
                "BwdMaskAfter")
 BWD_TILED = ("BwdWarpTiles", "BwdHoisted", "BwdWideQueries", "BwdStoreMatrix", "BwdPairDQ", "BwdDQBetween",
-             "BwdPrepare", "BwdPaddedDQ")
+             "BwdPrepare", "BwdPaddedDQ", "BwdLseByThread", "BwdPairsBetween", "BwdSplitKV", "BwdStagger")
 _forward = MMA_STRUCTS[native_build.MMA_STEPS.index(native_build.MMA_DEFAULT_STEP)]
 EXPECTED["flash_mma_bwd"] = (
     {f"flash_mma_kernel<course_flash::{_forward}, {t}, {d}>" for t in DTYPES[1:] for d in (64, 128)}
@@ -101,12 +101,15 @@ def test_compile_check_builds_every_kernel_for_sm80_and_sm90(name):
 
             spilled = [r for r in spilled if max(r.spill_stores, r.spill_loads) > allowed(r)]
         if name == "flash_mma_bwd":  # the backward's steps 1-5, 7 and 8 spill (k loops unrolled fully: notebook
-            # 06b); step 6's claim is that at D = 128 nothing does, steps 9-15's and the prepare and finish passes'
-            # that nothing does at all (step 10's 128 queries per step at D = 64 included)
+            # 06b); step 6's claim is that at D = 128 nothing does, steps 9-19's and the prepare and finish passes'
+            # that nothing does at all (step 10's 128 queries per step at D = 64 included), but for steps 17 and 19
+            # in one stage, the fallback for GPUs with less shared memory: up to 12 bytes
             spilled = [r for r in spilled if r.kernel.startswith(("flash_mma_kernel", "flash_bwd_prepare",
                                                                    "flash_bwd_finish"))
                        or "BwdUnrollTwo" in r.kernel and ", 128, " in r.kernel
-                       or any(s in r.kernel for s in BWD_TILED[1:])]
+                       or any(s in r.kernel for s in BWD_TILED[1:])
+                       and not (("BwdPairsBetween" in r.kernel or "BwdStagger" in r.kernel)
+                                and r.kernel.endswith(", 1> >") and max(r.spill_stores, r.spill_loads) <= 12)]
         assert not spilled, f"unexpected spills: {spilled}"
     if name == "flash_tiled" or name.startswith("flash_mma"):  # tiles in dynamic shared memory: nothing static
         assert all(r.smem_bytes == 0 for r in results)

@@ -297,7 +297,7 @@ def test_a_flattened_06c_step_compiles_to_the_ptx_of_the_templated_step(n):
 BWD = "06b_bwd"
 BWD_STEPS = range(1, len(native_backward.BWD_STEPS) + 1)
 # make test compiles no backward step (nvcc takes 20 s for one, twice over); the GPU suite and --full compile all
-# 15, the default (native_backward.BWD_DEFAULT_STEP) among them.
+# 17, the default (native_backward.BWD_DEFAULT_STEP) among them.
 BWD_SAMPLED = ()
 
 
@@ -320,9 +320,11 @@ def test_the_backward_every_switch_is_folded(n):
 
 
 def test_the_backward_parents_follow_the_structs_bases():
-    assert [flatten.parent(BWD, n) for n in range(2, 16)] == [1, 1, 3, 4, 5, 5, 7, 8, 9, 10, 11, 11, 11, 14]
+    assert [flatten.parent(BWD, n) for n in range(2, 20)] == [1, 1, 3, 4, 5, 5, 7, 8, 9, 10, 11, 11, 11, 14, 14, 16, 14,
+                                                              18]
     assert flatten.lineage(BWD, 12) == [1, 3, 4, 5, 7, 8, 9, 10, 11, 12]
     assert flatten.lineage(BWD, 15) == [1, 3, 4, 5, 7, 8, 9, 10, 11, 14, 15]
+    assert flatten.lineage(BWD, 19) == [1, 3, 4, 5, 7, 8, 9, 10, 11, 14, 18, 19]
 
 
 def test_a_backward_step_keeps_only_its_own_lineage():
@@ -359,6 +361,22 @@ def test_backward_steps_13_to_15_each_bring_their_one_change():
         "s15_padded_dq", "s14_prepare") == code[14]
 
 
+def test_backward_steps_18_and_19_each_bring_their_one_change():
+    """18: one accumulator of all D columns a warp, dV's or dK's, by one product where 14 has the fused loop; 19: the
+    walk over the query blocks starts at a block of its own and ends when it is back there."""
+    code = {n: re.sub(r"//[^\n]*", "", flatten.step_source(BWD, n)) for n in (14, 18, 19)}
+    fused = "mma_16816<T>(dk[mi][n], sa[mi], qb[0]);"
+    assert fused in code[14] and fused not in code[18] and "float acc[2][2][kTilesKV][4] = {};" in code[14]
+    assert "float acc[1][2][kTilesKV][4] = {};" in code[18] and "kTilesKV = D / 8," in code[18]
+    assert code[18].count("mma_padded_a<kS, BR, T>(acc[0], smem_address(is_dv ? Ps : dSs) + pad_at, rk,") == 1
+    assert "store_rows<T, D>(bp, warp < 4 ? bp.dv : bp.dk, acc[0][mi]" in code[18]
+    assert "const int m_start = m_first;" in code[18] and "(m + 1 == m_blocks) ? h + 1 : h;" in code[18]
+    assert code[19].replace("m_first + blockIdx.x % kb.per_head", "m_first").replace(
+        "(next_m == m_start) ? h + 1 : h;", "(m + 1 == m_blocks) ? h + 1 : h;").replace(
+        "const int m_start = kb.per_head > 0 ? m_first : m_first;", "const int m_start = m_first;").replace(
+        "BwdStagger", "BwdSplitKV").replace("s19_stagger", "s18_split_kv") == code[18]
+
+
 def test_the_diff_of_backward_step_7_masks_after_the_exponentials(capsys):
     flatten.show_step_diff(BWD, 7)
     out = capsys.readouterr().out
@@ -381,3 +399,10 @@ def test_a_flattened_backward_step_compiles_to_the_ptx_of_the_templated_step(n):
         for d in (64, 128):
             assert any(f"{struct}E{dtype}Li{d}E" in e for e in entries), (dtype, d, entries)
     assert flat == templated
+
+
+def test_backward_step_16_reads_lse2_and_delta_by_thread_at_d_64():
+    source = flatten.step_source(BWD, 16)
+    assert "constexpr bool kLseByThread = D == 64;" in source and "cp_async_4(" in source
+    assert "probs_t<kTilesS, true, kByThread>(" in source and "ds_t<kTilesS, kByThread>(" in source
+    assert "probs_t<kTilesS, true, false>(" in flatten.step_source(BWD, 14)

@@ -156,11 +156,16 @@ REFERENCES = {
                                     "cuda_store_matrix", "cuda_pair_dq", "sdpa_flash", "sdpa_cudnn", "--seqlens",
                                     "2048", "4096", "8192", "16384", "--rounds", "2", "--out",
                                     "images/06b_bwd_steps1012_h200.json"]),
-    # steps 13-15 beside step 11, as that run: the run that made step 14 the registry's backward
+    # steps 13-15 beside step 11, as that run: the run that made step 14 the registry's backward until step 19
     "cuda_backward_steps1315": (1, ["utils.course.bench.backward", "--backends", "cuda_store_matrix", "cuda_dq_between",
                                     "cuda_prepare", "cuda_padded_dq", "sdpa_flash", "sdpa_cudnn", "--seqlens",
                                     "2048", "4096", "8192", "16384", "--rounds", "2", "--out",
                                     "images/06b_bwd_steps1315_h200.json"]),
+    # steps 16-19 beside step 14, as that run: the run that made step 19 the registry's backward
+    "cuda_backward_steps1619": (1, ["utils.course.bench.backward", "--backends", "cuda_prepare", "cuda_lse_by_thread",
+                                    "cuda_pairs_between", "cuda_split_kv", "cuda_stagger", "sdpa_flash",
+                                    "sdpa_cudnn", "--seqlens", "2048", "4096", "8192", "16384", "--rounds", "2",
+                                    "--out", "images/06b_bwd_steps1619_h200.json"]),
     "decoding": (1, ["utils.course.bench.decoding", "--out", "images"]),
     "launch_floor": (1, ["utils.course.bench.decoding", "--launch-floor", "--out", "images"]),
     "decoding_tiles": (1, ["utils.course.bench.decoding", "--tile-sweep", "--out", "images"]),
@@ -262,7 +267,7 @@ def _span(values) -> str:
 # the shapes README's tables and notebook 09's tables show: (head dim, causal, N)
 COLUMNS = [(64, False, 4096), (64, False, 16384), (128, False, 4096), (128, False, 16384), (128, True, 16384)]
 # where each range of findings() was measured, for the reader who wants the run behind it
-CUDA_BWD_RUN = "06b_bwd_steps1315_h200.json"  # the run of the CUDA backward's default step (06bw section 9)
+CUDA_BWD_RUN = "06b_bwd_steps1619_h200.json"  # the run of the CUDA backward's default step (06bw section 10)
 HOPPER_RUNS = ("06c_hopper_h200.json", "06c_vdirect_h200.json", "06c_three_h200.json", "06c_persistent_h200.json",
                "06c_diagonal_h200.json", "06c_tma_store_h200.json")
 MMA_RUN = "06b_step15_h200.json"  # the run of the registry's step (utils.native.build.MMA_DEFAULT_STEP)
@@ -565,7 +570,10 @@ TECHNIQUES = [
     ("06b's backward steps (CUDA mma.sync)", "06b_cuda_backward_h200.json", "cuda_hoisted", "cuda_atomic_dq", "06b"),
     ("06b's backward steps 10-11 (CUDA mma.sync)", "06b_bwd_steps1012_h200.json", "cuda_store_matrix", "cuda_hoisted",
      "06b"),
-    ("prepare and finish kernels (06b's CUDA backward)", CUDA_BWD_RUN, "cuda_prepare", "cuda_store_matrix", "06b"),
+    ("prepare and finish kernels (06b's CUDA backward)", "06b_bwd_steps1315_h200.json", "cuda_prepare",
+     "cuda_store_matrix", "06b"),
+    ("warps split between dV and dK (06b's CUDA backward)", CUDA_BWD_RUN, "cuda_split_kv", "cuda_prepare", "06b"),
+    ("staggered query walks (06b's CUDA backward)", CUDA_BWD_RUN, "cuda_stagger", "cuda_split_kv", "06b"),
 ]
 
 

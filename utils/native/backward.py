@@ -39,8 +39,9 @@ from utils.native.kernels import (CUDA_HEAD_DIMS, FLASH_DTYPES, MMA_HEAD_DIMS, c
 from utils.eager.backward import check_backward_inputs
 
 BWD_STEPS = ("atomic_dq", "dq_pass", "narrow_rows", "two_blocks", "per_head_dim", "unroll_two", "mask_after",
-             "warp_tiles", "hoisted", "wide_queries", "store_matrix", "pair_dq", "dq_between", "prepare", "padded_dq")
-BWD_DEFAULT_STEP = "prepare"  # the fastest measured (images/06b_bwd_steps1315_h200.json)
+             "warp_tiles", "hoisted", "wide_queries", "store_matrix", "pair_dq", "dq_between", "prepare", "padded_dq",
+             "lse_by_thread", "pairs_between", "split_kv", "stagger")
+BWD_DEFAULT_STEP = "stagger"  # the fastest measured (images/06b_bwd_steps1619_h200.json)
 LSE_PAD = 128  # kLsePad in utils/native/src/flash_params.h
 LOG2E = 1.4426950408889634
 
@@ -98,7 +99,7 @@ def flash_mma_backward(do, q, k, v, o, lse, *, causal=False, sm_scale=None, step
     # from step 14: lse2 and delta, and dQ's scale and cast, by two small kernels instead of torch's passes
     lse2, delta = ext.flash_mma_bwd_prepare(do, o, lse.contiguous()) if number >= 14 else backward_inputs(do, o, lse)
     dq, dk, dv = ext.flash_mma_bwd_backward(do, q, k, v, lse2, delta, causal, scale, number)
-    if number >= 14:  # dq: the atomics' fp32 accumulator (from step 15 with padded rows)
+    if number >= 14:  # dq: the atomics' fp32 accumulator (step 15's with padded rows)
         dq = ext.flash_mma_bwd_finish(dq, q, scale)
     elif step != "dq_pass":  # the atomics' accumulator: fp32 and not yet scaled
         dq = (dq * scale).to(q.dtype)

@@ -30,6 +30,10 @@ cudaError_t launch_flash_mma_bwd_backward(const BwdParams& bp, DType dtype, int 
     case 13: return launch_flash_mma_bwd<BwdDQBetween>(bp, dtype, stream);
     case 14: return launch_flash_mma_bwd<BwdPrepare>(bp, dtype, stream);
     case 15: return launch_flash_mma_bwd<BwdPaddedDQ>(bp, dtype, stream);
+    case 16: return launch_flash_mma_bwd<BwdLseByThread>(bp, dtype, stream);
+    case 17: return launch_flash_mma_bwd<BwdPairsBetween>(bp, dtype, stream);
+    case 18: return launch_flash_mma_bwd<BwdSplitKV>(bp, dtype, stream);
+    case 19: return launch_flash_mma_bwd<BwdStagger>(bp, dtype, stream);
     default: return cudaErrorInvalidValue;
   }
 }
@@ -154,7 +158,7 @@ std::vector<torch::Tensor> flash_mma_bwd_backward(torch::Tensor dout, torch::Ten
                                                   bool causal, double scale, int64_t step) {
   using namespace course_flash;
   const char* name = "flash_mma_bwd_backward";
-  TORCH_CHECK(step >= 1 && step <= 15, name, ": step must be 1 to 15 (utils.native.backward.BWD_STEPS), got ",
+  TORCH_CHECK(step >= 1 && step <= 19, name, ": step must be 1 to 19 (utils.native.backward.BWD_STEPS), got ",
               course::num(step));
   check_mma_inputs(name, q, k, v, &dout);
   const int64_t rows = q.size(0) * q.size(1), padded = (q.size(2) + kLsePad - 1) / kLsePad * kLsePad;
@@ -173,10 +177,10 @@ std::vector<torch::Tensor> flash_mma_bwd_backward(torch::Tensor dout, torch::Ten
   bp.padded_q = static_cast<int>(padded);
   const auto contiguous = q.options().memory_format(at::MemoryFormat::Contiguous);
   const bool atomic = step != 2;  // every step but 2 adds dQ up with atomics
-  // from step 15 on, the accumulator's rows are padded as lse2's (the atomics need no row test)
+  // step 15's accumulator has its rows padded as lse2's (the atomics need no row test)
   const auto fp32 = contiguous.dtype(torch::kFloat32);
   torch::Tensor dq = !atomic ? torch::empty(q.sizes(), contiguous)
-                     : step >= 15 ? torch::zeros({q.size(0), q.size(1), padded, q.size(3)}, fp32)
+                     : step == 15 ? torch::zeros({q.size(0), q.size(1), padded, q.size(3)}, fp32)
                                   : torch::zeros(q.sizes(), fp32);
   torch::Tensor dk = torch::empty(k.sizes(), contiguous), dv = torch::empty(v.sizes(), contiguous);
   if (atomic) bp.dq_accum = dq.data_ptr<float>();

@@ -60,6 +60,19 @@ __device__ __forceinline__ void load_floats(float* dst, const float* src, int co
   for (int i = threadIdx.x * 4; i < count; i += kThreads * 4) cp_async_16(dst + i, src + i, true);
 }
 
+// 4 bytes global -> shared memory (step 16 places each value of lse2 and delta on its own). `.ca`: the only
+// cache option PTX allows below 16 bytes.
+__device__ __forceinline__ void cp_async_4(void* dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" :: "r"(smem_address(dst)), "l"(src));
+}
+
+// Where a warp's per-query value of column `col` (n * 8 + 2t + e of its kTiles n8 tiles) is: in query order, or
+// (step 16) thread t's 2 kTiles values side by side, tile n's pair at 2n.
+template <int kTiles, bool kByThread>
+__device__ __forceinline__ int query_slot(int n, int t, int e) {
+  return kByThread ? t * 2 * kTiles + n * 2 + e : n * 8 + 2 * t + e;
+}
+
 // acc (16 x 8 kTiles, this warp's rows) += rows 16 warp.. of A times rows 0 .. 8 kTiles - 1 of B, transposed, both
 // [rows][D] tiles: Sᵀ = K Qᵀ and dPᵀ = V dOᵀ. `kUnroll`: iterations of the k loop unrolled (step 6).
 template <int D, int kTiles, int kUnroll, typename T>
@@ -86,14 +99,15 @@ __device__ __forceinline__ void mma_a_bt(float (&acc)[kTiles][4], const T* A, co
 // or causal and key > query + offset (offset = seqlen_k − seqlen_q, the bottom-right alignment). `masked`:
 // whether any key of the tile may be hidden (else no test). `kMaskAfter` (step 7): every exponential first, then
 // the mask, only where `masked`; as one expression per element, the compiler puts a branch around each exp2.
-template <int kTiles, bool kMaskAfter = false>
+template <int kTiles, bool kMaskAfter = false, bool kByThread = false>
 __device__ __forceinline__ void probs_t(float (&s)[kTiles][4], const float* lse2, const Params& p, int key0, int q0,
                                         bool masked, int offset, int t) {
   if constexpr (kMaskAfter) {
 #pragma unroll
     for (int n = 0; n < kTiles; ++n)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[n][e] = fast_exp2(fmaf(s[n][e], p.scale_log2, -lse2[n * 8 + 2 * t + e % 2]));
+      for (int e = 0; e < 4; ++e)
+        s[n][e] = fast_exp2(fmaf(s[n][e], p.scale_log2, -lse2[query_slot<kTiles, kByThread>(n, t, e % 2)]));
     if (!masked) return;  // most tiles: no key hidden, no test
   }
 #pragma unroll
@@ -105,18 +119,19 @@ __device__ __forceinline__ void probs_t(float (&s)[kTiles][4], const float* lse2
       if constexpr (kMaskAfter) {
         if (hidden) s[n][e] = 0.f;
       } else {
-        s[n][e] = hidden ? 0.f : fast_exp2(fmaf(s[n][e], p.scale_log2, -lse2[col]));
+        s[n][e] = hidden ? 0.f
+                         : fast_exp2(fmaf(s[n][e], p.scale_log2, -lse2[query_slot<kTiles, kByThread>(n, t, e % 2)]));
       }
     }
 }
 
 // dSᵀ in place of Pᵀ: Pᵀ ∘ (dPᵀ − delta[query]).
-template <int kTiles>
+template <int kTiles, bool kByThread = false>
 __device__ __forceinline__ void ds_t(float (&s)[kTiles][4], const float (&dp)[kTiles][4], const float* delta, int t) {
 #pragma unroll
   for (int n = 0; n < kTiles; ++n)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) s[n][e] *= dp[n][e] - delta[n * 8 + 2 * t + e % 2];
+    for (int e = 0; e < 4; ++e) s[n][e] *= dp[n][e] - delta[query_slot<kTiles, kByThread>(n, t, e % 2)];
 }
 
 // One m16 tile of dQ (rows r0.. of query block q0 of head bh, kTiles n8 tiles from column c0) added to the fp32
@@ -153,23 +168,29 @@ __device__ __forceinline__ void add_dq_pairs(const BwdParams& bp, const float (&
   }
 }
 
-// Rows key0 and key0 + 8 of dK (scaled) and dV, kTiles n8 tiles from column c0, of K/V head kv_row (b · Hkv + hk).
+// Rows key0 and key0 + 8 of `acc` times `scale`, kTiles n8 tiles from column c0, into dst (dK or dV, in T) of
+// K/V head kv_row (b · Hkv + hk).
 template <typename T, int D, int kTiles>
-__device__ __forceinline__ void store_dkdv_rows(const BwdParams& bp, const float (&dk)[kTiles][4],
-                                                const float (&dv)[kTiles][4], long long kv_row, int key0, int c0,
-                                                float scale, int t) {
+__device__ __forceinline__ void store_rows(const BwdParams& bp, void* dst, const float (&acc)[kTiles][4],
+                                           long long kv_row, int key0, int c0, float scale, int t) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int key = key0 + 8 * r;
     if (key >= bp.fwd.seqlen_k) continue;
-    T* dk_row = static_cast<T*>(bp.dk) + (kv_row * bp.fwd.seqlen_k + key) * D + c0 + 2 * t;
-    T* dv_row = static_cast<T*>(bp.dv) + (kv_row * bp.fwd.seqlen_k + key) * D + c0 + 2 * t;
+    T* row = static_cast<T*>(dst) + (kv_row * bp.fwd.seqlen_k + key) * D + c0 + 2 * t;
 #pragma unroll
-    for (int n = 0; n < kTiles; ++n) {
-      *reinterpret_cast<uint32_t*>(dk_row + n * 8) = pack2<T>(dk[n][2 * r] * scale, dk[n][2 * r + 1] * scale);
-      *reinterpret_cast<uint32_t*>(dv_row + n * 8) = pack2<T>(dv[n][2 * r], dv[n][2 * r + 1]);
-    }
+    for (int n = 0; n < kTiles; ++n)
+      *reinterpret_cast<uint32_t*>(row + n * 8) = pack2<T>(acc[n][2 * r] * scale, acc[n][2 * r + 1] * scale);
   }
+}
+
+// Rows key0 and key0 + 8 of dK (scaled) and dV, kTiles n8 tiles from column c0, of K/V head kv_row.
+template <typename T, int D, int kTiles>
+__device__ __forceinline__ void store_dkdv_rows(const BwdParams& bp, const float (&dk)[kTiles][4],
+                                                const float (&dv)[kTiles][4], long long kv_row, int key0, int c0,
+                                                float scale, int t) {
+  store_rows<T, D>(bp, bp.dk, dk, kv_row, key0, c0, scale, t);
+  store_rows<T, D>(bp, bp.dv, dv, kv_row, key0, c0, 1.f, t);
 }
 
 // What both dkdv kernels' blocks own: `cols` keys from n0 of K/V head hk of batch b, and the query blocks of `rows`
@@ -313,6 +334,7 @@ __global__ void __launch_bounds__(Tile::kThreads, Step::template min_blocks<D>()
 template <typename Step, int D, int kStagesT> struct BwdTiledTile {
   static constexpr int kWarps = 8, kThreads = 256, kStages = kStagesT, kCols = 128;  // BC
   static constexpr int kRows = Step::template rows<D>();                            // BR: 64 (step 10: 128)
+  static constexpr bool kLseByThread = Step::template lse_by_thread<D>();           // step 16
   static constexpr int kPStride = kRows + 8;  // Pᵀ and dSᵀ rows padded by 16 bytes, as dSᵀ in step 1
   // K, V [BC][D]; per stage Q, dO [BR][D] and lse2, delta [BR]; Pᵀ, dSᵀ [BC][BR + 8]
   static constexpr int kSmemBytes = 2 * kCols * D * 2 + kStages * (2 * kRows * D * 2 + 2 * kRows * 4) +
@@ -408,10 +430,12 @@ template <typename Step, typename T, int D, typename Tile>
 __global__ void __launch_bounds__(Tile::kThreads, Step::template min_blocks<D>())
 flash_bwd_dkdv_tiled_kernel(BwdParams bp) {
   constexpr int BR = Tile::kRows, BC = Tile::kCols, kThreads = Tile::kThreads, kS = Tile::kPStride;
-  // A warp's tiles: Sᵀ and dPᵀ 32 keys x BR / 2 queries (kTilesS n8 tiles), dK and dV 32 keys x D / 2 columns,
-  // dQ 32 queries x kColsQ columns (the 8 warps as BR / 32 x 256 / BR).
-  constexpr int kTilesS = BR / 16, kTilesKV = D / 16, kColsQ = D * BR / 256, kTilesQ = kColsQ / 8;
+  // A warp's tiles: Sᵀ and dPᵀ 32 keys x BR / 2 queries (kTilesS n8 tiles), dK and dV 32 keys x D / 2 columns
+  // (step 18: one of them, 32 keys x D), dQ 32 queries x kColsQ columns (the 8 warps as BR / 32 x 256 / BR).
+  constexpr int kTilesS = BR / 16, kTilesKV = (Step::kSplitKV ? D : D / 2) / 8, kColsQ = D * BR / 256;
+  constexpr int kTilesQ = kColsQ / 8;
   constexpr bool kHoisted = Step::kHoisted;           // step 9
+  constexpr bool kByThread = Tile::kLseByThread;      // step 16
   const Params& p = bp.fwd;
   extern __shared__ __align__(128) unsigned char smem[];
   T* Ks = reinterpret_cast<T*>(smem);
@@ -428,6 +452,8 @@ flash_bwd_dkdv_tiled_kernel(BwdParams bp) {
   const int b = kb.b, hk = kb.hk, group = kb.group, n0 = kb.n0, offset = kb.offset, m_first = kb.m_first;
   const int m_blocks = kb.m_blocks, n_iters = kb.n_iters;
   const T *k = kb.k, *v = kb.v;
+  // The query block each head's walk starts at (step 19: block x's (x mod per_head)-th; the walk wraps around).
+  const int m_start = Step::kStagger && kb.per_head > 0 ? m_first + blockIdx.x % kb.per_head : m_first;
 
   // Query block (h, m): Q, dO, lse2 and delta into a stage. Step 9 copies each with load_rows, and lse2 and delta
   // with one 16-byte copy each by threads 0 .. BR / 2 - 1.
@@ -439,11 +465,22 @@ flash_bwd_dkdv_tiled_kernel(BwdParams bp) {
     if constexpr (kHoisted) {
       load_rows<T, D, BR, kThreads>(Qs + stage * BR * D, q, p.q_stride[2], q0, p.seqlen_q);
       load_rows<T, D, BR, kThreads>(dOs + stage * BR * D, dout, bp.do_stride[2], q0, p.seqlen_q);
-      if (threadIdx.x < BR / 2) {
-        const bool is_lse = threadIdx.x < BR / 4;
-        const int i = threadIdx.x % (BR / 4) * 4;
-        cp_async_16((is_lse ? lse_s : delta_s) + stage * BR + i, (is_lse ? bp.lse2 : bp.delta) + bh * bp.padded_q +
-                    q0 + i, true);
+      if constexpr (kByThread) {  // step 16: value i to its thread's slot in its half of the block's queries
+        static_assert(2 * BR <= kThreads, "one value per thread");
+        if (threadIdx.x < 2 * BR) {
+          const bool is_lse = threadIdx.x < BR;
+          const int i = threadIdx.x % BR, j = i % (BR / 2);  // j: column of the warps' BR / 2 queries
+          const int slot = i - j + query_slot<kTilesS, true>(j / 8, j % 8 / 2, j % 2);
+          cp_async_4((is_lse ? lse_s : delta_s) + stage * BR + slot, (is_lse ? bp.lse2 : bp.delta) + bh * bp.padded_q +
+                     q0 + i);
+        }
+      } else {
+        if (threadIdx.x < BR / 2) {
+          const bool is_lse = threadIdx.x < BR / 4;
+          const int i = threadIdx.x % (BR / 4) * 4;
+          cp_async_16((is_lse ? lse_s : delta_s) + stage * BR + i, (is_lse ? bp.lse2 : bp.delta) + bh * bp.padded_q +
+                      q0 + i, true);
+        }
       }
     } else {
       load_tile<BwdLoad, T, D, BR, kThreads>(Qs + stage * BR * D, q, p.q_stride[2], q0, p.seqlen_q);
@@ -461,11 +498,11 @@ flash_bwd_dkdv_tiled_kernel(BwdParams bp) {
     load_tile<BwdLoad, T, D, BC, kThreads>(Ks, k, p.k_stride[2], n0, p.seqlen_k);
     load_tile<BwdLoad, T, D, BC, kThreads>(Vs, v, p.v_stride[2], n0, p.seqlen_k);
   }
-  if (n_iters > 0) load_q_block(hk * group, m_first, 0);
+  if (n_iters > 0) load_q_block(hk * group, m_start, 0);
   else cp_async_commit();
 
   const int rk = warp % 4 * 32, cq = warp / 4 * (BR / 2);  // this warp's keys and queries in Sᵀ and dPᵀ
-  const int cd = warp / 4 * (D / 2);                       // its columns of dK and dV (keys rk..)
+  const int cd = Step::kSplitKV ? 0 : warp / 4 * (D / 2);  // its columns of dK and dV (keys rk..)
   const int rq = warp % (BR / 32) * 32, cdq = warp / (BR / 32) * kColsQ;  // its queries and columns of dQ
 
   // The fragment reads. Step 9: per-lane offsets (LaneOffsets) computed once, instead of load_a, load_b_k and
@@ -503,12 +540,15 @@ flash_bwd_dkdv_tiled_kernel(BwdParams bp) {
   const uint32_t pad_at = (lane % 16 * kS + lane / 16 * 8) * 2;                // Pᵀ, dSᵀ rows as A
   const uint32_t pad_trans_at = ((lane % 8 + lane / 16 * 8) * kS + lane / 8 % 2 * 8) * 2;  // dSᵀ read as dS
 
-  float dk[2][kTilesKV][4] = {}, dv[2][kTilesKV][4] = {};
-  int h = hk * group, m = m_first;  // this iteration's query block, by a counter (step 1: a division)
+  // dV and dK of this warp's tiles; step 18: one accumulator, dV in warps 0-3 and dK in warps 4-7.
+  float acc[Step::kSplitKV ? 1 : 2][2][kTilesKV][4] = {};
+  auto &dv = acc[0], &dk = acc[Step::kSplitKV ? 0 : 1];  // step 18: both name the one accumulator
+  int h = hk * group, m = m_start;  // this iteration's query block, by a counter (step 1: a division)
   for (int it = 0; it < n_iters; ++it) {
     const int stage = Tile::kStages == 2 ? it % 2 : 0;
     const int q0 = m * BR;
-    const int next_h = m + 1 < m_blocks ? h : h + 1, next_m = m + 1 < m_blocks ? m + 1 : m_first;
+    const int next_m = m + 1 < m_blocks ? m + 1 : m_first;
+    const int next_h = (Step::kStagger ? next_m == m_start : m + 1 == m_blocks) ? h + 1 : h;
     cp_async_wait<0>();
     __syncthreads();  // tiles landed; every warp is done with the other stage, and with Pᵀ and dSᵀ
     if (Tile::kStages == 2 && it + 1 < n_iters) load_q_block(next_h, next_m, 1 - stage);
@@ -525,13 +565,14 @@ flash_bwd_dkdv_tiled_kernel(BwdParams bp) {
       const bool masked = n0 + BC > p.seqlen_k || (p.causal && n0 + BC - 1 > q0 + offset);
 #pragma unroll
       for (int mi = 0; mi < 2; ++mi)
-        probs_t<kTilesS, Step::kMaskAfter>(s[mi], lse2, p, n0 + rk + 16 * mi + g, q0 + cq, masked, offset, t);
+        probs_t<kTilesS, Step::kMaskAfter, kByThread>(s[mi], lse2, p, n0 + rk + 16 * mi + g, q0 + cq, masked,
+                                                               offset, t);
       if constexpr (Step::kStoreMatrix) store_tile_matrix<kS>(Ps, s, rk, cq, g, t);
       else store_tile<kS>(Ps, s, rk, cq, g, t);
       mma_tile<D, T>(dp, [&](uint32_t (&a)[4], int mi, int kk) { read_rows(a, Vs, v_at, rk + 16 * mi, kk * 16); },
                      [&](uint32_t (&bf)[2][2], int nn, int kk) { read_cols(bf, dOt, do_at, cq + 16 * nn, kk * 16); });
 #pragma unroll
-      for (int mi = 0; mi < 2; ++mi) ds_t(s[mi], dp[mi], delta, t);
+      for (int mi = 0; mi < 2; ++mi) ds_t<kTilesS, kByThread>(s[mi], dp[mi], delta, t);
       if constexpr (Step::kStoreMatrix) store_tile_matrix<kS>(dSs, s, rk, cq, g, t);
       else store_tile<kS>(dSs, s, rk, cq, g, t);
     }
@@ -544,32 +585,43 @@ flash_bwd_dkdv_tiled_kernel(BwdParams bp) {
         read_trans(bf, dOt, do_at, at_kv, cd + n * 8, n * 8, k0);
       });
     } else {
-      // dV += Pᵀ dO and dK += dSᵀ Q: keys rk.., columns cd.., k = the BR queries
+      if constexpr (Step::kSplitKV) {
+        // Step 18: dV += Pᵀ dO in warps 0-3, dK += dSᵀ Q in warps 4-7; keys rk.., all D columns, k = the BR queries
+        const bool is_dv = warp < 4;
+        const T* b_tile = is_dv ? dOt : Qt;
+        const uint32_t b_at = is_dv ? do_at : q_at;
+        mma_padded_a<kS, BR, T>(acc[0], smem_address(is_dv ? Ps : dSs) + pad_at, rk,
+                                [&](uint32_t (&bf)[2][2], int n, int k0) {
+                                  read_trans(bf, b_tile, b_at, at_kv, n * 8, n * 8, k0);
+                                });
+      } else {
+        // dV += Pᵀ dO and dK += dSᵀ Q: keys rk.., columns cd.., k = the BR queries
 #pragma unroll
-      for (int kk = 0; kk < BR / 16; ++kk) {
-        uint32_t pa[2][4], sa[2][4];
-#pragma unroll
-        for (int mi = 0; mi < 2; ++mi) {
-          const int at = ((rk + 16 * mi) * kS + kk * 16) * 2;
-          if constexpr (kHoisted) {
-            ldmatrix_x4_at(pa[mi], smem_address(Ps) + pad_at + at, false);
-            ldmatrix_x4_at(sa[mi], smem_address(dSs) + pad_at + at, false);
-          } else {
-            load_a_padded<kS>(pa[mi], Ps, rk + 16 * mi, kk * 16, lane);
-            load_a_padded<kS>(sa[mi], dSs, rk + 16 * mi, kk * 16, lane);
-          }
-        }
-#pragma unroll
-        for (int n = 0; n < kTilesKV; n += 2) {
-          uint32_t ob[2][2], qb[2][2];
-          read_trans(ob, dOt, do_at, at_kv, cd + n * 8, n * 8, kk * 16);
-          read_trans(qb, Qt, q_at, at_kv, cd + n * 8, n * 8, kk * 16);
+        for (int kk = 0; kk < BR / 16; ++kk) {
+          uint32_t pa[2][4], sa[2][4];
 #pragma unroll
           for (int mi = 0; mi < 2; ++mi) {
-            mma_16816<T>(dv[mi][n], pa[mi], ob[0]);
-            mma_16816<T>(dv[mi][n + 1], pa[mi], ob[1]);
-            mma_16816<T>(dk[mi][n], sa[mi], qb[0]);
-            mma_16816<T>(dk[mi][n + 1], sa[mi], qb[1]);
+            const int at = ((rk + 16 * mi) * kS + kk * 16) * 2;
+            if constexpr (kHoisted) {
+              ldmatrix_x4_at(pa[mi], smem_address(Ps) + pad_at + at, false);
+              ldmatrix_x4_at(sa[mi], smem_address(dSs) + pad_at + at, false);
+            } else {
+              load_a_padded<kS>(pa[mi], Ps, rk + 16 * mi, kk * 16, lane);
+              load_a_padded<kS>(sa[mi], dSs, rk + 16 * mi, kk * 16, lane);
+            }
+          }
+#pragma unroll
+          for (int n = 0; n < kTilesKV; n += 2) {
+            uint32_t ob[2][2], qb[2][2];
+            read_trans(ob, dOt, do_at, at_kv, cd + n * 8, n * 8, kk * 16);
+            read_trans(qb, Qt, q_at, at_kv, cd + n * 8, n * 8, kk * 16);
+#pragma unroll
+            for (int mi = 0; mi < 2; ++mi) {
+              mma_16816<T>(dv[mi][n], pa[mi], ob[0]);
+              mma_16816<T>(dv[mi][n + 1], pa[mi], ob[1]);
+              mma_16816<T>(dk[mi][n], sa[mi], qb[0]);
+              mma_16816<T>(dk[mi][n + 1], sa[mi], qb[1]);
+            }
           }
         }
       }
@@ -619,10 +671,15 @@ flash_bwd_dkdv_tiled_kernel(BwdParams bp) {
   }
 
   const float scale = p.scale_log2 * 0.6931471805599453f;
+  const long long kv_row = static_cast<long long>(b) * p.kv_heads + hk;
 #pragma unroll
-  for (int mi = 0; mi < 2; ++mi)
-    store_dkdv_rows<T, D>(bp, dk[mi], dv[mi], static_cast<long long>(b) * p.kv_heads + hk, n0 + rk + 16 * mi + g,
-                          cd, scale, t);
+  for (int mi = 0; mi < 2; ++mi) {
+    if constexpr (Step::kSplitKV)
+      store_rows<T, D>(bp, warp < 4 ? bp.dv : bp.dk, acc[0][mi], kv_row, n0 + rk + 16 * mi + g, 0,
+                       warp < 4 ? 1.f : scale, t);
+    else
+      store_dkdv_rows<T, D>(bp, dk[mi], dv[mi], kv_row, n0 + rk + 16 * mi + g, cd, scale, t);
+  }
 }
 
 // Step 2's dQ pass: the forward's loop (one block per BR queries and head, K and V double-buffered), with

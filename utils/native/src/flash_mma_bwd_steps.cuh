@@ -15,9 +15,12 @@ struct BwdAtomicDQ {
   static constexpr bool kPairDQ = false;                            // step 12
   static constexpr bool kDQBetween = false;                         // step 13
   static constexpr bool kPaddedDQ = false;                          // step 15
+  static constexpr bool kSplitKV = false;                           // step 18
+  static constexpr bool kStagger = false;                           // step 19
   static constexpr int kUnrollD = 8;                                 // step 6: iterations of the k loops unrolled
   template <int D> static constexpr int rows() { return 64; }       // BR
   template <int D> static constexpr int min_blocks() { return 1; }  // blocks per SM asked of ptxas
+  template <int D> static constexpr bool lse_by_thread() { return false; }  // step 16
 };
 // Step 2: dQ by a pass of its own (no atomics: deterministic; S and dP computed twice).
 struct BwdDQPass : BwdAtomicDQ { static constexpr bool kAtomicDQ = false; };
@@ -69,5 +72,24 @@ struct BwdDQBetween : BwdStoreMatrix { static constexpr bool kDQBetween = true; 
 struct BwdPrepare : BwdStoreMatrix {};
 // Step 15: dQ's fp32 accumulator padded as lse2 (to a multiple of 128 rows), so the atomics need no row test.
 struct BwdPaddedDQ : BwdPrepare { static constexpr bool kPaddedDQ = true; };
+// Step 16: lse2 and delta in shared memory in the order each thread reads them. A thread needs the values of 2 BR / 8
+// queries, 8 apart in pairs: step 14 reads them with 8-byte loads, 16 a step at D = 64. Copied 4 bytes at a time
+// to where thread t finds its values side by side, they take 16-byte loads, half as many instructions. At D = 64
+// only: at D = 128 the values loaded ahead cost ptxas a spill.
+struct BwdLseByThread : BwdPrepare { template <int D> static constexpr bool lse_by_thread() { return D == 64; } };
+// Step 17: FlashAttention-2's dQ: its atomics between dV and dK (step 13), adding each thread's pairs with no shuffle
+// (step 12). In step 16's profile, the shuffles and atomics that end each step take a sixth of the samples.
+struct BwdPairsBetween : BwdLseByThread {
+  static constexpr bool kDQBetween = true;
+  static constexpr bool kPairDQ = true;
+};
+// Step 18 (on 14): dV in warps 0-3 and dK in warps 4-7, each over all D columns, instead of both in every warp over
+// D / 2. A warp's k-step then reads 2 A fragments and D / 16 B fragments for D / 4 mma, not 4 and D / 8: a
+// quarter fewer ldmatrix at D = 64, where step 14's phase of dV, dK and dQ waits on shared memory.
+struct BwdSplitKV : BwdPrepare { static constexpr bool kSplitKV = true; };
+// Step 19: each block starts its walk over the query blocks at a different one (block x at the (x mod per_head)-th,
+// wrapping around). Until here every block of a head starts at the first, so the blocks that run together add their
+// dQ into the same rows at the same time, and their atomics queue at the same addresses in L2.
+struct BwdStagger : BwdSplitKV { static constexpr bool kStagger = true; };
 
 }  // namespace course_flash
