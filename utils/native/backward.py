@@ -15,8 +15,10 @@ utils/native/src/flash_mma_bwd.cu).
   once, before the loop; "wide_queries" (10) 128 queries per step at D = 64; "store_matrix" (11) Pᵀ and dSᵀ
   stored by stmatrix on sm_90; "pair_dq" (12) dQ added with 8-byte atomics, no shuffles; "dq_between" (13)
   step 11 with dQ between dV and dK, FlashAttention-2's order; "prepare" (14) step 11 with lse2, delta and dQ's
-  scale and cast by two small kernels (the default); "padded_dq" (15) dQ's accumulator padded, its atomics
-  without a row test. 06bw compares the steps from their stored runs.
+  scale and cast by two small kernels; "padded_dq" (15) dQ's accumulator padded, its atomics without a row
+  test; "lse_by_thread" (16) lse2 and delta in each thread's read order; "pairs_between" (17) step 12's atomics
+  in step 13's place; "split_kv" (18) dV in warps 0-3, dK in warps 4-7; "stagger" (19) each block's walk over
+  the query blocks starting at a block of its own (the default). 06bw compares the steps from their stored runs.
 - `flash_mma_attention(q, k, v)`: differentiable attention with both.
 - `flash_attention_cuda(q, k, v)`: the registry's "cuda": the kernels of utils.native.kernels without a gradient
   (flash_mma, or flash_tiled where the tensor cores cannot run), flash_mma_attention when a gradient is wanted.
