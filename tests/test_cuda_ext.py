@@ -813,8 +813,9 @@ def test_hopper_attention_torch_check_of_batch_heads():
     setup = ('f = native_build.load("hopper_attention").hopper_attention_forward\n'
              'q = torch.zeros(65536, 1, 8, 64, device="cuda", dtype=torch.bfloat16)\n'
              'vt = torch.zeros(65536, 1, 64, 8, device="cuda", dtype=torch.bfloat16)\n'  # V transposed (steps 1-9)
-             'none = torch.empty(0, dtype=torch.int64, device="cuda")')
-    assert_torch_checks(setup, [(f"f(q, q, {'q' if step >= 10 else 'vt'}, 8, False, 0.125, {step}, none)",
+             'none = torch.empty(0, dtype=torch.int64, device="cuda")\n'
+             'no_lse = torch.empty(0, dtype=torch.float32, device="cuda")')
+    assert_torch_checks(setup, [(f"f(q, q, {'q' if step >= 10 else 'vt'}, 8, False, 0.125, {step}, none, no_lse)",
                                  f"batch x heads = 65536 x 1 is more than step {step}'s grid") for step in (1, 3, 15)])
 
 

@@ -113,10 +113,40 @@ def test_the_compiled_consumers_keep_one_product_in_flight_and_the_producer_give
         assert 24 in regs and config.consumer_regs in regs, blocks[-1]
 
 
+@pytest.mark.parametrize("consumers", [2, 3])
+def test_the_pingpong_consumers_take_turns_around_their_products(consumers):
+    """Compiled for sm_90 here: with `pingpong`, consumer w waits on named barrier 13 + w before its loop's two
+    products and arrives on the next one's (round robin) after them, and the last consumer opens the first's
+    first turn: 2 · consumers + 1 named-barrier instructions over 256 threads, none without `pingpong`."""
+    import re
+    from utils.course.cross_compile import _capture, compile_launch
+    from utils.explicit import forward_ws3 as ws3
+
+    mod, head_dim = (ws, 128) if consumers == 2 else (ws3, 64)
+    q = torch.zeros(1, 2, 1024, head_dim, dtype=torch.bfloat16)
+    lse = torch.zeros(1, 2, 1024)
+    plain = (ws.WS_TILES if consumers == 2 else ws3.WS3_TILES)[0]
+    for config in (plain, *mod.PINGPONG_TILES):
+        (launch,) = _capture(lambda: mod._launch(q, q, q, q, lse, True, 0.1, config))
+        ptx = compile_launch(launch, (9, 0)).asm["ptx"]
+        turns = re.findall(r"bar\.(sync|arrive) (1[345]), 256;", ptx)
+        if not config.pingpong:
+            assert not turns, turns
+            continue
+        ids = [str(13 + w) for w in range(consumers)]
+        expected = [("sync", b) for b in ids] + [("arrive", b) for b in ids] + [("arrive", ids[0])]
+        assert sorted(turns) == sorted(expected), turns
+        for b in ids:  # the products follow each wait
+            at = ptx.index(f"bar.sync {b}, 256;")
+            assert "wgmma.mma_async" in ptx[at:at + 20000] and ptx.index("wgmma.commit_group", at) < ptx.index(
+                f"bar.arrive {str(13 + (int(b) - 12) % consumers)}, 256;", at), b
+
+
 @on_hopper
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("config", ws.WS_TILES, ids=lambda c: ws.label(c).removeprefix("gluon_ws "))
+@pytest.mark.parametrize("config", ws.WS_TILES + ws.PINGPONG_TILES,
+                         ids=lambda c: ws.label(c).removeprefix("gluon_ws "))
 def test_every_tile_matches_the_reference(config, dtype, causal):
     from utils.course.testing import assert_matches_on_odd_shapes
 

@@ -93,7 +93,8 @@ def test_each_tile_compiles_for_sm90_with_its_register_split_and_no_spills(tmp_p
 @on_hopper
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("config", ws3.WS3_TILES, ids=lambda c: ws3.label(c).removeprefix("gluon_ws3 "))
+@pytest.mark.parametrize("config", ws3.WS3_TILES + ws3.PINGPONG_TILES,
+                         ids=lambda c: ws3.label(c).removeprefix("gluon_ws3 "))
 def test_every_tile_matches_the_reference(config, dtype, causal):
     from utils.course.testing import assert_matches_on_odd_shapes
 

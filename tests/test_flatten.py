@@ -103,7 +103,7 @@ def test_show_step_hides_or_shows_only_a_marked_region(capsys):
         f"      ... lines {first}-{last} hidden ...") + 1]
 
 
-@pytest.mark.parametrize("call", [lambda: flatten.show_step("06d", 1), lambda: flatten.show_step("06c", 17),
+@pytest.mark.parametrize("call", [lambda: flatten.show_step("06d", 1), lambda: flatten.show_step("06c", 18),
                                   lambda: flatten.show_step(LESSON, 1, hide=("no such line", "x")),
                                   lambda: flatten.show_step(LESSON, 1, hide=("a", "b"), only=("a", "b")),
                                   lambda: flatten.show_step(LESSON, 16),
@@ -231,7 +231,7 @@ def test_06c_every_switch_is_folded(n):
 
 
 def test_06c_parents_follow_the_structs_bases():
-    assert [flatten.parent("06c", n) for n in range(2, 17)] == [1, 2, 3, 4, 5, 6, 7, 8, 6, 10, 11, 11, 13, 11, 10]
+    assert [flatten.parent("06c", n) for n in range(2, 18)] == [1, 2, 3, 4, 5, 6, 7, 8, 6, 10, 11, 11, 13, 11, 10, 15]
     assert flatten.lineage("06c", 15) == [1, 2, 3, 4, 5, 6, 10, 11, 15]
 
 
@@ -257,6 +257,17 @@ def test_06c_the_diff_of_the_default_step_swaps_the_epilogue(capsys):
     changed = [ln for ln in capsys.readouterr().out.splitlines() if ln[:1] in "+-" and ln[:3] not in ("+++", "---")]
     assert "-    store_rows<T, D>(st, o, wk.bh, row, t, p.seqlen_q);" in changed
     assert "+    store_tile<T, D>(st, sq_wg, kQPanel, &map_o, q_lo, wk.bh, wg);" in changed
+
+
+def test_06c_step_17_waits_for_k_and_v_apart(capsys):
+    """Step 17's diff on 15: V's copies counted on barriers of their own, and waited for only before P V."""
+    flatten.show_step_diff("06c", 17)
+    changed = [ln[0] + ln[1:].strip() for ln in capsys.readouterr().out.splitlines()
+               if ln[:1] in "+-" and ln[:3] not in ("+++", "---")]
+    assert "+mbarrier_arrive_expect(full(s), kTile);" in changed and "-mbarrier_arrive_expect(full(s), 2 * kTile);" in changed
+    assert "+const uint32_t v_bar = v_full(s);  // step 17: V on a barrier of its own" in changed
+    assert "+wait_v(i - 1);  // step 17: V only now, where P V reads it" in changed
+    assert "+for (int s = 0; s < kStages; ++s) mbarrier_init(v_full(s), 1);" in changed
 
 
 def test_06c_show_step_prints_a_function_by_name(capsys):
@@ -346,7 +357,7 @@ def test_backward_steps_10_to_12_each_bring_their_one_change():
 
 def test_backward_steps_13_to_15_each_bring_their_one_change():
     """13: dV, then dQ's product and atomics, then dK (two products where 11 has one loop); 14: step 11's kernel (its change,
-    the prepare and finish passes, is in flash_mma_bwd.cu); 15: the atomics without the row test."""
+    the prepare and finish passes, is in flash_bwd_passes.cuh); 15: the atomics without the row test."""
     def code_lines(n):  # without comments, blank lines and trailing spaces
         return "\n".join(ln.rstrip() for ln in re.sub(r"//[^\n]*", "", flatten.step_source(BWD, n)).splitlines()
                          if ln.strip())

@@ -24,6 +24,7 @@ FORWARD_BACKWARD = (("utils.eager.forward", "utils.eager.backward"),
                     ("utils.explicit.forward_ws", "utils.explicit.backward"),
                     ("utils.native.kernels", "utils.native.backward"),
                     ("utils.native.build", "utils.native.backward"),
+                    ("utils.native.hopper", "utils.native.hopper_backward"),
                     ("utils.course.worklogs.triton_forward", "utils.course.worklogs.triton_backward"))
 LIBRARY_NAMES = {"triton", "torch", "cuda", "gluon", "cutlass", "numpy"}
 # Names retired by issue 71 item 6 for the roles Config, pick_config, check_inputs and use_tma: no kernel module

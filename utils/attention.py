@@ -76,10 +76,11 @@ REGISTRY = {impl.name: impl for impl in [
                    "pre-sm_80 GPUs run cuda_tiled), its backward on tensor cores too; head dims other than 64 and 128 "
                    "padded to them", "06b", head_dims=tuple(range(16, 129, 16)),
                    grad_dtypes=(torch.float16, torch.bfloat16)),
-    Implementation("cuda_hopper", "utils.native.hopper:flash_hopper", "cuda",
-                   "CUDA FlashAttention-2 on Hopper: TMA copies, wgmma from shared memory and from registers "
-                   "(H100/H200 only)", "06c", head_dims=(64, 128), dtypes=(torch.float16, torch.bfloat16),
-                   capability=(9, 0)),
+    Implementation("cuda_hopper", "utils.native.hopper_backward:flash_hopper_attention", "cuda",
+                   "CUDA FlashAttention-2 on Hopper: TMA copies, wgmma from shared memory and from registers; "
+                   "backward: the Gluon backward's schedule in CUDA (H100/H200 only)", "06c", head_dims=(64, 128),
+                   dtypes=(torch.float16, torch.bfloat16), capability=(9, 0),
+                   grad_dtypes=(torch.float16, torch.bfloat16)),
     Implementation("gluon", "utils.explicit.backward:flash_attention_gluon", "cuda",
                    "FlashAttention-3's intra-warpgroup overlap in Gluon (Triton's lower level): explicit wgmma "
                    "waits, a TMA ring with mbarriers (H100/H200 only); backward: one warp-specialised Gluon "

@@ -64,17 +64,66 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_full, k_e
 
 
 @gluon.jit
+def _turn_wait(x, WG: gl.constexpr):
+    """Ping-pong (FlashAttention-3's scheduler barrier): wait on named barrier 13 + WG, over this consumer
+    warpgroup and the one before it (256 threads), until that one has issued its products. Triton's partitions use
+    the low ids. `x` only gives the inline assembly a (scalar) operand."""
+    if WG == 0:
+        gl.inline_asm_elementwise("bar.sync 13, 256; mov.b32 $0, 0;", "=r,r", [x], dtype=gl.int32, is_pure=False,
+                                  pack=1)
+    elif WG == 1:
+        gl.inline_asm_elementwise("bar.sync 14, 256; mov.b32 $0, 0;", "=r,r", [x], dtype=gl.int32, is_pure=False,
+                                  pack=1)
+    else:
+        gl.inline_asm_elementwise("bar.sync 15, 256; mov.b32 $0, 0;", "=r,r", [x], dtype=gl.int32, is_pure=False,
+                                  pack=1)
+
+
+@gluon.jit
+def _turn_pass(x, WG: gl.constexpr, CONSUMERS: gl.constexpr):
+    """Ping-pong: this consumer has issued its products; the next one (round robin) may issue its own."""
+    NEXT: gl.constexpr = (WG + 1) % CONSUMERS
+    if NEXT == 0:
+        gl.inline_asm_elementwise("bar.arrive 13, 256; mov.b32 $0, 0;", "=r,r", [x], dtype=gl.int32, is_pure=False,
+                                  pack=1)
+    elif NEXT == 1:
+        gl.inline_asm_elementwise("bar.arrive 14, 256; mov.b32 $0, 0;", "=r,r", [x], dtype=gl.int32, is_pure=False,
+                                  pack=1)
+    else:
+        gl.inline_asm_elementwise("bar.arrive 15, 256; mov.b32 $0, 0;", "=r,r", [x], dtype=gl.int32, is_pure=False,
+                                  pack=1)
+
+
+@gluon.jit
 def _consumer_loop(q, k_smem, v_smem, k_full, k_empty, v_full, v_empty, s_zero, acc, m_i, l_i, p, qk_scale, offs_m,
                    seqlen_k, causal_offset, n_unmasked, n_tiles, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                    STAGES: gl.constexpr, CAUSAL: gl.constexpr, dtype: gl.constexpr, col_s: gl.constexpr,
-                   row_o: gl.constexpr, p_layout: gl.constexpr):
+                   row_o: gl.constexpr, p_layout: gl.constexpr, WG: gl.constexpr = 0, PINGPONG: gl.constexpr = False,
+                   CONSUMERS: gl.constexpr = 2):
     """Key tiles 1 to n_tiles - 1 of one consumer: forward.py's _overlapped_loop, with an arrive on a slot's
-    "empty" barrier once the product reading it has finished. Returns the new (acc, m_i, l_i, p)."""
+    "empty" barrier once the product reading it has finished. Returns the new (acc, m_i, l_i, p). PINGPONG: the
+    CONSUMERS warpgroups issue their products in turns, round robin (the last opens the first's first turn and
+    does not pass on its own last one, so each barrier completes as often as it is waited on)."""
+    if PINGPONG:
+        if WG == CONSUMERS - 1:
+            if n_tiles > 1:
+                _turn_pass(n_tiles, WG, CONSUMERS)
     for j in range(1, n_tiles):
         k = fg._arrived(k_smem, k_full, j, BLOCK_N, HEAD_DIM, STAGES)
-        s = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        v = fg._arrived(v_smem, v_full, j - 1, BLOCK_N, HEAD_DIM, STAGES)
-        acc = warpgroup_mma(p, v, acc, is_async=True)
+        if PINGPONG:
+            v = fg._arrived(v_smem, v_full, j - 1, BLOCK_N, HEAD_DIM, STAGES)
+            _turn_wait(j, WG)
+            s = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            acc = warpgroup_mma(p, v, acc, is_async=True)
+            if WG == CONSUMERS - 1:
+                if j < n_tiles - 1:
+                    _turn_pass(j, WG, CONSUMERS)
+            else:
+                _turn_pass(j, WG, CONSUMERS)
+        else:
+            s = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            v = fg._arrived(v_smem, v_full, j - 1, BLOCK_N, HEAD_DIM, STAGES)
+            acc = warpgroup_mma(p, v, acc, is_async=True)
         s, _, _ = warpgroup_mma_wait(1, deps=(s, q, k))
         mbarrier.arrive(k_empty.index(j % STAGES))            # this warpgroup is done with K_j
         p32, alpha, l_i, m_i = fg._softmax(s, m_i, l_i, qk_scale, offs_m, j * BLOCK_N, seqlen_k, causal_offset,
@@ -90,8 +139,9 @@ def _consumer_loop(q, k_smem, v_smem, k_full, k_empty, v_full, v_empty, s_zero, 
 def _consumer(o_desc, LSE, q_smem, k_smem, v_smem, q_bar, k_full, k_empty, v_full, v_empty,
               b, h, pid_bh, start_m, n_tiles, n_unmasked, seqlen_q, seqlen_k, qk_scale,
               WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr):
-    """One warpgroup: rows [start_m + WG*64, +64) through forward.py's loop; an arrive frees each slot read."""
+              CAUSAL: gl.constexpr, PINGPONG: gl.constexpr = False, CONSUMERS: gl.constexpr = 2):
+    """One warpgroup: rows [start_m + WG*64, +64) through forward.py's loop; an arrive frees each slot read.
+    PINGPONG: the CONSUMERS warpgroups take turns to issue their products (_consumer_loop)."""
     SUB_M: gl.constexpr = o_desc.block_type.shape[2]
     dtype: gl.constexpr = o_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -123,7 +173,8 @@ def _consumer(o_desc, LSE, q_smem, k_smem, v_smem, q_bar, k_full, k_empty, v_ful
         p = gl.convert_layout(p32.to(dtype), p_layout)
     acc, m_i, l_i, p = _consumer_loop(q, k_smem, v_smem, k_full, k_empty, v_full, v_empty, s_zero, acc, m_i, l_i, p,
                                       qk_scale, offs_m, seqlen_k, causal_offset, n_unmasked, n_tiles, HEAD_DIM,
-                                      BLOCK_N, STAGES, CAUSAL, dtype, col_s, row_o, p_layout)
+                                      BLOCK_N, STAGES, CAUSAL, dtype, col_s, row_o, p_layout, WG, PINGPONG,
+                                      CONSUMERS)
     if n_tiles > 0:
         v = fg._arrived(v_smem, v_full, n_tiles - 1, BLOCK_N, HEAD_DIM, STAGES)
         acc = warpgroup_mma(p, v, acc, is_async=True)
@@ -168,7 +219,7 @@ def _ring(q_desc, k_desc, v_desc, STAGES: gl.constexpr, CONSUMERS: gl.constexpr 
 @gluon.jit(do_not_specialize=["heads", "group", "seqlen_q", "seqlen_k"])
 def gluon_ws_kernel(q_desc, k_desc, v_desc, o_desc, LSE, heads, group, seqlen_q, seqlen_k, qk_scale,
                     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                    CONSUMER_REGS: gl.constexpr):
+                    CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr = False):
     """One program: 128 queries of one (batch, head), longest causal rows first. Grid (cdiv(seqlen_q, 128),
     batch * heads); launched with 4 warps (the first consumer) plus the worker partitions' 4 + 1."""
     BLOCK_M: gl.constexpr = 2 * q_desc.block_type.shape[2]
@@ -178,10 +229,10 @@ def gluon_ws_kernel(q_desc, k_desc, v_desc, o_desc, LSE, heads, group, seqlen_q,
     q_smem, k_smem, v_smem, q_bar, k_full, k_empty, v_full, v_empty = _ring(q_desc, k_desc, v_desc, STAGES)
     gl.warp_specialize([(_consumer, (o_desc, LSE, q_smem, k_smem, v_smem, q_bar, k_full, k_empty, v_full, v_empty,
                                      b, h, pid_bh, start_m, n_tiles, n_unmasked, seqlen_q, seqlen_k, qk_scale,
-                                     0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL)),
+                                     0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG)),
                         (_consumer, (o_desc, LSE, q_smem, k_smem, v_smem, q_bar, k_full, k_empty, v_full, v_empty,
                                      b, h, pid_bh, start_m, n_tiles, n_unmasked, seqlen_q, seqlen_k, qk_scale,
-                                     1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL)),
+                                     1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG)),
                         (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_full, k_empty,
                                      v_full, v_empty, b, h, h_kv, start_m, n_tiles, BLOCK_N, STAGES))],
                        [4, 1], [CONSUMER_REGS, 24])
@@ -194,14 +245,17 @@ class Config(NamedTuple):
     block_n: int          # keys per tile
     stages: int           # K and V buffers in each ring
     consumer_regs: int    # registers per thread of the second consumer (setmaxnreg); the producer keeps 24
+    pingpong: bool = False  # the consumers issue their products in turns (FlashAttention-3's scheduler barrier)
 
 
 # The tiles `python -m utils.course.bench.forward --ws-tiles` times (notebook 05b section 10).
 WS_TILES = (Config(128, 2, 232), Config(128, 2, 240), Config(128, 3, 232), Config(64, 3, 232))
+# ... and with --ws-pingpong, the fastest of them in turns (FlashAttention-3 and -4 turn them on up to head dim 128)
+PINGPONG_TILES = (Config(128, 2, 232, True), Config(128, 3, 232, True))
 
 
 def label(config: Config) -> str:
-    return f"gluon_ws n{config.block_n} s{config.stages} r{config.consumer_regs}"
+    return f"gluon_ws n{config.block_n} s{config.stages} r{config.consumer_regs}{' pp' if config.pingpong else ''}"
 
 
 def pick_config(head_dim: int) -> Config:
@@ -250,7 +304,7 @@ def _launch(q, k, v, o, lse, causal: bool, scale: float, config: Config, launche
         fg._descriptor(q, SUB_M), fg._descriptor(k, config.block_n), fg._descriptor(v, config.block_n),
         fg._descriptor(o, SUB_M), lse, heads, heads // k.shape[1], seqlen_q, k.shape[2], scale * fg.LOG2E,
         HEAD_DIM=head_dim, BLOCK_N=config.block_n, STAGES=config.stages, CAUSAL=causal,
-        CONSUMER_REGS=config.consumer_regs, num_warps=4)
+        CONSUMER_REGS=config.consumer_regs, PINGPONG=config.pingpong, num_warps=4)
 
 
 def replay_protocol(n_tiles: int, stages: int, empty_parity, seed: int = 0, consumers: int = 2) -> None:

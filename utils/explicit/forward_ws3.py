@@ -30,7 +30,7 @@ BLOCK_M = CONSUMERS * SUB_M  # query rows per program
 @gluon.jit(do_not_specialize=["heads", "group", "seqlen_q", "seqlen_k"])
 def gluon_ws3_kernel(q_desc, k_desc, v_desc, o_desc, LSE, heads, group, seqlen_q, seqlen_k, qk_scale,
                      HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                     CONSUMER_REGS: gl.constexpr):
+                     CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr = False):
     """One program: 192 queries of one (batch, head), longest causal rows first. Grid (cdiv(seqlen_q, 192),
     batch * heads); launched with 4 warps (the first consumer) plus the worker partitions' 4 + 4 + 1."""
     BLOCK_M: gl.constexpr = 3 * q_desc.block_type.shape[2]
@@ -39,13 +39,13 @@ def gluon_ws3_kernel(q_desc, k_desc, v_desc, o_desc, LSE, heads, group, seqlen_q
     q_smem, k_smem, v_smem, q_bar, k_full, k_empty, v_full, v_empty = fws._ring(q_desc, k_desc, v_desc, STAGES, 3)
     gl.warp_specialize([(fws._consumer, (o_desc, LSE, q_smem, k_smem, v_smem, q_bar, k_full, k_empty, v_full,
                                          v_empty, b, h, pid_bh, start_m, n_tiles, n_unmasked, seqlen_q, seqlen_k,
-                                         qk_scale, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL)),
+                                         qk_scale, 0, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG, 3)),
                         (fws._consumer, (o_desc, LSE, q_smem, k_smem, v_smem, q_bar, k_full, k_empty, v_full,
                                          v_empty, b, h, pid_bh, start_m, n_tiles, n_unmasked, seqlen_q, seqlen_k,
-                                         qk_scale, 1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL)),
+                                         qk_scale, 1, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG, 3)),
                         (fws._consumer, (o_desc, LSE, q_smem, k_smem, v_smem, q_bar, k_full, k_empty, v_full,
                                          v_empty, b, h, pid_bh, start_m, n_tiles, n_unmasked, seqlen_q, seqlen_k,
-                                         qk_scale, 2, HEAD_DIM, BLOCK_N, STAGES, CAUSAL)),
+                                         qk_scale, 2, HEAD_DIM, BLOCK_N, STAGES, CAUSAL, PINGPONG, 3)),
                         (fws._producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_full, k_empty,
                                          v_full, v_empty, b, h, h_kv, start_m, n_tiles, BLOCK_N, STAGES, False, 3))],
                        [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
@@ -60,11 +60,13 @@ Config = fws.Config   # the same fields: keys per tile, ring depth, the consumer
 # To be timed on the H200; the first is the starting point. Compiled for sm_90 (Triton 3.7.1), these spill no
 # registers at head dim 64; 152 registers a consumer spilled 32 bytes, and 168 left the first consumer 152.
 WS3_TILES = (Config(128, 2, 160), Config(128, 3, 160), Config(64, 3, 160), Config(64, 2, 160))
+# ... and in turns, round robin over the three consumers (FlashAttention-3 and -4 at head dim 64: 192 x 128)
+PINGPONG_TILES = (Config(128, 2, 160, True),)
 HEAD_DIMS = (64,)   # at 128, a consumer's output and scores do not fit its share of registers (ptxas spills)
 
 
 def label(config: Config) -> str:
-    return f"gluon_ws3 n{config.block_n} s{config.stages} r{config.consumer_regs}"
+    return f"gluon_ws3 n{config.block_n} s{config.stages} r{config.consumer_regs}{' pp' if config.pingpong else ''}"
 
 
 def _supported(head_dim: int) -> None:

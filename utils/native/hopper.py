@@ -11,6 +11,8 @@ and draw a swizzled tile to see why consecutive rows stop colliding in the same 
 - `bank_conflicts(...)`: how many 16-byte accesses of one column of chunks share a bank group.
 - `wgmma_gemm(a, b)`: a @ b.T in fp32 on an H100/H200 (utils/native/src/wgmma_gemm.cu), validated first.
 - `flash_hopper(q, k, v)`: the attention forward of notebook 06c (steps 1-3) and its worklog 06cw, any step.
+- `flash_hopper_forward(q, k, v)` -> (o, lse): the same, with the log-sum-exp its backward needs
+  (utils.native.hopper_backward).
 - `block_timeline(q, k, v)`: where each block of one launch spends its time, read from the GPU's clock inside
   the kernel; `timeline_summary` reduces it to medians per phase.
 """
@@ -34,10 +36,11 @@ GEMM_STEPS = ("threads", "tma")
 # D = 64 a third consumer warpgroup; persistent blocks, one per SM, that take query blocks from a counter; and
 # (step 11 again, causal) the longest query blocks of a group of heads launched first, not one head after another,
 # then each consumer stopping at its own diagonal; and (step 11 again) O stored through shared memory by TMA; and
-# (step 10 again) tiles of 128 keys without the consumers' turns, which "wide_tiles" was measured with.
+# (step 10 again) tiles of 128 keys without the consumers' turns, which "wide_tiles" was measured with; and (step
+# 15 again) K and V each counted on a barrier of its own, so that S waits for K alone.
 ATTENTION_STEPS = ("tma", "pipelined", "specialised", "softmax", "stages", "overlap", "pingpong", "heavy_first",
                    "wide_tiles", "v_direct", "three_consumers", "persistent", "head_groups", "own_diagonal",
-                   "tma_store", "wide_v_direct")
+                   "tma_store", "wide_v_direct", "split_full")
 # Not every step paid: the default (and the registry's "cuda_hopper") is the fastest one measured on the H200
 # (images/06c_*_h200.json; tests/test_hopper.py checks it against them).
 DEFAULT_STEP = "tma_store"
@@ -145,7 +148,8 @@ def wgmma_gemm(a: torch.Tensor, b: torch.Tensor, *, step: str = GEMM_STEPS[-1]) 
 
 
 def flash_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False, sm_scale=None,
-                 step: str = DEFAULT_STEP, module=None, timeline: torch.Tensor | None = None):
+                 step: str = DEFAULT_STEP, module=None, timeline: torch.Tensor | None = None,
+                 lse: torch.Tensor | None = None):
     """FlashAttention forward with wgmma and TMA (utils/native/src/hopper_attention.cu), on an sm_90 GPU only, as of
     `step` of notebooks 06c and 06cw (ATTENTION_STEPS; default: DEFAULT_STEP, the fastest).
 
@@ -153,7 +157,8 @@ def flash_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: b
     bottom-right. Steps before "v_direct" get V transposed (every wgmma operand K-major), its length rounded up
     to 8 so that TMA's row stride is a multiple of 16 bytes; from "v_direct" on, V is read as it is stored.
     `module`: the build of hopper_attention.cu to run (default: the course's; exercise 6c.4 passes one with the
-    learner's function inside). `timeline`: block_timeline's buffer (the kernel notes its milestones in it)."""
+    learner's function inside). `timeline`: block_timeline's buffer (the kernel notes its milestones in it).
+    `lse`: fp32 room for each row's log-sum-exp, which the kernel fills (flash_hopper_forward)."""
     from utils import gpu
     from utils.native import build as native_build
     from utils.checks import check_attention_inputs, resolve_scale
@@ -175,8 +180,22 @@ def flash_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: b
     module = module if module is not None else native_build.load("hopper_attention")
     if timeline is None:
         timeline = torch.empty(0, dtype=torch.int64, device=q.device)
+    if lse is None:
+        lse = torch.empty(0, dtype=torch.float32, device=q.device)
     return module.hopper_attention_forward(q, k, vt, shape.seqlen_k, causal, scale, ATTENTION_STEPS.index(step) + 1,
-                                           timeline)
+                                           timeline, lse)
+
+
+def flash_hopper_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False, sm_scale=None,
+                         step: str = DEFAULT_STEP):
+    """(o, lse): `flash_hopper`, and the natural-log log-sum-exp of each row's scaled scores, fp32 (batch, heads,
+    seqlen_q), -inf for a row that sees no key (the backward's input)."""
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        flash_hopper(q, k, v, causal=causal, sm_scale=sm_scale, step=step)  # its error names the argument
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    return flash_hopper(q, k, v, causal=causal, sm_scale=sm_scale, step=step, lse=lse), lse
+
+
 
 
 # A block's milestones, in the order the kernel notes them (kTimelineSlots in hopper_attention_kernel.cuh, less the

@@ -8,7 +8,8 @@ Triton backward with its loads pinned, worklog 07w sections 2 and 3), triton_ato
 added by the dK/dV pass instead of a dQ pass, with an atomic add per element or a TMA bulk reduce-add per tile,
 section 4; these five run the worklog's copy of the kernels, utils.course.worklogs.triton_backward),
 gluon_bwd (the one-kernel warp-specialised Gluon backward of section 5, sm_90 only; gluon_bwd_by_head
-and gluon_bwd_grouped: its programs launched head by head, or in groups of 4 heads, on every shape), and
+and gluon_bwd_grouped: its programs launched head by head, or in groups of 4 heads, on every shape), cuda_hopper
+(notebook 06c's backward on wgmma and TMA, the Gluon backward's schedule in CUDA, sm_90 only), and
 `--peers triton-tutorial` the Triton tutorial's backward (utils.course.bench.peers, read from its own
 file; shapes it cannot run are "not supported"). `--rounds 3` times each shape three times in rotated order and
 keeps the medians (the stored run's setting). Each backend is timed as a closure without arguments, so
@@ -35,7 +36,7 @@ CUDA_BACKENDS = tuple(f"cuda_{step}" for step in BWD_STEPS)
 # per shape (pick_config).
 GLUON_ORDERS = {"gluon_bwd_by_head": 0, "gluon_bwd_grouped": 4}
 KNOWN = (BACKENDS + tuple(TRITON_LOADS) + ("triton_atomic_dq", "triton_reduce_dq", "gluon_bwd", *GLUON_ORDERS,
-                                          "sdpa_efficient", "triton_tutorial") + CUDA_BACKENDS)
+                                          "sdpa_efficient", "triton_tutorial") + CUDA_BACKENDS + ("cuda_hopper",))
 DEFAULT_OUT = Path(__file__).resolve().parents[3] / "images" / "07_backward_benchmark.json"
 
 
@@ -93,6 +94,16 @@ def _cuda_backward(step):
     return prepare
 
 
+def _hopper_backward(q, k, v, do, causal):
+    """Notebook 06c's backward on wgmma and TMA (utils.native.hopper.flash_hopper_backward), after its forward's
+    (o, lse)."""
+    from utils.native.hopper import flash_hopper_forward
+    from utils.native.hopper_backward import flash_hopper_backward
+
+    o, lse = flash_hopper_forward(q, k, v, causal=causal)
+    return lambda: flash_hopper_backward(do, q, k, v, o, lse, causal=causal)
+
+
 def run_backward_benchmark(seqlens=(2048, 4096, 8192, 16384), head_dims=(64, 128), causal=(False, True), *,
                            batch=4, heads=16, dtype=torch.bfloat16, backends=BACKENDS, config=None,
                            tutorial=None, rounds=1) -> list[dict]:
@@ -119,7 +130,8 @@ def run_backward_benchmark(seqlens=(2048, 4096, 8192, 16384), head_dims=(64, 128
                **{b: (lambda g=g: _gluon_backward(g)) for b, g in GLUON_ORDERS.items()},
                **{b: (lambda loads=loads: _triton_backward(config, tma=loads[0], tma_stats=loads[1]))
                   for b, loads in TRITON_LOADS.items()},
-               **{b: (lambda step=b.removeprefix("cuda_"): _cuda_backward(step)) for b in CUDA_BACKENDS}}
+               **{b: (lambda step=b.removeprefix("cuda_"): _cuda_backward(step)) for b in CUDA_BACKENDS},
+               "cuda_hopper": lambda: _hopper_backward}
     makers = {b: special[b]() if b in special else _sdpa_backward(b) for b in backends}
     names = list(makers)
     rows = []

@@ -58,6 +58,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ws-tiles", action="store_true",
                    help="also time the warp-specialised Gluon kernel with each tile of utils.explicit.forward_ws.WS_TILES "
                         "(notebook 05b, section 10; H100/H200 only)")
+    p.add_argument("--ws-pingpong", action="store_true",
+                   help="also time the warp-specialised Gluon kernels (forward_ws, forward_ws3) with each tile of their "
+                        "PINGPONG_TILES: the consumers issue their products in turns (H100/H200 only)")
     p.add_argument("--ws3-tiles", action="store_true",
                    help="also time the three-consumer Gluon kernel (utils.explicit.forward_ws3, head dim 64) with "
                         "each tile of its WS3_TILES (H100/H200 only)")
@@ -140,6 +143,11 @@ def candidates(args) -> dict:
         from utils.explicit import forward_ws as gluon_ws
         out.update({gluon_ws.label(c): gluon_ws.variant(c, gluon_ws.label(c))
                     for c in gluon_ws.WS_TILES})
+    if getattr(args, "ws_pingpong", False):
+        from utils.explicit import forward_ws as gluon_ws, forward_ws3
+        out.update({gluon_ws.label(c): gluon_ws.variant(c, gluon_ws.label(c)) for c in gluon_ws.PINGPONG_TILES})
+        out.update({forward_ws3.label(c): forward_ws3.variant(c, forward_ws3.label(c))
+                    for c in forward_ws3.PINGPONG_TILES})
     if getattr(args, "ws3_tiles", False):
         from utils.explicit import forward_ws3
         out.update({forward_ws3.label(c): forward_ws3.variant(c, forward_ws3.label(c))

@@ -35,7 +35,7 @@ struct BwdParams {
   void* dv;
 };
 
-// The backward's prepare pass from step 14 on (flash_mma_bwd.cu): lse2 and delta from the forward's lse and O and
+// The backward's prepare pass from step 14 on (flash_bwd_passes.cuh): lse2 and delta from the forward's lse and O and
 // from dO.
 struct BwdPrepareParams {
   const void* dout;      // dO and O, (batch, heads, seqlen_q, head_dim) with their own strides

@@ -60,16 +60,19 @@ __device__ inline void fence_registers(float (&d)[R]) {
 // d (64 x 64 fp32, 32 registers a thread) += A (64 x 16, shared) * B (16 x 64, shared; stored N x K, K-major).
 // accumulate == 0 ignores d's old value (D = A*B). Thread t of the warpgroup holds rows 16*(t/32) + (t%32)/4
 // and +8, columns 8*j + 2*(t%4) and +1 in d[4j..4j+3], the layout of mma.sync's accumulator repeated.
-template <typename T>
+// kTransA, kTransB (the backward's dQ = dS K): A stored M-major (its M index contiguous), B N-major.
+template <typename T, bool kTransA = false, bool kTransB = false>
 __device__ inline void wgmma_m64n64k16(float (&d)[32], uint64_t desc_a, uint64_t desc_b, int accumulate) {
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-                 COURSE_D32 ", %32, %33, p, 1, 1, 0, 0;\n}\n"
-                 : COURSE_F32(d, 0) : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+                 COURSE_D32 ", %32, %33, p, 1, 1, %35, %36;\n}\n"
+                 : COURSE_F32(d, 0) : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(kTransA ? 1 : 0),
+                   "n"(kTransB ? 1 : 0));
   } else {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
-                 COURSE_D32 ", %32, %33, p, 1, 1, 0, 0;\n}\n"
-                 : COURSE_F32(d, 0) : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+                 COURSE_D32 ", %32, %33, p, 1, 1, %35, %36;\n}\n"
+                 : COURSE_F32(d, 0) : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(kTransA ? 1 : 0),
+                   "n"(kTransB ? 1 : 0));
   }
 }
 
@@ -151,6 +154,13 @@ __device__ inline void tma_load_3d(uint32_t dst, const void* map, int x, int y, 
   asm volatile(
       "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n"
       ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(z), "r"(bar) : "memory");
+}
+
+// `bytes` (a multiple of 16) from global `src` to shared `dst`, both 16-byte aligned, without a tensor map: the
+// backward's rows of lse2 and delta. The bytes count towards `bar`.
+__device__ inline void bulk_load(uint32_t dst, const void* src, int bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+               ::"r"(dst), "l"(reinterpret_cast<uint64_t>(src)), "r"(bytes), "r"(bar) : "memory");
 }
 
 // The other direction (step 15): the box at (x, y, z) of `map` from shared address `src` to global memory. Bytes

@@ -20,7 +20,8 @@ struct AttentionParams {
   float scale_log2;  // softmax scale * log2(e): exp2 instead of exp
   int* work_counter;  // step 12: the next query block to hand out (zeroed by the caller), else unused
   int head_group;     // step 13: how many heads' blocks start together (at least 1)
-  long long* timeline;  // steps 3-16: kTimelineSlots milestones per block (utils.native.hopper.block_timeline), or null
+  long long* timeline;  // steps 3-17: kTimelineSlots milestones per block (utils.native.hopper.block_timeline), or null
+  float* lse;           // the natural-log log-sum-exp of each row, fp32 (batch · heads, seqlen_q), or null
 };
 // The milestones of a block's first work item, in ns of the global timer: its start, Q arrived, the first K/V
 // tile arrived, the first tile's softmax done, the main loop done, the last P V done, the store of O done; and last
@@ -206,6 +207,20 @@ __device__ __forceinline__ void store_rows(RowState<D>& st, T* o, int bh, const 
   }
 }
 
+// Each row's natural-log log-sum-exp, (m + log2 l) · ln 2 with m and l in the log2 domain (l already summed over
+// the quad by the store of O), -inf for a row that saw no key: the backward's input, when p.lse asks for it.
+template <int D>
+__device__ __forceinline__ void store_lse(const RowState<D>& st, const AttentionParams& p, int bh,
+                                          const int (&row)[2], int t) {
+  if (p.lse == nullptr || t != 0) return;  // one lane of each quad
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    if (row[i] < p.seqlen_q)
+      p.lse[static_cast<long long>(bh) * p.seqlen_q + row[i]] =
+          st.l[i] > 0.f ? (st.m[i] + log2f(st.l[i])) * 0.6931471805599453f : -CUDART_INF_F;
+  }
+}
+
 // Step 15's epilogue. store_rows's 4-byte stores put 8 rows x 16 bytes into each warp's store instruction: 8
 // half-filled 32-byte sectors each, and the store queue backs up (the block's last 3 us at D = 128). Instead, O / l
 // rounded to 16 bits goes into this warpgroup's own Q tile in shared memory (`tile`, 64-column panels
@@ -298,9 +313,10 @@ __global__ void __launch_bounds__(128) hopper_attention_kernel(const __grid_cons
     __syncthreads();  // every warp is done with K and Vᵀ before the next copy overwrites them
   }
   store_rows<T, D>(st, o, bh, row, t, p.seqlen_q);
+  store_lse<D>(st, p, bh, row, t);
 }
 
-// Steps 3-16: warp specialisation. Three warpgroups per block (four at steps 11-15 at D = 64): warpgroup 0 is the
+// Steps 3-17: warp specialisation. Three warpgroups per block (four at steps 11-15 at D = 64): warpgroup 0 is the
 // producer (one thread issues every TMA copy, the others leave at once), the others the consumers, 64 query rows
 // each. The producer gives its registers away (setmaxnreg), so each of two consumers may use up to 240. Each K/Vᵀ
 // stage passes back and forth on two barriers: `full` (its bytes arrived) and `empty` (every consumer thread is
@@ -320,12 +336,14 @@ __global__ void __launch_bounds__(128 * (1 + Step::template consumers<D>()), 1)
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
   const uint32_t sq = smem_u32(smem), stages = sq + kQBufs * D / 64 * kQPanel;  // Q buffers; kStages x (K, Vᵀ)
-  __shared__ __align__(8) uint64_t bars[2 * kQBufs + 2 * kStages];  // q_full[b]; q_empty[b]; full[s]; empty[s]
+  // q_full[b]; q_empty[b]; full[s]: K and V arrived (step 17: K); empty[s]; step 17: v_full[s], V arrived
+  __shared__ __align__(8) uint64_t bars[2 * kQBufs + (Step::kSplitFull ? 3 : 2) * kStages];
   __shared__ int work_slot[kQBufs];  // step 12: the work item whose Q is in buffer b (-1: none left)
   auto q_full = [&](int b) { return smem_u32(&bars[b]); };
   auto q_empty = [&](int b) { return smem_u32(&bars[kQBufs + b]); };
   auto full = [&](int s) { return smem_u32(&bars[2 * kQBufs + s]); };
   auto empty = [&](int s) { return smem_u32(&bars[2 * kQBufs + kStages + s]); };
+  auto v_full = [&](int s) { return smem_u32(&bars[2 * kQBufs + 2 * kStages + s]); };
 
   const int tid = threadIdx.x, warpgroup = tid / 128;
   if (tid == 0) note(p, 0, global_timer_ns());
@@ -349,6 +367,8 @@ __global__ void __launch_bounds__(128 * (1 + Step::template consumers<D>()), 1)
   if (tid == 0) {
     for (int b = 0; b < kQBufs; ++b) mbarrier_init(q_full(b), 1), mbarrier_init(q_empty(b), 128 * kConsumers);
     for (int s = 0; s < kStages; ++s) mbarrier_init(full(s), 1), mbarrier_init(empty(s), 128 * kConsumers);
+    if constexpr (Step::kSplitFull)
+      for (int s = 0; s < kStages; ++s) mbarrier_init(v_full(s), 1);
   }
   __syncthreads();
 
@@ -385,13 +405,15 @@ __global__ void __launch_bounds__(128 * (1 + Step::template consumers<D>()), 1)
           const int s = it % kStages;
           if (it >= kStages) mbarrier_wait(empty(s), (it / kStages - 1) & 1);  // tile it - kStages released it
           const uint32_t sk = stages + s * 2 * kTile, sv = sk + kTile;
-          mbarrier_arrive_expect(full(s), 2 * kTile);
+          const uint32_t v_bar = Step::kSplitFull ? v_full(s) : full(s);  // step 17: V on a barrier of its own
+          mbarrier_arrive_expect(full(s), Step::kSplitFull ? kTile : 2 * kTile);
           for (int panel = 0; panel < D / 64; ++panel) {  // K: N rows of 64 columns per copy
             tma_load_3d(sk + panel * kKPanel, &map_k, 64 * panel, kN * i, wk.bh_kv, full(s));
           }
+          if constexpr (Step::kSplitFull) mbarrier_arrive_expect(v_bar, kTile);
           for (int panel = 0; panel < (Step::kVDirect ? D : kN) / 64; ++panel) {
-            if (Step::kVDirect) tma_load_3d(sv + panel * kKPanel, &map_vt, 64 * panel, kN * i, wk.bh_kv, full(s));  // V
-            else tma_load_3d(sv + panel * D * 128, &map_vt, kN * i + 64 * panel, 0, wk.bh_kv, full(s));  // Vᵀ
+            if (Step::kVDirect) tma_load_3d(sv + panel * kKPanel, &map_vt, 64 * panel, kN * i, wk.bh_kv, v_bar);  // V
+            else tma_load_3d(sv + panel * D * 128, &map_vt, kN * i + 64 * panel, 0, wk.bh_kv, v_bar);  // Vᵀ
           }
         }
         if (!Step::kPersistent) break;
@@ -419,7 +441,8 @@ __global__ void __launch_bounds__(128 * (1 + Step::template consumers<D>()), 1)
     const int row[2] = {q_lo + 16 * (wtid / 32) + lane / 4, q_lo + 16 * (wtid / 32) + lane / 4 + 8};
     const uint32_t sq_wg = sq + qb * D / 64 * kQPanel + wg * kRows * 128;
     auto ring = [&](int i) { return (it + i) % kStages; };  // the stage holding this item's K/V tile i
-    auto wait_full = [&](int i) { mbarrier_wait(full(ring(i)), ((it + i) / kStages) & 1); };
+    auto wait_full = [&](int i) { mbarrier_wait(full(ring(i)), ((it + i) / kStages) & 1); };  // step 17: K only
+    auto wait_v = [&](int i) { mbarrier_wait(v_full(ring(i)), ((it + i) / kStages) & 1); };  // step 17
     auto key_tile = [&](int i) { return stages + ring(i) * 2 * kTile; };
     // Only a tile that reaches past Nk, or crosses this warpgroup's diagonal, has keys to mask (steps 1-3 mask all).
     auto needs_mask = [&](int i) {
@@ -431,6 +454,7 @@ __global__ void __launch_bounds__(128 * (1 + Step::template consumers<D>()), 1)
     if constexpr (!Step::kOverlap) {
       for (int i = 0; i < tiles; ++i) {
         wait_full(i);
+        if constexpr (Step::kSplitFull) wait_v(i);
         if (i == 0) mark(2);
         const uint32_t sk = key_tile(i);
         if (needs_mask(i)) {
@@ -472,6 +496,7 @@ __global__ void __launch_bounds__(128 * (1 + Step::template consumers<D>()), 1)
         wgmma_fence();
         issue_qk<T, D, kN>(s, sq_wg, kQPanel, key_tile(i));
         wgmma_commit();
+        if constexpr (Step::kSplitFull) wait_v(i - 1);  // step 17: V only now, where P V reads it
         issue_pv<T, D, kN, Step::kVDirect>(st, prev, key_tile(i - 1) + kTile);
         wgmma_commit();
         done(false);
@@ -484,6 +509,7 @@ __global__ void __launch_bounds__(128 * (1 + Step::template consumers<D>()), 1)
         rescale<D>(st, alpha);
       };
       auto last = [&](uint32_t (&prev)[kN / 16][4]) {  // O += P V for the last tile
+        if constexpr (Step::kSplitFull) wait_v(tiles - 1);
         turn();
         fence_registers(st.acc);
         fence_fragments(prev);
@@ -525,12 +551,14 @@ __global__ void __launch_bounds__(128 * (1 + Step::template consumers<D>()), 1)
     mark(5);
     for (int i = tiles; i < wk.tiles; ++i) {  // step 14: tiles only the other consumers need, handed straight back
       wait_full(i);  // (arriving before the tile is in would count towards the stage's previous tile)
+      if constexpr (Step::kSplitFull) wait_v(i);
       mbarrier_arrive(empty(ring(i)));
     }
     it += wk.tiles;
     if (Step::kPersistent) mbarrier_arrive(q_empty(qb));  // Q's buffer may take item n + 2
     if constexpr (Step::kTmaStore) store_tile<T, D>(st, sq_wg, kQPanel, &map_o, q_lo, wk.bh, wg);
     else store_rows<T, D>(st, o, wk.bh, row, t, p.seqlen_q);
+    store_lse<D>(st, p, wk.bh, row, t);
     mark(6);
     if (tid == 128 && n == 0) note(p, 7, static_cast<long long>(sm_id()) << 32 | wk.tiles);
     if (!Step::kPersistent) break;

@@ -24,6 +24,7 @@ struct HopperStep1Tma {
   static constexpr bool kHeadGroups = false;   // step 13: a group of heads' blocks start together
   static constexpr bool kOwnDiagonal = false;  // step 14: each consumer stops at its own diagonal
   static constexpr bool kTmaStore = false;     // step 15: O leaves through shared memory and TMA
+  static constexpr bool kSplitFull = false;    // step 17: K and V each arrive on a barrier of their own
 };
 
 // Step 2: two K/Vᵀ buffers; the next tile's copy is issued before this tile's multiplies.
@@ -106,5 +107,10 @@ struct HopperStep16WideVDirect : HopperStep10VDirect {
   static constexpr int kStages = 2;
   static constexpr bool kQPerConsumer = true;
 };
+
+// Step 17 goes back to step 15 and gives a stage's K and V a `full` barrier each, as the Gluon kernel of notebook
+// 05b does. Until here S_i waited for the whole stage, V_i included, which only the next tile's P V reads; now S_i
+// starts once K_i has landed, and P V waits for V only there.
+struct HopperStep17SplitFull : HopperStep15TmaStore { static constexpr bool kSplitFull = true; };
 
 }  // namespace course_hopper

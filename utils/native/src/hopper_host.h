@@ -46,4 +46,15 @@ inline CUtensorMap tensor_map(const char* name, const torch::Tensor& t, cuuint32
   return map;
 }
 
+// A contiguous (batch, heads, rows, cols) tensor seen as 3-d (cols, rows, batch x heads), read in boxes of
+// 64 columns x `box_rows` rows: Q, K, V, O and dO of the attention kernels.
+inline CUtensorMap map_3d(const char* name, const torch::Tensor& t, int box_rows) {
+  const int64_t rows = t.size(2), cols = t.size(3);
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows),
+                              static_cast<cuuint64_t>(t.size(0) * t.size(1))};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(cols * 2), static_cast<cuuint64_t>(rows * cols * 2)};
+  const cuuint32_t box[3] = {64, static_cast<cuuint32_t>(box_rows), 1};
+  return tensor_map(name, t, 3, dims, strides, box);
+}
+
 }  // namespace course_hopper

@@ -1,0 +1,110 @@
+"""utils.native.hopper_backward.flash_hopper_backward: the backward on wgmma and TMA (utils/native/src/hopper_backward.cu), and
+the forward's log-sum-exp it starts from. Validation on any machine, the compile for sm_90a where nvcc is, and on an
+sm_90 GPU the log-sum-exp of every forward step and the gradients against float64 autograd."""
+import math
+
+import pytest
+import torch
+
+from utils import gpu
+from utils.course.testing import (ODD_SHAPES_64_128, assert_gradients_close, assert_gradients_match_reference,
+                                  random_qkv, reference_gradients)
+from utils.native import build as native_build
+from utils.native.build import find_nvcc
+from utils.native.hopper import ATTENTION_STEPS, flash_hopper, flash_hopper_forward
+from utils.native.hopper_backward import flash_hopper_attention, flash_hopper_backward
+
+needs_nvcc = pytest.mark.skipif(find_nvcc() is None, reason="nvcc not found")
+on_hopper = pytest.mark.skipif(not torch.cuda.is_available() or gpu.capability() != (9, 0),
+                               reason="needs an sm_90 GPU (H100/H200)")
+
+
+def forward_with_lse(q, k, v, *, causal, sm_scale=None):
+    """(o, lse) in float64, o cast to q's dtype: lse natural-log fp32 (B, H, Nq), -inf where a row sees no key."""
+    nq, nk, d = q.shape[2], k.shape[2], q.shape[3]
+    group = q.shape[1] // k.shape[1]
+    kk, vv = (t.double().repeat_interleave(group, 1) for t in (k, v))
+    s = q.double() @ kk.transpose(-2, -1) * (sm_scale or 1 / math.sqrt(d))
+    if causal:  # bottom-right: key j hidden from query i when j > i + nk - nq
+        s = s.masked_fill(torch.ones(nq, nk, dtype=torch.bool, device=q.device).triu(nk - nq + 1), -math.inf)
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)  # a row with no key: all 0
+    return (p @ vv).to(q.dtype), lse.float()
+
+
+def test_inputs_are_validated_before_any_gpu_work():
+    q, k, v = random_qkv(1, 2, 16, 16, 64, dtype=torch.float16, device="cpu")
+    o, lse = forward_with_lse(q, k, v, causal=False)
+    with pytest.raises(ValueError, match="cuda"):
+        flash_hopper_backward(torch.randn_like(q), q, k, v, o, lse)
+    with pytest.raises(TypeError, match="float16 or bfloat16|dtype"):
+        flash_hopper_backward(*(t.float() for t in (q, q, k, v, o)), lse)
+    with pytest.raises(ValueError, match="head_dim|head dim"):
+        q96 = torch.randn(1, 2, 16, 96, dtype=torch.float16)
+        flash_hopper_backward(q96, q96, q96, q96, q96, lse)
+    with pytest.raises(ValueError, match="do has shape"):
+        flash_hopper_backward(q[:, :1], q, k, v, o, lse)
+
+
+@needs_nvcc
+def test_the_backward_compiles_for_sm_90a_with_wgmma_in_flight():
+    """Eight kernels (fp16, bf16; D = 64, 128; causal or not), none with wgmma serialised, and 06bw's prepare and
+    finish passes. At D = 64 the consumers hold Sᵀ, dPᵀ (64 registers each), Pᵀ's fragments, dV and dK at once:
+    ptxas spills a few loop invariants."""
+    results = native_build.compile_check("hopper_backward")
+    types = ("__half", "__nv_bfloat16")
+    assert {r.kernel for r in results} == (
+        {f"hopper_backward_kernel<{t}, {d}, {c}>" for t in types for d in (64, 128) for c in ("false", "true")}
+        | {f"flash_bwd_{p}_kernel<{t}, {d}>" for p in ("prepare", "finish") for t in types for d in (64, 128)})
+    results = [r for r in results if r.kernel.startswith("hopper_backward_kernel")]
+    assert all(r.arch == "sm_90a" and r.registers <= 168 for r in results)  # 384 threads: setmaxnreg moves the rest
+    assert not [r.kernel for r in results if r.wgmma_serialized], "ptxas serialised the wgmma (C7513)"
+    assert all(max(r.spill_stores, r.spill_loads) == 0 for r in results if ", 128, " in r.kernel)
+    assert all(max(r.spill_stores, r.spill_loads) <= 48 for r in results)
+
+
+@on_hopper
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+def test_gradients_match_float64_autograd(causal, dtype):
+    for b, h, hk, nq, nk, d in ODD_SHAPES_64_128:
+        q, k, v = random_qkv(b, h, nq, nk, d, kv_heads=hk, dtype=dtype, device="cuda", seed=nq + nk)
+        do = torch.randn(q.shape, generator=torch.Generator().manual_seed(nq)).to("cuda", dtype)
+        o, lse = forward_with_lse(q, k, v, causal=causal)
+        grads = flash_hopper_backward(do, q, k, v, o, lse, causal=causal)
+        assert [g.dtype for g in grads] == [dtype] * 3
+        assert_gradients_close(grads, reference_gradients(q, k, v, do, causal=causal), dtype)
+
+
+@on_hopper
+def test_large_scores_and_a_scale_of_its_own():
+    q, k, v = random_qkv(1, 2, 300, 300, 64, dtype=torch.bfloat16, device="cuda")
+    q = q * 20  # scores ~1e3
+    do = torch.randn_like(q)
+    o, lse = forward_with_lse(q, k, v, causal=True, sm_scale=0.3)
+    grads = flash_hopper_backward(do, q, k, v, o, lse, causal=True, sm_scale=0.3)
+    assert_gradients_close(grads, reference_gradients(q, k, v, do, causal=True, sm_scale=0.3), torch.bfloat16)
+
+
+@on_hopper
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("step", ATTENTION_STEPS)
+def test_every_forward_step_writes_the_log_sum_exp(step, d):
+    """Rows before the causal diagonal's start see no key: -inf; O is the same as without the log-sum-exp."""
+    q, k, v = random_qkv(2, 4, 333, 200, d, kv_heads=2, dtype=torch.bfloat16, device="cuda")
+    o, lse = flash_hopper_forward(q, k, v, causal=True, step=step)
+    assert torch.equal(o, flash_hopper(q, k, v, causal=True, step=step))
+    _, expected = forward_with_lse(q, k, v, causal=True)
+    assert lse.shape == (2, 4, 333) and lse.dtype == torch.float32
+    assert torch.isneginf(lse[:, :, :133]).all()
+    torch.testing.assert_close(lse[:, :, 133:], expected[:, :, 133:], atol=1e-3, rtol=1e-4)
+
+
+@on_hopper
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_registry_entry_differentiates_through_both_kernels(causal):
+    for b, h, hk, nq, nk, d in ODD_SHAPES_64_128[2:5]:
+        q, k, v = random_qkv(b, h, nq, nk, d, kv_heads=hk, dtype=torch.float16, device="cuda", seed=d)
+        assert_gradients_match_reference(flash_hopper_attention, q, k, v, causal=causal)
+    q, k, v = random_qkv(1, 2, 64, 64, 64, dtype=torch.float16, device="cuda")
+    assert torch.equal(flash_hopper_attention(q, k, v), flash_hopper(q, k, v))  # no grad asked: no log-sum-exp

@@ -1,0 +1,60 @@
+"""The backward of notebook 06c's Hopper kernel (worklog 06cw section 7): worklog 07w's Gluon backward in CUDA, on
+wgmma and TMA (utils/native/src/hopper_backward.cu), and the registry's differentiable "cuda_hopper".
+
+- `flash_hopper_backward(do, q, k, v, o, lse)` -> (dq, dk, dv), from the forward's o and lse
+  (utils.native.hopper.flash_hopper_forward).
+- `flash_hopper_attention(q, k, v)`: the forward, and this backward through autograd when an input requires grad.
+"""
+from __future__ import annotations
+
+import torch
+
+from utils import gpu
+from utils.checks import CUDA_GRID_Y, check_device
+from utils.eager.backward import check_backward_inputs
+from utils.native import build as native_build
+from utils.native.hopper import _readable, flash_hopper, flash_hopper_forward
+
+
+def flash_hopper_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                          lse: torch.Tensor, *, causal: bool = False, sm_scale=None):
+    """Gradients (dq, dk, dv) of attention with wgmma and TMA (utils/native/src/hopper_backward.cu), on an sm_90 GPU
+    only, from the forward's o and its natural-log lse, fp32 (batch, heads, seqlen_q), -inf for a row that sees no
+    key (as `flash_hopper_forward` returns it).
+
+    q (B, H, Nq, D), k and v (B, Hkv, Nk, D) with Hkv dividing H (dk, dv per K/V head, summed over its group); do and
+    o like q. fp16 or bf16, head dims 64 and 128, any lengths, causal aligned bottom-right."""
+    shape, scale = check_backward_inputs(do, q, k, v, o, lse, causal=causal, sm_scale=sm_scale, head_dims=(64, 128),
+                                         dtypes=(torch.float16, torch.bfloat16))
+    check_device("q", q, "cuda")
+    if shape.batch * shape.kv_heads > CUDA_GRID_Y:
+        raise ValueError(f"batch x kv_heads = {shape.batch * shape.kv_heads} is more than the backward's grid has rows "
+                         f"(gridDim.y, at most {CUDA_GRID_Y}); split the batch")
+    native_build.check_hopper_capability(gpu.capability(q.device))
+    do, q, k, v, o = (_readable(t) for t in (do, q, k, v, o))
+    return tuple(native_build.load("hopper_backward").hopper_attention_backward(do, q, k, v, o, lse.float().contiguous(),
+                                                                                causal, scale))
+
+
+class HopperFunction(torch.autograd.Function):
+    """Autograd: the forward saves (q, k, v, o, lse); the backward runs `flash_hopper_backward`."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, sm_scale):
+        o, lse = flash_hopper_forward(q, k, v, causal=causal, sm_scale=sm_scale)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.causal, ctx.sm_scale = causal, sm_scale
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        return *flash_hopper_backward(do, q, k, v, o, lse, causal=ctx.causal, sm_scale=ctx.sm_scale), None, None
+
+
+def flash_hopper_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False, sm_scale=None):
+    """The registry's "cuda_hopper": `flash_hopper`'s default step, differentiable through `flash_hopper_backward`
+    when an input requires grad (the forward then also writes the log-sum-exp)."""
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v)):
+        return HopperFunction.apply(q, k, v, causal, sm_scale)
+    return flash_hopper(q, k, v, causal=causal, sm_scale=sm_scale)

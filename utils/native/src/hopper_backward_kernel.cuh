@@ -1,0 +1,287 @@
+// Notebook 06c's backward on Hopper's instructions (the worklog 07w's Gluon backward, utils/explicit/backward.py,
+// in CUDA). With P = exp(S·scale − lse), S = Q Kᵀ and D = rowsum(dO ∘ O):
+//
+//   dV = Pᵀ dO      dP = dO Vᵀ      dS = P ∘ (dP − D)      dK = scale · dSᵀ Q      dQ = scale · dS K
+//
+// One block per 128 keys of one (batch, K/V head); it walks every query block of every query head of its GQA
+// group, so dK and dV add up in registers. Three warpgroups:
+//   warpgroup 0, the producer: one thread has TMA load the block's K and V once, then per query block Q, dO (in
+//     128-byte swizzled panels of 64 columns) and the rows of lse2 and D into a ring of kStages stages;
+//   warpgroups 1 and 2, the consumers: 64 keys each, in the transposed frame. Per query block:
+//     Sᵀ = K Qᵀ and dPᵀ = V dOᵀ   wgmma, both operands in shared memory (as the forward's S = Q Kᵀ)
+//     Pᵀ, then dV += Pᵀ dO         A = Pᵀ from registers, B = dO read N-major (as the forward's O += P V)
+//     dSᵀ, then dK += dSᵀ Q        the same with dSᵀ and Q
+//     dSᵀ to shared memory; once both consumers' halves are in (a named barrier over the two):
+//     dQ = dS K                    A = dS read M-major out of dSᵀ, B = K read N-major: 64 x 64 per consumer
+//     added to an fp32 dQ in global memory with 8-byte atomics (the finish pass scales and casts it).
+// lse2 = lse · log2(e) (+inf for rows that see no key, and in the padding), delta = D, fp32 (batch · heads,
+// padded_q), padded_q a multiple of 128: the prepare pass of flash_bwd_passes.cuh writes them. Causal attention is
+// aligned bottom-right (key j visible to query i when j <= i + Nk − Nq); TMA's zero fill covers ragged tiles.
+#pragma once
+#include "hopper_attention_kernel.cuh"  // pack2, fast_exp2, fence_fragments, issue_qk
+
+namespace course_hopper {
+
+struct BackwardParams {
+  int seqlen_q, seqlen_k, heads, kv_heads, padded_q;
+  float scale_log2;    // softmax scale · log2(e): P = exp2(s · scale_log2 − lse2)
+  float scale;         // softmax scale: dK's
+  const float* lse2;   // (batch · heads, padded_q)
+  const float* delta;  // (batch · heads, padded_q)
+  float* dq_accum;     // fp32 (batch, heads, seqlen_q, D), zeroed: receives dQ / scale (the finish pass scales)
+  void* dk;            // (batch, kv_heads, seqlen_k, D), in T
+  void* dv;
+};
+
+// Tiles and shared memory. BM queries per step of the loop: 128 at D = 64, 64 at D = 128 (dK and dV take D / 2
+// registers each, and Sᵀ, dPᵀ BM / 2 each: at D = 128 both at 128 would not fit in 240).
+template <int D> struct BackwardTile {
+  static constexpr int kRows = D == 64 ? 128 : 64;  // BM
+  static constexpr int kKeys = 128;                 // keys per block, 64 per consumer
+  static constexpr int kStages = 2;                 // Q, dO, lse2, delta ring
+  static constexpr int kThreads = 384;
+  static constexpr int kQTile = kRows * D * 2;      // Q or dO: D / 64 panels of kRows rows x 128 bytes
+  static constexpr int kKHalf = 64 * D * 2;         // one consumer's K or V: D / 64 panels of 64 rows
+  static constexpr int kDsTile = 64 * kRows * 2;    // one consumer's dSᵀ: kRows / 64 panels of 64 key rows
+  // byte offsets from a 1024-byte boundary; swizzled tiles start on one
+  static constexpr int kQ = 0, kDO = kQ + kStages * kQTile, kK = kDO + kStages * kQTile, kV = kK + 2 * kKHalf;
+  static constexpr int kDS = kV + 2 * kKHalf;       // [tile parity][consumer]
+  static constexpr int kLse = kDS + 4 * kDsTile, kDelta = kLse + kStages * kRows * 4;
+  static constexpr int kBytes = kDelta + kStages * kRows * 4;
+  static constexpr int kSmemBytes = kBytes + 1024;  // room to align the base
+};
+
+template <typename T, int D, bool kCausal>
+__global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
+    hopper_backward_kernel(const __grid_constant__ CUtensorMap map_q, const __grid_constant__ CUtensorMap map_k,
+                           const __grid_constant__ CUtensorMap map_v, const __grid_constant__ CUtensorMap map_do,
+                           const BackwardParams p) {
+  using Tile = BackwardTile<D>;
+  constexpr int BM = Tile::kRows, kStages = Tile::kStages;
+  constexpr int kPanel = 64 * 128;  // 64 rows of a 64-column panel
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+  const uint32_t base = smem_u32(smem);
+  const float* lse_s = reinterpret_cast<const float*>(smem + Tile::kLse);
+  const float* delta_s = reinterpret_cast<const float*>(smem + Tile::kDelta);
+  __shared__ __align__(8) uint64_t bars[1 + 2 * kStages];  // K and V arrived; full[s]; empty[s]
+  const uint32_t kv_bar = smem_u32(&bars[0]);
+  auto full = [&](int s) { return smem_u32(&bars[1 + s]); };
+  auto empty = [&](int s) { return smem_u32(&bars[1 + kStages + s]); };
+
+  const int tid = threadIdx.x, warpgroup = tid / 128;
+  const int n0 = blockIdx.x * Tile::kKeys, bh_kv = blockIdx.y, b = bh_kv / p.kv_heads, hk = bh_kv % p.kv_heads;
+  const int group = p.heads / p.kv_heads, offset = p.seqlen_k - p.seqlen_q;
+  // the query blocks that see any of the block's keys: from m_first on (causal), of each head of the group
+  const int m_first = kCausal ? max(0, n0 - offset) / BM : 0, m_blocks = (p.seqlen_q + BM - 1) / BM;
+  const int per_head = max(0, m_blocks - m_first), tiles = group * per_head;
+  // Tile t: (batch · heads + query head) bh and first query row q0. Walked by counters: query blocks m_first.. of
+  // head hk · group, then of the next head of the group.
+  struct Walk {
+    int bh, m;
+    __device__ __forceinline__ void next(int m_first, int m_blocks) {
+      if (++m == m_blocks) m = m_first, ++bh;
+    }
+  };
+  const Walk start{b * p.heads + hk * group, m_first};
+
+  if (tid == 0) {
+    mbarrier_init(kv_bar, 1);
+    for (int s = 0; s < kStages; ++s) mbarrier_init(full(s), 1), mbarrier_init(empty(s), 256);
+  }
+  __syncthreads();
+
+  if (warpgroup == 0) {  // the producer
+    setmaxnreg_dec<24>();
+    if (tid == 0) {
+      mbarrier_arrive_expect(kv_bar, 4 * Tile::kKHalf);
+      for (int c = 0; c < 2; ++c) {  // consumer c's keys
+        for (int panel = 0; panel < D / 64; ++panel) {
+          const uint32_t at = c * Tile::kKHalf + panel * kPanel;
+          tma_load_3d(base + Tile::kK + at, &map_k, 64 * panel, n0 + 64 * c, bh_kv, kv_bar);
+          tma_load_3d(base + Tile::kV + at, &map_v, 64 * panel, n0 + 64 * c, bh_kv, kv_bar);
+        }
+      }
+      Walk w = start;
+      for (int t = 0; t < tiles; ++t, w.next(m_first, m_blocks)) {
+        const int s = t % kStages, bh = w.bh, q0 = w.m * BM;
+        if (t >= kStages) mbarrier_wait(empty(s), (t / kStages - 1) & 1);  // tile t - kStages released it
+        mbarrier_arrive_expect(full(s), 2 * Tile::kQTile + 2 * BM * 4);
+        for (int panel = 0; panel < D / 64; ++panel) {
+          const uint32_t at = s * Tile::kQTile + panel * BM * 128;
+          tma_load_3d(base + Tile::kQ + at, &map_q, 64 * panel, q0, bh, full(s));
+          tma_load_3d(base + Tile::kDO + at, &map_do, 64 * panel, q0, bh, full(s));
+        }
+        const long long row = static_cast<long long>(bh) * p.padded_q + q0;
+        bulk_load(base + Tile::kLse + s * BM * 4, p.lse2 + row, BM * 4, full(s));
+        bulk_load(base + Tile::kDelta + s * BM * 4, p.delta + row, BM * 4, full(s));
+      }
+    }
+    return;
+  }
+
+  setmaxnreg_inc<240>();  // a consumer
+  const int W = warpgroup - 1, wtid = tid % 128, warp = wtid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
+  const uint32_t sk = base + Tile::kK + W * Tile::kKHalf, sv = base + Tile::kV + W * Tile::kKHalf;
+  const int key_lo = n0 + 64 * W;                                  // this consumer's 64 keys
+  const int key[2] = {key_lo + 16 * warp + g, key_lo + 16 * warp + g + 8};  // the rows this thread holds
+  // dQ: at D = 64 consumer W takes query rows 64W.. of the block's 128, all columns; at D = 128 all 64 rows and
+  // columns 64W..
+  const int r0 = BM == 128 ? 64 * W : 0, c0 = BM == 128 ? 0 : 64 * W;
+  float dk[D / 2], dv[D / 2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
+  mbarrier_wait(kv_bar, 0);
+
+  Walk w = start;
+  for (int t = 0; t < tiles; ++t, w.next(m_first, m_blocks)) {
+    const int s = t % kStages, bh = w.bh, q0 = w.m * BM;
+    const uint32_t sq = base + Tile::kQ + s * Tile::kQTile, sdo = base + Tile::kDO + s * Tile::kQTile;
+    const float* lse2 = lse_s + s * BM;
+    const float* delta = delta_s + s * BM;
+    mbarrier_wait(full(s), (t / kStages) & 1);
+
+    // Sᵀ = K Qᵀ and dPᵀ = V dOᵀ: 64 keys x BM queries each; A: this consumer's K or V (panels of 64 rows), B: Q or
+    // dO (panels of BM rows). Thread: keys key[0], key[1]; queries q0 + 8j + 2t4 (+1) in st[4j..4j+3].
+    float st[BM / 2], dpt[BM / 2];
+    fence_registers(st);
+    fence_registers(dpt);
+    wgmma_fence();
+    issue_qk<T, D, BM>(st, sk, kPanel, sq);
+    wgmma_commit();
+    issue_qk<T, D, BM>(dpt, sv, kPanel, sdo);
+    wgmma_commit();
+    wgmma_wait<1>();  // Sᵀ is done
+    fence_registers(st);
+
+    // Pᵀ = 2^(Sᵀ·scale·log2 e − lse2[query]); 0 where the key is hidden: past Nk, or causal and key > query + offset
+    const bool masked = key_lo + 64 > p.seqlen_k || (kCausal && key_lo + 63 > q0 + offset);
+#pragma unroll
+    for (int j = 0; j < BM / 8; ++j) {
+      const float2 l = *reinterpret_cast<const float2*>(lse2 + 8 * j + 2 * t4);
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int q = q0 + 8 * j + 2 * t4 + r % 2, k = key[r / 2];
+        const float x = fast_exp2(fmaf(st[4 * j + r], p.scale_log2, -(r % 2 ? l.y : l.x)));
+        st[4 * j + r] = masked && (k >= p.seqlen_k || (kCausal && k > q + offset)) ? 0.f : x;
+      }
+    }
+    // The C fragments of query columns 16kk.. are the A fragment of K-slice kk (as P in the forward's O += P V).
+    uint32_t pa[BM / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < BM / 16; ++kk)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) pa[kk][i] = pack2<T>(st[8 * kk + 2 * i], st[8 * kk + 2 * i + 1]);
+
+    // dV += Pᵀ dO: K = the BM queries, 16 rows (2 KB) a slice; N = D, dO's panels BM · 128 bytes apart
+    fence_fragments(pa);
+    fence_registers(dv);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BM / 16; ++kk)
+      wgmma_m64k16_rs<T, D, true>(dv, pa[kk], smem_desc(sdo + kk * 2048, BM * 128, 1024, Swizzle::k128B));
+    wgmma_commit();
+    wgmma_wait<1>();  // dPᵀ is done (dV may still run)
+    fence_registers(dpt);
+
+    // dSᵀ = Pᵀ ∘ (dPᵀ − delta[query]), in place of Pᵀ, then its A fragments
+#pragma unroll
+    for (int j = 0; j < BM / 8; ++j) {
+      const float2 dl = *reinterpret_cast<const float2*>(delta + 8 * j + 2 * t4);
+#pragma unroll
+      for (int r = 0; r < 4; ++r) st[4 * j + r] *= dpt[4 * j + r] - (r % 2 ? dl.y : dl.x);
+    }
+    uint32_t sa[BM / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < BM / 16; ++kk)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) sa[kk][i] = pack2<T>(st[8 * kk + 2 * i], st[8 * kk + 2 * i + 1]);
+
+    // dK += dSᵀ Q (the scale once, at the end)
+    fence_fragments(sa);
+    fence_registers(dk);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BM / 16; ++kk)
+      wgmma_m64k16_rs<T, D, true>(dk, sa[kk], smem_desc(sq + kk * 2048, BM * 128, 1024, Swizzle::k128B));
+    wgmma_commit();
+
+    // dSᵀ into shared memory for dQ: this consumer's 64 key rows x BM queries, in panels of 64 queries, 128-byte
+    // swizzled as TMA lays out a tile (the layout wgmma's descriptors read). Buffers alternate with the tile's
+    // parity: the other consumer may still read the last tile's.
+    const uint32_t sds = base + Tile::kDS + ((t % 2) * 2 + W) * Tile::kDsTile;
+#pragma unroll
+    for (int j = 0; j < BM / 8; ++j) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const uint32_t at = sds + (j / 8) * kPanel +
+                            swizzle((16 * warp + g + 8 * half) * 128 + 16 * (j % 8) + 4 * t4, Swizzle::k128B);
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at), "r"(sa[j / 2][2 * (j % 2) + half]) : "memory");
+      }
+    }
+    fence_proxy_async();         // the stores visible to wgmma
+    named_barrier_sync(1, 256);  // both consumers' dSᵀ are in
+
+    // dQ (rows r0.., columns c0.., 64 x 64) = dS K over the block's 128 keys, 16 a slice: A = dS, M-major out of
+    // dSᵀ (consumer hh's panel of queries r0..); B = K of consumer hh, N-major (its panel of columns c0..)
+    float dq[32];
+    fence_registers(dq);
+    wgmma_fence();
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const uint32_t a = base + Tile::kDS + ((t % 2) * 2 + hh) * Tile::kDsTile + (r0 / 64) * kPanel;
+      const uint32_t bk = base + Tile::kK + hh * Tile::kKHalf + (c0 / 64) * kPanel;
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)
+        wgmma_m64n64k16<T, true, true>(dq, smem_desc(a + kk * 2048, kPanel, 1024, Swizzle::k128B),
+                                       smem_desc(bk + kk * 2048, kPanel, 1024, Swizzle::k128B), hh + kk > 0);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();  // dV, dK and dQ done: Q, dO, lse2 and delta of stage s are free
+    fence_registers(dq);
+    fence_registers(dv);
+    fence_registers(dk);
+    mbarrier_arrive(empty(s));
+
+    // dQ / scale into the fp32 accumulator: rows q0 + r0 + 16 warp + g (+8), columns c0 + 8j + 2t4 (+1)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int q = q0 + r0 + 16 * warp + g + 8 * half;
+      if (q >= p.seqlen_q) continue;
+      float* dst = p.dq_accum + (static_cast<long long>(bh) * p.seqlen_q + q) * D + c0 + 2 * t4;
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        atomicAdd(reinterpret_cast<float2*>(dst + 8 * j), make_float2(dq[4 * j + 2 * half], dq[4 * j + 2 * half + 1]));
+    }
+  }
+
+  // dK (scaled) and dV of this thread's two keys
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    if (key[half] >= p.seqlen_k) continue;
+    const long long row = (static_cast<long long>(bh_kv) * p.seqlen_k + key[half]) * D + 2 * t4;
+    T* dk_row = static_cast<T*>(p.dk) + row;
+    T* dv_row = static_cast<T*>(p.dv) + row;
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) {
+      *reinterpret_cast<uint32_t*>(dk_row + 8 * j) =
+          pack2<T>(dk[4 * j + 2 * half] * p.scale, dk[4 * j + 2 * half + 1] * p.scale);
+      *reinterpret_cast<uint32_t*>(dv_row + 8 * j) = pack2<T>(dv[4 * j + 2 * half], dv[4 * j + 2 * half + 1]);
+    }
+  }
+}
+
+template <typename T, int D>
+cudaError_t launch_backward(bool causal, const CUtensorMap& q, const CUtensorMap& k, const CUtensorMap& v,
+                            const CUtensorMap& dout, const BackwardParams& p, int batch_kv_heads,
+                            cudaStream_t stream) {
+  using Tile = BackwardTile<D>;
+  auto kernel = causal ? hopper_backward_kernel<T, D, true> : hopper_backward_kernel<T, D, false>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes);
+  if (err != cudaSuccess) return err;
+  const dim3 grid((p.seqlen_k + Tile::kKeys - 1) / Tile::kKeys, batch_kv_heads);
+  kernel<<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(q, k, v, dout, p);
+  return cudaGetLastError();
+}
+
+}  // namespace course_hopper
