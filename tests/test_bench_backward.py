@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from utils.course.bench import backward_tiles
-from utils.course.bench.backward import (TRITON_LOADS, format_table, load_results, plot_backward_benchmark, ratios,
+from utils.course.bench.backward import (COLORS, KNOWN, TRITON_LOADS, format_table, load_results, plot_backward_benchmark, ratios,
                                   run_backward_benchmark, save_results, triton_loads, triton_tiles)
 from utils.tiled.fast.backward import Config, _fitted_config
 
@@ -32,6 +32,12 @@ def test_save_load_and_plot(tmp_path):
     assert len(fig.axes) == 1
     with pytest.raises(ValueError):
         plot_backward_benchmark([])
+
+
+def test_every_backend_has_a_colour_in_the_plot():
+    assert set(KNOWN) <= set(COLORS), sorted(set(KNOWN) - set(COLORS))
+    rows = [dict(r, backend=b) for r in ROWS[:1] for b in KNOWN]
+    assert len(plot_backward_benchmark(rows).axes[0].lines) == len(KNOWN)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU error")

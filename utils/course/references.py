@@ -57,6 +57,9 @@ REFERENCES = {
     "gluon_ws3": (1, ["utils.course.bench.forward", "--impls", "gluon_ws", "--ws-tiles", "--ws3-tiles", "--sdpa",
                       "cudnn", "--head-dims", "64", "--seqlens", "2048", "4096", "8192", "16384", "--rounds", "2",
                       "--name", "05b_gluon_ws3_h200"]),
+    # worklog 05bw: the warp-specialised forwards with the consumers' products in turns (ping-pong) beside them
+    "gluon_pingpong": (1, ["utils.course.bench.forward", "--impls", "gluon_ws", "gluon_ws3", "--ws-pingpong", "--sdpa",
+                           "cudnn", "flash", "--seqlens", "4096", "16384", "--name", "05b_gluon_pingpong_h200"]),
     # worklog 05bw section 6: the Gluon forwards as they are ("before") and with the whole softmax in each arm of the
     # mask's branch ("after": the patch section 6 shows, applied by hand), two runs of each tree alternated
     "sass_split": (1, ["utils.course.bench.forward", "--impls", "gluon", "gluon_ws", "gluon_ws3", "--sdpa", "cudnn",
@@ -98,6 +101,9 @@ REFERENCES = {
     "mma_ncu_step15": (1, ["utils.course.bench.ncu", "--worklog", "mma", "--steps", "late_copy", "rare_rescale",
                            "whole_tiles", "--head-dim", "128", "--seqlen", "4096", "--name", "06b_ncu_step15_h200"]),
     "hopper": (1, ["utils.course.bench.cuda_mma", "--worklog", "hopper", "--name", "06c_hopper_h200"]),  # sm_90 only
+    # sm_90 only: step 17 (K and V on full barriers of their own) beside the default step, 2 rounds (06cw section 6)
+    "hopper_split_full": (1, ["utils.course.bench.cuda_mma", "--worklog", "hopper", "--steps", "tma_store", "split_full",
+                              "--seqlens", "4096", "16384", "--rounds", "2", "--name", "06c_split_full_h200"]),
     "hopper_persistent": (1, ["utils.course.bench.cuda_mma", "--worklog", "hopper", "--steps", "v_direct", "three_consumers",
                               "persistent", "--seqlens", "4096", "8192", "16384", "--name", "06c_persistent_h200"]),
     "hopper_diagonal": (1, ["utils.course.bench.cuda_mma", "--worklog", "hopper", "--steps", "three_consumers",
@@ -166,6 +172,10 @@ REFERENCES = {
                                     "cuda_pairs_between", "cuda_split_kv", "cuda_stagger", "sdpa_flash",
                                     "sdpa_cudnn", "--seqlens", "2048", "4096", "8192", "16384", "--rounds", "2",
                                     "--out", "images/06b_bwd_steps1619_h200.json"]),
+    # sm_90 only: 06c's backward beside the Gluon backward, 06b's and SDPA's (06cw section 7)
+    "hopper_backward": (1, ["utils.course.bench.backward", "--backends", "cuda_hopper", "gluon_bwd", "cuda_stagger",
+                            "sdpa_flash", "sdpa_cudnn", "--seqlens", "4096", "16384", "--out",
+                            "images/06c_backward_h200.json"]),
     "decoding": (1, ["utils.course.bench.decoding", "--out", "images"]),
     "launch_floor": (1, ["utils.course.bench.decoding", "--launch-floor", "--out", "images"]),
     "decoding_tiles": (1, ["utils.course.bench.decoding", "--tile-sweep", "--out", "images"]),

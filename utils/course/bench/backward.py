@@ -237,6 +237,14 @@ def load_results(path) -> tuple[dict, list[dict]]:
     return data["meta"], data["rows"]
 
 
+# a colour per backend the plot can meet (tests hold that KNOWN is covered)
+COLORS = {"triton": "C0", "sdpa_flash": "C1", "sdpa_cudnn": "C2", "sdpa_efficient": "C3", "triton_tutorial": "C4",
+          "gluon_bwd": "m", "gluon_bwd_by_head": "tab:pink", "gluon_bwd_grouped": "tab:olive",
+          "triton_pointer": "C5", "triton_tma": "C6", "triton_tma_stats": "C8",
+          "triton_atomic_dq": "C7", "triton_reduce_dq": "k", "cuda_hopper": "tab:brown",
+          **{b: f"C{9 + i}" for i, b in enumerate(CUDA_BACKENDS)}}
+
+
 def plot_backward_benchmark(rows: list[dict], title: str = ""):
     """One panel per head dim: backward TFLOP/s against sequence length, a line per backend and masking."""
     import matplotlib.pyplot as plt
@@ -248,18 +256,13 @@ def plot_backward_benchmark(rows: list[dict], title: str = ""):
     if not head_dims:
         raise ValueError("no rows to plot")
     fig, axes = plt.subplots(1, len(head_dims), figsize=(6 * len(head_dims), 4), sharey=True, squeeze=False)
-    colors = {"triton": "C0", "sdpa_flash": "C1", "sdpa_cudnn": "C2", "sdpa_efficient": "C3", "triton_tutorial": "C4",
-              "gluon_bwd": "m", "gluon_bwd_by_head": "tab:pink", "gluon_bwd_grouped": "tab:olive",
-              "triton_pointer": "C5", "triton_tma": "C6", "triton_tma_stats": "C8",
-              "triton_atomic_dq": "C7", "triton_reduce_dq": "k",
-              **{b: f"C{9 + i}" for i, b in enumerate(CUDA_BACKENDS)}}
     for ax, d in zip(axes[0], head_dims):
         for b in KNOWN:
             for c, style in ((False, "-"), (True, "--")):
                 pts = sorted((r["seqlen"], r["tflops"]) for r in rows
                              if r["backend"] == b and r["head_dim"] == d and r["causal"] == c and r["tflops"])
                 if pts:
-                    ax.plot(*zip(*pts), style, marker="o", color=colors[b],
+                    ax.plot(*zip(*pts), style, marker="o", color=COLORS[b],
                             label=f"{b} {'causal' if c else 'full'}")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("sequence length N")
