@@ -113,22 +113,37 @@ def test_the_compiled_consumers_keep_one_product_in_flight_and_the_producer_give
         assert 24 in regs and config.consumer_regs in regs, blocks[-1]
 
 
+PINGPONG_PROBE = """
+import torch
+from utils.course.cross_compile import _capture, compile_launch
+from utils.explicit import forward_ws as ws, forward_ws3 as ws3
+mod, head_dim, plain = (ws, 128, ws.WS_TILES[0]) if {CONSUMERS} == 2 else (ws3, 64, ws3.WS3_TILES[0])
+q, lse = torch.zeros(1, 2, 1024, head_dim, dtype=torch.bfloat16), torch.zeros(1, 2, 1024)
+for i, config in enumerate((plain, *mod.PINGPONG_TILES)):
+    (launch,) = _capture(lambda: mod._launch(q, q, q, q, lse, True, 0.1, config))
+    open(f"{DIR}/pp_{i}.ptx", "w").write(compile_launch(launch, (9, 0)).asm["ptx"])
+    print(i)
+"""
+
+
 @pytest.mark.parametrize("consumers", [2, 3])
-def test_the_pingpong_consumers_take_turns_around_their_products(consumers):
-    """Compiled for sm_90 here: with `pingpong`, consumer w waits on named barrier 13 + w before its loop's two
-    products and arrives on the next one's (round robin) after them, and the last consumer opens the first's
-    first turn: 2 · consumers + 1 named-barrier instructions over 256 threads, none without `pingpong`."""
+def test_the_pingpong_consumers_take_turns_around_their_products(consumers, tmp_path):
+    """Compiled for sm_90 here, in a process without the interpreter: with `pingpong`, consumer w waits on named
+    barrier 13 + w before its loop's two products and arrives on the next one's (round robin) after them, and the
+    last consumer opens the first's first turn: 2 · consumers + 1 named-barrier instructions over 256 threads, none
+    without `pingpong`."""
     import re
-    from utils.course.cross_compile import _capture, compile_launch
+    from utils.course.cross_compile import script_in_fresh_process
     from utils.explicit import forward_ws3 as ws3
 
-    mod, head_dim = (ws, 128) if consumers == 2 else (ws3, 64)
-    q = torch.zeros(1, 2, 1024, head_dim, dtype=torch.bfloat16)
-    lse = torch.zeros(1, 2, 1024)
+    mod = ws if consumers == 2 else ws3
     plain = (ws.WS_TILES if consumers == 2 else ws3.WS3_TILES)[0]
-    for config in (plain, *mod.PINGPONG_TILES):
-        (launch,) = _capture(lambda: mod._launch(q, q, q, q, lse, True, 0.1, config))
-        ptx = compile_launch(launch, (9, 0)).asm["ptx"]
+    configs = (plain, *mod.PINGPONG_TILES)
+    out = script_in_fresh_process(PINGPONG_PROBE.replace("{CONSUMERS}", str(consumers)).replace("{DIR}",
+                                                                                               str(tmp_path)))
+    assert out.split() == [str(i) for i in range(len(configs))], out
+    for i, config in enumerate(configs):
+        ptx = (tmp_path / f"pp_{i}.ptx").read_text()
         turns = re.findall(r"bar\.(sync|arrive) (1[345]), 256;", ptx)
         if not config.pingpong:
             assert not turns, turns
