@@ -63,35 +63,24 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_full, k_e
                                             v_smem.index(slot))
 
 
+# Ping-pong's named barriers, one per consumer warpgroup (13 + WG; Triton's partitions use the low ids): the
+# instruction that waits for a consumer's turn and the one that gives it its turn, each over 256 threads.
+_TURN_WAIT = gl.constexpr(tuple(f"bar.sync {13 + wg}, 256; mov.b32 $0, 0;" for wg in range(3)))
+_TURN_GIVE = gl.constexpr(tuple(f"bar.arrive {13 + wg}, 256; mov.b32 $0, 0;" for wg in range(3)))
+
+
 @gluon.jit
 def _turn_wait(x, WG: gl.constexpr):
     """Ping-pong (FlashAttention-3's scheduler barrier): wait on named barrier 13 + WG, over this consumer
-    warpgroup and the one before it (256 threads), until that one has issued its products. Triton's partitions use
-    the low ids. `x` only gives the inline assembly a (scalar) operand."""
-    if WG == 0:
-        gl.inline_asm_elementwise("bar.sync 13, 256; mov.b32 $0, 0;", "=r,r", [x], dtype=gl.int32, is_pure=False,
-                                  pack=1)
-    elif WG == 1:
-        gl.inline_asm_elementwise("bar.sync 14, 256; mov.b32 $0, 0;", "=r,r", [x], dtype=gl.int32, is_pure=False,
-                                  pack=1)
-    else:
-        gl.inline_asm_elementwise("bar.sync 15, 256; mov.b32 $0, 0;", "=r,r", [x], dtype=gl.int32, is_pure=False,
-                                  pack=1)
+    warpgroup and the one before it (256 threads), until that one has issued its products. `x` only gives the
+    inline assembly a (scalar) operand."""
+    gl.inline_asm_elementwise(_TURN_WAIT[WG], "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
 def _turn_pass(x, WG: gl.constexpr, CONSUMERS: gl.constexpr):
     """Ping-pong: this consumer has issued its products; the next one (round robin) may issue its own."""
-    NEXT: gl.constexpr = (WG + 1) % CONSUMERS
-    if NEXT == 0:
-        gl.inline_asm_elementwise("bar.arrive 13, 256; mov.b32 $0, 0;", "=r,r", [x], dtype=gl.int32, is_pure=False,
-                                  pack=1)
-    elif NEXT == 1:
-        gl.inline_asm_elementwise("bar.arrive 14, 256; mov.b32 $0, 0;", "=r,r", [x], dtype=gl.int32, is_pure=False,
-                                  pack=1)
-    else:
-        gl.inline_asm_elementwise("bar.arrive 15, 256; mov.b32 $0, 0;", "=r,r", [x], dtype=gl.int32, is_pure=False,
-                                  pack=1)
+    gl.inline_asm_elementwise(_TURN_GIVE[(WG + 1) % CONSUMERS], "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit

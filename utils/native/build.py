@@ -87,7 +87,8 @@ KERNELS.update({name: (f"{name}_forward", (*[h for h in MMA_HEADERS if h != "fla
 # Notebook 06bw, section 6: MMA_DEFAULT_STEP's forward with the log-sum-exp, and the backward (utils.native.backward).
 KERNELS["flash_mma_bwd"] = (("flash_mma_bwd_forward", "flash_mma_bwd_backward", "flash_mma_bwd_prepare",
                              "flash_mma_bwd_finish"),
-                            (*MMA_HEADERS, "flash_mma_bwd_steps.cuh", "flash_mma_bwd_kernel.cuh", "flash_bwd_passes.cuh"))
+                            (*MMA_HEADERS, "flash_mma_bwd_steps.cuh", "flash_mma_bwd_kernel.cuh",
+                             "flash_bwd_passes.cuh", "flash_bwd_host.h"))
 # Notebook 06c: Hopper's wgmma and TMA exist only in sm_90a code, which runs on sm_90 GPUs (H100/H200) alone.
 HOPPER_HEADERS = ("hopper.cuh", "hopper_layout.h", "hopper_host.h", "course_str.h")
 KERNELS["wgmma_gemm"] = ("wgmma_gemm_forward", HOPPER_HEADERS)
@@ -96,8 +97,8 @@ KERNELS["hopper_attention"] = ("hopper_attention_forward",
 # ... and its backward (utils.native.hopper.flash_hopper_backward)
 KERNELS["hopper_backward"] = ("hopper_attention_backward",
                              (*HOPPER_HEADERS, "hopper_attention_steps.cuh", "hopper_attention_kernel.cuh",
-                              "hopper_backward_kernel.cuh", "flash_bwd_passes.cuh", "flash_mma.cuh",
-                              "flash_common.cuh", "flash_params.h"))
+                              "hopper_backward_kernel.cuh", "flash_bwd_passes.cuh", "flash_bwd_host.h", "flash_torch.h",
+                              "flash_mma.cuh", "flash_common.cuh", "flash_params.h"))
 HOPPER_KERNELS = ("wgmma_gemm", "hopper_attention", "hopper_backward")
 WRAPPER_DEFINE = "#define COURSE_TORCH_WRAPPER\n"
 # -lineinfo maps SASS back to source lines in Nsight Compute and costs nothing at run time.

@@ -196,8 +196,6 @@ def flash_hopper_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, c
     return flash_hopper(q, k, v, causal=causal, sm_scale=sm_scale, step=step, lse=lse), lse
 
 
-
-
 # A block's milestones, in the order the kernel notes them (kTimelineSlots in hopper_attention_kernel.cuh, less the
 # last slot, which holds the SM and the tile count); the phases are the gaps between consecutive milestones. The last is
 # the first consumer's store of O issued (or, with a TMA store, read out of shared memory), not O in global memory.

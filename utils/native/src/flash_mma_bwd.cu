@@ -42,14 +42,12 @@ cudaError_t launch_flash_mma_bwd_backward(const BwdParams& bp, DType dtype, int 
 }  // namespace course_flash
 
 #else  // COURSE_TORCH_WRAPPER: the torch wrappers, host C++ (load_inline cpp_sources)
+#include "flash_bwd_host.h"  // bwd_prepare, bwd_finish
 #include "flash_mma_torch.h"
 
 namespace course_flash {
 cudaError_t launch_flash_mma_bwd_forward(const Params& p, DType dtype, cudaStream_t stream);
 cudaError_t launch_flash_mma_bwd_backward(const BwdParams& bp, DType dtype, int step, cudaStream_t stream);
-cudaError_t launch_bwd_prepare(const BwdPrepareParams& pp, DType dtype, cudaStream_t stream);
-cudaError_t launch_bwd_finish(const float* accum, void* dq, long long rows, int seqlen_q, int acc_rows, int head_dim,
-                              float scale, DType dtype, cudaStream_t stream);
 }  // namespace course_flash
 
 // (o, lse): the forward of the "cuda" step, and the natural-log log-sum-exp of every query row (-inf: no key).
@@ -111,58 +109,19 @@ std::vector<torch::Tensor> flash_mma_bwd_backward(torch::Tensor dout, torch::Ten
 // (lse2, delta) for flash_mma_bwd_backward from dO, the forward's O and its lse (batch, heads, seqlen_q), in one
 // pass on the GPU (from step 14; utils.native.backward.backward_inputs computes the same in torch).
 std::vector<torch::Tensor> flash_mma_bwd_prepare(torch::Tensor dout, torch::Tensor o, torch::Tensor lse) {
-  using namespace course_flash;
   const char* name = "flash_mma_bwd_prepare";
-  check_mma_inputs(name, o, o, o, &dout);
-  TORCH_CHECK(lse.is_cuda() && lse.device() == o.device() && lse.scalar_type() == torch::kFloat32 &&
-              lse.is_contiguous() && lse.dim() == 3 && lse.size(0) == o.size(0) && lse.size(1) == o.size(1) &&
-              lse.size(2) == o.size(2), name, ": lse must be contiguous fp32 (batch, heads, seqlen_q) on o's device, "
-              "got ", course::shape(lse.sizes()));
-  const c10::cuda::CUDAGuard guard(o.device());
-  const int64_t bh = o.size(0) * o.size(1), padded = (o.size(2) + kLsePad - 1) / kLsePad * kLsePad;
-  const auto fp32 = o.options().dtype(torch::kFloat32);
-  torch::Tensor lse2 = torch::empty({bh, padded}, fp32), delta = torch::empty({bh, padded}, fp32);
-  BwdPrepareParams pp{};
-  pp.dout = dout.data_ptr();
-  pp.o = o.data_ptr();
-  for (int dim = 0; dim < 3; ++dim) pp.do_stride[dim] = dout.stride(dim), pp.o_stride[dim] = o.stride(dim);
-  pp.lse = lse.data_ptr<float>();
-  pp.lse2 = lse2.data_ptr<float>();
-  pp.delta = delta.data_ptr<float>();
-  pp.heads = static_cast<int>(o.size(1));
-  pp.seqlen_q = static_cast<int>(o.size(2));
-  pp.padded_q = static_cast<int>(padded);
-  pp.head_dim = static_cast<int>(o.size(3));
-  pp.rows = bh * padded;
-  const cudaError_t err = launch_bwd_prepare(pp, dtype_of(o), c10::cuda::getCurrentCUDAStream());
-  TORCH_CHECK(err == cudaSuccess, name, ": launch failed: ", cudaGetErrorString(err));
-  return {lse2, delta};
+  course_flash::check_mma_inputs(name, o, o, o, &dout);
+  return course_flash::bwd_prepare(name, dout, o, lse);
 }
 
 // dQ in q's dtype and shape: scale times the fp32 accumulator of flash_mma_bwd_backward, whose rows a head are
 // seqlen_q or (from step 15) padded as lse2's.
 torch::Tensor flash_mma_bwd_finish(torch::Tensor accum, torch::Tensor q, double scale) {
-  using namespace course_flash;
   const char* name = "flash_mma_bwd_finish";
-  const int64_t padded = (q.size(2) + kLsePad - 1) / kLsePad * kLsePad;
-  const int64_t acc_rows = accum.dim() == 4 ? accum.size(2) : -1;
   TORCH_CHECK(q.is_cuda() && (q.scalar_type() == torch::kFloat16 || q.scalar_type() == torch::kBFloat16) &&
               q.dim() == 4 && (q.size(3) == 64 || q.size(3) == 128), name,
               ": q must be a CUDA fp16/bf16 (batch, heads, seqlen_q, 64 or 128) tensor, got ",
               course::shape(q.sizes()));
-  TORCH_CHECK(accum.is_cuda() && accum.device() == q.device() && accum.scalar_type() == torch::kFloat32 &&
-              accum.is_contiguous() && accum.dim() == 4 && accum.size(0) == q.size(0) && accum.size(1) == q.size(1) &&
-              (acc_rows == q.size(2) || acc_rows == padded) && accum.size(3) == q.size(3), name,
-              ": accum must be contiguous fp32 (", course::num(q.size(0)), ", ", course::num(q.size(1)), ", ",
-              course::num(q.size(2)), " or ", course::num(padded), ", ",
-              course::num(q.size(3)), ") on q's device, got ", course::shape(accum.sizes()));
-  const c10::cuda::CUDAGuard guard(q.device());
-  torch::Tensor dq = torch::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
-  const cudaError_t err = launch_bwd_finish(accum.data_ptr<float>(), dq.data_ptr(), q.size(0) * q.size(1) * q.size(2),
-                                            static_cast<int>(q.size(2)), static_cast<int>(acc_rows),
-                                            static_cast<int>(q.size(3)), static_cast<float>(scale), dtype_of(q),
-                                            c10::cuda::getCurrentCUDAStream());
-  TORCH_CHECK(err == cudaSuccess, name, ": launch failed: ", cudaGetErrorString(err));
-  return dq;
+  return course_flash::bwd_finish(name, accum, q, scale);
 }
 #endif

@@ -108,16 +108,7 @@ torch::Tensor hopper_attention_forward(torch::Tensor q, torch::Tensor k, torch::
               course::num(step));
   const torch::Tensor* inputs[] = {&q, &k, &vt};
   const char* names[] = {"q", "k", "vt"};
-  for (int i = 0; i < 3; ++i) {
-    const torch::Tensor& t = *inputs[i];
-    TORCH_CHECK(t.is_cuda() && t.dim() == 4 && t.is_contiguous(), "hopper_attention: ", names[i],
-                " must be a contiguous 4-d CUDA tensor, got shape ", course::shape(t.sizes()));
-    TORCH_CHECK(t.scalar_type() == q.scalar_type() && (q.scalar_type() == torch::kFloat16 ||
-                q.scalar_type() == torch::kBFloat16), "hopper_attention: ", names[i], " must be float16 or ",
-                "bfloat16 like q, got ", t.scalar_type());
-    TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, "hopper_attention: ", names[i],
-                " must start on 16 bytes");
-  }
+  course_hopper::check_operands("hopper_attention", inputs, names, q);
   const int64_t d = q.size(3);
   TORCH_CHECK(d == 64 || d == 128, "hopper_attention: head_dim must be 64 or 128, got ", course::num(d));
   TORCH_CHECK(k.size(0) == q.size(0) && k.size(3) == d && q.size(1) % k.size(1) == 0 && k.size(2) == seqlen_k,

@@ -26,14 +26,8 @@ cudaError_t hopper_backward_launch(bool bf16, int head_dim, bool causal, const C
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include "course_str.h"
-#include "flash_params.h"
+#include "flash_bwd_host.h"  // bwd_prepare, bwd_finish
 #include "hopper_host.h"
-
-namespace course_flash {
-cudaError_t launch_bwd_prepare(const BwdPrepareParams& pp, DType dtype, cudaStream_t stream);
-cudaError_t launch_bwd_finish(const float* accum, void* dq, long long rows, int seqlen_q, int acc_rows, int head_dim,
-                              float scale, DType dtype, cudaStream_t stream);
-}  // namespace course_flash
 
 namespace course_hopper {
 struct BackwardParams {  // hopper_backward_kernel.cuh's, which the host compiler does not read
@@ -59,15 +53,7 @@ std::vector<torch::Tensor> hopper_attention_backward(torch::Tensor dout, torch::
   const char* name = "hopper_backward";
   const torch::Tensor* inputs[] = {&dout, &q, &k, &v, &o};
   const char* names[] = {"do", "q", "k", "v", "o"};
-  for (int i = 0; i < 5; ++i) {
-    const torch::Tensor& t = *inputs[i];
-    TORCH_CHECK(t.is_cuda() && t.dim() == 4 && t.is_contiguous() && t.device() == q.device(), name, ": ", names[i],
-                " must be a contiguous 4-d CUDA tensor on q's device, got shape ", course::shape(t.sizes()));
-    TORCH_CHECK(t.scalar_type() == q.scalar_type() && (q.scalar_type() == torch::kFloat16 ||
-                q.scalar_type() == torch::kBFloat16), name, ": ", names[i], " must be float16 or bfloat16 like q, got ",
-                t.scalar_type());
-    TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name, ": ", names[i], " must start on 16 bytes");
-  }
+  course_hopper::check_operands(name, inputs, names, q);
   const int64_t d = q.size(3), nq = q.size(2), nk = k.size(2);
   TORCH_CHECK(d == 64 || d == 128, name, ": head_dim must be 64 or 128, got ", course::num(d));
   TORCH_CHECK(dout.sizes() == q.sizes() && o.sizes() == q.sizes(), name, ": do and o must be shaped like q ",
@@ -79,58 +65,32 @@ std::vector<torch::Tensor> hopper_attention_backward(torch::Tensor dout, torch::
               course::shape(q.sizes()), ", k ", course::shape(k.sizes()));
   TORCH_CHECK(k.size(0) * k.size(1) <= 65535, name, ": batch x kv_heads = ", course::num(k.size(0) * k.size(1)),
               " is more than the grid has rows (65535); split the batch");
-  TORCH_CHECK(lse.is_cuda() && lse.device() == q.device() && lse.scalar_type() == torch::kFloat32 &&
-              lse.is_contiguous() && lse.dim() == 3 && lse.size(0) == q.size(0) && lse.size(1) == q.size(1) &&
-              lse.size(2) == nq, name, ": lse must be contiguous fp32 (batch, heads, seqlen_q) on q's device, got ",
-              course::shape(lse.sizes()));
   TORCH_CHECK(scale > 0 && std::isfinite(scale), name, ": scale must be finite and positive, got ",
               course::num(scale));
   course_hopper::check_sm90(name, q);
   const c10::cuda::CUDAGuard guard(q.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const course_flash::DType dtype = q.scalar_type() == torch::kBFloat16 ? course_flash::DType::kBFloat16
-                                                                         : course_flash::DType::kFloat16;
-  // lse2 and delta, (B · H, Nq padded to kLsePad), by the prepare pass
-  const int64_t bh = q.size(0) * q.size(1), padded = (nq + course_flash::kLsePad - 1) / course_flash::kLsePad *
-                                                     course_flash::kLsePad;
-  const auto fp32 = q.options().dtype(torch::kFloat32);
-  torch::Tensor lse2 = torch::empty({bh, padded}, fp32), delta = torch::empty({bh, padded}, fp32);
-  course_flash::BwdPrepareParams pp{};
-  pp.dout = dout.data_ptr();
-  pp.o = o.data_ptr();
-  for (int dim = 0; dim < 3; ++dim) pp.do_stride[dim] = dout.stride(dim), pp.o_stride[dim] = o.stride(dim);
-  pp.lse = lse.data_ptr<float>();
-  pp.lse2 = lse2.data_ptr<float>();
-  pp.delta = delta.data_ptr<float>();
-  pp.heads = static_cast<int>(q.size(1));
-  pp.seqlen_q = static_cast<int>(nq);
-  pp.padded_q = static_cast<int>(padded);
-  pp.head_dim = static_cast<int>(d);
-  pp.rows = bh * padded;
-  cudaError_t err = course_flash::launch_bwd_prepare(pp, dtype, stream);
-  TORCH_CHECK(err == cudaSuccess, name, ": the prepare pass failed: ", cudaGetErrorString(err));
+  // lse2 and delta, (B · H, Nq padded to kLsePad), by the prepare pass (it checks lse)
+  const std::vector<torch::Tensor> stats = course_flash::bwd_prepare(name, dout, o, lse);
+  const torch::Tensor &lse2 = stats[0], &delta = stats[1];
 
-  auto dq_accum = torch::zeros(q.sizes(), fp32);
+  auto dq_accum = torch::zeros(q.sizes(), q.options().dtype(torch::kFloat32));
   auto dk = torch::empty_like(k), dv = torch::empty_like(v);
   const int rows = d == 64 ? 128 : 64;  // BackwardTile<D>::kRows
   const course_hopper::BackwardParams p{static_cast<int>(nq), static_cast<int>(nk), static_cast<int>(q.size(1)),
-                                        static_cast<int>(k.size(1)), static_cast<int>(padded),
+                                        static_cast<int>(k.size(1)), static_cast<int>(lse2.size(1)),
                                         static_cast<float>(scale * 1.4426950408889634), static_cast<float>(scale),
                                         lse2.data_ptr<float>(), delta.data_ptr<float>(), dq_accum.data_ptr<float>(),
                                         dk.data_ptr(), dv.data_ptr()};
   const CUtensorMap map_q = course_hopper::map_3d(name, q, rows), map_do = course_hopper::map_3d(name, dout, rows),
                     map_k = course_hopper::map_3d(name, k, 64), map_v = course_hopper::map_3d(name, v, 64);
-  err = course_hopper::hopper_backward_launch(q.scalar_type() == torch::kBFloat16, static_cast<int>(d), causal, map_q,
-                                              map_k, map_v, map_do, p, static_cast<int>(k.size(0) * k.size(1)),
-                                              stream);
+  const cudaError_t err = course_hopper::hopper_backward_launch(
+      q.scalar_type() == torch::kBFloat16, static_cast<int>(d), causal, map_q, map_k, map_v, map_do, p,
+      static_cast<int>(k.size(0) * k.size(1)), stream);
   TORCH_CHECK(err == cudaSuccess, name, ": launch failed: ", cudaGetErrorString(err));
 
   // dQ = scale · its accumulator, in q's dtype, by the finish pass
-  torch::Tensor dq = torch::empty_like(q);
-  err = course_flash::launch_bwd_finish(dq_accum.data_ptr<float>(), dq.data_ptr(), bh * nq, static_cast<int>(nq),
-                                        static_cast<int>(nq), static_cast<int>(d), static_cast<float>(scale), dtype,
-                                        stream);
-  TORCH_CHECK(err == cudaSuccess, name, ": the finish pass failed: ", cudaGetErrorString(err));
+  torch::Tensor dq = course_flash::bwd_finish(name, dq_accum, q, scale);
   return {dq, dk, dv};
 }
 #endif

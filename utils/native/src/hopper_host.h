@@ -1,5 +1,6 @@
-// Host side of the Hopper kernels' torch wrappers (host compiler only): the sm_90 check, and TMA tensor maps of
-// 2-byte tensors read in boxes with 128-byte swizzling, the layout their wgmma descriptors expect.
+// Host side of the Hopper kernels' torch wrappers (host compiler only): the sm_90 check, the checks of the tensors
+// TMA reads, and TMA tensor maps of 2-byte tensors read in boxes with 128-byte swizzling, the layout their wgmma
+// descriptors expect.
 #pragma once
 #include <cuda.h>  // CUtensorMap and its enums; the encoding function is looked up in the driver at run time
 #include <cuda_runtime_api.h>
@@ -15,6 +16,22 @@ inline void check_sm90(const char* name, const torch::Tensor& t) {
   cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, t.get_device());
   TORCH_CHECK(major == 9 && minor == 0, name, ": needs an sm_90 GPU (H100/H200: wgmma, TMA), this one is sm_",
               course::num(major), course::num(minor));
+}
+
+// The tensors kernel `name` reads by TMA, `inputs` called `names`: each a contiguous 4-d CUDA tensor on q's device,
+// fp16 or bf16 like q, starting on 16 bytes.
+template <int N>
+inline void check_operands(const char* name, const torch::Tensor* (&inputs)[N], const char* (&names)[N],
+                           const torch::Tensor& q) {
+  for (int i = 0; i < N; ++i) {
+    const torch::Tensor& t = *inputs[i];
+    TORCH_CHECK(t.is_cuda() && t.dim() == 4 && t.is_contiguous() && t.device() == q.device(), name, ": ", names[i],
+                " must be a contiguous 4-d CUDA tensor on q's device, got shape ", course::shape(t.sizes()));
+    TORCH_CHECK(t.scalar_type() == q.scalar_type() && (q.scalar_type() == torch::kFloat16 ||
+                q.scalar_type() == torch::kBFloat16), name, ": ", names[i], " must be float16 or bfloat16 like q, got ",
+                t.scalar_type());
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name, ": ", names[i], " must start on 16 bytes");
+  }
 }
 
 // cuTensorMapEncodeTiled lives in the driver (libcuda), which torch extensions do not link: found once with
