@@ -49,6 +49,7 @@ def test_inputs_are_checked_before_anything_is_built():
     (gb.Config(128, 1, 240, True), 64, ValueError, "prefetch_s needs stages >= 2"),
     (gb.Config(64, 2, 240, False, 4.0), 128, TypeError, "bh_group must be an int"),
     (gb.Config(64, 2, 240, False, -1), 128, ValueError, "bh_group must be >= 0"),
+    (gb.Config(64, 2, 240, False, 0, 1), 128, TypeError, "dq_writer must be a bool"),
 ])
 def test_bad_configs_are_named(config, head_dim, error, match):
     with pytest.raises(error, match=match):
@@ -62,10 +63,11 @@ def test_the_picked_configs_are_valid_and_use_wide_tiles_where_registers_allow()
     assert [gb.pick_config(d, causal).bh_group for d in (64, 128) for causal in (False, True)] == [0, 0, 0, 4]
 
 
+@pytest.mark.parametrize("dq_writer", [False, True], ids=["consumers reduce", "dq writer"])
 @pytest.mark.parametrize("stages,prefetch_s", [(1, False), (2, False), (3, False), (2, True), (3, True)])
-def test_the_kernels_protocol_never_hangs_reads_stale_tiles_or_overwrites_early(stages, prefetch_s):
+def test_the_kernels_protocol_never_hangs_reads_stale_tiles_or_overwrites_early(stages, prefetch_s, dq_writer):
     for n_tiles, seed in itertools.product(range(0, 9), range(40)):
-        gb.replay_protocol(n_tiles, stages, seed, prefetch_s=prefetch_s)
+        gb.replay_protocol(n_tiles, stages, seed, prefetch_s=prefetch_s, dq_writer=dq_writer)
 
 
 def test_prefetching_s_with_one_stage_hangs():
@@ -79,7 +81,8 @@ def test_prefetching_s_with_one_stage_hangs():
     (dict(ds_buffers=1), "dSᵀ buffer 0 of consumer"),                 # tile t+1's dSᵀ over the one still read
     (dict(wait_reduces=False), "overwritten before the TMA read it"),  # staging reused too early
     (dict(last_meeting=False), "already holds dK"),                    # dK over the K the other one reads
-], ids=["one dS slot", "no store_wait", "no last meeting"])
+    (dict(dq_writer=True, writer_waits=False), "the writer"),          # staged over a dQ the writer has not read
+], ids=["one dS slot", "no store_wait", "no last meeting", "consumer ahead of the writer"])
 def test_each_rule_of_the_protocol_is_needed(broken, match):
     with pytest.raises(AssertionError, match=match):
         for stages, n_tiles, seed in itertools.product(range(1, 4), range(1, 9), range(40)):
@@ -154,9 +157,11 @@ def test_gradients_match_float64_on_odd_shapes(dtype, causal):
     (gb.Config(64, 2, 240), 64), (gb.Config(128, 1, 232), 64), (gb.Config(64, 3, 240, True), 64),
     (gb.Config(128, 2, 240, False), 64), (gb.Config(64, 3, 240, True), 128),
     (gb.Config(128, 2, 240, True, 3), 64), (gb.Config(64, 2, 240, False, 3), 128),
-    (gb.Config(64, 2, 240, False, 8), 128)],
+    (gb.Config(64, 2, 240, False, 8), 128), (gb.Config(128, 2, 240, True, 0, True), 64),
+    (gb.Config(64, 2, 240, False, 4, True), 128), (gb.Config(128, 1, 232, False, 0, True), 64)],
     ids=["64x2 d64", "128x1 d64", "64x3 prefetch d64", "128x2 no prefetch d64", "64x3 prefetch d128",
-         "groups of 3 d64", "groups of 3 d128", "one group of 4 d128"])
+         "groups of 3 d64", "groups of 3 d128", "one group of 4 d128", "dq writer d64", "dq writer d128",
+         "dq writer 1 stage d64"])
 def test_every_config_gives_the_same_gradients(config, head_dim):
     """The dQ block's split (rows of a 128-row tile, else columns), prefetch_s and the launch order (bh_group:
     4 (batch, K/V head)s in groups of 3, the last group short, or in one group larger than there are), beside the

@@ -27,7 +27,9 @@ Choices in the schedule (worklog 07w section 5 measures each one from its stored
     work through the reduce, the release of the ring slot and the loop's turn; at 128 there are no registers
     to spare for it;
   - the reduce is issued from shared memory and waited for one tile later (the builtin below: Gluon 3.6 has no
-    wrapper for it; a register-to-global reduce waits for its own staging copy every time);
+    wrapper for it; a register-to-global reduce waits for its own staging copy every time); with
+    `Config.dq_writer` a fourth partition, one warp, issues it and waits for it instead, as FlashAttention-3
+    does, and the consumers only stage dQ and hand it over (a dq_full and a dq_empty barrier per consumer);
   - lse2 and D arrive by TMA with Q and dO and are read from shared memory when needed, so they hold no
     registers across the wgmma waits;
   - causal at head dim 128, the programs are launched four (batch, K/V head)s at a time, key block by key
@@ -79,6 +81,7 @@ class Config(NamedTuple):
     consumer_regs: int         # registers per consumer thread (setmaxnreg); the producer keeps 24
     prefetch_s: bool = False   # issue the next tile's Sᵀ once dQ is staged (waits for that tile: stages >= 2)
     bh_group: int = 0          # > 0: launched key block by key block over groups of this many (batch, K/V head)s
+    dq_writer: bool = False    # a warp of its own issues dQ's reduce-adds (FlashAttention-3's), not the consumers
 
 
 def pick_config(head_dim: int, causal: bool = False) -> Config:
@@ -109,6 +112,8 @@ def check_config(config, head_dim: int) -> Config:
         raise TypeError(f"config.bh_group must be an int, got {type(config.bh_group).__name__}")
     if config.bh_group < 0:
         raise ValueError(f"config.bh_group must be >= 0, got {config.bh_group}")
+    if not isinstance(config.dq_writer, bool):
+        raise TypeError(f"config.dq_writer must be a bool, got {type(config.dq_writer).__name__}")
     if config.prefetch_s and config.stages < 2:
         raise ValueError("config.prefetch_s needs stages >= 2: a consumer waits for the next tile before it frees "
                          "the slot of this one")
@@ -164,9 +169,10 @@ def _producer(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_
 
 @gluon.jit
 def _consumer(dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
-              stage_smem, kv_bar, full, empty, b, hk, heads, first_m, n_m, n_tiles, start_n, seqlen_q, seqlen_k,
-              qk_scale, sm_scale, W: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
-              BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PREFETCH_S: gl.constexpr):
+              stage_smem, kv_bar, full, empty, dq_full, dq_empty, b, hk, heads, first_m, n_m, n_tiles, start_n,
+              seqlen_q, seqlen_k, qk_scale, sm_scale, W: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
+              BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PREFETCH_S: gl.constexpr,
+              DQ_WRITER: gl.constexpr):
     SUB: gl.constexpr = dk_desc.block_type.shape[2]
     dtype: gl.constexpr = dk_desc.dtype
     # This consumer's half of the tile's dQ: a (DQR × COLS) block at rows r0, columns c0; it leaves in NB boxes
@@ -240,7 +246,8 @@ def _consumer(dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, lse_sm
         buf = (t % 2) * 2       # dSᵀ double-buffered: the other consumer may still read the previous tile's
         ds_smem.index(buf + W).store(dst)
         fence_async_shared()
-        tma.store_wait(0)       # the previous tile's reduces have read the staging buffers
+        if not DQ_WRITER:
+            tma.store_wait(0)   # the previous tile's reduces have read the staging buffers
         _pair_barrier(t)        # both halves of dSᵀ are in place (and every thread of ours passed store_wait)
         dv, _ = warpgroup_mma_wait(1, deps=(dv, do))   # dV done, dK still running
         if SPLIT_ROWS:   # dS rows r0.. (dSᵀ columns), each key half
@@ -253,6 +260,8 @@ def _consumer(dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, lse_sm
         acc = warpgroup_mma(ds0, k0.slice(c0, COLS, dim=1), dq_zero, use_acc=False, is_async=True)
         acc = warpgroup_mma(ds1, k1.slice(c0, COLS, dim=1), acc, is_async=True)
         acc, dk, _, _, _ = warpgroup_mma_wait(0, deps=(acc, dk, q, ds0, ds1))
+        if DQ_WRITER:   # the writer has read the last tile's dQ (a fresh barrier passes at once)
+            mbarrier.wait(dq_empty.index(W), (t & 1) ^ 1)
         dq_block.store(acc * sm_scale)
         if PREFETCH_S:   # the next tile's Sᵀ runs while dQ leaves (past the last tile: as in the prologue)
             nslot = (t + 1) % STAGES
@@ -260,10 +269,13 @@ def _consumer(dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, lse_sm
             st = warpgroup_mma(k, q_smem.index(nslot).reshape([BLOCK_M, HEAD_DIM]).permute((1, 0)), st_zero,
                                use_acc=False, is_async=True)
         fence_async_shared()
-        _barrier()                                     # every warp's part of dQ is staged
-        row = (b * heads + h)
-        for c in gl.static_range(NB):
-            _tma_reduce_add(dq_desc, [row, start_m + r0, c0 + c * DQC], stage_smem.index(W * NB + c))
+        if DQ_WRITER:
+            mbarrier.arrive(dq_full.index(W))          # a warpgroup barrier, then one arrive: dQ is staged
+        else:
+            _barrier()                                 # every warp's part of dQ is staged
+            row = (b * heads + h)
+            for c in gl.static_range(NB):
+                _tma_reduce_add(dq_desc, [row, start_m + r0, c0 + c * DQC], stage_smem.index(W * NB + c))
         mbarrier.arrive(empty.index(slot))             # done with Q, dO, lse2, D of this tile
         if PREFETCH_S:
             st, _ = warpgroup_mma_wait(0, deps=(st, k))
@@ -279,12 +291,34 @@ def _consumer(dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, lse_sm
     tma.store_wait(0)
 
 
+@gluon.jit
+def _dq_writer(dq_desc, stage_smem, dq_full, dq_empty, b, hk, heads, first_m, n_m, n_tiles, GROUP: gl.constexpr,
+               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
+    """Config.dq_writer: per tile, each consumer's staged dQ block added into the accumulator by TMA, then the
+    staging block handed back once the TMA engine has read it."""
+    DQR: gl.constexpr = dq_desc.block_type.shape[1]
+    DQC: gl.constexpr = dq_desc.block_type.shape[2]
+    SPLIT_ROWS: gl.constexpr = BLOCK_M == 2 * DQR
+    COLS: gl.constexpr = HEAD_DIM if SPLIT_ROWS else HEAD_DIM // 2
+    NB: gl.constexpr = COLS // DQC
+    for t in range(n_tiles):
+        h, start_m = _tile(t, hk, first_m, n_m, GROUP, BLOCK_M)
+        row = b * heads + h
+        for W in gl.static_range(2):   # consumer W's block: rows W·DQR.. (split rows), else columns W·COLS..
+            mbarrier.wait(dq_full.index(W), t & 1)
+            for c in gl.static_range(NB):
+                _tma_reduce_add(dq_desc, [row, start_m + W * DQR * SPLIT_ROWS, W * COLS * (1 - SPLIT_ROWS) + c * DQC],
+                                stage_smem.index(W * NB + c))
+            tma.store_wait(0)                          # read: the consumer may stage its next block
+            mbarrier.arrive(dq_empty.index(W))
+
+
 @gluon.jit(do_not_specialize=["heads", "seqlen_q", "seqlen_k"])
 def gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse_desc, delta_desc,
                      heads, seqlen_q, seqlen_k, qk_scale, sm_scale,
                      GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                      CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, PREFETCH_S: gl.constexpr,
-                     BH_GROUP: gl.constexpr):
+                     BH_GROUP: gl.constexpr, DQ_WRITER: gl.constexpr):
     SUB: gl.constexpr = k_desc.block_type.shape[2]
     pid_n = gl.program_id(0)
     pid_bh = gl.program_id(1)
@@ -325,22 +359,46 @@ def gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
     full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
+    dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())    # Config.dq_writer: a
+    dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())   # pair per consumer
     for i in gl.static_range(STAGES):
         mbarrier.init(full.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)       # one arrive per consumer
+    for i in gl.static_range(2):
+        mbarrier.init(dq_full.index(i), count=1)
+        mbarrier.init(dq_empty.index(i), count=1)
     fence_async_shared()
     # (Tuples written inline: a tuple kept in a variable turns its constexpr ints into tensors.)
-    gl.warp_specialize([
-        (_consumer, (dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
-                     stage_smem, kv_bar, full, empty, b, hk, heads, first_m, n_m, n_tiles, start_n, seqlen_q,
-                     seqlen_k, qk_scale, sm_scale, 0, GROUP, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, PREFETCH_S)),
-        (_consumer, (dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
-                     stage_smem, kv_bar, full, empty, b, hk, heads, first_m, n_m, n_tiles, start_n, seqlen_q,
-                     seqlen_k, qk_scale, sm_scale, 1, GROUP, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, PREFETCH_S)),
-        (_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
-                     lse_smem, delta_smem, kv_bar, full, empty, b, hk, heads, first_m, n_m, n_tiles, start_n,
-                     GROUP, BLOCK_M, STAGES))],
-        [4, 1], [CONSUMER_REGS, 24])
+    if DQ_WRITER:
+        gl.warp_specialize([
+            (_consumer, (dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
+                         stage_smem, kv_bar, full, empty, dq_full, dq_empty, b, hk, heads, first_m, n_m, n_tiles,
+                         start_n, seqlen_q, seqlen_k, qk_scale, sm_scale, 0, GROUP, HEAD_DIM, BLOCK_M, STAGES,
+                         CAUSAL, PREFETCH_S, DQ_WRITER)),
+            (_consumer, (dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
+                         stage_smem, kv_bar, full, empty, dq_full, dq_empty, b, hk, heads, first_m, n_m, n_tiles,
+                         start_n, seqlen_q, seqlen_k, qk_scale, sm_scale, 1, GROUP, HEAD_DIM, BLOCK_M, STAGES,
+                         CAUSAL, PREFETCH_S, DQ_WRITER)),
+            (_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
+                         lse_smem, delta_smem, kv_bar, full, empty, b, hk, heads, first_m, n_m, n_tiles, start_n,
+                         GROUP, BLOCK_M, STAGES)),
+            (_dq_writer, (dq_desc, stage_smem, dq_full, dq_empty, b, hk, heads, first_m, n_m, n_tiles, GROUP,
+                          HEAD_DIM, BLOCK_M))],
+            [4, 1, 1], [CONSUMER_REGS, 24, 24])
+    else:
+        gl.warp_specialize([
+            (_consumer, (dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
+                         stage_smem, kv_bar, full, empty, dq_full, dq_empty, b, hk, heads, first_m, n_m, n_tiles,
+                         start_n, seqlen_q, seqlen_k, qk_scale, sm_scale, 0, GROUP, HEAD_DIM, BLOCK_M, STAGES,
+                         CAUSAL, PREFETCH_S, DQ_WRITER)),
+            (_consumer, (dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
+                         stage_smem, kv_bar, full, empty, dq_full, dq_empty, b, hk, heads, first_m, n_m, n_tiles,
+                         start_n, seqlen_q, seqlen_k, qk_scale, sm_scale, 1, GROUP, HEAD_DIM, BLOCK_M, STAGES,
+                         CAUSAL, PREFETCH_S, DQ_WRITER)),
+            (_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
+                         lse_smem, delta_smem, kv_bar, full, empty, b, hk, heads, first_m, n_m, n_tiles, start_n,
+                         GROUP, BLOCK_M, STAGES))],
+            [4, 1], [CONSUMER_REGS, 24])
 
 
 _launcher = FastLauncher(gluon_bwd_kernel)
@@ -448,6 +506,7 @@ def _main(q, k, causal: bool, scale: float, config: Config) -> tuple:
     return (_launcher, (triton.cdiv(nk, BLOCK_N), b * hk), (h, nq, nk, scale * fg.LOG2E, scale),
             dict(GROUP=h // hk, HEAD_DIM=d, BLOCK_M=config.block_m, STAGES=config.stages, CAUSAL=causal,
                  CONSUMER_REGS=config.consumer_regs, PREFETCH_S=config.prefetch_s, BH_GROUP=config.bh_group,
+                 DQ_WRITER=config.dq_writer,
                  num_warps=4))
 
 
@@ -513,26 +572,42 @@ def flash_attention_gluon_ws3(q, k, v, *, causal=False, sm_scale=None):
 #   ("dq", slot, buf)              consumer: dQ = dS K from both halves of dSᵀ buffer buf (dK's product still
 #                                  reads the slot's Q); dQ staged, its reduce-adds issued
 #   ("arrive empty", slot)         consumer: mbarrier.arrive on the slot's empty barrier
+# With Config.dq_writer the consumer's "dq" only stages dQ, and a writer warp issues the reduce-adds:
+#   ("wait dq_empty", parity)      consumer: mbarrier.wait on its dq_empty barrier (the writer has read its dQ)
+#   ("arrive dq_full",)            consumer: its staged dQ handed to the writer
+#   ("wait dq_full", w, parity)    writer: mbarrier.wait on consumer w's dq_full barrier
+#   ("reduce", w)                  writer: the reduce-adds of consumer w's staged dQ, issued
+#   ("store_wait",)                writer: wait until the TMA engine has read every staged dQ it issued
+#   ("arrive dq_empty", w)         writer: consumer w may stage again
 STEPS = {"producer": ("wait empty", "copy"),
-         "consumer": ("wait full", "products", "store_wait", "meet", "dq", "arrive empty")}
+         "consumer": ("wait full", "products", "store_wait", "meet", "dq", "arrive empty", "wait dq_empty",
+                      "arrive dq_full"),
+         "writer": ("wait dq_full", "reduce", "store_wait", "arrive dq_empty")}
 
 
-def _kernel_tile(t: int, n_tiles: int, stages: int, prefetch_s: bool, ds_buffers: int, wait_reduces: bool):
-    """(producer steps, consumer steps) of tile t in the kernel's protocol (see kernel_protocol)."""
+def _kernel_tile(t: int, n_tiles: int, stages: int, prefetch_s: bool, ds_buffers: int, wait_reduces: bool,
+                 dq_writer: bool = False, writer_waits: bool = True):
+    """(producer steps, consumer steps, writer steps) of tile t in the kernel's protocol (see kernel_protocol)."""
     slot, lap, buf = t % stages, t // stages, t % ds_buffers
     producer = [("wait empty", slot, (lap + 1) % 2), ("copy", slot)]
     consumer = [] if prefetch_s and t > 0 else [("wait full", slot, lap % 2)]   # prefetch: tile t-1 waited
-    consumer += [("products", slot, buf)] + [("store_wait",)] * wait_reduces + [("meet",), ("dq", slot, buf)]
+    consumer += [("products", slot, buf)] + [("store_wait",)] * (wait_reduces and not dq_writer) + [("meet",)]
+    consumer += [("wait dq_empty", (t + 1) % 2)] * (dq_writer and writer_waits) + [("dq", slot, buf)]
     if prefetch_s and t + 1 < n_tiles:        # the next tile's Sᵀ is issued before this slot is freed
         consumer.append(("wait full", (t + 1) % stages, (t + 1) // stages % 2))
-    return producer, consumer + [("arrive empty", slot)]
+    consumer += [("arrive dq_full",)] * dq_writer
+    writer = [step for w in (0, 1) for step in (("wait dq_full", w, t % 2), ("reduce", w), ("store_wait",),
+                                                ("arrive dq_empty", w))] if dq_writer else []
+    return producer, consumer + [("arrive empty", slot)], writer
 
 
-def kernel_protocol(*, prefetch_s: bool = False, ds_buffers: int = 2, wait_reduces: bool = True):
+def kernel_protocol(*, prefetch_s: bool = False, ds_buffers: int = 2, wait_reduces: bool = True,
+                    dq_writer: bool = False, writer_waits: bool = True):
     """The kernel's synchronisation as a description for `replay`: a function (t, n_tiles, stages) ->
-    (producer steps, consumer steps) of tile t. The keyword arguments break its rules on purpose (see
-    replay_protocol)."""
-    return functools.partial(_kernel_tile, prefetch_s=prefetch_s, ds_buffers=ds_buffers, wait_reduces=wait_reduces)
+    (producer steps, consumer steps, writer steps) of tile t. The keyword arguments after `dq_writer` break its
+    rules on purpose (see replay_protocol)."""
+    return functools.partial(_kernel_tile, prefetch_s=prefetch_s, ds_buffers=ds_buffers, wait_reduces=wait_reduces,
+                             dq_writer=dq_writer, writer_waits=writer_waits)
 
 
 def _validate_step(step, who: str, t: int, stages: int):
@@ -540,38 +615,45 @@ def _validate_step(step, who: str, t: int, stages: int):
     if not isinstance(step, tuple) or not step or step[0] not in STEPS[who]:
         raise AssertionError(f"{where}: {step!r} is not a {who} step (its steps start with one of "
                              f"{', '.join(repr(s) for s in STEPS[who])})")
-    arity = {"wait empty": 3, "wait full": 3, "copy": 2, "products": 3, "dq": 3, "arrive empty": 2}.get(step[0], 1)
+    arity = {"wait empty": 3, "wait full": 3, "copy": 2, "products": 3, "dq": 3, "arrive empty": 2,
+             "wait dq_empty": 2, "wait dq_full": 3, "reduce": 2, "arrive dq_empty": 2}.get(step[0], 1)
     if len(step) != arity or not all(isinstance(x, int) for x in step[1:]):
         raise AssertionError(f"{where}: {step!r} takes {arity - 1} int{'s' * (arity > 2)} after its name")
     if step[0] in ("wait empty", "wait full", "copy", "products", "dq", "arrive empty") and not 0 <= step[1] < stages:
         raise AssertionError(f"{where}: {step!r} names slot {step[1]}; the ring has slots 0 to {stages - 1}")
-    if step[0] in ("wait empty", "wait full") and step[2] not in (0, 1):
+    if step[0] in ("wait empty", "wait full", "wait dq_full") and step[2] not in (0, 1):
         raise AssertionError(f"{where}: {step!r}: a parity is 0 or 1")
+    if step[0] == "wait dq_empty" and step[1] not in (0, 1):
+        raise AssertionError(f"{where}: {step!r}: a parity is 0 or 1")
+    if step[0] in ("wait dq_full", "reduce", "arrive dq_empty") and step[1] not in (0, 1):
+        raise AssertionError(f"{where}: {step!r}: the consumers are 0 and 1")
     if step[0] in ("products", "dq") and step[2] not in (0, 1):
         raise AssertionError(f"{where}: {step!r}: the kernel has dSᵀ buffers 0 and 1 per consumer")
 
 
 def replay(protocol, n_tiles: int, stages: int, seed: int = 0, *, last_meeting: bool = True) -> None:
-    """Replay `protocol` (a function (t, n_tiles, stages) -> (producer steps, consumer steps), the vocabulary of
-    STEPS) in one random interleaving of the producer, the two consumers, the TMA copies landing and the TMA
-    engine reading the staged dQ tiles. Shared buffers hold the tile they were last written for; every read
-    checks it sees its own tile. After the loop each consumer meets the other (unless not `last_meeting`), then
-    writes dK over its K half. Raises AssertionError naming the tile, the slot or buffer and the partition on a
+    """Replay `protocol` (a function (t, n_tiles, stages) -> (producer steps, consumer steps[, writer steps]), the
+    vocabulary of STEPS) in one random interleaving of the producer, the two consumers, the dQ writer (when it has
+    steps), the TMA copies landing and the TMA engine reading the staged dQ tiles. Shared buffers hold the tile
+    they were last written for; every read checks it sees its own tile. After the loop each consumer meets the
+    other (unless not `last_meeting`), then writes dK over its K half. Raises AssertionError naming the tile, the slot or buffer and the partition on a
     stale read, an early overwrite or a hang."""
     rng = random.Random(seed)
     steps = []
     for t in range(n_tiles):
-        producer, consumer = protocol(t, n_tiles, stages)
-        producer, consumer = list(producer), list(consumer)
-        for who, part in (("producer", producer), ("consumer", consumer)):
+        producer, consumer, *writer = protocol(t, n_tiles, stages)
+        producer, consumer, writer = list(producer), list(consumer), list(writer[0]) if writer else []
+        for who, part in (("producer", producer), ("consumer", consumer), ("writer", writer)):
             for step in part:
                 _validate_step(step, who, t, stages)
-        steps.append((producer, consumer))
+        steps.append((producer, consumer, writer))
+    with_writer = any(part[2] for part in steps)
     full, released, holds = [0] * stages, [0] * stages, [None] * stages   # the Q/dO/lse2/D ring
     ds = {}                                                              # (buffer, consumer) -> tile of its dSᵀ
     staged, reading = [None, None], [[], []]                            # staged dQ; tiles the TMA still reads
     k_half = ["K", "K"]                                                  # K halves: "K", then "dK"
     met = [0, 0]                                                         # meetings reached per consumer
+    dq_full, dq_empty = [0, 0], [0, 0]                                   # the writer's barriers' completions
     landing = []
 
     def producer():
@@ -630,7 +712,14 @@ def replay(protocol, n_tiles: int, stages: int, seed: int = 0, *, last_meeting: 
                     assert staged[w] not in reading[w], (f"consumer {w}, tile {t}: staged dQ of tile {staged[w]} "
                                                          "overwritten before the TMA read it")
                     staged[w] = t
-                    reading[w].append(t)                                 # the reduce-adds, issued
+                    if not with_writer:
+                        reading[w].append(t)                             # the reduce-adds, issued
+                elif kind == "wait dq_empty":
+                    while dq_empty[w] % 2 == step[1]:
+                        yield f"consumer {w} waits for the writer to read its dQ, parity {step[1]} (tile {t})"
+                elif kind == "arrive dq_full":
+                    dq_full[w] += 1
+                    yield None
                 else:   # arrive empty
                     released[step[1]] += 1
                     yield None
@@ -638,6 +727,27 @@ def replay(protocol, n_tiles: int, stages: int, seed: int = 0, *, last_meeting: 
             yield from meet(w, "the end")
         k_half[w] = "dK"
         yield None
+
+    def writer():
+        for t in range(n_tiles):
+            for step in steps[t][2]:
+                kind = step[0]
+                if kind == "wait dq_full":
+                    w, parity = step[1:]
+                    while dq_full[w] % 2 == parity:
+                        yield f"the writer waits for consumer {w}'s dQ, parity {parity} (tile {t})"
+                elif kind == "reduce":
+                    w = step[1]
+                    assert staged[w] == t, (f"the writer, tile {t}: consumer {w}'s staged dQ holds tile "
+                                            f"{staged[w]}")
+                    reading[w].append(t)
+                    yield None
+                elif kind == "store_wait":
+                    while reading[0] or reading[1]:
+                        yield f"the writer waits for the TMA to read the staged dQ (tile {t})"
+                else:   # arrive dq_empty
+                    dq_empty[step[1]] += 1
+                    yield None
 
     def land():
         s, t = landing.pop(rng.randrange(len(landing)))
@@ -650,7 +760,7 @@ def replay(protocol, n_tiles: int, stages: int, seed: int = 0, *, last_meeting: 
     def events():
         return ([land] if landing else []) + [lambda w=w: read(w) for w in (0, 1) if reading[w]]
 
-    fg.interleave([producer(), consumer(0), consumer(1)], events, rng,
+    fg.interleave([producer(), consumer(0), consumer(1)] + [writer()] * with_writer, events, rng,
                   f"hang with {n_tiles} tiles and {stages} stages", p_event=0.4)
     for s in range(stages):
         uses = len(range(s, n_tiles, stages))
@@ -658,8 +768,9 @@ def replay(protocol, n_tiles: int, stages: int, seed: int = 0, *, last_meeting: 
                                          "consumer releases each tile once")
 
 
-def replay_protocol(n_tiles: int, stages: int, seed: int = 0, *, prefetch_s: bool = False, ds_buffers: int = 2,
-                    wait_reduces: bool = True, last_meeting: bool = True) -> None:
+def replay_protocol(n_tiles: int, stages: int, seed: int = 0, *, prefetch_s: bool = False, dq_writer: bool = False,
+                    ds_buffers: int = 2, wait_reduces: bool = True, writer_waits: bool = True,
+                    last_meeting: bool = True) -> None:
     """Replay the kernel's synchronisation (kernel_protocol) in one random interleaving (see `replay`). With
     `prefetch_s` the consumers wait for tile t+1 (whose Sᵀ they issue early) before they free tile t's slot, as
     the kernel does with Config.prefetch_s: with one stage that waits forever, which check_config forbids.
@@ -669,7 +780,9 @@ def replay_protocol(n_tiles: int, stages: int, seed: int = 0, *, prefetch_s: boo
     never overwrites tile t's while the other consumer's dQ products still read it; `wait_reduces`: before the
     consumers meet, each waits until the TMA engine has read its previous staged dQ (tma.store_wait(0));
     `last_meeting`: after the loop the consumers meet once more before dK overwrites the K half that the
-    other consumer's dQ products read. Raises AssertionError naming the tile and the buffer on a stale read,
-    an early overwrite or a hang."""
-    replay(kernel_protocol(prefetch_s=prefetch_s, ds_buffers=ds_buffers, wait_reduces=wait_reduces), n_tiles,
-           stages, seed, last_meeting=last_meeting)
+    other consumer's dQ products read; `writer_waits` (with `dq_writer`): a consumer stages its next dQ only
+    once the writer has seen the TMA read the last one. Raises AssertionError naming the tile and the buffer on
+    a stale read, an early overwrite or a hang."""
+    replay(kernel_protocol(prefetch_s=prefetch_s, ds_buffers=ds_buffers, wait_reduces=wait_reduces,
+                           dq_writer=dq_writer, writer_waits=writer_waits), n_tiles, stages, seed,
+           last_meeting=last_meeting)

@@ -2,7 +2,9 @@
 wgmma and TMA (utils/native/src/hopper_backward.cu), and the registry's differentiable "cuda_hopper".
 
 - `flash_hopper_backward(do, q, k, v, o, lse)` -> (dq, dk, dv), from the forward's o and lse
-  (utils.native.hopper.flash_hopper_forward).
+  (utils.native.hopper.flash_hopper_forward). Its steps (`BWD_STEPS`) differ in how dQ leaves a consumer: by
+  8-byte atomics from every thread ("atomic_dq"), or staged in shared memory and added by TMA ("reduce_dq"); then
+  the next tile's Sᵀ issued while dQ leaves ("prefetch_s").
 - `flash_hopper_attention(q, k, v)`: the forward, and this backward through autograd when an input requires grad.
 """
 from __future__ import annotations
@@ -15,15 +17,21 @@ from utils.eager.backward import check_backward_inputs
 from utils.native import build as native_build
 from utils.native.hopper import _readable, flash_hopper, flash_hopper_forward
 
+BWD_STEPS = ("atomic_dq", "reduce_dq", "prefetch_s")  # the kernel's kBwd* steps, in order, each on the last
+BWD_DEFAULT_STEP = "atomic_dq"          # the registry's, until a stored run says otherwise
+
 
 def flash_hopper_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                          lse: torch.Tensor, *, causal: bool = False, sm_scale=None):
+                          lse: torch.Tensor, *, causal: bool = False, sm_scale=None, step: str = BWD_DEFAULT_STEP):
     """Gradients (dq, dk, dv) of attention with wgmma and TMA (utils/native/src/hopper_backward.cu), on an sm_90 GPU
     only, from the forward's o and its natural-log lse, fp32 (batch, heads, seqlen_q), -inf for a row that sees no
     key (as `flash_hopper_forward` returns it).
 
     q (B, H, Nq, D), k and v (B, Hkv, Nk, D) with Hkv dividing H (dk, dv per K/V head, summed over its group); do and
-    o like q. fp16 or bf16, head dims 64 and 128, any lengths, causal aligned bottom-right."""
+    o like q. fp16 or bf16, head dims 64 and 128, any lengths, causal aligned bottom-right. `step`: one of
+    BWD_STEPS."""
+    if not isinstance(step, str) or step not in BWD_STEPS:
+        raise ValueError(f"step must be one of {BWD_STEPS}, got {step!r}")
     shape, scale = check_backward_inputs(do, q, k, v, o, lse, causal=causal, sm_scale=sm_scale, head_dims=(64, 128),
                                          dtypes=(torch.float16, torch.bfloat16))
     check_device("q", q, "cuda")
@@ -32,8 +40,9 @@ def flash_hopper_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
                          f"(gridDim.y, at most {CUDA_GRID_Y}); split the batch")
     native_build.check_hopper_capability(gpu.capability(q.device))
     do, q, k, v, o = (_readable(t) for t in (do, q, k, v, o))
-    return tuple(native_build.load("hopper_backward").hopper_attention_backward(do, q, k, v, o, lse.float().contiguous(),
-                                                                                causal, scale))
+    extension = native_build.load("hopper_backward")
+    return tuple(extension.hopper_attention_backward(do, q, k, v, o, lse.float().contiguous(), causal, scale,
+                                                     BWD_STEPS.index(step)))
 
 
 class HopperFunction(torch.autograd.Function):

@@ -8,8 +8,10 @@ Triton backward with its loads pinned, worklog 07w sections 2 and 3), triton_ato
 added by the dK/dV pass instead of a dQ pass, with an atomic add per element or a TMA bulk reduce-add per tile,
 section 4; these five run the worklog's copy of the kernels, utils.course.worklogs.triton_backward),
 gluon_bwd (the one-kernel warp-specialised Gluon backward of section 5, sm_90 only; gluon_bwd_by_head
-and gluon_bwd_grouped: its programs launched head by head, or in groups of 4 heads, on every shape), cuda_hopper
-(notebook 06c's backward on wgmma and TMA, the Gluon backward's schedule in CUDA, sm_90 only), and
+and gluon_bwd_grouped: its programs launched head by head, or in groups of 4 heads, on every shape;
+gluon_bwd_dq_writer: its dQ reduce-adds issued by a warp of their own), cuda_hopper
+(notebook 06c's backward on wgmma and TMA, the Gluon backward's schedule in CUDA, sm_90 only; cuda_hopper_<step>
+pins one of its steps), and
 `--peers triton-tutorial` the Triton tutorial's backward (utils.course.bench.peers, read from its own
 file; shapes it cannot run are "not supported"). `--rounds 3` times each shape three times in rotated order and
 keeps the medians (the stored run's setting). Each backend is timed as a closure without arguments, so
@@ -18,6 +20,7 @@ them, no L2 flush; the same for every backend.
 """
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -25,6 +28,7 @@ import torch
 
 from utils.course.bench import attention_flops, benchmark, error_line, median_rows, peers, rotated
 from utils.native.backward import BWD_STEPS, flash_mma_backward, flash_mma_forward
+from utils.native.hopper_backward import BWD_STEPS as HOPPER_BWD_STEPS
 
 BACKENDS = ("triton", "sdpa_flash", "sdpa_cudnn")                # the default set (notebook 07's)
 # The worklog's Triton backward (utils.course.worklogs.triton_backward) with its loads pinned, (tma, tma_stats):
@@ -32,11 +36,16 @@ BACKENDS = ("triton", "sdpa_flash", "sdpa_cudnn")                # the default s
 TRITON_LOADS = {"triton_pointer": (False, False), "triton_tma": (True, False), "triton_tma_stats": (True, True)}
 # Measured when asked for; cuda_*: notebook 06bw's tensor-core backward in each of its steps (utils.native.backward).
 CUDA_BACKENDS = tuple(f"cuda_{step}" for step in BWD_STEPS)
+# ... and cuda_hopper_*: notebook 06c's backward in each of its steps ("cuda_hopper": its default step).
+HOPPER_BACKENDS = tuple(f"cuda_hopper_{step}" for step in HOPPER_BWD_STEPS)
 # The Gluon backward with its launch order pinned (utils.explicit.backward.Config.bh_group): "gluon_bwd" picks
 # per shape (pick_config).
 GLUON_ORDERS = {"gluon_bwd_by_head": 0, "gluon_bwd_grouped": 4}
+# ... and with a warp of its own issuing dQ's reduce-adds (Config.dq_writer)
+GLUON_WRITER = "gluon_bwd_dq_writer"
 KNOWN = (BACKENDS + tuple(TRITON_LOADS) + ("triton_atomic_dq", "triton_reduce_dq", "gluon_bwd", *GLUON_ORDERS,
-                                          "sdpa_efficient", "triton_tutorial") + CUDA_BACKENDS + ("cuda_hopper",))
+                                          "sdpa_efficient", "triton_tutorial", GLUON_WRITER) + CUDA_BACKENDS
+         + ("cuda_hopper",) + HOPPER_BACKENDS)
 DEFAULT_OUT = Path(__file__).resolve().parents[3] / "images" / "07_backward_benchmark.json"
 
 
@@ -74,15 +83,16 @@ def _triton_backward(config=None, **switches):
     return prepare
 
 
-def _gluon_backward(bh_group=None):
+def _gluon_backward(bh_group=None, **changes):
     """Worklog 07w section 5's one-kernel Gluon backward, after the Triton forward's (o, lse); `bh_group`: its
-    launch order pinned (None: pick_config's)."""
+    launch order pinned (None: pick_config's); `changes`: other fields of pick_config's Config replaced."""
     def prepare(q, k, v, do, causal):
         from utils.explicit.backward import flash_attention_backward as flash_attention_gluon_backward, pick_config
         from utils.tiled.fast.forward import flash_attention_forward
 
         o, lse = flash_attention_forward(q, k, v, causal=causal)
-        config = None if bh_group is None else pick_config(q.shape[-1], causal)._replace(bh_group=bh_group)
+        fields = changes if bh_group is None else dict(changes, bh_group=bh_group)
+        config = pick_config(q.shape[-1], causal)._replace(**fields) if fields else None
         return lambda: flash_attention_gluon_backward(do, q, k, v, o, lse, causal=causal, config=config)
     return prepare
 
@@ -94,14 +104,15 @@ def _cuda_backward(step):
     return prepare
 
 
-def _hopper_backward(q, k, v, do, causal):
+def _hopper_backward(q, k, v, do, causal, step=None):
     """Notebook 06c's backward on wgmma and TMA (utils.native.hopper.flash_hopper_backward), after its forward's
     (o, lse)."""
     from utils.native.hopper import flash_hopper_forward
     from utils.native.hopper_backward import flash_hopper_backward
 
     o, lse = flash_hopper_forward(q, k, v, causal=causal)
-    return lambda: flash_hopper_backward(do, q, k, v, o, lse, causal=causal)
+    kwargs = {} if step is None else dict(step=step)
+    return lambda: flash_hopper_backward(do, q, k, v, o, lse, causal=causal, **kwargs)
 
 
 def run_backward_benchmark(seqlens=(2048, 4096, 8192, 16384), head_dims=(64, 128), causal=(False, True), *,
@@ -128,10 +139,13 @@ def run_backward_benchmark(seqlens=(2048, 4096, 8192, 16384), head_dims=(64, 128
                "triton_reduce_dq": lambda: _triton_backward(config, dq_atomic="tma"),
                "gluon_bwd": _gluon_backward,
                **{b: (lambda g=g: _gluon_backward(g)) for b, g in GLUON_ORDERS.items()},
+               GLUON_WRITER: lambda: _gluon_backward(dq_writer=True),
                **{b: (lambda loads=loads: _triton_backward(config, tma=loads[0], tma_stats=loads[1]))
                   for b, loads in TRITON_LOADS.items()},
                **{b: (lambda step=b.removeprefix("cuda_"): _cuda_backward(step)) for b in CUDA_BACKENDS},
-               "cuda_hopper": lambda: _hopper_backward}
+               "cuda_hopper": lambda: _hopper_backward,
+               **{b: (lambda step=b.removeprefix("cuda_hopper_"): functools.partial(_hopper_backward, step=step))
+                  for b in HOPPER_BACKENDS}}
     makers = {b: special[b]() if b in special else _sdpa_backward(b) for b in backends}
     names = list(makers)
     rows = []
@@ -240,8 +254,10 @@ def load_results(path) -> tuple[dict, list[dict]]:
 # a colour per backend the plot can meet (tests hold that KNOWN is covered)
 COLORS = {"triton": "C0", "sdpa_flash": "C1", "sdpa_cudnn": "C2", "sdpa_efficient": "C3", "triton_tutorial": "C4",
           "gluon_bwd": "m", "gluon_bwd_by_head": "tab:pink", "gluon_bwd_grouped": "tab:olive",
+          "gluon_bwd_dq_writer": "tab:purple",
           "triton_pointer": "C5", "triton_tma": "C6", "triton_tma_stats": "C8",
           "triton_atomic_dq": "C7", "triton_reduce_dq": "k", "cuda_hopper": "tab:brown",
+          "cuda_hopper_atomic_dq": "tab:gray", "cuda_hopper_reduce_dq": "tab:cyan", "cuda_hopper_prefetch_s": "navy",
           **{b: f"C{9 + i}" for i, b in enumerate(CUDA_BACKENDS)}}
 
 

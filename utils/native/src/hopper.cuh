@@ -170,8 +170,15 @@ __device__ inline void tma_store_3d(const void* map, int x, int y, int z, uint32
   asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%1, %2, %3}], [%4];\n"
                ::"l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(z), "r"(src) : "memory");
 }
+// The same box added element by element into fp32 global memory (the backward's dQ, step "reduce_dq"): the L2
+// does the adds, so the threads issue one instruction per box instead of one atomic per pair of floats.
+__device__ inline void tma_reduce_add_3d(const void* map, int x, int y, int z, uint32_t src) {
+  asm volatile("cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [%0, {%1, %2, %3}], [%4];\n"
+               ::"l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(z), "r"(src) : "memory");
+}
 __device__ inline void tma_store_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 __device__ inline void tma_store_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+__device__ inline void tma_store_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 
 // Warp specialisation: a warpgroup gives registers back (dec) or takes them (inc); all its warps execute it.
 // Takes effect only with a register cap at entry (__launch_bounds__(threads, 1)).

@@ -7,16 +7,29 @@
 
 namespace course_hopper {
 
-// Plain launcher (no torch types); the wrapper has checked the shapes and built the tensor maps.
-cudaError_t hopper_backward_launch(bool bf16, int head_dim, bool causal, const CUtensorMap& q, const CUtensorMap& k,
-                                   const CUtensorMap& v, const CUtensorMap& dout, const BackwardParams& p,
-                                   int batch_kv_heads, cudaStream_t stream) {
-  if (bf16) {
-    return head_dim == 64 ? launch_backward<__nv_bfloat16, 64>(causal, q, k, v, dout, p, batch_kv_heads, stream)
-                          : launch_backward<__nv_bfloat16, 128>(causal, q, k, v, dout, p, batch_kv_heads, stream);
+template <typename T, int kStep>
+cudaError_t launch_step(int head_dim, bool causal, const CUtensorMap& q, const CUtensorMap& k, const CUtensorMap& v,
+                        const CUtensorMap& dout, const CUtensorMap& dq, const BackwardParams& p, int batch_kv_heads,
+                        cudaStream_t stream) {
+  return head_dim == 64 ? launch_backward<T, 64, kStep>(causal, q, k, v, dout, dq, p, batch_kv_heads, stream)
+                        : launch_backward<T, 128, kStep>(causal, q, k, v, dout, dq, p, batch_kv_heads, stream);
+}
+
+// Plain launcher (no torch types); the wrapper has checked the shapes and built the tensor maps. step:
+// one of kBwdAtomicDq, kBwdReduceDq, kBwdPrefetchS.
+cudaError_t hopper_backward_launch(bool bf16, int head_dim, bool causal, int step, const CUtensorMap& q,
+                                   const CUtensorMap& k, const CUtensorMap& v, const CUtensorMap& dout,
+                                   const CUtensorMap& dq, const BackwardParams& p, int batch_kv_heads,
+                                   cudaStream_t stream) {
+  const auto launch = bf16 ? launch_step<__nv_bfloat16, kBwdAtomicDq> : launch_step<__half, kBwdAtomicDq>;
+  const auto reduce = bf16 ? launch_step<__nv_bfloat16, kBwdReduceDq> : launch_step<__half, kBwdReduceDq>;
+  const auto prefetch = bf16 ? launch_step<__nv_bfloat16, kBwdPrefetchS> : launch_step<__half, kBwdPrefetchS>;
+  switch (step) {
+    case kBwdAtomicDq: return launch(head_dim, causal, q, k, v, dout, dq, p, batch_kv_heads, stream);
+    case kBwdReduceDq: return reduce(head_dim, causal, q, k, v, dout, dq, p, batch_kv_heads, stream);
+    case kBwdPrefetchS: return prefetch(head_dim, causal, q, k, v, dout, dq, p, batch_kv_heads, stream);
+    default: return cudaErrorInvalidValue;
   }
-  return head_dim == 64 ? launch_backward<__half, 64>(causal, q, k, v, dout, p, batch_kv_heads, stream)
-                        : launch_backward<__half, 128>(causal, q, k, v, dout, p, batch_kv_heads, stream);
 }
 
 }  // namespace course_hopper
@@ -39,17 +52,19 @@ struct BackwardParams {  // hopper_backward_kernel.cuh's, which the host compile
   void* dk;
   void* dv;
 };
-cudaError_t hopper_backward_launch(bool bf16, int head_dim, bool causal, const CUtensorMap& q, const CUtensorMap& k,
-                                   const CUtensorMap& v, const CUtensorMap& dout, const BackwardParams& p,
-                                   int batch_kv_heads, cudaStream_t stream);
+cudaError_t hopper_backward_launch(bool bf16, int head_dim, bool causal, int step, const CUtensorMap& q,
+                                   const CUtensorMap& k, const CUtensorMap& v, const CUtensorMap& dout,
+                                   const CUtensorMap& dq, const BackwardParams& p, int batch_kv_heads,
+                                   cudaStream_t stream);
 
 }  // namespace course_hopper
 
 // do, q, o (B, H, Nq, D); k, v (B, Hkv, Nk, D), Hkv dividing H; all contiguous fp16 or bf16 on an sm_90 GPU, D =
-// 64 or 128, starting on 16 bytes; lse fp32 (B, H, Nq), the forward's natural-log log-sum-exp -> (dq, dk, dv).
+// 64 or 128, starting on 16 bytes; lse fp32 (B, H, Nq), the forward's natural-log log-sum-exp; step 0
+// ("atomic_dq"), 1 ("reduce_dq") or 2 ("prefetch_s") -> (dq, dk, dv).
 std::vector<torch::Tensor> hopper_attention_backward(torch::Tensor dout, torch::Tensor q, torch::Tensor k,
                                                      torch::Tensor v, torch::Tensor o, torch::Tensor lse, bool causal,
-                                                     double scale) {
+                                                     double scale, int64_t step) {
   const char* name = "hopper_backward";
   const torch::Tensor* inputs[] = {&dout, &q, &k, &v, &o};
   const char* names[] = {"do", "q", "k", "v", "o"};
@@ -67,6 +82,8 @@ std::vector<torch::Tensor> hopper_attention_backward(torch::Tensor dout, torch::
               " is more than the grid has rows (65535); split the batch");
   TORCH_CHECK(scale > 0 && std::isfinite(scale), name, ": scale must be finite and positive, got ",
               course::num(scale));
+  TORCH_CHECK(step >= 0 && step <= 2, name, ": step must be 0 (atomic_dq), 1 (reduce_dq) or 2 (prefetch_s), got ",
+              course::num(step));
   course_hopper::check_sm90(name, q);
   const c10::cuda::CUDAGuard guard(q.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
@@ -83,10 +100,11 @@ std::vector<torch::Tensor> hopper_attention_backward(torch::Tensor dout, torch::
                                         lse2.data_ptr<float>(), delta.data_ptr<float>(), dq_accum.data_ptr<float>(),
                                         dk.data_ptr(), dv.data_ptr()};
   const CUtensorMap map_q = course_hopper::map_3d(name, q, rows), map_do = course_hopper::map_3d(name, dout, rows),
-                    map_k = course_hopper::map_3d(name, k, 64), map_v = course_hopper::map_3d(name, v, 64);
+                    map_k = course_hopper::map_3d(name, k, 64), map_v = course_hopper::map_3d(name, v, 64),
+                    map_dq = course_hopper::map_3d(name, dq_accum, 64);  // 64 rows x 32 fp32 columns a box
   const cudaError_t err = course_hopper::hopper_backward_launch(
-      q.scalar_type() == torch::kBFloat16, static_cast<int>(d), causal, map_q, map_k, map_v, map_do, p,
-      static_cast<int>(k.size(0) * k.size(1)), stream);
+      q.scalar_type() == torch::kBFloat16, static_cast<int>(d), causal, static_cast<int>(step), map_q, map_k, map_v,
+      map_do, map_dq, p, static_cast<int>(k.size(0) * k.size(1)), stream);
   TORCH_CHECK(err == cudaSuccess, name, ": launch failed: ", cudaGetErrorString(err));
 
   // dQ = scale · its accumulator, in q's dtype, by the finish pass

@@ -13,7 +13,10 @@
 //     dSᵀ, then dK += dSᵀ Q        the same with dSᵀ and Q
 //     dSᵀ to shared memory; once both consumers' halves are in (a named barrier over the two):
 //     dQ = dS K                    A = dS read M-major out of dSᵀ, B = K read N-major: 64 x 64 per consumer
-//     added to an fp32 dQ in global memory with 8-byte atomics (the finish pass scales and casts it).
+//     added to an fp32 dQ in global memory (the finish pass scales and casts it): by 8-byte atomics from the
+//     threads (step "atomic_dq"), or staged in shared memory and added by TMA, two instructions per consumer
+//     and tile (step "reduce_dq"); step "prefetch_s" also issues the next tile's Sᵀ once dQ is staged, so the
+//     tensor cores work while dQ leaves.
 // lse2 = lse · log2(e) (+inf for rows that see no key, and in the padding), delta = D, fp32 (batch · heads,
 // padded_q), padded_q a multiple of 128: the prepare pass of flash_bwd_passes.cuh writes them. Causal attention is
 // aligned bottom-right (key j visible to query i when j <= i + Nk − Nq); TMA's zero fill covers ragged tiles.
@@ -47,15 +50,20 @@ template <int D> struct BackwardTile {
   static constexpr int kQ = 0, kDO = kQ + kStages * kQTile, kK = kDO + kStages * kQTile, kV = kK + 2 * kKHalf;
   static constexpr int kDS = kV + 2 * kKHalf;       // [tile parity][consumer]
   static constexpr int kLse = kDS + 4 * kDsTile, kDelta = kLse + kStages * kRows * 4;
-  static constexpr int kBytes = kDelta + kStages * kRows * 4;
+  static constexpr int kDqStage = kDelta + kStages * kRows * 4;  // "reduce_dq": a consumer's 64 x 64 fp32 dQ, as
+  static constexpr int kDqBox = 64 * 128;                           // two boxes of 32 columns, 128-byte swizzled
+  static constexpr int kBytes = kDqStage + 2 * 2 * kDqBox;
   static constexpr int kSmemBytes = kBytes + 1024;  // room to align the base
 };
 
-template <typename T, int D, bool kCausal>
+// The steps (utils.native.hopper_backward.BWD_STEPS, by index), each on the one before.
+constexpr int kBwdAtomicDq = 0, kBwdReduceDq = 1, kBwdPrefetchS = 2;
+
+template <typename T, int D, bool kCausal, int kStep>
 __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
     hopper_backward_kernel(const __grid_constant__ CUtensorMap map_q, const __grid_constant__ CUtensorMap map_k,
                            const __grid_constant__ CUtensorMap map_v, const __grid_constant__ CUtensorMap map_do,
-                           const BackwardParams p) {
+                           const __grid_constant__ CUtensorMap map_dq, const BackwardParams p) {
   using Tile = BackwardTile<D>;
   constexpr int BM = Tile::kRows, kStages = Tile::kStages;
   constexpr int kPanel = 64 * 128;  // 64 rows of a 64-column panel
@@ -132,6 +140,17 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
   mbarrier_wait(kv_bar, 0);
+  constexpr bool kReduce = kStep >= kBwdReduceDq, kPrefetch = kStep >= kBwdPrefetchS;
+  float st[BM / 2];  // Sᵀ, then Pᵀ and dSᵀ in place; prefetch_s: issued a tile ahead
+  if constexpr (kPrefetch) {
+    if (tiles > 0) {
+      mbarrier_wait(full(0), 0);
+      fence_registers(st);
+      wgmma_fence();
+      issue_qk<T, D, BM>(st, sk, kPanel, base + Tile::kQ);
+      wgmma_commit();
+    }
+  }
 
   Walk w = start;
   for (int t = 0; t < tiles; ++t, w.next(m_first, m_blocks)) {
@@ -139,19 +158,21 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
     const uint32_t sq = base + Tile::kQ + s * Tile::kQTile, sdo = base + Tile::kDO + s * Tile::kQTile;
     const float* lse2 = lse_s + s * BM;
     const float* delta = delta_s + s * BM;
-    mbarrier_wait(full(s), (t / kStages) & 1);
+    if constexpr (!kPrefetch) mbarrier_wait(full(s), (t / kStages) & 1);  // prefetch_s: waited a tile ahead
 
     // Sᵀ = K Qᵀ and dPᵀ = V dOᵀ: 64 keys x BM queries each; A: this consumer's K or V (panels of 64 rows), B: Q or
     // dO (panels of BM rows). Thread: keys key[0], key[1]; queries q0 + 8j + 2t4 (+1) in st[4j..4j+3].
-    float st[BM / 2], dpt[BM / 2];
-    fence_registers(st);
+    float dpt[BM / 2];
+    if constexpr (!kPrefetch) fence_registers(st);
     fence_registers(dpt);
     wgmma_fence();
-    issue_qk<T, D, BM>(st, sk, kPanel, sq);
-    wgmma_commit();
+    if constexpr (!kPrefetch) {
+      issue_qk<T, D, BM>(st, sk, kPanel, sq);
+      wgmma_commit();
+    }
     issue_qk<T, D, BM>(dpt, sv, kPanel, sdo);
     wgmma_commit();
-    wgmma_wait<1>();  // Sᵀ is done
+    wgmma_wait<1>();  // Sᵀ is done (issued here or, prefetch_s, a tile ago)
     fence_registers(st);
 
     // Pᵀ = 2^(Sᵀ·scale·log2 e − lse2[query]); 0 where the key is hidden: past Nk, or causal and key > query + offset
@@ -220,6 +241,9 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
       }
     }
     fence_proxy_async();         // the stores visible to wgmma
+    // reduce_dq: the last tile's reduces have read the staging boxes before anyone passes the barrier below
+    if constexpr (kReduce)
+      if (wtid == 0) tma_store_wait_read();
     named_barrier_sync(1, 256);  // both consumers' dSᵀ are in
 
     // dQ (rows r0.., columns c0.., 64 x 64) = dS K over the block's 128 keys, 16 a slice: A = dS, M-major out of
@@ -244,16 +268,52 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
     mbarrier_arrive(empty(s));
 
     // dQ / scale into the fp32 accumulator: rows q0 + r0 + 16 warp + g (+8), columns c0 + 8j + 2t4 (+1)
+    if constexpr (!kReduce) {
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int q = q0 + r0 + 16 * warp + g + 8 * half;
-      if (q >= p.seqlen_q) continue;
-      float* dst = p.dq_accum + (static_cast<long long>(bh) * p.seqlen_q + q) * D + c0 + 2 * t4;
+      for (int half = 0; half < 2; ++half) {
+        const int q = q0 + r0 + 16 * warp + g + 8 * half;
+        if (q >= p.seqlen_q) continue;
+        float* dst = p.dq_accum + (static_cast<long long>(bh) * p.seqlen_q + q) * D + c0 + 2 * t4;
 #pragma unroll
-      for (int j = 0; j < 8; ++j)
-        atomicAdd(reinterpret_cast<float2*>(dst + 8 * j), make_float2(dq[4 * j + 2 * half], dq[4 * j + 2 * half + 1]));
+        for (int j = 0; j < 8; ++j)
+          atomicAdd(reinterpret_cast<float2*>(dst + 8 * j),
+                    make_float2(dq[4 * j + 2 * half], dq[4 * j + 2 * half + 1]));
+      }
+    } else {
+      // Staged as two boxes of 64 rows x 32 columns (128 bytes a row, swizzled as TMA reads them); one thread then
+      // hands both to TMA, which adds them in L2. Rows past seqlen_q are not written (the map's edge).
+      const uint32_t stage = base + Tile::kDqStage + W * 2 * Tile::kDqBox;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const uint32_t at = stage + (j / 4) * Tile::kDqBox +
+                              swizzle((16 * warp + g + 8 * half) * 128 + 32 * (j % 4) + 8 * t4, Swizzle::k128B);
+          asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(at), "f"(dq[4 * j + 2 * half]),
+                       "f"(dq[4 * j + 2 * half + 1]) : "memory");
+        }
+      }
+      if constexpr (kPrefetch) {  // the next tile's Sᵀ, while dQ leaves: st is free (dSᵀ is in its fragments)
+        if (t + 1 < tiles) {
+          const int ns = (t + 1) % kStages;
+          mbarrier_wait(full(ns), ((t + 1) / kStages) & 1);
+          fence_registers(st);
+          wgmma_fence();
+          issue_qk<T, D, BM>(st, sk, kPanel, base + Tile::kQ + ns * Tile::kQTile);
+          wgmma_commit();
+        }
+      }
+      fence_proxy_async();              // the stores visible to TMA
+      named_barrier_sync(2 + W, 128);   // this consumer's dQ is staged
+      if (wtid == 0) {
+        for (int box = 0; box < 2; ++box)
+          tma_reduce_add_3d(&map_dq, c0 + 32 * box, q0 + r0, bh, stage + box * Tile::kDqBox);
+        tma_store_commit();
+      }
     }
   }
+  if constexpr (kReduce)
+    if (wtid == 0) tma_store_wait_all();  // the staging boxes stay until the adds are done
 
   // dK (scaled) and dV of this thread's two keys
 #pragma unroll
@@ -271,16 +331,16 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
   }
 }
 
-template <typename T, int D>
+template <typename T, int D, int kStep>
 cudaError_t launch_backward(bool causal, const CUtensorMap& q, const CUtensorMap& k, const CUtensorMap& v,
-                            const CUtensorMap& dout, const BackwardParams& p, int batch_kv_heads,
-                            cudaStream_t stream) {
+                            const CUtensorMap& dout, const CUtensorMap& dq, const BackwardParams& p,
+                            int batch_kv_heads, cudaStream_t stream) {
   using Tile = BackwardTile<D>;
-  auto kernel = causal ? hopper_backward_kernel<T, D, true> : hopper_backward_kernel<T, D, false>;
+  auto kernel = causal ? hopper_backward_kernel<T, D, true, kStep> : hopper_backward_kernel<T, D, false, kStep>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes);
   if (err != cudaSuccess) return err;
   const dim3 grid((p.seqlen_k + Tile::kKeys - 1) / Tile::kKeys, batch_kv_heads);
-  kernel<<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(q, k, v, dout, p);
+  kernel<<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(q, k, v, dout, dq, p);
   return cudaGetLastError();
 }
 

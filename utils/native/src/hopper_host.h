@@ -1,6 +1,6 @@
 // Host side of the Hopper kernels' torch wrappers (host compiler only): the sm_90 check, the checks of the tensors
-// TMA reads, and TMA tensor maps of 2-byte tensors read in boxes with 128-byte swizzling, the layout their wgmma
-// descriptors expect.
+// TMA reads, and TMA tensor maps read in boxes with 128-byte swizzling, the layout their wgmma descriptors expect
+// (fp16/bf16; fp32 for the backward's dQ).
 #pragma once
 #include <cuda.h>  // CUtensorMap and its enums; the encoding function is looked up in the driver at run time
 #include <cuda_runtime_api.h>
@@ -46,7 +46,7 @@ inline EncodeTiled encode_tiled() {
   return fn;
 }
 
-// The map of fp16/bf16 tensor `t` seen as `rank` dims (`dims`, innermost first; `strides` in bytes for dims
+// The map of fp16/bf16/fp32 tensor `t` seen as `rank` dims (`dims`, innermost first; `strides` in bytes for dims
 // 1..rank-1), read in boxes of `box` elements. `name` names the kernel in errors.
 inline CUtensorMap tensor_map(const char* name, const torch::Tensor& t, cuuint32_t rank, const cuuint64_t* dims,
                               const cuuint64_t* strides, const cuuint32_t* box) {
@@ -54,9 +54,11 @@ inline CUtensorMap tensor_map(const char* name, const torch::Tensor& t, cuuint32
   const EncodeTiled encode = encode_tiled();
   TORCH_CHECK(encode != nullptr, name, ": cuTensorMapEncodeTiled not found in libcuda.so.1");
   const cuuint32_t element_strides[5] = {1, 1, 1, 1, 1};
+  const CUtensorMapDataType type = t.scalar_type() == torch::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                   : t.scalar_type() == torch::kFloat32  ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32
+                                                                          : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
   const CUresult err = encode(
-      &map, t.scalar_type() == torch::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-      rank, t.data_ptr(), dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+      &map, type, rank, t.data_ptr(), dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
       CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   TORCH_CHECK(err == CUDA_SUCCESS, name, ": cuTensorMapEncodeTiled failed with error ",
               course::num(static_cast<int>(err)));
@@ -64,13 +66,13 @@ inline CUtensorMap tensor_map(const char* name, const torch::Tensor& t, cuuint32
 }
 
 // A contiguous (batch, heads, rows, cols) tensor seen as 3-d (cols, rows, batch x heads), read in boxes of
-// 64 columns x `box_rows` rows: Q, K, V, O and dO of the attention kernels.
+// 128 bytes of columns (64 of fp16/bf16, 32 of fp32) x `box_rows` rows: Q, K, V, O, dO and the backward's dQ.
 inline CUtensorMap map_3d(const char* name, const torch::Tensor& t, int box_rows) {
-  const int64_t rows = t.size(2), cols = t.size(3);
+  const int64_t rows = t.size(2), cols = t.size(3), bytes = t.element_size();
   const cuuint64_t dims[3] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows),
                               static_cast<cuuint64_t>(t.size(0) * t.size(1))};
-  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(cols * 2), static_cast<cuuint64_t>(rows * cols * 2)};
-  const cuuint32_t box[3] = {64, static_cast<cuuint32_t>(box_rows), 1};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(cols * bytes), static_cast<cuuint64_t>(rows * cols * bytes)};
+  const cuuint32_t box[3] = {static_cast<cuuint32_t>(128 / bytes), static_cast<cuuint32_t>(box_rows), 1};
   return tensor_map(name, t, 3, dims, strides, box);
 }
 
