@@ -176,6 +176,15 @@ REFERENCES = {
     "hopper_backward": (1, ["utils.course.bench.backward", "--backends", "cuda_hopper", "gluon_bwd", "cuda_stagger",
                             "sdpa_flash", "sdpa_cudnn", "--seqlens", "4096", "16384", "--out",
                             "images/06c_backward_h200.json"]),
+    # worklog 06cw section 7: the backward's dQ steps beside the Gluon backward (and its dQ writer), FA2, cuDNN
+    "hopper_bwd_steps": (1, ["utils.course.bench.backward", "--backends", "cuda_hopper_atomic_dq",
+                             "cuda_hopper_reduce_dq", "cuda_hopper_prefetch_s", "gluon_bwd", "gluon_bwd_dq_writer",
+                             "sdpa_flash", "sdpa_cudnn", "--seqlens", "4096", "16384", "--rounds", "2", "--out",
+                             "images/06c_bwd_steps_h200.json"]),
+    # worklog 06cw section 8: 06c's forward beside the Gluon forwards in one run (issue 78's 0.9 bar)
+    "hopper_vs_gluon": (1, ["utils.course.bench.forward", "--impls", "cuda_hopper", "gluon_ws", "gluon_ws3", "--sdpa",
+                            "cudnn", "--seqlens", "2048", "4096", "8192", "16384", "--rounds", "2", "--name",
+                            "06c_vs_gluon_h200"]),
     "decoding": (1, ["utils.course.bench.decoding", "--out", "images"]),
     "launch_floor": (1, ["utils.course.bench.decoding", "--launch-floor", "--out", "images"]),
     "decoding_tiles": (1, ["utils.course.bench.decoding", "--tile-sweep", "--out", "images"]),
@@ -446,6 +455,7 @@ BACKWARD_RUNS = {
     "triton": ("07_backward_benchmark.json", "triton", "07"),
     "gluon, gluon_ws, gluon_ws3": ("07_gluon_bwd_h200.json", "gluon_bwd", "07"),
     "cuda": (CUDA_BWD_RUN, None, "06b"),
+    "cuda_hopper": ("06c_bwd_steps_h200.json", None, "06c"),
     "flex_triton": ("10_flex_h200.json", "course", "10"),
 }
 BASELINES = {"cuDNN": "sdpa-cudnn", "FA2": "sdpa-flash", "SDPA's pick": "sdpa-default"}
@@ -481,10 +491,12 @@ def stored_kernels(mode: str = "fwd", columns=COLUMNS) -> list[dict]:
     from utils.native.backward import BWD_DEFAULT_STEP
     from utils.native.build import MMA_DEFAULT_STEP
     from utils.native.hopper import DEFAULT_STEP
+    from utils.native.hopper_backward import BWD_DEFAULT_STEP as HOPPER_BWD_DEFAULT_STEP
 
     default = {("cuda", "fwd"): step_label(MMA_DEFAULT_STEP),
                ("cuda_hopper", "fwd"): step_label(DEFAULT_STEP, "hopper"),
-               ("cuda", "bwd"): f"cuda_{BWD_DEFAULT_STEP}"}
+               ("cuda", "bwd"): f"cuda_{BWD_DEFAULT_STEP}",
+               ("cuda_hopper", "bwd"): f"cuda_hopper_{HOPPER_BWD_DEFAULT_STEP}"}
     out = []
     for kernel, (run, label, notebook) in (FORWARD_RUNS if mode == "fwd" else BACKWARD_RUNS).items():
         label = label or default[kernel, mode]

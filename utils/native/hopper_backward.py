@@ -18,7 +18,7 @@ from utils.native import build as native_build
 from utils.native.hopper import _readable, flash_hopper, flash_hopper_forward
 
 BWD_STEPS = ("atomic_dq", "reduce_dq", "prefetch_s")  # the kernel's kBwd* steps, in order, each on the last
-BWD_DEFAULT_STEP = "atomic_dq"          # the registry's, until a stored run says otherwise
+BWD_DEFAULT_STEP = "reduce_dq"          # the registry's (images/06c_bwd_steps_h200.json)
 
 
 def flash_hopper_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
