@@ -104,6 +104,10 @@ REFERENCES = {
     # sm_90 only: step 17 (K and V on full barriers of their own) beside the default step, 2 rounds (06cw section 6)
     "hopper_split_full": (1, ["utils.course.bench.cuda_mma", "--worklog", "hopper", "--steps", "tma_store", "split_full",
                               "--seqlens", "4096", "16384", "--rounds", "2", "--name", "06c_split_full_h200"]),
+    # worklog 06cw section 6: step 18 (128-key tiles on step 15) beside step 15, one round
+    "hopper_wide_tma_store": (1, ["utils.course.bench.cuda_mma", "--worklog", "hopper", "--steps", "tma_store",
+                                  "wide_tma_store", "--seqlens", "4096", "16384", "--rounds", "1", "--name",
+                                  "06c_wide_tma_store_h200"]),
     "hopper_persistent": (1, ["utils.course.bench.cuda_mma", "--worklog", "hopper", "--steps", "v_direct", "three_consumers",
                               "persistent", "--seqlens", "4096", "8192", "16384", "--name", "06c_persistent_h200"]),
     "hopper_diagonal": (1, ["utils.course.bench.cuda_mma", "--worklog", "hopper", "--steps", "three_consumers",

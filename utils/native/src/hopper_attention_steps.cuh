@@ -113,4 +113,12 @@ struct HopperStep16WideVDirect : HopperStep10VDirect {
 // starts once K_i has landed, and P V waits for V only there.
 struct HopperStep17SplitFull : HopperStep15TmaStore { static constexpr bool kSplitFull = true; };
 
+// Step 18 goes back to step 15 and takes tiles of 128 keys (two stages), as the Gluon kernels of notebook 05b do at
+// both head dims. Step 16 measured them with two consumers; at D = 64 step 15 has three, each then reading a tile's
+// K and V for 192 rows.
+struct HopperStep18WideTmaStore : HopperStep15TmaStore {
+  static constexpr int kKeys = 128;
+  static constexpr int kStages = 2;
+};
+
 }  // namespace course_hopper
