@@ -2,17 +2,18 @@
 
 On a CPU the Triton kernels run in the interpreter on small shapes; on a GPU larger shapes and fp16/bf16 join.
 """
+import functools
 import math
 
 import pytest
 import torch
 
-from utils.eager.backward import (FlashAttentionPyTorch, attention_gradients, flash_attention_pytorch,
-                                          flash_backward_pytorch, saved_tensor_bytes)
+from utils.eager.backward import (FlashAttentionPyTorch, KernelPair, attention_gradients, flash_attention_pytorch,
+                                          flash_backward_pytorch, saved_tensor_bytes, wants_grad)
 from utils.eager.forward import flash2_attention
 from utils.eager.reference import naive_attention, reference_attention
-from utils.course.testing import (ATTENTION_SHAPES, assert_gradients_close, misaligned, pairwise, random_qkv,
-                           reference_gradients)
+from utils.course.testing import (ATTENTION_SHAPES, assert_gradients_close, assert_gradients_match_reference,
+                                  misaligned, pairwise, random_qkv, reference_gradients)
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -134,6 +135,23 @@ def test_pytorch_backward_validates_inputs():
         attention_gradients(do, q, k, v, o, lse, causal=1)
     with pytest.raises(ValueError, match="sm_scale"):
         flash_backward_pytorch(do, q, k, v, o, lse, sm_scale=-1.0)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_kernel_pair_joins_a_forward_and_its_backward(causal):
+    """KernelPair (the Gluon and Hopper registry entries' autograd) with the PyTorch tiled pair: its gradients are
+    the reference's, GQA and Nq != Nk; the forward's o is what it returns."""
+    forward = functools.partial(flash2_attention, return_lse=True)
+
+    def fn(q, k, v, *, causal=False, sm_scale=None):
+        return KernelPair.apply(q, k, v, causal, sm_scale, forward, flash_backward_pytorch)
+
+    q, k, v = random_qkv(1, 4, 70, 90, 32, kv_heads=2, dtype=torch.float64)
+    assert_gradients_match_reference(fn, q, k, v, causal=causal)
+    torch.testing.assert_close(fn(q, k, v, causal=causal), forward(q, k, v, causal=causal)[0])
+    assert not wants_grad(q, k, v) and wants_grad(q, k.requires_grad_(), v)
+    with torch.no_grad():
+        assert not wants_grad(q, k, v)
 
 
 def test_autograd_function_is_exposed():

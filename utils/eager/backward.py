@@ -12,6 +12,9 @@ order of FlashAttention-2 (Dao, 2023, Algorithm 2, with the dQ pass split off as
 2. for each K/V block: loop over the Q blocks that can see it, accumulating dK and dV for that block;
 3. for each Q block: loop over the K/V blocks it can see, accumulating dQ.
 Every tile is (block_q × block_k): memory beyond the inputs and gradients is O(N·D), not O(N²).
+
+`KernelPair` and `wants_grad` make a compiled forward and backward one differentiable operation (the Gluon and
+the Hopper CUDA entries of the registry use them).
 """
 from __future__ import annotations
 
@@ -186,6 +189,30 @@ class FlashAttentionPyTorch(torch.autograd.Function):
         q, k, v, o, lse = ctx.saved_tensors
         dq, dk, dv = flash_backward_pytorch(do, q, k, v, o, lse, **ctx.args)
         return dq, dk, dv, None, None, None, None
+
+
+class KernelPair(torch.autograd.Function):
+    """A forward and a backward kernel as one differentiable operation: `forward(q, k, v, causal=, sm_scale=)`
+    returns (o, lse) and saves q, k, v, o, lse; `backward(do, q, k, v, o, lse, causal=, sm_scale=)` returns
+    (dq, dk, dv)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, sm_scale, forward, backward):
+        o, lse = forward(q, k, v, causal=causal, sm_scale=sm_scale)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.causal, ctx.sm_scale, ctx.backward = causal, sm_scale, backward
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = ctx.backward(do, q, k, v, o, lse, causal=ctx.causal, sm_scale=ctx.sm_scale)
+        return dq, dk, dv, None, None, None, None
+
+
+def wants_grad(*tensors) -> bool:
+    """Whether autograd would record an operation on `tensors` (a call may skip KernelPair's host time if not)."""
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
 
 
 def flash_attention_pytorch(q, k, v, *, causal=False, sm_scale=None, block_q=64, block_k=64):

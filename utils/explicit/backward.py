@@ -64,7 +64,7 @@ from utils.explicit import forward as fg
 from utils.tiled.fast import backward as tb
 from utils.explicit import forward_ws as fws, forward_ws3 as fws3
 from utils.checks import check_device
-from utils.eager.backward import check_backward_inputs
+from utils.eager.backward import KernelPair, check_backward_inputs, wants_grad
 from utils.tiled.fast import launch
 from utils.tiled.fast.launch import FastLauncher
 
@@ -516,29 +516,10 @@ def _launch(q, k, v, do, dk, dv, dq_acc, lse2, delta, causal: bool, scale: float
     launcher[grid](*_descriptors(q, k, v, do, dk, dv, dq_acc, lse2, delta, config), *tail, **meta)
 
 
-class GluonAttentionFunction(torch.autograd.Function):
-    """Autograd for the Gluon forwards: `forward` is the (o, lse) function of utils.explicit.forward or
-    utils.explicit.forward_ws; the backward is this module's kernel."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, causal, sm_scale, forward):
-        o, lse = forward(q, k, v, causal=causal, sm_scale=sm_scale)
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.causal, ctx.sm_scale = causal, sm_scale
-        return o
-
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = flash_attention_backward(do, q, k, v, o, lse, causal=ctx.causal, sm_scale=ctx.sm_scale)
-        return dq, dk, dv, None, None, None
-
-
 def differentiable(forward, q, k, v, causal, sm_scale):
-    """O = forward(q, k, v, ...)[0], through GluonAttentionFunction when a gradient is wanted (skipping the
-    autograd Function otherwise, which saves host time on every call)."""
-    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v)):
-        return GluonAttentionFunction.apply(q, k, v, causal, sm_scale, forward)
+    """O = forward(q, k, v, ...)[0], with this module's backward (KernelPair) when a gradient is wanted."""
+    if wants_grad(q, k, v):
+        return KernelPair.apply(q, k, v, causal, sm_scale, forward, flash_attention_backward)
     return forward(q, k, v, causal=causal, sm_scale=sm_scale)[0]
 
 
@@ -636,8 +617,8 @@ def replay(protocol, n_tiles: int, stages: int, seed: int = 0, *, last_meeting: 
     vocabulary of STEPS) in one random interleaving of the producer, the two consumers, the dQ writer (when it has
     steps), the TMA copies landing and the TMA engine reading the staged dQ tiles. Shared buffers hold the tile
     they were last written for; every read checks it sees its own tile. After the loop each consumer meets the
-    other (unless not `last_meeting`), then writes dK over its K half. Raises AssertionError naming the tile, the slot or buffer and the partition on a
-    stale read, an early overwrite or a hang."""
+    other (unless not `last_meeting`), then writes dK over its K half. Raises AssertionError naming the tile, the
+    slot or buffer and the partition on a stale read, an early overwrite or a hang."""
     rng = random.Random(seed)
     steps = []
     for t in range(n_tiles):

@@ -13,7 +13,7 @@ import torch
 
 from utils import gpu
 from utils.checks import CUDA_GRID_Y, check_device
-from utils.eager.backward import check_backward_inputs
+from utils.eager.backward import KernelPair, check_backward_inputs, wants_grad
 from utils.native import build as native_build
 from utils.native.hopper import _readable, flash_hopper, flash_hopper_forward
 
@@ -45,25 +45,9 @@ def flash_hopper_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
                                                      BWD_STEPS.index(step)))
 
 
-class HopperFunction(torch.autograd.Function):
-    """Autograd: the forward saves (q, k, v, o, lse); the backward runs `flash_hopper_backward`."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, causal, sm_scale):
-        o, lse = flash_hopper_forward(q, k, v, causal=causal, sm_scale=sm_scale)
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.causal, ctx.sm_scale = causal, sm_scale
-        return o
-
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, o, lse = ctx.saved_tensors
-        return *flash_hopper_backward(do, q, k, v, o, lse, causal=ctx.causal, sm_scale=ctx.sm_scale), None, None
-
-
 def flash_hopper_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False, sm_scale=None):
     """The registry's "cuda_hopper": `flash_hopper`'s default step, differentiable through `flash_hopper_backward`
     when an input requires grad (the forward then also writes the log-sum-exp)."""
-    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v)):
-        return HopperFunction.apply(q, k, v, causal, sm_scale)
+    if wants_grad(q, k, v):
+        return KernelPair.apply(q, k, v, causal, sm_scale, flash_hopper_forward, flash_hopper_backward)
     return flash_hopper(q, k, v, causal=causal, sm_scale=sm_scale)
