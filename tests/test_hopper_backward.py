@@ -51,7 +51,7 @@ def test_inputs_are_validated_before_any_gpu_work():
 
 @needs_nvcc
 def test_the_backward_compiles_for_sm_90a_with_wgmma_in_flight():
-    """24 kernels (fp16, bf16; D = 64, 128; causal or not; each step), none with wgmma serialised, and 06bw's
+    """32 kernels (fp16, bf16; D = 64, 128; causal or not; each step), none with wgmma serialised, and 06bw's
     prepare and finish passes. At D = 64 the consumers hold Sᵀ, dPᵀ (64 registers each), Pᵀ's fragments, dV and dK
     at once: ptxas spills a few loop invariants."""
     results = native_build.compile_check("hopper_backward")
@@ -64,7 +64,7 @@ def test_the_backward_compiles_for_sm_90a_with_wgmma_in_flight():
     assert all(r.arch == "sm_90a" and r.registers <= 168 for r in results)  # 384 threads: setmaxnreg moves the rest
     assert not [r.kernel for r in results if r.wgmma_serialized], "ptxas serialised the wgmma (C7513)"
     assert all(max(r.spill_stores, r.spill_loads) == 0 for r in results if ", 128, " in r.kernel)
-    # steps 1 and 2 stage dQ in shared memory with all three accumulators live: a few more at D = 64
+    # steps 1-3 stage dQ in shared memory with all three accumulators live: a few more at D = 64
     assert all(max(r.spill_stores, r.spill_loads) <= (48 if r.kernel.endswith(", 0>") else 72) for r in results)
 
 

@@ -38,10 +38,12 @@ GEMM_STEPS = ("threads", "tma")
 # then each consumer stopping at its own diagonal; and (step 11 again) O stored through shared memory by TMA; and
 # (step 10 again) tiles of 128 keys without the consumers' turns, which "wide_tiles" was measured with; and (step
 # 15 again) K and V each counted on a barrier of its own, so that S waits for K alone; and (step 15 again) tiles of
-# 128 keys on its three consumers at D = 64.
+# 128 keys on its three consumers at D = 64, then with a third stage; and (step 15 again, causal) the longest
+# query blocks launched first.
 ATTENTION_STEPS = ("tma", "pipelined", "specialised", "softmax", "stages", "overlap", "pingpong", "heavy_first",
                    "wide_tiles", "v_direct", "three_consumers", "persistent", "head_groups", "own_diagonal",
-                   "tma_store", "wide_v_direct", "split_full", "wide_tma_store")
+                   "tma_store", "wide_v_direct", "split_full", "wide_tma_store",
+                   "wide_stages", "tma_heavy_first")
 # Not every step paid: the default (and the registry's "cuda_hopper") is the fastest one measured on the H200
 # (images/06c_*_h200.json; tests/test_hopper.py checks it against them).
 DEFAULT_STEP = "tma_store"

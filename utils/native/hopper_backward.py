@@ -3,8 +3,9 @@ wgmma and TMA (utils/native/src/hopper_backward.cu), and the registry's differen
 
 - `flash_hopper_backward(do, q, k, v, o, lse)` -> (dq, dk, dv), from the forward's o and lse
   (utils.native.hopper.flash_hopper_forward). Its steps (`BWD_STEPS`) differ in how dQ leaves a consumer: by
-  8-byte atomics from every thread ("atomic_dq"), or staged in shared memory and added by TMA ("reduce_dq"); then
-  the next tile's Sᵀ issued while dQ leaves ("prefetch_s").
+  8-byte atomics from every thread ("atomic_dq"), or staged in shared memory and added by TMA ("reduce_dq"); on
+  that, the next tile's Sᵀ issued while dQ leaves ("prefetch_s"), or under a causal mask the blocks launched key
+  block by key block over groups of four (batch, K/V head)s ("bh_group").
 - `flash_hopper_attention(q, k, v)`: the forward, and this backward through autograd when an input requires grad.
 """
 from __future__ import annotations
@@ -17,7 +18,7 @@ from utils.eager.backward import KernelPair, check_backward_inputs, wants_grad
 from utils.native import build as native_build
 from utils.native.hopper import _readable, flash_hopper, flash_hopper_forward
 
-BWD_STEPS = ("atomic_dq", "reduce_dq", "prefetch_s")  # the kernel's kBwd* steps, in order, each on the last
+BWD_STEPS = ("atomic_dq", "reduce_dq", "prefetch_s", "bh_group")  # the kernel's kBwd* steps, in order
 BWD_DEFAULT_STEP = "reduce_dq"          # the registry's (images/06c_bwd_steps_h200.json)
 
 

@@ -20,7 +20,7 @@ struct AttentionParams {
   float scale_log2;  // softmax scale * log2(e): exp2 instead of exp
   int* work_counter;  // step 12: the next query block to hand out (zeroed by the caller), else unused
   int head_group;     // step 13: how many heads' blocks start together (at least 1)
-  long long* timeline;  // steps 3-18: kTimelineSlots milestones per block (utils.native.hopper.block_timeline), or null
+  long long* timeline;  // steps 3-20: kTimelineSlots milestones per block (utils.native.hopper.block_timeline), or null
   float* lse;           // the natural-log log-sum-exp of each row, fp32 (batch · heads, seqlen_q), or null
 };
 // The milestones of a block's first work item, in ns of the global timer: its start, Q arrived, the first K/V
@@ -316,9 +316,9 @@ __global__ void __launch_bounds__(128) hopper_attention_kernel(const __grid_cons
   store_lse<D>(st, p, bh, row, t);
 }
 
-// Steps 3-18: warp specialisation. Three warpgroups per block (four at steps 11-15 at D = 64): warpgroup 0 is the
-// producer (one thread issues every TMA copy, the others leave at once), the others the consumers, 64 query rows
-// each. The producer gives its registers away (setmaxnreg), so each of two consumers may use up to 240. Each K/Vᵀ
+// Steps 3-20: warp specialisation. Three warpgroups per block (four at D = 64 from step 11, but for step 16):
+// warpgroup 0 is the producer (one thread issues every TMA copy, the others leave at once), the others the
+// consumers, 64 query rows each. The producer gives its registers away (setmaxnreg), so each of two consumers may use up to 240. Each K/Vᵀ
 // stage passes back and forth on two barriers: `full` (its bytes arrived) and `empty` (every consumer thread is
 // done with it).
 template <typename T, int D, bool kCausal, typename Step>

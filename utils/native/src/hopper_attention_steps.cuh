@@ -121,4 +121,14 @@ struct HopperStep18WideTmaStore : HopperStep15TmaStore {
   static constexpr int kStages = 2;
 };
 
+// Step 19 keeps step 18 and gives it a third stage. The overlapped consumer holds two stages at once: S of tile i
+// reads one, P V of tile i - 1 the other. With two, the producer could fetch tile i + 1 only once that P V was
+// done; now one stage is always free for it. Three stages of 128 keys fit: 225 KB at D = 128.
+struct HopperStep19WideStages : HopperStep18WideTmaStore { static constexpr int kStages = 3; };
+
+// Step 20 goes back to step 15 and launches, under a causal mask, each head's longest query blocks first: step
+// 8's order, measured then on a slower kernel (step 13 kept it, timed from N = 4k only). The short blocks fill the
+// GPU at the end.
+struct HopperStep20TmaHeavyFirst : HopperStep15TmaStore { static constexpr bool kHeavyFirst = true; };
+
 }  // namespace course_hopper

@@ -16,7 +16,8 @@
 //     added to an fp32 dQ in global memory (the finish pass scales and casts it): by 8-byte atomics from the
 //     threads (step "atomic_dq"), or staged in shared memory and added by TMA, two instructions per consumer
 //     and tile (step "reduce_dq"); step "prefetch_s" also issues the next tile's Sᵀ once dQ is staged, so the
-//     tensor cores work while dQ leaves.
+//     tensor cores work while dQ leaves. Step "bh_group" goes back to "reduce_dq" and, under a causal mask,
+//     launches the blocks key block by key block over groups of kBhGroup (batch, K/V head)s.
 // lse2 = lse · log2(e) (+inf for rows that see no key, and in the padding), delta = D, fp32 (batch · heads,
 // padded_q), padded_q a multiple of 128: the prepare pass of flash_bwd_passes.cuh writes them. Causal attention is
 // aligned bottom-right (key j visible to query i when j <= i + Nk − Nq); TMA's zero fill covers ragged tiles.
@@ -56,8 +57,11 @@ template <int D> struct BackwardTile {
   static constexpr int kSmemBytes = kBytes + 1024;  // room to align the base
 };
 
-// The steps (utils.native.hopper_backward.BWD_STEPS, by index), each on the one before.
-constexpr int kBwdAtomicDq = 0, kBwdReduceDq = 1, kBwdPrefetchS = 2;
+// The steps (utils.native.hopper_backward.BWD_STEPS, by index): reduce_dq on atomic_dq, prefetch_s and bh_group
+// each on reduce_dq.
+constexpr int kBwdAtomicDq = 0, kBwdReduceDq = 1, kBwdPrefetchS = 2, kBwdBhGroup = 3;
+// bh_group: (batch, K/V head)s per group, the Gluon backward's choice at D = 128 (utils.explicit.backward.pick_config)
+constexpr int kBhGroup = 4;
 
 template <typename T, int D, bool kCausal, int kStep>
 __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
@@ -78,7 +82,16 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
   auto empty = [&](int s) { return smem_u32(&bars[1 + kStages + s]); };
 
   const int tid = threadIdx.x, warpgroup = tid / 128;
-  const int n0 = blockIdx.x * Tile::kKeys, bh_kv = blockIdx.y, b = bh_kv / p.kv_heads, hk = bh_kv % p.kv_heads;
+  // Under a causal mask key block 0 sees every query and the last block a few. Launched head by head, one head's
+  // long blocks run beside the next heads' short ones; step bh_group launches block i of the grid as key block
+  // i / size of the i % size-th (batch, K/V head) of its group, so blocks of about one length run together.
+  int key_block = blockIdx.x, bh_kv = blockIdx.y;
+  if constexpr (kStep == kBwdBhGroup && kCausal) {
+    const int pid = key_block + bh_kv * gridDim.x, first = pid / (kBhGroup * gridDim.x) * kBhGroup;
+    const int size = min(static_cast<int>(gridDim.y) - first, kBhGroup), r = pid - first * gridDim.x;
+    key_block = r / size, bh_kv = first + r % size;
+  }
+  const int n0 = key_block * Tile::kKeys, b = bh_kv / p.kv_heads, hk = bh_kv % p.kv_heads;
   const int group = p.heads / p.kv_heads, offset = p.seqlen_k - p.seqlen_q;
   // the query blocks that see any of the block's keys: from m_first on (causal), of each head of the group
   const int m_first = kCausal ? max(0, n0 - offset) / BM : 0, m_blocks = (p.seqlen_q + BM - 1) / BM;
@@ -140,7 +153,7 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
   mbarrier_wait(kv_bar, 0);
-  constexpr bool kReduce = kStep >= kBwdReduceDq, kPrefetch = kStep >= kBwdPrefetchS;
+  constexpr bool kReduce = kStep >= kBwdReduceDq, kPrefetch = kStep == kBwdPrefetchS;
   float st[BM / 2];  // Sᵀ, then Pᵀ and dSᵀ in place; prefetch_s: issued a tile ahead
   if constexpr (kPrefetch) {
     if (tiles > 0) {
