@@ -212,14 +212,14 @@ def test_a_flattened_step_compiles_to_the_ptx_of_the_templated_step(n):
 # ---- 06c: hopper_attention_kernel.cuh and its steps table ----------------------------------------------------------
 
 HOPPER_STEPS = range(1, len(hopper.ATTENTION_STEPS) + 1)
-HOPPER_SAMPLED = (15,)  # the default (hopper.DEFAULT_STEP); all in the full suite
+HOPPER_SAMPLED = (15, 19)  # the defaults (hopper.DEFAULT_STEPS); all in the full suite
 
 
 def test_06c_has_one_generated_file_per_step_named_as_utils_hopper_names_them():
     assert [s.name for s in flatten.steps("06c")] == list(hopper.ATTENTION_STEPS)
     names = sorted(p.name for p in (flatten.STEPS_DIR / "06c").glob("*.cu"))
     assert names == sorted(f"s{n:02d}_{name}.cu" for n, name in enumerate(hopper.ATTENTION_STEPS, 1))
-    assert hopper.ATTENTION_STEPS.index(hopper.DEFAULT_STEP) + 1 in HOPPER_SAMPLED
+    assert {hopper.ATTENTION_STEPS.index(s) + 1 for s in hopper.DEFAULT_STEPS.values()} <= set(HOPPER_SAMPLED)
 
 
 @pytest.mark.parametrize("n", HOPPER_STEPS)
@@ -252,7 +252,7 @@ def test_06c_step_3_is_a_new_kernel_shown_whole_by_its_diff(capsys):
     assert "-__global__ void __launch_bounds__(128) hopper_attention_kernel(" in out
 
 
-def test_06c_the_diff_of_the_default_step_swaps_the_epilogue(capsys):
+def test_06c_the_diff_of_the_d64_default_step_swaps_the_epilogue(capsys):
     flatten.show_step_diff("06c", 15)
     changed = [ln for ln in capsys.readouterr().out.splitlines() if ln[:1] in "+-" and ln[:3] not in ("+++", "---")]
     assert "-    store_rows<T, D>(st, o, wk.bh, row, t, p.seqlen_q);" in changed

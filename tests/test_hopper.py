@@ -225,6 +225,14 @@ def test_flash_hopper_validates_before_building():
         hopper.flash_hopper(q, q, q, step="fastest")
 
 
+def test_default_step_is_one_step_per_head_dim_and_names_a_bad_one():
+    assert set(hopper.DEFAULT_STEPS) == {64, 128}
+    assert all(hopper.default_step(d) in hopper.ATTENTION_STEPS for d in (64, 128))
+    for bad in (96, True, "128"):
+        with pytest.raises(ValueError, match="head_dim must be one of"):
+            hopper.default_step(bad)
+
+
 def test_flash_hopper_refuses_more_batch_heads_than_its_grid_has():
     """Steps with a row of blocks per (batch, head) (gridDim.y, at most 65,535) refuse more before any build; the
     steps that lay their blocks out in one line (persistent, head_groups, own_diagonal) take them."""

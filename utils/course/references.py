@@ -108,6 +108,9 @@ REFERENCES = {
     "hopper_wide_tma_store": (1, ["utils.course.bench.cuda_mma", "--worklog", "hopper", "--steps", "tma_store",
                                   "wide_tma_store", "--seqlens", "4096", "16384", "--rounds", "1", "--name",
                                   "06c_wide_tma_store_h200"]),
+    "hopper_wide_stages": (1, ["utils.course.bench.cuda_mma", "--worklog", "hopper", "--steps", "tma_store",
+                               "wide_tma_store", "wide_stages", "tma_heavy_first", "--seqlens", "2048", "4096", "8192",
+                               "16384", "--rounds", "2", "--name", "06c_wide_stages_h200"]),
     "hopper_persistent": (1, ["utils.course.bench.cuda_mma", "--worklog", "hopper", "--steps", "v_direct", "three_consumers",
                               "persistent", "--seqlens", "4096", "8192", "16384", "--name", "06c_persistent_h200"]),
     "hopper_diagonal": (1, ["utils.course.bench.cuda_mma", "--worklog", "hopper", "--steps", "three_consumers",
@@ -186,6 +189,9 @@ REFERENCES = {
                              "sdpa_flash", "sdpa_cudnn", "--seqlens", "4096", "16384", "--rounds", "2", "--out",
                              "images/06c_bwd_steps_h200.json"]),
     # worklog 06cw section 8: 06c's forward beside the Gluon forwards in one run (issue 78's 0.9 bar)
+    "hopper_bwd_group": (1, ["utils.course.bench.backward", "--backends", "cuda_hopper_reduce_dq",
+                             "cuda_hopper_bh_group", "gluon_bwd", "sdpa_flash", "sdpa_cudnn", "--seqlens", "4096",
+                             "16384", "--rounds", "2", "--out", "images/06c_bwd_group_h200.json"]),
     "hopper_vs_gluon": (1, ["utils.course.bench.forward", "--impls", "cuda_hopper", "gluon_ws", "gluon_ws3", "--sdpa",
                             "cudnn", "--seqlens", "2048", "4096", "8192", "16384", "--rounds", "2", "--name",
                             "06c_vs_gluon_h200"]),
@@ -292,7 +298,7 @@ COLUMNS = [(64, False, 4096), (64, False, 16384), (128, False, 4096), (128, Fals
 # where each range of findings() was measured, for the reader who wants the run behind it
 CUDA_BWD_RUN = "06b_bwd_steps1619_h200.json"  # the run of the CUDA backward's default step (06bw section 10)
 HOPPER_RUNS = ("06c_hopper_h200.json", "06c_vdirect_h200.json", "06c_three_h200.json", "06c_persistent_h200.json",
-               "06c_diagonal_h200.json", "06c_tma_store_h200.json")
+               "06c_diagonal_h200.json", "06c_tma_store_h200.json", "06c_wide_stages_h200.json")
 MMA_RUN = "06b_step15_h200.json"  # the run of the registry's step (utils.native.build.MMA_DEFAULT_STEP)
 
 
@@ -314,7 +320,7 @@ def findings() -> list[dict]:
     from utils.course.bench.peers_sweep import versus
     from utils.native.backward import BWD_DEFAULT_STEP
     from utils.native.build import MMA_DEFAULT_STEP
-    from utils.native.hopper import DEFAULT_STEP
+    from utils.native.hopper import DEFAULT_STEPS
 
     rows = []
     forward = _load("triton_fwd_h200.json")["results"]
@@ -399,10 +405,11 @@ def findings() -> list[dict]:
     rows.append(_finding("Hopper forward, best step per shape / cuDNN", vs.values(), "×", "N ≥ 4k",
                          hopper_sources, "06c"))
     last = _by(_load(HOPPER_RUNS[-1])["results"], "impl", "head_dim", "causal", "seqlen")
-    rows.append(_finding(f"Hopper forward, default step {DEFAULT_STEP} / cuDNN",
-                         [v / last["sdpa-cudnn", d, c, n] for (i, d, c, n), v in last.items()
-                          if i == step_label(DEFAULT_STEP, "hopper") and n >= 4096],
-                         "×", "N ≥ 4k", HOPPER_RUNS[-1], "06c"))
+    for dim, step in DEFAULT_STEPS.items():
+        rows.append(_finding(f"Hopper forward, default step {step} / cuDNN, d={dim}",
+                             [v / last["sdpa-cudnn", d, c, n] for (i, d, c, n), v in last.items()
+                              if i == step_label(step, "hopper") and d == dim and n >= 4096],
+                             "×", "N ≥ 4k", HOPPER_RUNS[-1], "06c"))
 
     dec = stored_decoding()
     for key in dict.fromkeys(r["layout"] for r in dec):
@@ -494,22 +501,22 @@ def stored_kernels(mode: str = "fwd", columns=COLUMNS) -> list[dict]:
     from utils.course.bench.cuda_mma import step_label
     from utils.native.backward import BWD_DEFAULT_STEP
     from utils.native.build import MMA_DEFAULT_STEP
-    from utils.native.hopper import DEFAULT_STEP
+    from utils.native.hopper import DEFAULT_STEPS
     from utils.native.hopper_backward import BWD_DEFAULT_STEP as HOPPER_BWD_DEFAULT_STEP
 
-    default = {("cuda", "fwd"): step_label(MMA_DEFAULT_STEP),
-               ("cuda_hopper", "fwd"): step_label(DEFAULT_STEP, "hopper"),
-               ("cuda", "bwd"): f"cuda_{BWD_DEFAULT_STEP}",
-               ("cuda_hopper", "bwd"): f"cuda_hopper_{HOPPER_BWD_DEFAULT_STEP}"}
+    default = {("cuda", "fwd"): lambda d: step_label(MMA_DEFAULT_STEP),
+               ("cuda_hopper", "fwd"): lambda d: step_label(DEFAULT_STEPS[d], "hopper"),
+               ("cuda", "bwd"): lambda d: f"cuda_{BWD_DEFAULT_STEP}",
+               ("cuda_hopper", "bwd"): lambda d: f"cuda_hopper_{HOPPER_BWD_DEFAULT_STEP}"}
     out = []
     for kernel, (run, label, notebook) in (FORWARD_RUNS if mode == "fwd" else BACKWARD_RUNS).items():
-        label = label or default[kernel, mode]
+        labels = {col: label or default[kernel, mode](col[0]) for col in columns}  # col = (head_dim, causal, N)
         t = _by(stored_records(run, mode), "impl", "head_dim", "causal", "seqlen")
-        row = dict(kernel=kernel, notebook=notebook, run=run, label=label,
-                   tflops={col: t.get((label, *col)) for col in columns})
+        row = dict(kernel=kernel, notebook=notebook, run=run, label=" / ".join(dict.fromkeys(labels.values())),
+                   tflops={col: t.get((labels[col], *col)) for col in columns})
         for short, base in BASELINES.items():
-            row[short] = {col: t[label, *col] / t[base, *col] if (label, *col) in t and (base, *col) in t else None
-                          for col in columns}
+            row[short] = {col: t[labels[col], *col] / t[base, *col]
+                          if (labels[col], *col) in t and (base, *col) in t else None for col in columns}
         out.append(row)
     return out
 

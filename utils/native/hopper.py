@@ -11,6 +11,7 @@ and draw a swizzled tile to see why consecutive rows stop colliding in the same 
 - `bank_conflicts(...)`: how many 16-byte accesses of one column of chunks share a bank group.
 - `wgmma_gemm(a, b)`: a @ b.T in fp32 on an H100/H200 (utils/native/src/wgmma_gemm.cu), validated first.
 - `flash_hopper(q, k, v)`: the attention forward of notebook 06c (steps 1-3) and its worklog 06cw, any step.
+- `default_step(head_dim)`: the step `flash_hopper` runs when given none (DEFAULT_STEPS).
 - `flash_hopper_forward(q, k, v)` -> (o, lse): the same, with the log-sum-exp its backward needs
   (utils.native.hopper_backward).
 - `block_timeline(q, k, v)`: where each block of one launch spends its time, read from the GPU's clock inside
@@ -44,11 +45,18 @@ ATTENTION_STEPS = ("tma", "pipelined", "specialised", "softmax", "stages", "over
                    "wide_tiles", "v_direct", "three_consumers", "persistent", "head_groups", "own_diagonal",
                    "tma_store", "wide_v_direct", "split_full", "wide_tma_store",
                    "wide_stages", "tma_heavy_first")
-# Not every step paid: the default (and the registry's "cuda_hopper") is the fastest one measured on the H200
-# (images/06c_*_h200.json; tests/test_hopper.py checks it against them).
-DEFAULT_STEP = "tma_store"
+# Not every step paid, and not at both head dims: the default at each head dim (the registry's "cuda_hopper") is the
+# fastest step measured there on the H200 (images/06c_*_h200.json; tests/test_bench_cuda_mma.py checks them).
+DEFAULT_STEPS = {64: "tma_store", 128: "wide_stages"}
 # The steps whose blocks form one line (gridDim.x); the others launch a row of blocks per (batch, head), on gridDim.y.
 ONE_LINE_STEPS = ("persistent", "head_groups", "own_diagonal")
+
+
+def default_step(head_dim: int) -> str:
+    """The step `flash_hopper` runs at `head_dim` (64 or 128) when given none: the fastest measured there."""
+    if head_dim not in DEFAULT_STEPS or isinstance(head_dim, bool):
+        raise ValueError(f"head_dim must be one of {sorted(DEFAULT_STEPS)}, got {head_dim!r}")
+    return DEFAULT_STEPS[head_dim]
 
 
 def _check_mode(mode) -> int:
@@ -151,10 +159,10 @@ def wgmma_gemm(a: torch.Tensor, b: torch.Tensor, *, step: str = GEMM_STEPS[-1]) 
 
 
 def flash_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False, sm_scale=None,
-                 step: str = DEFAULT_STEP, module=None, timeline: torch.Tensor | None = None,
+                 step: str | None = None, module=None, timeline: torch.Tensor | None = None,
                  lse: torch.Tensor | None = None):
     """FlashAttention forward with wgmma and TMA (utils/native/src/hopper_attention.cu), on an sm_90 GPU only, as of
-    `step` of notebooks 06c and 06cw (ATTENTION_STEPS; default: DEFAULT_STEP, the fastest).
+    `step` of notebooks 06c and 06cw (ATTENTION_STEPS; None: `default_step(head_dim)`, the fastest).
 
     fp16 or bf16 (batch, heads, seq, head_dim) tensors, head dims 64 and 128, any lengths, GQA, causal aligned
     bottom-right. Steps before "v_direct" get V transposed (every wgmma operand K-major), its length rounded up
@@ -166,11 +174,12 @@ def flash_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: b
     from utils.native import build as native_build
     from utils.checks import check_attention_inputs, resolve_scale
 
-    if step not in ATTENTION_STEPS:
-        raise ValueError(f"step must be one of {ATTENTION_STEPS}, got {step!r}")
+    if step is not None and step not in ATTENTION_STEPS:
+        raise ValueError(f"step must be one of {ATTENTION_STEPS} or None, got {step!r}")
     shape = check_attention_inputs(q, k, v, causal=causal, head_dims=(64, 128),
                                    dtypes=(torch.float16, torch.bfloat16), runs_on="cuda",
                                    max_batch_heads=None if step in ONE_LINE_STEPS else CUDA_GRID_Y)
+    step = step or default_step(shape.head_dim)
     scale = resolve_scale(sm_scale, shape.head_dim)
     native_build.check_hopper_capability(gpu.capability(q.device))
     q, k = _readable(q), _readable(k)
@@ -190,7 +199,7 @@ def flash_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: b
 
 
 def flash_hopper_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False, sm_scale=None,
-                         step: str = DEFAULT_STEP):
+                         step: str | None = None):
     """(o, lse): `flash_hopper`, and the natural-log log-sum-exp of each row's scaled scores, fp32 (batch, heads,
     seqlen_q), -inf for a row that sees no key (the backward's input)."""
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
@@ -208,18 +217,19 @@ TIMELINE_PHASES = ("wait for Q", "wait for K/V", "first tile", "main loop", "las
 
 
 def block_timeline(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-                   step: str = DEFAULT_STEP) -> dict:
+                   step: str | None = None) -> dict:
     """Run `flash_hopper` once with the kernel's clock on: per block, its first consumer notes the GPU's global
     nanosecond timer at each of TIMELINE_MARKS. Steps "specialised" (3) on; a persistent block reports its first
     work item. Returns {"sm", "tiles", "start", "end": (blocks,) int64 tensors, start and end in ns from the first
     block's start; "phases": (blocks, 6) ns per TIMELINE_PHASES, 0 where a block had no such phase}, on the CPU."""
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        raise TypeError(f"q must be a 4-d torch.Tensor (batch, heads, seq, head_dim), got {type(q).__name__}")
+    step = default_step(q.shape[-1]) if step is None else step
     if step not in ATTENTION_STEPS:
-        raise ValueError(f"step must be one of {ATTENTION_STEPS}, got {step!r}")
+        raise ValueError(f"step must be one of {ATTENTION_STEPS} or None, got {step!r}")
     if ATTENTION_STEPS.index(step) < ATTENTION_STEPS.index("specialised"):
         raise ValueError(f"block_timeline needs a warp-specialised step ({ATTENTION_STEPS[2]!r} or later): the "
                          f"first consumer notes the milestones; got {step!r}")
-    if not isinstance(q, torch.Tensor) or q.dim() != 4:
-        raise TypeError(f"q must be a 4-d torch.Tensor (batch, heads, seq, head_dim), got {type(q).__name__}")
     blocks = -(-q.shape[2] // 64) * q.shape[0] * q.shape[1]  # more than any step launches
     buffer = torch.zeros(blocks, 8, dtype=torch.int64, device=q.device)
     flash_hopper(q, k, v, causal=causal, step=step, timeline=buffer)
