@@ -180,7 +180,11 @@ def test_parse_ptxas_flags_serialized_wgmma():
                     "due to non wgmma instructions defining input registers of a wgmma between start and end of the "
                     "pipeline stage in the function 'plain_kernel'\n")
     assert [r.wgmma_serialized for r in parse_ptxas(text)] == [False, False, True]
+    assert parse_ptxas(text)[2].wgmma_serialized_why.startswith("C7513: non wgmma instructions defining input")
     assert not any(r.wgmma_serialized for r in parse_ptxas(PTXAS))
+    short = PTXAS + ("ptxas info    : (C7512) Potential Performance Loss: wgmma.mma_async instructions are serialized "
+                     "due to insufficient register resources for the function '_ZN12course_flash18flash_naive_kernelIfLi128EEEvNS_6ParamsE'\n")
+    assert [r.wgmma_serialized_why for r in parse_ptxas(short)] == ["", "C7512: insufficient register resources", ""]
 
 
 def test_parse_ptxas_of_nothing_is_empty_and_checks_its_argument():

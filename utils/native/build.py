@@ -367,7 +367,8 @@ class KernelResources:
     stack_bytes: int
     spill_stores: int
     spill_loads: int
-    wgmma_serialized: bool = False  # ptxas's C7513: it made every wgmma of the kernel wait for the one before
+    wgmma_serialized: bool = False  # ptxas made the kernel's wgmmas wait for each other (C7512, C7513, C7520, ...)
+    wgmma_serialized_why: str = ""  # its reason, as ptxas gives it: "insufficient register resources", ...
 
 
 def find_nvcc() -> str | None:
@@ -402,8 +403,10 @@ def short_kernel_name(demangled: str) -> str:
 _ENTRY = re.compile(r"Compiling entry function '([^']+)' for '(sm_\w+)'")
 _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _USED = re.compile(r"Used (\d+) registers")
-_SERIALIZED = re.compile(r"\(C7513\) Potential Performance Loss: wgmma\.mma_async instructions are serialized"
-                         r".* in the function '([^']+)'")
+# Every code ptxas gives this message under (C7512: too few registers; C7513: a non-wgmma instruction writes a wgmma's
+# input inside the pipeline; C7520: a compiler-inserted arrive on a divergent path), with its reason.
+_SERIALIZED = re.compile(r"\((C75\d\d)\) Potential Performance Loss: wgmma\.mma_async instructions are serialized"
+                         r" due to (.*?),? (?:for|in) the function '([^']+)'")
 _SMEM = re.compile(r"(\d+) bytes smem")
 
 
@@ -412,7 +415,7 @@ def parse_ptxas(text: str, file: str = "") -> list[KernelResources]:
     if not isinstance(text, str):
         raise TypeError(f"text must be a str, got {type(text).__name__}")
     found, current = [], None
-    serialized = set(_SERIALIZED.findall(text))
+    serialized = {kernel: f"{code}: {why}" for code, why, kernel in _SERIALIZED.findall(text)}
     for line in text.splitlines():
         if m := _ENTRY.search(line):
             current = dict(kernel=m.group(1), arch=m.group(2), stack=0, stores=0, loads=0)
@@ -424,7 +427,8 @@ def parse_ptxas(text: str, file: str = "") -> list[KernelResources]:
             current = None
     names = _demangle([c["kernel"] for c, _, _ in found])
     return [KernelResources(file, c["arch"], short_kernel_name(n), regs, smem, c["stack"], c["stores"], c["loads"],
-                            c["kernel"] in serialized) for (c, regs, smem), n in zip(found, names)]
+                            c["kernel"] in serialized, serialized.get(c["kernel"], ""))
+            for (c, regs, smem), n in zip(found, names)]
 
 
 _CHECKED: dict = {}
@@ -435,7 +439,7 @@ def _compile_one(nvcc: str, name: str, arch: str) -> list[KernelResources]:
     # runs a plain sm_90 pass, which rejects wgmma.
     number = arch.removeprefix("sm_")
     flags = [*CUDA_FLAGS, f"-gencode=arch=compute_{number},code=sm_{number}", "-Xptxas", "-v"]
-    key = hashlib.sha256(f"{nvcc}\0{source_hash(name, flags)}\0v2".encode()).hexdigest()[:16]  # v2: C7513
+    key = hashlib.sha256(f"{nvcc}\0{source_hash(name, flags)}\0v3".encode()).hexdigest()[:16]  # v3: every C75xx
     if key in _CHECKED:
         return _CHECKED[key]
     cache = BUILD_DIR / "compile_check" / f"{name}-{arch}-{key}.json"
