@@ -108,6 +108,7 @@ REFERENCES = {
     "hopper_wide_tma_store": (1, ["utils.course.bench.cuda_mma", "--worklog", "hopper", "--steps", "tma_store",
                                   "wide_tma_store", "--seqlens", "4096", "16384", "--rounds", "1", "--name",
                                   "06c_wide_tma_store_h200"]),
+    # worklog 06cw section 6: steps 18-20 (a third 128-key stage; causal blocks longest first) beside step 15
     "hopper_wide_stages": (1, ["utils.course.bench.cuda_mma", "--worklog", "hopper", "--steps", "tma_store",
                                "wide_tma_store", "wide_stages", "tma_heavy_first", "--seqlens", "2048", "4096", "8192",
                                "16384", "--rounds", "2", "--name", "06c_wide_stages_h200"]),
@@ -188,10 +189,11 @@ REFERENCES = {
                              "cuda_hopper_reduce_dq", "cuda_hopper_prefetch_s", "gluon_bwd", "gluon_bwd_dq_writer",
                              "sdpa_flash", "sdpa_cudnn", "--seqlens", "4096", "16384", "--rounds", "2", "--out",
                              "images/06c_bwd_steps_h200.json"]),
-    # worklog 06cw section 8: 06c's forward beside the Gluon forwards in one run (issue 78's 0.9 bar)
+    # worklog 06cw section 7: the backward's causal blocks in groups of heads (bh_group) beside reduce_dq
     "hopper_bwd_group": (1, ["utils.course.bench.backward", "--backends", "cuda_hopper_reduce_dq",
                              "cuda_hopper_bh_group", "gluon_bwd", "sdpa_flash", "sdpa_cudnn", "--seqlens", "4096",
                              "16384", "--rounds", "2", "--out", "images/06c_bwd_group_h200.json"]),
+    # worklog 06cw section 6: 06c's forward beside the Gluon forwards in one run (issue 78's 0.9 bar)
     "hopper_vs_gluon": (1, ["utils.course.bench.forward", "--impls", "cuda_hopper", "gluon_ws", "gluon_ws3", "--sdpa",
                             "cudnn", "--seqlens", "2048", "4096", "8192", "16384", "--rounds", "2", "--name",
                             "06c_vs_gluon_h200"]),
