@@ -112,6 +112,9 @@ REFERENCES = {
     "hopper_wide_stages": (1, ["utils.course.bench.cuda_mma", "--worklog", "hopper", "--steps", "tma_store",
                                "wide_tma_store", "wide_stages", "tma_heavy_first", "--seqlens", "2048", "4096", "8192",
                                "16384", "--rounds", "2", "--name", "06c_wide_stages_h200"]),
+    "hopper_one_p": (1, ["utils.course.bench.cuda_mma", "--worklog", "hopper", "--steps", "tma_store", "wide_stages",
+                         "one_p", "one_p_turns", "--seqlens", "2048", "4096", "8192", "16384", "--rounds", "2",
+                         "--name", "06c_one_p_h200"]),
     "hopper_persistent": (1, ["utils.course.bench.cuda_mma", "--worklog", "hopper", "--steps", "v_direct", "three_consumers",
                               "persistent", "--seqlens", "4096", "8192", "16384", "--name", "06c_persistent_h200"]),
     "hopper_diagonal": (1, ["utils.course.bench.cuda_mma", "--worklog", "hopper", "--steps", "three_consumers",
@@ -211,8 +214,8 @@ REFERENCES = {
                   "--rounds", "3"]),
     # issue 78: FlashAttention-4 (../shared/tools/fa4_pack.sh) beside the course's fast kernels, cuDNN and FA2 in one
     # run, bf16 at N 2k-16k (the issue's grid); kept apart from "peers" so that neither run needs the other's peer
-    "peers_fa4": (1, ["utils.course.bench.peers_sweep", "--impls", "triton", "gluon", "gluon_ws", "gluon_ws3", "--peers",
-                      "flash-attn-4", "--dtypes", "bf16", "--seqlens", "2048", "4096", "8192", "16384",
+    "peers_fa4": (1, ["utils.course.bench.peers_sweep", "--impls", "triton", "gluon", "gluon_ws", "gluon_ws3",
+                      "cuda_hopper", "--peers", "flash-attn-4", "--dtypes", "bf16", "--seqlens", "2048", "4096", "8192", "16384",
                       "--name", "peers_fa4_h200", "--rounds", "3"]),
     # issue 71: the fast registry kernels beside cuDNN before (a copy of the older utils/) and after the regroup
     "layout_check": (1, ["utils.course.bench.peers_sweep", "--impls", "triton", "gluon", "gluon_ws", "--sdpa", "cudnn",
@@ -300,7 +303,8 @@ COLUMNS = [(64, False, 4096), (64, False, 16384), (128, False, 4096), (128, Fals
 # where each range of findings() was measured, for the reader who wants the run behind it
 CUDA_BWD_RUN = "06b_bwd_steps1619_h200.json"  # the run of the CUDA backward's default step (06bw section 10)
 HOPPER_RUNS = ("06c_hopper_h200.json", "06c_vdirect_h200.json", "06c_three_h200.json", "06c_persistent_h200.json",
-               "06c_diagonal_h200.json", "06c_tma_store_h200.json", "06c_wide_stages_h200.json")
+               "06c_diagonal_h200.json", "06c_tma_store_h200.json", "06c_wide_stages_h200.json",
+               "06c_one_p_h200.json")
 MMA_RUN = "06b_step15_h200.json"  # the run of the registry's step (utils.native.build.MMA_DEFAULT_STEP)
 
 

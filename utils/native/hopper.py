@@ -40,14 +40,15 @@ GEMM_STEPS = ("threads", "tma")
 # (step 10 again) tiles of 128 keys without the consumers' turns, which "wide_tiles" was measured with; and (step
 # 15 again) K and V each counted on a barrier of its own, so that S waits for K alone; and (step 15 again) tiles of
 # 128 keys on its three consumers at D = 64, then with a third stage; and (step 15 again, causal) the longest
-# query blocks launched first.
+# query blocks launched first; and (step 19 again) P in one set of registers, packed once the previous P V is done,
+# then the consumers in turns, a ring of three at D = 64.
 ATTENTION_STEPS = ("tma", "pipelined", "specialised", "softmax", "stages", "overlap", "pingpong", "heavy_first",
                    "wide_tiles", "v_direct", "three_consumers", "persistent", "head_groups", "own_diagonal",
                    "tma_store", "wide_v_direct", "split_full", "wide_tma_store",
-                   "wide_stages", "tma_heavy_first")
+                   "wide_stages", "tma_heavy_first", "one_p", "one_p_turns")
 # Not every step paid, and not at both head dims: the default at each head dim (the registry's "cuda_hopper") is the
 # fastest step measured there on the H200 (images/06c_*_h200.json; tests/test_bench_cuda_mma.py checks them).
-DEFAULT_STEPS = {64: "tma_store", 128: "wide_stages"}
+DEFAULT_STEPS = {64: "one_p", 128: "wide_stages"}
 # The steps whose blocks form one line (gridDim.x); the others launch a row of blocks per (batch, head), on gridDim.y.
 ONE_LINE_STEPS = ("persistent", "head_groups", "own_diagonal")
 

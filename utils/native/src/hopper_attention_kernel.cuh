@@ -89,12 +89,23 @@ __device__ __forceinline__ void issue_qk(float (&s)[N / 2], uint32_t sq, uint32_
   }
 }
 
+// The C fragments of key columns 16kk..16kk+15 are the A fragment of P for that K-slice of O += P V.
+template <typename T, int N>
+__device__ __forceinline__ void pack_p(const float (&s)[N / 2], uint32_t (&a)[N / 16][4]) {
+#pragma unroll
+  for (int kk = 0; kk < N / 16; ++kk) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) a[kk][i] = pack2<T>(s[8 * kk + 2 * i], s[8 * kk + 2 * i + 1]);
+  }
+}
+
 // 3. The online softmax of one tile of S, starting at key k0: updates the row maxima and sums, returns each row's
 // rescale factor for O in `alpha` and P, rounded to 16 bits, in `a`. s[4j + r] is row row[r / 2], key
 // k0 + 8j + 2t + r % 2 (`row`: the two rows this thread holds; `t`: its lane within the quad). kFast (step 4):
 // keys are masked only in tiles that need it (kMask), and the scale joins the exponent in one FMA:
-// exp2(s·c - m) with m kept in scaled units, instead of scaling every score first.
-template <typename T, int D, bool kCausal, bool kFast, bool kMask, int N = 64>
+// exp2(s·c - m) with m kept in scaled units, instead of scaling every score first. kPack false (step 21): P is
+// left in `s` as fp32, for pack_p once the registers of `a` are free.
+template <typename T, int D, bool kCausal, bool kFast, bool kMask, int N = 64, bool kPack = true>
 __device__ __forceinline__ void softmax_tile(RowState<D>& st, float (&s)[N / 2], uint32_t (&a)[N / 16][4],
                                              float (&alpha)[2], int k0, const int (&row)[2], int t,
                                              const AttentionParams& p) {
@@ -124,12 +135,7 @@ __device__ __forceinline__ void softmax_tile(RowState<D>& st, float (&s)[N / 2],
     s[i] = kFast ? fast_exp2(fmaf(s[i], p.scale_log2, -base[i % 4 / 2])) : exp2f(s[i] - base[i % 4 / 2]);
     st.l[i % 4 / 2] += s[i];
   }
-  // The C fragments of key columns 16kk..16kk+15 are the A fragment of P for that K-slice of O += P V.
-#pragma unroll
-  for (int kk = 0; kk < N / 16; ++kk) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) a[kk][i] = pack2<T>(s[8 * kk + 2 * i], s[8 * kk + 2 * i + 1]);
-  }
+  if constexpr (kPack) pack_p<T, N>(s, a);
 }
 
 template <int D>
@@ -248,7 +254,7 @@ __device__ __forceinline__ void store_tile(RowState<D>& st, uint32_t tile, uint3
     }
   }
   fence_proxy_async();               // the tile's stores visible to TMA (the async proxy)
-  named_barrier_sync(3 + wg, 128);   // the whole warpgroup's part of O is in (barriers 1-2 are step 7's turns)
+  named_barrier_sync(4 + wg, 128);   // the whole warpgroup's part of O is in (barriers 1-3 are the turns)
   if (wtid == 0) {
     for (int panel = 0; panel < D / 64; ++panel) tma_store_3d(map_o, 64 * panel, q_lo, bh, tile + panel * panel_bytes);
     tma_store_commit();
@@ -469,22 +475,27 @@ __global__ void __launch_bounds__(128 * (1 + Step::template consumers<D>()), 1)
     } else if (tiles > 0) {
       // Step 6: S for tile i is issued together with P V for tile i-1, and the softmax of tile i runs while P V
       // does; O is rescaled only after that wgmma is done. Step 7 adds turns: a consumer issues its wgmma only
-      // when the other has issued its own, so one's softmax lines up under the other's multiplies. Each consumer
-      // issues tiles + 1 times; consumer 1 opens consumer 0's first turn and skips giving back its own last one,
-      // so every named barrier completes as often as it is waited on.
+      // when the one before it (in a ring) has issued its own, so one's softmax lines up under the others'
+      // multiplies. Each consumer issues tiles + 1 times; the last consumer opens consumer 0's first turn and skips
+      // giving back its own last one, so every named barrier completes as often as it is waited on.
       auto turn = [&] {
         if (Step::kTurns) named_barrier_sync(1 + wg, 256);
       };
       auto done = [&](bool last) {
-        if (Step::kTurns && !(last && wg == 1)) named_barrier_arrive(2 - wg, 256);
+        if (Step::kTurns && !(last && wg == kConsumers - 1)) named_barrier_arrive(1 + (wg + 1) % kConsumers, 256);
       };
-      if (Step::kTurns && wg == 1) named_barrier_arrive(1, 256);
+      if (Step::kTurns && wg == kConsumers - 1) named_barrier_arrive(1, 256);
       float s[kN / 2], alpha[2];
       // P of two consecutive tiles: P V reads one, the softmax writes the other
       uint32_t pa[kN / 16][4], pb[kN / 16][4];
       auto softmax = [&](int i, uint32_t (&out)[kN / 16][4]) {
-        if (needs_mask(i)) softmax_tile<T, D, kCausal, true, true, kN>(st, s, out, alpha, kN * i, row, t, p);
-        else softmax_tile<T, D, kCausal, true, false, kN>(st, s, out, alpha, kN * i, row, t, p);
+        if constexpr (Step::kOneP) {  // step 21: P stays in s, packed once P V is done with `out`
+          if (needs_mask(i)) softmax_tile<T, D, kCausal, true, true, kN, false>(st, s, out, alpha, kN * i, row, t, p);
+          else softmax_tile<T, D, kCausal, true, false, kN, false>(st, s, out, alpha, kN * i, row, t, p);
+        } else {
+          if (needs_mask(i)) softmax_tile<T, D, kCausal, true, true, kN>(st, s, out, alpha, kN * i, row, t, p);
+          else softmax_tile<T, D, kCausal, true, false, kN>(st, s, out, alpha, kN * i, row, t, p);
+        }
       };
       // Tile i: S = Q K_iᵀ and O += P_(i-1) V_(i-1) in flight together, tile i's softmax under the second.
       auto tile = [&](int i, uint32_t (&prev)[kN / 16][4], uint32_t (&next)[kN / 16][4]) {
@@ -507,6 +518,7 @@ __global__ void __launch_bounds__(128 * (1 + Step::template consumers<D>()), 1)
         fence_registers(st.acc);
         mbarrier_arrive(empty(ring(i - 1)));
         rescale<D>(st, alpha);
+        if constexpr (Step::kOneP) pack_p<T, kN>(s, next);  // step 21: P V is done with `next`
       };
       auto last = [&](uint32_t (&prev)[kN / 16][4]) {  // O += P V for the last tile
         if constexpr (Step::kSplitFull) wait_v(tiles - 1);
@@ -532,20 +544,27 @@ __global__ void __launch_bounds__(128 * (1 + Step::template consumers<D>()), 1)
       wgmma_wait<0>();
       fence_registers(s);
       softmax(0, pa);  // O is still 0: nothing to rescale
+      if constexpr (Step::kOneP) pack_p<T, kN>(s, pa);
       mark(3);
       // Two tiles per trip, so that pa and pb swap roles without a copy (register moves into a wgmma's inputs
       // between its issue and its wait make ptxas serialize every wgmma of the kernel).
       int i = 1;
-      for (; i + 1 < tiles; i += 2) {
-        tile(i, pa, pb);
-        tile(i + 1, pb, pa);
-      }
-      mark(4);
-      if (i < tiles) {
-        tile(i, pa, pb);
-        last(pb);
-      } else {
+      if constexpr (Step::kOneP) {  // step 21: one set of P registers, written only once P V has read it
+        for (; i < tiles; ++i) tile(i, pa, pa);
+        mark(4);
         last(pa);
+      } else {
+        for (; i + 1 < tiles; i += 2) {
+          tile(i, pa, pb);
+          tile(i + 1, pb, pa);
+        }
+        mark(4);
+        if (i < tiles) {
+          tile(i, pa, pb);
+          last(pb);
+        } else {
+          last(pa);
+        }
       }
     }
     mark(5);

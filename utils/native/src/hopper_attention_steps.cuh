@@ -25,6 +25,7 @@ struct HopperStep1Tma {
   static constexpr bool kOwnDiagonal = false;  // step 14: each consumer stops at its own diagonal
   static constexpr bool kTmaStore = false;     // step 15: O leaves through shared memory and TMA
   static constexpr bool kSplitFull = false;    // step 17: K and V each arrive on a barrier of their own
+  static constexpr bool kOneP = false;         // step 21: one set of P registers, not two
 };
 
 // Step 2: two K/Vᵀ buffers; the next tile's copy is issued before this tile's multiplies.
@@ -130,5 +131,16 @@ struct HopperStep19WideStages : HopperStep18WideTmaStore { static constexpr int 
 // 8's order, measured then on a slower kernel (step 13 kept it, timed from N = 4k only). The short blocks fill the
 // GPU at the end.
 struct HopperStep20TmaHeavyFirst : HopperStep15TmaStore { static constexpr bool kHeavyFirst = true; };
+
+// Step 21 goes back to step 19 and keeps P in one set of registers. Until here the softmax of tile i wrote P_i
+// into a second set while P V of tile i - 1 still read the first: at 128 keys 32 registers more per thread, and at
+// D = 64 (three consumers, 160 registers each) ptxas serialised the wgmmas for want of them (C7512). Now P_i stays
+// in S's fp32 registers until that P V is done, and is packed then.
+struct HopperStep21OneP : HopperStep19WideStages { static constexpr bool kOneP = true; };
+
+// Step 22 keeps step 21 and gives its consumers step 7's turns, in a ring of three at D = 64. FlashAttention-3 and
+// -4 take turns on 128-key tiles at both head dims; step 7 lost on 64-key tiles, where each tile pays a handoff for
+// half the work.
+struct HopperStep22OnePTurns : HopperStep21OneP { static constexpr bool kTurns = true; };
 
 }  // namespace course_hopper
