@@ -372,9 +372,11 @@ def findings() -> list[dict]:
             fa4 = versus(records, mine, (FA4,))
             dtypes = " and ".join(sorted({r["dtype"] for r in records if r["impl"] == FA4}))
             for mode, label in (("fwd", "forward"), ("bwd", "backward")):
+                # from N = 4k, as against cuDNN: at 2k both kernels' calls take about as long on the host as
+                # on the GPU, and their ratio moves from run to run
                 rows.append(_finding(f"{fastest} {label} / FlashAttention-4, {dtypes}",
-                                     [r["ratio"] for r in fa4 if r["mode"] == mode and r["seqlen"] >= 2048],
-                                     "×", "N ≥ 2k", name, "05b, 07"))
+                                     [r["ratio"] for r in fa4 if r["mode"] == mode and r["seqlen"] >= 4096],
+                                     "×", "N ≥ 4k", name, "05b, 07"))
             break
     for mode, name, sdpa, label, shortest in (("fwd", "forward", "sdpa-cudnn", "cuDNN", 4096),
                                               ("fwd", "forward", "sdpa-flash", "FlashAttention-2", 1024),
