@@ -22,7 +22,7 @@ struct AttentionParams {
   float scale_log2;  // softmax scale * log2(e): exp2 instead of exp
   int* work_counter;
   int head_group;
-  long long* timeline;  // steps 3-20: kTimelineSlots milestones per block (utils.native.hopper.block_timeline), or null
+  long long* timeline;
   float* lse;           // the natural-log log-sum-exp of each row, fp32 (batch · heads, seqlen_q), or null
 };
 

@@ -23,7 +23,7 @@ struct AttentionParams {
   float scale_log2;  // softmax scale * log2(e): exp2 instead of exp
   int* work_counter;
   int head_group;
-  long long* timeline;  // steps 3-20: kTimelineSlots milestones per block (utils.native.hopper.block_timeline), or null
+  long long* timeline;  // step 3 on: kTimelineSlots milestones per block (utils.native.hopper.block_timeline), or null
   float* lse;           // the natural-log log-sum-exp of each row, fp32 (batch · heads, seqlen_q), or null
 };
 // The milestones of a block's first work item, in ns of the global timer: its start, Q arrived, the first K/V
@@ -219,11 +219,11 @@ __device__ __forceinline__ void store_lse(const RowState<D>& st, const Attention
   }
 }
 
-// Steps 3-20: warp specialisation. Three warpgroups per block (four at D = 64 from step 11, but for step 16):
+// Steps 3 on: warp specialisation. Three warpgroups per block (four at D = 64 from step 11, but for step 16):
 // warpgroup 0 is the producer (one thread issues every TMA copy, the others leave at once), the others the
-// consumers, 64 query rows each. The producer gives its registers away (setmaxnreg), so each of two consumers may use up to 240. Each K/Vᵀ
-// stage passes back and forth on two barriers: `full` (its bytes arrived) and `empty` (every consumer thread is
-// done with it).
+// consumers, 64 query rows each. The producer gives its registers away (setmaxnreg), so each of two consumers may
+// use up to 240 (three: 160). Each K/Vᵀ stage passes back and forth on two barriers: `full` (its bytes arrived) and
+// `empty` (every consumer thread is done with it).
 template <typename T, int D, bool kCausal, typename Step>
 __global__ void __launch_bounds__(128 * (1 + 2), 1)
     hopper_attention_ws_kernel(const __grid_constant__ CUtensorMap map_q, const __grid_constant__ CUtensorMap map_k,
