@@ -68,7 +68,7 @@ def test_the_backward_compiles_for_sm_90a_with_wgmma_in_flight():
     assert {r.kernel: r.wgmma_serialized_why[:5] for r in results if r.wgmma_serialized} == {
         r.kernel: "C7515" for r in results if r.kernel.endswith(prefetch)}
     assert all(max(r.spill_stores, r.spill_loads) == 0 for r in results if ", 128, " in r.kernel)
-    # steps 1-3 stage dQ in shared memory with all three accumulators live: a few more at D = 64
+    # steps 1-4 stage dQ in shared memory with all three accumulators live: a few more at D = 64
     assert all(max(r.spill_stores, r.spill_loads) <= (48 if r.kernel.endswith(", 0>") else 72) for r in results)
 
 

@@ -115,6 +115,9 @@ REFERENCES = {
     "hopper_one_p": (1, ["utils.course.bench.cuda_mma", "--worklog", "hopper", "--steps", "tma_store", "wide_stages",
                          "one_p", "one_p_turns", "--seqlens", "2048", "4096", "8192", "16384", "--rounds", "2",
                          "--name", "06c_one_p_h200"]),
+    "hopper_one_p_causal": (1, ["utils.course.bench.cuda_mma", "--worklog", "hopper", "--steps", "wide_stages",
+                                "one_p", "one_p_diagonal", "one_p_heavy_first", "--seqlens", "2048", "4096", "8192",
+                                "16384", "--rounds", "3", "--name", "06c_one_p_causal_h200"]),
     "hopper_persistent": (1, ["utils.course.bench.cuda_mma", "--worklog", "hopper", "--steps", "v_direct", "three_consumers",
                               "persistent", "--seqlens", "4096", "8192", "16384", "--name", "06c_persistent_h200"]),
     "hopper_diagonal": (1, ["utils.course.bench.cuda_mma", "--worklog", "hopper", "--steps", "three_consumers",
@@ -196,6 +199,10 @@ REFERENCES = {
     "hopper_bwd_group": (1, ["utils.course.bench.backward", "--backends", "cuda_hopper_reduce_dq",
                              "cuda_hopper_bh_group", "gluon_bwd", "sdpa_flash", "sdpa_cudnn", "--seqlens", "4096",
                              "16384", "--rounds", "2", "--out", "images/06c_bwd_group_h200.json"]),
+    # worklog 06cw section 7: dSᵀ stored by stmatrix (stsm_ds) beside reduce_dq and bh_group
+    "hopper_bwd_stsm": (1, ["utils.course.bench.backward", "--backends", "cuda_hopper_reduce_dq",
+                            "cuda_hopper_bh_group", "cuda_hopper_stsm_ds", "gluon_bwd", "sdpa_flash", "sdpa_cudnn",
+                            "--seqlens", "4096", "16384", "--rounds", "3", "--out", "images/06c_bwd_stsm_h200.json"]),
     # worklog 06cw section 6: 06c's forward beside the Gluon forwards in one run (issue 78's 0.9 bar)
     "hopper_vs_gluon": (1, ["utils.course.bench.forward", "--impls", "cuda_hopper", "gluon_ws", "gluon_ws3", "--sdpa",
                             "cudnn", "--seqlens", "2048", "4096", "8192", "16384", "--rounds", "2", "--name",

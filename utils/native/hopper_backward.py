@@ -5,7 +5,8 @@ wgmma and TMA (utils/native/src/hopper_backward.cu), and the registry's differen
   (utils.native.hopper.flash_hopper_forward). Its steps (`BWD_STEPS`) differ in how dQ leaves a consumer: by
   8-byte atomics from every thread ("atomic_dq"), or staged in shared memory and added by TMA ("reduce_dq"); on
   that, the next tile's Sᵀ issued while dQ leaves ("prefetch_s"), or under a causal mask the blocks launched key
-  block by key block over groups of four (batch, K/V head)s ("bh_group").
+  block by key block over groups of four (batch, K/V head)s ("bh_group"), or dSᵀ stored with stmatrix
+  ("stsm_ds").
 - `flash_hopper_attention(q, k, v)`: the forward, and this backward through autograd when an input requires grad.
 """
 from __future__ import annotations
@@ -18,7 +19,7 @@ from utils.eager.backward import KernelPair, check_backward_inputs, wants_grad
 from utils.native import build as native_build
 from utils.native.hopper import _readable, flash_hopper, flash_hopper_forward
 
-BWD_STEPS = ("atomic_dq", "reduce_dq", "prefetch_s", "bh_group")  # the kernel's kBwd* steps, in order
+BWD_STEPS = ("atomic_dq", "reduce_dq", "prefetch_s", "bh_group", "stsm_ds")  # the kernel's kBwd* steps, in order
 BWD_DEFAULT_STEP = "reduce_dq"          # the registry's (images/06c_bwd_steps_h200.json)
 
 

@@ -143,4 +143,13 @@ struct HopperStep21OneP : HopperStep19WideStages { static constexpr bool kOneP =
 // half the work.
 struct HopperStep22OnePTurns : HopperStep21OneP { static constexpr bool kTurns = true; };
 
+// Step 23 goes back to step 21 and, under a causal mask, lets each consumer stop at its own diagonal (step 14's
+// change, measured then on 64-key tiles). A block of 192 rows at D = 64 crosses its diagonal over two or three
+// tiles of 128 keys; the first consumer's rows end 128 keys before the last one's, so it skips a whole tile.
+struct HopperStep23OnePDiagonal : HopperStep21OneP { static constexpr bool kOwnDiagonal = true; };
+
+// Step 24 keeps step 23 and, under a causal mask, launches each head's longest query blocks first (step 8's order),
+// as FlashAttention-4's Hopper forward does.
+struct HopperStep24OnePHeavyFirst : HopperStep23OnePDiagonal { static constexpr bool kHeavyFirst = true; };
+
 }  // namespace course_hopper

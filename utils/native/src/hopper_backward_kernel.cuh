@@ -17,11 +17,13 @@
 //     threads (step "atomic_dq"), or staged in shared memory and added by TMA, two instructions per consumer
 //     and tile (step "reduce_dq"); step "prefetch_s" also issues the next tile's Sᵀ once dQ is staged, so the
 //     tensor cores work while dQ leaves. Step "bh_group" goes back to "reduce_dq" and, under a causal mask,
-//     launches the blocks key block by key block over groups of kBhGroup (batch, K/V head)s.
+//     launches the blocks key block by key block over groups of kBhGroup (batch, K/V head)s. Step "stsm_ds" goes
+//     back to "reduce_dq" and stores dSᵀ with stmatrix, four 8 x 8 tiles a warp instruction, not 4 bytes a thread.
 // lse2 = lse · log2(e) (+inf for rows that see no key, and in the padding), delta = D, fp32 (batch · heads,
 // padded_q), padded_q a multiple of 128: the prepare pass of flash_bwd_passes.cuh writes them. Causal attention is
 // aligned bottom-right (key j visible to query i when j <= i + Nk − Nq); TMA's zero fill covers ragged tiles.
 #pragma once
+#include "flash_mma.cuh"                // stmatrix_x4 (notebook 06b's)
 #include "hopper_attention_kernel.cuh"  // pack2, fast_exp2, fence_fragments, issue_qk
 
 namespace course_hopper {
@@ -57,9 +59,9 @@ template <int D> struct BackwardTile {
   static constexpr int kSmemBytes = kBytes + 1024;  // room to align the base
 };
 
-// The steps (utils.native.hopper_backward.BWD_STEPS, by index): reduce_dq on atomic_dq, prefetch_s and bh_group
-// each on reduce_dq.
-constexpr int kBwdAtomicDq = 0, kBwdReduceDq = 1, kBwdPrefetchS = 2, kBwdBhGroup = 3;
+// The steps (utils.native.hopper_backward.BWD_STEPS, by index): reduce_dq on atomic_dq, prefetch_s, bh_group and
+// stsm_ds each on reduce_dq.
+constexpr int kBwdAtomicDq = 0, kBwdReduceDq = 1, kBwdPrefetchS = 2, kBwdBhGroup = 3, kBwdStsmDs = 4;
 // bh_group: (batch, K/V head)s per group, the Gluon backward's choice at D = 128 (utils.explicit.backward.pick_config)
 constexpr int kBhGroup = 4;
 
@@ -244,13 +246,25 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
     // swizzled as TMA lays out a tile (the layout wgmma's descriptors read). Buffers alternate with the tile's
     // parity: the other consumer may still read the last tile's.
     const uint32_t sds = base + Tile::kDS + ((t % 2) * 2 + W) * Tile::kDsTile;
+    if constexpr (kStep == kBwdStsmDs) {
+      // sa[kk] holds four 8 x 8 tiles: queries 16kk.. and 16kk + 8.., each for key rows g and g + 8 of the warp's
+      // 16 (register i: query half i / 2, key half i % 2). Lane l gives row l % 8 of tile l / 8, whose 8 queries
+      // are chunk 2kk + (l / 8) / 2 of the row. The 128-byte swizzle moves chunk c of row r to c ^ (r % 8): folded
+      // into one address here, so that each tile's is a constant XOR and offset (nothing more to keep in registers).
+      const int tile = lane / 8, key_row = 16 * warp + lane % 8 + 8 * (tile % 2);
+      const uint32_t row_at = (sds + key_row * 128 + (key_row % 8) * 16) ^ ((tile / 2) * 16);
 #pragma unroll
-    for (int j = 0; j < BM / 8; ++j) {
+      for (int kk = 0; kk < BM / 16; ++kk)
+        course_flash::stmatrix_x4((row_at ^ (2 * kk % 8) * 16) + (2 * kk / 8) * kPanel, sa[kk]);
+    } else {
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const uint32_t at = sds + (j / 8) * kPanel +
-                            swizzle((16 * warp + g + 8 * half) * 128 + 16 * (j % 8) + 4 * t4, Swizzle::k128B);
-        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at), "r"(sa[j / 2][2 * (j % 2) + half]) : "memory");
+      for (int j = 0; j < BM / 8; ++j) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const uint32_t at = sds + (j / 8) * kPanel +
+                              swizzle((16 * warp + g + 8 * half) * 128 + 16 * (j % 8) + 4 * t4, Swizzle::k128B);
+          asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at), "r"(sa[j / 2][2 * (j % 2) + half]) : "memory");
+        }
       }
     }
     fence_proxy_async();         // the stores visible to wgmma
