@@ -136,15 +136,24 @@ def source_hash(name: str, flags=CUDA_FLAGS) -> str:
 
 
 _NAMES: dict = {}
+_FILES: dict = {}
+
+
+def _source_files(name: str) -> tuple[str, ...]:
+    """The paths whose edits change the build of `name`, as strings (os.stat on a str skips pathlib's cost)."""
+    key = (CUDA_DIR, name)  # CUDA_DIR too: a test points it at a copy of the sources
+    if key not in _FILES:
+        own = [] if name in _MMA_STEP_OF else [CUDA_DIR / f"{name}.cu"]  # a step's template is one of its headers
+        _FILES[key] = tuple(str(f) for f in (*own, *[CUDA_DIR / h for h in KERNELS[name][1]]))
+    return _FILES[key]
 
 
 def extension_name(name: str, flags=CUDA_FLAGS) -> str:
     """The load_inline name: `course_<name>_<hash>`, a new name whenever sources or flags change."""
     _check_name(name)
-    # Hashing reads the files; a stat per call is enough to notice an edit (the hash is then recomputed).
-    own = [] if name in _MMA_STEP_OF else [CUDA_DIR / f"{name}.cu"]  # a step's template is one of its headers
-    files = [*own, *[CUDA_DIR / h for h in KERNELS[name][1]]]
-    key = (name, tuple(flags), tuple(f.stat().st_mtime_ns for f in files))
+    # Hashing reads the files; a stat per call is enough to notice an edit (the hash is then recomputed). Every
+    # kernel call passes here, so the stat is kept cheap: it is part of the host time of each launch.
+    key = (name, tuple(flags), tuple(os.stat(f).st_mtime_ns for f in _source_files(name)))
     if key not in _NAMES:
         _NAMES[key] = f"course_{name}_{source_hash(name, flags)}"
     return _NAMES[key]
