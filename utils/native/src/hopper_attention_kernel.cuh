@@ -336,7 +336,8 @@ __global__ void __launch_bounds__(128 * (1 + Step::template consumers<D>()), 1)
   constexpr int kConsumers = Step::template consumers<D>(), kBlockRows = kConsumers * kRows;  // query rows per block
   constexpr int kQPanel = kBlockRows * 128, kKPanel = kN * 128;     // 64-column panels of Q (all rows) and K
   constexpr int kTile = kN * D * 2;                                 // bytes of a K tile, and of a Vᵀ tile
-  constexpr int kQBufs = Step::kPersistent ? 2 : 1;                 // Q's ring: two deep when persistent
+  constexpr bool kPersistent = Step::template persistent<D>();       // steps 12 and (at D = 64) 25
+  constexpr int kQBufs = kPersistent ? 2 : 1;                       // Q's ring: two deep when persistent
   // a consumer that skips tiles (step 14) would leave the turns' named barriers (step 7) short of arrivals
   static_assert(!(Step::kOwnDiagonal && Step::kTurns), "own_diagonal builds on a step without turns");
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -359,13 +360,13 @@ __global__ void __launch_bounds__(128 * (1 + Step::template consumers<D>()), 1)
   // blockIdx.x) leaves the short ones to fill the GPU at the end instead of a long one running alone.
   struct Work { int q0, bh, bh_kv, tiles; };
   auto work = [&](int w) {
-    int bh = Step::kPersistent ? w / q_blocks : blockIdx.y, x = Step::kPersistent ? w % q_blocks : blockIdx.x;
+    int bh = kPersistent ? w / q_blocks : blockIdx.y, x = kPersistent ? w % q_blocks : blockIdx.x;
     if constexpr (Step::kHeadGroups) {  // step 13: w = blockIdx.x: its head group, then the query block, then the head
       const int g = w / (p.head_group * q_blocks), r = w % (p.head_group * q_blocks);
       const int heads_in_group = min(p.head_group, p.batch_heads - g * p.head_group);
       bh = g * p.head_group + r % heads_in_group, x = r / heads_in_group;
     }
-    const int q_block = (Step::kPersistent || Step::kHeadGroups || Step::kHeavyFirst) && kCausal ? q_blocks - 1 - x : x;
+    const int q_block = (kPersistent || Step::kHeadGroups || Step::kHeavyFirst) && kCausal ? q_blocks - 1 - x : x;
     const int q0 = q_block * kBlockRows, b = bh / p.heads, h = bh % p.heads;
     const int k_end = kCausal ? min(p.seqlen_k, max(0, q0 + kBlockRows + diagonal)) : p.seqlen_k;
     return Work{q0, bh, b * p.kv_heads + h / (p.heads / p.kv_heads), (k_end + kN - 1) / kN};
@@ -386,7 +387,7 @@ __global__ void __launch_bounds__(128 * (1 + Step::template consumers<D>()), 1)
       for (int n = 0;; ++n) {
         const int qb = n % kQBufs;
         if (n >= kQBufs) mbarrier_wait(q_empty(qb), (n / kQBufs - 1) & 1);  // item n - 2 is done with buffer qb
-        if constexpr (Step::kPersistent) {
+        if constexpr (kPersistent) {
           work_slot[qb] = w < total ? w : -1;  // seen by the consumers once q_full(qb) completes
           if (w >= total) {
             mbarrier_arrive(q_full(qb));
@@ -394,7 +395,7 @@ __global__ void __launch_bounds__(128 * (1 + Step::template consumers<D>()), 1)
           }
         }
         const Work wk = work(w);
-        const int next = Step::kPersistent ? gridDim.x + atomicAdd(p.work_counter, 1) : 0;  // asked for early
+        const int next = kPersistent ? gridDim.x + atomicAdd(p.work_counter, 1) : 0;  // asked for early
         const uint32_t sq_b = sq + qb * D / 64 * kQPanel;
         mbarrier_arrive_expect(q_full(qb), D / 64 * kQPanel);
         for (int panel = 0; panel < D / 64; ++panel) {  // Q in boxes of 128 rows; from step 11, 64 per consumer
@@ -422,7 +423,7 @@ __global__ void __launch_bounds__(128 * (1 + Step::template consumers<D>()), 1)
             else tma_load_3d(sv + panel * D * 128, &map_vt, kN * i + 64 * panel, 0, wk.bh_kv, v_bar);  // Vᵀ
           }
         }
-        if (!Step::kPersistent) break;
+        if (!kPersistent) break;
         w = next;
       }
     }
@@ -435,7 +436,7 @@ __global__ void __launch_bounds__(128 * (1 + Step::template consumers<D>()), 1)
   for (int n = 0;; ++n) {
     const int qb = n % kQBufs;
     mbarrier_wait(q_full(qb), (n / kQBufs) & 1);
-    const int w = Step::kPersistent ? work_slot[qb] : blockIdx.x;
+    const int w = kPersistent ? work_slot[qb] : blockIdx.x;
     if (w < 0) break;
     const Work wk = work(w);
     auto mark = [&](int slot) { if (tid == 128 && n == 0) note(p, slot, global_timer_ns()); };  // first consumer
@@ -571,13 +572,15 @@ __global__ void __launch_bounds__(128 * (1 + Step::template consumers<D>()), 1)
       mbarrier_arrive(empty(ring(i)));
     }
     it += wk.tiles;
-    if (Step::kPersistent) mbarrier_arrive(q_empty(qb));  // Q's buffer may take item n + 2
+    // Q's buffer may take item n + 2: at once, or after a TMA store once TMA has read O out of it
+    if (!Step::kTmaStore && kPersistent) mbarrier_arrive(q_empty(qb));
     if constexpr (Step::kTmaStore) store_tile<T, D>(st, sq_wg, kQPanel, &map_o, q_lo, wk.bh, wg);
     else store_rows<T, D>(st, o, wk.bh, row, t, p.seqlen_q);
+    if (Step::kTmaStore && kPersistent) mbarrier_arrive(q_empty(qb));
     store_lse<D>(st, p, wk.bh, row, t);
     mark(6);
     if (tid == 128 && n == 0) note(p, 7, static_cast<long long>(sm_id()) << 32 | wk.tiles);
-    if (!Step::kPersistent) break;
+    if (!kPersistent) break;
   }
 }
 
@@ -586,12 +589,13 @@ cudaError_t launch_ws(bool causal, const CUtensorMap& q, const CUtensorMap& k, c
                       const CUtensorMap& o_map, void* o, const AttentionParams& p, int batch_heads,
                       cudaStream_t stream) {
   // the block's rows of Q, the K/Vᵀ stages, alignment room
-  constexpr int kBlockRows = Step::template consumers<D>() * kRows, kQBufs = Step::kPersistent ? 2 : 1;
+  constexpr bool kPersistent = Step::template persistent<D>();
+  constexpr int kBlockRows = Step::template consumers<D>() * kRows, kQBufs = kPersistent ? 2 : 1;
   const int smem = kQBufs * kBlockRows * D * 2 + Step::kStages * 2 * Step::kKeys * D * 2 + 1024;
   const int q_blocks = (p.seqlen_q + kBlockRows - 1) / kBlockRows;
   dim3 grid(q_blocks, batch_heads);
   if (Step::kHeadGroups) grid = dim3(q_blocks * batch_heads, 1);  // one line of blocks, in work-item order
-  if (Step::kPersistent) {  // one block per SM (their registers fill it), none idle
+  if (kPersistent) {  // one block per SM (their registers fill it), none idle
     int device = 0, sms = 0;
     cudaGetDevice(&device);
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);

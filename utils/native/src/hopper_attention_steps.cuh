@@ -19,8 +19,9 @@ struct HopperStep1Tma {
   static constexpr int kKeys = 64;             // step 9: keys per tile
   static constexpr bool kVDirect = false;      // step 10: V read as it is stored
   template <int D> static __host__ __device__ constexpr int consumers() { return 2; }  // step 11: consumer warpgroups
+  // step 12: one block per SM, work from a counter
+  template <int D> static __host__ __device__ constexpr bool persistent() { return false; }
   static constexpr bool kQPerConsumer = false;  // step 11: Q in boxes of 64 rows, one per consumer
-  static constexpr bool kPersistent = false;   // step 12: one block per SM, work from a counter
   static constexpr bool kHeadGroups = false;   // step 13: a group of heads' blocks start together
   static constexpr bool kOwnDiagonal = false;  // step 14: each consumer stops at its own diagonal
   static constexpr bool kTmaStore = false;     // step 15: O leaves through shared memory and TMA
@@ -79,7 +80,9 @@ struct HopperStep11ThreeConsumers : HopperStep10VDirect {
 // until none are left (under a causal mask the longest first; one head's blocks after each other, so its K and V
 // stay in L2). Q gets a ring of its own, two deep: the producer loads the next block's Q and first K/V tiles
 // while the consumers finish this one, so no block starts on an empty pipeline and no launch leaves an SM idle.
-struct HopperStep12Persistent : HopperStep11ThreeConsumers { static constexpr bool kPersistent = true; };
+struct HopperStep12Persistent : HopperStep11ThreeConsumers {
+  template <int D> static __host__ __device__ constexpr bool persistent() { return true; }
+};
 
 // Step 13 goes back to step 11 and changes the order the blocks start in. Step 8 put the longest query blocks
 // first within each head, but heads still came one after another: the GPU started each head's longest blocks only
@@ -151,5 +154,14 @@ struct HopperStep23OnePDiagonal : HopperStep21OneP { static constexpr bool kOwnD
 // Step 24 keeps step 23 and, under a causal mask, launches each head's longest query blocks first (step 8's order),
 // as FlashAttention-4's Hopper forward does.
 struct HopperStep24OnePHeavyFirst : HopperStep23OnePDiagonal { static constexpr bool kHeavyFirst = true; };
+
+// Step 25 goes back to step 21 and, at D = 64, makes its blocks persistent as step 12 did step 11's: one per SM,
+// query blocks from a counter, Q in a ring of two so that the next block's Q and first K/V tiles arrive while the
+// consumers finish this one. A block of step 21 spends a few microseconds before its first tile and after its
+// last; here they overlap the previous block's work. At D = 128 a second Q buffer does not fit beside three
+// stages of 128-key tiles, so step 25 runs step 21 there (its rows show the run's drift).
+struct HopperStep25OnePPersistent : HopperStep21OneP {
+  template <int D> static __host__ __device__ constexpr bool persistent() { return D == 64; }
+};
 
 }  // namespace course_hopper
