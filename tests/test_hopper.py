@@ -201,8 +201,8 @@ def test_the_attention_kernel_compiles_without_spills_or_serialized_wgmma():
         | {f"hopper_attention_ws_kernel<{t}, {d}, {c}, {s}>" for t, d, c in cases for s in structs[2:]})
     step_of = lambda kernel: int(re.search(r"HopperStep(\d+)", kernel).group(1))
     # 128-key tiles on three consumers at D = 64 fill the consumers' 160 registers (setmaxnreg): under the mask
-    # ptxas spills a few bytes in steps 18, 19 (06cw section 6), 22 and 25. No other kernel spills.
-    wide64 = lambda r: ", 64, true, " in r.kernel and step_of(r.kernel) in (18, 19, 22, 25)
+    # ptxas spills a few bytes in steps 18, 19 (06cw section 6), 22, 25 and 26. No other kernel spills.
+    wide64 = lambda r: ", 64, true, " in r.kernel and step_of(r.kernel) in (18, 19, 22, 25, 26)
     assert all(r.arch == "sm_90a" for r in results)
     assert [r.kernel for r in results if (r.spill_stores or r.spill_loads) and not wide64(r)] == []
     assert all(r.spill_stores <= 16 and r.spill_loads <= 32 for r in results if wide64(r))

@@ -6,7 +6,7 @@
 //   4. P, rounded to 16 bits, is already in wgmma's register A-fragment layout: O += P V with A from registers
 //      and B = the Vᵀ tile (V transposed by the caller, so every operand is K-major).
 // Step 1 (kStages = 1): loads and multiplies take turns, as in the GEMM's step 2. Step 2 (kStages = 2): two
-// K/Vᵀ buffers, the next tile's copy issued before this tile's multiplies. Steps 3-25 (hopper_attention_ws_kernel):
+// K/Vᵀ buffers, the next tile's copy issued before this tile's multiplies. Steps 3-26 (hopper_attention_ws_kernel):
 // warp specialisation, then FlashAttention-3's refinements one at a time.
 // Causal attention is bottom-right aligned (key c is visible to query r when c <= r + Nk - Nq), tiles past the
 // diagonal are skipped, and TMA's zero fill covers the ragged last tiles.
@@ -65,19 +65,21 @@ cudaError_t launch_step(int step, bool causal, const CUtensorMap& q, const CUten
         causal, q, k, vt, o_map, o, p, batch_heads, stream);
     case 24: return launch_attention<HopperStep24OnePHeavyFirst, T, D>(
         causal, q, k, vt, o_map, o, p, batch_heads, stream);
-    default: return launch_attention<HopperStep25OnePPersistent, T, D>(
+    case 25: return launch_attention<HopperStep25OnePPersistent, T, D>(
+        causal, q, k, vt, o_map, o, p, batch_heads, stream);
+    default: return launch_attention<HopperStep26OnePHeadGroups, T, D>(
         causal, q, k, vt, o_map, o, p, batch_heads, stream);
   }
 }
 
 // Plain launcher (no torch types); the wrapper has checked the shapes and built the tensor maps. Steps 1-2: one
-// warpgroup per block (loads and multiplies in turn, then overlapped); steps 3-25: a producer and two or three
+// warpgroup per block (loads and multiplies in turn, then overlapped); steps 3-26: a producer and two or three
 // consumer warpgroups (Q's tensor map then reads 128 rows at a time, from step 11 64 per consumer). `o_map`
 // (O in boxes of 64 rows) is step 15's way out; the other steps store through `o`.
 cudaError_t hopper_attention_launch(int step, bool bf16, int head_dim, bool causal, const CUtensorMap& q,
                                     const CUtensorMap& k, const CUtensorMap& vt, const CUtensorMap& o_map, void* o,
                                     const AttentionParams& p, int batch_heads, cudaStream_t stream) {
-  if (step < 1 || step > 25) return cudaErrorInvalidValue;
+  if (step < 1 || step > 26) return cudaErrorInvalidValue;
   if (bf16) {
     return head_dim == 64
                ? launch_step<__nv_bfloat16, 64>(step, causal, q, k, vt, o_map, o, p, batch_heads, stream)
@@ -113,13 +115,13 @@ cudaError_t hopper_attention_launch(int step, bool bf16, int head_dim, bool caus
 
 // q (B, H, Nq, D), k (B, Hkv, Nk, D) and vt (B, Hkv, D, Nk padded to a multiple of 8: V transposed; from step
 // 10, V itself, (B, Hkv, Nk, D)), all
-// contiguous fp16 or bf16 on an sm_90 GPU, D = 64 or 128 -> o (B, H, Nq, D). `timeline`: empty, or (steps 3-25)
+// contiguous fp16 or bf16 on an sm_90 GPU, D = 64 or 128 -> o (B, H, Nq, D). `timeline`: empty, or (steps 3-26)
 // int64 room for kTimelineSlots per block of 64 query rows (more than any step launches), filled per block. `lse`:
 // empty, or fp32 room for each row's log-sum-exp (B · H · Nq elements), which the kernel writes: the backward's input.
 torch::Tensor hopper_attention_forward(torch::Tensor q, torch::Tensor k, torch::Tensor vt, int64_t seqlen_k,
                                        bool causal, double scale, int64_t step, torch::Tensor timeline,
                                        torch::Tensor lse) {
-  TORCH_CHECK(step >= 1 && step <= 25, "hopper_attention: step must be 1 to 25 (utils.native.hopper.ATTENTION_STEPS), got ",
+  TORCH_CHECK(step >= 1 && step <= 26, "hopper_attention: step must be 1 to 26 (utils.native.hopper.ATTENTION_STEPS), got ",
               course::num(step));
   const torch::Tensor* inputs[] = {&q, &k, &vt};
   const char* names[] = {"q", "k", "vt"};
@@ -148,7 +150,7 @@ torch::Tensor hopper_attention_forward(torch::Tensor q, torch::Tensor k, torch::
   const int64_t most_blocks = (q.size(2) + 63) / 64 * q.size(0) * q.size(1);
   TORCH_CHECK(timeline.numel() == 0 || (step >= 3 && timeline.is_cuda() && timeline.scalar_type() == torch::kInt64 &&
               timeline.is_contiguous() && timeline.numel() >= most_blocks * 8), "hopper_attention: timeline must be "
-              "empty, or for steps 3-25 a contiguous int64 CUDA tensor of at least ", course::num(most_blocks * 8),
+              "empty, or for steps 3-26 a contiguous int64 CUDA tensor of at least ", course::num(most_blocks * 8),
               " elements, got ", course::shape(timeline.sizes()));
   TORCH_CHECK(lse.numel() == 0 || (lse.is_cuda() && lse.device() == q.device() &&
               lse.scalar_type() == torch::kFloat32 && lse.is_contiguous() &&
@@ -158,9 +160,9 @@ torch::Tensor hopper_attention_forward(torch::Tensor q, torch::Tensor k, torch::
   course_hopper::check_sm90("hopper_attention", q);
   const c10::cuda::CUDAGuard guard(q.device());
   auto o = torch::empty_like(q);
-  // the persistent blocks (step 12; step 25 at D = 64) take query blocks from this counter; the others need none
+  // persistent blocks (step 12; steps 25 and 26 at D = 64) take query blocks from this counter; the others need none
   torch::Tensor counter;
-  if (step == 12 || (step == 25 && d == 64)) counter = torch::zeros({1}, q.options().dtype(torch::kInt32));
+  if (step == 12 || (step >= 25 && d == 64)) counter = torch::zeros({1}, q.options().dtype(torch::kInt32));
   // step 13 starts the blocks of this many heads together under a causal mask: as many as half the L2 cache holds
   // the K and V of (heads sharing K and V count once), at least 1
   int l2_bytes = 0;

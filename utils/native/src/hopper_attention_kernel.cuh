@@ -336,7 +336,7 @@ __global__ void __launch_bounds__(128 * (1 + Step::template consumers<D>()), 1)
   constexpr int kConsumers = Step::template consumers<D>(), kBlockRows = kConsumers * kRows;  // query rows per block
   constexpr int kQPanel = kBlockRows * 128, kKPanel = kN * 128;     // 64-column panels of Q (all rows) and K
   constexpr int kTile = kN * D * 2;                                 // bytes of a K tile, and of a Vᵀ tile
-  constexpr bool kPersistent = Step::template persistent<D>();       // steps 12 and (at D = 64) 25
+  constexpr bool kPersistent = Step::template persistent<D>();       // steps 12, and 25-26 at D = 64
   constexpr int kQBufs = kPersistent ? 2 : 1;                       // Q's ring: two deep when persistent
   // a consumer that skips tiles (step 14) would leave the turns' named barriers (step 7) short of arrivals
   static_assert(!(Step::kOwnDiagonal && Step::kTurns), "own_diagonal builds on a step without turns");
@@ -366,7 +366,7 @@ __global__ void __launch_bounds__(128 * (1 + Step::template consumers<D>()), 1)
       const int heads_in_group = min(p.head_group, p.batch_heads - g * p.head_group);
       bh = g * p.head_group + r % heads_in_group, x = r / heads_in_group;
     }
-    const int q_block = (kPersistent || Step::kHeadGroups || Step::kHeavyFirst) && kCausal ? q_blocks - 1 - x : x;
+    const int q_block = (Step::kHeadGroups || Step::kHeavyFirst || kPersistent) && kCausal ? q_blocks - 1 - x : x;
     const int q0 = q_block * kBlockRows, b = bh / p.heads, h = bh % p.heads;
     const int k_end = kCausal ? min(p.seqlen_k, max(0, q0 + kBlockRows + diagonal)) : p.seqlen_k;
     return Work{q0, bh, b * p.kv_heads + h / (p.heads / p.kv_heads), (k_end + kN - 1) / kN};

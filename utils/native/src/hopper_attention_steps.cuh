@@ -164,4 +164,11 @@ struct HopperStep25OnePPersistent : HopperStep21OneP {
   template <int D> static __host__ __device__ constexpr bool persistent() { return D == 64; }
 };
 
+// Step 26 keeps step 25 and takes its work in step 13's order under a causal mask: the longest query block of every
+// head of a group first, the group as many heads as half the L2 cache holds the K and V of. Step 25's counter hands
+// out one head's blocks after another, so each head's longest blocks start late in their turn; here the last blocks
+// handed out are short ones of every head of the last group. At D = 128 the blocks are not persistent: one line of
+// them, launched in that order (step 13 on step 21).
+struct HopperStep26OnePHeadGroups : HopperStep25OnePPersistent { static constexpr bool kHeadGroups = true; };
+
 }  // namespace course_hopper
