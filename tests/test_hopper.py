@@ -185,6 +185,20 @@ def test_wgmma_gemm_copies_what_it_cannot_read(step):
     torch.testing.assert_close(hopper.wgmma_gemm(a, b, step=step), ref, rtol=0, atol=1e-3)
 
 
+def test_the_dispatch_names_every_step_of_the_table_in_order():
+    """hopper_attention_dispatch.h maps step N to the table's N-th struct, for the launcher and the wrapper alike."""
+    from utils.course import flatten
+
+    text = (native_build.CUDA_DIR / "hopper_attention_dispatch.h").read_text()
+    named = [int(n) for n in re.findall(r"case (\d+): return f\(StepTag<HopperStep\1\w*>\{\}\);", text)]
+    named += [int(n) for n in re.findall(r"default: return f\(StepTag<HopperStep(\d+)\w*>\{\}\);", text)]
+    structs = [s.struct for s in flatten.steps("06c")]
+    assert [int(re.match(r"HopperStep(\d+)", s).group(1)) for s in structs] == named == list(
+        range(1, len(hopper.ATTENTION_STEPS) + 1))
+    assert all(f"StepTag<{s}>" in text for s in structs)
+    assert f"constexpr int kHopperSteps = {len(hopper.ATTENTION_STEPS)};" in text
+
+
 # ---- the attention kernel (notebook 06c) -------------------------------------------------------------------------
 
 @needs_nvcc

@@ -93,7 +93,8 @@ KERNELS["flash_mma_bwd"] = (("flash_mma_bwd_forward", "flash_mma_bwd_backward", 
 HOPPER_HEADERS = ("hopper.cuh", "hopper_layout.h", "hopper_host.h", "course_str.h")
 KERNELS["wgmma_gemm"] = ("wgmma_gemm_forward", HOPPER_HEADERS)
 KERNELS["hopper_attention"] = ("hopper_attention_forward",
-                              (*HOPPER_HEADERS, "hopper_attention_steps.cuh", "hopper_attention_kernel.cuh"))
+                              (*HOPPER_HEADERS, "hopper_attention_steps.cuh", "hopper_attention_dispatch.h",
+                               "hopper_attention_kernel.cuh"))
 # ... and its backward (utils.native.hopper.flash_hopper_backward)
 KERNELS["hopper_backward"] = ("hopper_attention_backward",
                              (*HOPPER_HEADERS, "hopper_attention_steps.cuh", "hopper_attention_kernel.cuh",

@@ -6,11 +6,12 @@
 //   4. P, rounded to 16 bits, is already in wgmma's register A-fragment layout: O += P V with A from registers
 //      and B = the Vᵀ tile (V transposed by the caller, so every operand is K-major).
 // Step 1 (kStages = 1): loads and multiplies take turns, as in the GEMM's step 2. Step 2 (kStages = 2): two
-// K/Vᵀ buffers, the next tile's copy issued before this tile's multiplies. Steps 3-26 (hopper_attention_ws_kernel):
+// K/Vᵀ buffers, the next tile's copy issued before this tile's multiplies. Steps 3 on (hopper_attention_ws_kernel):
 // warp specialisation, then FlashAttention-3's refinements one at a time.
 // Causal attention is bottom-right aligned (key c is visible to query r when c <= r + Nk - Nq), tiles past the
 // diagonal are skipped, and TMA's zero fill covers the ragged last tiles.
 #ifndef COURSE_TORCH_WRAPPER
+#include "hopper_attention_dispatch.h"
 #include "hopper_attention_kernel.cuh"
 
 namespace course_hopper {
@@ -19,67 +20,19 @@ template <typename T, int D>
 cudaError_t launch_step(int step, bool causal, const CUtensorMap& q, const CUtensorMap& k, const CUtensorMap& vt,
                         const CUtensorMap& o_map, void* o, const AttentionParams& p, int batch_heads,
                         cudaStream_t stream) {
-  switch (step) {
-    case 1: return launch_attention<HopperStep1Tma, T, D>(
-        causal, q, k, vt, o_map, o, p, batch_heads, stream);
-    case 2: return launch_attention<HopperStep2Pipelined, T, D>(
-        causal, q, k, vt, o_map, o, p, batch_heads, stream);
-    case 3: return launch_attention<HopperStep3Specialised, T, D>(
-        causal, q, k, vt, o_map, o, p, batch_heads, stream);
-    case 4: return launch_attention<HopperStep4Softmax, T, D>(
-        causal, q, k, vt, o_map, o, p, batch_heads, stream);
-    case 5: return launch_attention<HopperStep5Stages, T, D>(
-        causal, q, k, vt, o_map, o, p, batch_heads, stream);
-    case 6: return launch_attention<HopperStep6Overlap, T, D>(
-        causal, q, k, vt, o_map, o, p, batch_heads, stream);
-    case 7: return launch_attention<HopperStep7Pingpong, T, D>(
-        causal, q, k, vt, o_map, o, p, batch_heads, stream);
-    case 8: return launch_attention<HopperStep8HeavyFirst, T, D>(
-        causal, q, k, vt, o_map, o, p, batch_heads, stream);
-    case 9: return launch_attention<HopperStep9WideTiles, T, D>(
-        causal, q, k, vt, o_map, o, p, batch_heads, stream);
-    case 10: return launch_attention<HopperStep10VDirect, T, D>(
-        causal, q, k, vt, o_map, o, p, batch_heads, stream);
-    case 11: return launch_attention<HopperStep11ThreeConsumers, T, D>(
-        causal, q, k, vt, o_map, o, p, batch_heads, stream);
-    case 12: return launch_attention<HopperStep12Persistent, T, D>(
-        causal, q, k, vt, o_map, o, p, batch_heads, stream);
-    case 13: return launch_attention<HopperStep13HeadGroups, T, D>(
-        causal, q, k, vt, o_map, o, p, batch_heads, stream);
-    case 14: return launch_attention<HopperStep14OwnDiagonal, T, D>(
-        causal, q, k, vt, o_map, o, p, batch_heads, stream);
-    case 15: return launch_attention<HopperStep15TmaStore, T, D>(causal, q, k, vt, o_map, o, p, batch_heads, stream);
-    case 16: return launch_attention<HopperStep16WideVDirect, T, D>(
-        causal, q, k, vt, o_map, o, p, batch_heads, stream);
-    case 17: return launch_attention<HopperStep17SplitFull, T, D>(causal, q, k, vt, o_map, o, p, batch_heads, stream);
-    case 18: return launch_attention<HopperStep18WideTmaStore, T, D>(
-        causal, q, k, vt, o_map, o, p, batch_heads, stream);
-    case 19: return launch_attention<HopperStep19WideStages, T, D>(
-        causal, q, k, vt, o_map, o, p, batch_heads, stream);
-    case 20: return launch_attention<HopperStep20TmaHeavyFirst, T, D>(
-        causal, q, k, vt, o_map, o, p, batch_heads, stream);
-    case 21: return launch_attention<HopperStep21OneP, T, D>(causal, q, k, vt, o_map, o, p, batch_heads, stream);
-    case 22: return launch_attention<HopperStep22OnePTurns, T, D>(
-        causal, q, k, vt, o_map, o, p, batch_heads, stream);
-    case 23: return launch_attention<HopperStep23OnePDiagonal, T, D>(
-        causal, q, k, vt, o_map, o, p, batch_heads, stream);
-    case 24: return launch_attention<HopperStep24OnePHeavyFirst, T, D>(
-        causal, q, k, vt, o_map, o, p, batch_heads, stream);
-    case 25: return launch_attention<HopperStep25OnePPersistent, T, D>(
-        causal, q, k, vt, o_map, o, p, batch_heads, stream);
-    default: return launch_attention<HopperStep26OnePHeadGroups, T, D>(
-        causal, q, k, vt, o_map, o, p, batch_heads, stream);
-  }
+  return with_step(step, [&](auto tag) {
+    return launch_attention<typename decltype(tag)::type, T, D>(causal, q, k, vt, o_map, o, p, batch_heads, stream);
+  });
 }
 
 // Plain launcher (no torch types); the wrapper has checked the shapes and built the tensor maps. Steps 1-2: one
-// warpgroup per block (loads and multiplies in turn, then overlapped); steps 3-26: a producer and two or three
+// warpgroup per block (loads and multiplies in turn, then overlapped); step 3 on: a producer and two or three
 // consumer warpgroups (Q's tensor map then reads 128 rows at a time, from step 11 64 per consumer). `o_map`
 // (O in boxes of 64 rows) is step 15's way out; the other steps store through `o`.
 cudaError_t hopper_attention_launch(int step, bool bf16, int head_dim, bool causal, const CUtensorMap& q,
                                     const CUtensorMap& k, const CUtensorMap& vt, const CUtensorMap& o_map, void* o,
                                     const AttentionParams& p, int batch_heads, cudaStream_t stream) {
-  if (step < 1 || step > 26) return cudaErrorInvalidValue;
+  if (step < 1 || step > kHopperSteps) return cudaErrorInvalidValue;
   if (bf16) {
     return head_dim == 64
                ? launch_step<__nv_bfloat16, 64>(step, causal, q, k, vt, o_map, o, p, batch_heads, stream)
@@ -97,6 +50,7 @@ cudaError_t hopper_attention_launch(int step, bool bf16, int head_dim, bool caus
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include "course_str.h"
+#include "hopper_attention_dispatch.h"
 #include "hopper_host.h"
 
 namespace course_hopper {
@@ -111,27 +65,51 @@ struct AttentionParams {
 cudaError_t hopper_attention_launch(int step, bool bf16, int head_dim, bool causal, const CUtensorMap& q,
                                     const CUtensorMap& k, const CUtensorMap& vt, const CUtensorMap& o_map, void* o,
                                     const AttentionParams& p, int batch_heads, cudaStream_t stream);
+
+// What the wrapper needs of a step at one head dim, read off the steps table.
+struct StepLayout {
+  int q_rows, k_rows, v_rows;  // rows of the boxes its tensor maps read: Q, K, and V (Vᵀ: D rows)
+  bool specialised;            // step 3 on: warp-specialised, so it can note a timeline
+  bool v_direct;               // step 10 on: vt is V as stored
+  bool persistent;             // its blocks take query blocks from a counter
+  bool one_line;               // its blocks form one line (gridDim.x), not a row per (batch, head)
+};
+
+inline StepLayout step_layout(int step, int head_dim) {
+  return with_step(step, [&](auto tag) {
+    using Step = typename decltype(tag)::type;
+    const bool d64 = head_dim == 64;
+    const int consumers = d64 ? Step::template consumers<64>() : Step::template consumers<128>();
+    const bool persistent = d64 ? Step::template persistent<64>() : Step::template persistent<128>();
+    // one warpgroup of 64 rows (steps 1-2); then one box for all the consumers' rows, or one per consumer
+    const int q_rows = !Step::kSpecialised || Step::kQPerConsumer ? 64 : 64 * consumers;
+    return StepLayout{q_rows, Step::kKeys, Step::kVDirect ? Step::kKeys : head_dim, Step::kSpecialised,
+                      Step::kVDirect, persistent, persistent || Step::kHeadGroups};
+  });
+}
 }  // namespace course_hopper
 
 // q (B, H, Nq, D), k (B, Hkv, Nk, D) and vt (B, Hkv, D, Nk padded to a multiple of 8: V transposed; from step
 // 10, V itself, (B, Hkv, Nk, D)), all
-// contiguous fp16 or bf16 on an sm_90 GPU, D = 64 or 128 -> o (B, H, Nq, D). `timeline`: empty, or (steps 3-26)
+// contiguous fp16 or bf16 on an sm_90 GPU, D = 64 or 128 -> o (B, H, Nq, D). `timeline`: empty, or (step 3 on)
 // int64 room for kTimelineSlots per block of 64 query rows (more than any step launches), filled per block. `lse`:
 // empty, or fp32 room for each row's log-sum-exp (B · H · Nq elements), which the kernel writes: the backward's input.
 torch::Tensor hopper_attention_forward(torch::Tensor q, torch::Tensor k, torch::Tensor vt, int64_t seqlen_k,
                                        bool causal, double scale, int64_t step, torch::Tensor timeline,
                                        torch::Tensor lse) {
-  TORCH_CHECK(step >= 1 && step <= 26, "hopper_attention: step must be 1 to 26 (utils.native.hopper.ATTENTION_STEPS), got ",
+  TORCH_CHECK(step >= 1 && step <= course_hopper::kHopperSteps, "hopper_attention: step must be 1 to ",
+              course::num(course_hopper::kHopperSteps), " (utils.native.hopper.ATTENTION_STEPS), got ",
               course::num(step));
   const torch::Tensor* inputs[] = {&q, &k, &vt};
   const char* names[] = {"q", "k", "vt"};
   course_hopper::check_operands("hopper_attention", inputs, names, q);
   const int64_t d = q.size(3);
   TORCH_CHECK(d == 64 || d == 128, "hopper_attention: head_dim must be 64 or 128, got ", course::num(d));
+  const course_hopper::StepLayout layout = course_hopper::step_layout(static_cast<int>(step), static_cast<int>(d));
   TORCH_CHECK(k.size(0) == q.size(0) && k.size(3) == d && q.size(1) % k.size(1) == 0 && k.size(2) == seqlen_k,
               "hopper_attention: k of shape ", course::shape(k.sizes()), " does not fit q of shape ",
               course::shape(q.sizes()));
-  if (step >= 10) {
+  if (layout.v_direct) {
     TORCH_CHECK(vt.sizes() == k.sizes(), "hopper_attention: from step 10 vt is V, shaped like k ",
                 course::shape(k.sizes()), ", got ", course::shape(vt.sizes()));
   } else {
@@ -143,14 +121,15 @@ torch::Tensor hopper_attention_forward(torch::Tensor q, torch::Tensor k, torch::
               "hopper_attention: empty or too long, q ", course::shape(q.sizes()), ", Nk = ", course::num(seqlen_k));
   TORCH_CHECK(scale > 0 && std::isfinite(scale), "hopper_attention: scale must be finite and positive, got ",
               course::num(scale));
-  // steps 12-14 lay their blocks out in one line; the others launch a row per (batch, head), at most 65,535
-  TORCH_CHECK((step >= 12 && step <= 14) || q.size(0) * q.size(1) <= 65535, "hopper_attention: batch x heads = ",
+  // a step whose blocks form one line takes any number; the others launch a row per (batch, head), at most 65,535
+  TORCH_CHECK(layout.one_line || q.size(0) * q.size(1) <= 65535, "hopper_attention: batch x heads = ",
               course::num(q.size(0)), " x ", course::num(q.size(1)), " is more than step ", course::num(step),
               "'s grid has rows (gridDim.y, at most 65535); split the batch");
   const int64_t most_blocks = (q.size(2) + 63) / 64 * q.size(0) * q.size(1);
-  TORCH_CHECK(timeline.numel() == 0 || (step >= 3 && timeline.is_cuda() && timeline.scalar_type() == torch::kInt64 &&
-              timeline.is_contiguous() && timeline.numel() >= most_blocks * 8), "hopper_attention: timeline must be "
-              "empty, or for steps 3-26 a contiguous int64 CUDA tensor of at least ", course::num(most_blocks * 8),
+  TORCH_CHECK(timeline.numel() == 0 || (layout.specialised && timeline.is_cuda() &&
+              timeline.scalar_type() == torch::kInt64 && timeline.is_contiguous() &&
+              timeline.numel() >= most_blocks * 8), "hopper_attention: timeline must be "
+              "empty, or from step 3 on a contiguous int64 CUDA tensor of at least ", course::num(most_blocks * 8),
               " elements, got ", course::shape(timeline.sizes()));
   TORCH_CHECK(lse.numel() == 0 || (lse.is_cuda() && lse.device() == q.device() &&
               lse.scalar_type() == torch::kFloat32 && lse.is_contiguous() &&
@@ -160,9 +139,9 @@ torch::Tensor hopper_attention_forward(torch::Tensor q, torch::Tensor k, torch::
   course_hopper::check_sm90("hopper_attention", q);
   const c10::cuda::CUDAGuard guard(q.device());
   auto o = torch::empty_like(q);
-  // persistent blocks (step 12; steps 25 and 26 at D = 64) take query blocks from this counter; the others need none
+  // persistent blocks take query blocks from this counter; the others need none
   torch::Tensor counter;
-  if (step == 12 || (step >= 25 && d == 64)) counter = torch::zeros({1}, q.options().dtype(torch::kInt32));
+  if (layout.persistent) counter = torch::zeros({1}, q.options().dtype(torch::kInt32));
   // step 13 starts the blocks of this many heads together under a causal mask: as many as half the L2 cache holds
   // the K and V of (heads sharing K and V count once), at least 1
   int l2_bytes = 0;
@@ -178,13 +157,10 @@ torch::Tensor hopper_attention_forward(torch::Tensor q, torch::Tensor k, torch::
                                          timeline.numel() ? reinterpret_cast<long long*>(timeline.data_ptr<int64_t>())
                                                           : nullptr,
                                          lse.numel() ? lse.data_ptr<float>() : nullptr};
-  // Q in boxes of the block's rows (128 from step 3; from step 11 one box of 64 per consumer), K of the tile's keys
-  // (128 at steps 9, 16, 18, 19 and from 21), Vᵀ of D rows (from step 10: V, as K)
-  const int keys = step == 9 || step == 16 || step == 18 || step == 19 || step >= 21 ? 128 : 64;
   const char* name = "hopper_attention";
-  const CUtensorMap map_q = course_hopper::map_3d(name, q, step >= 3 && step < 11 ? 128 : 64),
-                    map_k = course_hopper::map_3d(name, k, keys),
-                    map_vt = course_hopper::map_3d(name, vt, step >= 10 ? keys : static_cast<int>(d)),
+  const CUtensorMap map_q = course_hopper::map_3d(name, q, layout.q_rows),
+                    map_k = course_hopper::map_3d(name, k, layout.k_rows),
+                    map_vt = course_hopper::map_3d(name, vt, layout.v_rows),
                     map_o = course_hopper::map_3d(name, o, 64);  // step 15 stores O in boxes of 64 rows
   const cudaError_t err = course_hopper::hopper_attention_launch(
       static_cast<int>(step), q.scalar_type() == torch::kBFloat16, static_cast<int>(d), causal, map_q, map_k, map_vt,
