@@ -12,7 +12,8 @@ from utils.course.testing import (ODD_SHAPES_64_128, assert_gradients_close, ass
 from utils.native import build as native_build
 from utils.native.build import find_nvcc
 from utils.native.hopper import ATTENTION_STEPS, flash_hopper, flash_hopper_forward
-from utils.native.hopper_backward import BWD_STEPS, flash_hopper_attention, flash_hopper_backward
+from utils.native.hopper_backward import (BWD_DEFAULT_STEPS, BWD_STEPS, bwd_default_step, flash_hopper_attention,
+                                          flash_hopper_backward)
 
 needs_nvcc = pytest.mark.skipif(find_nvcc() is None, reason="nvcc not found")
 on_hopper = pytest.mark.skipif(not torch.cuda.is_available() or gpu.capability() != (9, 0),
@@ -44,9 +45,17 @@ def test_inputs_are_validated_before_any_gpu_work():
         flash_hopper_backward(q96, q96, q96, q96, q96, lse)
     with pytest.raises(ValueError, match="do has shape"):
         flash_hopper_backward(q[:, :1], q, k, v, o, lse)
-    for bad in ("atomic", 1, None):
+    for bad in ("atomic", 1, True):
         with pytest.raises(ValueError, match="step must be one of"):
             flash_hopper_backward(torch.randn_like(q), q, k, v, o, lse, step=bad)
+
+
+def test_each_head_dim_has_a_default_step_of_the_kernel():
+    assert set(BWD_DEFAULT_STEPS) == {64, 128} and set(BWD_DEFAULT_STEPS.values()) <= set(BWD_STEPS)
+    assert [bwd_default_step(d) for d in (64, 128)] == [BWD_DEFAULT_STEPS[64], BWD_DEFAULT_STEPS[128]]
+    for bad in (96, True, "64", None):
+        with pytest.raises(ValueError, match="head_dim must be one of"):
+            bwd_default_step(bad)
 
 
 @needs_nvcc

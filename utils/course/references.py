@@ -207,6 +207,10 @@ REFERENCES = {
     "hopper_bwd_stsm": (1, ["utils.course.bench.backward", "--backends", "cuda_hopper_reduce_dq",
                             "cuda_hopper_bh_group", "cuda_hopper_stsm_ds", "gluon_bwd", "sdpa_flash", "sdpa_cudnn",
                             "--seqlens", "4096", "16384", "--rounds", "3", "--out", "images/06c_bwd_stsm_h200.json"]),
+    # worklog 06cw section 7: stsm_ds beside reduce_dq again, 5 rounds (the head dims' defaults)
+    "hopper_bwd_stsm5": (1, ["utils.course.bench.backward", "--backends", "cuda_hopper_reduce_dq",
+                             "cuda_hopper_stsm_ds", "sdpa_cudnn", "--seqlens", "4096", "16384", "--rounds", "5",
+                             "--out", "images/06c_bwd_stsm5_h200.json"]),
     # worklog 06cw section 6: 06c's forward beside the Gluon forwards in one run (issue 78's 0.9 bar)
     "hopper_vs_gluon": (1, ["utils.course.bench.forward", "--impls", "cuda_hopper", "gluon_ws", "gluon_ws3", "--sdpa",
                             "cudnn", "--seqlens", "2048", "4096", "8192", "16384", "--rounds", "2", "--name",
@@ -485,7 +489,7 @@ BACKWARD_RUNS = {
     "triton": ("07_backward_benchmark.json", "triton", "07"),
     "gluon, gluon_ws, gluon_ws3": ("07_gluon_bwd_h200.json", "gluon_bwd", "07"),
     "cuda": (CUDA_BWD_RUN, None, "06b"),
-    "cuda_hopper": ("06c_bwd_steps_h200.json", None, "06c"),
+    "cuda_hopper": ("06c_bwd_stsm_h200.json", None, "06c"),
     "flex_triton": ("10_flex_h200.json", "course", "10"),
 }
 BASELINES = {"cuDNN": "sdpa-cudnn", "FA2": "sdpa-flash", "SDPA's pick": "sdpa-default"}
@@ -521,12 +525,12 @@ def stored_kernels(mode: str = "fwd", columns=COLUMNS) -> list[dict]:
     from utils.native.backward import BWD_DEFAULT_STEP
     from utils.native.build import MMA_DEFAULT_STEP
     from utils.native.hopper import DEFAULT_STEPS
-    from utils.native.hopper_backward import BWD_DEFAULT_STEP as HOPPER_BWD_DEFAULT_STEP
+    from utils.native.hopper_backward import BWD_DEFAULT_STEPS as HOPPER_BWD_DEFAULT_STEPS
 
     default = {("cuda", "fwd"): lambda d: step_label(MMA_DEFAULT_STEP),
                ("cuda_hopper", "fwd"): lambda d: step_label(DEFAULT_STEPS[d], "hopper"),
                ("cuda", "bwd"): lambda d: f"cuda_{BWD_DEFAULT_STEP}",
-               ("cuda_hopper", "bwd"): lambda d: f"cuda_hopper_{HOPPER_BWD_DEFAULT_STEP}"}
+               ("cuda_hopper", "bwd"): lambda d: f"cuda_hopper_{HOPPER_BWD_DEFAULT_STEPS[d]}"}
     out = []
     for kernel, (run, label, notebook) in (FORWARD_RUNS if mode == "fwd" else BACKWARD_RUNS).items():
         labels = {col: label or default[kernel, mode](col[0]) for col in columns}  # col = (head_dim, causal, N)

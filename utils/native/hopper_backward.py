@@ -20,22 +20,31 @@ from utils.native import build as native_build
 from utils.native.hopper import _readable, flash_hopper, flash_hopper_forward
 
 BWD_STEPS = ("atomic_dq", "reduce_dq", "prefetch_s", "bh_group", "stsm_ds")  # the kernel's kBwd* steps, in order
-BWD_DEFAULT_STEP = "reduce_dq"          # the registry's (images/06c_bwd_steps_h200.json)
+# the registry's step per head dim: stsm_ds ahead of reduce_dq at D = 128 in two runs, not at D = 64 (06cw section 7)
+BWD_DEFAULT_STEPS = {64: "reduce_dq", 128: "stsm_ds"}
+
+
+def bwd_default_step(head_dim: int) -> str:
+    """The step `flash_hopper_backward` runs at `head_dim` when given none (BWD_DEFAULT_STEPS)."""
+    if head_dim not in BWD_DEFAULT_STEPS or isinstance(head_dim, bool):
+        raise ValueError(f"head_dim must be one of {sorted(BWD_DEFAULT_STEPS)}, got {head_dim!r}")
+    return BWD_DEFAULT_STEPS[head_dim]
 
 
 def flash_hopper_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                          lse: torch.Tensor, *, causal: bool = False, sm_scale=None, step: str = BWD_DEFAULT_STEP):
+                          lse: torch.Tensor, *, causal: bool = False, sm_scale=None, step: str | None = None):
     """Gradients (dq, dk, dv) of attention with wgmma and TMA (utils/native/src/hopper_backward.cu), on an sm_90 GPU
     only, from the forward's o and its natural-log lse, fp32 (batch, heads, seqlen_q), -inf for a row that sees no
     key (as `flash_hopper_forward` returns it).
 
     q (B, H, Nq, D), k and v (B, Hkv, Nk, D) with Hkv dividing H (dk, dv per K/V head, summed over its group); do and
     o like q. fp16 or bf16, head dims 64 and 128, any lengths, causal aligned bottom-right. `step`: one of
-    BWD_STEPS."""
-    if not isinstance(step, str) or step not in BWD_STEPS:
-        raise ValueError(f"step must be one of {BWD_STEPS}, got {step!r}")
+    BWD_STEPS, or None for the head dim's default (BWD_DEFAULT_STEPS)."""
+    if step is not None and (not isinstance(step, str) or step not in BWD_STEPS):
+        raise ValueError(f"step must be one of {BWD_STEPS} or None, got {step!r}")
     shape, scale = check_backward_inputs(do, q, k, v, o, lse, causal=causal, sm_scale=sm_scale, head_dims=(64, 128),
                                          dtypes=(torch.float16, torch.bfloat16))
+    step = bwd_default_step(q.shape[-1]) if step is None else step
     check_device("q", q, "cuda")
     if shape.batch * shape.kv_heads > CUDA_GRID_Y:
         raise ValueError(f"batch x kv_heads = {shape.batch * shape.kv_heads} is more than the backward's grid has rows "

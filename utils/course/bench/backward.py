@@ -28,7 +28,7 @@ import torch
 
 from utils.course.bench import attention_flops, benchmark, error_line, median_rows, peers, rotated
 from utils.native.backward import BWD_STEPS, flash_mma_backward, flash_mma_forward
-from utils.native.hopper_backward import BWD_DEFAULT_STEP as HOPPER_BWD_DEFAULT_STEP, BWD_STEPS as HOPPER_BWD_STEPS
+from utils.native.hopper_backward import BWD_STEPS as HOPPER_BWD_STEPS
 
 BACKENDS = ("triton", "sdpa_flash", "sdpa_cudnn")                # the default set (notebook 07's)
 # The worklog's Triton backward (utils.course.worklogs.triton_backward) with its loads pinned, (tma, tma_stats):
@@ -104,9 +104,9 @@ def _cuda_backward(step):
     return prepare
 
 
-def _hopper_backward(q, k, v, do, causal, step=HOPPER_BWD_DEFAULT_STEP):
-    """Notebook 06c's backward on wgmma and TMA (utils.native.hopper.flash_hopper_backward) in `step`, after its
-    forward's (o, lse)."""
+def _hopper_backward(q, k, v, do, causal, step=None):
+    """Notebook 06c's backward on wgmma and TMA (utils.native.hopper.flash_hopper_backward) in `step` (None:
+    the head dim's default), after its forward's (o, lse)."""
     from utils.native.hopper import flash_hopper_forward
     from utils.native.hopper_backward import flash_hopper_backward
 
