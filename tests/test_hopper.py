@@ -254,22 +254,35 @@ def test_flash_hopper_validates_before_building():
 def test_default_step_is_one_step_per_head_dim_and_names_a_bad_one():
     assert set(hopper.DEFAULT_STEPS) == {64, 128}
     assert all(hopper.default_step(d) in hopper.ATTENTION_STEPS for d in (64, 128))
-    for bad in (96, True, "128"):
+    for bad in (96, True, "128", [64]):
         with pytest.raises(ValueError, match="head_dim must be one of"):
             hopper.default_step(bad)
 
 
 def test_flash_hopper_refuses_more_batch_heads_than_its_grid_has():
     """Steps with a row of blocks per (batch, head) (gridDim.y, at most 65,535) refuse more before any build; the
-    steps that lay their blocks out in one line (persistent, head_groups, own_diagonal) take them."""
-    many = torch.empty(1, 1, 1, 64, dtype=torch.bfloat16).expand(65536, 1, 1, 64)
-    one_line = ("persistent", "head_groups", "own_diagonal")
-    for step in hopper.ATTENTION_STEPS:
-        expected = "needs CUDA tensors" if step in one_line else r"batch x heads = 65536 x 1 = 65536 .*at most 65535"
-        with pytest.raises(ValueError, match=expected):
-            hopper.flash_hopper(many, many, many, step=step)
+    steps that lay their blocks out in one line (persistent ones, those in head-group order) take them."""
+    one_line = {64: ("persistent", "head_groups", "own_diagonal", "one_p_persistent", "one_p_head_groups"),
+                128: ("persistent", "head_groups", "own_diagonal", "one_p_head_groups")}
+    for d in (64, 128):
+        many = torch.empty(1, 1, 1, d, dtype=torch.bfloat16).expand(65536, 1, 1, d)
+        for step in hopper.ATTENTION_STEPS:
+            expected = ("needs CUDA tensors" if step in one_line[d]
+                        else r"batch x heads = 65536 x 1 = 65536 .*at most 65535")
+            with pytest.raises(ValueError, match=expected):
+                hopper.flash_hopper(many, many, many, step=step)
     with pytest.raises(ValueError, match="at most 65535"):
         hopper.block_timeline(many, many, many)
+
+
+def test_the_one_line_steps_are_the_tables():
+    """ONE_LINE_STEPS is what the steps table says (persistent<D>() or kHeadGroups), step by step and head dim by
+    head dim: the wrapper reads the table itself (step_layout), the Python check before it reads this copy."""
+    from utils.course import flatten
+
+    table = {s.name: tuple(d for d in (64, 128) if s.value("persistent", d) or s.value("kHeadGroups"))
+             for s in flatten.steps("06c")}
+    assert {name: dims for name, dims in table.items() if dims} == hopper.ONE_LINE_STEPS
 
 
 @on_hopper

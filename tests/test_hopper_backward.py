@@ -53,7 +53,7 @@ def test_inputs_are_validated_before_any_gpu_work():
 def test_each_head_dim_has_a_default_step_of_the_kernel():
     assert set(BWD_DEFAULT_STEPS) == {64, 128} and set(BWD_DEFAULT_STEPS.values()) <= set(BWD_STEPS)
     assert [bwd_default_step(d) for d in (64, 128)] == [BWD_DEFAULT_STEPS[64], BWD_DEFAULT_STEPS[128]]
-    for bad in (96, True, "64", None):
+    for bad in (96, True, "64", None, [64]):
         with pytest.raises(ValueError, match="head_dim must be one of"):
             bwd_default_step(bad)
 

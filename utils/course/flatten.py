@@ -85,6 +85,13 @@ class Step:
         tail = self.struct[len(les.struct) + (len(str(self.number)) if les.numbered else 0):]
         return re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_", tail).lower()
 
+    def value(self, name: str, d: int | None = None):
+        """Member `name` as a Python value: a bool or int, a templated one (`consumers<D>()`) at head dim `d`."""
+        kind, value, templated = self.members[name]
+        if templated:
+            return _eval_d(value, d)
+        return value == "true" if value in ("true", "false") else int(value)
+
 
 # ---- the steps table --------------------------------------------------------------------------------------------
 
@@ -626,12 +633,7 @@ def substitute(source: str, step: Step) -> str:
 
 
 def _shape(step: Step) -> str:
-    def val(name, d=None):
-        kind, value, templated = step.members[name]
-        if templated:
-            return _eval_d(value, d)
-        return value == "true" if value in ("true", "false") else int(value)
-
+    val = step.value
     if step.lesson == "06b_bwd":
         rows = ", ".join(f"{val('rows', d)} at D = {d}" for d in HEAD_DIMS)
         blocks = ", ".join(f"{val('min_blocks', d)} at D = {d}" for d in HEAD_DIMS)

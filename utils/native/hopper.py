@@ -53,15 +53,23 @@ ATTENTION_STEPS = ("tma", "pipelined", "specialised", "softmax", "stages", "over
 # Not every step paid, and not at both head dims: the default at each head dim (the registry's "cuda_hopper") is the
 # fastest step measured there on the H200 (images/06c_*_h200.json; tests/test_bench_cuda_mma.py checks them).
 DEFAULT_STEPS = {64: "one_p", 128: "wide_stages"}
-# The steps whose blocks form one line (gridDim.x); the others launch a row of blocks per (batch, head), on gridDim.y.
-ONE_LINE_STEPS = ("persistent", "head_groups", "own_diagonal")
+# The steps whose blocks form one line (gridDim.x), and at which head dims: persistent blocks, or blocks started in
+# head-group order (the steps table's persistent<D>() or kHeadGroups; tests/test_hopper.py holds this to it). The
+# others launch a row of blocks per (batch, head), on gridDim.y.
+ONE_LINE_STEPS = {"persistent": (64, 128), "head_groups": (64, 128), "own_diagonal": (64, 128),
+                  "one_p_persistent": (64,), "one_p_head_groups": (64, 128)}
+
+
+def pick_by_head_dim(table: dict, head_dim) -> str:
+    """table[head_dim] for a table keyed by the head dims a kernel takes, or a ValueError naming head_dim."""
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim not in table:
+        raise ValueError(f"head_dim must be one of {sorted(table)}, got {head_dim!r}")
+    return table[head_dim]
 
 
 def default_step(head_dim: int) -> str:
     """The step `flash_hopper` runs at `head_dim` (64 or 128) when given none: the fastest measured there."""
-    if head_dim not in DEFAULT_STEPS or isinstance(head_dim, bool):
-        raise ValueError(f"head_dim must be one of {sorted(DEFAULT_STEPS)}, got {head_dim!r}")
-    return DEFAULT_STEPS[head_dim]
+    return pick_by_head_dim(DEFAULT_STEPS, head_dim)
 
 
 def _check_mode(mode) -> int:
@@ -181,9 +189,10 @@ def flash_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: b
 
     if step is not None and step not in ATTENTION_STEPS:
         raise ValueError(f"step must be one of {ATTENTION_STEPS} or None, got {step!r}")
+    head_dim = q.shape[-1] if isinstance(q, torch.Tensor) and q.dim() == 4 else None  # checked just below
     shape = check_attention_inputs(q, k, v, causal=causal, head_dims=(64, 128),
                                    dtypes=(torch.float16, torch.bfloat16), runs_on="cuda",
-                                   max_batch_heads=None if step in ONE_LINE_STEPS else CUDA_GRID_Y)
+                                   max_batch_heads=None if head_dim in ONE_LINE_STEPS.get(step, ()) else CUDA_GRID_Y)
     step = step or default_step(shape.head_dim)
     scale = resolve_scale(sm_scale, shape.head_dim)
     native_build.check_hopper_capability(gpu.capability(q.device))

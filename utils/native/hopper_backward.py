@@ -17,7 +17,7 @@ from utils import gpu
 from utils.checks import CUDA_GRID_Y, check_device
 from utils.eager.backward import KernelPair, check_backward_inputs, wants_grad
 from utils.native import build as native_build
-from utils.native.hopper import _readable, flash_hopper, flash_hopper_forward
+from utils.native.hopper import _readable, flash_hopper, flash_hopper_forward, pick_by_head_dim
 
 BWD_STEPS = ("atomic_dq", "reduce_dq", "prefetch_s", "bh_group", "stsm_ds")  # the kernel's kBwd* steps, in order
 # the registry's step per head dim: stsm_ds ahead of reduce_dq at D = 128 in two runs, not at D = 64 (06cw section 7)
@@ -26,9 +26,7 @@ BWD_DEFAULT_STEPS = {64: "reduce_dq", 128: "stsm_ds"}
 
 def bwd_default_step(head_dim: int) -> str:
     """The step `flash_hopper_backward` runs at `head_dim` when given none (BWD_DEFAULT_STEPS)."""
-    if head_dim not in BWD_DEFAULT_STEPS or isinstance(head_dim, bool):
-        raise ValueError(f"head_dim must be one of {sorted(BWD_DEFAULT_STEPS)}, got {head_dim!r}")
-    return BWD_DEFAULT_STEPS[head_dim]
+    return pick_by_head_dim(BWD_DEFAULT_STEPS, head_dim)
 
 
 def flash_hopper_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
