@@ -230,8 +230,8 @@ REFERENCES = {
     # issue 78: FlashAttention-4 (../shared/tools/fa4_pack.sh) beside the course's fast kernels, cuDNN and FA2 in one
     # run, bf16 at N 2k-16k (the issue's grid); kept apart from "peers" so that neither run needs the other's peer
     "peers_fa4": (1, ["utils.course.bench.peers_sweep", "--impls", "triton", "gluon", "gluon_ws", "gluon_ws3",
-                      "cuda_hopper", "--peers", "flash-attn-4", "--dtypes", "bf16", "--seqlens", "2048", "4096", "8192", "16384",
-                      "--name", "peers_fa4_h200", "--rounds", "3"]),
+                      "cuda_hopper", "--peers", "flash-attn-4", "--dtypes", "bf16",
+                      "--seqlens", "2048", "4096", "8192", "16384", "--name", "peers_fa4_h200", "--rounds", "3"]),
     # issue 71: the fast registry kernels beside cuDNN before (a copy of the older utils/) and after the regroup
     "layout_check": (1, ["utils.course.bench.peers_sweep", "--impls", "triton", "gluon", "gluon_ws", "--sdpa", "cudnn",
                          "--modes", "fwd", "bwd", "--dtypes", "fp16", "bf16", "--head-dims", "64", "128", "--causal",
