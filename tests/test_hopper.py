@@ -215,17 +215,18 @@ def test_the_attention_kernel_compiles_without_spills_or_serialized_wgmma():
         | {f"hopper_attention_ws_kernel<{t}, {d}, {c}, {s}>" for t, d, c in cases for s in structs[2:]})
     step_of = lambda kernel: int(re.search(r"HopperStep(\d+)", kernel).group(1))
     # 128-key tiles on three consumers at D = 64 fill the consumers' 160 registers (setmaxnreg): under the mask
-    # ptxas spills a few bytes in steps 18, 19 (06cw section 6), 22, 25 and 26. No other kernel spills.
-    wide64 = lambda r: ", 64, true, " in r.kernel and step_of(r.kernel) in (18, 19, 22, 25, 26)
+    # ptxas spills a few bytes in steps 18, 19 (06cw section 6), 22, 25, 26 and 28 (step 19's code at D = 64). No
+    # other kernel spills.
+    wide64 = lambda r: ", 64, true, " in r.kernel and step_of(r.kernel) in (18, 19, 22, 25, 26, 28)
     assert all(r.arch == "sm_90a" for r in results)
     assert [r.kernel for r in results if (r.spill_stores or r.spill_loads) and not wide64(r)] == []
     assert all(r.spill_stores <= 16 and r.spill_loads <= 32 for r in results if wide64(r))
     # ptxas serialises the wgmmas (each waits for the one before) of three measured steps, and says why (06cw
     # section 6): step 17 under the mask (C7520, a compiler-inserted arrive on a divergent path), and steps 18 and
-    # 19 at D = 64, which lack registers (C7512). No other kernel.
+    # 19 at D = 64, which lack registers (C7512), as does step 28 there (step 19's code). No other kernel.
     expected = {r.kernel: "C7520" if step_of(r.kernel) == 17 else "C7512" for r in results
                 if (step_of(r.kernel) == 17 and ", true, " in r.kernel)
-                or (step_of(r.kernel) in (18, 19) and ", 64, " in r.kernel)}
+                or (step_of(r.kernel) in (18, 19, 28) and ", 64, " in r.kernel)}
     assert {r.kernel: r.wgmma_serialized_why[:5] for r in results if r.wgmma_serialized} == expected
     # 384 threads, one block per SM: the compiler's cap is 168, and setmaxnreg moves the producer's to consumers;
     # three consumers at D = 64 (steps 11-15 and from 18; "wide_v_direct" goes back to two): 512 threads, a cap of 128

@@ -7,7 +7,7 @@
 
 namespace course_hopper {
 
-constexpr int kHopperSteps = 26;  // utils.native.hopper.ATTENTION_STEPS has as many
+constexpr int kHopperSteps = 28;  // utils.native.hopper.ATTENTION_STEPS has as many
 
 template <typename Step> struct StepTag { using type = Step; };
 
@@ -40,7 +40,9 @@ decltype(auto) with_step(int step, F&& f) {
     case 23: return f(StepTag<HopperStep23OnePDiagonal>{});
     case 24: return f(StepTag<HopperStep24OnePHeavyFirst>{});
     case 25: return f(StepTag<HopperStep25OnePPersistent>{});
-    default: return f(StepTag<HopperStep26OnePHeadGroups>{});
+    case 26: return f(StepTag<HopperStep26OnePHeadGroups>{});
+    case 27: return f(StepTag<HopperStep27OnePUniform>{});
+    default: return f(StepTag<HopperStep28WideUniform>{});
   }
 }
 

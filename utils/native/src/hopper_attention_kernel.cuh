@@ -352,7 +352,8 @@ __global__ void __launch_bounds__(128 * (1 + Step::template consumers<D>()), 1)
   auto empty = [&](int s) { return smem_u32(&bars[2 * kQBufs + kStages + s]); };
   auto v_full = [&](int s) { return smem_u32(&bars[2 * kQBufs + 2 * kStages + s]); };
 
-  const int tid = threadIdx.x, warpgroup = tid / 128;
+  // step 27: lane 0's index, so that ptxas knows it is the same in the whole warp (uniform branches, uniform loop)
+  const int tid = threadIdx.x, warpgroup = Step::kUniformWarpgroup ? __shfl_sync(0xffffffffu, tid / 128, 0) : tid / 128;
   if (tid == 0) note(p, 0, global_timer_ns());
   const int q_blocks = (p.seqlen_q + kBlockRows - 1) / kBlockRows, diagonal = p.seqlen_k - p.seqlen_q;
   // A work item: one block of query rows of one (batch, head), and how many K/V tiles it reads. Step 8: with a

@@ -27,6 +27,7 @@ struct HopperStep1Tma {
   static constexpr bool kTmaStore = false;     // step 15: O leaves through shared memory and TMA
   static constexpr bool kSplitFull = false;    // step 17: K and V each arrive on a barrier of their own
   static constexpr bool kOneP = false;         // step 21: one set of P registers, not two
+  static constexpr bool kUniformWarpgroup = false;  // step 27: the warpgroup index shown to be the same in a warp
 };
 
 // Step 2: two K/Vᵀ buffers; the next tile's copy is issued before this tile's multiplies.
@@ -170,5 +171,17 @@ struct HopperStep25OnePPersistent : HopperStep21OneP {
 // handed out are short ones of every head of the last group. At D = 128 the blocks are not persistent: one line of
 // them, launched in that order (step 13 on step 21).
 struct HopperStep26OnePHeadGroups : HopperStep25OnePPersistent { static constexpr bool kHeadGroups = true; };
+
+// Step 27 goes back to step 21 and changes no work, only what ptxas can prove. A consumer's first query row comes
+// from its warpgroup index, tid / 128; under a causal mask each tile's "does it need the mask?" test reads that
+// row. ptxas cannot tell that tid / 128 is the same in every lane of a warp, so the test is a branch that may
+// diverge, and inside the loop it keeps the tile counter and the wgmma descriptors in ordinary registers,
+// moving each to a uniform register (R2UR) before every wgmma. Read from lane 0 with __shfl_sync, the index is
+// provably the same in the whole warp: the loop stays in the uniform datapath, as it does without the mask.
+struct HopperStep27OnePUniform : HopperStep21OneP { static constexpr bool kUniformWarpgroup = true; };
+
+// Step 28 makes the same change to step 19, the default at D = 128, whose main loop (two tiles a trip, two sets
+// of P) moves three times as many descriptors under the mask.
+struct HopperStep28WideUniform : HopperStep19WideStages { static constexpr bool kUniformWarpgroup = true; };
 
 }  // namespace course_hopper

@@ -19,6 +19,7 @@
 //     tensor cores work while dQ leaves. Step "bh_group" goes back to "reduce_dq" and, under a causal mask,
 //     launches the blocks key block by key block over groups of kBhGroup (batch, K/V head)s. Step "stsm_ds" goes
 //     back to "reduce_dq" and stores dSᵀ with stmatrix, four 8 x 8 tiles a warp instruction, not 4 bytes a thread.
+//     Step "stsm_uniform" keeps "stsm_ds" and reads the warpgroup index from lane 0 (the forward's step 27).
 // lse2 = lse · log2(e) (+inf for rows that see no key, and in the padding), delta = D, fp32 (batch · heads,
 // padded_q), padded_q a multiple of 128: the prepare pass of flash_bwd_passes.cuh writes them. Causal attention is
 // aligned bottom-right (key j visible to query i when j <= i + Nk − Nq); TMA's zero fill covers ragged tiles.
@@ -60,8 +61,9 @@ template <int D> struct BackwardTile {
 };
 
 // The steps (utils.native.hopper_backward.BWD_STEPS, by index): reduce_dq on atomic_dq, prefetch_s, bh_group and
-// stsm_ds each on reduce_dq.
+// stsm_ds each on reduce_dq, stsm_uniform on stsm_ds.
 constexpr int kBwdAtomicDq = 0, kBwdReduceDq = 1, kBwdPrefetchS = 2, kBwdBhGroup = 3, kBwdStsmDs = 4;
+constexpr int kBwdStsmUniform = 5;
 // bh_group: (batch, K/V head)s per group, the Gluon backward's choice at D = 128 (utils.explicit.backward.pick_config)
 constexpr int kBhGroup = 4;
 
@@ -83,7 +85,10 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
   auto full = [&](int s) { return smem_u32(&bars[1 + s]); };
   auto empty = [&](int s) { return smem_u32(&bars[1 + kStages + s]); };
 
-  const int tid = threadIdx.x, warpgroup = tid / 128;
+  // stsm_uniform: lane 0's index, which ptxas can prove the same in the whole warp, so the consumers' shared-memory
+  // addresses (one set per warpgroup) and the wgmma descriptors built from them stay in uniform registers
+  const int tid = threadIdx.x;
+  const int warpgroup = kStep == kBwdStsmUniform ? __shfl_sync(0xffffffffu, tid / 128, 0) : tid / 128;
   // Under a causal mask key block 0 sees every query and the last block a few. Launched head by head, one head's
   // long blocks run beside the next heads' short ones; step bh_group launches block i of the grid as key block
   // i / size of the i % size-th (batch, K/V head) of its group, so blocks of about one length run together.
@@ -246,7 +251,7 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
     // swizzled as TMA lays out a tile (the layout wgmma's descriptors read). Buffers alternate with the tile's
     // parity: the other consumer may still read the last tile's.
     const uint32_t sds = base + Tile::kDS + ((t % 2) * 2 + W) * Tile::kDsTile;
-    if constexpr (kStep == kBwdStsmDs) {
+    if constexpr (kStep == kBwdStsmDs || kStep == kBwdStsmUniform) {
       // sa[kk] holds four 8 x 8 tiles: queries 16kk.. and 16kk + 8.., each for key rows g and g + 8 of the warp's
       // 16 (register i: query half i / 2, key half i % 2). Lane l gives row l % 8 of tile l / 8, whose 8 queries
       // are chunk 2kk + (l / 8) / 2 of the row. The 128-byte swizzle moves chunk c of row r to c ^ (r % 8): folded
