@@ -215,18 +215,22 @@ def test_the_attention_kernel_compiles_without_spills_or_serialized_wgmma():
         | {f"hopper_attention_ws_kernel<{t}, {d}, {c}, {s}>" for t, d, c in cases for s in structs[2:]})
     step_of = lambda kernel: int(re.search(r"HopperStep(\d+)", kernel).group(1))
     # 128-key tiles on three consumers at D = 64 fill the consumers' 160 registers (setmaxnreg): under the mask
-    # ptxas spills a few bytes in steps 18, 19 (06cw section 6), 22, 25, 26 and 28 (step 19's code at D = 64). No
-    # other kernel spills.
-    wide64 = lambda r: ", 64, true, " in r.kernel and step_of(r.kernel) in (18, 19, 22, 25, 26, 28)
+    # ptxas spills a few bytes in steps 18, 19 (06cw section 6), 22, 25 and 26. With the warpgroup index uniform,
+    # steps 28 and 30 (step 19's code) do not.
+    wide64 = lambda r: ", 64, true, " in r.kernel and step_of(r.kernel) in (18, 19, 22, 25, 26)
     assert all(r.arch == "sm_90a" for r in results)
-    assert [r.kernel for r in results if (r.spill_stores or r.spill_loads) and not wide64(r)] == []
+    # Step 29's vote before the rescale leaves the ragged-edge tile's mask bits packed into registers at D = 64: a
+    # few dozen bytes spill in that path (a tile only at the end of a row that is not a multiple of 128 keys).
+    lazy64 = lambda r: ", 64, " in r.kernel and step_of(r.kernel) == 29
+    assert [r.kernel for r in results if (r.spill_stores or r.spill_loads) and not (wide64(r) or lazy64(r))] == []
     assert all(r.spill_stores <= 16 and r.spill_loads <= 32 for r in results if wide64(r))
+    assert all(r.spill_stores <= 48 and r.spill_loads <= 64 for r in results if lazy64(r))
     # ptxas serialises the wgmmas (each waits for the one before) of three measured steps, and says why (06cw
     # section 6): step 17 under the mask (C7520, a compiler-inserted arrive on a divergent path), and steps 18 and
-    # 19 at D = 64, which lack registers (C7512), as does step 28 there (step 19's code). No other kernel.
+    # 19 at D = 64, which lack registers (C7512), as do steps 28 and 30 there (step 19's code). No other kernel.
     expected = {r.kernel: "C7520" if step_of(r.kernel) == 17 else "C7512" for r in results
                 if (step_of(r.kernel) == 17 and ", true, " in r.kernel)
-                or (step_of(r.kernel) in (18, 19, 28) and ", 64, " in r.kernel)}
+                or (step_of(r.kernel) in (18, 19, 28, 30) and ", 64, " in r.kernel)}
     assert {r.kernel: r.wgmma_serialized_why[:5] for r in results if r.wgmma_serialized} == expected
     # 384 threads, one block per SM: the compiler's cap is 168, and setmaxnreg moves the producer's to consumers;
     # three consumers at D = 64 (steps 11-15 and from 18; "wide_v_direct" goes back to two): 512 threads, a cap of 128
@@ -284,6 +288,28 @@ def test_the_one_line_steps_are_the_tables():
     table = {s.name: tuple(d for d in (64, 128) if s.value("persistent", d) or s.value("kHeadGroups"))
              for s in flatten.steps("06c")}
     assert {name: dims for name, dims in table.items() if dims} == hopper.ONE_LINE_STEPS
+
+
+@on_hopper
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("step", ["one_p", "one_p_lazy", "wide_stages", "wide_lazy"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_a_maximum_that_keeps_growing_is_followed(step, d, causal):
+    """Scores that rise along the keys, faster in some rows than others, slower than 2^8 a tile in a few, falling
+    in others: the lazy steps (29, 30) must rescale O whenever a row of the warp moved its maximum, and only then."""
+    from functools import partial
+
+    from utils.course.testing import assert_attention_matches_reference
+
+    gen = torch.Generator().manual_seed(d)
+    q = torch.randn(1, 2, 512, d, generator=gen) * 0.1
+    k = torch.randn(1, 2, 1024, d, generator=gen) * 0.1
+    q[..., 0] = torch.linspace(-1.0, 1.0, 512)  # the row's slope along the keys, in both directions
+    # at slope 1 a score grows by 0.11 a key: 20 in exp2's units a tile of 128 keys; at slope 0.3, 6
+    k[..., 0] = torch.arange(1024) * 0.11 * d ** 0.5
+    v = torch.randn(1, 2, 1024, d, generator=gen)
+    q, k, v = (t.to("cuda", torch.bfloat16) for t in (q, k, v))
+    assert_attention_matches_reference(partial(hopper.flash_hopper, step=step), q, k, v, causal=causal)
 
 
 @on_hopper

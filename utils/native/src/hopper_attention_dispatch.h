@@ -7,7 +7,7 @@
 
 namespace course_hopper {
 
-constexpr int kHopperSteps = 28;  // utils.native.hopper.ATTENTION_STEPS has as many
+constexpr int kHopperSteps = 30;  // utils.native.hopper.ATTENTION_STEPS has as many
 
 template <typename Step> struct StepTag { using type = Step; };
 
@@ -42,7 +42,9 @@ decltype(auto) with_step(int step, F&& f) {
     case 25: return f(StepTag<HopperStep25OnePPersistent>{});
     case 26: return f(StepTag<HopperStep26OnePHeadGroups>{});
     case 27: return f(StepTag<HopperStep27OnePUniform>{});
-    default: return f(StepTag<HopperStep28WideUniform>{});
+    case 28: return f(StepTag<HopperStep28WideUniform>{});
+    case 29: return f(StepTag<HopperStep29OnePLazy>{});
+    default: return f(StepTag<HopperStep30WideLazy>{});
   }
 }
 

@@ -104,12 +104,14 @@ __device__ __forceinline__ void pack_p(const float (&s)[N / 2], uint32_t (&a)[N 
 // k0 + 8j + 2t + r % 2 (`row`: the two rows this thread holds; `t`: its lane within the quad). kFast (step 4):
 // keys are masked only in tiles that need it (kMask), and the scale joins the exponent in one FMA:
 // exp2(s·c - m) with m kept in scaled units, instead of scaling every score first. kPack false (step 21): P is
-// left in `s` as fp32, for pack_p once the registers of `a` are free.
-template <typename T, int D, bool kCausal, bool kFast, bool kMask, int N = 64, bool kPack = true>
+// left in `s` as fp32, for pack_p once the registers of `a` are free. kLazy (step 29): a row's maximum moves only
+// when the tile's passes it by more than kLazyLog2; until then alpha is exactly 1 and P stays below 2^kLazyLog2.
+template <typename T, int D, bool kCausal, bool kFast, bool kMask, int N = 64, bool kPack = true, bool kLazy = false>
 __device__ __forceinline__ void softmax_tile(RowState<D>& st, float (&s)[N / 2], uint32_t (&a)[N / 16][4],
                                              float (&alpha)[2], int k0, const int (&row)[2], int t,
                                              const AttentionParams& p) {
   const int diagonal = p.seqlen_k - p.seqlen_q;
+  constexpr float kLazyLog2 = 8.f;  // in exp2's units: P at most 256, far inside fp16, bf16 and fp32
   float tile_max[2] = {-CUDART_INF_F, -CUDART_INF_F};
 #pragma unroll
   for (int j = 0; j < N / 8; ++j) {
@@ -124,7 +126,8 @@ __device__ __forceinline__ void softmax_tile(RowState<D>& st, float (&s)[N / 2],
   float base[2];
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-    const float m_new = fmaxf(st.m[i], quad_max(tile_max[i]) * (kFast ? p.scale_log2 : 1.f));
+    const float m_tile = quad_max(tile_max[i]) * (kFast ? p.scale_log2 : 1.f);
+    const float m_new = kLazy && m_tile <= st.m[i] + kLazyLog2 ? st.m[i] : fmaxf(st.m[i], m_tile);
     base[i] = m_new == -CUDART_INF_F ? 0.f : m_new;  // a row with no key yet: keep exp2 away from inf - inf
     alpha[i] = exp2f(st.m[i] - base[i]);
     st.m[i] = m_new;
@@ -493,8 +496,12 @@ __global__ void __launch_bounds__(128 * (1 + Step::template consumers<D>()), 1)
       // step 21 (kOneP): P stays in s, packed into `out` only once P V is done with it
       constexpr bool kPack = !Step::kOneP;
       auto softmax = [&](int i, uint32_t (&out)[kN / 16][4]) {
-        if (needs_mask(i)) softmax_tile<T, D, kCausal, true, true, kN, kPack>(st, s, out, alpha, kN * i, row, t, p);
-        else softmax_tile<T, D, kCausal, true, false, kN, kPack>(st, s, out, alpha, kN * i, row, t, p);
+        const int k0 = kN * i;
+        if (needs_mask(i)) {
+          softmax_tile<T, D, kCausal, true, true, kN, kPack, Step::kLazyRescale>(st, s, out, alpha, k0, row, t, p);
+        } else {
+          softmax_tile<T, D, kCausal, true, false, kN, kPack, Step::kLazyRescale>(st, s, out, alpha, k0, row, t, p);
+        }
       };
       // Tile i: S = Q K_iᵀ and O += P_(i-1) V_(i-1) in flight together, tile i's softmax under the second.
       auto tile = [&](int i, uint32_t (&prev)[kN / 16][4], uint32_t (&next)[kN / 16][4]) {
@@ -513,10 +520,12 @@ __global__ void __launch_bounds__(128 * (1 + Step::template consumers<D>()), 1)
         wgmma_wait<1>();  // S is in; P V may still run
         fence_registers(s);
         softmax(i, next);
+        // step 29: no row of the warp moved its maximum, so O keeps its scale (a vote: one branch for the warp)
+        const bool kept = Step::kLazyRescale && __all_sync(0xffffffffu, alpha[0] == 1.f && alpha[1] == 1.f);
         wgmma_wait<0>();
         fence_registers(st.acc);
         mbarrier_arrive(empty(ring(i - 1)));
-        rescale<D>(st, alpha);
+        if (!kept) rescale<D>(st, alpha);
         if constexpr (Step::kOneP) pack_p<T, kN>(s, next);  // step 21: P V is done with `next`
       };
       auto last = [&](uint32_t (&prev)[kN / 16][4]) {  // O += P V for the last tile

@@ -28,6 +28,7 @@ struct HopperStep1Tma {
   static constexpr bool kSplitFull = false;    // step 17: K and V each arrive on a barrier of their own
   static constexpr bool kOneP = false;         // step 21: one set of P registers, not two
   static constexpr bool kUniformWarpgroup = false;  // step 27: the warpgroup index shown to be the same in a warp
+  static constexpr bool kLazyRescale = false;  // step 29: O rescaled only when a row's maximum grew by 2^8
 };
 
 // Step 2: two K/Vᵀ buffers; the next tile's copy is issued before this tile's multiplies.
@@ -183,5 +184,15 @@ struct HopperStep27OnePUniform : HopperStep21OneP { static constexpr bool kUnifo
 // Step 28 makes the same change to step 19, the default at D = 128, whose main loop (two tiles a trip, two sets
 // of P) moves three times as many descriptors under the mask.
 struct HopperStep28WideUniform : HopperStep19WideStages { static constexpr bool kUniformWarpgroup = true; };
+
+// Step 29 keeps step 27 and rescales O less often, as FlashAttention-4 does. Each tile, O's accumulators are
+// multiplied by alpha = 2^(m_old - m_new): 32 multiplies a thread at D = 64, 64 at D = 128. Once a row has seen a
+// few tiles its maximum rarely grows by much. Here the maximum moves only when the tile's passes it by more than
+// 2^8; until then alpha is 1, and P, measured from the older maximum, is at most 256. When no row of a warp moved
+// (a vote), the warp skips the multiplies. O and l stay consistent: both are sums over the same stale maximum.
+struct HopperStep29OnePLazy : HopperStep27OnePUniform { static constexpr bool kLazyRescale = true; };
+
+// Step 30 makes the same change to step 28, for D = 128.
+struct HopperStep30WideLazy : HopperStep28WideUniform { static constexpr bool kLazyRescale = true; };
 
 }  // namespace course_hopper
