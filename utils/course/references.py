@@ -122,6 +122,10 @@ REFERENCES = {
                                     "one_p", "one_p_persistent", "one_p_head_groups", "--seqlens", "2048",
                                     "4096", "8192", "16384", "--rounds", "3", "--name",
                                     "06c_one_p_persistent_h200"]),
+    "hopper_uniform": (1, ["utils.course.bench.cuda_mma", "--worklog", "hopper", "--steps", "wide_stages",
+                           "wide_uniform", "wide_lazy", "one_p", "one_p_uniform", "one_p_lazy",
+                           "--seqlens", "2048", "4096", "8192", "16384",
+                           "--rounds", "3", "--name", "06c_uniform_h200"]),
     "hopper_persistent": (1, ["utils.course.bench.cuda_mma", "--worklog", "hopper", "--steps", "v_direct", "three_consumers",
                               "persistent", "--seqlens", "4096", "8192", "16384", "--name", "06c_persistent_h200"]),
     "hopper_diagonal": (1, ["utils.course.bench.cuda_mma", "--worklog", "hopper", "--steps", "three_consumers",
@@ -211,6 +215,14 @@ REFERENCES = {
     "hopper_bwd_stsm5": (1, ["utils.course.bench.backward", "--backends", "cuda_hopper_reduce_dq",
                              "cuda_hopper_stsm_ds", "sdpa_cudnn", "--seqlens", "4096", "16384", "--rounds", "5",
                              "--out", "images/06c_bwd_stsm5_h200.json"]),
+    # worklog 06cw section 7: stsm_uniform beside stsm_ds and reduce_dq, 5 rounds
+    "hopper_bwd_uniform": (1, ["utils.course.bench.backward", "--backends", "cuda_hopper_reduce_dq",
+                               "cuda_hopper_stsm_ds", "cuda_hopper_stsm_uniform", "sdpa_cudnn", "--seqlens", "4096",
+                               "16384", "--rounds", "5", "--out", "images/06c_bwd_uniform_h200.json"]),
+    # 06c's backward table: the default step beside the Gluon backward, FA2 and cuDNN
+    "hopper_bwd_default": (1, ["utils.course.bench.backward", "--backends", "cuda_hopper_stsm_uniform", "gluon_bwd",
+                               "sdpa_flash", "sdpa_cudnn", "--seqlens", "4096", "16384", "--rounds", "3", "--out",
+                               "images/06c_bwd_default_h200.json"]),
     # worklog 06cw section 6: 06c's forward beside the Gluon forwards in one run (issue 78's 0.9 bar)
     "hopper_vs_gluon": (1, ["utils.course.bench.forward", "--impls", "cuda_hopper", "gluon_ws", "gluon_ws3", "--sdpa",
                             "cudnn", "--seqlens", "2048", "4096", "8192", "16384", "--rounds", "2", "--name",
@@ -319,7 +331,7 @@ COLUMNS = [(64, False, 4096), (64, False, 16384), (128, False, 4096), (128, Fals
 CUDA_BWD_RUN = "06b_bwd_steps1619_h200.json"  # the run of the CUDA backward's default step (06bw section 10)
 HOPPER_RUNS = ("06c_hopper_h200.json", "06c_vdirect_h200.json", "06c_three_h200.json", "06c_persistent_h200.json",
                "06c_diagonal_h200.json", "06c_tma_store_h200.json", "06c_wide_stages_h200.json",
-               "06c_one_p_h200.json")
+               "06c_one_p_h200.json", "06c_uniform_h200.json")
 MMA_RUN = "06b_step15_h200.json"  # the run of the registry's step (utils.native.build.MMA_DEFAULT_STEP)
 
 
@@ -489,7 +501,7 @@ BACKWARD_RUNS = {
     "triton": ("07_backward_benchmark.json", "triton", "07"),
     "gluon, gluon_ws, gluon_ws3": ("07_gluon_bwd_h200.json", "gluon_bwd", "07"),
     "cuda": (CUDA_BWD_RUN, None, "06b"),
-    "cuda_hopper": ("06c_bwd_stsm_h200.json", None, "06c"),
+    "cuda_hopper": ("06c_bwd_default_h200.json", None, "06c"),
     "flex_triton": ("10_flex_h200.json", "course", "10"),
 }
 BASELINES = {"cuDNN": "sdpa-cudnn", "FA2": "sdpa-flash", "SDPA's pick": "sdpa-default"}
