@@ -7,7 +7,7 @@ wgmma and TMA (utils/native/src/hopper_backward.cu), and the registry's differen
   that, the next tile's Sᵀ issued while dQ leaves ("prefetch_s"), or under a causal mask the blocks launched key
   block by key block over groups of four (batch, K/V head)s ("bh_group"), or dSᵀ stored with stmatrix
   ("stsm_ds"), and on that the warpgroup index read from lane 0 so that ptxas keeps addresses uniform
-  ("stsm_uniform").
+  ("stsm_uniform"), and on that dQ issued before dK, so that dQ is staged while dK runs ("dq_first").
 - `flash_hopper_attention(q, k, v)`: the forward, and this backward through autograd when an input requires grad.
 """
 from __future__ import annotations
@@ -20,7 +20,8 @@ from utils.eager.backward import KernelPair, check_backward_inputs, wants_grad
 from utils.native import build as native_build
 from utils.native.hopper import _readable, flash_hopper, flash_hopper_forward, pick_by_head_dim
 
-BWD_STEPS = ("atomic_dq", "reduce_dq", "prefetch_s", "bh_group", "stsm_ds", "stsm_uniform")  # the kernel's kBwd* steps, in order
+BWD_STEPS = ("atomic_dq", "reduce_dq", "prefetch_s", "bh_group", "stsm_ds", "stsm_uniform",
+             "dq_first")  # the kernel's kBwd* steps, in order
 # the registry's step per head dim: the fastest measured there (06cw section 7)
 BWD_DEFAULT_STEPS = {64: "stsm_uniform", 128: "stsm_uniform"}
 

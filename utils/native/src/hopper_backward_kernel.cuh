@@ -20,6 +20,8 @@
 //     launches the blocks key block by key block over groups of kBhGroup (batch, K/V head)s. Step "stsm_ds" goes
 //     back to "reduce_dq" and stores dSᵀ with stmatrix, four 8 x 8 tiles a warp instruction, not 4 bytes a thread.
 //     Step "stsm_uniform" keeps "stsm_ds" and reads the warpgroup index from lane 0 (the forward's step 27).
+//     Step "dq_first" keeps "stsm_uniform" and issues dQ before dK, as FlashAttention-3 does: dQ is staged
+//     while dK still runs, where the tensor cores stood idle.
 // lse2 = lse · log2(e) (+inf for rows that see no key, and in the padding), delta = D, fp32 (batch · heads,
 // padded_q), padded_q a multiple of 128: the prepare pass of flash_bwd_passes.cuh writes them. Causal attention is
 // aligned bottom-right (key j visible to query i when j <= i + Nk − Nq); TMA's zero fill covers ragged tiles.
@@ -61,9 +63,9 @@ template <int D> struct BackwardTile {
 };
 
 // The steps (utils.native.hopper_backward.BWD_STEPS, by index): reduce_dq on atomic_dq, prefetch_s, bh_group and
-// stsm_ds each on reduce_dq, stsm_uniform on stsm_ds.
+// stsm_ds each on reduce_dq, stsm_uniform on stsm_ds, dq_first on stsm_uniform.
 constexpr int kBwdAtomicDq = 0, kBwdReduceDq = 1, kBwdPrefetchS = 2, kBwdBhGroup = 3, kBwdStsmDs = 4;
-constexpr int kBwdStsmUniform = 5;
+constexpr int kBwdStsmUniform = 5, kBwdDqFirst = 6;
 // bh_group: (batch, K/V head)s per group, the Gluon backward's choice at D = 128 (utils.explicit.backward.pick_config)
 constexpr int kBhGroup = 4;
 
@@ -88,7 +90,7 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
   // stsm_uniform: lane 0's index, which ptxas can prove the same in the whole warp, so the consumers' shared-memory
   // addresses (one set per warpgroup) and the wgmma descriptors built from them stay in uniform registers
   const int tid = threadIdx.x;
-  const int warpgroup = kStep == kBwdStsmUniform ? __shfl_sync(0xffffffffu, tid / 128, 0) : tid / 128;
+  const int warpgroup = kStep >= kBwdStsmUniform ? __shfl_sync(0xffffffffu, tid / 128, 0) : tid / 128;
   // Under a causal mask key block 0 sees every query and the last block a few. Launched head by head, one head's
   // long blocks run beside the next heads' short ones; step bh_group launches block i of the grid as key block
   // i / size of the i % size-th (batch, K/V head) of its group, so blocks of about one length run together.
@@ -160,7 +162,7 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
   mbarrier_wait(kv_bar, 0);
-  constexpr bool kReduce = kStep >= kBwdReduceDq, kPrefetch = kStep == kBwdPrefetchS;
+  constexpr bool kReduce = kStep >= kBwdReduceDq, kPrefetch = kStep == kBwdPrefetchS, kDqFirst = kStep == kBwdDqFirst;
   float st[BM / 2];  // Sᵀ, then Pᵀ and dSᵀ in place; prefetch_s: issued a tile ahead
   if constexpr (kPrefetch) {
     if (tiles > 0) {
@@ -238,20 +240,23 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
 #pragma unroll
       for (int i = 0; i < 4; ++i) sa[kk][i] = pack2<T>(st[8 * kk + 2 * i], st[8 * kk + 2 * i + 1]);
 
-    // dK += dSᵀ Q (the scale once, at the end)
-    fence_fragments(sa);
-    fence_registers(dk);
-    wgmma_fence();
+    // dK += dSᵀ Q (the scale once, at the end); dq_first: after dQ, below
+    auto issue_dk = [&] {
+      fence_fragments(sa);
+      fence_registers(dk);
+      wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < BM / 16; ++kk)
-      wgmma_m64k16_rs<T, D, true>(dk, sa[kk], smem_desc(sq + kk * 2048, BM * 128, 1024, Swizzle::k128B));
-    wgmma_commit();
+      for (int kk = 0; kk < BM / 16; ++kk)
+        wgmma_m64k16_rs<T, D, true>(dk, sa[kk], smem_desc(sq + kk * 2048, BM * 128, 1024, Swizzle::k128B));
+      wgmma_commit();
+    };
+    if constexpr (!kDqFirst) issue_dk();
 
     // dSᵀ into shared memory for dQ: this consumer's 64 key rows x BM queries, in panels of 64 queries, 128-byte
     // swizzled as TMA lays out a tile (the layout wgmma's descriptors read). Buffers alternate with the tile's
     // parity: the other consumer may still read the last tile's.
     const uint32_t sds = base + Tile::kDS + ((t % 2) * 2 + W) * Tile::kDsTile;
-    if constexpr (kStep == kBwdStsmDs || kStep == kBwdStsmUniform) {
+    if constexpr (kStep >= kBwdStsmDs) {
       // sa[kk] holds four 8 x 8 tiles: queries 16kk.. and 16kk + 8.., each for key rows g and g + 8 of the warp's
       // 16 (register i: query half i / 2, key half i % 2). Lane l gives row l % 8 of tile l / 8, whose 8 queries
       // are chunk 2kk + (l / 8) / 2 of the row. The 128-byte swizzle moves chunk c of row r to c ^ (r % 8): folded
@@ -293,11 +298,16 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
                                        smem_desc(bk + kk * 2048, kPanel, 1024, Swizzle::k128B), hh + kk > 0);
     }
     wgmma_commit();
-    wgmma_wait<0>();  // dV, dK and dQ done: Q, dO, lse2 and delta of stage s are free
+    if constexpr (kDqFirst) {
+      issue_dk();
+      wgmma_wait<1>();  // dV and dQ done; dK runs on while dQ is staged
+    } else {
+      wgmma_wait<0>();  // dV, dK and dQ done: Q, dO, lse2 and delta of stage s are free
+      fence_registers(dk);
+      mbarrier_arrive(empty(s));
+    }
     fence_registers(dq);
     fence_registers(dv);
-    fence_registers(dk);
-    mbarrier_arrive(empty(s));
 
     // dQ / scale into the fp32 accumulator: rows q0 + r0 + 16 warp + g (+8), columns c0 + 8j + 2t4 (+1)
     if constexpr (!kReduce) {
@@ -342,6 +352,11 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
           tma_reduce_add_3d(&map_dq, c0 + 32 * box, q0 + r0, bh, stage + box * Tile::kDqBox);
         tma_store_commit();
       }
+    }
+    if constexpr (kDqFirst) {
+      wgmma_wait<0>();  // dK done: Q, dO, lse2 and delta of stage s are free
+      fence_registers(dk);
+      mbarrier_arrive(empty(s));
     }
   }
   if constexpr (kReduce)
