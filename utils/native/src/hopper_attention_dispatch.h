@@ -7,7 +7,7 @@
 
 namespace course_hopper {
 
-constexpr int kHopperSteps = 30;  // utils.native.hopper.ATTENTION_STEPS has as many
+constexpr int kHopperSteps = 32;  // utils.native.hopper.ATTENTION_STEPS has as many
 
 template <typename Step> struct StepTag { using type = Step; };
 
@@ -44,7 +44,9 @@ decltype(auto) with_step(int step, F&& f) {
     case 27: return f(StepTag<HopperStep27OnePUniform>{});
     case 28: return f(StepTag<HopperStep28WideUniform>{});
     case 29: return f(StepTag<HopperStep29OnePLazy>{});
-    default: return f(StepTag<HopperStep30WideLazy>{});
+    case 30: return f(StepTag<HopperStep30WideLazy>{});
+    case 31: return f(StepTag<HopperStep31OnePTree>{});
+    default: return f(StepTag<HopperStep32WideTree>{});
   }
 }
 

@@ -106,13 +106,19 @@ __device__ __forceinline__ void pack_p(const float (&s)[N / 2], uint32_t (&a)[N 
 // exp2(s·c - m) with m kept in scaled units, instead of scaling every score first. kPack false (step 21): P is
 // left in `s` as fp32, for pack_p once the registers of `a` are free. kLazy (step 29): a row's maximum moves only
 // when the tile's passes it by more than kLazyLog2; until then alpha is exactly 1 and P stays below 2^kLazyLog2.
-template <typename T, int D, bool kCausal, bool kFast, bool kMask, int N = 64, bool kPack = true, bool kLazy = false>
+// kTree (step 31): a row's tile maximum and sum each kept in kChains partial values, combined at the end, so that
+// each chain of dependent instructions is a quarter as long.
+template <typename T, int D, bool kCausal, bool kFast, bool kMask, int N = 64, bool kPack = true, bool kLazy = false,
+          bool kTree = false>
 __device__ __forceinline__ void softmax_tile(RowState<D>& st, float (&s)[N / 2], uint32_t (&a)[N / 16][4],
                                              float (&alpha)[2], int k0, const int (&row)[2], int t,
                                              const AttentionParams& p) {
   const int diagonal = p.seqlen_k - p.seqlen_q;
   constexpr float kLazyLog2 = 8.f;  // in exp2's units: P at most 256, far inside fp16, bf16 and fp32
-  float tile_max[2] = {-CUDART_INF_F, -CUDART_INF_F};
+  constexpr int kChains = kTree ? 4 : 1;  // partial maxima and sums a row
+  float tile_max[2][kChains];
+#pragma unroll
+  for (int c = 0; c < 2 * kChains; ++c) tile_max[c / kChains][c % kChains] = -CUDART_INF_F;
 #pragma unroll
   for (int j = 0; j < N / 8; ++j) {
 #pragma unroll
@@ -120,23 +126,43 @@ __device__ __forceinline__ void softmax_tile(RowState<D>& st, float (&s)[N / 2],
       const int key = k0 + 8 * j + 2 * t + r % 2;
       if (kMask && (key >= p.seqlen_k || (kCausal && key > row[r / 2] + diagonal))) s[4 * j + r] = -CUDART_INF_F;
       if (!kFast) s[4 * j + r] *= p.scale_log2;
-      tile_max[r / 2] = fmaxf(tile_max[r / 2], s[4 * j + r]);
+      float& m = tile_max[r / 2][(2 * j + r % 2) % kChains];
+      m = kTree && 2 * j + r % 2 < kChains ? s[4 * j + r] : fmaxf(m, s[4 * j + r]);  // kTree: a chain's first
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+#pragma unroll
+    for (int c = 1; c < kChains; c *= 2) {
+#pragma unroll
+      for (int e = 0; e + c < kChains; e += 2 * c) tile_max[i][e] = fmaxf(tile_max[i][e], tile_max[i][e + c]);
     }
   }
   float base[2];
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-    const float m_tile = quad_max(tile_max[i]) * (kFast ? p.scale_log2 : 1.f);
+    const float m_tile = quad_max(tile_max[i][0]) * (kFast ? p.scale_log2 : 1.f);
     const float m_new = kLazy && m_tile <= st.m[i] + kLazyLog2 ? st.m[i] : fmaxf(st.m[i], m_tile);
     base[i] = m_new == -CUDART_INF_F ? 0.f : m_new;  // a row with no key yet: keep exp2 away from inf - inf
     alpha[i] = exp2f(st.m[i] - base[i]);
     st.m[i] = m_new;
     st.l[i] *= alpha[i];
   }
+  float sum[2][kChains];  // kTree: the tile's partial sums, added to l at the end (-0 + x is x); else l itself
+#pragma unroll
+  for (int c = 0; c < 2 * kChains; ++c) sum[c / kChains][c % kChains] = kTree ? -0.f : st.l[c / kChains];
 #pragma unroll
   for (int i = 0; i < N / 2; ++i) {
     s[i] = kFast ? fast_exp2(fmaf(s[i], p.scale_log2, -base[i % 4 / 2])) : exp2f(s[i] - base[i % 4 / 2]);
-    st.l[i % 4 / 2] += s[i];
+    sum[i % 4 / 2][(i / 4 * 2 + i % 2) % kChains] += s[i];
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    if constexpr (kTree) {
+      st.l[r] += (sum[r][0] + sum[r][1]) + (sum[r][2] + sum[r][3]);
+    } else {
+      st.l[r] = sum[r][0];
+    }
   }
   if constexpr (kPack) pack_p<T, N>(s, a);
 }
@@ -497,10 +523,11 @@ __global__ void __launch_bounds__(128 * (1 + Step::template consumers<D>()), 1)
       constexpr bool kPack = !Step::kOneP;
       auto softmax = [&](int i, uint32_t (&out)[kN / 16][4]) {
         const int k0 = kN * i;
+        constexpr bool kLazy = Step::kLazyRescale, kTree = Step::kTreeReduce;
         if (needs_mask(i)) {
-          softmax_tile<T, D, kCausal, true, true, kN, kPack, Step::kLazyRescale>(st, s, out, alpha, k0, row, t, p);
+          softmax_tile<T, D, kCausal, true, true, kN, kPack, kLazy, kTree>(st, s, out, alpha, k0, row, t, p);
         } else {
-          softmax_tile<T, D, kCausal, true, false, kN, kPack, Step::kLazyRescale>(st, s, out, alpha, k0, row, t, p);
+          softmax_tile<T, D, kCausal, true, false, kN, kPack, kLazy, kTree>(st, s, out, alpha, k0, row, t, p);
         }
       };
       // Tile i: S = Q K_iᵀ and O += P_(i-1) V_(i-1) in flight together, tile i's softmax under the second.

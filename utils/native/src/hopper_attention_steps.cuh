@@ -29,6 +29,7 @@ struct HopperStep1Tma {
   static constexpr bool kOneP = false;         // step 21: one set of P registers, not two
   static constexpr bool kUniformWarpgroup = false;  // step 27: the warpgroup index shown to be the same in a warp
   static constexpr bool kLazyRescale = false;  // step 29: O rescaled only when a row's maximum grew by 2^8
+  static constexpr bool kTreeReduce = false;   // step 31: a row's tile maximum and sum in four partial chains
 };
 
 // Step 2: two K/Vᵀ buffers; the next tile's copy is issued before this tile's multiplies.
@@ -194,5 +195,14 @@ struct HopperStep29OnePLazy : HopperStep27OnePUniform { static constexpr bool kL
 
 // Step 30 makes the same change to step 28, for D = 128.
 struct HopperStep30WideLazy : HopperStep28WideUniform { static constexpr bool kLazyRescale = true; };
+
+// Step 31 keeps step 29 and shortens the softmax's chains of dependent instructions. A row's tile maximum was one
+// fmaxf after another: 32 in a row at 128 keys, each waiting for the last, before any exponential could start.
+// Here each row keeps four partial maxima (and four partial sums), combined at the end, as FlashAttention-4's
+// Hopper path does: the same instructions, a chain a quarter as long.
+struct HopperStep31OnePTree : HopperStep29OnePLazy { static constexpr bool kTreeReduce = true; };
+
+// Step 32 makes the same change to step 28, for D = 128.
+struct HopperStep32WideTree : HopperStep28WideUniform { static constexpr bool kTreeReduce = true; };
 
 }  // namespace course_hopper
