@@ -126,6 +126,9 @@ REFERENCES = {
                            "wide_uniform", "wide_lazy", "one_p", "one_p_uniform", "one_p_lazy",
                            "--seqlens", "2048", "4096", "8192", "16384",
                            "--rounds", "3", "--name", "06c_uniform_h200"]),
+    "hopper_tree": (1, ["utils.course.bench.cuda_mma", "--worklog", "hopper", "--steps", "wide_uniform",
+                        "wide_lazy", "wide_tree", "one_p_lazy", "one_p_tree", "--seqlens", "2048", "4096", "8192",
+                        "16384", "--rounds", "3", "--name", "06c_tree_h200"]),
     "hopper_persistent": (1, ["utils.course.bench.cuda_mma", "--worklog", "hopper", "--steps", "v_direct", "three_consumers",
                               "persistent", "--seqlens", "4096", "8192", "16384", "--name", "06c_persistent_h200"]),
     "hopper_diagonal": (1, ["utils.course.bench.cuda_mma", "--worklog", "hopper", "--steps", "three_consumers",
@@ -219,6 +222,10 @@ REFERENCES = {
     "hopper_bwd_uniform": (1, ["utils.course.bench.backward", "--backends", "cuda_hopper_reduce_dq",
                                "cuda_hopper_stsm_ds", "cuda_hopper_stsm_uniform", "sdpa_cudnn", "--seqlens", "4096",
                                "16384", "--rounds", "5", "--out", "images/06c_bwd_uniform_h200.json"]),
+    # worklog 06cw section 7: dq_first beside stsm_uniform, the Gluon backward and cuDNN, 5 rounds
+    "hopper_bwd_dq_first": (1, ["utils.course.bench.backward", "--backends", "cuda_hopper_stsm_uniform",
+                                "cuda_hopper_dq_first", "gluon_bwd", "sdpa_cudnn", "--seqlens", "4096", "16384",
+                                "--rounds", "5", "--out", "images/06c_bwd_dq_first_h200.json"]),
     # 06c's backward table: the default step beside the Gluon backward, FA2 and cuDNN
     "hopper_bwd_default": (1, ["utils.course.bench.backward", "--backends", "cuda_hopper_stsm_uniform", "gluon_bwd",
                                "sdpa_flash", "sdpa_cudnn", "--seqlens", "4096", "16384", "--rounds", "3", "--out",
@@ -331,7 +338,7 @@ COLUMNS = [(64, False, 4096), (64, False, 16384), (128, False, 4096), (128, Fals
 CUDA_BWD_RUN = "06b_bwd_steps1619_h200.json"  # the run of the CUDA backward's default step (06bw section 10)
 HOPPER_RUNS = ("06c_hopper_h200.json", "06c_vdirect_h200.json", "06c_three_h200.json", "06c_persistent_h200.json",
                "06c_diagonal_h200.json", "06c_tma_store_h200.json", "06c_wide_stages_h200.json",
-               "06c_one_p_h200.json", "06c_uniform_h200.json")
+               "06c_one_p_h200.json", "06c_uniform_h200.json", "06c_tree_h200.json")
 MMA_RUN = "06b_step15_h200.json"  # the run of the registry's step (utils.native.build.MMA_DEFAULT_STEP)
 
 

@@ -55,7 +55,7 @@ ATTENTION_STEPS = ("tma", "pipelined", "specialised", "softmax", "stages", "over
                    "wide_tree")
 # Not every step paid, and not at both head dims: the default at each head dim (the registry's "cuda_hopper") is the
 # fastest step measured there on the H200 (images/06c_*_h200.json; tests/test_bench_cuda_mma.py checks them).
-DEFAULT_STEPS = {64: "one_p_lazy", 128: "wide_uniform"}
+DEFAULT_STEPS = {64: "one_p_lazy", 128: "wide_lazy"}
 # The steps whose blocks form one line (gridDim.x), and at which head dims: persistent blocks, or blocks started in
 # head-group order (the steps table's persistent<D>() or kHeadGroups; tests/test_hopper.py holds this to it). The
 # others launch a row of blocks per (batch, head), on gridDim.y.
