@@ -103,7 +103,7 @@ def test_show_step_hides_or_shows_only_a_marked_region(capsys):
         f"      ... lines {first}-{last} hidden ...") + 1]
 
 
-@pytest.mark.parametrize("call", [lambda: flatten.show_step("06d", 1), lambda: flatten.show_step("06c", 33),
+@pytest.mark.parametrize("call", [lambda: flatten.show_step("06d", 1), lambda: flatten.show_step("06c", 35),
                                   lambda: flatten.show_step(LESSON, 1, hide=("no such line", "x")),
                                   lambda: flatten.show_step(LESSON, 1, hide=("a", "b"), only=("a", "b")),
                                   lambda: flatten.show_step(LESSON, 16),

@@ -219,19 +219,20 @@ def test_the_attention_kernel_compiles_without_spills_or_serialized_wgmma():
     # steps 28 and 30 (step 19's code) do not.
     wide64 = lambda r: ", 64, true, " in r.kernel and step_of(r.kernel) in (18, 19, 22, 25, 26)
     assert all(r.arch == "sm_90a" for r in results)
-    # Step 29's vote before the rescale (and step 31's, on it) leaves the ragged-edge tile's mask bits packed into
-    # registers at D = 64: a few dozen bytes spill in that path (a tile only at the end of a row that is not a
-    # multiple of 128 keys).
-    lazy64 = lambda r: ", 64, " in r.kernel and step_of(r.kernel) in (29, 31)
+    # Step 29's vote before the rescale (and that of steps 31 and 33, on it) leaves the ragged-edge tile's mask
+    # bits packed into registers at D = 64: a few dozen bytes spill in that path (a tile only at the end of a row
+    # that is not a multiple of 128 keys).
+    lazy64 = lambda r: ", 64, " in r.kernel and step_of(r.kernel) in (29, 31, 33)
     assert [r.kernel for r in results if (r.spill_stores or r.spill_loads) and not (wide64(r) or lazy64(r))] == []
     assert all(r.spill_stores <= 16 and r.spill_loads <= 32 for r in results if wide64(r))
     assert all(r.spill_stores <= 48 and r.spill_loads <= 64 for r in results if lazy64(r))
     # ptxas serialises the wgmmas (each waits for the one before) of three measured steps, and says why (06cw
     # section 6): step 17 under the mask (C7520, a compiler-inserted arrive on a divergent path), and steps 18 and
-    # 19 at D = 64, which lack registers (C7512), as do steps 28, 30 and 32 there (step 19's code). No other kernel.
+    # 19 at D = 64, which lack registers (C7512), as do steps 28, 30, 32 and 34 there (step 19's code). No other
+    # kernel.
     expected = {r.kernel: "C7520" if step_of(r.kernel) == 17 else "C7512" for r in results
                 if (step_of(r.kernel) == 17 and ", true, " in r.kernel)
-                or (step_of(r.kernel) in (18, 19, 28, 30, 32) and ", 64, " in r.kernel)}
+                or (step_of(r.kernel) in (18, 19, 28, 30, 32, 34) and ", 64, " in r.kernel)}
     assert {r.kernel: r.wgmma_serialized_why[:5] for r in results if r.wgmma_serialized} == expected
     # 384 threads, one block per SM: the compiler's cap is 168, and setmaxnreg moves the producer's to consumers;
     # three consumers at D = 64 (steps 11-15 and from 18; "wide_v_direct" goes back to two): 512 threads, a cap of 128
@@ -293,12 +294,14 @@ def test_the_one_line_steps_are_the_tables():
 
 @on_hopper
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("step", ["one_p", "one_p_lazy", "one_p_tree", "wide_stages", "wide_lazy", "wide_tree"])
+@pytest.mark.parametrize("step", ["one_p", "one_p_lazy", "one_p_tree", "one_p_desc", "wide_stages", "wide_lazy",
+                                  "wide_tree", "wide_desc"])
 @pytest.mark.parametrize("d", [64, 128])
 def test_a_maximum_that_keeps_growing_is_followed(step, d, causal):
     """Scores that rise along the keys, faster in some rows than others, slower than 2^8 a tile in a few, falling
-    in others: the lazy steps (29, 30, 31) must rescale O whenever a row of the warp moved its maximum, and only
-    then; steps 31 and 32 keep each row's maximum and sum in four partial chains."""
+    in others: the lazy steps (29-31, 33, 34) must rescale O whenever a row of the warp moved its maximum, and
+    only then; steps 31 and 32 keep each row's maximum and sum in four partial chains, 33 and 34 step each wgmma
+    descriptor by an addition."""
     from functools import partial
 
     from utils.course.testing import assert_attention_matches_reference

@@ -52,7 +52,7 @@ ATTENTION_STEPS = ("tma", "pipelined", "specialised", "softmax", "stages", "over
                    "wide_stages", "tma_heavy_first", "one_p", "one_p_turns", "one_p_diagonal",
                    "one_p_heavy_first", "one_p_persistent",
                    "one_p_head_groups", "one_p_uniform", "wide_uniform", "one_p_lazy", "wide_lazy", "one_p_tree",
-                   "wide_tree")
+                   "wide_tree", "one_p_desc", "wide_desc")
 # Not every step paid, and not at both head dims: the default at each head dim (the registry's "cuda_hopper") is the
 # fastest step measured there on the H200 (images/06c_*_h200.json; tests/test_bench_cuda_mma.py checks them).
 DEFAULT_STEPS = {64: "one_p_lazy", 128: "wide_lazy"}

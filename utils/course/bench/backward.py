@@ -259,6 +259,7 @@ COLORS = {"triton": "C0", "sdpa_flash": "C1", "sdpa_cudnn": "C2", "sdpa_efficien
           "cuda_hopper_atomic_dq": "tab:gray", "cuda_hopper_reduce_dq": "tab:cyan", "cuda_hopper_prefetch_s": "navy",
           "cuda_hopper_bh_group": "darkgreen", "cuda_hopper_stsm_ds": "chocolate",
           "cuda_hopper_stsm_uniform": "goldenrod", "cuda_hopper_dq_first": "crimson",
+          "cuda_hopper_desc_add": "teal", "cuda_hopper_edge_mask": "olive",
           **{b: f"C{9 + i}" for i, b in enumerate(CUDA_BACKENDS)}}
 
 

@@ -7,7 +7,7 @@
 
 namespace course_hopper {
 
-constexpr int kHopperSteps = 32;  // utils.native.hopper.ATTENTION_STEPS has as many
+constexpr int kHopperSteps = 34;  // utils.native.hopper.ATTENTION_STEPS has as many
 
 template <typename Step> struct StepTag { using type = Step; };
 
@@ -46,7 +46,9 @@ decltype(auto) with_step(int step, F&& f) {
     case 29: return f(StepTag<HopperStep29OnePLazy>{});
     case 30: return f(StepTag<HopperStep30WideLazy>{});
     case 31: return f(StepTag<HopperStep31OnePTree>{});
-    default: return f(StepTag<HopperStep32WideTree>{});
+    case 32: return f(StepTag<HopperStep32WideTree>{});
+    case 33: return f(StepTag<HopperStep33OnePDesc>{});
+    default: return f(StepTag<HopperStep34WideDesc>{});
   }
 }
 

@@ -74,16 +74,29 @@ __device__ inline float fast_exp2(float x) {
   return y;
 }
 
+// Step 33: a descriptor's start address is its low 14 bits, in 16-byte units, and shared memory ends below 256 KB,
+// so the descriptor of the operand `bytes` further on is this one plus bytes / 16, with no carry out of the low
+// word. Only the low word changes, so ptxas keeps the high word and adds one number per wgmma operand, where
+// smem_desc of each slice's address masks, shifts and merges again.
+__device__ __forceinline__ uint64_t desc_plus(uint64_t desc, uint32_t bytes) {
+  const uint32_t lo = static_cast<uint32_t>(desc) + (bytes >> 4), hi = static_cast<uint32_t>(desc >> 32);
+  return static_cast<uint64_t>(hi) << 32 | lo;
+}
+
 // 2. S = Q Kᵀ for one tile of N keys (64, or 128 from step 9): D / 16 slices of 16 along the head dim, 4 per
 // 64-column panel, both operands in shared memory (`sq` this warpgroup's Q tile, its panels `q_panel` bytes
 // apart; `sk` the K tile, N rows per panel). Only the issue: the caller fences before and commits after.
-template <typename T, int D, int N = 64>
+// kDescAdd (step 33): each operand's descriptor built once, each slice's by desc_plus.
+template <typename T, int D, int N = 64, bool kDescAdd = false>
 __device__ __forceinline__ void issue_qk(float (&s)[N / 2], uint32_t sq, uint32_t q_panel, uint32_t sk) {
   constexpr int kPanel = N * 128;  // an N-row, 64-column panel of a K-major tile
+  const uint64_t a0 = smem_desc(sq, 16, 1024, Swizzle::k128B), b0 = smem_desc(sk, 16, 1024, Swizzle::k128B);
 #pragma unroll
   for (int ks = 0; ks < D / 16; ++ks) {  // the first slice overwrites S (accumulate = 0)
-    const uint64_t a = smem_desc(sq + (ks / 4) * q_panel + (ks % 4) * 32, 16, 1024, Swizzle::k128B);
-    const uint64_t b = smem_desc(sk + (ks / 4) * kPanel + (ks % 4) * 32, 16, 1024, Swizzle::k128B);
+    const uint64_t a = kDescAdd ? desc_plus(a0, (ks / 4) * q_panel + (ks % 4) * 32)
+                                : smem_desc(sq + (ks / 4) * q_panel + (ks % 4) * 32, 16, 1024, Swizzle::k128B);
+    const uint64_t b = kDescAdd ? desc_plus(b0, (ks / 4) * kPanel + (ks % 4) * 32)
+                                : smem_desc(sk + (ks / 4) * kPanel + (ks % 4) * 32, 16, 1024, Swizzle::k128B);
     if constexpr (N == 64) wgmma_m64n64k16<T>(s, a, b, ks > 0);
     else wgmma_m64n128k16<T>(s, a, b, ks > 0);
   }
@@ -176,16 +189,19 @@ __device__ __forceinline__ void rescale(RowState<D>& st, const float (&alpha)[2]
 // 4. O += P V: A = P from registers (`a`, one K-slice of 16 keys each), B = the Vᵀ tile `sv` (D rows of N keys,
 // in panels of 64 keys). Only the issue, as for issue_qk. kVDirect (step 10): `sv` is V as stored, N rows of
 // keys in panels of 64 head-dim columns: a K-slice is 16 rows (two 1 KB swizzle atoms, 1024 bytes apart), the
-// next 64 columns of D one panel (N * 128 bytes) on, read N-major.
-template <typename T, int D, int N = 64, bool kVDirect = false>
+// next 64 columns of D one panel (N * 128 bytes) on, read N-major. kDescAdd (step 33): as issue_qk's.
+template <typename T, int D, int N = 64, bool kVDirect = false, bool kDescAdd = false>
 __device__ __forceinline__ void issue_pv(RowState<D>& st, const uint32_t (&a)[N / 16][4], uint32_t sv) {
+  constexpr uint32_t kLeading = kVDirect ? N * 128 : 16;
+  const uint64_t v0 = smem_desc(sv, kLeading, 1024, Swizzle::k128B);
 #pragma unroll
   for (int kk = 0; kk < N / 16; ++kk) {
+    const uint32_t at = kVDirect ? kk * 16 * 128 : (kk / 4) * D * 128 + (kk % 4) * 32;
+    const uint64_t b = kDescAdd ? desc_plus(v0, at) : smem_desc(sv + at, kLeading, 1024, Swizzle::k128B);
     if constexpr (kVDirect) {
-      wgmma_m64k16_rs<T, D, true>(st.acc, a[kk], smem_desc(sv + kk * 16 * 128, N * 128, 1024, Swizzle::k128B));
+      wgmma_m64k16_rs<T, D, true>(st.acc, a[kk], b);
     } else {
-      const uint32_t slice = sv + (kk / 4) * D * 128 + (kk % 4) * 32;
-      wgmma_m64k16_rs<T, D>(st.acc, a[kk], smem_desc(slice, 16, 1024, Swizzle::k128B));
+      wgmma_m64k16_rs<T, D>(st.acc, a[kk], b);
     }
   }
 }
@@ -538,10 +554,10 @@ __global__ void __launch_bounds__(128 * (1 + Step::template consumers<D>()), 1)
         fence_registers(st.acc);
         fence_fragments(prev);
         wgmma_fence();
-        issue_qk<T, D, kN>(s, sq_wg, kQPanel, key_tile(i));
+        issue_qk<T, D, kN, Step::kDescAdd>(s, sq_wg, kQPanel, key_tile(i));
         wgmma_commit();
         if constexpr (Step::kSplitFull) wait_v(i - 1);  // step 17: V only now, where P V reads it
-        issue_pv<T, D, kN, Step::kVDirect>(st, prev, key_tile(i - 1) + kTile);
+        issue_pv<T, D, kN, Step::kVDirect, Step::kDescAdd>(st, prev, key_tile(i - 1) + kTile);
         wgmma_commit();
         done(false);
         wgmma_wait<1>();  // S is in; P V may still run
@@ -561,7 +577,7 @@ __global__ void __launch_bounds__(128 * (1 + Step::template consumers<D>()), 1)
         fence_registers(st.acc);
         fence_fragments(prev);
         wgmma_fence();
-        issue_pv<T, D, kN, Step::kVDirect>(st, prev, key_tile(tiles - 1) + kTile);
+        issue_pv<T, D, kN, Step::kVDirect, Step::kDescAdd>(st, prev, key_tile(tiles - 1) + kTile);
         wgmma_commit();
         done(true);
         wgmma_wait<0>();
@@ -573,7 +589,7 @@ __global__ void __launch_bounds__(128 * (1 + Step::template consumers<D>()), 1)
       turn();
       fence_registers(s);
       wgmma_fence();
-      issue_qk<T, D, kN>(s, sq_wg, kQPanel, key_tile(0));
+      issue_qk<T, D, kN, Step::kDescAdd>(s, sq_wg, kQPanel, key_tile(0));
       wgmma_commit();
       done(false);
       wgmma_wait<0>();

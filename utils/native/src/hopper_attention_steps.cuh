@@ -30,6 +30,7 @@ struct HopperStep1Tma {
   static constexpr bool kUniformWarpgroup = false;  // step 27: the warpgroup index shown to be the same in a warp
   static constexpr bool kLazyRescale = false;  // step 29: O rescaled only when a row's maximum grew by 2^8
   static constexpr bool kTreeReduce = false;   // step 31: a row's tile maximum and sum in four partial chains
+  static constexpr bool kDescAdd = false;      // step 33: each wgmma descriptor stepped by an addition
 };
 
 // Step 2: two K/Vᵀ buffers; the next tile's copy is issued before this tile's multiplies.
@@ -204,5 +205,14 @@ struct HopperStep31OnePTree : HopperStep29OnePLazy { static constexpr bool kTree
 
 // Step 32 makes the same change to step 28, for D = 128.
 struct HopperStep32WideTree : HopperStep28WideUniform { static constexpr bool kTreeReduce = true; };
+
+// Step 33 keeps step 29 and builds each wgmma descriptor with one addition. smem_desc masks a slice's address,
+// shifts it and merges it with the offsets and the swizzle mode; ptxas redid that for every slice of every
+// operand, in uniform instructions issued beside the softmax's: about ten per wgmma. Here each operand's
+// descriptor is built once per tile, and slice k's is it plus k's offset / 16 (desc_plus).
+struct HopperStep33OnePDesc : HopperStep29OnePLazy { static constexpr bool kDescAdd = true; };
+
+// Step 34 makes the same change to step 30, for D = 128.
+struct HopperStep34WideDesc : HopperStep30WideLazy { static constexpr bool kDescAdd = true; };
 
 }  // namespace course_hopper

@@ -21,13 +21,16 @@
 //     back to "reduce_dq" and stores dSᵀ with stmatrix, four 8 x 8 tiles a warp instruction, not 4 bytes a thread.
 //     Step "stsm_uniform" keeps "stsm_ds" and reads the warpgroup index from lane 0 (the forward's step 27).
 //     Step "dq_first" keeps "stsm_uniform" and issues dQ before dK, as FlashAttention-3 does: dQ is staged
-//     while dK still runs, where the tensor cores stood idle.
+//     while dK still runs, where the tensor cores stood idle. Step "desc_add" keeps "stsm_uniform" and builds
+//     each operand's wgmma descriptor once, then each K-slice's by one addition. Step "edge_mask" keeps
+//     "desc_add" and masks in a branch of its own, taken only by the tiles on the diagonal or past Nk (the
+//     forward's step 4): the others skip a compare and a select per score.
 // lse2 = lse · log2(e) (+inf for rows that see no key, and in the padding), delta = D, fp32 (batch · heads,
 // padded_q), padded_q a multiple of 128: the prepare pass of flash_bwd_passes.cuh writes them. Causal attention is
 // aligned bottom-right (key j visible to query i when j <= i + Nk − Nq); TMA's zero fill covers ragged tiles.
 #pragma once
 #include "flash_mma.cuh"                // stmatrix_x4 (notebook 06b's)
-#include "hopper_attention_kernel.cuh"  // pack2, fast_exp2, fence_fragments, issue_qk
+#include "hopper_attention_kernel.cuh"  // pack2, fast_exp2, fence_fragments, issue_qk, desc_plus
 
 namespace course_hopper {
 
@@ -63,9 +66,10 @@ template <int D> struct BackwardTile {
 };
 
 // The steps (utils.native.hopper_backward.BWD_STEPS, by index): reduce_dq on atomic_dq, prefetch_s, bh_group and
-// stsm_ds each on reduce_dq, stsm_uniform on stsm_ds, dq_first on stsm_uniform.
+// stsm_ds each on reduce_dq, stsm_uniform on stsm_ds, dq_first and desc_add each on stsm_uniform, edge_mask on
+// desc_add.
 constexpr int kBwdAtomicDq = 0, kBwdReduceDq = 1, kBwdPrefetchS = 2, kBwdBhGroup = 3, kBwdStsmDs = 4;
-constexpr int kBwdStsmUniform = 5, kBwdDqFirst = 6;
+constexpr int kBwdStsmUniform = 5, kBwdDqFirst = 6, kBwdDescAdd = 7, kBwdEdgeMask = 8;
 // bh_group: (batch, K/V head)s per group, the Gluon backward's choice at D = 128 (utils.explicit.backward.pick_config)
 constexpr int kBhGroup = 4;
 
@@ -163,6 +167,12 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
   for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
   mbarrier_wait(kv_bar, 0);
   constexpr bool kReduce = kStep >= kBwdReduceDq, kPrefetch = kStep == kBwdPrefetchS, kDqFirst = kStep == kBwdDqFirst;
+  constexpr bool kDescAdd = kStep == kBwdDescAdd || kStep == kBwdEdgeMask, kEdgeMask = kStep == kBwdEdgeMask;
+  // The descriptor of the operand at `at` + `offset`; desc_add: at's, plus the offset (the forward's desc_plus)
+  auto desc = [](uint32_t at, uint32_t leading, uint32_t offset) {
+    return kDescAdd ? desc_plus(smem_desc(at, leading, 1024, Swizzle::k128B), offset)
+                    : smem_desc(at + offset, leading, 1024, Swizzle::k128B);
+  };
   float st[BM / 2];  // Sᵀ, then Pᵀ and dSᵀ in place; prefetch_s: issued a tile ahead
   if constexpr (kPrefetch) {
     if (tiles > 0) {
@@ -189,24 +199,33 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
     fence_registers(dpt);
     wgmma_fence();
     if constexpr (!kPrefetch) {
-      issue_qk<T, D, BM>(st, sk, kPanel, sq);
+      issue_qk<T, D, BM, kDescAdd>(st, sk, kPanel, sq);
       wgmma_commit();
     }
-    issue_qk<T, D, BM>(dpt, sv, kPanel, sdo);
+    issue_qk<T, D, BM, kDescAdd>(dpt, sv, kPanel, sdo);
     wgmma_commit();
     wgmma_wait<1>();  // Sᵀ is done (issued here or, prefetch_s, a tile ago)
     fence_registers(st);
 
     // Pᵀ = 2^(Sᵀ·scale·log2 e − lse2[query]); 0 where the key is hidden: past Nk, or causal and key > query + offset
     const bool masked = key_lo + 64 > p.seqlen_k || (kCausal && key_lo + 63 > q0 + offset);
+    if (kEdgeMask && !masked) {  // edge_mask: no key to hide (`masked` is the same in the warp: no divergence)
 #pragma unroll
-    for (int j = 0; j < BM / 8; ++j) {
-      const float2 l = *reinterpret_cast<const float2*>(lse2 + 8 * j + 2 * t4);
+      for (int j = 0; j < BM / 8; ++j) {
+        const float2 l = *reinterpret_cast<const float2*>(lse2 + 8 * j + 2 * t4);
 #pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int q = q0 + 8 * j + 2 * t4 + r % 2, k = key[r / 2];
-        const float x = fast_exp2(fmaf(st[4 * j + r], p.scale_log2, -(r % 2 ? l.y : l.x)));
-        st[4 * j + r] = masked && (k >= p.seqlen_k || (kCausal && k > q + offset)) ? 0.f : x;
+        for (int r = 0; r < 4; ++r) st[4 * j + r] = fast_exp2(fmaf(st[4 * j + r], p.scale_log2, -(r % 2 ? l.y : l.x)));
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < BM / 8; ++j) {
+        const float2 l = *reinterpret_cast<const float2*>(lse2 + 8 * j + 2 * t4);
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const int q = q0 + 8 * j + 2 * t4 + r % 2, k = key[r / 2];
+          const float x = fast_exp2(fmaf(st[4 * j + r], p.scale_log2, -(r % 2 ? l.y : l.x)));
+          st[4 * j + r] = masked && (k >= p.seqlen_k || (kCausal && k > q + offset)) ? 0.f : x;
+        }
       }
     }
     // The C fragments of query columns 16kk.. are the A fragment of K-slice kk (as P in the forward's O += P V).
@@ -222,7 +241,7 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < BM / 16; ++kk)
-      wgmma_m64k16_rs<T, D, true>(dv, pa[kk], smem_desc(sdo + kk * 2048, BM * 128, 1024, Swizzle::k128B));
+      wgmma_m64k16_rs<T, D, true>(dv, pa[kk], desc(sdo, BM * 128, kk * 2048));
     wgmma_commit();
     wgmma_wait<1>();  // dPᵀ is done (dV may still run)
     fence_registers(dpt);
@@ -247,7 +266,7 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < BM / 16; ++kk)
-        wgmma_m64k16_rs<T, D, true>(dk, sa[kk], smem_desc(sq + kk * 2048, BM * 128, 1024, Swizzle::k128B));
+        wgmma_m64k16_rs<T, D, true>(dk, sa[kk], desc(sq, BM * 128, kk * 2048));
       wgmma_commit();
     };
     if constexpr (!kDqFirst) issue_dk();
@@ -294,8 +313,7 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
       const uint32_t bk = base + Tile::kK + hh * Tile::kKHalf + (c0 / 64) * kPanel;
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk)
-        wgmma_m64n64k16<T, true, true>(dq, smem_desc(a + kk * 2048, kPanel, 1024, Swizzle::k128B),
-                                       smem_desc(bk + kk * 2048, kPanel, 1024, Swizzle::k128B), hh + kk > 0);
+        wgmma_m64n64k16<T, true, true>(dq, desc(a, kPanel, kk * 2048), desc(bk, kPanel, kk * 2048), hh + kk > 0);
     }
     wgmma_commit();
     if constexpr (kDqFirst) {
