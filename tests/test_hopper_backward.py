@@ -61,8 +61,8 @@ def test_each_head_dim_has_a_default_step_of_the_kernel():
 @needs_nvcc
 def test_the_backward_compiles_for_sm_90a_with_wgmma_in_flight():
     """A kernel for each of fp16, bf16; D = 64, 128; causal or not; each step of BWD_STEPS, wgmma serialised in one
-    step only, and 06bw's prepare and finish passes. At D = 64 the consumers hold Sᵀ, dPᵀ (64 registers each), Pᵀ's fragments,
-    dV and dK at once: ptxas spills a few loop invariants."""
+    step only, and 06bw's prepare and finish passes. At D = 64 the consumers hold Sᵀ, dPᵀ (64 registers each),
+    Pᵀ's fragments, dV and dK at once: ptxas spills a few loop invariants."""
     results = native_build.compile_check("hopper_backward")
     types = ("__half", "__nv_bfloat16")
     assert {r.kernel for r in results} == (
