@@ -62,7 +62,8 @@ def test_each_head_dim_has_a_default_step_of_the_kernel():
 def test_the_backward_compiles_for_sm_90a_with_wgmma_in_flight():
     """A kernel for each of fp16, bf16; D = 64, 128; causal or not; each step of BWD_STEPS, wgmma serialised in one
     step only, and 06bw's prepare and finish passes. At D = 64 the consumers hold Sᵀ, dPᵀ (64 registers each),
-    Pᵀ's fragments, dV and dK at once: ptxas spills a few loop invariants."""
+    Pᵀ's fragments, dV and dK at once: ptxas spills a few loop invariants; "dv_late", which packs Pᵀ after dSᵀ, does
+    not."""
     results = native_build.compile_check("hopper_backward")
     types = ("__half", "__nv_bfloat16")
     assert {r.kernel for r in results} == (
@@ -79,6 +80,8 @@ def test_the_backward_compiles_for_sm_90a_with_wgmma_in_flight():
     assert all(max(r.spill_stores, r.spill_loads) == 0 for r in results if ", 128, " in r.kernel)
     # steps 1-4 stage dQ in shared memory with all three accumulators live: a few more at D = 64
     assert all(max(r.spill_stores, r.spill_loads) <= (48 if r.kernel.endswith(", 0>") else 72) for r in results)
+    dv_late = f", {BWD_STEPS.index('dv_late')}>"
+    assert [r.kernel for r in results if r.kernel.endswith(dv_late) and (r.spill_stores or r.spill_loads)] == []
 
 
 @on_hopper

@@ -17,7 +17,7 @@ cudaError_t launch_step(int head_dim, bool causal, const CUtensorMap& q, const C
 
 // Plain launcher (no torch types); the wrapper has checked the shapes and built the tensor maps. step:
 // one of kBwdAtomicDq, kBwdReduceDq, kBwdPrefetchS, kBwdBhGroup, kBwdStsmDs, kBwdStsmUniform, kBwdDqFirst,
-// kBwdDescAdd, kBwdEdgeMask.
+// kBwdDescAdd, kBwdEdgeMask, kBwdDvLate.
 cudaError_t hopper_backward_launch(bool bf16, int head_dim, bool causal, int step, const CUtensorMap& q,
                                    const CUtensorMap& k, const CUtensorMap& v, const CUtensorMap& dout,
                                    const CUtensorMap& dq, const BackwardParams& p, int batch_kv_heads,
@@ -31,6 +31,7 @@ cudaError_t hopper_backward_launch(bool bf16, int head_dim, bool causal, int ste
   const auto dq_first = bf16 ? launch_step<__nv_bfloat16, kBwdDqFirst> : launch_step<__half, kBwdDqFirst>;
   const auto desc_add = bf16 ? launch_step<__nv_bfloat16, kBwdDescAdd> : launch_step<__half, kBwdDescAdd>;
   const auto edge_mask = bf16 ? launch_step<__nv_bfloat16, kBwdEdgeMask> : launch_step<__half, kBwdEdgeMask>;
+  const auto dv_late = bf16 ? launch_step<__nv_bfloat16, kBwdDvLate> : launch_step<__half, kBwdDvLate>;
   switch (step) {
     case kBwdAtomicDq: return launch(head_dim, causal, q, k, v, dout, dq, p, batch_kv_heads, stream);
     case kBwdReduceDq: return reduce(head_dim, causal, q, k, v, dout, dq, p, batch_kv_heads, stream);
@@ -41,6 +42,7 @@ cudaError_t hopper_backward_launch(bool bf16, int head_dim, bool causal, int ste
     case kBwdDqFirst: return dq_first(head_dim, causal, q, k, v, dout, dq, p, batch_kv_heads, stream);
     case kBwdDescAdd: return desc_add(head_dim, causal, q, k, v, dout, dq, p, batch_kv_heads, stream);
     case kBwdEdgeMask: return edge_mask(head_dim, causal, q, k, v, dout, dq, p, batch_kv_heads, stream);
+    case kBwdDvLate: return dv_late(head_dim, causal, q, k, v, dout, dq, p, batch_kv_heads, stream);
     default: return cudaErrorInvalidValue;
   }
 }
@@ -75,7 +77,7 @@ cudaError_t hopper_backward_launch(bool bf16, int head_dim, bool causal, int ste
 // do, q, o (B, H, Nq, D); k, v (B, Hkv, Nk, D), Hkv dividing H; all contiguous fp16 or bf16 on an sm_90 GPU, D =
 // 64 or 128, starting on 16 bytes; lse fp32 (B, H, Nq), the forward's natural-log log-sum-exp; step 0
 // ("atomic_dq"), 1 ("reduce_dq"), 2 ("prefetch_s"), 3 ("bh_group"), 4 ("stsm_ds"), 5 ("stsm_uniform"), 6
-// ("dq_first"), 7 ("desc_add") or 8 ("edge_mask") -> (dq, dk, dv).
+// ("dq_first"), 7 ("desc_add"), 8 ("edge_mask") or 9 ("dv_late") -> (dq, dk, dv).
 std::vector<torch::Tensor> hopper_attention_backward(torch::Tensor dout, torch::Tensor q, torch::Tensor k,
                                                      torch::Tensor v, torch::Tensor o, torch::Tensor lse, bool causal,
                                                      double scale, int64_t step) {
@@ -96,9 +98,9 @@ std::vector<torch::Tensor> hopper_attention_backward(torch::Tensor dout, torch::
               " is more than the grid has rows (65535); split the batch");
   TORCH_CHECK(scale > 0 && std::isfinite(scale), name, ": scale must be finite and positive, got ",
               course::num(scale));
-  TORCH_CHECK(step >= 0 && step <= 8, name,
+  TORCH_CHECK(step >= 0 && step <= 9, name,
               ": step must be 0 (atomic_dq), 1 (reduce_dq), 2 (prefetch_s), 3 (bh_group), 4 (stsm_ds), 5 ",
-              "(stsm_uniform), 6 (dq_first), 7 (desc_add) or 8 (edge_mask), got ", course::num(step));
+              "(stsm_uniform), 6 (dq_first), 7 (desc_add), 8 (edge_mask) or 9 (dv_late), got ", course::num(step));
   course_hopper::check_sm90(name, q);
   const c10::cuda::CUDAGuard guard(q.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();

@@ -24,7 +24,9 @@
 //     while dK still runs, where the tensor cores stood idle. Step "desc_add" keeps "stsm_uniform" and builds
 //     each operand's wgmma descriptor once, then each K-slice's by one addition. Step "edge_mask" keeps
 //     "desc_add" and masks in a branch of its own, taken only by the tiles on the diagonal or past Nk (the
-//     forward's step 4): the others skip a compare and a select per score.
+//     forward's step 4): the others skip a compare and a select per score. Step "dv_late" keeps "edge_mask" and
+//     issues dV after dS, as FlashAttention-3 and -4 do: P stays in fp32 until dS = P ∘ (dP − D) is in dP's
+//     registers, so P's 16-bit fragments are never live beside Sᵀ and dPᵀ (at D = 64 ptxas spilled for them).
 // lse2 = lse · log2(e) (+inf for rows that see no key, and in the padding), delta = D, fp32 (batch · heads,
 // padded_q), padded_q a multiple of 128: the prepare pass of flash_bwd_passes.cuh writes them. Causal attention is
 // aligned bottom-right (key j visible to query i when j <= i + Nk − Nq); TMA's zero fill covers ragged tiles.
@@ -67,9 +69,9 @@ template <int D> struct BackwardTile {
 
 // The steps (utils.native.hopper_backward.BWD_STEPS, by index): reduce_dq on atomic_dq, prefetch_s, bh_group and
 // stsm_ds each on reduce_dq, stsm_uniform on stsm_ds, dq_first and desc_add each on stsm_uniform, edge_mask on
-// desc_add.
+// desc_add, dv_late on edge_mask.
 constexpr int kBwdAtomicDq = 0, kBwdReduceDq = 1, kBwdPrefetchS = 2, kBwdBhGroup = 3, kBwdStsmDs = 4;
-constexpr int kBwdStsmUniform = 5, kBwdDqFirst = 6, kBwdDescAdd = 7, kBwdEdgeMask = 8;
+constexpr int kBwdStsmUniform = 5, kBwdDqFirst = 6, kBwdDescAdd = 7, kBwdEdgeMask = 8, kBwdDvLate = 9;
 // bh_group: (batch, K/V head)s per group, the Gluon backward's choice at D = 128 (utils.explicit.backward.pick_config)
 constexpr int kBhGroup = 4;
 
@@ -167,7 +169,7 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
   for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
   mbarrier_wait(kv_bar, 0);
   constexpr bool kReduce = kStep >= kBwdReduceDq, kPrefetch = kStep == kBwdPrefetchS, kDqFirst = kStep == kBwdDqFirst;
-  constexpr bool kDescAdd = kStep == kBwdDescAdd || kStep == kBwdEdgeMask, kEdgeMask = kStep == kBwdEdgeMask;
+  constexpr bool kDescAdd = kStep >= kBwdDescAdd, kEdgeMask = kStep >= kBwdEdgeMask, kDvLate = kStep == kBwdDvLate;
   // The descriptor of the operand at `at` + `offset`; desc_add: at's, plus the offset (the forward's desc_plus)
   auto desc = [](uint32_t at, uint32_t leading, uint32_t offset) {
     return kDescAdd ? desc_plus(smem_desc(at, leading, 1024, Swizzle::k128B), offset)
@@ -229,35 +231,56 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
       }
     }
     // The C fragments of query columns 16kk.. are the A fragment of K-slice kk (as P in the forward's O += P V).
-    uint32_t pa[BM / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < BM / 16; ++kk)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) pa[kk][i] = pack2<T>(st[8 * kk + 2 * i], st[8 * kk + 2 * i + 1]);
-
+    uint32_t pa[BM / 16][4], sa[BM / 16][4];
     // dV += Pᵀ dO: K = the BM queries, 16 rows (2 KB) a slice; N = D, dO's panels BM · 128 bytes apart
-    fence_fragments(pa);
-    fence_registers(dv);
-    wgmma_fence();
+    auto issue_dv = [&] {
+      fence_fragments(pa);
+      fence_registers(dv);
+      wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < BM / 16; ++kk)
-      wgmma_m64k16_rs<T, D, true>(dv, pa[kk], desc(sdo, BM * 128, kk * 2048));
-    wgmma_commit();
-    wgmma_wait<1>();  // dPᵀ is done (dV may still run)
-    fence_registers(dpt);
+      for (int kk = 0; kk < BM / 16; ++kk)
+        wgmma_m64k16_rs<T, D, true>(dv, pa[kk], desc(sdo, BM * 128, kk * 2048));
+      wgmma_commit();
+    };
+    if constexpr (kDvLate) {
+      wgmma_wait<0>();  // dPᵀ is done
+      fence_registers(dpt);
+      // dSᵀ = Pᵀ ∘ (dPᵀ − delta[query]) in place of dPᵀ; then both A fragments, and dV
+#pragma unroll
+      for (int j = 0; j < BM / 8; ++j) {
+        const float2 dl = *reinterpret_cast<const float2*>(delta + 8 * j + 2 * t4);
+#pragma unroll
+        for (int r = 0; r < 4; ++r) dpt[4 * j + r] = st[4 * j + r] * (dpt[4 * j + r] - (r % 2 ? dl.y : dl.x));
+      }
+#pragma unroll
+      for (int kk = 0; kk < BM / 16; ++kk)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          pa[kk][i] = pack2<T>(st[8 * kk + 2 * i], st[8 * kk + 2 * i + 1]);
+          sa[kk][i] = pack2<T>(dpt[8 * kk + 2 * i], dpt[8 * kk + 2 * i + 1]);
+        }
+      issue_dv();
+    } else {
+#pragma unroll
+      for (int kk = 0; kk < BM / 16; ++kk)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) pa[kk][i] = pack2<T>(st[8 * kk + 2 * i], st[8 * kk + 2 * i + 1]);
+      issue_dv();
+      wgmma_wait<1>();  // dPᵀ is done (dV may still run)
+      fence_registers(dpt);
 
-    // dSᵀ = Pᵀ ∘ (dPᵀ − delta[query]), in place of Pᵀ, then its A fragments
+      // dSᵀ = Pᵀ ∘ (dPᵀ − delta[query]), in place of Pᵀ, then its A fragments
 #pragma unroll
-    for (int j = 0; j < BM / 8; ++j) {
-      const float2 dl = *reinterpret_cast<const float2*>(delta + 8 * j + 2 * t4);
+      for (int j = 0; j < BM / 8; ++j) {
+        const float2 dl = *reinterpret_cast<const float2*>(delta + 8 * j + 2 * t4);
 #pragma unroll
-      for (int r = 0; r < 4; ++r) st[4 * j + r] *= dpt[4 * j + r] - (r % 2 ? dl.y : dl.x);
+        for (int r = 0; r < 4; ++r) st[4 * j + r] *= dpt[4 * j + r] - (r % 2 ? dl.y : dl.x);
+      }
+#pragma unroll
+      for (int kk = 0; kk < BM / 16; ++kk)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) sa[kk][i] = pack2<T>(st[8 * kk + 2 * i], st[8 * kk + 2 * i + 1]);
     }
-    uint32_t sa[BM / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < BM / 16; ++kk)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) sa[kk][i] = pack2<T>(st[8 * kk + 2 * i], st[8 * kk + 2 * i + 1]);
 
     // dK += dSᵀ Q (the scale once, at the end); dq_first: after dQ, below
     auto issue_dk = [&] {
