@@ -243,44 +243,26 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
       wgmma_commit();
     };
     if constexpr (kDvLate) {
-      wgmma_wait<0>();  // dPᵀ is done
-      fence_registers(dpt);
-      // dSᵀ = Pᵀ ∘ (dPᵀ − delta[query]) in place of dPᵀ; then both A fragments, and dV
-#pragma unroll
-      for (int j = 0; j < BM / 8; ++j) {
-        const float2 dl = *reinterpret_cast<const float2*>(delta + 8 * j + 2 * t4);
-#pragma unroll
-        for (int r = 0; r < 4; ++r) dpt[4 * j + r] = st[4 * j + r] * (dpt[4 * j + r] - (r % 2 ? dl.y : dl.x));
-      }
-#pragma unroll
-      for (int kk = 0; kk < BM / 16; ++kk)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          pa[kk][i] = pack2<T>(st[8 * kk + 2 * i], st[8 * kk + 2 * i + 1]);
-          sa[kk][i] = pack2<T>(dpt[8 * kk + 2 * i], dpt[8 * kk + 2 * i + 1]);
-        }
-      issue_dv();
+      wgmma_wait<0>();  // dPᵀ is done; dV waits for dSᵀ
     } else {
-#pragma unroll
-      for (int kk = 0; kk < BM / 16; ++kk)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) pa[kk][i] = pack2<T>(st[8 * kk + 2 * i], st[8 * kk + 2 * i + 1]);
+      pack_p<T, BM>(st, pa);
       issue_dv();
       wgmma_wait<1>();  // dPᵀ is done (dV may still run)
-      fence_registers(dpt);
-
-      // dSᵀ = Pᵀ ∘ (dPᵀ − delta[query]), in place of Pᵀ, then its A fragments
-#pragma unroll
-      for (int j = 0; j < BM / 8; ++j) {
-        const float2 dl = *reinterpret_cast<const float2*>(delta + 8 * j + 2 * t4);
-#pragma unroll
-        for (int r = 0; r < 4; ++r) st[4 * j + r] *= dpt[4 * j + r] - (r % 2 ? dl.y : dl.x);
-      }
-#pragma unroll
-      for (int kk = 0; kk < BM / 16; ++kk)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) sa[kk][i] = pack2<T>(st[8 * kk + 2 * i], st[8 * kk + 2 * i + 1]);
     }
+    fence_registers(dpt);
+
+    // dSᵀ = Pᵀ ∘ (dPᵀ − delta[query]), in place of Pᵀ (dv_late: of dPᵀ, so that Pᵀ stays for dV), then its A
+    // fragments
+    float (&ds)[BM / 2] = kDvLate ? dpt : st;
+#pragma unroll
+    for (int j = 0; j < BM / 8; ++j) {
+      const float2 dl = *reinterpret_cast<const float2*>(delta + 8 * j + 2 * t4);
+#pragma unroll
+      for (int r = 0; r < 4; ++r) ds[4 * j + r] = st[4 * j + r] * (dpt[4 * j + r] - (r % 2 ? dl.y : dl.x));
+    }
+    if constexpr (kDvLate) pack_p<T, BM>(st, pa);
+    pack_p<T, BM>(ds, sa);
+    if constexpr (kDvLate) issue_dv();
 
     // dK += dSᵀ Q (the scale once, at the end); dq_first: after dQ, below
     auto issue_dk = [&] {
