@@ -129,6 +129,9 @@ REFERENCES = {
     "hopper_tree": (1, ["utils.course.bench.cuda_mma", "--worklog", "hopper", "--steps", "wide_uniform",
                         "wide_lazy", "wide_tree", "one_p_lazy", "one_p_tree", "--seqlens", "2048", "4096", "8192",
                         "16384", "--rounds", "3", "--name", "06c_tree_h200"]),
+    "hopper_desc": (1, ["utils.course.bench.cuda_mma", "--worklog", "hopper", "--steps", "one_p_lazy",
+                        "one_p_desc", "wide_lazy", "wide_desc", "--seqlens", "2048", "4096", "8192", "16384",
+                        "--rounds", "3", "--name", "06c_desc_h200"]),
     "hopper_persistent": (1, ["utils.course.bench.cuda_mma", "--worklog", "hopper", "--steps", "v_direct", "three_consumers",
                               "persistent", "--seqlens", "4096", "8192", "16384", "--name", "06c_persistent_h200"]),
     "hopper_diagonal": (1, ["utils.course.bench.cuda_mma", "--worklog", "hopper", "--steps", "three_consumers",
@@ -226,10 +229,16 @@ REFERENCES = {
     "hopper_bwd_dq_first": (1, ["utils.course.bench.backward", "--backends", "cuda_hopper_stsm_uniform",
                                 "cuda_hopper_dq_first", "gluon_bwd", "sdpa_cudnn", "--seqlens", "4096", "16384",
                                 "--rounds", "5", "--out", "images/06c_bwd_dq_first_h200.json"]),
+    # worklog 06cw section 7: desc_add, edge_mask and dv_late beside stsm_uniform, the Gluon backward and cuDNN, 5 rounds
+    "hopper_bwd_desc": (1, ["utils.course.bench.backward", "--backends", "cuda_hopper_stsm_uniform",
+                            "cuda_hopper_desc_add", "cuda_hopper_edge_mask", "cuda_hopper_dv_late", "gluon_bwd",
+                            "sdpa_cudnn",
+                            "--seqlens", "4096", "16384",
+                            "--rounds", "5", "--out", "images/06c_bwd_desc_h200.json"]),
     # 06c's backward table: the default step beside the Gluon backward, FA2 and cuDNN
-    "hopper_bwd_default": (1, ["utils.course.bench.backward", "--backends", "cuda_hopper_stsm_uniform", "gluon_bwd",
-                               "sdpa_flash", "sdpa_cudnn", "--seqlens", "4096", "16384", "--rounds", "3", "--out",
-                               "images/06c_bwd_default_h200.json"]),
+    "hopper_bwd_default": (1, ["utils.course.bench.backward", "--backends", "cuda_hopper_dv_late",
+                               "cuda_hopper_edge_mask", "gluon_bwd", "sdpa_flash", "sdpa_cudnn", "--seqlens", "4096",
+                               "16384", "--rounds", "3", "--out", "images/06c_bwd_default_h200.json"]),
     # worklog 06cw section 6: 06c's forward beside the Gluon forwards in one run (issue 78's 0.9 bar)
     "hopper_vs_gluon": (1, ["utils.course.bench.forward", "--impls", "cuda_hopper", "gluon_ws", "gluon_ws3", "--sdpa",
                             "cudnn", "--seqlens", "2048", "4096", "8192", "16384", "--rounds", "2", "--name",
@@ -338,7 +347,8 @@ COLUMNS = [(64, False, 4096), (64, False, 16384), (128, False, 4096), (128, Fals
 CUDA_BWD_RUN = "06b_bwd_steps1619_h200.json"  # the run of the CUDA backward's default step (06bw section 10)
 HOPPER_RUNS = ("06c_hopper_h200.json", "06c_vdirect_h200.json", "06c_three_h200.json", "06c_persistent_h200.json",
                "06c_diagonal_h200.json", "06c_tma_store_h200.json", "06c_wide_stages_h200.json",
-               "06c_one_p_h200.json", "06c_uniform_h200.json", "06c_tree_h200.json")
+               "06c_one_p_h200.json", "06c_uniform_h200.json", "06c_tree_h200.json",
+               "06c_desc_h200.json")
 MMA_RUN = "06b_step15_h200.json"  # the run of the registry's step (utils.native.build.MMA_DEFAULT_STEP)
 
 

@@ -45,7 +45,8 @@ GEMM_STEPS = ("threads", "tma")
 # own diagonal, then the longest query blocks launched first; and (step 21 again) persistent blocks at D = 64,
 # then taking their work in step 13's order of head groups; and (steps 21 and 19 again) the warpgroup index read
 # from lane 0, so that ptxas keeps the causal main loop in the uniform datapath; then O rescaled only when a
-# row's maximum grew by more than 2^8; and (steps 29 and 28 again) a row's tile maximum and sum in four chains.
+# row's maximum grew by more than 2^8; and (steps 29 and 28 again) a row's tile maximum and sum in four chains;
+# and (steps 29 and 30 again) each operand's wgmma descriptor built once a tile, a slice's by one addition.
 ATTENTION_STEPS = ("tma", "pipelined", "specialised", "softmax", "stages", "overlap", "pingpong", "heavy_first",
                    "wide_tiles", "v_direct", "three_consumers", "persistent", "head_groups", "own_diagonal",
                    "tma_store", "wide_v_direct", "split_full", "wide_tma_store",
@@ -55,7 +56,7 @@ ATTENTION_STEPS = ("tma", "pipelined", "specialised", "softmax", "stages", "over
                    "wide_tree", "one_p_desc", "wide_desc")
 # Not every step paid, and not at both head dims: the default at each head dim (the registry's "cuda_hopper") is the
 # fastest step measured there on the H200 (images/06c_*_h200.json; tests/test_bench_cuda_mma.py checks them).
-DEFAULT_STEPS = {64: "one_p_lazy", 128: "wide_lazy"}
+DEFAULT_STEPS = {64: "one_p_desc", 128: "wide_desc"}
 # The steps whose blocks form one line (gridDim.x), and at which head dims: persistent blocks, or blocks started in
 # head-group order (the steps table's persistent<D>() or kHeadGroups; tests/test_hopper.py holds this to it). The
 # others launch a row of blocks per (batch, head), on gridDim.y.

@@ -26,7 +26,7 @@ from utils.native.hopper import _readable, flash_hopper, flash_hopper_forward, p
 BWD_STEPS = ("atomic_dq", "reduce_dq", "prefetch_s", "bh_group", "stsm_ds", "stsm_uniform",
              "dq_first", "desc_add", "edge_mask", "dv_late")  # the kernel's kBwd* steps, in order
 # the registry's step per head dim: the fastest measured there (06cw section 7)
-BWD_DEFAULT_STEPS = {64: "stsm_uniform", 128: "stsm_uniform"}
+BWD_DEFAULT_STEPS = {64: "dv_late", 128: "edge_mask"}
 
 
 def bwd_default_step(head_dim: int) -> str:
