@@ -7,44 +7,30 @@
 
 namespace course_hopper {
 
-template <typename T, int kStep>
-cudaError_t launch_step(int head_dim, bool causal, const CUtensorMap& q, const CUtensorMap& k, const CUtensorMap& v,
-                        const CUtensorMap& dout, const CUtensorMap& dq, const BackwardParams& p, int batch_kv_heads,
-                        cudaStream_t stream) {
-  return head_dim == 64 ? launch_backward<T, 64, kStep>(causal, q, k, v, dout, dq, p, batch_kv_heads, stream)
-                        : launch_backward<T, 128, kStep>(causal, q, k, v, dout, dq, p, batch_kv_heads, stream);
+// Step `step` at dtype T and `head_dim`: each step of kStep down to 0 instantiated, the one asked for launched.
+template <typename T, int kStep = kBwdSteps - 1>
+cudaError_t launch_step(int step, int head_dim, bool causal, const CUtensorMap& q, const CUtensorMap& k,
+                        const CUtensorMap& v, const CUtensorMap& dout, const CUtensorMap& dq, const BackwardParams& p,
+                        int batch_kv_heads, cudaStream_t stream) {
+  if (step == kStep) {
+    return head_dim == 64 ? launch_backward<T, 64, kStep>(causal, q, k, v, dout, dq, p, batch_kv_heads, stream)
+                          : launch_backward<T, 128, kStep>(causal, q, k, v, dout, dq, p, batch_kv_heads, stream);
+  }
+  if constexpr (kStep > 0) {
+    return launch_step<T, kStep - 1>(step, head_dim, causal, q, k, v, dout, dq, p, batch_kv_heads, stream);
+  } else {
+    return cudaErrorInvalidValue;
+  }
 }
 
-// Plain launcher (no torch types); the wrapper has checked the shapes and built the tensor maps. step:
-// one of kBwdAtomicDq, kBwdReduceDq, kBwdPrefetchS, kBwdBhGroup, kBwdStsmDs, kBwdStsmUniform, kBwdDqFirst,
-// kBwdDescAdd, kBwdEdgeMask, kBwdDvLate.
+// Plain launcher (no torch types); the wrapper has checked the shapes and built the tensor maps. step: one of
+// the kBwd* steps, 0 to kBwdSteps - 1.
 cudaError_t hopper_backward_launch(bool bf16, int head_dim, bool causal, int step, const CUtensorMap& q,
                                    const CUtensorMap& k, const CUtensorMap& v, const CUtensorMap& dout,
                                    const CUtensorMap& dq, const BackwardParams& p, int batch_kv_heads,
                                    cudaStream_t stream) {
-  const auto launch = bf16 ? launch_step<__nv_bfloat16, kBwdAtomicDq> : launch_step<__half, kBwdAtomicDq>;
-  const auto reduce = bf16 ? launch_step<__nv_bfloat16, kBwdReduceDq> : launch_step<__half, kBwdReduceDq>;
-  const auto prefetch = bf16 ? launch_step<__nv_bfloat16, kBwdPrefetchS> : launch_step<__half, kBwdPrefetchS>;
-  const auto grouped = bf16 ? launch_step<__nv_bfloat16, kBwdBhGroup> : launch_step<__half, kBwdBhGroup>;
-  const auto stsm = bf16 ? launch_step<__nv_bfloat16, kBwdStsmDs> : launch_step<__half, kBwdStsmDs>;
-  const auto uniform = bf16 ? launch_step<__nv_bfloat16, kBwdStsmUniform> : launch_step<__half, kBwdStsmUniform>;
-  const auto dq_first = bf16 ? launch_step<__nv_bfloat16, kBwdDqFirst> : launch_step<__half, kBwdDqFirst>;
-  const auto desc_add = bf16 ? launch_step<__nv_bfloat16, kBwdDescAdd> : launch_step<__half, kBwdDescAdd>;
-  const auto edge_mask = bf16 ? launch_step<__nv_bfloat16, kBwdEdgeMask> : launch_step<__half, kBwdEdgeMask>;
-  const auto dv_late = bf16 ? launch_step<__nv_bfloat16, kBwdDvLate> : launch_step<__half, kBwdDvLate>;
-  switch (step) {
-    case kBwdAtomicDq: return launch(head_dim, causal, q, k, v, dout, dq, p, batch_kv_heads, stream);
-    case kBwdReduceDq: return reduce(head_dim, causal, q, k, v, dout, dq, p, batch_kv_heads, stream);
-    case kBwdPrefetchS: return prefetch(head_dim, causal, q, k, v, dout, dq, p, batch_kv_heads, stream);
-    case kBwdBhGroup: return grouped(head_dim, causal, q, k, v, dout, dq, p, batch_kv_heads, stream);
-    case kBwdStsmDs: return stsm(head_dim, causal, q, k, v, dout, dq, p, batch_kv_heads, stream);
-    case kBwdStsmUniform: return uniform(head_dim, causal, q, k, v, dout, dq, p, batch_kv_heads, stream);
-    case kBwdDqFirst: return dq_first(head_dim, causal, q, k, v, dout, dq, p, batch_kv_heads, stream);
-    case kBwdDescAdd: return desc_add(head_dim, causal, q, k, v, dout, dq, p, batch_kv_heads, stream);
-    case kBwdEdgeMask: return edge_mask(head_dim, causal, q, k, v, dout, dq, p, batch_kv_heads, stream);
-    case kBwdDvLate: return dv_late(head_dim, causal, q, k, v, dout, dq, p, batch_kv_heads, stream);
-    default: return cudaErrorInvalidValue;
-  }
+  return bf16 ? launch_step<__nv_bfloat16>(step, head_dim, causal, q, k, v, dout, dq, p, batch_kv_heads, stream)
+              : launch_step<__half>(step, head_dim, causal, q, k, v, dout, dq, p, batch_kv_heads, stream);
 }
 
 }  // namespace course_hopper
