@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from utils.course.bench import backward_tiles
-from utils.course.bench.backward import (COLORS, KNOWN, TRITON_LOADS, format_table, load_results, plot_backward_benchmark, ratios,
-                                  run_backward_benchmark, save_results, triton_loads, triton_tiles)
+from utils.course.bench.backward import (COLORS, KNOWN, TRITON_LOADS, format_ratios, format_table, load_results,
+                                         plot_backward_benchmark, ratios, run_backward_benchmark, save_results,
+                                         triton_loads, triton_tiles)
 from utils.tiled.fast.backward import Config, _fitted_config
 
 ROWS = [dict(backend=b, seqlen=n, head_dim=64, causal=c, ms=1.0, tflops=t, error=None)
@@ -178,3 +179,25 @@ def test_a_run_records_the_tiles_it_measured():
     t4 = triton_tiles([128], torch.bfloat16, smem=64 * 1024)   # a T4's tiles shrink to fit its shared memory
     assert Config(**t4["d128_full"]) == _fitted_config(128, torch.bfloat16, False, 64 * 1024) != \
         Config(**tiles["d128_full"])
+
+
+def test_format_ratios_divides_each_pair_at_the_shapes_that_have_all():
+    row = lambda b, n, d, c, t: dict(backend=b, seqlen=n, head_dim=d, causal=c, tflops=t)
+    rows = [row("cuda_hopper_dv_late", 4096, 64, False, 420.0), row("cuda_hopper_edge_mask", 4096, 64, False, 400.0),
+            row("gluon_bwd", 4096, 64, False, 480.0),
+            row("cuda_hopper_dv_late", 4096, 128, True, 300.0), row("cuda_hopper_edge_mask", 4096, 128, True, 330.0),
+            row("gluon_bwd", 4096, 128, True, 400.0),
+            row("cuda_hopper_dv_late", 16384, 64, False, 460.0)]   # no Gluon run there: no line
+    pairs = [("cuda_hopper_dv_late", "cuda_hopper_edge_mask"), ("cuda_hopper_dv_late", "gluon_bwd")]
+    lines = format_ratios(rows, pairs, tflops="cuda_hopper_dv_late").splitlines()
+    assert lines[0].split() == ["D", "mask", "N", "dv_late", "TFLOP/s", "dv_late", "/", "edge_mask", "dv_late", "/",
+                                "gluon"]
+    assert [line.split() for line in lines[1:]] == [["64", "none", "4096", "420", "1.05", "0.88"],
+                                                   ["128", "causal", "4096", "300", "0.91", "0.75"]]
+    assert len(format_ratios(rows, pairs).splitlines()[1].split()) == 5   # no TFLOP/s column
+    with pytest.raises(ValueError, match="unknown backend"):
+        format_ratios(rows, [("cuda_hopper_dv_late", "no_such")])
+    with pytest.raises(ValueError, match="no shape"):
+        format_ratios(rows, [("cuda_hopper_dv_late", "sdpa_cudnn")])
+    with pytest.raises(TypeError, match="pairs"):
+        format_ratios(rows, ["cuda_hopper_dv_late"])

@@ -109,3 +109,24 @@ def test_the_default_step_is_the_fastest_stored(worklog, defaults, stored):
                 timed[dim] += 1
                 assert means[cm.step_label(default, worklog)] >= 0.98 * max(means.values()), (dim, means)
     assert all(timed.values()), f"no stored run of the {worklog} worklog times its default step at some head dim: {timed}"
+
+
+def test_format_pairs_divides_each_head_dims_pair_at_the_shapes_that_have_both():
+    rec = lambda impl, d, c, n, t: dict(impl=impl, head_dim=d, causal=c, seqlen=n, tflops=t)
+    records = [rec("h29_one_p_lazy", 64, False, 4096, 400.0), rec("h33_one_p_desc", 64, False, 4096, 440.0),
+               rec("sdpa-cudnn", 64, False, 4096, 500.0),
+               rec("h30_wide_lazy", 128, True, 8192, 600.0), rec("h34_wide_desc", 128, True, 8192, 540.0),
+               rec("sdpa-cudnn", 128, True, 8192, 450.0),
+               rec("h33_one_p_desc", 64, True, 4096, 300.0)]   # no step 29 there: no line
+    text = cm.format_pairs(records, {64: ("one_p_desc", "one_p_lazy"), 128: ("wide_desc", "wide_lazy")})
+    lines = text.splitlines()
+    assert lines[0].split() == ["D", "mask", "N", "new", "/", "before", "new", "TFLOP/s", "new", "/", "cudnn"]
+    assert len(lines) == 3
+    assert lines[1].split() == ["64", "none", "4096", "1.10", "440", "0.88"]
+    assert lines[2].split() == ["128", "causal", "8192", "0.90", "540", "1.20"]
+    with pytest.raises(ValueError, match="step must be one of"):
+        cm.format_pairs(records, {64: ("no_such_step", "one_p_lazy")})
+    with pytest.raises(ValueError, match="no shape"):
+        cm.format_pairs(records, {64: ("wide_desc", "wide_lazy")})
+    with pytest.raises(TypeError, match="pairs"):
+        cm.format_pairs(records, [("one_p_desc", "one_p_lazy")])

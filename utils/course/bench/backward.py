@@ -194,6 +194,30 @@ def ratios(rows: list[dict], numerator="triton", denominator="sdpa_flash") -> di
     return out
 
 
+def format_ratios(rows: list[dict], pairs, *, tflops: str | None = None) -> str:
+    """One run's rows as text, a line per (head dim, mask, N) at which every backend of `pairs` was measured:
+    the TFLOP/s of backend `tflops` if one is named, then a / b for each (a, b) of `pairs` (ratios())."""
+    pairs = list(pairs)
+    if not pairs or not all(isinstance(p, tuple) and len(p) == 2 for p in pairs):
+        raise TypeError(f"pairs must be (numerator, denominator) pairs of backends, got {pairs!r}")
+    if tflops is not None and tflops not in KNOWN:
+        raise ValueError(f"unknown backend {tflops!r}; known: {', '.join(KNOWN)}")
+    each = [ratios(rows, a, b) for a, b in pairs]   # validates the names
+    shapes = sorted(set.intersection(*(set(r) for r in each)), key=lambda s: (s[1], s[2], s[0]))
+    if not shapes:
+        raise ValueError(f"no shape of the rows has every backend of {pairs}")
+    value = {(r["seqlen"], r["head_dim"], r["causal"]): r["tflops"] for r in rows if r["backend"] == tflops}
+    short = lambda b: b.removeprefix("cuda_hopper_").removeprefix("sdpa_").removesuffix("_bwd")
+    heads = ([f"{short(tflops)} TFLOP/s"] if tflops else []) + [f"{short(a)} / {short(b)}" for a, b in pairs]
+    widths = [len(h) + 2 for h in heads]
+    lines = [f"{'D':>4s} {'mask':7s} {'N':>6s}" + "".join(f"{h:>{w}s}" for h, w in zip(heads, widths))]
+    for n, d, c in shapes:
+        cells = ([f"{value[n, d, c]:.0f}"] if tflops else []) + [f"{r[n, d, c]:.2f}" for r in each]
+        lines.append(f"{d:4d} {'causal' if c else 'none':7s} {n:6d}"
+                     + "".join(f"{x:>{w}s}" for x, w in zip(cells, widths)))
+    return "\n".join(lines)
+
+
 def format_table(rows: list[dict], course: str = "triton") -> str:
     """A plain-text table: one line per shape, TFLOP/s per backend, and the `course` / sdpa_flash, sdpa_cudnn and
     triton_tutorial ratios of those that were measured."""

@@ -95,6 +95,29 @@ def ratio_range(records: list[dict], impl: str, base: str, *, head_dim: int) -> 
     return min(ratios), max(ratios)
 
 
+def format_pairs(records: list[dict], pairs: dict, *, worklog: str = "hopper", name: str = "new",
+                 before: str = "before", base: str = "sdpa-cudnn") -> str:
+    """One run's records as text, a line per (head dim, mask, N) at which both steps of `pairs[head dim]` =
+    (new, old) were timed: new / old, the new step's TFLOP/s and new / `base` (a library in the same run)."""
+    if not isinstance(pairs, dict) or not all(isinstance(p, tuple) and len(p) == 2 for p in pairs.values()):
+        raise TypeError(f"pairs must be a dict of head dim -> (new step, old step), got {pairs!r}")
+    labels = {d: tuple(step_label(s, worklog) for s in pair) for d, pair in pairs.items()}  # validates the steps
+    at = {(r["impl"], r["head_dim"], r["causal"], r["seqlen"]): r["tflops"] for r in records if r["tflops"]}
+    shapes = sorted((d, c, n) for (i, d, c, n) in at if d in labels and i == labels[d][0]
+                    and (labels[d][1], d, c, n) in at and (base, d, c, n) in at)
+    if not shapes:
+        raise ValueError(f"no shape of the records has both steps of {pairs} and {base!r}")
+    ratio, tflops, vs = f"{name} / {before}", f"{name} TFLOP/s", f"{name} / {base.removeprefix('sdpa-')}"
+    widths = [len(h) + 2 for h in (ratio, tflops, vs)]
+    lines = [f"{'D':>4s} {'mask':7s} {'N':>6s}" + "".join(f"{h:>{w}s}" for h, w in zip((ratio, tflops, vs), widths))]
+    for d, c, n in shapes:
+        new, old = (at[label, d, c, n] for label in labels[d])
+        cells = (f"{new / old:.2f}", f"{new:.0f}", f"{new / at[base, d, c, n]:.2f}")
+        lines.append(f"{d:4d} {'causal' if c else 'none':7s} {n:6d}"
+                     + "".join(f"{x:>{w}s}" for x, w in zip(cells, widths)))
+    return "\n".join(lines)
+
+
 def format_worklog(rows: list[dict]) -> str:
     """worklog_table's rows as text."""
     if not rows:
