@@ -232,9 +232,8 @@ REFERENCES = {
     # worklog 06cw section 7: desc_add, edge_mask and dv_late beside stsm_uniform, the Gluon backward and cuDNN, 5 rounds
     "hopper_bwd_desc": (1, ["utils.course.bench.backward", "--backends", "cuda_hopper_stsm_uniform",
                             "cuda_hopper_desc_add", "cuda_hopper_edge_mask", "cuda_hopper_dv_late", "gluon_bwd",
-                            "sdpa_cudnn",
-                            "--seqlens", "4096", "16384",
-                            "--rounds", "5", "--out", "images/06c_bwd_desc_h200.json"]),
+                            "sdpa_cudnn", "--seqlens", "4096", "16384", "--rounds", "5", "--out",
+                            "images/06c_bwd_desc_h200.json"]),
     # 06c's backward table: the default step beside the Gluon backward, FA2 and cuDNN
     "hopper_bwd_default": (1, ["utils.course.bench.backward", "--backends", "cuda_hopper_dv_late",
                                "cuda_hopper_edge_mask", "gluon_bwd", "sdpa_flash", "sdpa_cudnn", "--seqlens", "4096",
@@ -347,8 +346,7 @@ COLUMNS = [(64, False, 4096), (64, False, 16384), (128, False, 4096), (128, Fals
 CUDA_BWD_RUN = "06b_bwd_steps1619_h200.json"  # the run of the CUDA backward's default step (06bw section 10)
 HOPPER_RUNS = ("06c_hopper_h200.json", "06c_vdirect_h200.json", "06c_three_h200.json", "06c_persistent_h200.json",
                "06c_diagonal_h200.json", "06c_tma_store_h200.json", "06c_wide_stages_h200.json",
-               "06c_one_p_h200.json", "06c_uniform_h200.json", "06c_tree_h200.json",
-               "06c_desc_h200.json")
+               "06c_one_p_h200.json", "06c_uniform_h200.json", "06c_tree_h200.json", "06c_desc_h200.json")
 MMA_RUN = "06b_step15_h200.json"  # the run of the registry's step (utils.native.build.MMA_DEFAULT_STEP)
 
 
