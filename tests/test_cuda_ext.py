@@ -245,6 +245,35 @@ def test_kernels_and_torch_wrappers_are_separate():
         assert not any(f"#include <{lib}" in text for lib in ("torch", "ATen", "c10")), header
 
 
+def test_a_build_in_parts_has_the_wrapper_once_and_every_part_once():
+    for name, parts in native_build.BUILD_PARTS.items():
+        function, _ = KERNELS[name]
+        source = native_build.kernel_source(name)
+        files = native_build.part_sources(name, source, [function])
+        assert list(files) == ["main.cpp", *(f"part{k}.cu" for k in range(parts + 1))]
+        assert files["main.cpp"].startswith("#include <torch/extension.h>\n" + native_build.WRAPPER_DEFINE)
+        assert f'm.def("{function}", torch::wrap_pybind_function({function})' in files["main.cpp"]
+        for k in range(parts + 1):
+            assert files[f"part{k}.cu"] == f"#define COURSE_PART {k}\n{source}"
+            assert k == 0 or f"#if COURSE_PART == {k}" in source or f"#elif COURSE_PART == {k}" in source, (name, k)
+    assert extension_name("hopper_attention") != extension_name("hopper_backward")
+
+
+@needs_nvcc
+def test_a_build_in_parts_instantiates_no_kernel_in_its_launcher(tmp_path):
+    """Part 0 (the launcher) only declares what parts 1 on instantiate: compiled, it holds no kernel. (That the
+    parts together hold every kernel is the GPU suite's build of the extension, and nvcc's link.)"""
+    nvcc = find_nvcc()
+    for name in native_build.BUILD_PARTS:
+        source = tmp_path / f"{name}_part0.cu"
+        source.write_text(native_build.part_sources(name, native_build.kernel_source(name), ["f"])["part0.cu"])
+        out = subprocess.run([nvcc, "-c", *native_build.CUDA_FLAGS, "-gencode=arch=compute_90a,code=sm_90a",
+                              f"-I{native_build.CUDA_DIR}", str(source), "-o", str(tmp_path / "part0.o"), "-Xptxas",
+                              "-v"], capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert "Compiling entry function" not in out.stdout + out.stderr, name
+
+
 # ---- Python-side validation (runs before any build) --------------------------------------------------------
 
 def test_importing_the_registry_compiles_nothing():

@@ -5,6 +5,8 @@ first use, or nvcc alone for a compile check. The Python entry points that launc
   at import time, and each build is cached (in this process, and on disk under build/torch_extensions/).
   `load_all(names)` runs several builds at once; `python -m utils.native.build build` builds every extension the
   GPU at hand runs (`buildable`), so that a workshop's first runs do not wait for them.
+- A file that one nvcc run would take minutes over (`BUILD_PARTS`) is built as several sources that ninja
+  compiles at once: the file with COURSE_PART defined to each part's number (`part_sources`).
 - The extension's name carries a hash of everything that goes into the build (the .cu file, the headers it
   includes, the C++ declarations, the compiler flags), so a changed source can never pick up a stale build.
 - `compile_check()` compiles the kernels alone with nvcc (no GPU, no CUDA build of torch needed) and returns
@@ -101,6 +103,9 @@ KERNELS["hopper_backward"] = ("hopper_attention_backward",
                               "hopper_backward_kernel.cuh", "flash_bwd_passes.cuh", "flash_bwd_host.h", "flash_torch.h",
                               "flash_mma.cuh", "flash_common.cuh", "flash_params.h"))
 HOPPER_KERNELS = ("wgmma_gemm", "hopper_attention", "hopper_backward")
+# Files that one nvcc run would take minutes over, built instead as this many parts at once (each part k's source
+# is the file with COURSE_PART defined to k, 0 for the launcher; the file says which part instantiates what).
+BUILD_PARTS = {"hopper_attention": 4}
 WRAPPER_DEFINE = "#define COURSE_TORCH_WRAPPER\n"
 # -lineinfo maps SASS back to source lines in Nsight Compute and costs nothing at run time.
 CUDA_FLAGS = ("-O3", "-std=c++17", "-lineinfo")
@@ -130,7 +135,7 @@ def source_hash(name: str, flags=CUDA_FLAGS) -> str:
     digest = hashlib.sha256()
     functions = (function,) if isinstance(function, str) else function
     for part in (kernel_source(name), *[(CUDA_DIR / h).read_text() for h in headers], *functions, WRAPPER_DEFINE,
-                 *flags):
+                 *flags, *([f"parts {BUILD_PARTS[name]}"] if name in BUILD_PARTS else [])):
         digest.update(part.encode())
         digest.update(b"\0")  # separator: ("ab", "c") and ("a", "bc") must differ
     return digest.hexdigest()[:12]
@@ -296,24 +301,53 @@ def load(name: str, *, verbose: bool = False):
     verify_ninja_availability()  # a clear error if ninja is missing (pip install ninja)
     build_directory = BUILD_DIR / "torch_extensions" / ext
     function, _ = KERNELS[name]
+    functions = [function] if isinstance(function, str) else list(function)
     source = kernel_source(name)
     with build_lock(build_directory):
         try:
-            module = load_inline(
-                name=ext,
-                cpp_sources=WRAPPER_DEFINE + source,  # host compiler: the torch wrapper; bindings are generated here
-                cuda_sources=source,                  # nvcc: the kernels and their launcher
-                functions=[function] if isinstance(function, str) else list(function),
-                extra_cuda_cflags=flags,
-                extra_include_paths=[str(CUDA_DIR)],  # for #include "flash_common.cuh"
-                build_directory=str(build_directory),
-                verbose=verbose,
-            )
+            if name in BUILD_PARTS:
+                module = _load_parts(ext, name, source, functions, flags, build_directory, verbose)
+            else:
+                module = load_inline(
+                    name=ext,
+                    cpp_sources=WRAPPER_DEFINE + source,  # host compiler: the torch wrapper; bindings generated here
+                    cuda_sources=source,                  # nvcc: the kernels and their launcher
+                    functions=functions,
+                    extra_cuda_cflags=flags,
+                    extra_include_paths=[str(CUDA_DIR)],  # for #include "flash_common.cuh"
+                    build_directory=str(build_directory),
+                    verbose=verbose,
+                )
         except Exception as err:
             _FAILED[ext] = str(err)
             raise
     _LOADED[ext] = module
     return module
+
+
+def part_sources(name: str, source: str, functions) -> dict[str, str]:
+    """{file name: text} of a build in parts (BUILD_PARTS): main.cpp (the torch wrapper and its bindings, for the
+    host compiler) and part<k>.cu for k = 0 (the launcher) to BUILD_PARTS[name], each for its own nvcc run."""
+    bindings = "\n".join(f'  m.def("{f}", torch::wrap_pybind_function({f}), "{f}");' for f in functions)
+    files = {"main.cpp": f"#include <torch/extension.h>\n{WRAPPER_DEFINE}{source}\n"
+                         f"PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {{\n{bindings}\n}}\n"}
+    for k in range(BUILD_PARTS[name] + 1):
+        files[f"part{k}.cu"] = f"#define COURSE_PART {k}\n{source}"
+    return files
+
+
+def _load_parts(ext, name, source, functions, flags, build_directory, verbose):
+    """load_inline's build, with the CUDA source compiled as parts that ninja runs at once."""
+    from torch.utils.cpp_extension import load as load_sources
+
+    paths = []
+    for file, text in part_sources(name, source, functions).items():
+        path = Path(build_directory) / file
+        if not path.is_file() or path.read_text() != text:  # unchanged files keep ninja's earlier objects
+            path.write_text(text)
+        paths.append(str(path))
+    return load_sources(name=ext, sources=paths, extra_cuda_cflags=flags, extra_include_paths=[str(CUDA_DIR)],
+                        build_directory=str(build_directory), verbose=verbose)
 
 
 def load_all(names, *, progress: bool = True, say=None) -> dict:

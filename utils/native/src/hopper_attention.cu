@@ -25,6 +25,27 @@ cudaError_t launch_step(int step, bool causal, const CUtensorMap& q, const CUten
   });
 }
 
+// The extension builds this file in five parts at once (utils/native/build.py, BUILD_PARTS), since one nvcc run
+// over every step takes minutes: parts 1-4 each instantiate launch_step at one dtype and head dim, and part 0 holds
+// the launcher, which only declares them. Compiled whole (no COURSE_PART), the launcher instantiates all four.
+using LaunchStep = cudaError_t(int, bool, const CUtensorMap&, const CUtensorMap&, const CUtensorMap&,
+                               const CUtensorMap&, void*, const AttentionParams&, int, cudaStream_t);
+#if COURSE_PART == 1
+template LaunchStep launch_step<__half, 64>;
+#elif COURSE_PART == 2
+template LaunchStep launch_step<__half, 128>;
+#elif COURSE_PART == 3
+template LaunchStep launch_step<__nv_bfloat16, 64>;
+#elif COURSE_PART == 4
+template LaunchStep launch_step<__nv_bfloat16, 128>;
+#else
+#ifdef COURSE_PART
+extern template LaunchStep launch_step<__half, 64>;
+extern template LaunchStep launch_step<__half, 128>;
+extern template LaunchStep launch_step<__nv_bfloat16, 64>;
+extern template LaunchStep launch_step<__nv_bfloat16, 128>;
+#endif
+
 // Plain launcher (no torch types); the wrapper has checked the shapes and built the tensor maps. Steps 1-2: one
 // warpgroup per block (loads and multiplies in turn, then overlapped); step 3 on: a producer and two or three
 // consumer warpgroups (Q's tensor map then reads 128 rows at a time, from step 11 64 per consumer). `o_map`
@@ -41,6 +62,7 @@ cudaError_t hopper_attention_launch(int step, bool bf16, int head_dim, bool caus
   return head_dim == 64 ? launch_step<__half, 64>(step, causal, q, k, vt, o_map, o, p, batch_heads, stream)
                         : launch_step<__half, 128>(step, causal, q, k, vt, o_map, o, p, batch_heads, stream);
 }
+#endif  // COURSE_PART
 
 }  // namespace course_hopper
 
