@@ -63,7 +63,7 @@ def test_the_backward_compiles_for_sm_90a_with_wgmma_in_flight():
     """A kernel for each of fp16, bf16; D = 64, 128; causal or not; each step of BWD_STEPS, wgmma serialised in one
     step only, and 06bw's prepare and finish passes. At D = 64 the consumers hold Sᵀ, dPᵀ (64 registers each),
     Pᵀ's fragments, dV and dK at once: ptxas spills a few loop invariants; "dv_late", which packs Pᵀ after dSᵀ, does
-    not."""
+    not, nor "late_prefetch" on it."""
     results = native_build.compile_check("hopper_backward")
     types = ("__half", "__nv_bfloat16")
     assert {r.kernel for r in results} == (
@@ -73,15 +73,15 @@ def test_the_backward_compiles_for_sm_90a_with_wgmma_in_flight():
     results = [r for r in results if r.kernel.startswith("hopper_backward_kernel")]
     assert all(r.arch == "sm_90a" and r.registers <= 168 for r in results)  # 384 threads: setmaxnreg moves the rest
     # ptxas serialises the wgmmas of one measured step, "prefetch_s", and says why (06cw section 7): an ordinary
-    # instruction writes a wgmma's accumulator inside the pipeline (C7515). No other step.
+    # instruction writes a wgmma's accumulator inside the pipeline (C7515). No other step: not "late_prefetch".
     prefetch = f", {BWD_STEPS.index('prefetch_s')}>"
     assert {r.kernel: r.wgmma_serialized_why[:5] for r in results if r.wgmma_serialized} == {
         r.kernel: "C7515" for r in results if r.kernel.endswith(prefetch)}
     assert all(max(r.spill_stores, r.spill_loads) == 0 for r in results if ", 128, " in r.kernel)
     # steps 1-4 stage dQ in shared memory with all three accumulators live: a few more at D = 64
     assert all(max(r.spill_stores, r.spill_loads) <= (48 if r.kernel.endswith(", 0>") else 72) for r in results)
-    dv_late = f", {BWD_STEPS.index('dv_late')}>"
-    assert [r.kernel for r in results if r.kernel.endswith(dv_late) and (r.spill_stores or r.spill_loads)] == []
+    late = (f", {BWD_STEPS.index('dv_late')}>", f", {BWD_STEPS.index('late_prefetch')}>")
+    assert [r.kernel for r in results if r.kernel.endswith(late) and (r.spill_stores or r.spill_loads)] == []
 
 
 @on_hopper

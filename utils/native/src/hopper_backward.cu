@@ -84,9 +84,9 @@ std::vector<torch::Tensor> hopper_attention_backward(torch::Tensor dout, torch::
               " is more than the grid has rows (65535); split the batch");
   TORCH_CHECK(scale > 0 && std::isfinite(scale), name, ": scale must be finite and positive, got ",
               course::num(scale));
-  TORCH_CHECK(step >= 0 && step <= 9, name,
+  TORCH_CHECK(step >= 0 && step <= 10, name,
               ": step must be 0 (atomic_dq), 1 (reduce_dq), 2 (prefetch_s), 3 (bh_group), 4 (stsm_ds), 5 ",
-              "(stsm_uniform), 6 (dq_first), 7 (desc_add), 8 (edge_mask) or 9 (dv_late), got ", course::num(step));
+              "(stsm_uniform), 6 (dq_first), 7 (desc_add), 8 (edge_mask), 9 (dv_late) or 10 (late_prefetch), got ", course::num(step));
   course_hopper::check_sm90(name, q);
   const c10::cuda::CUDAGuard guard(q.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();

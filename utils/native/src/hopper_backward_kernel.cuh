@@ -27,6 +27,10 @@
 //     forward's step 4): the others skip a compare and a select per score. Step "dv_late" keeps "edge_mask" and
 //     issues dV after dS, as FlashAttention-3 and -4 do: P stays in fp32 until dS = P ∘ (dP − D) is in dP's
 //     registers, so P's 16-bit fragments are never live beside Sᵀ and dPᵀ (at D = 64 ptxas spilled for them).
+//     Step "late_prefetch" keeps "dv_late" and issues the next tile's Sᵀ while dQ leaves, as "prefetch_s" did,
+//     but after the last tile too (on a stage no load refills), and waits for it before dPᵀ goes out: with
+//     neither a branch around that wgmma nor a wait that counts groups across the loop, ptxas keeps the wgmmas
+//     pipelined (it serialised "prefetch_s").
 // lse2 = lse · log2(e) (+inf for rows that see no key, and in the padding), delta = D, fp32 (batch · heads,
 // padded_q), padded_q a multiple of 128: the prepare pass of flash_bwd_passes.cuh writes them. Causal attention is
 // aligned bottom-right (key j visible to query i when j <= i + Nk − Nq); TMA's zero fill covers ragged tiles.
@@ -69,10 +73,11 @@ template <int D> struct BackwardTile {
 
 // The steps (utils.native.hopper_backward.BWD_STEPS, by index): reduce_dq on atomic_dq, prefetch_s, bh_group and
 // stsm_ds each on reduce_dq, stsm_uniform on stsm_ds, dq_first and desc_add each on stsm_uniform, edge_mask on
-// desc_add, dv_late on edge_mask.
+// desc_add, dv_late on edge_mask, late_prefetch on dv_late.
 constexpr int kBwdAtomicDq = 0, kBwdReduceDq = 1, kBwdPrefetchS = 2, kBwdBhGroup = 3, kBwdStsmDs = 4;
 constexpr int kBwdStsmUniform = 5, kBwdDqFirst = 6, kBwdDescAdd = 7, kBwdEdgeMask = 8, kBwdDvLate = 9;
-constexpr int kBwdSteps = kBwdDvLate + 1;
+constexpr int kBwdLatePrefetch = 10;
+constexpr int kBwdSteps = kBwdLatePrefetch + 1;
 // bh_group: (batch, K/V head)s per group, the Gluon backward's choice at D = 128 (utils.explicit.backward.pick_config)
 constexpr int kBhGroup = 4;
 
@@ -169,15 +174,16 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
   mbarrier_wait(kv_bar, 0);
-  constexpr bool kReduce = kStep >= kBwdReduceDq, kPrefetch = kStep == kBwdPrefetchS, kDqFirst = kStep == kBwdDqFirst;
-  constexpr bool kDescAdd = kStep >= kBwdDescAdd, kEdgeMask = kStep >= kBwdEdgeMask, kDvLate = kStep == kBwdDvLate;
+  constexpr bool kReduce = kStep >= kBwdReduceDq, kDqFirst = kStep == kBwdDqFirst;
+  constexpr bool kPrefetch = kStep == kBwdPrefetchS || kStep == kBwdLatePrefetch;
+  constexpr bool kDescAdd = kStep >= kBwdDescAdd, kEdgeMask = kStep >= kBwdEdgeMask, kDvLate = kStep >= kBwdDvLate;
   // The descriptor of the operand at `at` + `offset`; desc_add: at's, plus the offset (the forward's desc_plus)
   auto desc = [](uint32_t at, uint32_t leading, uint32_t offset) {
     return kDescAdd ? desc_plus(smem_desc(at, leading, 1024, Swizzle::k128B), offset)
                     : smem_desc(at + offset, leading, 1024, Swizzle::k128B);
   };
   float st[BM / 2];  // Sᵀ, then Pᵀ and dSᵀ in place; prefetch_s: issued a tile ahead
-  if constexpr (kPrefetch) {
+  if constexpr (kStep == kBwdPrefetchS) {
     if (tiles > 0) {
       mbarrier_wait(full(0), 0);
       fence_registers(st);
@@ -185,6 +191,12 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
       issue_qk<T, D, BM>(st, sk, kPanel, base + Tile::kQ);
       wgmma_commit();
     }
+  } else if constexpr (kStep == kBwdLatePrefetch) {  // issued even without a tile: stage 0 is read, never used
+    if (tiles > 0) mbarrier_wait(full(0), 0);
+    fence_registers(st);
+    wgmma_fence();
+    issue_qk<T, D, BM, true>(st, sk, kPanel, base + Tile::kQ);
+    wgmma_commit();
   }
 
   Walk w = start;
@@ -198,6 +210,11 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
     // Sᵀ = K Qᵀ and dPᵀ = V dOᵀ: 64 keys x BM queries each; A: this consumer's K or V (panels of 64 rows), B: Q or
     // dO (panels of BM rows). Thread: keys key[0], key[1]; queries q0 + 8j + 2t4 (+1) in st[4j..4j+3].
     float dpt[BM / 2];
+    if constexpr (kStep == kBwdLatePrefetch) {
+      // Sᵀ, issued while the last tile's dQ left, is done before dPᵀ goes out: ptxas does not count wgmma groups
+      // across the loop's back edge, and would serialise every wgmma had Sᵀ a wait of its own below
+      wgmma_wait<0>();
+    }
     if constexpr (!kPrefetch) fence_registers(st);
     fence_registers(dpt);
     wgmma_fence();
@@ -207,7 +224,7 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
     }
     issue_qk<T, D, BM, kDescAdd>(dpt, sv, kPanel, sdo);
     wgmma_commit();
-    wgmma_wait<1>();  // Sᵀ is done (issued here or, prefetch_s, a tile ago)
+    if constexpr (kStep != kBwdLatePrefetch) wgmma_wait<1>();  // Sᵀ is done (issued here or, prefetch_s, a tile ago)
     fence_registers(st);
 
     // Pᵀ = 2^(Sᵀ·scale·log2 e − lse2[query]); 0 where the key is hidden: past Nk, or causal and key > query + offset
@@ -359,8 +376,8 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
                        "f"(dq[4 * j + 2 * half + 1]) : "memory");
         }
       }
-      if constexpr (kPrefetch) {  // the next tile's Sᵀ, while dQ leaves: st is free (dSᵀ is in its fragments)
-        if (t + 1 < tiles) {
+      if constexpr (kStep == kBwdPrefetchS) {  // the next tile's Sᵀ, while dQ leaves: st is free (dSᵀ is in its
+        if (t + 1 < tiles) {                   // fragments)
           const int ns = (t + 1) % kStages;
           mbarrier_wait(full(ns), ((t + 1) / kStages) & 1);
           fence_registers(st);
@@ -368,6 +385,13 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
           issue_qk<T, D, BM>(st, sk, kPanel, base + Tile::kQ + ns * Tile::kQTile);
           wgmma_commit();
         }
+      } else if constexpr (kStep == kBwdLatePrefetch) {  // after the last tile too: its stage is not refilled
+        const int ns = (t + 1) % kStages;
+        if (t + 1 < tiles) mbarrier_wait(full(ns), ((t + 1) / kStages) & 1);
+        fence_registers(st);
+        wgmma_fence();
+        issue_qk<T, D, BM, true>(st, sk, kPanel, base + Tile::kQ + ns * Tile::kQTile);
+        wgmma_commit();
       }
       fence_proxy_async();              // the stores visible to TMA
       named_barrier_sync(2 + W, 128);   // this consumer's dQ is staged
@@ -383,6 +407,7 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
       mbarrier_arrive(empty(s));
     }
   }
+  if constexpr (kStep == kBwdLatePrefetch) wgmma_wait<0>();  // the Sᵀ issued after the last tile
   if constexpr (kReduce)
     if (wtid == 0) tma_store_wait_all();  // the staging boxes stay until the adds are done
 
