@@ -80,7 +80,8 @@ def test_the_backward_compiles_for_sm_90a_with_wgmma_in_flight():
     assert all(max(r.spill_stores, r.spill_loads) == 0 for r in results if ", 128, " in r.kernel)
     # steps 1-4 stage dQ in shared memory with all three accumulators live: a few more at D = 64
     assert all(max(r.spill_stores, r.spill_loads) <= (48 if r.kernel.endswith(", 0>") else 72) for r in results)
-    late = (f", {BWD_STEPS.index('dv_late')}>", f", {BWD_STEPS.index('late_prefetch')}>")
+    late = (f", {BWD_STEPS.index('dv_late')}>", f", {BWD_STEPS.index('late_prefetch')}>",
+            f", {BWD_STEPS.index('late_group')}>")
     assert [r.kernel for r in results if r.kernel.endswith(late) and (r.spill_stores or r.spill_loads)] == []
 
 

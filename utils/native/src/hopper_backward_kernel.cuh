@@ -30,7 +30,8 @@
 //     Step "late_prefetch" keeps "dv_late" and issues the next tile's Sᵀ while dQ leaves, as "prefetch_s" did,
 //     but after the last tile too (on a stage no load refills), and waits for it before dPᵀ goes out: with
 //     neither a branch around that wgmma nor a wait that counts groups across the loop, ptxas keeps the wgmmas
-//     pipelined (it serialised "prefetch_s").
+//     pipelined (it serialised "prefetch_s"). Step "late_group" keeps "late_prefetch" and, under a causal mask,
+//     launches the blocks as "bh_group" does (the Gluon backward's choice at D = 128).
 // lse2 = lse · log2(e) (+inf for rows that see no key, and in the padding), delta = D, fp32 (batch · heads,
 // padded_q), padded_q a multiple of 128: the prepare pass of flash_bwd_passes.cuh writes them. Causal attention is
 // aligned bottom-right (key j visible to query i when j <= i + Nk − Nq); TMA's zero fill covers ragged tiles.
@@ -73,11 +74,11 @@ template <int D> struct BackwardTile {
 
 // The steps (utils.native.hopper_backward.BWD_STEPS, by index): reduce_dq on atomic_dq, prefetch_s, bh_group and
 // stsm_ds each on reduce_dq, stsm_uniform on stsm_ds, dq_first and desc_add each on stsm_uniform, edge_mask on
-// desc_add, dv_late on edge_mask, late_prefetch on dv_late.
+// desc_add, dv_late on edge_mask, late_prefetch on dv_late, late_group on late_prefetch.
 constexpr int kBwdAtomicDq = 0, kBwdReduceDq = 1, kBwdPrefetchS = 2, kBwdBhGroup = 3, kBwdStsmDs = 4;
 constexpr int kBwdStsmUniform = 5, kBwdDqFirst = 6, kBwdDescAdd = 7, kBwdEdgeMask = 8, kBwdDvLate = 9;
-constexpr int kBwdLatePrefetch = 10;
-constexpr int kBwdSteps = kBwdLatePrefetch + 1;
+constexpr int kBwdLatePrefetch = 10, kBwdLateGroup = 11;
+constexpr int kBwdSteps = kBwdLateGroup + 1;
 // bh_group: (batch, K/V head)s per group, the Gluon backward's choice at D = 128 (utils.explicit.backward.pick_config)
 constexpr int kBhGroup = 4;
 
@@ -107,7 +108,7 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
   // long blocks run beside the next heads' short ones; step bh_group launches block i of the grid as key block
   // i / size of the i % size-th (batch, K/V head) of its group, so blocks of about one length run together.
   int key_block = blockIdx.x, bh_kv = blockIdx.y;
-  if constexpr (kStep == kBwdBhGroup && kCausal) {
+  if constexpr ((kStep == kBwdBhGroup || kStep == kBwdLateGroup) && kCausal) {
     const int pid = key_block + bh_kv * gridDim.x, first = pid / (kBhGroup * gridDim.x) * kBhGroup;
     const int size = min(static_cast<int>(gridDim.y) - first, kBhGroup), r = pid - first * gridDim.x;
     key_block = r / size, bh_kv = first + r % size;
@@ -175,7 +176,8 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
   for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
   mbarrier_wait(kv_bar, 0);
   constexpr bool kReduce = kStep >= kBwdReduceDq, kDqFirst = kStep == kBwdDqFirst;
-  constexpr bool kPrefetch = kStep == kBwdPrefetchS || kStep == kBwdLatePrefetch;
+  constexpr bool kLatePrefetch = kStep >= kBwdLatePrefetch;  // late_prefetch and late_group
+  constexpr bool kPrefetch = kStep == kBwdPrefetchS || kLatePrefetch;
   constexpr bool kDescAdd = kStep >= kBwdDescAdd, kEdgeMask = kStep >= kBwdEdgeMask, kDvLate = kStep >= kBwdDvLate;
   // The descriptor of the operand at `at` + `offset`; desc_add: at's, plus the offset (the forward's desc_plus)
   auto desc = [](uint32_t at, uint32_t leading, uint32_t offset) {
@@ -191,7 +193,7 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
       issue_qk<T, D, BM>(st, sk, kPanel, base + Tile::kQ);
       wgmma_commit();
     }
-  } else if constexpr (kStep == kBwdLatePrefetch) {  // issued even without a tile: stage 0 is read, never used
+  } else if constexpr (kLatePrefetch) {  // issued even without a tile: stage 0 is read, never used
     if (tiles > 0) mbarrier_wait(full(0), 0);
     fence_registers(st);
     wgmma_fence();
@@ -210,7 +212,7 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
     // Sᵀ = K Qᵀ and dPᵀ = V dOᵀ: 64 keys x BM queries each; A: this consumer's K or V (panels of 64 rows), B: Q or
     // dO (panels of BM rows). Thread: keys key[0], key[1]; queries q0 + 8j + 2t4 (+1) in st[4j..4j+3].
     float dpt[BM / 2];
-    if constexpr (kStep == kBwdLatePrefetch) {
+    if constexpr (kLatePrefetch) {
       // Sᵀ, issued while the last tile's dQ left, is done before dPᵀ goes out: ptxas does not count wgmma groups
       // across the loop's back edge, and would serialise every wgmma had Sᵀ a wait of its own below
       wgmma_wait<0>();
@@ -224,7 +226,7 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
     }
     issue_qk<T, D, BM, kDescAdd>(dpt, sv, kPanel, sdo);
     wgmma_commit();
-    if constexpr (kStep != kBwdLatePrefetch) wgmma_wait<1>();  // Sᵀ is done (issued here or, prefetch_s, a tile ago)
+    if constexpr (!kLatePrefetch) wgmma_wait<1>();  // Sᵀ is done (issued here or, prefetch_s, a tile ago)
     fence_registers(st);
 
     // Pᵀ = 2^(Sᵀ·scale·log2 e − lse2[query]); 0 where the key is hidden: past Nk, or causal and key > query + offset
@@ -385,7 +387,7 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
           issue_qk<T, D, BM>(st, sk, kPanel, base + Tile::kQ + ns * Tile::kQTile);
           wgmma_commit();
         }
-      } else if constexpr (kStep == kBwdLatePrefetch) {  // after the last tile too: its stage is not refilled
+      } else if constexpr (kLatePrefetch) {  // after the last tile too: its stage is not refilled
         const int ns = (t + 1) % kStages;
         if (t + 1 < tiles) mbarrier_wait(full(ns), ((t + 1) / kStages) & 1);
         fence_registers(st);
@@ -407,7 +409,7 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
       mbarrier_arrive(empty(s));
     }
   }
-  if constexpr (kStep == kBwdLatePrefetch) wgmma_wait<0>();  // the Sᵀ issued after the last tile
+  if constexpr (kLatePrefetch) wgmma_wait<0>();  // the Sᵀ issued after the last tile
   if constexpr (kReduce)
     if (wtid == 0) tma_store_wait_all();  // the staging boxes stay until the adds are done
 
