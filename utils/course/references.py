@@ -234,10 +234,16 @@ REFERENCES = {
                             "cuda_hopper_desc_add", "cuda_hopper_edge_mask", "cuda_hopper_dv_late", "gluon_bwd",
                             "sdpa_cudnn", "--seqlens", "4096", "16384", "--rounds", "5", "--out",
                             "images/06c_bwd_desc_h200.json"]),
+    # worklog 06cw section 7: late_prefetch and late_group beside dv_late, edge_mask, the Gluon backward and cuDNN
+    "hopper_bwd_late": (1, ["utils.course.bench.backward", "--backends", "cuda_hopper_dv_late",
+                            "cuda_hopper_edge_mask", "cuda_hopper_late_prefetch", "cuda_hopper_late_group",
+                            "gluon_bwd", "sdpa_cudnn", "--seqlens", "4096", "16384", "--rounds", "5", "--out",
+                            "images/06c_bwd_late_h200.json"]),
     # 06c's backward table: the default step beside the Gluon backward, FA2 and cuDNN
-    "hopper_bwd_default": (1, ["utils.course.bench.backward", "--backends", "cuda_hopper_dv_late",
-                               "cuda_hopper_edge_mask", "gluon_bwd", "sdpa_flash", "sdpa_cudnn", "--seqlens", "4096",
-                               "16384", "--rounds", "3", "--out", "images/06c_bwd_default_h200.json"]),
+    "hopper_bwd_default": (1, ["utils.course.bench.backward", "--backends", "cuda_hopper_late_prefetch",
+                               "cuda_hopper_dv_late", "cuda_hopper_edge_mask", "gluon_bwd", "sdpa_flash",
+                               "sdpa_cudnn", "--seqlens", "4096", "16384", "--rounds", "3", "--out",
+                               "images/06c_bwd_default_h200.json"]),
     # worklog 06cw section 6: 06c's forward beside the Gluon forwards in one run (issue 78's 0.9 bar)
     "hopper_vs_gluon": (1, ["utils.course.bench.forward", "--impls", "cuda_hopper", "gluon_ws", "gluon_ws3", "--sdpa",
                             "cudnn", "--seqlens", "2048", "4096", "8192", "16384", "--rounds", "2", "--name",
