@@ -13,6 +13,7 @@ import triton.language as tl
 from triton.runtime.jit import JITFunction
 
 from utils.course import cross_compile
+from utils.course.cross_compile import LESSONS, check
 from utils.tiled.fast.backward import SMALL_SMEM_CONFIGS, Config, pick_config, smem_estimate
 from utils.gpu import PROFILES
 
@@ -54,6 +55,7 @@ import torch
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 from utils.course import cross_compile
+from utils.course.cross_compile import LESSONS, check
 
 def _copy(X, Y, n, BLOCK: tl.constexpr):
     offs = tl.arange(0, BLOCK)
@@ -137,21 +139,37 @@ def test_lesson_backward_tiles_to_try_when_the_first_are_too_big():
             assert all(lesson_bwd.smem_estimate(c, d, dtype.itemsize) <= 64 * 1024 for c in t4) or t4 == [t4[-1]]
 
 
+T4_KERNELS = {"05": {"flash_fwd_kernel"}, "07": {"_bwd_dkdv", "_bwd_dq"}, "08": {"_split_kv_kernel"},
+              "10": {"flex_fwd_kernel"}}
+
+
+def test_t4_kernels_name_every_lesson_cross_compile_checks():
+    assert set(T4_KERNELS) == set(LESSONS)
+
+
 @pytest.mark.skipif(sys.platform == "win32", reason="subprocess environment")
 @pytest.mark.full   # every Triton kernel compiled for sm_75: minutes on two cores
 @pytest.mark.long
-def test_every_course_kernel_fits_a_t4():
-    """Compiles the forward, backward, decode and flex kernels for sm_75 as configured for a T4 (about two
-    minutes on two cores). Before the backward's tiles shrank, its dQ kernel asked for 160 KiB there."""
+@pytest.mark.parametrize("lesson", LESSONS)   # a run per notebook, so that pytest-xdist shares them out
+def test_every_course_kernel_fits_a_t4(lesson):
+    """Compiles a notebook's kernels (the forward, backward, decode or flex ones) for sm_75 as configured for a T4.
+    Before the backward's tiles shrank, its dQ kernel asked for 160 KiB there."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-m", "utils.course.cross_compile", "--profile", "t4"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=1200)
+    run = subprocess.run([sys.executable, "-m", "utils.course.cross_compile", "--profile", "t4", "--lessons", lesson],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     assert run.returncode == 0, run.stdout + run.stderr
     lines = run.stdout.splitlines()
     assert lines[0].startswith(f"Tesla T4, sm_75: {PROFILES['t4'].shared_memory_per_block // 1024} KiB")
-    kernels = {line.split()[-4] for line in lines[1:]}
-    assert {"flash_fwd_kernel", "_bwd_dkdv", "_bwd_dq", "_split_kv_kernel", "flex_fwd_kernel"} <= kernels
-    assert all(line.endswith("fits") for line in lines[1:]) and len(lines) > 20
+    assert {line.split()[0] for line in lines[1:]} == {lesson}
+    assert T4_KERNELS[lesson] <= {line.split()[-4] for line in lines[1:]}
+    assert all(line.endswith("fits") for line in lines[1:]) and len(lines) > 4
+
+
+def test_cross_compile_refuses_lessons_it_does_not_check():
+    with pytest.raises(ValueError, match="lessons"):
+        check(PROFILES["t4"], ("06",))
+    with pytest.raises(ValueError, match="lessons"):
+        check(PROFILES["t4"], "05")
 
 
 H200_BACKWARD_PROBE = """

@@ -11,13 +11,14 @@ products, which decides what overlaps (notebooks 05b and 07). ptxas schedules th
 Gluon kernels `--sass` reads the same order in the machine code (`sass_schedule`).
 
     python -m utils.course.cross_compile          # the table for each GPU profile of utils.gpu (a T4 today)
+    python -m utils.course.cross_compile --lessons 07   # ... of one notebook's kernels only
     python -m utils.course.cross_compile --schedule   # the forward loop's instruction order on sm_90 (notebook 05b)
     python -m utils.course.cross_compile --schedule exp2 --head-dim 64   # ... with exponentials moved to the FMA units
     python -m utils.course.cross_compile --schedule gluon --head-dim 64   # the Gluon forward, per tile (05b section 9)
     python -m utils.course.cross_compile --schedule gluon_ws   # ... warp-specialised, per tile (05b section 10)
     python -m utils.course.cross_compile --schedule gluon_ws --sass   # ... in the machine code ptxas makes of it
     python -m utils.course.cross_compile --schedule backward --head-dim 64   # the backward's passes (notebook 07)
-    python -m utils.course.cross_compile --schedule gluon_bwd --head-dim 64  # the one-kernel Gluon backward (07w sec. 5)
+    python -m utils.course.cross_compile --schedule gluon_bwd --head-dim 64  # the one-kernel Gluon backward (07w 5)
 
 The kernels must have been defined without TRITON_INTERPRET (they are then JITFunctions); the launches are
 made with CPU tensors, only their dtypes and sizes matter.
@@ -399,10 +400,16 @@ def course_launches(profile: Profile) -> list[tuple[str, str, Launch]]:
     return out
 
 
-def check(profile: Profile) -> list[Case]:
-    """Every course launch for `profile`, compiled for its architecture: Cases with their shared memory."""
+LESSONS = ("05", "07", "08", "10")   # the notebooks whose Triton kernels course_launches configures
+
+
+def check(profile: Profile, lessons=LESSONS) -> list[Case]:
+    """Every course launch for `profile` of the notebooks in `lessons` (of LESSONS), compiled for its architecture:
+    Cases with their shared memory."""
+    if isinstance(lessons, str) or not set(lessons) <= set(LESSONS):
+        raise ValueError(f"lessons must be some of {LESSONS}, got {lessons!r}")
     return [Case(lesson, what, launch, shared_memory(launch, profile.capability))
-            for lesson, what, launch in course_launches(profile)]
+            for lesson, what, launch in course_launches(profile) if lesson in lessons]
 
 
 def main(argv=None) -> int:
@@ -416,9 +423,12 @@ def main(argv=None) -> int:
                                                                      "backward_dq", "gluon", "gluon_ws", "gluon_bwd"),
                         help="instead: the order of a loop's instructions on sm_90: the forward's, in order and "
                         "overlapped or with a share of its exponentials on the FMA units (notebook 05b, section "
-                        "5), the Gluon forward's per tile (section 9) and its warp-specialised version's (section 10), the "
-                        "backward's with pointer loads and TMA (07), its dK/dV loop with each way of getting dQ "
-                        "(07w, section 4), or the one-kernel Gluon backward's (07w, section 5)")
+                        "5), the Gluon forward's per tile (section 9) and its warp-specialised version's (section "
+                        "10), the backward's with pointer loads and TMA (07), its dK/dV loop with each way of "
+                        "getting dQ (07w, section 4), or the one-kernel Gluon backward's (07w, section 5)")
+    parser.add_argument("--lessons", nargs="+", default=list(LESSONS), choices=LESSONS,
+                        help="with --profile: only these notebooks' kernels (a compile each, so several runs at once "
+                        "share the work)")
     parser.add_argument("--head-dim", type=int, default=128, choices=(64, 128), help="with --schedule")
     parser.add_argument("--sass", action="store_true",
                         help="with --schedule gluon or gluon_ws: the order in the machine code ptxas makes (SASS), "
@@ -474,7 +484,7 @@ def main(argv=None) -> int:
     failures = 0
     print(f"{profile.name}, sm_{profile.capability[0]}{profile.capability[1]}: {limit // 1024} KiB of shared "
           f"memory per block; Triton {triton.__version__}")
-    for case in check(profile):
+    for case in check(profile, args.lessons):
         fits = case.shared <= limit
         failures += not fits
         print(f"  {case.lesson}  {case.what:<26} {case.launch.name:<22} {case.shared / 1024:6.1f} KiB  "
