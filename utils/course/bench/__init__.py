@@ -68,3 +68,14 @@ def rotated(items: list, r: int) -> list:
     """`items` starting at the r-th (cyclically): round r of a timing in rounds, so that no position in the list
     (the first, cold; the last, on a GPU heated by the others) is always the same implementation's."""
     return items[r % len(items):] + items[:r % len(items)]
+
+
+def shape_table(heads: list[str], lines: list[tuple[tuple[int, bool, int], list[str]]]) -> str:
+    """A plain-text table of one run: a line per shape (head dim, causal, N) and its cells, under `heads`, each
+    column as wide as its heading and two spaces."""
+    widths = [len(h) + 2 for h in heads]
+    out = [f"{'D':>4s} {'mask':7s} {'N':>6s}" + "".join(f"{h:>{w}s}" for h, w in zip(heads, widths))]
+    for (d, c, n), cells in lines:
+        out.append(f"{d:4d} {'causal' if c else 'none':7s} {n:6d}"
+                   + "".join(f"{x:>{w}s}" for x, w in zip(cells, widths)))
+    return "\n".join(out)

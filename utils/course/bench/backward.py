@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from utils.course.bench import attention_flops, benchmark, error_line, median_rows, peers, rotated
+from utils.course.bench import attention_flops, benchmark, error_line, median_rows, peers, rotated, shape_table
 from utils.native.backward import BWD_STEPS, flash_mma_backward, flash_mma_forward
 from utils.native.hopper_backward import BWD_STEPS as HOPPER_BWD_STEPS
 
@@ -209,13 +209,8 @@ def format_ratios(rows: list[dict], pairs, *, tflops: str | None = None) -> str:
     value = {(r["seqlen"], r["head_dim"], r["causal"]): r["tflops"] for r in rows if r["backend"] == tflops}
     short = lambda b: b.removeprefix("cuda_hopper_").removeprefix("sdpa_").removesuffix("_bwd")
     heads = ([f"{short(tflops)} TFLOP/s"] if tflops else []) + [f"{short(a)} / {short(b)}" for a, b in pairs]
-    widths = [len(h) + 2 for h in heads]
-    lines = [f"{'D':>4s} {'mask':7s} {'N':>6s}" + "".join(f"{h:>{w}s}" for h, w in zip(heads, widths))]
-    for n, d, c in shapes:
-        cells = ([f"{value[n, d, c]:.0f}"] if tflops else []) + [f"{r[n, d, c]:.2f}" for r in each]
-        lines.append(f"{d:4d} {'causal' if c else 'none':7s} {n:6d}"
-                     + "".join(f"{x:>{w}s}" for x, w in zip(cells, widths)))
-    return "\n".join(lines)
+    return shape_table(heads, [((d, c, n), ([f"{value[n, d, c]:.0f}"] if tflops else [])
+                                + [f"{r[n, d, c]:.2f}" for r in each]) for n, d, c in shapes])
 
 
 def format_table(rows: list[dict], course: str = "triton") -> str:

@@ -17,6 +17,7 @@ import re
 from functools import partial
 
 from utils import gpu
+from utils.course.bench import shape_table
 from utils.native import hopper
 from utils.native.build import MMA_STEPS
 from utils.native.kernels import flash_mma
@@ -107,15 +108,11 @@ def format_pairs(records: list[dict], pairs: dict, *, worklog: str = "hopper", n
                     and (labels[d][1], d, c, n) in at and (base, d, c, n) in at)
     if not shapes:
         raise ValueError(f"no shape of the records has both steps of {pairs} and {base!r}")
-    ratio, tflops, vs = f"{name} / {before}", f"{name} TFLOP/s", f"{name} / {base.removeprefix('sdpa-')}"
-    widths = [len(h) + 2 for h in (ratio, tflops, vs)]
-    lines = [f"{'D':>4s} {'mask':7s} {'N':>6s}" + "".join(f"{h:>{w}s}" for h, w in zip((ratio, tflops, vs), widths))]
+    lines = []
     for d, c, n in shapes:
         new, old = (at[label, d, c, n] for label in labels[d])
-        cells = (f"{new / old:.2f}", f"{new:.0f}", f"{new / at[base, d, c, n]:.2f}")
-        lines.append(f"{d:4d} {'causal' if c else 'none':7s} {n:6d}"
-                     + "".join(f"{x:>{w}s}" for x, w in zip(cells, widths)))
-    return "\n".join(lines)
+        lines.append(((d, c, n), [f"{new / old:.2f}", f"{new:.0f}", f"{new / at[base, d, c, n]:.2f}"]))
+    return shape_table([f"{name} / {before}", f"{name} TFLOP/s", f"{name} / {base.removeprefix('sdpa-')}"], lines)
 
 
 def format_worklog(rows: list[dict]) -> str:
