@@ -248,11 +248,13 @@ def test_kernels_and_torch_wrappers_are_separate():
 def test_a_build_in_parts_has_the_wrapper_once_and_every_part_once():
     for name, parts in native_build.BUILD_PARTS.items():
         function, _ = KERNELS[name]
+        functions = [function] if isinstance(function, str) else list(function)
         source = native_build.kernel_source(name)
-        files = native_build.part_sources(name, source, [function])
+        files = native_build.part_sources(name, source, functions)
         assert list(files) == ["main.cpp", *(f"part{k}.cu" for k in range(parts + 1))]
         assert files["main.cpp"].startswith("#include <torch/extension.h>\n" + native_build.WRAPPER_DEFINE)
-        assert f'm.def("{function}", torch::wrap_pybind_function({function})' in files["main.cpp"]
+        for f in functions:
+            assert f'm.def("{f}", torch::wrap_pybind_function({f})' in files["main.cpp"]
         for k in range(parts + 1):
             assert files[f"part{k}.cu"] == f"#define COURSE_PART {k}\n{source}"
             assert k == 0 or f"#if COURSE_PART == {k}" in source or f"#elif COURSE_PART == {k}" in source, (name, k)

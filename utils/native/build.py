@@ -105,7 +105,7 @@ KERNELS["hopper_backward"] = ("hopper_attention_backward",
 HOPPER_KERNELS = ("wgmma_gemm", "hopper_attention", "hopper_backward")
 # Files that one nvcc run would take minutes over, built instead as this many parts at once (each part k's source
 # is the file with COURSE_PART defined to k, 0 for the launcher; the file says which part instantiates what).
-BUILD_PARTS = {"hopper_attention": 4}
+BUILD_PARTS = {"hopper_attention": 4, "flash_mma_bwd": 4}
 WRAPPER_DEFINE = "#define COURSE_TORCH_WRAPPER\n"
 # -lineinfo maps SASS back to source lines in Nsight Compute and costs nothing at run time.
 CUDA_FLAGS = ("-O3", "-std=c++17", "-lineinfo")

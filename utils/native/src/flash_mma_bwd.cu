@@ -3,12 +3,41 @@
 // its worklog (utils.native.backward.BWD_STEPS). Bound to Python as flash_mma_bwd_forward and flash_mma_bwd_backward
 // (utils/native/backward.py).
 #ifndef COURSE_TORCH_WRAPPER  // the kernels: nvcc, no torch header
+#if !defined(COURSE_PART) || COURSE_PART == 4  // its launchers are not inline: one part defines them
 #include "flash_bwd_passes.cuh"  // the prepare and finish passes (step 14)
+#endif
 #include "flash_mma_bwd_kernel.cuh"
 
 namespace course_flash {
 // The forward step whose output the backward differentiates: utils.native.build.MMA_DEFAULT_STEP (a test holds them equal).
 using BwdForwardStep = Step15WholeTiles;
+
+// The extension builds this file in five parts at once (utils/native/build.py, BUILD_PARTS), since one nvcc run
+// over every step takes minutes: parts 1-4 each instantiate the launchers of some steps (the lists below), and
+// part 0 holds the two launchers that choose one, which only declare them. Compiled whole (no COURSE_PART), the
+// launchers instantiate every step.
+#define COURSE_PART_1(X) X(BwdAtomicDQ) X(BwdDQPass) X(BwdNarrowRows) X(BwdTwoBlocks) X(BwdPerHeadDim) X(BwdUnrollTwo)
+#define COURSE_PART_2(X) X(BwdMaskAfter) X(BwdWarpTiles) X(BwdHoisted) X(BwdWideQueries) X(BwdStoreMatrix)
+#define COURSE_PART_3(X) X(BwdPairDQ) X(BwdDQBetween) X(BwdPrepare) X(BwdPaddedDQ)
+#define COURSE_PART_4(X) X(BwdLseByThread) X(BwdPairsBetween) X(BwdSplitKV) X(BwdStagger)
+using LaunchBwd = cudaError_t(const BwdParams&, DType, cudaStream_t);
+using LaunchFwd = cudaError_t(const Params&, DType, cudaStream_t);
+#define COURSE_INSTANTIATE(S) template LaunchBwd launch_flash_mma_bwd<S>;
+#define COURSE_DECLARE(S) extern template LaunchBwd launch_flash_mma_bwd<S>;
+#if COURSE_PART == 1
+COURSE_PART_1(COURSE_INSTANTIATE)
+#elif COURSE_PART == 2
+COURSE_PART_2(COURSE_INSTANTIATE)
+#elif COURSE_PART == 3
+COURSE_PART_3(COURSE_INSTANTIATE)
+#elif COURSE_PART == 4
+COURSE_PART_4(COURSE_INSTANTIATE)
+template LaunchFwd launch_flash_mma<BwdForwardStep>;
+#else
+#ifdef COURSE_PART
+COURSE_PART_1(COURSE_DECLARE) COURSE_PART_2(COURSE_DECLARE) COURSE_PART_3(COURSE_DECLARE) COURSE_PART_4(COURSE_DECLARE)
+extern template LaunchFwd launch_flash_mma<BwdForwardStep>;
+#endif
 
 cudaError_t launch_flash_mma_bwd_forward(const Params& p, DType dtype, cudaStream_t stream) {
   return launch_flash_mma<BwdForwardStep>(p, dtype, stream);
@@ -39,6 +68,7 @@ cudaError_t launch_flash_mma_bwd_backward(const BwdParams& bp, DType dtype, int 
   }
 }
 
+#endif  // COURSE_PART
 }  // namespace course_flash
 
 #else  // COURSE_TORCH_WRAPPER: the torch wrappers, host C++ (load_inline cpp_sources)
