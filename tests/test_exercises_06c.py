@@ -1,15 +1,18 @@
 """Notebook 06c's exercises: each check says "not yet" on the learner's stub, fails on a plausible wrong answer
 with a message naming what is wrong, and passes on the solution. The C++ ones compile for the CPU (a host
 compiler, no nvcc needed); on an H100/H200 the checks also run the GEMM with the learner's function inside."""
+import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from utils.course.exercises import check
 from utils.course.exercises.cuda_kernels import host_compiler
-from utils.course.exercises.hopper import (check_accumulator_layout, check_gemm_desc, check_tile_chunk,
-                                    check_tile_needs_mask)
+from utils.course.exercises.hopper import (EXERCISE_STEPS, check_accumulator_layout, check_gemm_desc,
+                                           check_tile_chunk, check_tile_needs_mask, exercise_sources)
 from utils.course.learner import code_cell
+from utils.native.build import find_nvcc
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "notebooks" / "06c_hopper_wgmma.ipynb"
@@ -153,3 +156,30 @@ def test_trip_bad_input_is_named():
         replay_trip([], 3, 0)
     with pytest.raises(AssertionError, match="unknown event 'issue QK i'"):
         replay_trip(["wait full i", "issue QK i"], 3, 2)
+
+
+@pytest.mark.skipif(find_nvcc() is None, reason="nvcc not found")
+def test_the_mask_checks_build_holds_only_the_steps_it_runs():
+    # the check on an H100/H200 rebuilds hopper_attention.cu with the learner's function: two steps, in seconds,
+    # not the minutes of every step
+    from utils.native import hopper
+    from utils.native.build import CUDA_DIR, CUDA_FLAGS, parse_ptxas
+
+    assert [hopper.ATTENTION_STEPS.index(s) + 1 for s in EXERCISE_STEPS] == [4, 6]
+    _, cuda = exercise_sources("hopper_attention", {"tile_needs_mask": answer("6c.4")})
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "ex.cu").write_text(cuda)
+        proc = subprocess.run([find_nvcc(), "-c", *CUDA_FLAGS, "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas",
+                               "-v", f"-I{CUDA_DIR}", "ex.cu", "-o", "ex.o"], cwd=tmp, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    kernels = [r.kernel for r in parse_ptxas(proc.stdout + proc.stderr)]
+    assert len(kernels) == 4, kernels   # two steps, causal or not
+    for step in ("HopperStep4Softmax", "HopperStep6Overlap"):
+        assert sum(step in k and "__nv_bfloat16" in k and "128" in k for k in kernels) == 2, kernels
+
+
+def test_exercise_sources_names_a_bad_argument():
+    with pytest.raises(ValueError, match="kernel must be"):
+        exercise_sources("flash_naive", {})
+    with pytest.raises(ValueError, match="no exercise named 'tile'"):
+        exercise_sources("hopper_attention", {"tile": ""})

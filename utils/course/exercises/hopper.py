@@ -22,6 +22,11 @@ EXERCISE_MACROS = {"tile_chunk": "COURSE_EXERCISE_TILE_CHUNK", "gemm_desc": "COU
                    "tile_needs_mask": "COURSE_EXERCISE_TILE_NEEDS_MASK"}
 
 
+# The Hopper attention steps a check runs with the learner's function inside (4 and 6, which mask only the tiles
+# that need it): hopper_attention.cu built with COURSE_EXERCISE_STEPS instantiates these, in bf16 at D = 128.
+EXERCISE_STEPS = ("softmax", "overlap")
+
+
 def _with_header(function: str, source: str) -> str:
     return (f"#define {EXERCISE_MACROS[function]}\n#include \"hopper_layout.h\"\n"
             f"namespace course_hopper {{\n{source}\n}}  // namespace course_hopper\n")
@@ -111,19 +116,31 @@ def check_gemm_desc(source: str) -> None:
 
 # ---- on an H100/H200: the GEMM with the learner's function inside --------------------------------------------
 
+def exercise_sources(kernel: str, sources: dict) -> tuple[str, str]:
+    """(host C++, CUDA) of utils/native/src/<kernel>.cu with the learner's functions (`sources`: exercise name ->
+    C++) in place of the course's; hopper_attention keeps only the steps the check runs (EXERCISE_STEPS)."""
+    if kernel not in ("hopper_attention", "wgmma_gemm"):
+        raise ValueError(f"kernel must be 'hopper_attention' or 'wgmma_gemm', got {kernel!r}")
+    unknown = [name for name in sources if name not in EXERCISE_MACROS]
+    if unknown:
+        raise ValueError(f"sources: no exercise named {unknown[0]!r} (they are {', '.join(EXERCISE_MACROS)})")
+    prelude = "".join(f"#define {EXERCISE_MACROS[name]}\n" for name in sources) + '#include "hopper_layout.h"\n'
+    if kernel == "hopper_attention":
+        prelude = "#define COURSE_EXERCISE_STEPS\n" + prelude
+    learner = "".join(f"namespace course_hopper {{\n{src}\n}}\n" for src in sources.values())
+    return f'#define COURSE_TORCH_WRAPPER\n#include "{kernel}.cu"\n', prelude + learner + f'#include "{kernel}.cu"\n'
+
+
 def _build_on_hopper(kernel: str, entry: str, sources: dict):
-    """utils/native/src/<kernel>.cu rebuilt with the learner's functions (`sources`: exercise name -> C++) in place of
-    the course's, or None off an sm_90 GPU, where the CPU part of a check is the whole check."""
+    """exercise_sources(kernel, sources) built, or None off an sm_90 GPU, where the CPU part of a check is the
+    whole check."""
     import torch
 
     from utils import gpu
 
     if not torch.cuda.is_available() or gpu.capability() != (9, 0):
         return None
-    prelude = "".join(f"#define {EXERCISE_MACROS[name]}\n" for name in sources) + '#include "hopper_layout.h"\n'
-    learner = "".join(f"namespace course_hopper {{\n{src}\n}}\n" for src in sources.values())
-    cuda = prelude + learner + f'#include "{kernel}.cu"\n'
-    cpp = f'#define COURSE_TORCH_WRAPPER\n#include "{kernel}.cu"\n'
+    cpp, cuda = exercise_sources(kernel, sources)
     return _load_inline(f"{kernel}_" + "_".join(sources), cpp, cuda, [entry],
                         flags=["-gencode=arch=compute_90a,code=sm_90a"])
 
@@ -236,7 +253,7 @@ def _check_attention_on_gpu(sources: dict) -> None:
         return
     for nq, nk in ((333, 517), (700, 300)):
         q, k, v = random_qkv(1, 4, nq, nk, 128, kv_heads=2, dtype=torch.bfloat16, device="cuda")
-        for step in ("softmax", "overlap"):
+        for step in EXERCISE_STEPS:
             for causal in (False, True):
                 fn = partial(hopper.flash_hopper, step=step, module=module)
                 assert_attention_matches_reference(fn, q, k, v, causal=causal)
