@@ -142,6 +142,23 @@ def test_compile_check_validates_arguments():
         compile_check([3])
 
 
+def test_compile_source_validates_arguments():
+    with pytest.raises(TypeError, match="source must be a str"):
+        native_build.compile_source(b"__global__ void f() {}", "sm_90")
+    with pytest.raises(ValueError, match="arch must look like"):
+        native_build.compile_source("", "compute_90")
+
+
+@needs_nvcc
+def test_compile_source_reports_each_kernel_and_nvcc_errors():
+    (found,) = native_build.compile_source('extern "C" __global__ void plain_kernel(float* x) { x[0] = 1.0f; }',
+                                           "sm_80", file="plain.cu")
+    assert (found.file, found.arch, found.kernel) == ("plain.cu", "sm_80", "plain_kernel")
+    assert native_build.compile_source("int course_helper(int x) { return x; }\n", "sm_80") == []
+    with pytest.raises(RuntimeError, match="nvcc failed on bad.cu for sm_80"):
+        native_build.compile_source("this is not C++;\n", "sm_80", file="bad.cu")
+
+
 def test_compile_check_without_nvcc_says_so(monkeypatch):
     monkeypatch.setattr(native_build, "find_nvcc", lambda: None)
     with pytest.raises(RuntimeError, match="nvcc not found"):
@@ -262,18 +279,12 @@ def test_a_build_in_parts_has_the_wrapper_once_and_every_part_once():
 
 
 @needs_nvcc
-def test_a_build_in_parts_instantiates_no_kernel_in_its_launcher(tmp_path):
+def test_a_build_in_parts_instantiates_no_kernel_in_its_launcher():
     """Part 0 (the launcher) only declares what parts 1 on instantiate: compiled, it holds no kernel. (That the
     parts together hold every kernel is the GPU suite's build of the extension, and nvcc's link.)"""
-    nvcc = find_nvcc()
     for name in native_build.BUILD_PARTS:
-        source = tmp_path / f"{name}_part0.cu"
-        source.write_text(native_build.part_sources(name, native_build.kernel_source(name), ["f"])["part0.cu"])
-        out = subprocess.run([nvcc, "-c", *native_build.CUDA_FLAGS, "-gencode=arch=compute_90a,code=sm_90a",
-                              f"-I{native_build.CUDA_DIR}", str(source), "-o", str(tmp_path / "part0.o"), "-Xptxas",
-                              "-v"], capture_output=True, text=True)
-        assert out.returncode == 0, out.stderr[-3000:]
-        assert "Compiling entry function" not in out.stdout + out.stderr, name
+        part0 = native_build.part_sources(name, native_build.kernel_source(name), ["f"])["part0.cu"]
+        assert native_build.compile_source(part0, "sm_90a", file=f"{name}_part0.cu") == [], name
 
 
 # ---- Python-side validation (runs before any build) --------------------------------------------------------

@@ -1,8 +1,6 @@
 """Notebook 06c's exercises: each check says "not yet" on the learner's stub, fails on a plausible wrong answer
 with a message naming what is wrong, and passes on the solution. The C++ ones compile for the CPU (a host
 compiler, no nvcc needed); on an H100/H200 the checks also run the GEMM with the learner's function inside."""
-import subprocess
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -163,16 +161,11 @@ def test_the_mask_checks_build_holds_only_the_steps_it_runs():
     # the check on an H100/H200 rebuilds hopper_attention.cu with the learner's function: two steps, in seconds,
     # not the minutes of every step
     from utils.native import hopper
-    from utils.native.build import CUDA_DIR, CUDA_FLAGS, parse_ptxas
+    from utils.native.build import compile_source
 
     assert [hopper.ATTENTION_STEPS.index(s) + 1 for s in EXERCISE_STEPS] == [4, 6]
     _, cuda = exercise_sources("hopper_attention", {"tile_needs_mask": answer("6c.4")})
-    with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "ex.cu").write_text(cuda)
-        proc = subprocess.run([find_nvcc(), "-c", *CUDA_FLAGS, "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas",
-                               "-v", f"-I{CUDA_DIR}", "ex.cu", "-o", "ex.o"], cwd=tmp, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    kernels = [r.kernel for r in parse_ptxas(proc.stdout + proc.stderr)]
+    kernels = [r.kernel for r in compile_source(cuda, "sm_90a")]
     assert len(kernels) == 4, kernels   # two steps, causal or not
     for step in ("HopperStep4Softmax", "HopperStep6Overlap"):
         assert sum(step in k and "__nv_bfloat16" in k and "128" in k for k in kernels) == 2, kernels

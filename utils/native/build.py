@@ -478,28 +478,43 @@ def parse_ptxas(text: str, file: str = "") -> list[KernelResources]:
 _CHECKED: dict = {}
 
 
+def _ptxas_flags(arch: str) -> list[str]:
+    # the -gencode form, because nvcc 13.0's -arch=sm_90a also runs a plain sm_90 pass, which rejects wgmma
+    return [*CUDA_FLAGS, f"-gencode=arch=compute_{arch.removeprefix('sm_')},code={arch}", "-Xptxas", "-v"]
+
+
+def compile_source(source: str, arch: str, *, nvcc: str | None = None,
+                   file: str = "source.cu") -> list[KernelResources]:
+    """Compile CUDA `source` (a .cu file's text; utils/native/src on the include path) for `arch` with nvcc, kernels
+    only (COURSE_TORCH_WRAPPER undefined), and return ptxas's report: a KernelResources per kernel (`file` names
+    the source in them), none if the source holds no kernel. A failed compile raises with nvcc's errors."""
+    if not isinstance(source, str):
+        raise TypeError(f"source must be a str, got {type(source).__name__}")
+    if not isinstance(arch, str) or not re.fullmatch(r"sm_\d+a?", arch):
+        raise ValueError(f"arch must look like 'sm_90', got {arch!r}")
+    nvcc = nvcc or find_nvcc()
+    if nvcc is None:
+        raise RuntimeError("nvcc not found (install the CUDA toolkit or set CUDA_HOME)")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / file
+        path.write_text(source)
+        proc = subprocess.run([nvcc, "-c", *_ptxas_flags(arch), f"-I{CUDA_DIR}", str(path), "-o",
+                               str(path.with_suffix(".o"))], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"nvcc failed on {file} for {arch}:\n{proc.stderr[-4000:]}")
+    return parse_ptxas(proc.stdout + proc.stderr, file=file)
+
+
 def _compile_one(nvcc: str, name: str, arch: str) -> list[KernelResources]:
-    # COURSE_TORCH_WRAPPER undefined: kernels only. The -gencode form, because nvcc 13.0's -arch=sm_90a also
-    # runs a plain sm_90 pass, which rejects wgmma.
-    number = arch.removeprefix("sm_")
-    flags = [*CUDA_FLAGS, f"-gencode=arch=compute_{number},code=sm_{number}", "-Xptxas", "-v"]
-    key = hashlib.sha256(f"{nvcc}\0{source_hash(name, flags)}\0v3".encode()).hexdigest()[:16]  # v3: every C75xx
+    # v3: every C75xx
+    key = hashlib.sha256(f"{nvcc}\0{source_hash(name, _ptxas_flags(arch))}\0v3".encode()).hexdigest()[:16]
     if key in _CHECKED:
         return _CHECKED[key]
     cache = BUILD_DIR / "compile_check" / f"{name}-{arch}-{key}.json"
     if cache.is_file():  # same nvcc, same sources, same flags: same answer (kept across processes)
         result = [KernelResources(**r) for r in json.loads(cache.read_text())]
     else:
-        with tempfile.TemporaryDirectory() as tmp:
-            source = CUDA_DIR / f"{name}.cu"
-            if name in _MMA_STEP_OF:  # rendered, no file of its own; it includes its kernel through -I
-                source = Path(tmp) / f"{name}.cu"
-                source.write_text(kernel_source(name))
-            proc = subprocess.run([nvcc, "-c", *flags, f"-I{CUDA_DIR}", str(source),
-                                   "-o", str(Path(tmp) / f"{name}.o")], capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"nvcc failed on {name}.cu for {arch}:\n{proc.stderr[-4000:]}")
-        result = parse_ptxas(proc.stdout + proc.stderr, file=f"{name}.cu")
+        result = compile_source(kernel_source(name), arch, nvcc=nvcc, file=f"{name}.cu")
         if not result:
             raise RuntimeError(f"no ptxas report in the output of nvcc for {name}.cu ({arch})")
         cache.parent.mkdir(parents=True, exist_ok=True)
