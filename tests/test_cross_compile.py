@@ -259,6 +259,55 @@ LBB3:
     assert cross_compile.sass_schedule(sass) == ["wgmma×2 wait(1)", "ex2", "wait(0) wgmma wait(0) ex2 wait(1)"]
 
 
+def test_local_memory_counts_spills_in_each_innermost_loop_that_issues_hgmma():
+    sass = """Function:kernel
+--:-:-:-:1\tSTL [R1+0x4], R2;
+LBB1:
+--:-:-:-:1\tLDL R3, [R1+0x4];
+LBB2:
+--:-:-:-:1\tHGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], RZ, !UPT;
+--:-:-:-:1\tLDL R5, [R1+0x8];
+--:-:-:-:1\tLDL.LU R6, [R1+0xc];
+--:-:-:-:1\tSTL [R1+0x8], R5;
+--:-:-:-:5\t@P0 BRA LBB2;
+--:-:-:-:1\tHGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], R24;
+--:-:-:-:5\t@P1 BRA LBB1;
+LBB3:
+--:-:-:-:1\tLDL R7, [R1+0x10];
+--:-:-:-:5\tBRA LBB3;
+LBB4:
+--:-:-:-:1\tHGMMA.64x64x16.F32.BF16 R88, R148, gdesc[UR8].tnspB, R88, gsb0;
+--:-:-:-:5\tBRA LBB4;
+--:-:-:-:5\tBRA LBB5;
+LBB5:
+--:-:-:-:1\tEXIT;
+"""
+    # LBB1's loop holds LBB2's (not innermost); LBB3's issues no HGMMA; the branch to LBB5 goes forward
+    assert cross_compile.local_memory(sass) == [(1, 2), (0, 0)]
+    assert cross_compile.local_memory("--:-:-:-:1\tEXIT;") == []
+
+
+def test_the_gluon_backward_reloads_fewer_spills_at_d64_with_ds_first():
+    """Worklog 07w section 5's reading of Config.ds_first: forming dSᵀ before dV's product is issued frees the
+    registers the running product would hold, and at head dim 64 the consumers' tile loops reload fewer spilled
+    values, with and without a mask."""
+    lines = cross_compile.in_fresh_process("--schedule", "gluon_bwd", "--local-memory", "--head-dim", "64")
+    loads = {}
+    for line in lines.splitlines()[1:]:
+        mask, order, pairs = re.match(r"\s+(no mask|causal)\s+(dS first|dV first):\s+(.*)", line).groups()
+        loads[mask, order] = sum(int(p.split("/")[1]) for p in pairs.split("   "))
+        assert len(pairs.split("   ")) == 2, line   # the two consumers' loops
+    assert set(loads) == {(m, o) for m in ("no mask", "causal") for o in ("dS first", "dV first")}, lines
+    assert all(loads[m, "dS first"] < loads[m, "dV first"] for m in ("no mask", "causal")), lines
+
+
+def test_local_memory_goes_with_the_gluon_backward():
+    run = subprocess.run([sys.executable, "-m", "utils.course.cross_compile", "--schedule", "gluon", "--local-memory"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
+    assert run.returncode == 2 and "--local-memory goes with --schedule gluon_bwd" in run.stderr
+
+
 GLUON_SASS_PROBE = """
 import torch
 from utils.course.cross_compile import _capture, compile_launch, sass_schedule

@@ -50,6 +50,7 @@ def test_inputs_are_checked_before_anything_is_built():
     (gb.Config(64, 2, 240, False, 4.0), 128, TypeError, "bh_group must be an int"),
     (gb.Config(64, 2, 240, False, -1), 128, ValueError, "bh_group must be >= 0"),
     (gb.Config(64, 2, 240, False, 0, 1), 128, TypeError, "dq_writer must be a bool"),
+    (gb.Config(64, 2, 240, ds_first=1), 128, TypeError, "ds_first must be a bool"),
 ])
 def test_bad_configs_are_named(config, head_dim, error, match):
     with pytest.raises(error, match=match):
@@ -61,6 +62,9 @@ def test_the_picked_configs_are_valid_and_use_wide_tiles_where_registers_allow()
     assert gb.check_config(gb.pick_config(128), 128).block_m == 64
     # launched in groups of (batch, head)s where it measured faster: causal at head dim 128 only
     assert [gb.pick_config(d, causal).bh_group for d in (64, 128) for causal in (False, True)] == [0, 0, 0, 4]
+    # dSᵀ before dV's product where that measured faster: all but head dim 128 without a mask
+    assert [gb.pick_config(d, causal).ds_first for d in (64, 128) for causal in (False, True)] == [
+        True, True, False, True]
 
 
 @pytest.mark.parametrize("dq_writer", [False, True], ids=["consumers reduce", "dq writer"])
@@ -158,14 +162,15 @@ def test_gradients_match_float64_on_odd_shapes(dtype, causal):
     (gb.Config(128, 2, 240, False), 64), (gb.Config(64, 3, 240, True), 128),
     (gb.Config(128, 2, 240, True, 3), 64), (gb.Config(64, 2, 240, False, 3), 128),
     (gb.Config(64, 2, 240, False, 8), 128), (gb.Config(128, 2, 240, True, 0, True), 64),
-    (gb.Config(64, 2, 240, False, 4, True), 128), (gb.Config(128, 1, 232, False, 0, True), 64)],
+    (gb.Config(64, 2, 240, False, 4, True), 128), (gb.Config(128, 1, 232, False, 0, True), 64),
+    (gb.Config(64, 2, 240, ds_first=True), 128), (gb.Config(128, 2, 240, True, ds_first=False), 64)],
     ids=["64x2 d64", "128x1 d64", "64x3 prefetch d64", "128x2 no prefetch d64", "64x3 prefetch d128",
          "groups of 3 d64", "groups of 3 d128", "one group of 4 d128", "dq writer d64", "dq writer d128",
-         "dq writer 1 stage d64"])
+         "dq writer 1 stage d64", "ds first d128", "dv first d64"])
 def test_every_config_gives_the_same_gradients(config, head_dim):
-    """The dQ block's split (rows of a 128-row tile, else columns), prefetch_s and the launch order (bh_group:
-    4 (batch, K/V head)s in groups of 3, the last group short, or in one group larger than there are), beside the
-    picked configs."""
+    """The dQ block's split (rows of a 128-row tile, else columns), prefetch_s, the launch order (bh_group:
+    4 (batch, K/V head)s in groups of 3, the last group short, or in one group larger than there are) and the
+    order of dSᵀ and dV's product (ds_first), beside the picked configs."""
     from utils.tiled.fast.forward import flash_attention_forward
     from utils.course.testing import assert_gradients_close, random_qkv, reference_gradients
 

@@ -19,6 +19,7 @@ Gluon kernels `--sass` reads the same order in the machine code (`sass_schedule`
     python -m utils.course.cross_compile --schedule gluon_ws --sass   # ... in the machine code ptxas makes of it
     python -m utils.course.cross_compile --schedule backward --head-dim 64   # the backward's passes (notebook 07)
     python -m utils.course.cross_compile --schedule gluon_bwd --head-dim 64  # the one-kernel Gluon backward (07w 5)
+    python -m utils.course.cross_compile --schedule gluon_bwd --local-memory   # ... its spills per tile, either order
 
 The kernels must have been defined without TRITON_INTERPRET (they are then JITFunctions); the launches are
 made with CPU tensors, only their dtypes and sizes matter.
@@ -302,6 +303,47 @@ def gluon_bwd_schedule(head_dim: int = 64, causal: bool = False, capability=(9, 
     return schedule(compiled.asm["ptx"], DQ_EVENTS), compiled.metadata.shared
 
 
+def local_memory(sass: str) -> list[tuple[int, int]]:
+    """(STL, LDL) of each innermost loop of `sass` (CompiledKernel.asm["sass"]) that issues HGMMA: the registers
+    ptxas stores to local memory and loads back in one turn of the loop. A loop is a branch back to a label;
+    innermost: no other such loop inside it."""
+    lines = sass.splitlines()
+    labels = {}
+    for i, line in enumerate(lines):
+        text = line.strip()
+        if text.endswith(":") and " " not in text:
+            labels[text[:-1]] = i
+    loops = []
+    for i, line in enumerate(lines):
+        words = line.split("*/", 1)[-1].split("\t")[-1].split("/*")[0].replace(";", " ").split()
+        if "BRA" in words and words[-1] in labels and labels[words[-1]] < i:
+            loops.append((labels[words[-1]], i))
+    innermost = [(a, b) for a, b in loops if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in loops)]
+    out = []
+    for a, b in sorted(innermost):
+        ops = [line.split("*/", 1)[-1].split("\t")[-1].split("/*")[0].split() for line in lines[a:b + 1]]
+        ops = [w[1] if w[0].startswith("@") and len(w) > 1 else w[0] for w in ops if w]
+        if any(op.startswith("HGMMA") for op in ops):
+            out.append((sum(op.startswith("STL") for op in ops), sum(op.startswith("LDL") for op in ops)))
+    return out
+
+
+def gluon_bwd_local_memory(head_dim: int = 64, causal: bool = False, capability=(9, 0)) -> dict[str, list]:
+    """The one-kernel Gluon backward's picked config compiled for `capability` with dSᵀ formed before dV's
+    product is issued and after it (Config.ds_first; worklog 07w section 5): {order: local_memory(sass)}, one
+    (STL, LDL) pair per consumer's tile loop."""
+    from utils.explicit import backward as gb
+
+    q = torch.zeros(1, 2, 1024, head_dim, dtype=torch.bfloat16)
+    acc, stats = torch.zeros(2, 1024, head_dim), torch.zeros(2, 1024)
+    out = {}
+    for name, first in (("dS first", True), ("dV first", False)):
+        config = gb.pick_config(head_dim, causal)._replace(ds_first=first)
+        (launch,) = _capture(lambda: gb._launch(q, q, q, q, q, q, acc, stats, stats, causal, 0.1, config))
+        out[name] = local_memory(compile_launch(launch, capability).asm["sass"])
+    return out
+
+
 def in_fresh_process(*args: str, timeout: int = 900) -> str:
     """`python -m utils.course.cross_compile *args` in a process without TRITON_INTERPRET (where the kernels are
     compiled, not interpreted), from a notebook or test that runs interpreted; returns what it printed."""
@@ -430,12 +472,17 @@ def main(argv=None) -> int:
                         help="with --profile: only these notebooks' kernels (a compile each, so several runs at once "
                         "share the work)")
     parser.add_argument("--head-dim", type=int, default=128, choices=(64, 128), help="with --schedule")
+    parser.add_argument("--local-memory", action="store_true",
+                        help="with --schedule gluon_bwd: instead, the spill stores and reloads (STL, LDL) in each "
+                        "consumer's tile loop, dSᵀ formed before dV's product and after it, with and without a mask")
     parser.add_argument("--sass", action="store_true",
                         help="with --schedule gluon or gluon_ws: the order in the machine code ptxas makes (SASS), "
                         "not in the PTX")
     args = parser.parse_args(argv)
     if args.sass and args.schedule not in ("gluon", "gluon_ws"):
         parser.error("--sass goes with --schedule gluon or gluon_ws")
+    if args.local_memory and args.schedule != "gluon_bwd":
+        parser.error("--local-memory goes with --schedule gluon_bwd")
     if os.environ.get("TRITON_INTERPRET") == "1":
         parser.error("unset TRITON_INTERPRET: the kernels must be defined for compiling, not interpreting")
     if args.schedule == "backward":
@@ -452,6 +499,14 @@ def main(argv=None) -> int:
         for name, blocks in backward_dq_schedules(args.head_dim).items():
             for block in blocks:
                 print(f"  {name + ':':<13} {block}")
+        return 0
+    if args.schedule == "gluon_bwd" and args.local_memory:
+        print(f"Triton {triton.__version__}, sm_90: Gluon backward, d={args.head_dim}, bf16, picked tiles; per "
+              "consumer's tile loop, local stores / loads:")
+        for causal in (False, True):
+            for name, loops in gluon_bwd_local_memory(args.head_dim, causal).items():
+                print(f"  {'causal' if causal else 'no mask':8} {name + ':':10} "
+                      + "   ".join(f"{stores} / {loads}" for stores, loads in loops))
         return 0
     if args.schedule == "gluon_bwd":
         blocks, shared = gluon_bwd_schedule(args.head_dim)

@@ -33,7 +33,11 @@ Choices in the schedule (worklog 07w section 5 measures each one from its stored
   - lse2 and D arrive by TMA with Q and dO and are read from shared memory when needed, so they hold no
     registers across the wgmma waits;
   - causal at head dim 128, the programs are launched four (batch, K/V head)s at a time, key block by key
-    block (Config.bh_group), not head by head: programs of about the same length run side by side.
+    block (Config.bh_group), not head by head: programs of about the same length run side by side;
+  - at head dim 64, and causal at 128 (`ds_first`), dSᵀ is formed before dV's product is issued, as
+    FlashAttention-3 orders them. A running product holds its register operand (Pᵀ); at 64, with Pᵀ held
+    while dSᵀ forms, the consumers' loops reload about twice as many spilled registers per tile. Without a
+    mask at 128 dV's product running beside dSᵀ measured faster.
 
 The reduce-adds from the programs of one head arrive in any order, so dQ's last bits vary from run to run
 (notebook 07's dQ pass is deterministic); dK and dV do not. Gluon has no interpreter: the kernel runs on sm_90
@@ -82,6 +86,7 @@ class Config(NamedTuple):
     prefetch_s: bool = False   # issue the next tile's Sᵀ once dQ is staged (waits for that tile: stages >= 2)
     bh_group: int = 0          # > 0: launched key block by key block over groups of this many (batch, K/V head)s
     dq_writer: bool = False    # a warp of its own issues dQ's reduce-adds (FlashAttention-3's), not the consumers
+    ds_first: bool = False     # dSᵀ formed before dV's product is issued (FlashAttention-3's order), not after
 
 
 def pick_config(head_dim: int, causal: bool = False) -> Config:
@@ -89,8 +94,8 @@ def pick_config(head_dim: int, causal: bool = False) -> Config:
     each) leave room for 64-row tiles only, and none for a prefetched Sᵀ beside the dQ block. Causal at 128:
     programs launched four (batch, K/V head)s at a time (`bh_group`). Worklog 07w section 5 has the runs."""
     if head_dim == 64:
-        return Config(128, 2, 240, True)
-    return Config(64, 2, 240, False, bh_group=4 if causal else 0)
+        return Config(128, 2, 240, True, ds_first=True)
+    return Config(64, 2, 240, False, bh_group=4 if causal else 0, ds_first=causal)
 
 
 def check_config(config, head_dim: int) -> Config:
@@ -114,6 +119,8 @@ def check_config(config, head_dim: int) -> Config:
         raise ValueError(f"config.bh_group must be >= 0, got {config.bh_group}")
     if not isinstance(config.dq_writer, bool):
         raise TypeError(f"config.dq_writer must be a bool, got {type(config.dq_writer).__name__}")
+    if not isinstance(config.ds_first, bool):
+        raise TypeError(f"config.ds_first must be a bool, got {type(config.ds_first).__name__}")
     if config.prefetch_s and config.stages < 2:
         raise ValueError("config.prefetch_s needs stages >= 2: a consumer waits for the next tile before it frees "
                          "the slot of this one")
@@ -172,7 +179,7 @@ def _consumer(dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, lse_sm
               stage_smem, kv_bar, full, empty, dq_full, dq_empty, b, hk, heads, first_m, n_m, n_tiles, start_n,
               seqlen_q, seqlen_k, qk_scale, sm_scale, W: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
               BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PREFETCH_S: gl.constexpr,
-              DQ_WRITER: gl.constexpr):
+              DQ_WRITER: gl.constexpr, DS_FIRST: gl.constexpr):
     SUB: gl.constexpr = dk_desc.block_type.shape[2]
     dtype: gl.constexpr = dk_desc.dtype
     # This consumer's half of the tile's dQ: a (DQR × COLS) block at rows r0, columns c0; it leaves in NB boxes
@@ -238,10 +245,16 @@ def _consumer(dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, lse_sm
                 keep = keep & (offs_n[:, None] <= offs_m[None, :] + causal_offset)
             st = gl.where(keep, st, float("-inf"))
         pt = gl.exp2(st * qk_scale - lse2[None, :])
-        dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), do, dv, is_async=True)
-        dpt, _, _ = warpgroup_mma_wait(1, deps=(dpt, v, do))
-        delta = delta_smem.index(slot).reshape([BLOCK_M]).load(col_st)
-        dst = (pt * (dpt - delta[None, :])).to(dtype)
+        if DS_FIRST:   # Pᵀ's registers stay free while dSᵀ forms (a running product holds its register operand)
+            dpt, _, _ = warpgroup_mma_wait(0, deps=(dpt, v, do))
+            delta = delta_smem.index(slot).reshape([BLOCK_M]).load(col_st)
+            dst = (pt * (dpt - delta[None, :])).to(dtype)
+            dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), do, dv, is_async=True)
+        else:          # dV's product runs while dSᵀ forms
+            dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), do, dv, is_async=True)
+            dpt, _, _ = warpgroup_mma_wait(1, deps=(dpt, v, do))
+            delta = delta_smem.index(slot).reshape([BLOCK_M]).load(col_st)
+            dst = (pt * (dpt - delta[None, :])).to(dtype)
         dk = warpgroup_mma(gl.convert_layout(dst, op_layout), q, dk, is_async=True)
         buf = (t % 2) * 2       # dSᵀ double-buffered: the other consumer may still read the previous tile's
         ds_smem.index(buf + W).store(dst)
@@ -318,7 +331,7 @@ def gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
                      heads, seqlen_q, seqlen_k, qk_scale, sm_scale,
                      GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                      CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, PREFETCH_S: gl.constexpr,
-                     BH_GROUP: gl.constexpr, DQ_WRITER: gl.constexpr):
+                     BH_GROUP: gl.constexpr, DQ_WRITER: gl.constexpr, DS_FIRST: gl.constexpr):
     SUB: gl.constexpr = k_desc.block_type.shape[2]
     pid_n = gl.program_id(0)
     pid_bh = gl.program_id(1)
@@ -374,11 +387,11 @@ def gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
             (_consumer, (dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
                          stage_smem, kv_bar, full, empty, dq_full, dq_empty, b, hk, heads, first_m, n_m, n_tiles,
                          start_n, seqlen_q, seqlen_k, qk_scale, sm_scale, 0, GROUP, HEAD_DIM, BLOCK_M, STAGES,
-                         CAUSAL, PREFETCH_S, DQ_WRITER)),
+                         CAUSAL, PREFETCH_S, DQ_WRITER, DS_FIRST)),
             (_consumer, (dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
                          stage_smem, kv_bar, full, empty, dq_full, dq_empty, b, hk, heads, first_m, n_m, n_tiles,
                          start_n, seqlen_q, seqlen_k, qk_scale, sm_scale, 1, GROUP, HEAD_DIM, BLOCK_M, STAGES,
-                         CAUSAL, PREFETCH_S, DQ_WRITER)),
+                         CAUSAL, PREFETCH_S, DQ_WRITER, DS_FIRST)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
                          lse_smem, delta_smem, kv_bar, full, empty, b, hk, heads, first_m, n_m, n_tiles, start_n,
                          GROUP, BLOCK_M, STAGES)),
@@ -390,11 +403,11 @@ def gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
             (_consumer, (dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
                          stage_smem, kv_bar, full, empty, dq_full, dq_empty, b, hk, heads, first_m, n_m, n_tiles,
                          start_n, seqlen_q, seqlen_k, qk_scale, sm_scale, 0, GROUP, HEAD_DIM, BLOCK_M, STAGES,
-                         CAUSAL, PREFETCH_S, DQ_WRITER)),
+                         CAUSAL, PREFETCH_S, DQ_WRITER, DS_FIRST)),
             (_consumer, (dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
                          stage_smem, kv_bar, full, empty, dq_full, dq_empty, b, hk, heads, first_m, n_m, n_tiles,
                          start_n, seqlen_q, seqlen_k, qk_scale, sm_scale, 1, GROUP, HEAD_DIM, BLOCK_M, STAGES,
-                         CAUSAL, PREFETCH_S, DQ_WRITER)),
+                         CAUSAL, PREFETCH_S, DQ_WRITER, DS_FIRST)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
                          lse_smem, delta_smem, kv_bar, full, empty, b, hk, heads, first_m, n_m, n_tiles, start_n,
                          GROUP, BLOCK_M, STAGES))],
@@ -506,7 +519,7 @@ def _main(q, k, causal: bool, scale: float, config: Config) -> tuple:
     return (_launcher, (triton.cdiv(nk, BLOCK_N), b * hk), (h, nq, nk, scale * fg.LOG2E, scale),
             dict(GROUP=h // hk, HEAD_DIM=d, BLOCK_M=config.block_m, STAGES=config.stages, CAUSAL=causal,
                  CONSUMER_REGS=config.consumer_regs, PREFETCH_S=config.prefetch_s, BH_GROUP=config.bh_group,
-                 DQ_WRITER=config.dq_writer,
+                 DQ_WRITER=config.dq_writer, DS_FIRST=config.ds_first,
                  num_warps=4))
 
 
