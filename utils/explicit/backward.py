@@ -92,7 +92,8 @@ class Config(NamedTuple):
 def pick_config(head_dim: int, causal: bool = False) -> Config:
     """128-row tiles and Sᵀ prefetched at head dim 64; at 128 the registers of dK, dV (64 keys × 128 fp32
     each) leave room for 64-row tiles only, and none for a prefetched Sᵀ beside the dQ block. Causal at 128:
-    programs launched four (batch, K/V head)s at a time (`bh_group`). Worklog 07w section 5 has the runs."""
+    programs launched four (batch, K/V head)s at a time (`bh_group`). dSᵀ formed before dV's product is issued
+    (`ds_first`) at 64 and causal at 128. Worklog 07w section 5 has the runs."""
     if head_dim == 64:
         return Config(128, 2, 240, True, ds_first=True)
     return Config(64, 2, 240, False, bh_group=4 if causal else 0, ds_first=causal)
