@@ -165,6 +165,17 @@ SASS_EVENTS = (("HGMMA", "wgmma"), ("WARPGROUP.DEPBAR.LE", "wait"), ("MUFU.EX2",
                ("SYNCS.PHASECHK", "tile?"))
 
 
+def _sass_text(line: str) -> str:
+    """A SASS line's instruction or label: without the address or the control bits before it, or cuobjdump's
+    encoding after it."""
+    return line.split("*/", 1)[-1].split("\t")[-1].split("/*")[0].strip()
+
+
+def _opcode(words: list[str]) -> str:
+    """The opcode of an instruction split into words, past its predicate ('@P0', '@!UP1')."""
+    return words[1] if words[0].startswith("@") and len(words) > 1 else words[0]
+
+
 def sass_schedule(sass: str, kinds=SASS_EVENTS) -> list[str]:
     """schedule() for a kernel's SASS (CompiledKernel.asm["sass"], or the text of `cuobjdump -sass`, which has no
     labels: one block): the blocks that issue tensor-core work, each as the order of its HGMMA (`wgmma`),
@@ -173,8 +184,7 @@ def sass_schedule(sass: str, kinds=SASS_EVENTS) -> list[str]:
     instructions written before it, and a branch splits what the PTX had in one block."""
     blocks, events = [], []
     for line in sass.splitlines():
-        # drop the address or the control bits before the instruction, and cuobjdump's encoding after it
-        text = line.split("*/", 1)[-1].split("\t")[-1].split("/*")[0].strip()
+        text = _sass_text(line)
         if text.endswith(":"):   # a label: a new basic block
             blocks.append(events)
             events = []
@@ -182,7 +192,7 @@ def sass_schedule(sass: str, kinds=SASS_EVENTS) -> list[str]:
         words = text.split()
         if not words:
             continue
-        op = words[1] if words[0].startswith("@") and len(words) > 1 else words[0]
+        op = _opcode(words)
         for prefix, name in kinds:
             if op.startswith(prefix):
                 events.append(f"wait({int(text.rstrip(' ;').split(',')[-1], 16)})" if name == "wait" else name)
@@ -293,36 +303,36 @@ def gluon_bwd_schedule(head_dim: int = 64, causal: bool = False, capability=(9, 
     """The one-kernel Gluon backward (worklog 07w section 5) compiled for `capability` with its default tiles:
     (schedule with DQ_EVENTS, bytes of shared memory). Its consumer loop shows the dQ block's reduce-adds issued
     at the end of a tile and their wait (reduce-wait) at the next tile, before the two consumers meet (bar)."""
+    compiled = compile_launch(_gluon_bwd_launch(head_dim, causal), capability)
+    return schedule(compiled.asm["ptx"], DQ_EVENTS), compiled.metadata.shared
+
+
+def _gluon_bwd_launch(head_dim: int, causal: bool, **changes) -> Launch:
+    """The Gluon backward's launch (bf16, N = 1024) with pick_config's tiles, `changes` replacing its fields."""
     from utils.explicit import backward as gb
 
     q = torch.zeros(1, 2, 1024, head_dim, dtype=torch.bfloat16)
     acc, stats = torch.zeros(2, 1024, head_dim), torch.zeros(2, 1024)
-    config = gb.pick_config(head_dim, causal)
+    config = gb.pick_config(head_dim, causal)._replace(**changes)
     (launch,) = _capture(lambda: gb._launch(q, q, q, q, q, q, acc, stats, stats, causal, 0.1, config))
-    compiled = compile_launch(launch, capability)
-    return schedule(compiled.asm["ptx"], DQ_EVENTS), compiled.metadata.shared
+    return launch
 
 
 def local_memory(sass: str) -> list[tuple[int, int]]:
     """(STL, LDL) of each innermost loop of `sass` (CompiledKernel.asm["sass"]) that issues HGMMA: the registers
     ptxas stores to local memory and loads back in one turn of the loop. A loop is a branch back to a label;
     innermost: no other such loop inside it."""
-    lines = sass.splitlines()
-    labels = {}
-    for i, line in enumerate(lines):
-        text = line.strip()
-        if text.endswith(":") and " " not in text:
-            labels[text[:-1]] = i
+    texts = [_sass_text(line) for line in sass.splitlines()]
+    labels = {text[:-1]: i for i, text in enumerate(texts) if text.endswith(":") and " " not in text}
     loops = []
-    for i, line in enumerate(lines):
-        words = line.split("*/", 1)[-1].split("\t")[-1].split("/*")[0].replace(";", " ").split()
+    for i, text in enumerate(texts):
+        words = text.replace(";", " ").split()
         if "BRA" in words and words[-1] in labels and labels[words[-1]] < i:
             loops.append((labels[words[-1]], i))
     innermost = [(a, b) for a, b in loops if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in loops)]
     out = []
     for a, b in sorted(innermost):
-        ops = [line.split("*/", 1)[-1].split("\t")[-1].split("/*")[0].split() for line in lines[a:b + 1]]
-        ops = [w[1] if w[0].startswith("@") and len(w) > 1 else w[0] for w in ops if w]
+        ops = [_opcode(text.split()) for text in texts[a:b + 1] if text]
         if any(op.startswith("HGMMA") for op in ops):
             out.append((sum(op.startswith("STL") for op in ops), sum(op.startswith("LDL") for op in ops)))
     return out
@@ -332,16 +342,9 @@ def gluon_bwd_local_memory(head_dim: int = 64, causal: bool = False, capability=
     """The one-kernel Gluon backward's picked config compiled for `capability` with dSᵀ formed before dV's
     product is issued and after it (Config.ds_first; worklog 07w section 5): {order: local_memory(sass)}, one
     (STL, LDL) pair per consumer's tile loop."""
-    from utils.explicit import backward as gb
-
-    q = torch.zeros(1, 2, 1024, head_dim, dtype=torch.bfloat16)
-    acc, stats = torch.zeros(2, 1024, head_dim), torch.zeros(2, 1024)
-    out = {}
-    for name, first in (("dS first", True), ("dV first", False)):
-        config = gb.pick_config(head_dim, causal)._replace(ds_first=first)
-        (launch,) = _capture(lambda: gb._launch(q, q, q, q, q, q, acc, stats, stats, causal, 0.1, config))
-        out[name] = local_memory(compile_launch(launch, capability).asm["sass"])
-    return out
+    return {name: local_memory(compile_launch(_gluon_bwd_launch(head_dim, causal, ds_first=first),
+                                              capability).asm["sass"])
+            for name, first in (("dS first", True), ("dV first", False))}
 
 
 def in_fresh_process(*args: str, timeout: int = 900) -> str:

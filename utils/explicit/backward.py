@@ -35,7 +35,7 @@ Choices in the schedule (worklog 07w section 5 measures each one from its stored
   - causal at head dim 128, the programs are launched four (batch, K/V head)s at a time, key block by key
     block (Config.bh_group), not head by head: programs of about the same length run side by side;
   - at head dim 64, and causal at 128 (`ds_first`), dSᵀ is formed before dV's product is issued, as
-    FlashAttention-3 orders them. A running product holds its register operand (Pᵀ); at 64, with Pᵀ held
+    FlashAttention-3 orders them (06c's CUDA backward: step dv_late). A running product holds its register operand (Pᵀ); at 64, with Pᵀ held
     while dSᵀ forms, the consumers' loops reload about twice as many spilled registers per tile. Without a
     mask at 128 dV's product running beside dSᵀ measured faster.
 
