@@ -287,6 +287,31 @@ LBB5:
     assert cross_compile.local_memory("--:-:-:-:1\tEXIT;") == []
 
 
+def test_loop_instructions_counts_each_innermost_hgmma_loop_and_its_multiplies():
+    sass = """Function:kernel
+--:-:-:-:1\tFMUL R2, R2, R3;
+LBB1:
+--:-:-:-:1\tHGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], RZ, !UPT;
+--:-:-:-:1\tFMUL R5, R24, R4;
+--:-:-:-:1\t@P0 FMUL.FTZ R6, R25, R4;
+--:-:-:-:1\tFFMA R7, R26, R4, R5;
+--:-:-:-:5\t@P0 BRA LBB1;
+LBB2:
+--:-:-:-:1\tFMUL R8, R8, R4;
+--:-:-:-:5\tBRA LBB2;
+"""
+    # the label is not an instruction; a predicated FMUL is one; FFMA is not a multiply here; LBB2 issues no HGMMA
+    assert cross_compile.loop_instructions(sass) == [(5, 2)]
+
+
+def test_scaled_p_goes_with_the_gluon_backward_alone():
+    for args in (["--schedule", "gluon", "--scaled-p"], ["--schedule", "gluon_bwd", "--scaled-p", "--local-memory"]):
+        run = subprocess.run([sys.executable, "-m", "utils.course.cross_compile", *args], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120,
+                             env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
+        assert run.returncode == 2 and "--scaled-p goes with --schedule gluon_bwd" in run.stderr, args
+
+
 def test_the_gluon_backward_reloads_fewer_spills_at_d64_with_ds_first():
     """Worklog 07w section 5's reading of Config.ds_first: forming dSᵀ before dV's product is issued frees the
     registers the running product would hold, and at head dim 64 the consumers' tile loops reload fewer spilled

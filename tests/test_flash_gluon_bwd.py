@@ -51,6 +51,7 @@ def test_inputs_are_checked_before_anything_is_built():
     (gb.Config(64, 2, 240, False, -1), 128, ValueError, "bh_group must be >= 0"),
     (gb.Config(64, 2, 240, False, 0, 1), 128, TypeError, "dq_writer must be a bool"),
     (gb.Config(64, 2, 240, ds_first=1), 128, TypeError, "ds_first must be a bool"),
+    (gb.Config(64, 2, 240, scaled_p=None), 128, TypeError, "scaled_p must be a bool"),
 ])
 def test_bad_configs_are_named(config, head_dim, error, match):
     with pytest.raises(error, match=match):
@@ -65,6 +66,9 @@ def test_the_picked_configs_are_valid_and_use_wide_tiles_where_registers_allow()
     # dSᵀ before dV's product where that measured faster: all but head dim 128 without a mask
     assert [gb.pick_config(d, causal).ds_first for d in (64, 128) for causal in (False, True)] == [
         True, True, False, True]
+    # P computed as scale·P where that measured faster: head dim 64
+    assert [gb.pick_config(d, causal).scaled_p for d in (64, 128) for causal in (False, True)] == [
+        True, True, False, False]
 
 
 @pytest.mark.parametrize("dq_writer", [False, True], ids=["consumers reduce", "dq writer"])
@@ -93,18 +97,20 @@ def test_each_rule_of_the_protocol_is_needed(broken, match):
             gb.replay_protocol(n_tiles, stages, seed, **broken)
 
 
+@pytest.mark.parametrize("shift", [0.0, math.log2(0.125)], ids=["P", "scale·P"])
 @pytest.mark.parametrize("nq", [16, 13, 1])
-def test_stats_are_base2_lse_and_rowsum_with_rows_padded_to_16_bytes(nq):
-    """_stats: D = rowsum(dO ∘ O), lse2 = lse·log2(e) with +inf where lse = -inf (a row that sees no key), each
-    (batch·heads) row padded with zeros to a multiple of 4 floats, which TMA needs."""
+def test_stats_are_base2_lse_and_rowsum_with_rows_padded_to_16_bytes(nq, shift):
+    """_stats: D = rowsum(dO ∘ O), lse2 = lse·log2(e) − shift with +inf where lse = -inf (a row that sees no
+    key), each (batch·heads) row padded with zeros to a multiple of 4 floats, which TMA needs. The shift
+    log2(scale) makes the kernel's exp2(s·scale·log2(e) − lse2) scale·P (Config.scaled_p)."""
     b, h, d = 2, 3, 64
     o, do = torch.randn(b, h, nq, d, device=DEVICE), torch.randn(b, h, nq, d, device=DEVICE)
     lse = torch.randn(b, h, nq, device=DEVICE)
     lse[0, 1, 0] = float("-inf")
-    lse2, delta = gb._stats(o, do, lse, h)
+    lse2, delta = gb._stats(o, do, lse, h, shift)
     width = 4 * math.ceil(nq / 4)
     assert lse2.shape == delta.shape == (b * h, width)
-    want_lse2 = (lse * math.log2(math.e)).reshape(b * h, nq)
+    want_lse2 = (lse * math.log2(math.e) - shift).reshape(b * h, nq)
     want_lse2[1, 0] = float("inf")
     torch.testing.assert_close(lse2[:, :nq], want_lse2)
     torch.testing.assert_close(delta[:, :nq], (o * do).sum(-1).reshape(b * h, nq), rtol=1e-5, atol=1e-5)
@@ -163,14 +169,17 @@ def test_gradients_match_float64_on_odd_shapes(dtype, causal):
     (gb.Config(128, 2, 240, True, 3), 64), (gb.Config(64, 2, 240, False, 3), 128),
     (gb.Config(64, 2, 240, False, 8), 128), (gb.Config(128, 2, 240, True, 0, True), 64),
     (gb.Config(64, 2, 240, False, 4, True), 128), (gb.Config(128, 1, 232, False, 0, True), 64),
-    (gb.Config(64, 2, 240, ds_first=True), 128), (gb.Config(128, 2, 240, True, ds_first=False), 64)],
+    (gb.Config(64, 2, 240, ds_first=True), 128), (gb.Config(128, 2, 240, True, ds_first=False), 64),
+    (gb.Config(64, 2, 240, scaled_p=True), 128), (gb.Config(128, 2, 240, True, scaled_p=False), 64),
+    (gb.Config(64, 2, 240, False, 0, True, scaled_p=True), 128)],
     ids=["64x2 d64", "128x1 d64", "64x3 prefetch d64", "128x2 no prefetch d64", "64x3 prefetch d128",
          "groups of 3 d64", "groups of 3 d128", "one group of 4 d128", "dq writer d64", "dq writer d128",
-         "dq writer 1 stage d64", "ds first d128", "dv first d64"])
+         "dq writer 1 stage d64", "ds first d128", "dv first d64", "scaled p d128", "plain p d64",
+         "dq writer scaled p d128"])
 def test_every_config_gives_the_same_gradients(config, head_dim):
     """The dQ block's split (rows of a 128-row tile, else columns), prefetch_s, the launch order (bh_group:
     4 (batch, K/V head)s in groups of 3, the last group short, or in one group larger than there are) and the
-    order of dSᵀ and dV's product (ds_first), beside the picked configs."""
+    order of dSᵀ and dV's product (ds_first) and P scaled or not (scaled_p), beside the picked configs."""
     from utils.tiled.fast.forward import flash_attention_forward
     from utils.course.testing import assert_gradients_close, random_qkv, reference_gradients
 

@@ -20,6 +20,7 @@ Gluon kernels `--sass` reads the same order in the machine code (`sass_schedule`
     python -m utils.course.cross_compile --schedule backward --head-dim 64   # the backward's passes (notebook 07)
     python -m utils.course.cross_compile --schedule gluon_bwd --head-dim 64  # the one-kernel Gluon backward (07w 5)
     python -m utils.course.cross_compile --schedule gluon_bwd --local-memory   # ... its spills per tile, either order
+    python -m utils.course.cross_compile --schedule gluon_bwd --scaled-p   # ... its loop's instructions, P scaled or not
 
 The kernels must have been defined without TRITON_INTERPRET (they are then JITFunctions); the launches are
 made with CPU tensors, only their dtypes and sizes matter.
@@ -318,10 +319,9 @@ def _gluon_bwd_launch(head_dim: int, causal: bool, **changes) -> Launch:
     return launch
 
 
-def local_memory(sass: str) -> list[tuple[int, int]]:
-    """(STL, LDL) of each innermost loop of `sass` (CompiledKernel.asm["sass"]) that issues HGMMA: the registers
-    ptxas stores to local memory and loads back in one turn of the loop. A loop is a branch back to a label;
-    innermost: no other such loop inside it."""
+def _hgmma_loops(sass: str) -> list[list[str]]:
+    """The opcodes of each innermost loop of `sass` (CompiledKernel.asm["sass"]) that issues HGMMA, in order. A
+    loop is a branch back to a label; innermost: no other such loop inside it."""
     texts = [_sass_text(line) for line in sass.splitlines()]
     labels = {text[:-1]: i for i, text in enumerate(texts) if text.endswith(":") and " " not in text}
     loops = []
@@ -330,12 +330,21 @@ def local_memory(sass: str) -> list[tuple[int, int]]:
         if "BRA" in words and words[-1] in labels and labels[words[-1]] < i:
             loops.append((labels[words[-1]], i))
     innermost = [(a, b) for a, b in loops if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in loops)]
-    out = []
-    for a, b in sorted(innermost):
-        ops = [_opcode(text.split()) for text in texts[a:b + 1] if text]
-        if any(op.startswith("HGMMA") for op in ops):
-            out.append((sum(op.startswith("STL") for op in ops), sum(op.startswith("LDL") for op in ops)))
-    return out
+    loops = [[_opcode(text.split()) for text in texts[a:b + 1] if text and not text.endswith(":")]
+             for a, b in sorted(innermost)]
+    return [ops for ops in loops if any(op.startswith("HGMMA") for op in ops)]
+
+
+def local_memory(sass: str) -> list[tuple[int, int]]:
+    """(STL, LDL) of each innermost loop of `sass` that issues HGMMA (_hgmma_loops): the registers ptxas stores to
+    local memory and loads back in one turn of the loop."""
+    return [(sum(op.startswith("STL") for op in ops), sum(op.startswith("LDL") for op in ops))
+            for ops in _hgmma_loops(sass)]
+
+
+def loop_instructions(sass: str) -> list[tuple[int, int]]:
+    """(instructions, FMUL) of each innermost loop of `sass` that issues HGMMA (_hgmma_loops)."""
+    return [(len(ops), sum(op.startswith("FMUL") for op in ops)) for ops in _hgmma_loops(sass)]
 
 
 def gluon_bwd_local_memory(head_dim: int = 64, causal: bool = False, capability=(9, 0)) -> dict[str, list]:
@@ -345,6 +354,15 @@ def gluon_bwd_local_memory(head_dim: int = 64, causal: bool = False, capability=
     return {name: local_memory(compile_launch(_gluon_bwd_launch(head_dim, causal, ds_first=first),
                                               capability).asm["sass"])
             for name, first in (("dS first", True), ("dV first", False))}
+
+
+def gluon_bwd_scaled_p(head_dim: int = 64, causal: bool = False, capability=(9, 0)) -> dict[str, list]:
+    """The one-kernel Gluon backward's picked config compiled for `capability` with P computed as scale·P and
+    as P (Config.scaled_p; worklog 07w section 5): {way: loop_instructions(sass)}, one (instructions, FMUL) pair
+    per consumer's tile loop."""
+    return {name: loop_instructions(compile_launch(_gluon_bwd_launch(head_dim, causal, scaled_p=scaled),
+                                                   capability).asm["sass"])
+            for name, scaled in (("scale·P", True), ("P", False))}
 
 
 def in_fresh_process(*args: str, timeout: int = 900) -> str:
@@ -478,6 +496,9 @@ def main(argv=None) -> int:
     parser.add_argument("--local-memory", action="store_true",
                         help="with --schedule gluon_bwd: instead, the spill stores and reloads (STL, LDL) in each "
                         "consumer's tile loop, dSᵀ formed before dV's product and after it, with and without a mask")
+    parser.add_argument("--scaled-p", action="store_true",
+                        help="with --schedule gluon_bwd: instead, the instructions and multiplies (FMUL) in each "
+                        "consumer's tile loop, P computed as scale·P and as P, with and without a mask")
     parser.add_argument("--sass", action="store_true",
                         help="with --schedule gluon or gluon_ws: the order in the machine code ptxas makes (SASS), "
                         "not in the PTX")
@@ -486,6 +507,8 @@ def main(argv=None) -> int:
         parser.error("--sass goes with --schedule gluon or gluon_ws")
     if args.local_memory and args.schedule != "gluon_bwd":
         parser.error("--local-memory goes with --schedule gluon_bwd")
+    if args.scaled_p and (args.schedule != "gluon_bwd" or args.local_memory):
+        parser.error("--scaled-p goes with --schedule gluon_bwd, without --local-memory")
     if os.environ.get("TRITON_INTERPRET") == "1":
         parser.error("unset TRITON_INTERPRET: the kernels must be defined for compiling, not interpreting")
     if args.schedule == "backward":
@@ -510,6 +533,14 @@ def main(argv=None) -> int:
             for name, loops in gluon_bwd_local_memory(args.head_dim, causal).items():
                 print(f"  {'causal' if causal else 'no mask':8} {name + ':':10} "
                       + "   ".join(f"{stores} / {loads}" for stores, loads in loops))
+        return 0
+    if args.schedule == "gluon_bwd" and args.scaled_p:
+        print(f"Triton {triton.__version__}, sm_90: Gluon backward, d={args.head_dim}, bf16, picked tiles; per "
+              "consumer's tile loop, instructions / FMUL:")
+        for causal in (False, True):
+            for name, loops in gluon_bwd_scaled_p(args.head_dim, causal).items():
+                print(f"  {'causal' if causal else 'no mask':8} {name + ':':8} "
+                      + "   ".join(f"{count} / {fmul}" for count, fmul in loops))
         return 0
     if args.schedule == "gluon_bwd":
         blocks, shared = gluon_bwd_schedule(args.head_dim)

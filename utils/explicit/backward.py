@@ -38,6 +38,9 @@ Choices in the schedule (worklog 07w section 5 measures each one from its stored
     FlashAttention-3 orders them (06c's CUDA backward: step dv_late). A running product holds its register operand (Pᵀ); at 64, with Pᵀ held
     while dSᵀ forms, the consumers' loops reload about twice as many spilled registers per tile. Without a
     mask at 128 dV's product running beside dSᵀ measured faster.
+  - at head dim 64 (`scaled_p`) the consumers compute P' = scale·P (the statistics kernel lowers lse₂ by
+    log2(scale)), so dS' = P' ∘ (dP − D) carries the scale that dQ = scale·dS K and dK = scale·dSᵀ Q need: no
+    multiply on dQ per tile, none on dK at the end, one on dV (Pᵀ'dO = scale·dV) at the end instead.
 
 The reduce-adds from the programs of one head arrive in any order, so dQ's last bits vary from run to run
 (notebook 07's dQ pass is deterministic); dK and dV do not. Gluon has no interpreter: the kernel runs on sm_90
@@ -50,6 +53,7 @@ The registry's differentiable entries live here, with the backward, so that no f
 from __future__ import annotations
 
 import functools
+import math
 import random
 from typing import NamedTuple
 
@@ -87,15 +91,16 @@ class Config(NamedTuple):
     bh_group: int = 0          # > 0: launched key block by key block over groups of this many (batch, K/V head)s
     dq_writer: bool = False    # a warp of its own issues dQ's reduce-adds (FlashAttention-3's), not the consumers
     ds_first: bool = False     # dSᵀ formed before dV's product is issued (FlashAttention-3's order), not after
+    scaled_p: bool = False     # P computed as scale·P, so dSᵀ carries dQ's and dK's scale (no multiply per tile)
 
 
 def pick_config(head_dim: int, causal: bool = False) -> Config:
     """128-row tiles and Sᵀ prefetched at head dim 64; at 128 the registers of dK, dV (64 keys × 128 fp32
     each) leave room for 64-row tiles only, and none for a prefetched Sᵀ beside the dQ block. Causal at 128:
     programs launched four (batch, K/V head)s at a time (`bh_group`). dSᵀ formed before dV's product is issued
-    (`ds_first`) at 64 and causal at 128. Worklog 07w section 5 has the runs."""
+    (`ds_first`) at 64 and causal at 128; P scaled (`scaled_p`) at 64. Worklog 07w section 5 has the runs."""
     if head_dim == 64:
-        return Config(128, 2, 240, True, ds_first=True)
+        return Config(128, 2, 240, True, ds_first=True, scaled_p=True)
     return Config(64, 2, 240, False, bh_group=4 if causal else 0, ds_first=causal)
 
 
@@ -122,6 +127,8 @@ def check_config(config, head_dim: int) -> Config:
         raise TypeError(f"config.dq_writer must be a bool, got {type(config.dq_writer).__name__}")
     if not isinstance(config.ds_first, bool):
         raise TypeError(f"config.ds_first must be a bool, got {type(config.ds_first).__name__}")
+    if not isinstance(config.scaled_p, bool):
+        raise TypeError(f"config.scaled_p must be a bool, got {type(config.scaled_p).__name__}")
     if config.prefetch_s and config.stages < 2:
         raise ValueError("config.prefetch_s needs stages >= 2: a consumer waits for the next tile before it frees "
                          "the slot of this one")
@@ -180,7 +187,7 @@ def _consumer(dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, lse_sm
               stage_smem, kv_bar, full, empty, dq_full, dq_empty, b, hk, heads, first_m, n_m, n_tiles, start_n,
               seqlen_q, seqlen_k, qk_scale, sm_scale, W: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
               BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PREFETCH_S: gl.constexpr,
-              DQ_WRITER: gl.constexpr, DS_FIRST: gl.constexpr):
+              DQ_WRITER: gl.constexpr, DS_FIRST: gl.constexpr, SCALED_P: gl.constexpr):
     SUB: gl.constexpr = dk_desc.block_type.shape[2]
     dtype: gl.constexpr = dk_desc.dtype
     # This consumer's half of the tile's dQ: a (DQR × COLS) block at rows r0, columns c0; it leaves in NB boxes
@@ -276,7 +283,10 @@ def _consumer(dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, lse_sm
         acc, dk, _, _, _ = warpgroup_mma_wait(0, deps=(acc, dk, q, ds0, ds1))
         if DQ_WRITER:   # the writer has read the last tile's dQ (a fresh barrier passes at once)
             mbarrier.wait(dq_empty.index(W), (t & 1) ^ 1)
-        dq_block.store(acc * sm_scale)
+        if SCALED_P:   # dSᵀ carries the scale
+            dq_block.store(acc)
+        else:
+            dq_block.store(acc * sm_scale)
         if PREFETCH_S:   # the next tile's Sᵀ runs while dQ leaves (past the last tile: as in the prologue)
             nslot = (t + 1) % STAGES
             mbarrier.wait(full.index(nslot), ((t + 1) // STAGES) & 1, pred=t + 1 < n_tiles)
@@ -296,8 +306,12 @@ def _consumer(dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, lse_sm
     # dK and dV leave through this consumer's K and V buffers, once the other consumer's dQ products are done
     # with this K half.
     _pair_barrier(n_tiles)
-    k.store((dk * sm_scale).to(dtype))
-    v.store(dv.to(dtype))
+    if SCALED_P:   # dK's scale came with dSᵀ; Pᵀ carried one into dV
+        k.store(dk.to(dtype))
+        v.store((dv * (1.0 / sm_scale)).to(dtype))
+    else:
+        k.store((dk * sm_scale).to(dtype))
+        v.store(dv.to(dtype))
     fence_async_shared()
     _barrier()
     tma.async_copy_shared_to_global(dk_desc, [b, hk, key0, 0], k_smem.index(W))
@@ -332,7 +346,8 @@ def gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
                      heads, seqlen_q, seqlen_k, qk_scale, sm_scale,
                      GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                      CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, PREFETCH_S: gl.constexpr,
-                     BH_GROUP: gl.constexpr, DQ_WRITER: gl.constexpr, DS_FIRST: gl.constexpr):
+                     BH_GROUP: gl.constexpr, DQ_WRITER: gl.constexpr, DS_FIRST: gl.constexpr,
+                     SCALED_P: gl.constexpr):
     SUB: gl.constexpr = k_desc.block_type.shape[2]
     pid_n = gl.program_id(0)
     pid_bh = gl.program_id(1)
@@ -388,11 +403,11 @@ def gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
             (_consumer, (dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
                          stage_smem, kv_bar, full, empty, dq_full, dq_empty, b, hk, heads, first_m, n_m, n_tiles,
                          start_n, seqlen_q, seqlen_k, qk_scale, sm_scale, 0, GROUP, HEAD_DIM, BLOCK_M, STAGES,
-                         CAUSAL, PREFETCH_S, DQ_WRITER, DS_FIRST)),
+                         CAUSAL, PREFETCH_S, DQ_WRITER, DS_FIRST, SCALED_P)),
             (_consumer, (dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
                          stage_smem, kv_bar, full, empty, dq_full, dq_empty, b, hk, heads, first_m, n_m, n_tiles,
                          start_n, seqlen_q, seqlen_k, qk_scale, sm_scale, 1, GROUP, HEAD_DIM, BLOCK_M, STAGES,
-                         CAUSAL, PREFETCH_S, DQ_WRITER, DS_FIRST)),
+                         CAUSAL, PREFETCH_S, DQ_WRITER, DS_FIRST, SCALED_P)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
                          lse_smem, delta_smem, kv_bar, full, empty, b, hk, heads, first_m, n_m, n_tiles, start_n,
                          GROUP, BLOCK_M, STAGES)),
@@ -404,11 +419,11 @@ def gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
             (_consumer, (dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
                          stage_smem, kv_bar, full, empty, dq_full, dq_empty, b, hk, heads, first_m, n_m, n_tiles,
                          start_n, seqlen_q, seqlen_k, qk_scale, sm_scale, 0, GROUP, HEAD_DIM, BLOCK_M, STAGES,
-                         CAUSAL, PREFETCH_S, DQ_WRITER, DS_FIRST)),
+                         CAUSAL, PREFETCH_S, DQ_WRITER, DS_FIRST, SCALED_P)),
             (_consumer, (dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
                          stage_smem, kv_bar, full, empty, dq_full, dq_empty, b, hk, heads, first_m, n_m, n_tiles,
                          start_n, seqlen_q, seqlen_k, qk_scale, sm_scale, 1, GROUP, HEAD_DIM, BLOCK_M, STAGES,
-                         CAUSAL, PREFETCH_S, DQ_WRITER, DS_FIRST)),
+                         CAUSAL, PREFETCH_S, DQ_WRITER, DS_FIRST, SCALED_P)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
                          lse_smem, delta_smem, kv_bar, full, empty, b, hk, heads, first_m, n_m, n_tiles, start_n,
                          GROUP, BLOCK_M, STAGES))],
@@ -429,28 +444,33 @@ def _row_descriptor(x: torch.Tensor, block_m: int) -> TensorDescriptor:
     return TensorDescriptor(x, list(x.shape), list(x.stride()), [1, block_m], _ROW_LAYOUT)
 
 
-def _stats(o, do, lse, heads):
+def _stats(o, do, lse, heads, shift):
     """(lse2, D) as (B·H, N') fp32, N' = N rounded up to 4 so that a row is 16-byte aligned (TMA): notebook 07's
-    preprocess kernel (D = rowsum(dO ∘ O); lse2 = lse·log2(e), +inf where no key is visible)."""
+    preprocess kernel (D = rowsum(dO ∘ O); lse2 = lse·log2(e) − shift, +inf where no key is visible)."""
     b, _, nq, d = o.shape
     delta = torch.empty((b * heads, nq), dtype=torch.float32, device=o.device)
     lse2 = torch.empty_like(delta)
-    head, (launcher, grid, tail, meta) = _preprocess(o, do, lse, delta, lse2, heads)
+    head, (launcher, grid, tail, meta) = _preprocess(o, do, lse, delta, lse2, heads, shift)
     launcher[grid](*head, *tail, **meta)
     if nq % 4:
         lse2, delta = (F.pad(x, (0, 4 - nq % 4)) for x in (lse2, delta))
     return lse2, delta
 
 
-def _preprocess(o, do, lse, delta, lse2, heads) -> tuple:
+def _preprocess(o, do, lse, delta, lse2, heads, shift: float) -> tuple:
     """The preprocess launch: (its leading arguments, (launcher, grid, trailing arguments, constexprs))."""
     b, _, nq, d = o.shape
     return (o, do, lse, delta, lse2), (tb._launch_preprocess, (triton.cdiv(nq, 64), b * heads),
-                                       (*o.stride(), *do.stride(), heads, nq, d),
+                                       (*o.stride(), *do.stride(), heads, nq, d, shift),
                                        dict(BLOCK_M=64, BLOCK_D=d, ACC=triton.language.float32))
 
 
 _KINDS = launch.kind_cache()   # _call_key -> launch.Kind of (shape, scale, config): the MAX_KINDS used most recently
+
+
+def _lse2_shift(scale: float, config: Config) -> float:
+    """What the statistics kernel takes off lse₂: log2(scale) where the kernel computes scale·P (Config.scaled_p)."""
+    return math.log2(scale) if config.scaled_p else 0.0
 
 
 def _call_key(do, q, k, v, o, lse, causal, sm_scale, config):
@@ -491,12 +511,12 @@ def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, sm_scale=None
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     dq_acc = torch.zeros((b * h, nq, d), dtype=torch.float32, device=q.device)
     if key is None:   # checked every time; the statistics may need padding between the launches
-        lse2, delta = _stats(o, do, lse, h)
+        lse2, delta = _stats(o, do, lse, h, _lse2_shift(scale, config))
         _launch(q, k, v, do, dk, dv, dq_acc, lse2, delta, causal, scale, config)
     else:
         delta = torch.empty((b * h, nq), dtype=torch.float32, device=q.device)
         lse2 = torch.empty_like(delta)
-        pre_head, pre = _preprocess(o, do, lse, delta, lse2, h)
+        pre_head, pre = _preprocess(o, do, lse, delta, lse2, h, _lse2_shift(scale, config))
         tensors = (q, k, v, do, dk, dv, dq_acc, lse2, delta)
         head = kind.descriptors(tensors, lambda: _descriptors(*tensors, config))   # made once, then copied
         kind.launch((pre_head, head), lambda: (pre, _main(q, k, causal, scale, config)), keep=True)
@@ -520,7 +540,7 @@ def _main(q, k, causal: bool, scale: float, config: Config) -> tuple:
     return (_launcher, (triton.cdiv(nk, BLOCK_N), b * hk), (h, nq, nk, scale * fg.LOG2E, scale),
             dict(GROUP=h // hk, HEAD_DIM=d, BLOCK_M=config.block_m, STAGES=config.stages, CAUSAL=causal,
                  CONSUMER_REGS=config.consumer_regs, PREFETCH_S=config.prefetch_s, BH_GROUP=config.bh_group,
-                 DQ_WRITER=config.dq_writer, DS_FIRST=config.ds_first,
+                 DQ_WRITER=config.dq_writer, DS_FIRST=config.ds_first, SCALED_P=config.scaled_p,
                  num_warps=4))
 
 

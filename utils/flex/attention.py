@@ -144,7 +144,7 @@ def _backward(do, q, k, v, o, lse, p: _Problem, config: BackwardConfig):
     block_d = max(16, triton.next_power_of_2(p.head_dim))
     pre_b = 1 if packed else p.batch   # packed: one "batch" of `rows` rows per head
     _bwd_preprocess[(triton.cdiv(rows, 64), pre_b * p.heads)](
-        o, do, lse, delta, lse2, *_strides(o, packed), *_strides(do, packed), p.heads, rows, p.head_dim,
+        o, do, lse, delta, lse2, *_strides(o, packed), *_strides(do, packed), p.heads, rows, p.head_dim, 0.0,
         BLOCK_M=64, BLOCK_D=block_d, ACC=tl.float32)
     block_m1, block_n1 = _tiles(config.block_m1, sm), _tiles(config.block_n1, sn)
     block_m2, block_n2 = _tiles(config.block_m2, sm), _tiles(config.block_n2, sn)

@@ -10,7 +10,8 @@ section 4; these five run the worklog's copy of the kernels, utils.course.worklo
 gluon_bwd (the one-kernel warp-specialised Gluon backward of section 5, sm_90 only; gluon_bwd_by_head
 and gluon_bwd_grouped: its programs launched head by head, or in groups of 4 heads, on every shape;
 gluon_bwd_dq_writer: its dQ reduce-adds issued by a warp of their own; gluon_bwd_ds_first and
-gluon_bwd_dv_first: dSᵀ formed before dV's product is issued, or after, on every shape), cuda_hopper
+gluon_bwd_dv_first: dSᵀ formed before dV's product is issued, or after, on every shape; gluon_bwd_scaled_p
+and gluon_bwd_plain_p: P computed as scale·P or as P, on every shape), cuda_hopper
 (notebook 06c's backward on wgmma and TMA, the Gluon backward's schedule in CUDA, sm_90 only; cuda_hopper_<step>
 pins one of its steps), and
 `--peers triton-tutorial` the Triton tutorial's backward (utils.course.bench.peers, read from its own
@@ -46,8 +47,11 @@ GLUON_ORDERS = {"gluon_bwd_by_head": 0, "gluon_bwd_grouped": 4}
 GLUON_WRITER = "gluon_bwd_dq_writer"
 # ... with the order of dV's product and dSᵀ pinned (Config.ds_first): dSᵀ first, or dV's product first
 GLUON_DS_ORDERS = {"gluon_bwd_ds_first": True, "gluon_bwd_dv_first": False}
+# ... with P pinned as scale·P or as P (Config.scaled_p)
+GLUON_P_SCALING = {"gluon_bwd_scaled_p": True, "gluon_bwd_plain_p": False}
 KNOWN = (BACKENDS + tuple(TRITON_LOADS) + ("triton_atomic_dq", "triton_reduce_dq", "gluon_bwd", *GLUON_ORDERS,
-                                          "sdpa_efficient", "triton_tutorial", GLUON_WRITER, *GLUON_DS_ORDERS)
+                                          "sdpa_efficient", "triton_tutorial", GLUON_WRITER, *GLUON_DS_ORDERS,
+                                          *GLUON_P_SCALING)
          + CUDA_BACKENDS
          + ("cuda_hopper",) + HOPPER_BACKENDS)
 DEFAULT_OUT = Path(__file__).resolve().parents[3] / "images" / "07_backward_benchmark.json"
@@ -144,6 +148,7 @@ def run_backward_benchmark(seqlens=(2048, 4096, 8192, 16384), head_dims=(64, 128
                **{b: (lambda g=g: _gluon_backward(g)) for b, g in GLUON_ORDERS.items()},
                GLUON_WRITER: lambda: _gluon_backward(dq_writer=True),
                **{b: (lambda first=first: _gluon_backward(ds_first=first)) for b, first in GLUON_DS_ORDERS.items()},
+               **{b: (lambda scaled=scaled: _gluon_backward(scaled_p=scaled)) for b, scaled in GLUON_P_SCALING.items()},
                **{b: (lambda loads=loads: _triton_backward(config, tma=loads[0], tma_stats=loads[1]))
                   for b, loads in TRITON_LOADS.items()},
                **{b: (lambda step=b.removeprefix("cuda_"): _cuda_backward(step)) for b in CUDA_BACKENDS},
@@ -278,6 +283,7 @@ def load_results(path) -> tuple[dict, list[dict]]:
 COLORS = {"triton": "C0", "sdpa_flash": "C1", "sdpa_cudnn": "C2", "sdpa_efficient": "C3", "triton_tutorial": "C4",
           "gluon_bwd": "m", "gluon_bwd_by_head": "tab:pink", "gluon_bwd_grouped": "tab:olive",
           "gluon_bwd_dq_writer": "tab:purple", "gluon_bwd_ds_first": "teal", "gluon_bwd_dv_first": "salmon",
+          "gluon_bwd_scaled_p": "darkcyan", "gluon_bwd_plain_p": "peru",
           "triton_pointer": "C5", "triton_tma": "C6", "triton_tma_stats": "C8",
           "triton_atomic_dq": "C7", "triton_reduce_dq": "k", "cuda_hopper": "tab:brown",
           "cuda_hopper_atomic_dq": "tab:gray", "cuda_hopper_reduce_dq": "tab:cyan", "cuda_hopper_prefetch_s": "navy",

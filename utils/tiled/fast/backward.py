@@ -4,7 +4,8 @@ Three launches, in the order of FlashAttention-2 (Dao, 2023, Algorithm 2), with 
 atomics are needed (the design of Triton's fused-attention tutorial, which recomputes P in a second loop for dQ):
 
 1. `_bwd_preprocess`: D = rowsum(dO ∘ O) per query row, and the log-sum-exp in base 2 (rows that see no key get
-   +inf, so that P = 2^(S·log2e − lse₂) is exactly 0 there);
+   +inf, so that P = 2^(S·log2e − lse₂) is exactly 0 there), less LSE2_SHIFT (0 here; utils.explicit.backward
+   shifts it by log2(scale) to compute scale·P);
 2. `_bwd_dkdv`: one program per (K/V block, K/V head) keeps K_j, V_j, dK_j, dV_j on chip and loops over the Q
    blocks (of every query head of its GQA group) that see it, recomputing Pᵀ = exp(K Qᵀ·scale − lse);
 3. `_bwd_dq`: one program per (Q block, query head) keeps Q_i, dO_i, dQ_i on chip and loops over the K/V blocks
@@ -149,7 +150,7 @@ def use_tma(head_dim: int, causal: bool) -> bool:
 @triton.jit
 def _bwd_preprocess(O, DO, LSE, DELTA, LSE2,
                     s_ob, s_oh, s_om, s_od, s_dob, s_doh, s_dom, s_dod,
-                    H, N_Q, HEAD_DIM,
+                    H, N_Q, HEAD_DIM, LSE2_SHIFT,
                     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -166,7 +167,7 @@ def _bwd_preprocess(O, DO, LSE, DELTA, LSE2,
     row = bh.to(tl.int64) * N_Q + offs_m
     lse = tl.load(LSE + row, mask=mask_m, other=0.0).to(ACC)
     # Base-2 lse; +inf where no key is visible (lse = -inf) so that exp2(s - lse2) = 0 rather than NaN.
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634 - LSE2_SHIFT)
     tl.store(DELTA + row, delta, mask=mask_m)
     tl.store(LSE2 + row, lse2, mask=mask_m)
 
@@ -538,7 +539,7 @@ def _launches(choices: Choices, q, k, v, do, o, dk, dv, dq) -> list[tuple]:
     common = dict(GROUP=h // hk, CAUSAL=choices.causal, HEAD_DIM=d, BLOCK_D=block_d, PRECISION=precision, ACC=acc,
                   TMA=tma)
     scales = (scale * LOG2E, scale)
-    launches = [(_launch_preprocess, (cdiv(nq, 64), b * h), (*o.stride(), *do.stride(), h, nq, d),
+    launches = [(_launch_preprocess, (cdiv(nq, 64), b * h), (*o.stride(), *do.stride(), h, nq, d, 0.0),
                  dict(BLOCK_M=64, BLOCK_D=block_d, ACC=acc)),
                 (_launch_dkdv, (cdiv(nk, config.block_n1), b * hk),
                  (*q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(), hk, nq, nk,
