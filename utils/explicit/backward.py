@@ -35,9 +35,9 @@ Choices in the schedule (worklog 07w section 5 measures each one from its stored
   - causal at head dim 128, the programs are launched four (batch, K/V head)s at a time, key block by key
     block (Config.bh_group), not head by head: programs of about the same length run side by side;
   - at head dim 64, and causal at 128 (`ds_first`), dSᵀ is formed before dV's product is issued, as
-    FlashAttention-3 orders them (06c's CUDA backward: step dv_late). A running product holds its register operand (Pᵀ); at 64, with Pᵀ held
-    while dSᵀ forms, the consumers' loops reload about twice as many spilled registers per tile. Without a
-    mask at 128 dV's product running beside dSᵀ measured faster.
+    FlashAttention-3 orders them (06c's CUDA backward: step dv_late). A running product holds its register
+    operand (Pᵀ); at 64, with Pᵀ held while dSᵀ forms, the consumers' loops reload about twice as many spilled
+    registers per tile. Without a mask at 128 dV's product running beside dSᵀ measured faster.
   - at head dim 64 (`scaled_p`) the consumers compute P' = scale·P (the statistics kernel lowers lse₂ by
     log2(scale)), so dS' = P' ∘ (dP − D) carries the scale that dQ = scale·dS K and dK = scale·dSᵀ Q need: no
     multiply on dQ per tile, none on dK at the end, one on dV (Pᵀ'dO = scale·dV) at the end instead.
