@@ -42,6 +42,17 @@ def test_every_backend_has_a_colour_in_the_plot():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU error")
+def test_each_pinned_gluon_backend_replaces_fields_of_the_config():
+    """GLUON_PINNED's backends time pick_config's Config with these fields replaced: each a field it has, and
+    no two backends with the same replacement."""
+    from utils.course.bench.backward import GLUON_PINNED
+    from utils.explicit.backward import Config
+
+    assert all(fields and set(fields) <= set(Config._fields) for fields in GLUON_PINNED.values()), GLUON_PINNED
+    assert len({tuple(sorted(f.items())) for f in GLUON_PINNED.values()}) == len(GLUON_PINNED)
+    assert set(GLUON_PINNED) <= set(KNOWN)
+
+
 def test_run_needs_a_gpu():
     with pytest.raises(RuntimeError, match="CUDA"):
         run_backward_benchmark()

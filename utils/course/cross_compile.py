@@ -347,22 +347,27 @@ def loop_instructions(sass: str) -> list[tuple[int, int]]:
     return [(len(ops), sum(op.startswith("FMUL") for op in ops)) for ops in _hgmma_loops(sass)]
 
 
+def _gluon_bwd_both_ways(head_dim: int, causal: bool, field: str, ways: dict, count, capability) -> dict[str, list]:
+    """The Gluon backward's picked config compiled for `capability` with Config `field` set each of `ways`
+    ({name: value}): {name: count(sass)}."""
+    return {name: count(compile_launch(_gluon_bwd_launch(head_dim, causal, **{field: value}), capability).asm["sass"])
+            for name, value in ways.items()}
+
+
 def gluon_bwd_local_memory(head_dim: int = 64, causal: bool = False, capability=(9, 0)) -> dict[str, list]:
     """The one-kernel Gluon backward's picked config compiled for `capability` with dSᵀ formed before dV's
     product is issued and after it (Config.ds_first; worklog 07w section 5): {order: local_memory(sass)}, one
     (STL, LDL) pair per consumer's tile loop."""
-    return {name: local_memory(compile_launch(_gluon_bwd_launch(head_dim, causal, ds_first=first),
-                                              capability).asm["sass"])
-            for name, first in (("dS first", True), ("dV first", False))}
+    return _gluon_bwd_both_ways(head_dim, causal, "ds_first", {"dS first": True, "dV first": False}, local_memory,
+                                capability)
 
 
 def gluon_bwd_scaled_p(head_dim: int = 64, causal: bool = False, capability=(9, 0)) -> dict[str, list]:
     """The one-kernel Gluon backward's picked config compiled for `capability` with P computed as scale·P and
     as P (Config.scaled_p; worklog 07w section 5): {way: loop_instructions(sass)}, one (instructions, FMUL) pair
     per consumer's tile loop."""
-    return {name: loop_instructions(compile_launch(_gluon_bwd_launch(head_dim, causal, scaled_p=scaled),
-                                                   capability).asm["sass"])
-            for name, scaled in (("scale·P", True), ("P", False))}
+    return _gluon_bwd_both_ways(head_dim, causal, "scaled_p", {"scale·P": True, "P": False}, loop_instructions,
+                                capability)
 
 
 def in_fresh_process(*args: str, timeout: int = 900) -> str:
@@ -526,21 +531,15 @@ def main(argv=None) -> int:
             for block in blocks:
                 print(f"  {name + ':':<13} {block}")
         return 0
-    if args.schedule == "gluon_bwd" and args.local_memory:
+    if args.schedule == "gluon_bwd" and (args.local_memory or args.scaled_p):
+        both_ways, what = ((gluon_bwd_local_memory, "local stores / loads") if args.local_memory
+                           else (gluon_bwd_scaled_p, "instructions / FMUL"))
         print(f"Triton {triton.__version__}, sm_90: Gluon backward, d={args.head_dim}, bf16, picked tiles; per "
-              "consumer's tile loop, local stores / loads:")
+              f"consumer's tile loop, {what}:")
         for causal in (False, True):
-            for name, loops in gluon_bwd_local_memory(args.head_dim, causal).items():
+            for name, loops in both_ways(args.head_dim, causal).items():
                 print(f"  {'causal' if causal else 'no mask':8} {name + ':':10} "
-                      + "   ".join(f"{stores} / {loads}" for stores, loads in loops))
-        return 0
-    if args.schedule == "gluon_bwd" and args.scaled_p:
-        print(f"Triton {triton.__version__}, sm_90: Gluon backward, d={args.head_dim}, bf16, picked tiles; per "
-              "consumer's tile loop, instructions / FMUL:")
-        for causal in (False, True):
-            for name, loops in gluon_bwd_scaled_p(args.head_dim, causal).items():
-                print(f"  {'causal' if causal else 'no mask':8} {name + ':':8} "
-                      + "   ".join(f"{count} / {fmul}" for count, fmul in loops))
+                      + "   ".join(f"{a} / {b}" for a, b in loops))
         return 0
     if args.schedule == "gluon_bwd":
         blocks, shared = gluon_bwd_schedule(args.head_dim)

@@ -40,18 +40,15 @@ TRITON_LOADS = {"triton_pointer": (False, False), "triton_tma": (True, False), "
 CUDA_BACKENDS = tuple(f"cuda_{step}" for step in BWD_STEPS)
 # ... and cuda_hopper_*: notebook 06c's backward in each of its steps ("cuda_hopper": its default step).
 HOPPER_BACKENDS = tuple(f"cuda_hopper_{step}" for step in HOPPER_BWD_STEPS)
-# The Gluon backward with its launch order pinned (utils.explicit.backward.Config.bh_group): "gluon_bwd" picks
-# per shape (pick_config).
-GLUON_ORDERS = {"gluon_bwd_by_head": 0, "gluon_bwd_grouped": 4}
-# ... and with a warp of its own issuing dQ's reduce-adds (Config.dq_writer)
-GLUON_WRITER = "gluon_bwd_dq_writer"
-# ... with the order of dV's product and dSᵀ pinned (Config.ds_first): dSᵀ first, or dV's product first
-GLUON_DS_ORDERS = {"gluon_bwd_ds_first": True, "gluon_bwd_dv_first": False}
-# ... with P pinned as scale·P or as P (Config.scaled_p)
-GLUON_P_SCALING = {"gluon_bwd_scaled_p": True, "gluon_bwd_plain_p": False}
-KNOWN = (BACKENDS + tuple(TRITON_LOADS) + ("triton_atomic_dq", "triton_reduce_dq", "gluon_bwd", *GLUON_ORDERS,
-                                          "sdpa_efficient", "triton_tutorial", GLUON_WRITER, *GLUON_DS_ORDERS,
-                                          *GLUON_P_SCALING)
+# The Gluon backward with fields of its Config (utils.explicit.backward) pinned on every shape, where "gluon_bwd"
+# takes pick_config's: the launch order (bh_group), a warp of its own issuing dQ's reduce-adds (dq_writer), dSᵀ
+# formed before dV's product or after it (ds_first), P computed as scale·P or as P (scaled_p).
+GLUON_PINNED = {"gluon_bwd_by_head": dict(bh_group=0), "gluon_bwd_grouped": dict(bh_group=4),
+                "gluon_bwd_dq_writer": dict(dq_writer=True),
+                "gluon_bwd_ds_first": dict(ds_first=True), "gluon_bwd_dv_first": dict(ds_first=False),
+                "gluon_bwd_scaled_p": dict(scaled_p=True), "gluon_bwd_plain_p": dict(scaled_p=False)}
+KNOWN = (BACKENDS + tuple(TRITON_LOADS) + ("triton_atomic_dq", "triton_reduce_dq", "gluon_bwd", *GLUON_PINNED,
+                                          "sdpa_efficient", "triton_tutorial")
          + CUDA_BACKENDS
          + ("cuda_hopper",) + HOPPER_BACKENDS)
 DEFAULT_OUT = Path(__file__).resolve().parents[3] / "images" / "07_backward_benchmark.json"
@@ -91,16 +88,15 @@ def _triton_backward(config=None, **switches):
     return prepare
 
 
-def _gluon_backward(bh_group=None, **changes):
-    """Worklog 07w section 5's one-kernel Gluon backward, after the Triton forward's (o, lse); `bh_group`: its
-    launch order pinned (None: pick_config's); `changes`: other fields of pick_config's Config replaced."""
+def _gluon_backward(**changes):
+    """Worklog 07w section 5's one-kernel Gluon backward, after the Triton forward's (o, lse); `changes`: fields of
+    pick_config's Config replaced (none: pick_config's own)."""
     def prepare(q, k, v, do, causal):
         from utils.explicit.backward import flash_attention_backward as flash_attention_gluon_backward, pick_config
         from utils.tiled.fast.forward import flash_attention_forward
 
         o, lse = flash_attention_forward(q, k, v, causal=causal)
-        fields = changes if bh_group is None else dict(changes, bh_group=bh_group)
-        config = pick_config(q.shape[-1], causal)._replace(**fields) if fields else None
+        config = pick_config(q.shape[-1], causal)._replace(**changes) if changes else None
         return lambda: flash_attention_gluon_backward(do, q, k, v, o, lse, causal=causal, config=config)
     return prepare
 
@@ -145,10 +141,7 @@ def run_backward_benchmark(seqlens=(2048, 4096, 8192, 16384), head_dims=(64, 128
                "triton_atomic_dq": lambda: _triton_backward(config, dq_atomic=True),
                "triton_reduce_dq": lambda: _triton_backward(config, dq_atomic="tma"),
                "gluon_bwd": _gluon_backward,
-               **{b: (lambda g=g: _gluon_backward(g)) for b, g in GLUON_ORDERS.items()},
-               GLUON_WRITER: lambda: _gluon_backward(dq_writer=True),
-               **{b: (lambda first=first: _gluon_backward(ds_first=first)) for b, first in GLUON_DS_ORDERS.items()},
-               **{b: (lambda scaled=scaled: _gluon_backward(scaled_p=scaled)) for b, scaled in GLUON_P_SCALING.items()},
+               **{b: (lambda fields=fields: _gluon_backward(**fields)) for b, fields in GLUON_PINNED.items()},
                **{b: (lambda loads=loads: _triton_backward(config, tma=loads[0], tma_stats=loads[1]))
                   for b, loads in TRITON_LOADS.items()},
                **{b: (lambda step=b.removeprefix("cuda_"): _cuda_backward(step)) for b in CUDA_BACKENDS},
