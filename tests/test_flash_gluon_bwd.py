@@ -52,6 +52,9 @@ def test_inputs_are_checked_before_anything_is_built():
     (gb.Config(64, 2, 240, False, 0, 1), 128, TypeError, "dq_writer must be a bool"),
     (gb.Config(64, 2, 240, ds_first=1), 128, TypeError, "ds_first must be a bool"),
     (gb.Config(64, 2, 240, scaled_p=None), 128, TypeError, "scaled_p must be a bool"),
+    (gb.Config(64, 2, 240, dq_fragments=1), 128, TypeError, "dq_fragments must be a bool"),
+    (gb.Config(64, 2, 240, dq_fragments=True), 64, ValueError, "block_m 128 at head dim 64"),
+    (gb.Config(64, 2, 240, dq_writer=True, dq_fragments=True), 128, ValueError, "do not go together"),
 ])
 def test_bad_configs_are_named(config, head_dim, error, match):
     with pytest.raises(error, match=match):
@@ -117,6 +120,51 @@ def test_stats_are_base2_lse_and_rowsum_with_rows_padded_to_16_bytes(nq, shift):
     assert (lse2[:, nq:] == 0).all() and (delta[:, nq:] == 0).all()
 
 
+@pytest.mark.parametrize("head_dim,block_m", [(64, 128), (128, 64)])
+def test_dq_unpermute_reads_each_value_where_the_layout_put_it(head_dim, block_m):
+    """Config.dq_fragments: an accumulator filled from FRAGMENT_BASES alone (bit i of an offset adds basis i to
+    (row, column); consumer w's block: rows 64w.. at 128-row tiles, else columns 64w..), then _dq_unpermute
+    (interpreted on a CPU) must give the rows back, the ragged last tile cut at Nq."""
+    b, h, nq = 1, 2, block_m + 37
+    n_tiles = math.ceil(nq / block_m)
+    want = torch.randn(b, h, n_tiles * block_m, head_dim)
+    place = torch.zeros(4096, 2, dtype=torch.long)   # (row, column) of each offset of a block
+    for offset in range(4096):
+        for bit, basis in enumerate(gb.FRAGMENT_BASES):
+            if offset >> bit & 1:
+                place[offset] += torch.tensor(basis)
+    assert len(set(map(tuple, place.tolist()))) == 4096   # every (row, column) of the 64 × 64 block once
+    config = gb.Config(block_m, 2, 240, dq_fragments=True)
+    acc = gb._dq_accumulator(b, h, nq, head_dim, config, DEVICE).view(-1, 4096)
+    for bh, tile, w in itertools.product(range(b * h), range(n_tiles), range(2)):
+        rows = tile * block_m + (64 * w if block_m == 128 else 0) + place[:, 0]
+        cols = (0 if block_m == 128 else 64 * w) + place[:, 1]
+        acc[(bh * n_tiles + tile) * 2 + w] = want[bh // h, bh % h, rows, cols].to(DEVICE)
+    dq = torch.empty(b, h, nq, head_dim, dtype=torch.float32, device=DEVICE)
+    launcher, grid, tail, meta = gb._unpermute(dq, config)
+    launcher[grid](acc, dq, *tail, **meta)
+    torch.testing.assert_close(dq.cpu(), want[:, :, :nq], rtol=0, atol=0)
+
+
+def test_dq_fragments_store_without_conflicts_and_reduce_once_a_tile():
+    """Compiled for sm_90 here: with Config.dq_fragments each consumer's tile loop stores dQ with 16-byte stores
+    (STS.128: a warp's 512 bytes in a row, no bank conflicts) and adds it with one 2-D reduce; by rows it takes 8-byte
+    stores into the swizzled boxes and two 3-D reduces."""
+    from utils.course.cross_compile import script_in_fresh_process
+
+    printed = script_in_fresh_process(
+        "import collections\n"
+        "from utils.course import cross_compile as cc\n"
+        "for frag in (True, False):\n"
+        "    sass = cc.compile_launch(cc._gluon_bwd_launch(128, False, dq_fragments=frag), (9, 0)).asm['sass']\n"
+        "    for ops in cc._hgmma_loops(sass):\n"
+        "        n = collections.Counter(o for o in ops if o.startswith(('STS.', 'UTMAREDG')))\n"
+        "        print(frag, sorted(n.items()))\n")
+    lines = printed.strip().splitlines()
+    assert lines == ["True [('STS.128', 8), ('UTMAREDG.2D.ADD', 1)]"] * 2 + [
+        "False [('STS.64', 16), ('UTMAREDG.3D.ADD', 2)]"] * 2, printed
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_the_compiled_loop_does_five_products_and_waits_for_a_reduce_one_tile_later(head_dim):
     """Compiled for sm_90 here, in a process without the interpreter. Per tile the consumer issues Sᵀ and dPᵀ,
@@ -171,11 +219,13 @@ def test_gradients_match_float64_on_odd_shapes(dtype, causal):
     (gb.Config(64, 2, 240, False, 4, True), 128), (gb.Config(128, 1, 232, False, 0, True), 64),
     (gb.Config(64, 2, 240, ds_first=True), 128), (gb.Config(128, 2, 240, True, ds_first=False), 64),
     (gb.Config(64, 2, 240, scaled_p=True), 128), (gb.Config(128, 2, 240, True, scaled_p=False), 64),
-    (gb.Config(64, 2, 240, False, 0, True, scaled_p=True), 128)],
+    (gb.Config(64, 2, 240, False, 0, True, scaled_p=True), 128),
+    (gb.Config(128, 2, 240, True, ds_first=True, scaled_p=True, dq_fragments=True), 64),
+    (gb.Config(64, 2, 240, False, 4, ds_first=True, dq_fragments=True), 128)],
     ids=["64x2 d64", "128x1 d64", "64x3 prefetch d64", "128x2 no prefetch d64", "64x3 prefetch d128",
          "groups of 3 d64", "groups of 3 d128", "one group of 4 d128", "dq writer d64", "dq writer d128",
          "dq writer 1 stage d64", "ds first d128", "dv first d64", "scaled p d128", "plain p d64",
-         "dq writer scaled p d128"])
+         "dq writer scaled p d128", "dq fragments d64", "dq fragments d128"])
 def test_every_config_gives_the_same_gradients(config, head_dim):
     """The dQ block's split (rows of a 128-row tile, else columns), prefetch_s, the launch order (bh_group:
     4 (batch, K/V head)s in groups of 3, the last group short, or in one group larger than there are) and the
@@ -188,6 +238,26 @@ def test_every_config_gives_the_same_gradients(config, head_dim):
     o, lse = flash_attention_forward(q, k, v, causal=True)
     grads = gb.flash_attention_backward(do, q, k, v, o, lse, causal=True, config=config)
     assert_gradients_close(grads, reference_gradients(q, k, v, do, causal=True), torch.bfloat16)
+
+
+@on_hopper
+@pytest.mark.parametrize("causal", [False, True], ids=["no mask", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_dq_fragments_give_the_gradients_on_a_kinds_first_and_later_calls(head_dim, causal):
+    """Config.dq_fragments through the kept launches (Nq a multiple of 4, so the call has a kind: the second
+    call runs the bound launches, the un-permute among them), with a ragged last tile and GQA."""
+    from utils.tiled.fast.forward import flash_attention_forward
+    from utils.course.testing import assert_gradients_close, random_qkv, reference_gradients
+
+    q, k, v = random_qkv(2, 4, 1000, 900, head_dim, kv_heads=2, dtype=torch.bfloat16, device="cuda", seed=7)
+    do = torch.randn_like(q)
+    o, lse = flash_attention_forward(q, k, v, causal=causal)
+    config = gb.pick_config(head_dim, causal)._replace(dq_fragments=True)
+    assert gb._call_key(do, q, k, v, o, lse, causal, None, config) is not None
+    ref = reference_gradients(q, k, v, do, causal=causal)
+    for _ in range(2):
+        assert_gradients_close(gb.flash_attention_backward(do, q, k, v, o, lse, causal=causal, config=config), ref,
+                               torch.bfloat16)
 
 
 @on_hopper

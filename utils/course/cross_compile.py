@@ -313,8 +313,8 @@ def _gluon_bwd_launch(head_dim: int, causal: bool, **changes) -> Launch:
     from utils.explicit import backward as gb
 
     q = torch.zeros(1, 2, 1024, head_dim, dtype=torch.bfloat16)
-    acc, stats = torch.zeros(2, 1024, head_dim), torch.zeros(2, 1024)
     config = gb.pick_config(head_dim, causal)._replace(**changes)
+    acc, stats = gb._dq_accumulator(1, 2, 1024, head_dim, config, "cpu"), torch.zeros(2, 1024)
     (launch,) = _capture(lambda: gb._launch(q, q, q, q, q, q, acc, stats, stats, causal, 0.1, config))
     return launch
 

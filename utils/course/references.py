@@ -176,6 +176,10 @@ REFERENCES = {
     "backward_gluon_scale": (1, ["utils.course.bench.backward", "--backends", "gluon_bwd_scaled_p", "gluon_bwd_plain_p",
                                  "--seqlens", "2048", "4096", "8192", "16384", "--rounds", "3", "--out",
                                  "images/07w_gluon_bwd_scale_h200.json"]),
+    # ... with dQ staged and accumulated in register order and by rows, on every shape (Config.dq_fragments)
+    "backward_gluon_fragments": (1, ["utils.course.bench.backward", "--backends", "gluon_bwd_fragments",
+                                     "gluon_bwd_row_boxes", "--seqlens", "2048", "4096", "8192", "16384",
+                                     "--rounds", "3", "--out", "images/07w_gluon_bwd_fragments_h200.json"]),
     # one profiled launch of each pass of the Triton backward per load step (worklog 07w, sections 2 and 3;
     # needs ncu): d = 64 without a mask, d = 128 without and with one
     "backward_ncu_d64": (1, ["utils.course.bench.ncu", "--worklog", "triton_bwd", "--head-dim", "64", "--seqlen", "4096",

@@ -40,7 +40,12 @@ Choices in the schedule (worklog 07w section 5 measures each one from its stored
     registers per tile. Without a mask at 128 dV's product running beside dSᵀ measured faster.
   - at head dim 64 (`scaled_p`) the consumers compute P' = scale·P (the statistics kernel lowers lse₂ by
     log2(scale)), so dS' = P' ∘ (dP − D) carries the scale that dQ = scale·dS K and dK = scale·dSᵀ Q need: no
-    multiply on dQ per tile, none on dK at the end, one on dV (Pᵀ'dO = scale·dV) at the end instead.
+    multiply on dQ per tile, none on dK at the end, one on dV (Pᵀ'dO = scale·dV) at the end instead;
+  - with `dq_fragments` each consumer stages its 64 × 64 dQ block in the accumulator's own register order
+    (FlashAttention-3's): each thread writes 16-byte runs, a warp 512 contiguous bytes, so the stores meet no
+    bank conflicts, and one reduce-add per consumer and tile adds the block as a [16, 256] box to an
+    accumulator kept in that order; a small Triton kernel (`_dq_unpermute`) puts dQ back in row order as it
+    casts it.
 
 The reduce-adds from the programs of one head arrive in any order, so dQ's last bits vary from run to run
 (notebook 07's dQ pass is deterministic); dK and dV do not. Gluon has no interpreter: the kernel runs on sm_90
@@ -60,6 +65,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 import triton
+import triton.language as tl
 from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -81,6 +87,12 @@ BLOCK_N = 2 * SUB_N     # keys per program
 DQ_ROWS = 64            # rows of a dQ reduce box
 DQ_COLS = 32            # columns of a dQ reduce box: an fp32 TMA box row of 128 bytes (the 128-byte swizzle)
 _barrier = fg._cta_barrier
+# Config.dq_fragments: where a consumer's 64 × 64 dQ block lies in its 4096 floats. Bit i of an offset adds
+# FRAGMENT_BASES[i] to (row, column): the column's low bit, the row's 8, the column's 2 and 4, the row's 1, 2, 4,
+# 16, 32, the column's 8, 16, 32. That is the wgmma accumulator's register order: each thread's values of a
+# (row pair, column pair) in one 16-byte run, a warp's 32 runs side by side, so the stores meet no bank conflicts.
+FRAGMENT_BASES = ((0, 1), (8, 0), (0, 2), (0, 4), (1, 0), (2, 0), (4, 0), (16, 0), (32, 0), (0, 8), (0, 16), (0, 32))
+_FRAGMENT_SMEM = gl.constexpr(gl.SharedLinearLayout(offset_bases=[list(b) for b in FRAGMENT_BASES]))
 
 
 class Config(NamedTuple):
@@ -92,6 +104,7 @@ class Config(NamedTuple):
     dq_writer: bool = False    # a warp of its own issues dQ's reduce-adds (FlashAttention-3's), not the consumers
     ds_first: bool = False     # dSᵀ formed before dV's product is issued (FlashAttention-3's order), not after
     scaled_p: bool = False     # P computed as scale·P, so dSᵀ carries dQ's and dK's scale (no multiply per tile)
+    dq_fragments: bool = False  # dQ staged and accumulated in register order (one reduce-add a tile), not by rows
 
 
 def pick_config(head_dim: int, causal: bool = False) -> Config:
@@ -129,6 +142,12 @@ def check_config(config, head_dim: int) -> Config:
         raise TypeError(f"config.ds_first must be a bool, got {type(config.ds_first).__name__}")
     if not isinstance(config.scaled_p, bool):
         raise TypeError(f"config.scaled_p must be a bool, got {type(config.scaled_p).__name__}")
+    if not isinstance(config.dq_fragments, bool):
+        raise TypeError(f"config.dq_fragments must be a bool, got {type(config.dq_fragments).__name__}")
+    if config.dq_fragments and head_dim == 64 and config.block_m != 128:
+        raise ValueError("config.dq_fragments needs a 64 × 64 dQ block per consumer: block_m 128 at head dim 64")
+    if config.dq_fragments and config.dq_writer:
+        raise ValueError("config.dq_fragments and config.dq_writer do not go together: the writer adds row boxes")
     if config.prefetch_s and config.stages < 2:
         raise ValueError("config.prefetch_s needs stages >= 2: a consumer waits for the next tile before it frees "
                          "the slot of this one")
@@ -187,13 +206,14 @@ def _consumer(dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, lse_sm
               stage_smem, kv_bar, full, empty, dq_full, dq_empty, b, hk, heads, first_m, n_m, n_tiles, start_n,
               seqlen_q, seqlen_k, qk_scale, sm_scale, W: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
               BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PREFETCH_S: gl.constexpr,
-              DQ_WRITER: gl.constexpr, DS_FIRST: gl.constexpr, SCALED_P: gl.constexpr):
+              DQ_WRITER: gl.constexpr, DS_FIRST: gl.constexpr, SCALED_P: gl.constexpr,
+              DQ_FRAGMENTS: gl.constexpr):
     SUB: gl.constexpr = dk_desc.block_type.shape[2]
     dtype: gl.constexpr = dk_desc.dtype
     # This consumer's half of the tile's dQ: a (DQR × COLS) block at rows r0, columns c0; it leaves in NB boxes
-    # of DQR × DQC.
-    DQR: gl.constexpr = dq_desc.block_type.shape[1]
-    DQC: gl.constexpr = dq_desc.block_type.shape[2]
+    # of DQR × DQC (DQ_FRAGMENTS: a 64 × 64 block in one box).
+    DQR: gl.constexpr = 64 if DQ_FRAGMENTS else dq_desc.block_type.shape[-2]
+    DQC: gl.constexpr = 64 if DQ_FRAGMENTS else dq_desc.block_type.shape[-1]
     SPLIT_ROWS: gl.constexpr = BLOCK_M == 2 * DQR
     COLS: gl.constexpr = HEAD_DIM if SPLIT_ROWS else HEAD_DIM // 2
     r0: gl.constexpr = W * DQR if SPLIT_ROWS else 0
@@ -219,10 +239,12 @@ def _consumer(dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, lse_sm
     ragged = key0 + SUB > seqlen_k
     st_zero = gl.zeros([SUB, BLOCK_M], gl.float32, st_layout)
     dq_zero = gl.zeros([DQR, COLS], gl.float32, dq_layout)
-    # The staging boxes, seen as one (DQR × COLS) block per consumer (the 128-byte swizzle lays a wider block
-    # out as its 32-column boxes one after the other).
-    block_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
-    dq_block = stage_smem._reinterpret(gl.float32, [2, DQR, COLS], block_layout).index(W)
+    if DQ_FRAGMENTS:   # in register order (FRAGMENT_BASES)
+        dq_block = stage_smem.index(W)._reinterpret(gl.float32, [DQR, COLS], _FRAGMENT_SMEM)
+    else:   # the staging boxes, seen as one (DQR × COLS) block per consumer (the 128-byte swizzle lays a wider
+        # block out as its 32-column boxes one after the other)
+        block_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+        dq_block = stage_smem._reinterpret(gl.float32, [2, DQR, COLS], block_layout).index(W)
     dk = gl.zeros([SUB, HEAD_DIM], gl.float32, kv_layout)
     dv = gl.zeros([SUB, HEAD_DIM], gl.float32, kv_layout)
     mbarrier.wait(kv_bar, 0)
@@ -298,8 +320,12 @@ def _consumer(dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, lse_sm
         else:
             _barrier()                                 # every warp's part of dQ is staged
             row = (b * heads + h)
-            for c in gl.static_range(NB):
-                _tma_reduce_add(dq_desc, [row, start_m + r0, c0 + c * DQC], stage_smem.index(W * NB + c))
+            if DQ_FRAGMENTS:   # block (row, tile, W) of the accumulator: 16 of its [*, 256] rows
+                block = (row * gl.cdiv(seqlen_q, BLOCK_M) + start_m // BLOCK_M) * 2 + W
+                _tma_reduce_add(dq_desc, [block * 16, 0], stage_smem.index(W))
+            else:
+                for c in gl.static_range(NB):
+                    _tma_reduce_add(dq_desc, [row, start_m + r0, c0 + c * DQC], stage_smem.index(W * NB + c))
         mbarrier.arrive(empty.index(slot))             # done with Q, dO, lse2, D of this tile
         if PREFETCH_S:
             st, _ = warpgroup_mma_wait(0, deps=(st, k))
@@ -347,7 +373,7 @@ def gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
                      GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                      CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, PREFETCH_S: gl.constexpr,
                      BH_GROUP: gl.constexpr, DQ_WRITER: gl.constexpr, DS_FIRST: gl.constexpr,
-                     SCALED_P: gl.constexpr):
+                     SCALED_P: gl.constexpr, DQ_FRAGMENTS: gl.constexpr):
     SUB: gl.constexpr = k_desc.block_type.shape[2]
     pid_n = gl.program_id(0)
     pid_bh = gl.program_id(1)
@@ -381,9 +407,12 @@ def gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
     v_smem = gl.allocate_shared_memory(dtype, [2] + v_desc.block_type.shape, v_desc.layout)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([SUB, BLOCK_M], dtype)
     ds_smem = gl.allocate_shared_memory(dtype, [4, SUB, BLOCK_M], ds_layout)      # [tile parity · 2 + consumer]
-    DQ_BOX: gl.constexpr = dq_desc.block_type.shape[1] * dq_desc.block_type.shape[2]
-    stage_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M * HEAD_DIM // DQ_BOX] + dq_desc.block_type.shape,
-                                           dq_desc.layout)   # the tile's dQ, in reduce boxes
+    if DQ_FRAGMENTS:   # the tile's dQ: a box per consumer
+        stage_smem = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
+    else:              # the tile's dQ, in reduce boxes
+        DQ_BOX: gl.constexpr = dq_desc.block_type.shape[1] * dq_desc.block_type.shape[2]
+        stage_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M * HEAD_DIM // DQ_BOX] + dq_desc.block_type.shape,
+                                               dq_desc.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -403,11 +432,11 @@ def gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
             (_consumer, (dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
                          stage_smem, kv_bar, full, empty, dq_full, dq_empty, b, hk, heads, first_m, n_m, n_tiles,
                          start_n, seqlen_q, seqlen_k, qk_scale, sm_scale, 0, GROUP, HEAD_DIM, BLOCK_M, STAGES,
-                         CAUSAL, PREFETCH_S, DQ_WRITER, DS_FIRST, SCALED_P)),
+                         CAUSAL, PREFETCH_S, DQ_WRITER, DS_FIRST, SCALED_P, DQ_FRAGMENTS)),
             (_consumer, (dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
                          stage_smem, kv_bar, full, empty, dq_full, dq_empty, b, hk, heads, first_m, n_m, n_tiles,
                          start_n, seqlen_q, seqlen_k, qk_scale, sm_scale, 1, GROUP, HEAD_DIM, BLOCK_M, STAGES,
-                         CAUSAL, PREFETCH_S, DQ_WRITER, DS_FIRST, SCALED_P)),
+                         CAUSAL, PREFETCH_S, DQ_WRITER, DS_FIRST, SCALED_P, DQ_FRAGMENTS)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
                          lse_smem, delta_smem, kv_bar, full, empty, b, hk, heads, first_m, n_m, n_tiles, start_n,
                          GROUP, BLOCK_M, STAGES)),
@@ -419,11 +448,11 @@ def gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
             (_consumer, (dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
                          stage_smem, kv_bar, full, empty, dq_full, dq_empty, b, hk, heads, first_m, n_m, n_tiles,
                          start_n, seqlen_q, seqlen_k, qk_scale, sm_scale, 0, GROUP, HEAD_DIM, BLOCK_M, STAGES,
-                         CAUSAL, PREFETCH_S, DQ_WRITER, DS_FIRST, SCALED_P)),
+                         CAUSAL, PREFETCH_S, DQ_WRITER, DS_FIRST, SCALED_P, DQ_FRAGMENTS)),
             (_consumer, (dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
                          stage_smem, kv_bar, full, empty, dq_full, dq_empty, b, hk, heads, first_m, n_m, n_tiles,
                          start_n, seqlen_q, seqlen_k, qk_scale, sm_scale, 1, GROUP, HEAD_DIM, BLOCK_M, STAGES,
-                         CAUSAL, PREFETCH_S, DQ_WRITER, DS_FIRST, SCALED_P)),
+                         CAUSAL, PREFETCH_S, DQ_WRITER, DS_FIRST, SCALED_P, DQ_FRAGMENTS)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
                          lse_smem, delta_smem, kv_bar, full, empty, b, hk, heads, first_m, n_m, n_tiles, start_n,
                          GROUP, BLOCK_M, STAGES))],
@@ -437,6 +466,7 @@ _launcher = FastLauncher(gluon_bwd_kernel)
 # once: at N <= 1k the host's time per call is the time of the call.
 _ROW_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
 _DQ_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=3)
+_FRAGMENT_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)   # Config.dq_fragments
 
 
 def _row_descriptor(x: torch.Tensor, block_m: int) -> TensorDescriptor:
@@ -500,33 +530,93 @@ def flash_attention_backward(do, q, k, v, o, lse, *, causal=False, sm_scale=None
     """(dq, dk, dv) of softmax(Q Kᵀ · sm_scale) V for the forward's o and lse (natural log, (B, H, Nq)).
 
     fp16/bf16, head dim 64 or 128, GQA, Nq != Nk (bottom-right causal mask), on an sm_90 GPU. `config`: tiles
-    (default: pick_config's). As the Triton backward (utils.tiled.fast.backward), the checks, the config and the two
-    launches are kept per kind of call (utils.tiled.fast.launch.Kind), so a later call of a kind passes only its
-    tensors."""
+    (default: pick_config's). As the Triton backward (utils.tiled.fast.backward), the checks, the config and the
+    launches (statistics, kernel, and with Config.dq_fragments the un-permute) are kept per kind of call
+    (utils.tiled.fast.launch.Kind), so a later call of a kind passes only its tensors."""
     key = _call_key(do, q, k, v, o, lse, causal, sm_scale, config)
     kind = launch.kind_of(_KINDS, key, lambda: _choose(do, q, k, v, o, lse, causal, sm_scale, config))
     (b, h, _, nq, _, d), scale, config = kind.choices
     q, k, v, do = (fg._tma_ready(x) for x in (q, k, v, do))
     lse = lse.float().contiguous()
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    dq_acc = torch.zeros((b * h, nq, d), dtype=torch.float32, device=q.device)
+    dq_acc = _dq_accumulator(b, h, nq, d, config, q.device)
     if key is None:   # checked every time; the statistics may need padding between the launches
         lse2, delta = _stats(o, do, lse, h, _lse2_shift(scale, config))
         _launch(q, k, v, do, dk, dv, dq_acc, lse2, delta, causal, scale, config)
+        if not config.dq_fragments:
+            return dq_acc.view(b, h, nq, d).to(q.dtype), dk, dv
+        dq = torch.empty_like(q)
+        launcher, grid, tail, meta = _unpermute(dq, config)
+        launcher[grid](dq_acc, dq, *tail, **meta)
+        return dq, dk, dv
     else:
         delta = torch.empty((b * h, nq), dtype=torch.float32, device=q.device)
         lse2 = torch.empty_like(delta)
         pre_head, pre = _preprocess(o, do, lse, delta, lse2, h, _lse2_shift(scale, config))
         tensors = (q, k, v, do, dk, dv, dq_acc, lse2, delta)
         head = kind.descriptors(tensors, lambda: _descriptors(*tensors, config))   # made once, then copied
-        kind.launch((pre_head, head), lambda: (pre, _main(q, k, causal, scale, config)), keep=True)
-    return dq_acc.view(b, h, nq, d).to(q.dtype), dk, dv
+        if not config.dq_fragments:
+            kind.launch((pre_head, head), lambda: (pre, _main(q, k, causal, scale, config)), keep=True)
+            return dq_acc.view(b, h, nq, d).to(q.dtype), dk, dv
+        dq = torch.empty_like(q)
+        kind.launch((pre_head, head, (dq_acc, dq)),
+                    lambda: (pre, _main(q, k, causal, scale, config), _unpermute(dq, config)), keep=True)
+    return dq, dk, dv
+
+
+def _dq_accumulator(b: int, h: int, nq: int, d: int, config: Config, device) -> torch.Tensor:
+    """dQ's fp32 accumulator, zeroed: (B·H, Nq, D) by rows, or with Config.dq_fragments a [16, 256] box per
+    consumer and tile (a 64 × 64 block in register order: _dq_unpermute)."""
+    if config.dq_fragments:
+        return torch.zeros((b * h * triton.cdiv(nq, config.block_m) * 2 * 16, 256), dtype=torch.float32,
+                           device=device)
+    return torch.zeros((b * h, nq, d), dtype=torch.float32, device=device)
+
+
+@triton.jit
+def _dq_unpermute(ACC, DQ, s_b, s_h, s_m, s_d, H, N_Q, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """dQ's rows of tile program_id(0), head program_id(1), cast to DQ's dtype, from the accumulator that
+    Config.dq_fragments fills: each consumer's 64 × 64 block is a run of 4096 floats laid out by FRAGMENT_BASES,
+    element (r, c) at k + 2i + 4(lane % 4) + 16(lane / 4) + 128 warp + 512 j for r = 16 warp + 8i + lane / 4 and
+    c = 8j + 2(lane % 4) + k. A program reads its tile's two blocks and writes rows."""
+    m = tl.program_id(0)
+    bh = tl.program_id(1)
+    rows = tl.arange(0, BLOCK_M)[:, None]
+    cols = tl.arange(0, HEAD_DIM)[None, :]
+    if BLOCK_M == 128:   # consumer w: rows 64w.. of the tile, all 64 columns
+        w = rows // 64
+        r = rows % 64
+        c = cols
+    else:                # consumer w: columns 64w.. of the tile's 64 rows
+        w = cols // 64
+        r = rows
+        c = cols % 64
+    offset = (c % 2) + 2 * ((r // 8) % 2) + 4 * ((c // 2) % 4) + 16 * (r % 8) + 128 * (r // 16) + 512 * (c // 8)
+    block = ((bh * tl.num_programs(0) + m) * 2 + w).to(tl.int64)
+    x = tl.load(ACC + block * 4096 + offset)
+    row = m * BLOCK_M + rows
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    tl.store(DQ + b * s_b + h * s_h + row * s_m + cols * s_d, x.to(DQ.dtype.element_ty), mask=row < N_Q)
+
+
+_unpermute_launcher = FastLauncher(_dq_unpermute)
+
+
+def _unpermute(dq: torch.Tensor, config: Config) -> tuple:
+    """The launch of _dq_unpermute into `dq` (B, H, Nq, D) but its two leading arguments (accumulator, dq)."""
+    b, h, nq, d = dq.shape
+    return (_unpermute_launcher, (triton.cdiv(nq, config.block_m), b * h), (*dq.stride(), h, nq),
+            dict(BLOCK_M=config.block_m, HEAD_DIM=d, num_warps=8))
 
 
 def _descriptors(q, k, v, do, dk, dv, dq_acc, lse2, delta, config: Config) -> tuple:
     """The kernel's nine descriptor arguments, its leading ones."""
-    dq_desc = TensorDescriptor(dq_acc, list(dq_acc.shape), list(dq_acc.stride()), [1, DQ_ROWS, DQ_COLS],
-                               _DQ_LAYOUT)
+    if config.dq_fragments:
+        dq_desc = TensorDescriptor(dq_acc, list(dq_acc.shape), list(dq_acc.stride()), [16, 256], _FRAGMENT_LAYOUT)
+    else:
+        dq_desc = TensorDescriptor(dq_acc, list(dq_acc.shape), list(dq_acc.stride()), [1, DQ_ROWS, DQ_COLS],
+                                   _DQ_LAYOUT)
     return (fg._descriptor(q, config.block_m), fg._descriptor(k, SUB_N), fg._descriptor(v, SUB_N),
             fg._descriptor(do, config.block_m), fg._descriptor(dk, SUB_N), fg._descriptor(dv, SUB_N),
             dq_desc, _row_descriptor(lse2, config.block_m), _row_descriptor(delta, config.block_m))
@@ -541,6 +631,7 @@ def _main(q, k, causal: bool, scale: float, config: Config) -> tuple:
             dict(GROUP=h // hk, HEAD_DIM=d, BLOCK_M=config.block_m, STAGES=config.stages, CAUSAL=causal,
                  CONSUMER_REGS=config.consumer_regs, PREFETCH_S=config.prefetch_s, BH_GROUP=config.bh_group,
                  DQ_WRITER=config.dq_writer, DS_FIRST=config.ds_first, SCALED_P=config.scaled_p,
+                 DQ_FRAGMENTS=config.dq_fragments,
                  num_warps=4))
 
 
