@@ -304,12 +304,32 @@ LBB2:
     assert cross_compile.loop_instructions(sass) == [(5, 2)]
 
 
-def test_scaled_p_goes_with_the_gluon_backward_alone():
-    for args in (["--schedule", "gluon", "--scaled-p"], ["--schedule", "gluon_bwd", "--scaled-p", "--local-memory"]):
+def test_dq_staging_counts_shared_stores_and_reduce_adds_in_each_hgmma_loop():
+    sass = """\
+LBB1:
+--:-:-:-:1\tHGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ, !UPT;
+--:-:-:-:1\tSTS.128 [R2], R24;
+--:-:-:-:1\tSTS [R3], R5;
+--:-:-:-:1\tUTMAREDG.2D.ADD [UR8], [UR10];
+--:-:-:-:1\tLDS.128 R8, [R2];
+--:-:-:-:5\tBRA LBB1;
+LBB2:
+--:-:-:-:1\tSTS.64 [R2], R24;
+--:-:-:-:5\tBRA LBB2;
+"""
+    # both widths of STS count, a load does not; LBB2 issues no HGMMA
+    assert cross_compile.dq_staging(sass) == [(2, 1)]
+
+
+@pytest.mark.parametrize("flag,other", [("--scaled-p", "--local-memory"), ("--dq-fragments", "--scaled-p")])
+def test_a_both_ways_count_goes_with_the_gluon_backward_alone(flag, other):
+    said = f"{flag} goes with --schedule gluon_bwd"
+    for args, said in ((["--schedule", "gluon", flag], said),
+                       (["--schedule", "gluon_bwd", flag, other], f"{said}, without {other}")):
         run = subprocess.run([sys.executable, "-m", "utils.course.cross_compile", *args], cwd=ROOT,
                              capture_output=True, text=True, timeout=120,
                              env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
-        assert run.returncode == 2 and "--scaled-p goes with --schedule gluon_bwd" in run.stderr, args
+        assert run.returncode == 2 and said in run.stderr, (args, run.stderr)
 
 
 def test_the_gluon_backward_reloads_fewer_spills_at_d64_with_ds_first():

@@ -20,7 +20,8 @@ Gluon kernels `--sass` reads the same order in the machine code (`sass_schedule`
     python -m utils.course.cross_compile --schedule backward --head-dim 64   # the backward's passes (notebook 07)
     python -m utils.course.cross_compile --schedule gluon_bwd --head-dim 64  # the one-kernel Gluon backward (07w 5)
     python -m utils.course.cross_compile --schedule gluon_bwd --local-memory   # ... its spills per tile, either order
-    python -m utils.course.cross_compile --schedule gluon_bwd --scaled-p   # ... its loop's instructions, P scaled or not
+    python -m utils.course.cross_compile --schedule gluon_bwd --scaled-p  # ... its loop's instructions, P scaled or not
+    python -m utils.course.cross_compile --schedule gluon_bwd --dq-fragments  # ... its dQ stores, either staging
 
 The kernels must have been defined without TRITON_INTERPRET (they are then JITFunctions); the launches are
 made with CPU tensors, only their dtypes and sizes matter.
@@ -347,6 +348,13 @@ def loop_instructions(sass: str) -> list[tuple[int, int]]:
     return [(len(ops), sum(op.startswith("FMUL") for op in ops)) for ops in _hgmma_loops(sass)]
 
 
+def dq_staging(sass: str) -> list[tuple[int, int]]:
+    """(shared stores, TMA reduce-adds) of each innermost loop of `sass` that issues HGMMA (_hgmma_loops): STS and
+    UTMAREDG, the instructions that stage dQ and add it to the accumulator."""
+    return [(sum(op.startswith("STS") for op in ops), sum(op.startswith("UTMAREDG") for op in ops))
+            for ops in _hgmma_loops(sass)]
+
+
 def _gluon_bwd_both_ways(head_dim: int, causal: bool, field: str, ways: dict, count, capability) -> dict[str, list]:
     """The Gluon backward's picked config compiled for `capability` with Config `field` set each of `ways`
     ({name: value}): {name: count(sass)}."""
@@ -367,6 +375,14 @@ def gluon_bwd_scaled_p(head_dim: int = 64, causal: bool = False, capability=(9, 
     as P (Config.scaled_p; worklog 07w section 5): {way: loop_instructions(sass)}, one (instructions, FMUL) pair
     per consumer's tile loop."""
     return _gluon_bwd_both_ways(head_dim, causal, "scaled_p", {"scale·P": True, "P": False}, loop_instructions,
+                                capability)
+
+
+def gluon_bwd_dq_fragments(head_dim: int = 64, causal: bool = False, capability=(9, 0)) -> dict[str, list]:
+    """The one-kernel Gluon backward's picked config compiled for `capability` with dQ staged in register order
+    and by rows (Config.dq_fragments; worklog 07w section 5): {way: dq_staging(sass)}, one (STS, UTMAREDG) pair
+    per consumer's tile loop."""
+    return _gluon_bwd_both_ways(head_dim, causal, "dq_fragments", {"fragments": True, "rows": False}, dq_staging,
                                 capability)
 
 
@@ -504,16 +520,20 @@ def main(argv=None) -> int:
     parser.add_argument("--scaled-p", action="store_true",
                         help="with --schedule gluon_bwd: instead, the instructions and multiplies (FMUL) in each "
                         "consumer's tile loop, P computed as scale·P and as P, with and without a mask")
+    parser.add_argument("--dq-fragments", action="store_true",
+                        help="with --schedule gluon_bwd: instead, the shared stores (STS) and TMA reduce-adds "
+                        "(UTMAREDG) in each consumer's tile loop, dQ staged in register order and by rows, with and "
+                        "without a mask")
     parser.add_argument("--sass", action="store_true",
                         help="with --schedule gluon or gluon_ws: the order in the machine code ptxas makes (SASS), "
                         "not in the PTX")
     args = parser.parse_args(argv)
     if args.sass and args.schedule not in ("gluon", "gluon_ws"):
         parser.error("--sass goes with --schedule gluon or gluon_ws")
-    if args.local_memory and args.schedule != "gluon_bwd":
-        parser.error("--local-memory goes with --schedule gluon_bwd")
-    if args.scaled_p and (args.schedule != "gluon_bwd" or args.local_memory):
-        parser.error("--scaled-p goes with --schedule gluon_bwd, without --local-memory")
+    both_ways = [flag for flag in ("dq_fragments", "scaled_p", "local_memory") if getattr(args, flag)]
+    if both_ways and (args.schedule != "gluon_bwd" or len(both_ways) > 1):
+        names = [f"--{flag.replace('_', '-')}" for flag in both_ways]
+        parser.error(f"{names[0]} goes with --schedule gluon_bwd" + (f", without {names[1]}" if names[1:] else ""))
     if os.environ.get("TRITON_INTERPRET") == "1":
         parser.error("unset TRITON_INTERPRET: the kernels must be defined for compiling, not interpreting")
     if args.schedule == "backward":
@@ -531,13 +551,14 @@ def main(argv=None) -> int:
             for block in blocks:
                 print(f"  {name + ':':<13} {block}")
         return 0
-    if args.schedule == "gluon_bwd" and (args.local_memory or args.scaled_p):
-        both_ways, what = ((gluon_bwd_local_memory, "local stores / loads") if args.local_memory
-                           else (gluon_bwd_scaled_p, "instructions / FMUL"))
+    if both_ways:
+        counted, what = {"local_memory": (gluon_bwd_local_memory, "local stores / loads"),
+                           "scaled_p": (gluon_bwd_scaled_p, "instructions / FMUL"),
+                           "dq_fragments": (gluon_bwd_dq_fragments, "shared stores / TMA reduce-adds")}[both_ways[0]]
         print(f"Triton {triton.__version__}, sm_90: Gluon backward, d={args.head_dim}, bf16, picked tiles; per "
               f"consumer's tile loop, {what}:")
         for causal in (False, True):
-            for name, loops in both_ways(args.head_dim, causal).items():
+            for name, loops in counted(args.head_dim, causal).items():
                 print(f"  {'causal' if causal else 'no mask':8} {name + ':':10} "
                       + "   ".join(f"{a} / {b}" for a, b in loops))
         return 0

@@ -41,7 +41,7 @@ Choices in the schedule (worklog 07w section 5 measures each one from its stored
   - at head dim 64 (`scaled_p`) the consumers compute P' = scale·P (the statistics kernel lowers lse₂ by
     log2(scale)), so dS' = P' ∘ (dP − D) carries the scale that dQ = scale·dS K and dK = scale·dSᵀ Q need: no
     multiply on dQ per tile, none on dK at the end, one on dV (Pᵀ'dO = scale·dV) at the end instead;
-  - with `dq_fragments` each consumer stages its 64 × 64 dQ block in the accumulator's own register order
+  - at head dim 64 (`dq_fragments`) each consumer stages its 64 × 64 dQ block in the accumulator's own register order
     (FlashAttention-3's): each thread writes 16-byte runs, a warp 512 contiguous bytes, so the stores meet no
     bank conflicts, and one reduce-add per consumer and tile adds the block as a [16, 256] box to an
     accumulator kept in that order; a small Triton kernel (`_dq_unpermute`) puts dQ back in row order as it
@@ -111,9 +111,10 @@ def pick_config(head_dim: int, causal: bool = False) -> Config:
     """128-row tiles and Sᵀ prefetched at head dim 64; at 128 the registers of dK, dV (64 keys × 128 fp32
     each) leave room for 64-row tiles only, and none for a prefetched Sᵀ beside the dQ block. Causal at 128:
     programs launched four (batch, K/V head)s at a time (`bh_group`). dSᵀ formed before dV's product is issued
-    (`ds_first`) at 64 and causal at 128; P scaled (`scaled_p`) at 64. Worklog 07w section 5 has the runs."""
+    (`ds_first`) at 64 and causal at 128; P scaled (`scaled_p`) and dQ staged in register order
+    (`dq_fragments`) at 64. Worklog 07w section 5 has the runs."""
     if head_dim == 64:
-        return Config(128, 2, 240, True, ds_first=True, scaled_p=True)
+        return Config(128, 2, 240, True, ds_first=True, scaled_p=True, dq_fragments=True)
     return Config(64, 2, 240, False, bh_group=4 if causal else 0, ds_first=causal)
 
 
