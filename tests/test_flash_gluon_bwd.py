@@ -281,9 +281,10 @@ def test_calls_on_a_cpu_or_with_nq_not_a_multiple_of_4_are_checked_every_time():
 
 @on_hopper
 def test_a_kind_of_call_is_checked_once_and_launched_bound(monkeypatch):
-    """A second call of a kind reuses the first one's checks, config and two bound launches, and so does nothing
-    through Triton's own dispatch differently: dK and dV come out bitwise the same (dQ is summed by reduce-adds
-    whose order varies). Nq not a multiple of 4 and bad arguments are not kept."""
+    """A second call of a kind reuses the first one's checks, config and bound launches (two; three with
+    dq_fragments, the un-permute last), and so does nothing through Triton's own dispatch differently: dK and dV
+    come out bitwise the same (dQ is summed by reduce-adds whose order varies). Nq not a multiple of 4 and bad
+    arguments are not kept."""
     from utils.tiled.fast.forward import flash_attention_forward
     from utils.tiled.fast.launch import Bound, dispatch_by_triton
     from utils.course.testing import assert_gradients_close, random_qkv, reference_gradients
@@ -302,10 +303,12 @@ def test_a_kind_of_call_is_checked_once_and_launched_bound(monkeypatch):
 
     monkeypatch.setattr(Bound, "__call__", counted)
     again = gb.flash_attention_backward(*(t.clone() for t in args), causal=True)
-    assert len(gb._KINDS) == 1 and calls == [5, 9]      # preprocess, then the kernel's nine descriptors
+    # preprocess, the kernel's nine descriptors, with dq_fragments the un-permute's accumulator and dQ
+    bound = [5, 9] + [2] * gb.pick_config(64, True).dq_fragments
+    assert len(gb._KINDS) == 1 and calls == bound, calls
     with dispatch_by_triton():
         through_triton = gb.flash_attention_backward(*args, causal=True)
-    assert len(calls) == 2
+    assert calls == bound
     truth = reference_gradients(q, k, v, do, causal=True)
     for grads in (first, again, through_triton):
         assert_gradients_close(grads, truth, torch.bfloat16)
