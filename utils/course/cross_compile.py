@@ -355,35 +355,20 @@ def dq_staging(sass: str) -> list[tuple[int, int]]:
             for ops in _hgmma_loops(sass)]
 
 
-def _gluon_bwd_both_ways(head_dim: int, causal: bool, field: str, ways: dict, count, capability) -> dict[str, list]:
-    """The Gluon backward's picked config compiled for `capability` with Config `field` set each of `ways`
-    ({name: value}): {name: count(sass)}."""
+# The Config fields worklog 07w section 5 compiles both ways, by the CLI flag that prints them: (field, {way: value},
+# what to count in each consumer's tile loop, what the count's pair reads).
+BOTH_WAYS = {"dq_fragments": ("dq_fragments", {"fragments": True, "rows": False}, dq_staging,
+                              "shared stores / TMA reduce-adds"),
+             "scaled_p": ("scaled_p", {"scale·P": True, "P": False}, loop_instructions, "instructions / FMUL"),
+             "local_memory": ("ds_first", {"dS first": True, "dV first": False}, local_memory, "local stores / loads")}
+
+
+def gluon_bwd_both_ways(flag: str, head_dim: int = 64, causal: bool = False, capability=(9, 0)) -> dict[str, list]:
+    """The one-kernel Gluon backward's picked config compiled for `capability` with the Config field of
+    BOTH_WAYS[flag] set each way: {way: count(sass)}, one pair per consumer's tile loop."""
+    field, ways, count, _ = BOTH_WAYS[flag]
     return {name: count(compile_launch(_gluon_bwd_launch(head_dim, causal, **{field: value}), capability).asm["sass"])
             for name, value in ways.items()}
-
-
-def gluon_bwd_local_memory(head_dim: int = 64, causal: bool = False, capability=(9, 0)) -> dict[str, list]:
-    """The one-kernel Gluon backward's picked config compiled for `capability` with dSᵀ formed before dV's
-    product is issued and after it (Config.ds_first; worklog 07w section 5): {order: local_memory(sass)}, one
-    (STL, LDL) pair per consumer's tile loop."""
-    return _gluon_bwd_both_ways(head_dim, causal, "ds_first", {"dS first": True, "dV first": False}, local_memory,
-                                capability)
-
-
-def gluon_bwd_scaled_p(head_dim: int = 64, causal: bool = False, capability=(9, 0)) -> dict[str, list]:
-    """The one-kernel Gluon backward's picked config compiled for `capability` with P computed as scale·P and
-    as P (Config.scaled_p; worklog 07w section 5): {way: loop_instructions(sass)}, one (instructions, FMUL) pair
-    per consumer's tile loop."""
-    return _gluon_bwd_both_ways(head_dim, causal, "scaled_p", {"scale·P": True, "P": False}, loop_instructions,
-                                capability)
-
-
-def gluon_bwd_dq_fragments(head_dim: int = 64, causal: bool = False, capability=(9, 0)) -> dict[str, list]:
-    """The one-kernel Gluon backward's picked config compiled for `capability` with dQ staged in register order
-    and by rows (Config.dq_fragments; worklog 07w section 5): {way: dq_staging(sass)}, one (STS, UTMAREDG) pair
-    per consumer's tile loop."""
-    return _gluon_bwd_both_ways(head_dim, causal, "dq_fragments", {"fragments": True, "rows": False}, dq_staging,
-                                capability)
 
 
 def in_fresh_process(*args: str, timeout: int = 900) -> str:
@@ -530,7 +515,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.sass and args.schedule not in ("gluon", "gluon_ws"):
         parser.error("--sass goes with --schedule gluon or gluon_ws")
-    both_ways = [flag for flag in ("dq_fragments", "scaled_p", "local_memory") if getattr(args, flag)]
+    both_ways = [flag for flag in BOTH_WAYS if getattr(args, flag)]
     if both_ways and (args.schedule != "gluon_bwd" or len(both_ways) > 1):
         names = [f"--{flag.replace('_', '-')}" for flag in both_ways]
         parser.error(f"{names[0]} goes with --schedule gluon_bwd" + (f", without {names[1]}" if names[1:] else ""))
@@ -552,13 +537,11 @@ def main(argv=None) -> int:
                 print(f"  {name + ':':<13} {block}")
         return 0
     if both_ways:
-        counted, what = {"local_memory": (gluon_bwd_local_memory, "local stores / loads"),
-                           "scaled_p": (gluon_bwd_scaled_p, "instructions / FMUL"),
-                           "dq_fragments": (gluon_bwd_dq_fragments, "shared stores / TMA reduce-adds")}[both_ways[0]]
+        what = BOTH_WAYS[both_ways[0]][3]
         print(f"Triton {triton.__version__}, sm_90: Gluon backward, d={args.head_dim}, bf16, picked tiles; per "
               f"consumer's tile loop, {what}:")
         for causal in (False, True):
-            for name, loops in counted(args.head_dim, causal).items():
+            for name, loops in gluon_bwd_both_ways(both_ways[0], args.head_dim, causal).items():
                 print(f"  {'causal' if causal else 'no mask':8} {name + ':':10} "
                       + "   ".join(f"{a} / {b}" for a, b in loops))
         return 0

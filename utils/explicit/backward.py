@@ -463,11 +463,11 @@ def gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
 _launcher = FastLauncher(gluon_bwd_kernel)
 
 
-# The statistics' and dQ's shared layouts (unswizzled rows; DQ_COLS fp32 = 128-byte rows, 128-byte swizzle), built
-# once: at N <= 1k the host's time per call is the time of the call.
+# The statistics' and dQ's shared layouts (unswizzled rows, also dQ's box in register order with
+# Config.dq_fragments; DQ_COLS fp32 = 128-byte rows, 128-byte swizzle), built once: at N <= 1k the host's time per
+# call is the time of the call.
 _ROW_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
 _DQ_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=3)
-_FRAGMENT_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)   # Config.dq_fragments
 
 
 def _row_descriptor(x: torch.Tensor, block_m: int) -> TensorDescriptor:
@@ -614,7 +614,7 @@ def _unpermute(dq: torch.Tensor, config: Config) -> tuple:
 def _descriptors(q, k, v, do, dk, dv, dq_acc, lse2, delta, config: Config) -> tuple:
     """The kernel's nine descriptor arguments, its leading ones."""
     if config.dq_fragments:
-        dq_desc = TensorDescriptor(dq_acc, list(dq_acc.shape), list(dq_acc.stride()), [16, 256], _FRAGMENT_LAYOUT)
+        dq_desc = TensorDescriptor(dq_acc, list(dq_acc.shape), list(dq_acc.stride()), [16, 256], _ROW_LAYOUT)
     else:
         dq_desc = TensorDescriptor(dq_acc, list(dq_acc.shape), list(dq_acc.stride()), [1, DQ_ROWS, DQ_COLS],
                                    _DQ_LAYOUT)
