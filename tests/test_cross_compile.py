@@ -321,7 +321,25 @@ LBB2:
     assert cross_compile.dq_staging(sass) == [(2, 1)]
 
 
-@pytest.mark.parametrize("flag,other", [("--scaled-p", "--local-memory"), ("--dq-fragments", "--scaled-p")])
+def test_mask_selects_counts_each_innermost_hgmma_loop_and_its_selects():
+    sass = """\
+LBB1:
+--:-:-:-:1\tHGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ, !UPT;
+--:-:-:-:1\tISETP.GE.AND P0, PT, R2, R3, PT;
+--:-:-:-:1\tFSEL R24, R24, -INF , P0;
+--:-:-:-:1\tFSETP.GT.AND P1, PT, R5, RZ, PT;
+--:-:-:-:1\tLDL R7, [R1+0x10];
+--:-:-:-:5\tBRA LBB1;
+LBB2:
+--:-:-:-:1\tFSEL R2, R2, RZ, P0;
+--:-:-:-:5\tBRA LBB2;
+"""
+    # FSETP is not a select; LBB2 issues no HGMMA
+    assert cross_compile.mask_selects(sass) == [(6, 1, 1)]
+
+
+@pytest.mark.parametrize("flag,other", [("--scaled-p", "--local-memory"), ("--dq-fragments", "--scaled-p"),
+                                        ("--local-memory", "--mask-loop")])
 def test_a_both_ways_count_goes_with_the_gluon_backward_alone(flag, other):
     said = f"{flag} goes with --schedule gluon_bwd"
     for args, said in ((["--schedule", "gluon", flag], said),
@@ -344,6 +362,23 @@ def test_the_gluon_backward_reloads_fewer_spills_at_d64_with_ds_first():
         assert len(pairs.split("   ")) == 2, line   # the two consumers' loops
     assert set(loads) == {(m, o) for m in ("no mask", "causal") for o in ("dS first", "dV first")}, lines
     assert all(loads[m, "dS first"] < loads[m, "dV first"] for m in ("no mask", "causal")), lines
+
+
+def test_the_gluon_backwards_mask_loop_leaves_the_mask_out_of_the_other_tiles_loop():
+    """Worklog 07w section 5's reading of Config.mask_loop at head dim 64: in the one loop every consumer's loop
+    holds the mask's selects (FSEL), behind a branch; with two loops, a loop without a select, shorter than the
+    one loop, runs the tiles that need no mask."""
+    lines = cross_compile.in_fresh_process("--schedule", "gluon_bwd", "--mask-loop", "--head-dim", "64")
+    loops = {}
+    for line in lines.splitlines()[1:]:
+        mask, way, counts = re.match(r"\s+(no mask|causal)\s+(two loops|one loop):\s+(.*)", line).groups()
+        loops[mask, way] = [tuple(int(x) for x in c.split(" / ")) for c in counts.split("   ")]
+    assert set(loops) == {(m, w) for m in ("no mask", "causal") for w in ("two loops", "one loop")}, lines
+    for mask in ("no mask", "causal"):
+        one = loops[mask, "one loop"]
+        assert len(one) == 2 and all(selects > 0 for _, selects, _ in one), lines
+        plain = [n for n, selects, _ in loops[mask, "two loops"] if selects == 0]
+        assert plain and max(plain) < min(n for n, _, _ in one), lines
 
 
 def test_local_memory_goes_with_the_gluon_backward():

@@ -55,6 +55,7 @@ def test_inputs_are_checked_before_anything_is_built():
     (gb.Config(64, 2, 240, dq_fragments=1), 128, TypeError, "dq_fragments must be a bool"),
     (gb.Config(64, 2, 240, dq_fragments=True), 64, ValueError, "block_m 128 at head dim 64"),
     (gb.Config(64, 2, 240, dq_writer=True, dq_fragments=True), 128, ValueError, "do not go together"),
+    (gb.Config(64, 2, 240, mask_loop="yes"), 128, TypeError, "mask_loop must be a bool"),
 ])
 def test_bad_configs_are_named(config, head_dim, error, match):
     with pytest.raises(error, match=match):
@@ -72,6 +73,9 @@ def test_the_picked_configs_are_valid_and_use_wide_tiles_where_registers_allow()
     # P computed as scale·P where that measured faster: head dim 64
     assert [gb.pick_config(d, causal).scaled_p for d in (64, 128) for causal in (False, True)] == [
         True, True, False, False]
+    # the masked tiles in a loop of their own where that measured faster: causal at head dim 64
+    assert [gb.pick_config(d, causal).mask_loop for d in (64, 128) for causal in (False, True)] == [
+        False, True, False, False]
 
 
 @pytest.mark.parametrize("dq_writer", [False, True], ids=["consumers reduce", "dq writer"])
@@ -222,15 +226,19 @@ def test_gradients_match_float64_on_odd_shapes(dtype, causal):
     (gb.Config(64, 2, 240, scaled_p=True), 128), (gb.Config(128, 2, 240, True, scaled_p=False), 64),
     (gb.Config(64, 2, 240, False, 0, True, scaled_p=True), 128),
     (gb.Config(128, 2, 240, True, ds_first=True, scaled_p=True, dq_fragments=True), 64),
-    (gb.Config(64, 2, 240, False, 4, ds_first=True, dq_fragments=True), 128)],
+    (gb.Config(64, 2, 240, False, 4, ds_first=True, dq_fragments=True), 128),
+    (gb.Config(128, 2, 240, True, ds_first=True, scaled_p=True, dq_fragments=True, mask_loop=True), 64),
+    (gb.Config(128, 2, 240, False, mask_loop=True), 64), (gb.Config(64, 2, 240, False, 4, mask_loop=True), 128)],
     ids=["64x2 d64", "128x1 d64", "64x3 prefetch d64", "128x2 no prefetch d64", "64x3 prefetch d128",
          "groups of 3 d64", "groups of 3 d128", "one group of 4 d128", "dq writer d64", "dq writer d128",
          "dq writer 1 stage d64", "ds first d128", "dv first d64", "scaled p d128", "plain p d64",
-         "dq writer scaled p d128", "dq fragments d64", "dq fragments d128"])
+         "dq writer scaled p d128", "dq fragments d64", "dq fragments d128", "mask loop d64",
+         "mask loop no prefetch d64", "mask loop d128"])
 def test_every_config_gives_the_same_gradients(config, head_dim):
     """The dQ block's split (rows of a 128-row tile, else columns), prefetch_s, the launch order (bh_group:
     4 (batch, K/V head)s in groups of 3, the last group short, or in one group larger than there are) and the
-    order of dSᵀ and dV's product (ds_first) and P scaled or not (scaled_p), beside the picked configs."""
+    order of dSᵀ and dV's product (ds_first), P scaled or not (scaled_p), dQ's staging order (dq_fragments) and
+    the masked tiles in a loop of their own (mask_loop: with GQA, one per query head), beside the picked configs."""
     from utils.tiled.fast.forward import flash_attention_forward
     from utils.course.testing import assert_gradients_close, random_qkv, reference_gradients
 
@@ -259,6 +267,22 @@ def test_dq_fragments_give_the_gradients_on_a_kinds_first_and_later_calls(head_d
     for _ in range(2):
         assert_gradients_close(gb.flash_attention_backward(do, q, k, v, o, lse, causal=causal, config=config), ref,
                                torch.bfloat16)
+
+
+@on_hopper
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_the_mask_loop_without_a_causal_mask_masks_the_ragged_key_block(head_dim):
+    """Config.mask_loop without the causal mask: the last key block (Nk = 900) is ragged, so all of its tiles run
+    in the masked loop and every other block's in the loop without the mask."""
+    from utils.tiled.fast.forward import flash_attention_forward
+    from utils.course.testing import assert_gradients_close, random_qkv, reference_gradients
+
+    q, k, v = random_qkv(2, 4, 1000, 900, head_dim, kv_heads=2, dtype=torch.bfloat16, device="cuda", seed=11)
+    do = torch.randn_like(q)
+    o, lse = flash_attention_forward(q, k, v)
+    config = gb.pick_config(head_dim)._replace(mask_loop=True)
+    assert_gradients_close(gb.flash_attention_backward(do, q, k, v, o, lse, config=config),
+                           reference_gradients(q, k, v, do), torch.bfloat16)
 
 
 @on_hopper

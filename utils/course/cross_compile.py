@@ -355,19 +355,31 @@ def dq_staging(sass: str) -> list[tuple[int, int]]:
             for ops in _hgmma_loops(sass)]
 
 
+def mask_selects(sass: str) -> list[tuple[int, int, int]]:
+    """(instructions, FSEL, LDL) of each innermost loop of `sass` that issues HGMMA (_hgmma_loops): FSEL is the
+    mask's select (-inf where a key is hidden), LDL a spilled register's reload."""
+    return [(len(ops), sum(op.startswith("FSEL") for op in ops), sum(op.startswith("LDL") for op in ops))
+            for ops in _hgmma_loops(sass)]
+
+
 # The Config fields worklog 07w section 5 compiles both ways, by the CLI flag that prints them: (field, {way: value},
 # what to count in each consumer's tile loop, what the count's pair reads).
 BOTH_WAYS = {"dq_fragments": ("dq_fragments", {"fragments": True, "rows": False}, dq_staging,
                               "shared stores / TMA reduce-adds"),
              "scaled_p": ("scaled_p", {"scale·P": True, "P": False}, loop_instructions, "instructions / FMUL"),
-             "local_memory": ("ds_first", {"dS first": True, "dV first": False}, local_memory, "local stores / loads")}
+             "local_memory": ("ds_first", {"dS first": True, "dV first": False}, local_memory, "local stores / loads"),
+             "mask_loop": ("mask_loop", {"two loops": True, "one loop": False}, mask_selects,
+                           "instructions / FSEL / LDL")}
 
 
 def gluon_bwd_both_ways(flag: str, head_dim: int = 64, causal: bool = False, capability=(9, 0)) -> dict[str, list]:
     """The one-kernel Gluon backward's picked config compiled for `capability` with the Config field of
-    BOTH_WAYS[flag] set each way: {way: count(sass)}, one pair per consumer's tile loop."""
+    BOTH_WAYS[flag] set each way: {way: count(sass)}, one pair per consumer's tile loop. The fields measured
+    before mask_loop are compiled with the one loop they were measured with."""
     field, ways, count, _ = BOTH_WAYS[flag]
-    return {name: count(compile_launch(_gluon_bwd_launch(head_dim, causal, **{field: value}), capability).asm["sass"])
+    base = {} if field == "mask_loop" else {"mask_loop": False}
+    return {name: count(compile_launch(_gluon_bwd_launch(head_dim, causal, **base, **{field: value}),
+                                       capability).asm["sass"])
             for name, value in ways.items()}
 
 
@@ -509,6 +521,10 @@ def main(argv=None) -> int:
                         help="with --schedule gluon_bwd: instead, the shared stores (STS) and TMA reduce-adds "
                         "(UTMAREDG) in each consumer's tile loop, dQ staged in register order and by rows, with and "
                         "without a mask")
+    parser.add_argument("--mask-loop", action="store_true",
+                        help="with --schedule gluon_bwd: instead, the instructions, mask selects (FSEL) and spill "
+                        "reloads (LDL) in each of the consumers' tile loops, the masked tiles in a loop of their own "
+                        "and in the one loop")
     parser.add_argument("--sass", action="store_true",
                         help="with --schedule gluon or gluon_ws: the order in the machine code ptxas makes (SASS), "
                         "not in the PTX")
@@ -543,7 +559,7 @@ def main(argv=None) -> int:
         for causal in (False, True):
             for name, loops in gluon_bwd_both_ways(both_ways[0], args.head_dim, causal).items():
                 print(f"  {'causal' if causal else 'no mask':8} {name + ':':10} "
-                      + "   ".join(f"{a} / {b}" for a, b in loops))
+                      + "   ".join(" / ".join(map(str, counts)) for counts in loops))
         return 0
     if args.schedule == "gluon_bwd":
         blocks, shared = gluon_bwd_schedule(args.head_dim)

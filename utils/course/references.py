@@ -180,6 +180,10 @@ REFERENCES = {
     "backward_gluon_fragments": (1, ["utils.course.bench.backward", "--backends", "gluon_bwd_fragments",
                                      "gluon_bwd_row_boxes", "--seqlens", "2048", "4096", "8192", "16384",
                                      "--rounds", "3", "--out", "images/07w_gluon_bwd_fragments_h200.json"]),
+    # ... with the masked tiles in a loop of their own and tested in the one loop, on every shape (Config.mask_loop)
+    "backward_gluon_mask_loop": (1, ["utils.course.bench.backward", "--backends", "gluon_bwd_mask_loop",
+                                     "gluon_bwd_one_loop", "--seqlens", "2048", "4096", "8192", "16384",
+                                     "--rounds", "3", "--out", "images/07w_gluon_bwd_mask_loop_h200.json"]),
     # one profiled launch of each pass of the Triton backward per load step (worklog 07w, sections 2 and 3;
     # needs ncu): d = 64 without a mask, d = 128 without and with one
     "backward_ncu_d64": (1, ["utils.course.bench.ncu", "--worklog", "triton_bwd", "--head-dim", "64", "--seqlen", "4096",

@@ -45,7 +45,10 @@ Choices in the schedule (worklog 07w section 5 measures each one from its stored
     (FlashAttention-3's): each thread writes 16-byte runs, a warp 512 contiguous bytes, so the stores meet no
     bank conflicts, and one reduce-add per consumer and tile adds the block as a [16, 256] box to an
     accumulator kept in that order; a small Triton kernel (`_dq_unpermute`) puts dQ back in row order as it
-    casts it.
+    casts it;
+  - causal at head dim 64 (`mask_loop`) the tiles that need a mask (the diagonal's; a ragged key block's: all)
+    run first, in a loop of their own, and the rest in a loop without the mask's test and branch (FlashAttention-3
+    separates its masking steps so). At 128 the two loops spill registers and measured slower.
 
 The reduce-adds from the programs of one head arrive in any order, so dQ's last bits vary from run to run
 (notebook 07's dQ pass is deterministic); dK and dV do not. Gluon has no interpreter: the kernel runs on sm_90
@@ -105,6 +108,7 @@ class Config(NamedTuple):
     ds_first: bool = False     # dSᵀ formed before dV's product is issued (FlashAttention-3's order), not after
     scaled_p: bool = False     # P computed as scale·P, so dSᵀ carries dQ's and dK's scale (no multiply per tile)
     dq_fragments: bool = False  # dQ staged and accumulated in register order (one reduce-add a tile), not by rows
+    mask_loop: bool = False    # the tiles that need a mask run in a loop of their own, the rest without its branch
 
 
 def pick_config(head_dim: int, causal: bool = False) -> Config:
@@ -112,9 +116,10 @@ def pick_config(head_dim: int, causal: bool = False) -> Config:
     each) leave room for 64-row tiles only, and none for a prefetched Sᵀ beside the dQ block. Causal at 128:
     programs launched four (batch, K/V head)s at a time (`bh_group`). dSᵀ formed before dV's product is issued
     (`ds_first`) at 64 and causal at 128; P scaled (`scaled_p`) and dQ staged in register order
-    (`dq_fragments`) at 64. Worklog 07w section 5 has the runs."""
+    (`dq_fragments`) at 64; the masked tiles in a loop of their own (`mask_loop`) causal at 64. Worklog 07w
+    section 5 has the runs."""
     if head_dim == 64:
-        return Config(128, 2, 240, True, ds_first=True, scaled_p=True, dq_fragments=True)
+        return Config(128, 2, 240, True, ds_first=True, scaled_p=True, dq_fragments=True, mask_loop=causal)
     return Config(64, 2, 240, False, bh_group=4 if causal else 0, ds_first=causal)
 
 
@@ -145,6 +150,8 @@ def check_config(config, head_dim: int) -> Config:
         raise TypeError(f"config.scaled_p must be a bool, got {type(config.scaled_p).__name__}")
     if not isinstance(config.dq_fragments, bool):
         raise TypeError(f"config.dq_fragments must be a bool, got {type(config.dq_fragments).__name__}")
+    if not isinstance(config.mask_loop, bool):
+        raise TypeError(f"config.mask_loop must be a bool, got {type(config.mask_loop).__name__}")
     if config.dq_fragments and head_dim == 64 and config.block_m != 128:
         raise ValueError("config.dq_fragments needs a 64 × 64 dQ block per consumer: block_m 128 at head dim 64")
     if config.dq_fragments and config.dq_writer:
@@ -208,7 +215,7 @@ def _consumer(dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, lse_sm
               seqlen_q, seqlen_k, qk_scale, sm_scale, W: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
               BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PREFETCH_S: gl.constexpr,
               DQ_WRITER: gl.constexpr, DS_FIRST: gl.constexpr, SCALED_P: gl.constexpr,
-              DQ_FRAGMENTS: gl.constexpr):
+              DQ_FRAGMENTS: gl.constexpr, MASK_LOOP: gl.constexpr):
     SUB: gl.constexpr = dk_desc.block_type.shape[2]
     dtype: gl.constexpr = dk_desc.dtype
     # This consumer's half of the tile's dQ: a (DQR × COLS) block at rows r0, columns c0; it leaves in NB boxes
@@ -254,82 +261,108 @@ def _consumer(dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, lse_sm
         st = warpgroup_mma(k, q_smem.index(0).reshape([BLOCK_M, HEAD_DIM]).permute((1, 0)), st_zero,
                            use_acc=False, is_async=True)
         st, _ = warpgroup_mma_wait(0, deps=(st, k))
-    for t in range(n_tiles):
-        slot = t % STAGES
-        h, start_m = _tile(t, hk, first_m, n_m, GROUP, BLOCK_M)
-        q = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
-        do = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
-        if not PREFETCH_S:
-            mbarrier.wait(full.index(slot), (t // STAGES) & 1)
-            st = warpgroup_mma(k, q.permute((1, 0)), st_zero, use_acc=False, is_async=True)
-        dpt = warpgroup_mma(v, do.permute((1, 0)), st_zero, use_acc=False, is_async=True)
-        if not PREFETCH_S:
-            st, _, _ = warpgroup_mma_wait(1, deps=(st, k, q))
-        lse2 = lse_smem.index(slot).reshape([BLOCK_M]).load(col_st)
-        masked = ragged
-        if CAUSAL:   # query i sees key j <= i + seqlen_k - seqlen_q; only the tiles on the diagonal need it
-            masked = masked | (start_m + causal_offset < key0 + SUB - 1)
-        if masked:
-            offs_m = start_m + gl.arange(0, BLOCK_M, layout=col_st)
-            keep = offs_n[:, None] < seqlen_k
-            if CAUSAL:
-                keep = keep & (offs_n[:, None] <= offs_m[None, :] + causal_offset)
-            st = gl.where(keep, st, float("-inf"))
-        pt = gl.exp2(st * qk_scale - lse2[None, :])
-        if DS_FIRST:   # Pᵀ's registers stay free while dSᵀ forms (a running product holds its register operand)
-            dpt, _, _ = warpgroup_mma_wait(0, deps=(dpt, v, do))
-            delta = delta_smem.index(slot).reshape([BLOCK_M]).load(col_st)
-            dst = (pt * (dpt - delta[None, :])).to(dtype)
-            dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), do, dv, is_async=True)
-        else:          # dV's product runs while dSᵀ forms
-            dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), do, dv, is_async=True)
-            dpt, _, _ = warpgroup_mma_wait(1, deps=(dpt, v, do))
-            delta = delta_smem.index(slot).reshape([BLOCK_M]).load(col_st)
-            dst = (pt * (dpt - delta[None, :])).to(dtype)
-        dk = warpgroup_mma(gl.convert_layout(dst, op_layout), q, dk, is_async=True)
-        buf = (t % 2) * 2       # dSᵀ double-buffered: the other consumer may still read the previous tile's
-        ds_smem.index(buf + W).store(dst)
-        fence_async_shared()
-        if not DQ_WRITER:
-            tma.store_wait(0)   # the previous tile's reduces have read the staging buffers
-        _pair_barrier(t)        # both halves of dSᵀ are in place (and every thread of ours passed store_wait)
-        dv, _ = warpgroup_mma_wait(1, deps=(dv, do))   # dV done, dK still running
-        if SPLIT_ROWS:   # dS rows r0.. (dSᵀ columns), each key half
-            ds0 = ds_smem.index(buf).slice(r0, DQR, dim=1).permute((1, 0))
-            ds1 = ds_smem.index(buf + 1).slice(r0, DQR, dim=1).permute((1, 0))
-        else:
-            ds0 = ds_smem.index(buf).permute((1, 0))
-            ds1 = ds_smem.index(buf + 1).permute((1, 0))
-        # dQ block = dS K[:, c0:c0 + COLS] over both key halves; dK was issued first: it is done too.
-        acc = warpgroup_mma(ds0, k0.slice(c0, COLS, dim=1), dq_zero, use_acc=False, is_async=True)
-        acc = warpgroup_mma(ds1, k1.slice(c0, COLS, dim=1), acc, is_async=True)
-        acc, dk, _, _, _ = warpgroup_mma_wait(0, deps=(acc, dk, q, ds0, ds1))
-        if DQ_WRITER:   # the writer has read the last tile's dQ (a fresh barrier passes at once)
-            mbarrier.wait(dq_empty.index(W), (t & 1) ^ 1)
-        if SCALED_P:   # dSᵀ carries the scale
-            dq_block.store(acc)
-        else:
-            dq_block.store(acc * sm_scale)
-        if PREFETCH_S:   # the next tile's Sᵀ runs while dQ leaves (past the last tile: as in the prologue)
-            nslot = (t + 1) % STAGES
-            mbarrier.wait(full.index(nslot), ((t + 1) // STAGES) & 1, pred=t + 1 < n_tiles)
-            st = warpgroup_mma(k, q_smem.index(nslot).reshape([BLOCK_M, HEAD_DIM]).permute((1, 0)), st_zero,
-                               use_acc=False, is_async=True)
-        fence_async_shared()
-        if DQ_WRITER:
-            mbarrier.arrive(dq_full.index(W))          # a warpgroup barrier, then one arrive: dQ is staged
-        else:
-            _barrier()                                 # every warp's part of dQ is staged
-            row = (b * heads + h)
-            if DQ_FRAGMENTS:   # block (row, tile, W) of the accumulator: 16 of its [*, 256] rows
-                block = (row * gl.cdiv(seqlen_q, BLOCK_M) + start_m // BLOCK_M) * 2 + W
-                _tma_reduce_add(dq_desc, [block * 16, 0], stage_smem.index(W))
+    # MASK_LOOP: per query head, the tiles that need a mask come first in a loop of their own (a ragged key block:
+    # all; causal: the diagonal's), then the rest in a loop without the mask's branch. Otherwise one loop that
+    # tests each tile.
+    if MASK_LOOP:
+        n_mask = n_m
+        if not ragged:
+            n_mask = 0
+            if CAUSAL:   # tile i needs the mask while (first_m + i) · BLOCK_M < key0 + SUB - 1 - causal_offset
+                n_mask = gl.cdiv(gl.maximum(key0 + SUB - 1 - causal_offset, 0), BLOCK_M) - first_m
+                n_mask = gl.minimum(gl.maximum(n_mask, 0), n_m)
+    G: gl.constexpr = GROUP if MASK_LOOP else 1
+    for g in range(G):
+        for phase in gl.static_range(2 if MASK_LOOP else 1):
+            if MASK_LOOP:
+                lo = g * n_m + phase * n_mask
+                hi = g * n_m + n_mask + phase * (n_m - n_mask)
             else:
-                for c in gl.static_range(NB):
-                    _tma_reduce_add(dq_desc, [row, start_m + r0, c0 + c * DQC], stage_smem.index(W * NB + c))
-        mbarrier.arrive(empty.index(slot))             # done with Q, dO, lse2, D of this tile
-        if PREFETCH_S:
-            st, _ = warpgroup_mma_wait(0, deps=(st, k))
+                lo = 0
+                hi = n_tiles
+            for t in range(lo, hi):
+                slot = t % STAGES
+                if MASK_LOOP:
+                    h = hk * GROUP + g
+                    start_m = (first_m + t - g * n_m) * BLOCK_M
+                else:
+                    h, start_m = _tile(t, hk, first_m, n_m, GROUP, BLOCK_M)
+                q = q_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
+                do = do_smem.index(slot).reshape([BLOCK_M, HEAD_DIM])
+                if not PREFETCH_S:
+                    mbarrier.wait(full.index(slot), (t // STAGES) & 1)
+                    st = warpgroup_mma(k, q.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+                dpt = warpgroup_mma(v, do.permute((1, 0)), st_zero, use_acc=False, is_async=True)
+                if not PREFETCH_S:
+                    st, _, _ = warpgroup_mma_wait(1, deps=(st, k, q))
+                lse2 = lse_smem.index(slot).reshape([BLOCK_M]).load(col_st)
+                if MASK_LOOP:
+                    masked: gl.constexpr = phase == 0
+                else:
+                    masked = ragged
+                    if CAUSAL:   # query i sees key j <= i + seqlen_k - seqlen_q; only the tiles on the diagonal need it
+                        masked = masked | (start_m + causal_offset < key0 + SUB - 1)
+                if masked:
+                    offs_m = start_m + gl.arange(0, BLOCK_M, layout=col_st)
+                    keep = offs_n[:, None] < seqlen_k
+                    if CAUSAL:
+                        keep = keep & (offs_n[:, None] <= offs_m[None, :] + causal_offset)
+                    st = gl.where(keep, st, float("-inf"))
+                pt = gl.exp2(st * qk_scale - lse2[None, :])
+                if DS_FIRST:   # Pᵀ's registers stay free while dSᵀ forms (a running product holds its operand)
+                    dpt, _, _ = warpgroup_mma_wait(0, deps=(dpt, v, do))
+                    delta = delta_smem.index(slot).reshape([BLOCK_M]).load(col_st)
+                    dst = (pt * (dpt - delta[None, :])).to(dtype)
+                    dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), do, dv, is_async=True)
+                else:          # dV's product runs while dSᵀ forms
+                    dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), do, dv, is_async=True)
+                    dpt, _, _ = warpgroup_mma_wait(1, deps=(dpt, v, do))
+                    delta = delta_smem.index(slot).reshape([BLOCK_M]).load(col_st)
+                    dst = (pt * (dpt - delta[None, :])).to(dtype)
+                dk = warpgroup_mma(gl.convert_layout(dst, op_layout), q, dk, is_async=True)
+                buf = (t % 2) * 2       # dSᵀ double-buffered: the other consumer may still read the previous tile's
+                ds_smem.index(buf + W).store(dst)
+                fence_async_shared()
+                if not DQ_WRITER:
+                    tma.store_wait(0)   # the previous tile's reduces have read the staging buffers
+                _pair_barrier(t)        # both halves of dSᵀ are in place (and every thread of ours passed store_wait)
+                dv, _ = warpgroup_mma_wait(1, deps=(dv, do))   # dV done, dK still running
+                if SPLIT_ROWS:   # dS rows r0.. (dSᵀ columns), each key half
+                    ds0 = ds_smem.index(buf).slice(r0, DQR, dim=1).permute((1, 0))
+                    ds1 = ds_smem.index(buf + 1).slice(r0, DQR, dim=1).permute((1, 0))
+                else:
+                    ds0 = ds_smem.index(buf).permute((1, 0))
+                    ds1 = ds_smem.index(buf + 1).permute((1, 0))
+                # dQ block = dS K[:, c0:c0 + COLS] over both key halves; dK was issued first: it is done too.
+                acc = warpgroup_mma(ds0, k0.slice(c0, COLS, dim=1), dq_zero, use_acc=False, is_async=True)
+                acc = warpgroup_mma(ds1, k1.slice(c0, COLS, dim=1), acc, is_async=True)
+                acc, dk, _, _, _ = warpgroup_mma_wait(0, deps=(acc, dk, q, ds0, ds1))
+                if DQ_WRITER:   # the writer has read the last tile's dQ (a fresh barrier passes at once)
+                    mbarrier.wait(dq_empty.index(W), (t & 1) ^ 1)
+                if SCALED_P:   # dSᵀ carries the scale
+                    dq_block.store(acc)
+                else:
+                    dq_block.store(acc * sm_scale)
+                if PREFETCH_S:   # the next tile's Sᵀ runs while dQ leaves (past the last tile: as in the prologue)
+                    nslot = (t + 1) % STAGES
+                    mbarrier.wait(full.index(nslot), ((t + 1) // STAGES) & 1, pred=t + 1 < n_tiles)
+                    st = warpgroup_mma(k, q_smem.index(nslot).reshape([BLOCK_M, HEAD_DIM]).permute((1, 0)), st_zero,
+                                       use_acc=False, is_async=True)
+                fence_async_shared()
+                if DQ_WRITER:
+                    mbarrier.arrive(dq_full.index(W))          # a warpgroup barrier, then one arrive: dQ is staged
+                else:
+                    _barrier()                                 # every warp's part of dQ is staged
+                    row = (b * heads + h)
+                    if DQ_FRAGMENTS:   # block (row, tile, W) of the accumulator: 16 of its [*, 256] rows
+                        block = (row * gl.cdiv(seqlen_q, BLOCK_M) + start_m // BLOCK_M) * 2 + W
+                        _tma_reduce_add(dq_desc, [block * 16, 0], stage_smem.index(W))
+                    else:
+                        for c in gl.static_range(NB):
+                            _tma_reduce_add(dq_desc, [row, start_m + r0, c0 + c * DQC], stage_smem.index(W * NB + c))
+                mbarrier.arrive(empty.index(slot))             # done with Q, dO, lse2, D of this tile
+                if PREFETCH_S:
+                    st, _ = warpgroup_mma_wait(0, deps=(st, k))
     # dK and dV leave through this consumer's K and V buffers, once the other consumer's dQ products are done
     # with this K half.
     _pair_barrier(n_tiles)
@@ -374,7 +407,7 @@ def gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
                      GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                      CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, PREFETCH_S: gl.constexpr,
                      BH_GROUP: gl.constexpr, DQ_WRITER: gl.constexpr, DS_FIRST: gl.constexpr,
-                     SCALED_P: gl.constexpr, DQ_FRAGMENTS: gl.constexpr):
+                     SCALED_P: gl.constexpr, DQ_FRAGMENTS: gl.constexpr, MASK_LOOP: gl.constexpr):
     SUB: gl.constexpr = k_desc.block_type.shape[2]
     pid_n = gl.program_id(0)
     pid_bh = gl.program_id(1)
@@ -433,11 +466,11 @@ def gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
             (_consumer, (dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
                          stage_smem, kv_bar, full, empty, dq_full, dq_empty, b, hk, heads, first_m, n_m, n_tiles,
                          start_n, seqlen_q, seqlen_k, qk_scale, sm_scale, 0, GROUP, HEAD_DIM, BLOCK_M, STAGES,
-                         CAUSAL, PREFETCH_S, DQ_WRITER, DS_FIRST, SCALED_P, DQ_FRAGMENTS)),
+                         CAUSAL, PREFETCH_S, DQ_WRITER, DS_FIRST, SCALED_P, DQ_FRAGMENTS, MASK_LOOP)),
             (_consumer, (dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
                          stage_smem, kv_bar, full, empty, dq_full, dq_empty, b, hk, heads, first_m, n_m, n_tiles,
                          start_n, seqlen_q, seqlen_k, qk_scale, sm_scale, 1, GROUP, HEAD_DIM, BLOCK_M, STAGES,
-                         CAUSAL, PREFETCH_S, DQ_WRITER, DS_FIRST, SCALED_P, DQ_FRAGMENTS)),
+                         CAUSAL, PREFETCH_S, DQ_WRITER, DS_FIRST, SCALED_P, DQ_FRAGMENTS, MASK_LOOP)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
                          lse_smem, delta_smem, kv_bar, full, empty, b, hk, heads, first_m, n_m, n_tiles, start_n,
                          GROUP, BLOCK_M, STAGES)),
@@ -449,11 +482,11 @@ def gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
             (_consumer, (dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
                          stage_smem, kv_bar, full, empty, dq_full, dq_empty, b, hk, heads, first_m, n_m, n_tiles,
                          start_n, seqlen_q, seqlen_k, qk_scale, sm_scale, 0, GROUP, HEAD_DIM, BLOCK_M, STAGES,
-                         CAUSAL, PREFETCH_S, DQ_WRITER, DS_FIRST, SCALED_P, DQ_FRAGMENTS)),
+                         CAUSAL, PREFETCH_S, DQ_WRITER, DS_FIRST, SCALED_P, DQ_FRAGMENTS, MASK_LOOP)),
             (_consumer, (dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
                          stage_smem, kv_bar, full, empty, dq_full, dq_empty, b, hk, heads, first_m, n_m, n_tiles,
                          start_n, seqlen_q, seqlen_k, qk_scale, sm_scale, 1, GROUP, HEAD_DIM, BLOCK_M, STAGES,
-                         CAUSAL, PREFETCH_S, DQ_WRITER, DS_FIRST, SCALED_P, DQ_FRAGMENTS)),
+                         CAUSAL, PREFETCH_S, DQ_WRITER, DS_FIRST, SCALED_P, DQ_FRAGMENTS, MASK_LOOP)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
                          lse_smem, delta_smem, kv_bar, full, empty, b, hk, heads, first_m, n_m, n_tiles, start_n,
                          GROUP, BLOCK_M, STAGES))],
@@ -632,8 +665,7 @@ def _main(q, k, causal: bool, scale: float, config: Config) -> tuple:
             dict(GROUP=h // hk, HEAD_DIM=d, BLOCK_M=config.block_m, STAGES=config.stages, CAUSAL=causal,
                  CONSUMER_REGS=config.consumer_regs, PREFETCH_S=config.prefetch_s, BH_GROUP=config.bh_group,
                  DQ_WRITER=config.dq_writer, DS_FIRST=config.ds_first, SCALED_P=config.scaled_p,
-                 DQ_FRAGMENTS=config.dq_fragments,
-                 num_warps=4))
+                 DQ_FRAGMENTS=config.dq_fragments, MASK_LOOP=config.mask_loop, num_warps=4))
 
 
 def _launch(q, k, v, do, dk, dv, dq_acc, lse2, delta, causal: bool, scale: float, config: Config) -> None:

@@ -12,7 +12,8 @@ and gluon_bwd_grouped: its programs launched head by head, or in groups of 4 hea
 gluon_bwd_dq_writer: its dQ reduce-adds issued by a warp of their own; gluon_bwd_ds_first and
 gluon_bwd_dv_first: dSᵀ formed before dV's product is issued, or after, on every shape; gluon_bwd_scaled_p
 and gluon_bwd_plain_p: P computed as scale·P or as P, on every shape; gluon_bwd_fragments and
-gluon_bwd_row_boxes: dQ staged in register order or by rows, on every shape), cuda_hopper
+gluon_bwd_row_boxes: dQ staged in register order or by rows, on every shape; gluon_bwd_mask_loop and
+gluon_bwd_one_loop: the masked tiles in a loop of their own or tested in the one loop), cuda_hopper
 (notebook 06c's backward on wgmma and TMA, the Gluon backward's schedule in CUDA, sm_90 only; cuda_hopper_<step>
 pins one of its steps), and
 `--peers triton-tutorial` the Triton tutorial's backward (utils.course.bench.peers, read from its own
@@ -44,12 +45,13 @@ HOPPER_BACKENDS = tuple(f"cuda_hopper_{step}" for step in HOPPER_BWD_STEPS)
 # The Gluon backward with fields of its Config (utils.explicit.backward) pinned on every shape, where "gluon_bwd"
 # takes pick_config's: the launch order (bh_group), a warp of its own issuing dQ's reduce-adds (dq_writer), dSᵀ
 # formed before dV's product or after it (ds_first), P computed as scale·P or as P (scaled_p), dQ staged in
-# register order or by rows (dq_fragments).
+# register order or by rows (dq_fragments), the masked tiles in a loop of their own or not (mask_loop).
 GLUON_PINNED = {"gluon_bwd_by_head": dict(bh_group=0), "gluon_bwd_grouped": dict(bh_group=4),
                 "gluon_bwd_dq_writer": dict(dq_writer=True),
                 "gluon_bwd_ds_first": dict(ds_first=True), "gluon_bwd_dv_first": dict(ds_first=False),
                 "gluon_bwd_scaled_p": dict(scaled_p=True), "gluon_bwd_plain_p": dict(scaled_p=False),
-                "gluon_bwd_fragments": dict(dq_fragments=True), "gluon_bwd_row_boxes": dict(dq_fragments=False)}
+                "gluon_bwd_fragments": dict(dq_fragments=True), "gluon_bwd_row_boxes": dict(dq_fragments=False),
+                "gluon_bwd_mask_loop": dict(mask_loop=True), "gluon_bwd_one_loop": dict(mask_loop=False)}
 KNOWN = (BACKENDS + tuple(TRITON_LOADS) + ("triton_atomic_dq", "triton_reduce_dq", "gluon_bwd", *GLUON_PINNED,
                                           "sdpa_efficient", "triton_tutorial")
          + CUDA_BACKENDS
@@ -280,7 +282,7 @@ COLORS = {"triton": "C0", "sdpa_flash": "C1", "sdpa_cudnn": "C2", "sdpa_efficien
           "gluon_bwd": "m", "gluon_bwd_by_head": "tab:pink", "gluon_bwd_grouped": "tab:olive",
           "gluon_bwd_dq_writer": "tab:purple", "gluon_bwd_ds_first": "teal", "gluon_bwd_dv_first": "salmon",
           "gluon_bwd_scaled_p": "darkcyan", "gluon_bwd_plain_p": "peru", "gluon_bwd_fragments": "olive",
-          "gluon_bwd_row_boxes": "rosybrown",
+          "gluon_bwd_row_boxes": "rosybrown", "gluon_bwd_mask_loop": "slateblue", "gluon_bwd_one_loop": "khaki",
           "triton_pointer": "C5", "triton_tma": "C6", "triton_tma_stats": "C8",
           "triton_atomic_dq": "C7", "triton_reduce_dq": "k", "cuda_hopper": "tab:brown",
           "cuda_hopper_atomic_dq": "tab:gray", "cuda_hopper_reduce_dq": "tab:cyan", "cuda_hopper_prefetch_s": "navy",
