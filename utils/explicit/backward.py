@@ -179,6 +179,18 @@ def _pair_barrier(x):
 
 
 @gluon.jit
+def _masked_tiles(ragged, last_key, first_m, n_m, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr):
+    """How many of a query head's n_m tiles (row blocks from first_m on) need the mask: all in a ragged key
+    block; under the causal mask those whose first row does not see `last_key` (key0 + SUB - 1 - (Nk - Nq))."""
+    n_mask = n_m
+    if not ragged:
+        n_mask = 0
+        if CAUSAL:   # tile i needs it while (first_m + i) · BLOCK_M < last_key
+            n_mask = gl.minimum(gl.maximum(gl.cdiv(gl.maximum(last_key, 0), BLOCK_M) - first_m, 0), n_m)
+    return n_mask
+
+
+@gluon.jit
 def _tile(t, hk, first_m, n_m, GROUP: gl.constexpr, BLOCK_M: gl.constexpr):
     """(query head, first row) of tile t: the query heads of the K/V head's group in turn, each its row blocks."""
     n = gl.maximum(n_m, 1)
@@ -261,25 +273,21 @@ def _consumer(dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, lse_sm
         st = warpgroup_mma(k, q_smem.index(0).reshape([BLOCK_M, HEAD_DIM]).permute((1, 0)), st_zero,
                            use_acc=False, is_async=True)
         st, _ = warpgroup_mma_wait(0, deps=(st, k))
-    # MASK_LOOP: per query head, the tiles that need a mask come first in a loop of their own (a ragged key block:
-    # all; causal: the diagonal's), then the rest in a loop without the mask's branch. Otherwise one loop that
-    # tests each tile.
+    # MASK_LOOP: per query head, the tiles that need a mask come first in a loop of their own (phase 0), then the
+    # rest in a loop without the mask's branch (phase 1). Otherwise one loop that tests each tile.
     if MASK_LOOP:
-        n_mask = n_m
-        if not ragged:
-            n_mask = 0
-            if CAUSAL:   # tile i needs the mask while (first_m + i) · BLOCK_M < key0 + SUB - 1 - causal_offset
-                n_mask = gl.cdiv(gl.maximum(key0 + SUB - 1 - causal_offset, 0), BLOCK_M) - first_m
-                n_mask = gl.minimum(gl.maximum(n_mask, 0), n_m)
-    G: gl.constexpr = GROUP if MASK_LOOP else 1
-    for g in range(G):
+        n_mask = _masked_tiles(ragged, key0 + SUB - 1 - causal_offset, first_m, n_m, CAUSAL, BLOCK_M)
+    for g in range(GROUP if MASK_LOOP else 1):
         for phase in gl.static_range(2 if MASK_LOOP else 1):
-            if MASK_LOOP:
-                lo = g * n_m + phase * n_mask
-                hi = g * n_m + n_mask + phase * (n_m - n_mask)
-            else:
+            if not MASK_LOOP:
                 lo = 0
                 hi = n_tiles
+            elif phase == 0:
+                lo = g * n_m
+                hi = g * n_m + n_mask
+            else:
+                lo = g * n_m + n_mask
+                hi = lo + (n_m - n_mask)
             for t in range(lo, hi):
                 slot = t % STAGES
                 if MASK_LOOP:
