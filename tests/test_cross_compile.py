@@ -338,6 +338,17 @@ LBB2:
     assert cross_compile.mask_selects(sass) == [(6, 1, 1)]
 
 
+def test_read_both_ways_reads_the_printed_counts_back():
+    text = """Triton 3.7.1, sm_90: Gluon backward, d=64, bf16, picked tiles; per consumer's tile loop, instructions / FMUL:
+  no mask  scale·P:   637 / 64   627 / 64
+  causal   P:         1067 / 96   583 / 96   1125 / 96
+  causal   two loops: 1036 / 128 / 8   549 / 0 / 9
+"""
+    assert cross_compile.read_both_ways(text) == {("no mask", "scale·P"): [(637, 64), (627, 64)],
+                                                  ("causal", "P"): [(1067, 96), (583, 96), (1125, 96)],
+                                                  ("causal", "two loops"): [(1036, 128, 8), (549, 0, 9)]}
+
+
 @pytest.mark.parametrize("flag,other", [("--scaled-p", "--local-memory"), ("--dq-fragments", "--scaled-p"),
                                         ("--local-memory", "--mask-loop")])
 def test_a_both_ways_count_goes_with_the_gluon_backward_alone(flag, other):
@@ -355,11 +366,9 @@ def test_the_gluon_backward_reloads_fewer_spills_at_d64_with_ds_first():
     registers the running product would hold, and at head dim 64 the consumers' tile loops reload fewer spilled
     values, with and without a mask."""
     lines = cross_compile.in_fresh_process("--schedule", "gluon_bwd", "--local-memory", "--head-dim", "64")
-    loads = {}
-    for line in lines.splitlines()[1:]:
-        mask, order, pairs = re.match(r"\s+(no mask|causal)\s+(dS first|dV first):\s+(.*)", line).groups()
-        loads[mask, order] = sum(int(p.split("/")[1]) for p in pairs.split("   "))
-        assert len(pairs.split("   ")) == 2, line   # the two consumers' loops
+    loops = cross_compile.read_both_ways(lines)
+    assert all(len(pairs) == 2 for pairs in loops.values()), lines   # the two consumers' loops
+    loads = {key: sum(stl_ldl[1] for stl_ldl in pairs) for key, pairs in loops.items()}
     assert set(loads) == {(m, o) for m in ("no mask", "causal") for o in ("dS first", "dV first")}, lines
     assert all(loads[m, "dS first"] < loads[m, "dV first"] for m in ("no mask", "causal")), lines
 
@@ -369,10 +378,7 @@ def test_the_gluon_backwards_mask_loop_leaves_the_mask_out_of_the_other_tiles_lo
     holds the mask's selects (FSEL), behind a branch; with two loops, a loop without a select, shorter than the
     one loop, runs the tiles that need no mask."""
     lines = cross_compile.in_fresh_process("--schedule", "gluon_bwd", "--mask-loop", "--head-dim", "64")
-    loops = {}
-    for line in lines.splitlines()[1:]:
-        mask, way, counts = re.match(r"\s+(no mask|causal)\s+(two loops|one loop):\s+(.*)", line).groups()
-        loops[mask, way] = [tuple(int(x) for x in c.split(" / ")) for c in counts.split("   ")]
+    loops = cross_compile.read_both_ways(lines)
     assert set(loops) == {(m, w) for m in ("no mask", "causal") for w in ("two loops", "one loop")}, lines
     for mask in ("no mask", "causal"):
         one = loops[mask, "one loop"]

@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -336,51 +337,69 @@ def _hgmma_loops(sass: str) -> list[list[str]]:
     return [ops for ops in loops if any(op.startswith("HGMMA") for op in ops)]
 
 
+def _loop_counts(sass: str, *prefixes: str, length: bool = False) -> list[tuple[int, ...]]:
+    """Per innermost loop of `sass` that issues HGMMA (_hgmma_loops): its instruction count (with `length`), then
+    how many of its opcodes start with each of `prefixes`."""
+    return [(len(ops),) * length + tuple(sum(op.startswith(p) for op in ops) for p in prefixes)
+            for ops in _hgmma_loops(sass)]
+
+
 def local_memory(sass: str) -> list[tuple[int, int]]:
     """(STL, LDL) of each innermost loop of `sass` that issues HGMMA (_hgmma_loops): the registers ptxas stores to
     local memory and loads back in one turn of the loop."""
-    return [(sum(op.startswith("STL") for op in ops), sum(op.startswith("LDL") for op in ops))
-            for ops in _hgmma_loops(sass)]
+    return _loop_counts(sass, "STL", "LDL")
 
 
 def loop_instructions(sass: str) -> list[tuple[int, int]]:
     """(instructions, FMUL) of each innermost loop of `sass` that issues HGMMA (_hgmma_loops)."""
-    return [(len(ops), sum(op.startswith("FMUL") for op in ops)) for ops in _hgmma_loops(sass)]
+    return _loop_counts(sass, "FMUL", length=True)
 
 
 def dq_staging(sass: str) -> list[tuple[int, int]]:
     """(shared stores, TMA reduce-adds) of each innermost loop of `sass` that issues HGMMA (_hgmma_loops): STS and
     UTMAREDG, the instructions that stage dQ and add it to the accumulator."""
-    return [(sum(op.startswith("STS") for op in ops), sum(op.startswith("UTMAREDG") for op in ops))
-            for ops in _hgmma_loops(sass)]
+    return _loop_counts(sass, "STS", "UTMAREDG")
 
 
 def mask_selects(sass: str) -> list[tuple[int, int, int]]:
     """(instructions, FSEL, LDL) of each innermost loop of `sass` that issues HGMMA (_hgmma_loops): FSEL is the
     mask's select (-inf where a key is hidden), LDL a spilled register's reload."""
-    return [(len(ops), sum(op.startswith("FSEL") for op in ops), sum(op.startswith("LDL") for op in ops))
-            for ops in _hgmma_loops(sass)]
+    return _loop_counts(sass, "FSEL", "LDL", length=True)
 
 
+# The steps measured before Config.mask_loop existed are compiled with the one loop they were measured with.
+_ONE_LOOP = {"mask_loop": False}
 # The Config fields worklog 07w section 5 compiles both ways, by the CLI flag that prints them: (field, {way: value},
-# what to count in each consumer's tile loop, what the count's pair reads).
+# what to count in each consumer's tile loop, what the count reads, the other fields held fixed).
 BOTH_WAYS = {"dq_fragments": ("dq_fragments", {"fragments": True, "rows": False}, dq_staging,
-                              "shared stores / TMA reduce-adds"),
-             "scaled_p": ("scaled_p", {"scale·P": True, "P": False}, loop_instructions, "instructions / FMUL"),
-             "local_memory": ("ds_first", {"dS first": True, "dV first": False}, local_memory, "local stores / loads"),
+                              "shared stores / TMA reduce-adds", _ONE_LOOP),
+             "scaled_p": ("scaled_p", {"scale·P": True, "P": False}, loop_instructions, "instructions / FMUL",
+                          _ONE_LOOP),
+             "local_memory": ("ds_first", {"dS first": True, "dV first": False}, local_memory, "local stores / loads",
+                              _ONE_LOOP),
              "mask_loop": ("mask_loop", {"two loops": True, "one loop": False}, mask_selects,
-                           "instructions / FSEL / LDL")}
+                           "instructions / FSEL / LDL", {})}
 
 
 def gluon_bwd_both_ways(flag: str, head_dim: int = 64, causal: bool = False, capability=(9, 0)) -> dict[str, list]:
     """The one-kernel Gluon backward's picked config compiled for `capability` with the Config field of
-    BOTH_WAYS[flag] set each way: {way: count(sass)}, one pair per consumer's tile loop. The fields measured
-    before mask_loop are compiled with the one loop they were measured with."""
-    field, ways, count, _ = BOTH_WAYS[flag]
-    base = {} if field == "mask_loop" else {"mask_loop": False}
-    return {name: count(compile_launch(_gluon_bwd_launch(head_dim, causal, **base, **{field: value}),
+    BOTH_WAYS[flag] set each way (and its fixed fields): {way: count(sass)}, one tuple per consumer's tile loop."""
+    field, ways, count, _, fixed = BOTH_WAYS[flag]
+    return {name: count(compile_launch(_gluon_bwd_launch(head_dim, causal, **fixed, **{field: value}),
                                        capability).asm["sass"])
             for name, value in ways.items()}
+
+
+def read_both_ways(text: str) -> dict[tuple[str, str], list[tuple[int, ...]]]:
+    """What `--schedule gluon_bwd --<flag>` printed (`text`, its heading line first), read back: {(mask, way): one
+    tuple of counts per consumer's tile loop}, mask "no mask" or "causal", way as BOTH_WAYS names it."""
+    counts = {}
+    for line in text.splitlines()[1:]:
+        label, numbers = line.split(":", 1)
+        mask = "no mask" if label.strip().startswith("no mask") else "causal"
+        counts[mask, label.strip()[len(mask):].strip()] = [tuple(map(int, c.split(" / ")))
+                                                          for c in re.findall(r"\d+(?: / \d+)+", numbers)]
+    return counts
 
 
 def in_fresh_process(*args: str, timeout: int = 900) -> str:
