@@ -375,8 +375,9 @@ BOTH_WAYS = {"dq_fragments": ("dq_fragments", {"fragments": True, "rows": False}
                               "shared stores / TMA reduce-adds", _ONE_LOOP),
              "scaled_p": ("scaled_p", {"scale·P": True, "P": False}, loop_instructions, "instructions / FMUL",
                           _ONE_LOOP),
+             # today's loops: with the one-compare mask the one loop's spills no longer follow the order
              "local_memory": ("ds_first", {"dS first": True, "dV first": False}, local_memory, "local stores / loads",
-                              _ONE_LOOP),
+                              {}),
              "mask_loop": ("mask_loop", {"two loops": True, "one loop": False}, mask_selects,
                            "instructions / FSEL / LDL", {})}
 

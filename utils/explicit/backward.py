@@ -48,7 +48,9 @@ Choices in the schedule (worklog 07w section 5 measures each one from its stored
     casts it;
   - causal at head dim 64 (`mask_loop`) the tiles that need a mask (the diagonal's; a ragged key block's: all)
     run first, in a loop of their own, and the rest in a loop without the mask's test and branch (FlashAttention-3
-    separates its masking steps so). At 128 the two loops spill registers and measured slower.
+    separates its masking steps so). At 128 the two loops spill registers and measured slower;
+  - the mask is one compare per element: per key, the first query row that sees it (none past the last key),
+    against the tile's column.
 
 The reduce-adds from the programs of one head arrive in any order, so dQ's last bits vary from run to run
 (notebook 07's dQ pass is deterministic); dK and dV do not. Gluon has no interpreter: the kernel runs on sm_90
@@ -257,6 +259,13 @@ def _consumer(dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, lse_sm
     offs_n = key0 + gl.arange(0, SUB, layout=gl.SliceLayout(1, st_layout))
     causal_offset = seqlen_k - seqlen_q
     ragged = key0 + SUB > seqlen_k
+    # The mask as one compare per element: key n is hidden from the query rows before first_row[n] (causal: row
+    # i sees key j <= i + seqlen_k - seqlen_q), and from every row when n is past the last key.
+    if CAUSAL:
+        first_row = offs_n - causal_offset
+    else:
+        first_row = offs_n * 0
+    first_row = gl.where(offs_n < seqlen_k, first_row, 1 << 30)
     st_zero = gl.zeros([SUB, BLOCK_M], gl.float32, st_layout)
     dq_zero = gl.zeros([DQR, COLS], gl.float32, dq_layout)
     if DQ_FRAGMENTS:   # in register order (FRAGMENT_BASES)
@@ -310,12 +319,9 @@ def _consumer(dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, lse_sm
                     masked = ragged
                     if CAUSAL:   # query i sees key j <= i + seqlen_k - seqlen_q; only the tiles on the diagonal need it
                         masked = masked | (start_m + causal_offset < key0 + SUB - 1)
-                if masked:
-                    offs_m = start_m + gl.arange(0, BLOCK_M, layout=col_st)
-                    keep = offs_n[:, None] < seqlen_k
-                    if CAUSAL:
-                        keep = keep & (offs_n[:, None] <= offs_m[None, :] + causal_offset)
-                    st = gl.where(keep, st, float("-inf"))
+                if masked:   # the tile's column j is query row start_m + j
+                    cols = gl.arange(0, BLOCK_M, layout=col_st)
+                    st = gl.where(cols[None, :] >= (first_row - start_m)[:, None], st, float("-inf"))
                 pt = gl.exp2(st * qk_scale - lse2[None, :])
                 if DS_FIRST:   # Pᵀ's registers stay free while dSᵀ forms (a running product holds its operand)
                     dpt, _, _ = warpgroup_mma_wait(0, deps=(dpt, v, do))
