@@ -39,6 +39,14 @@ def test_inputs_are_checked_before_anything_is_built():
         gb.flash_attention_backward(do[:, :, :8], q, k, v, o, lse)
 
 
+@pytest.mark.parametrize("seqlen_k, error, match", [(0, ValueError, "seqlen_k must be >= 1"),
+                                                     (2048.0, TypeError, "seqlen_k must be an int"),
+                                                     (True, TypeError, "seqlen_k must be an int")])
+def test_a_bad_length_for_pick_config_is_named(seqlen_k, error, match):
+    with pytest.raises(error, match=match):
+        gb.pick_config(64, True, seqlen_k)
+
+
 @pytest.mark.parametrize("config,head_dim,error,match", [
     ((64, 2, 240), 64, TypeError, "config must be a utils.explicit.backward.Config"),
     (gb.Config(32, 2, 240), 64, ValueError, "block_m must be 64 or 128"),
@@ -67,6 +75,12 @@ def test_the_picked_configs_are_valid_and_use_wide_tiles_where_registers_allow()
     assert gb.check_config(gb.pick_config(128), 128).block_m == 64
     # launched in groups of (batch, head)s where it measured faster: causal at head dim 128 only
     assert [gb.pick_config(d, causal).bh_group for d in (64, 128) for causal in (False, True)] == [0, 0, 0, 4]
+    # with the length known, causal: a group's key blocks make about one wave, at least four heads at 128;
+    # a group of one head is no group
+    lengths = (1024, 2048, 4096, 8192, 16384)
+    assert [gb.pick_config(64, True, n).bh_group for n in lengths] == [16, 8, 4, 2, 0]
+    assert [gb.pick_config(128, True, n).bh_group for n in lengths] == [16, 8, 4, 4, 4]
+    assert {gb.pick_config(d, False, n).bh_group for d in (64, 128) for n in lengths} == {0}
     # dSᵀ before dV's product where that measured faster: all but head dim 128 without a mask
     assert [gb.pick_config(d, causal).ds_first for d in (64, 128) for causal in (False, True)] == [
         True, True, False, True]

@@ -184,6 +184,11 @@ REFERENCES = {
     "backward_gluon_mask_loop": (1, ["utils.course.bench.backward", "--backends", "gluon_bwd_mask_loop",
                                      "gluon_bwd_one_loop", "--seqlens", "2048", "4096", "8192", "16384",
                                      "--rounds", "3", "--out", "images/07w_gluon_bwd_mask_loop_h200.json"]),
+    # ... causal, with the programs launched head by head and in groups of 2 to 16 heads (Config.bh_group)
+    "backward_gluon_groups": (1, ["utils.course.bench.backward", "--backends", "gluon_bwd", "gluon_bwd_by_head",
+                                  "gluon_bwd_group2", "gluon_bwd_grouped", "gluon_bwd_group8", "gluon_bwd_group16",
+                                  "--masks", "causal", "--seqlens", "2048", "4096", "8192", "16384", "--rounds", "3",
+                                  "--out", "images/07w_gluon_bwd_groups_h200.json"]),
     # one profiled launch of each pass of the Triton backward per load step (worklog 07w, sections 2 and 3;
     # needs ncu): d = 64 without a mask, d = 128 without and with one
     "backward_ncu_d64": (1, ["utils.course.bench.ncu", "--worklog", "triton_bwd", "--head-dim", "64", "--seqlen", "4096",

@@ -32,8 +32,9 @@ Choices in the schedule (worklog 07w section 5 measures each one from its stored
     does, and the consumers only stage dQ and hand it over (a dq_full and a dq_empty barrier per consumer);
   - lse2 and D arrive by TMA with Q and dO and are read from shared memory when needed, so they hold no
     registers across the wgmma waits;
-  - causal at head dim 128, the programs are launched four (batch, K/V head)s at a time, key block by key
-    block (Config.bh_group), not head by head: programs of about the same length run side by side;
+  - causal, the programs are launched a group of (batch, K/V head)s at a time, key block by key block
+    (Config.bh_group), not head by head: programs of about the same length run side by side. A group's key
+    blocks make about one wave of programs, at least four heads at head dim 128;
   - at head dim 64, and causal at 128 (`ds_first`), dSᵀ is formed before dV's product is issued, as
     FlashAttention-3 orders them (06c's CUDA backward: step dv_late). A running product holds its register
     operand (Pᵀ); at 64, with Pᵀ held while dSᵀ forms, the consumers' loops reload about twice as many spilled
@@ -89,6 +90,7 @@ from utils.tiled.fast.launch import FastLauncher
 
 SUB_N = 64              # keys per consumer warpgroup
 BLOCK_N = 2 * SUB_N     # keys per program
+WAVE = 128              # programs in about one wave: one per SM of an H100/H200 (132 SMs)
 DQ_ROWS = 64            # rows of a dQ reduce box
 DQ_COLS = 32            # columns of a dQ reduce box: an fp32 TMA box row of 128 bytes (the 128-byte swizzle)
 _barrier = fg._cta_barrier
@@ -113,16 +115,26 @@ class Config(NamedTuple):
     mask_loop: bool = False    # the tiles that need a mask run in a loop of their own, the rest without its branch
 
 
-def pick_config(head_dim: int, causal: bool = False) -> Config:
+def pick_config(head_dim: int, causal: bool = False, seqlen_k: int | None = None) -> Config:
     """128-row tiles and Sᵀ prefetched at head dim 64; at 128 the registers of dK, dV (64 keys × 128 fp32
-    each) leave room for 64-row tiles only, and none for a prefetched Sᵀ beside the dQ block. Causal at 128:
-    programs launched four (batch, K/V head)s at a time (`bh_group`). dSᵀ formed before dV's product is issued
-    (`ds_first`) at 64 and causal at 128; P scaled (`scaled_p`) and dQ staged in register order
-    (`dq_fragments`) at 64; the masked tiles in a loop of their own (`mask_loop`) causal at 64. Worklog 07w
-    section 5 has the runs."""
+    each) leave room for 64-row tiles only, and none for a prefetched Sᵀ beside the dQ block. Causal, the
+    programs are launched in groups of (batch, K/V head)s (`bh_group`) whose key blocks make about one wave
+    (WAVE programs) for `seqlen_k` keys, at least four at head dim 128 (`seqlen_k` None: four at 128, none at
+    64). dSᵀ formed before dV's product is issued (`ds_first`) at 64 and causal at 128; P scaled (`scaled_p`)
+    and dQ staged in register order (`dq_fragments`) at 64; the masked tiles in a loop of their own
+    (`mask_loop`) causal at 64. Worklog 07w section 5 has the runs."""
+    if seqlen_k is not None:
+        if isinstance(seqlen_k, bool) or not isinstance(seqlen_k, int):
+            raise TypeError(f"seqlen_k must be an int or None, got {type(seqlen_k).__name__}")
+        if seqlen_k < 1:
+            raise ValueError(f"seqlen_k must be >= 1, got {seqlen_k}")
+    least = 4 if head_dim == 128 else 0   # at 128 grouping paid at every length probed
+    group = least if seqlen_k is None else max(WAVE // triton.cdiv(seqlen_k, BLOCK_N), least)
+    group = group if causal and group > 1 else 0   # a group of one head is the launch head by head
     if head_dim == 64:
-        return Config(128, 2, 240, True, ds_first=True, scaled_p=True, dq_fragments=True, mask_loop=causal)
-    return Config(64, 2, 240, False, bh_group=4 if causal else 0, ds_first=causal)
+        return Config(128, 2, 240, True, bh_group=group, ds_first=True, scaled_p=True, dq_fragments=True,
+                      mask_loop=causal)
+    return Config(64, 2, 240, False, bh_group=group, ds_first=causal)
 
 
 def check_config(config, head_dim: int) -> Config:
@@ -262,10 +274,9 @@ def _consumer(dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, lse_sm
     # The mask as one compare per element: key n is hidden from the query rows before first_row[n] (causal: row
     # i sees key j <= i + seqlen_k - seqlen_q), and from every row when n is past the last key.
     if CAUSAL:
-        first_row = offs_n - causal_offset
+        first_row = gl.where(offs_n < seqlen_k, offs_n - causal_offset, 1 << 30)
     else:
-        first_row = offs_n * 0
-    first_row = gl.where(offs_n < seqlen_k, first_row, 1 << 30)
+        first_row = gl.where(offs_n < seqlen_k, 0, 1 << 30)
     st_zero = gl.zeros([SUB, BLOCK_M], gl.float32, st_layout)
     dq_zero = gl.zeros([DQR, COLS], gl.float32, dq_layout)
     if DQ_FRAGMENTS:   # in register order (FRAGMENT_BASES)
@@ -569,7 +580,7 @@ def _choose(do, q, k, v, o, lse, causal, sm_scale, config) -> tuple:
                                          head_dims=fg.HEAD_DIMS, dtypes=fg.DTYPES)
     check_device("q", q, "cuda")
     fg.check_sm90(q, "utils.explicit.backward.flash_attention_backward")
-    return shape, scale, (pick_config(shape.head_dim, causal) if config is None
+    return shape, scale, (pick_config(shape.head_dim, causal, k.shape[2]) if config is None
                           else check_config(config, shape.head_dim))
 
 

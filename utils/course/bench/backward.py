@@ -8,7 +8,8 @@ Triton backward with its loads pinned, worklog 07w sections 2 and 3), triton_ato
 added by the dK/dV pass instead of a dQ pass, with an atomic add per element or a TMA bulk reduce-add per tile,
 section 4; these five run the worklog's copy of the kernels, utils.course.worklogs.triton_backward),
 gluon_bwd (the one-kernel warp-specialised Gluon backward of section 5, sm_90 only; gluon_bwd_by_head
-and gluon_bwd_grouped: its programs launched head by head, or in groups of 4 heads, on every shape;
+and gluon_bwd_group2, gluon_bwd_grouped, gluon_bwd_group8, gluon_bwd_group16: its programs launched head by
+head, or in groups of 2, 4, 8 or 16 heads, on every shape;
 gluon_bwd_dq_writer: its dQ reduce-adds issued by a warp of their own; gluon_bwd_ds_first and
 gluon_bwd_dv_first: dSᵀ formed before dV's product is issued, or after, on every shape; gluon_bwd_scaled_p
 and gluon_bwd_plain_p: P computed as scale·P or as P, on every shape; gluon_bwd_fragments and
@@ -43,10 +44,13 @@ CUDA_BACKENDS = tuple(f"cuda_{step}" for step in BWD_STEPS)
 # ... and cuda_hopper_*: notebook 06c's backward in each of its steps ("cuda_hopper": its default step).
 HOPPER_BACKENDS = tuple(f"cuda_hopper_{step}" for step in HOPPER_BWD_STEPS)
 # The Gluon backward with fields of its Config (utils.explicit.backward) pinned on every shape, where "gluon_bwd"
-# takes pick_config's: the launch order (bh_group), a warp of its own issuing dQ's reduce-adds (dq_writer), dSᵀ
-# formed before dV's product or after it (ds_first), P computed as scale·P or as P (scaled_p), dQ staged in
-# register order or by rows (dq_fragments), the masked tiles in a loop of their own or not (mask_loop).
+# takes pick_config's: the launch order (bh_group: head by head or groups of 2 to 16 heads), a warp of its own
+# issuing dQ's reduce-adds (dq_writer), dSᵀ formed before dV's product or after it (ds_first), P computed as
+# scale·P or as P (scaled_p), dQ staged in register order or by rows (dq_fragments), the masked tiles in a loop
+# of their own or not (mask_loop).
 GLUON_PINNED = {"gluon_bwd_by_head": dict(bh_group=0), "gluon_bwd_grouped": dict(bh_group=4),
+                "gluon_bwd_group2": dict(bh_group=2), "gluon_bwd_group8": dict(bh_group=8),
+                "gluon_bwd_group16": dict(bh_group=16),
                 "gluon_bwd_dq_writer": dict(dq_writer=True),
                 "gluon_bwd_ds_first": dict(ds_first=True), "gluon_bwd_dv_first": dict(ds_first=False),
                 "gluon_bwd_scaled_p": dict(scaled_p=True), "gluon_bwd_plain_p": dict(scaled_p=False),
@@ -101,7 +105,7 @@ def _gluon_backward(**changes):
         from utils.tiled.fast.forward import flash_attention_forward
 
         o, lse = flash_attention_forward(q, k, v, causal=causal)
-        config = pick_config(q.shape[-1], causal)._replace(**changes) if changes else None
+        config = pick_config(q.shape[-1], causal, k.shape[2])._replace(**changes) if changes else None
         return lambda: flash_attention_gluon_backward(do, q, k, v, o, lse, causal=causal, config=config)
     return prepare
 
@@ -280,6 +284,7 @@ def load_results(path) -> tuple[dict, list[dict]]:
 # a colour per backend the plot can meet (tests hold that KNOWN is covered)
 COLORS = {"triton": "C0", "sdpa_flash": "C1", "sdpa_cudnn": "C2", "sdpa_efficient": "C3", "triton_tutorial": "C4",
           "gluon_bwd": "m", "gluon_bwd_by_head": "tab:pink", "gluon_bwd_grouped": "tab:olive",
+          "gluon_bwd_group2": "lightcoral", "gluon_bwd_group8": "darkkhaki", "gluon_bwd_group16": "darkgoldenrod",
           "gluon_bwd_dq_writer": "tab:purple", "gluon_bwd_ds_first": "teal", "gluon_bwd_dv_first": "salmon",
           "gluon_bwd_scaled_p": "darkcyan", "gluon_bwd_plain_p": "peru", "gluon_bwd_fragments": "olive",
           "gluon_bwd_row_boxes": "rosybrown", "gluon_bwd_mask_loop": "slateblue", "gluon_bwd_one_loop": "khaki",
@@ -339,6 +344,8 @@ def parse_args(argv=None):
                         default=list(BACKENDS), help="the tutorial is added by --peers")
     parser.add_argument("--seqlens", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--masks", nargs="+", choices=["full", "causal"], default=["full", "causal"],
+                        help="without the causal mask, with it, or both")
     parser.add_argument("--rounds", type=int, default=1, help="time each shape this often, in rotated order")
     peers.add_arguments(parser, choices=("triton-tutorial",))  # warp specialization only changes its forward
     return parser.parse_args(argv)
@@ -353,7 +360,8 @@ def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     tutorial = peers.from_args(args).get("triton-tutorial")
     backends = [*args.backends, *(["triton_tutorial"] if tutorial else [])]
-    rows = run_backward_benchmark(tuple(args.seqlens), tuple(args.head_dims), dtype=DTYPES[args.dtype],
+    causal = tuple(m == "causal" for m in dict.fromkeys(args.masks))
+    rows = run_backward_benchmark(tuple(args.seqlens), tuple(args.head_dims), causal, dtype=DTYPES[args.dtype],
                                   backends=backends, tutorial=tutorial, rounds=args.rounds)
     command = "python -m utils.course.bench.backward " + " ".join(sys.argv[1:] if argv is None else argv)
     env = gpu.environment(command)
@@ -365,8 +373,8 @@ def main(argv=None) -> list[dict]:
     if any(b.startswith("gluon_bwd") for b in backends):   # gluon_bwd's picked tiles and launch order
         from utils.explicit.backward import pick_config
 
-        extra["gluon_configs"] = {f"d{d}_{'causal' if c else 'full'}": pick_config(d, c)._asdict()
-                                  for d in args.head_dims for c in (False, True)}
+        extra["gluon_configs"] = {f"d{d}_{'causal' if c else 'full'}_n{n}": pick_config(d, c, n)._asdict()
+                                  for d in args.head_dims for c in causal for n in args.seqlens}
     save_results(rows, args.out, environment=env, gpu=env["gpu"], torch=env["torch"], triton=env["triton"],
                  batch=4, heads=16, dtype=str(DTYPES[args.dtype]).removeprefix("torch."), rounds=args.rounds, **extra)
     plot_backward_benchmark(rows, f"{env['gpu']}, {args.dtype}, B=4, H=16").savefig(args.out.with_suffix(".png"),
