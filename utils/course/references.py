@@ -189,6 +189,11 @@ REFERENCES = {
                                   "gluon_bwd_group2", "gluon_bwd_grouped", "gluon_bwd_group8", "gluon_bwd_group16",
                                   "--masks", "causal", "--seqlens", "2048", "4096", "8192", "16384", "--rounds", "3",
                                   "--out", "images/07w_gluon_bwd_groups_h200.json"]),
+    # ... dK's product issued after dQ's or before, and after with dSᵀ formed first (Config.dq_first)
+    "backward_gluon_dq_first": (1, ["utils.course.bench.backward", "--backends", "gluon_bwd_dk_first",
+                                    "gluon_bwd_dq_first", "gluon_bwd_dq_ds_first", "--seqlens", "2048", "4096",
+                                    "8192", "16384", "--rounds", "3", "--out",
+                                    "images/07w_gluon_bwd_dq_first_h200.json"]),
     # one profiled launch of each pass of the Triton backward per load step (worklog 07w, sections 2 and 3;
     # needs ncu): d = 64 without a mask, d = 128 without and with one
     "backward_ncu_d64": (1, ["utils.course.bench.ncu", "--worklog", "triton_bwd", "--head-dim", "64", "--seqlen", "4096",

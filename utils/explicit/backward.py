@@ -51,7 +51,9 @@ Choices in the schedule (worklog 07w section 5 measures each one from its stored
     run first, in a loop of their own, and the rest in a loop without the mask's test and branch (FlashAttention-3
     separates its masking steps so). At 128 the two loops spill registers and measured slower;
   - the mask is one compare per element: per key, the first query row that sees it (none past the last key),
-    against the tile's column.
+    against the tile's column;
+  - dK's product is issued before the consumers meet, not after the dQ block's as FlashAttention-3 and -4 order
+    them (`dq_first`: dQ is then staged while dK runs). The two orders measured level.
 
 The reduce-adds from the programs of one head arrive in any order, so dQ's last bits vary from run to run
 (notebook 07's dQ pass is deterministic); dK and dV do not. Gluon has no interpreter: the kernel runs on sm_90
@@ -113,6 +115,7 @@ class Config(NamedTuple):
     scaled_p: bool = False     # P computed as scale·P, so dSᵀ carries dQ's and dK's scale (no multiply per tile)
     dq_fragments: bool = False  # dQ staged and accumulated in register order (one reduce-add a tile), not by rows
     mask_loop: bool = False    # the tiles that need a mask run in a loop of their own, the rest without its branch
+    dq_first: bool = False     # dK's product issued after dQ's, so that dQ is staged while dK runs
 
 
 def pick_config(head_dim: int, causal: bool = False, seqlen_k: int | None = None) -> Config:
@@ -166,6 +169,8 @@ def check_config(config, head_dim: int) -> Config:
         raise TypeError(f"config.dq_fragments must be a bool, got {type(config.dq_fragments).__name__}")
     if not isinstance(config.mask_loop, bool):
         raise TypeError(f"config.mask_loop must be a bool, got {type(config.mask_loop).__name__}")
+    if not isinstance(config.dq_first, bool):
+        raise TypeError(f"config.dq_first must be a bool, got {type(config.dq_first).__name__}")
     if config.dq_fragments and head_dim == 64 and config.block_m != 128:
         raise ValueError("config.dq_fragments needs a 64 × 64 dQ block per consumer: block_m 128 at head dim 64")
     if config.dq_fragments and config.dq_writer:
@@ -241,7 +246,7 @@ def _consumer(dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, lse_sm
               seqlen_q, seqlen_k, qk_scale, sm_scale, W: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
               BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PREFETCH_S: gl.constexpr,
               DQ_WRITER: gl.constexpr, DS_FIRST: gl.constexpr, SCALED_P: gl.constexpr,
-              DQ_FRAGMENTS: gl.constexpr, MASK_LOOP: gl.constexpr):
+              DQ_FRAGMENTS: gl.constexpr, MASK_LOOP: gl.constexpr, DQ_FIRST: gl.constexpr):
     SUB: gl.constexpr = dk_desc.block_type.shape[2]
     dtype: gl.constexpr = dk_desc.dtype
     # This consumer's half of the tile's dQ: a (DQR × COLS) block at rows r0, columns c0; it leaves in NB boxes
@@ -344,24 +349,31 @@ def _consumer(dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, lse_sm
                     dpt, _, _ = warpgroup_mma_wait(1, deps=(dpt, v, do))
                     delta = delta_smem.index(slot).reshape([BLOCK_M]).load(col_st)
                     dst = (pt * (dpt - delta[None, :])).to(dtype)
-                dk = warpgroup_mma(gl.convert_layout(dst, op_layout), q, dk, is_async=True)
+                ds_op = gl.convert_layout(dst, op_layout)
+                if not DQ_FIRST:
+                    dk = warpgroup_mma(ds_op, q, dk, is_async=True)
                 buf = (t % 2) * 2       # dSᵀ double-buffered: the other consumer may still read the previous tile's
                 ds_smem.index(buf + W).store(dst)
                 fence_async_shared()
                 if not DQ_WRITER:
                     tma.store_wait(0)   # the previous tile's reduces have read the staging buffers
                 _pair_barrier(t)        # both halves of dSᵀ are in place (and every thread of ours passed store_wait)
-                dv, _ = warpgroup_mma_wait(1, deps=(dv, do))   # dV done, dK still running
+                if not DQ_FIRST:
+                    dv, _ = warpgroup_mma_wait(1, deps=(dv, do))   # dV done, dK still running
                 if SPLIT_ROWS:   # dS rows r0.. (dSᵀ columns), each key half
                     ds0 = ds_smem.index(buf).slice(r0, DQR, dim=1).permute((1, 0))
                     ds1 = ds_smem.index(buf + 1).slice(r0, DQR, dim=1).permute((1, 0))
                 else:
                     ds0 = ds_smem.index(buf).permute((1, 0))
                     ds1 = ds_smem.index(buf + 1).permute((1, 0))
-                # dQ block = dS K[:, c0:c0 + COLS] over both key halves; dK was issued first: it is done too.
+                # dQ block = dS K[:, c0:c0 + COLS] over both key halves
                 acc = warpgroup_mma(ds0, k0.slice(c0, COLS, dim=1), dq_zero, use_acc=False, is_async=True)
                 acc = warpgroup_mma(ds1, k1.slice(c0, COLS, dim=1), acc, is_async=True)
-                acc, dk, _, _, _ = warpgroup_mma_wait(0, deps=(acc, dk, q, ds0, ds1))
+                if DQ_FIRST:   # dK runs while dQ is staged and handed over; waited for before the slot is freed
+                    dk = warpgroup_mma(ds_op, q, dk, is_async=True)
+                    acc, dv, _, _, _ = warpgroup_mma_wait(1, deps=(acc, dv, do, ds0, ds1))
+                else:          # dK was issued first: it is done too
+                    acc, dk, _, _, _ = warpgroup_mma_wait(0, deps=(acc, dk, q, ds0, ds1))
                 if DQ_WRITER:   # the writer has read the last tile's dQ (a fresh barrier passes at once)
                     mbarrier.wait(dq_empty.index(W), (t & 1) ^ 1)
                 if SCALED_P:   # dSᵀ carries the scale
@@ -385,6 +397,8 @@ def _consumer(dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, lse_sm
                     else:
                         for c in gl.static_range(NB):
                             _tma_reduce_add(dq_desc, [row, start_m + r0, c0 + c * DQC], stage_smem.index(W * NB + c))
+                if DQ_FIRST:   # dK has read Q (the next tile's Sᵀ, prefetched, may still run)
+                    dk, _ = warpgroup_mma_wait(1 if PREFETCH_S else 0, deps=(dk, q))
                 mbarrier.arrive(empty.index(slot))             # done with Q, dO, lse2, D of this tile
                 if PREFETCH_S:
                     st, _ = warpgroup_mma_wait(0, deps=(st, k))
@@ -432,7 +446,8 @@ def gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
                      GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                      CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, PREFETCH_S: gl.constexpr,
                      BH_GROUP: gl.constexpr, DQ_WRITER: gl.constexpr, DS_FIRST: gl.constexpr,
-                     SCALED_P: gl.constexpr, DQ_FRAGMENTS: gl.constexpr, MASK_LOOP: gl.constexpr):
+                     SCALED_P: gl.constexpr, DQ_FRAGMENTS: gl.constexpr, MASK_LOOP: gl.constexpr,
+                     DQ_FIRST: gl.constexpr):
     SUB: gl.constexpr = k_desc.block_type.shape[2]
     pid_n = gl.program_id(0)
     pid_bh = gl.program_id(1)
@@ -491,11 +506,13 @@ def gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
             (_consumer, (dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
                          stage_smem, kv_bar, full, empty, dq_full, dq_empty, b, hk, heads, first_m, n_m, n_tiles,
                          start_n, seqlen_q, seqlen_k, qk_scale, sm_scale, 0, GROUP, HEAD_DIM, BLOCK_M, STAGES,
-                         CAUSAL, PREFETCH_S, DQ_WRITER, DS_FIRST, SCALED_P, DQ_FRAGMENTS, MASK_LOOP)),
+                         CAUSAL, PREFETCH_S, DQ_WRITER, DS_FIRST, SCALED_P, DQ_FRAGMENTS, MASK_LOOP,
+                         DQ_FIRST)),
             (_consumer, (dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
                          stage_smem, kv_bar, full, empty, dq_full, dq_empty, b, hk, heads, first_m, n_m, n_tiles,
                          start_n, seqlen_q, seqlen_k, qk_scale, sm_scale, 1, GROUP, HEAD_DIM, BLOCK_M, STAGES,
-                         CAUSAL, PREFETCH_S, DQ_WRITER, DS_FIRST, SCALED_P, DQ_FRAGMENTS, MASK_LOOP)),
+                         CAUSAL, PREFETCH_S, DQ_WRITER, DS_FIRST, SCALED_P, DQ_FRAGMENTS, MASK_LOOP,
+                         DQ_FIRST)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
                          lse_smem, delta_smem, kv_bar, full, empty, b, hk, heads, first_m, n_m, n_tiles, start_n,
                          GROUP, BLOCK_M, STAGES)),
@@ -507,11 +524,13 @@ def gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
             (_consumer, (dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
                          stage_smem, kv_bar, full, empty, dq_full, dq_empty, b, hk, heads, first_m, n_m, n_tiles,
                          start_n, seqlen_q, seqlen_k, qk_scale, sm_scale, 0, GROUP, HEAD_DIM, BLOCK_M, STAGES,
-                         CAUSAL, PREFETCH_S, DQ_WRITER, DS_FIRST, SCALED_P, DQ_FRAGMENTS, MASK_LOOP)),
+                         CAUSAL, PREFETCH_S, DQ_WRITER, DS_FIRST, SCALED_P, DQ_FRAGMENTS, MASK_LOOP,
+                         DQ_FIRST)),
             (_consumer, (dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
                          stage_smem, kv_bar, full, empty, dq_full, dq_empty, b, hk, heads, first_m, n_m, n_tiles,
                          start_n, seqlen_q, seqlen_k, qk_scale, sm_scale, 1, GROUP, HEAD_DIM, BLOCK_M, STAGES,
-                         CAUSAL, PREFETCH_S, DQ_WRITER, DS_FIRST, SCALED_P, DQ_FRAGMENTS, MASK_LOOP)),
+                         CAUSAL, PREFETCH_S, DQ_WRITER, DS_FIRST, SCALED_P, DQ_FRAGMENTS, MASK_LOOP,
+                         DQ_FIRST)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
                          lse_smem, delta_smem, kv_bar, full, empty, b, hk, heads, first_m, n_m, n_tiles, start_n,
                          GROUP, BLOCK_M, STAGES))],
@@ -690,7 +709,8 @@ def _main(q, k, causal: bool, scale: float, config: Config) -> tuple:
             dict(GROUP=h // hk, HEAD_DIM=d, BLOCK_M=config.block_m, STAGES=config.stages, CAUSAL=causal,
                  CONSUMER_REGS=config.consumer_regs, PREFETCH_S=config.prefetch_s, BH_GROUP=config.bh_group,
                  DQ_WRITER=config.dq_writer, DS_FIRST=config.ds_first, SCALED_P=config.scaled_p,
-                 DQ_FRAGMENTS=config.dq_fragments, MASK_LOOP=config.mask_loop, num_warps=4))
+                 DQ_FRAGMENTS=config.dq_fragments, MASK_LOOP=config.mask_loop, DQ_FIRST=config.dq_first,
+                 num_warps=4))
 
 
 def _launch(q, k, v, do, dk, dv, dq_acc, lse2, delta, causal: bool, scale: float, config: Config) -> None:
