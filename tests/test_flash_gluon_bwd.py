@@ -65,6 +65,9 @@ def test_a_bad_length_for_pick_config_is_named(seqlen_k, error, match):
     (gb.Config(64, 2, 240, dq_writer=True, dq_fragments=True), 128, ValueError, "do not go together"),
     (gb.Config(64, 2, 240, mask_loop="yes"), 128, TypeError, "mask_loop must be a bool"),
     (gb.Config(64, 2, 240, dq_first=0), 128, TypeError, "dq_first must be a bool"),
+    (gb.Config(64, 2, 240, free_early=1), 128, TypeError, "free_early must be a bool"),
+    (gb.Config(64, 2, 240, dq_writer=True, free_early=True), 128, ValueError, "free_early goes with neither"),
+    (gb.Config(128, 2, 240, True, dq_first=True, free_early=True), 64, ValueError, "free_early goes with neither"),
 ])
 def test_bad_configs_are_named(config, head_dim, error, match):
     with pytest.raises(error, match=match):
@@ -91,6 +94,9 @@ def test_the_picked_configs_are_valid_and_use_wide_tiles_where_registers_allow()
     # the masked tiles in a loop of their own where that measured faster: causal at head dim 64
     assert [gb.pick_config(d, causal).mask_loop for d in (64, 128) for causal in (False, True)] == [
         False, True, False, False]
+    # the ring slot freed before dQ's reduce-adds where that measured faster: head dim 64 without a mask
+    assert [gb.pick_config(d, causal).free_early for d in (64, 128) for causal in (False, True)] == [
+        True, False, False, False]
 
 
 @pytest.mark.parametrize("dq_writer", [False, True], ids=["consumers reduce", "dq writer"])
@@ -223,7 +229,7 @@ def test_dq_first_issues_dk_after_the_dq_chain_and_waits_for_it_after_the_reduce
 
     printed = script_in_fresh_process(
         "from utils.course import cross_compile as cc\n"
-        f"launch = cc._gluon_bwd_launch({head_dim}, False, dq_first=True)\n"
+        f"launch = cc._gluon_bwd_launch({head_dim}, False, dq_first=True, free_early=False)\n"
         "for line in cc.schedule(cc.compile_launch(launch, (9, 0)).asm['ptx'], cc.DQ_EVENTS):\n"
         "    print(line)\n")
     dk = f"wgmma×{gb.pick_config(head_dim).block_m // 16}"   # dK's K is the tile's rows, 16 a product
@@ -237,6 +243,50 @@ def test_dq_first_issues_dk_after_the_dq_chain_and_waits_for_it_after_the_reduce
         assert events[reduce + 1] == ("wait(1)" if gb.pick_config(head_dim).prefetch_s else "wait(0)"), events
 
 
+@pytest.mark.parametrize("free_early", [False, True], ids=["freed after", "freed early"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_free_early_frees_the_slot_before_the_reduce_adds_and_waits_in_one_thread(head_dim, free_early):
+    """Compiled for sm_90 here: with Config.free_early each consumer arrives on the ring slot's empty barrier
+    once dQ is staged, before it issues the reduce-adds, and its wait for the last tile's reduces
+    (cp.async.bulk.wait_group) is not followed by a warpgroup barrier: the pair barrier (bar) comes next.
+    Without it the wait syncs the warpgroup (bar×2 with the pair barrier) and the slot is freed after the
+    reduce-adds."""
+    from utils.course.cross_compile import script_in_fresh_process
+
+    printed = script_in_fresh_process(
+        "from utils.course import cross_compile as cc\n"
+        f"launch = cc._gluon_bwd_launch({head_dim}, False, free_early={free_early})\n"
+        "kinds = cc.DQ_EVENTS + (('mbarrier.arrive', 'arrive'),)\n"
+        "for line in cc.schedule(cc.compile_launch(launch, (9, 0)).asm['ptx'], kinds):\n"
+        "    print(line)\n")
+    loops = [line.split() for line in printed.splitlines() if "reduce" in line.split() or "reduce×2" in line.split()]
+    assert loops, printed
+    for events in loops:
+        after_wait = events[events.index("reduce-wait") + 1]
+        reduce = next(i for i, e in enumerate(events) if e.startswith("reduce") and e != "reduce-wait")
+        arrive = events.index("arrive")
+        if free_early:
+            assert after_wait == "bar" and arrive < reduce, events
+        else:
+            assert after_wait == "bar×2" and arrive > reduce, events
+
+
+@on_hopper
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_free_early_gives_the_picked_configs_gradients(head_dim, causal):
+    """Config.free_early on pick_config's config, with a ragged last tile and GQA."""
+    from utils.tiled.fast.forward import flash_attention_forward
+    from utils.course.testing import assert_gradients_close, random_qkv, reference_gradients
+
+    q, k, v = random_qkv(2, 4, 1000, 900, head_dim, kv_heads=2, dtype=torch.bfloat16, device="cuda", seed=13)
+    do = torch.randn_like(q)
+    o, lse = flash_attention_forward(q, k, v, causal=causal)
+    config = gb.pick_config(head_dim, causal, 900)._replace(free_early=True)
+    grads = gb.flash_attention_backward(do, q, k, v, o, lse, causal=causal, config=config)
+    assert_gradients_close(grads, reference_gradients(q, k, v, do, causal=causal), torch.bfloat16)
+
+
 @on_hopper
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -248,7 +298,7 @@ def test_dq_first_gives_the_picked_configs_gradients(head_dim, causal):
     q, k, v = random_qkv(2, 4, 1000, 900, head_dim, kv_heads=2, dtype=torch.bfloat16, device="cuda", seed=11)
     do = torch.randn_like(q)
     o, lse = flash_attention_forward(q, k, v, causal=causal)
-    config = gb.pick_config(head_dim, causal, 900)._replace(dq_first=True)
+    config = gb.pick_config(head_dim, causal, 900)._replace(dq_first=True, free_early=False)
     grads = gb.flash_attention_backward(do, q, k, v, o, lse, causal=causal, config=config)
     assert_gradients_close(grads, reference_gradients(q, k, v, do, causal=causal), torch.bfloat16)
 
@@ -284,18 +334,21 @@ def test_gradients_match_float64_on_odd_shapes(dtype, causal):
     (gb.Config(128, 2, 240, True, ds_first=True, scaled_p=True, dq_fragments=True, mask_loop=True), 64),
     (gb.Config(128, 2, 240, False, mask_loop=True), 64), (gb.Config(64, 2, 240, False, 4, mask_loop=True), 128),
     (gb.Config(128, 2, 240, True, ds_first=True, scaled_p=True, dq_fragments=True, mask_loop=True, dq_first=True), 64),
-    (gb.Config(64, 2, 240, False, 4, dq_first=True), 128), (gb.Config(64, 2, 240, dq_writer=True, dq_first=True), 128)],
+    (gb.Config(64, 2, 240, False, 4, dq_first=True), 128), (gb.Config(64, 2, 240, dq_writer=True, dq_first=True), 128),
+    (gb.Config(128, 2, 240, True, ds_first=True, scaled_p=True, dq_fragments=True, free_early=True), 64),
+    (gb.Config(64, 2, 240, False, 4, free_early=True), 128), (gb.Config(128, 1, 232, free_early=True), 64)],
     ids=["64x2 d64", "128x1 d64", "64x3 prefetch d64", "128x2 no prefetch d64", "64x3 prefetch d128",
          "groups of 3 d64", "groups of 3 d128", "one group of 4 d128", "dq writer d64", "dq writer d128",
          "dq writer 1 stage d64", "ds first d128", "dv first d64", "scaled p d128", "plain p d64",
          "dq writer scaled p d128", "dq fragments d64", "dq fragments d128", "mask loop d64",
-         "mask loop no prefetch d64", "mask loop d128", "dq first d64", "dq first d128", "dq first writer d128"])
+         "mask loop no prefetch d64", "mask loop d128", "dq first d64", "dq first d128", "dq first writer d128",
+         "free early d64", "free early d128", "free early 1 stage d64"])
 def test_every_config_gives_the_same_gradients(config, head_dim):
     """The dQ block's split (rows of a 128-row tile, else columns), prefetch_s, the launch order (bh_group:
     4 (batch, K/V head)s in groups of 3, the last group short, or in one group larger than there are) and the
     order of dSᵀ and dV's product (ds_first), P scaled or not (scaled_p), dQ's staging order (dq_fragments) and
     the masked tiles in a loop of their own (mask_loop: with GQA, one per query head) and dK's product issued
-    after dQ's (dq_first), beside the picked configs."""
+    after dQ's (dq_first) and the ring slot freed before the reduce-adds (free_early), beside the picked configs."""
     from utils.tiled.fast.forward import flash_attention_forward
     from utils.course.testing import assert_gradients_close, random_qkv, reference_gradients
 

@@ -194,6 +194,10 @@ REFERENCES = {
                                     "gluon_bwd_dq_first", "gluon_bwd_dq_ds_first", "--seqlens", "2048", "4096",
                                     "8192", "16384", "--rounds", "3", "--out",
                                     "images/07w_gluon_bwd_dq_first_h200.json"]),
+    # ... the ring slot freed before dQ's reduce-adds are issued, or after them (Config.free_early)
+    "backward_gluon_free_early": (1, ["utils.course.bench.backward", "--backends", "gluon_bwd_free_late",
+                                      "gluon_bwd_free_early", "--seqlens", "2048", "4096", "8192", "16384",
+                                      "--rounds", "3", "--out", "images/07w_gluon_bwd_free_early_h200.json"]),
     # one profiled launch of each pass of the Triton backward per load step (worklog 07w, sections 2 and 3;
     # needs ncu): d = 64 without a mask, d = 128 without and with one
     "backward_ncu_d64": (1, ["utils.course.bench.ncu", "--worklog", "triton_bwd", "--head-dim", "64", "--seqlen", "4096",

@@ -53,7 +53,10 @@ Choices in the schedule (worklog 07w section 5 measures each one from its stored
   - the mask is one compare per element: per key, the first query row that sees it (none past the last key),
     against the tile's column;
   - dK's product is issued before the consumers meet, not after the dQ block's as FlashAttention-3 and -4 order
-    them (`dq_first`: dQ is then staged while dK runs). The two orders measured level.
+    them (`dq_first`: dQ is then staged while dK runs). The two orders measured level;
+  - at head dim 64 without a mask (`free_early`) a consumer frees its ring slot as soon as its dQ block is
+    staged, before it issues the reduce-adds, and waits for the last tile's reduces in the one thread that issued
+    them (the pair barrier holds the others) rather than across its warpgroup.
 
 The reduce-adds from the programs of one head arrive in any order, so dQ's last bits vary from run to run
 (notebook 07's dQ pass is deterministic); dK and dV do not. Gluon has no interpreter: the kernel runs on sm_90
@@ -116,6 +119,8 @@ class Config(NamedTuple):
     dq_fragments: bool = False  # dQ staged and accumulated in register order (one reduce-add a tile), not by rows
     mask_loop: bool = False    # the tiles that need a mask run in a loop of their own, the rest without its branch
     dq_first: bool = False     # dK's product issued after dQ's, so that dQ is staged while dK runs
+    free_early: bool = False   # the ring slot freed once dQ is staged, before its reduce-adds are issued; the
+                               # last tile's reduces waited for by the thread that issued them only
 
 
 def pick_config(head_dim: int, causal: bool = False, seqlen_k: int | None = None) -> Config:
@@ -125,7 +130,8 @@ def pick_config(head_dim: int, causal: bool = False, seqlen_k: int | None = None
     (WAVE programs) for `seqlen_k` keys, at least four at head dim 128 (`seqlen_k` None: four at 128, none at
     64). dSᵀ formed before dV's product is issued (`ds_first`) at 64 and causal at 128; P scaled (`scaled_p`)
     and dQ staged in register order (`dq_fragments`) at 64; the masked tiles in a loop of their own
-    (`mask_loop`) causal at 64. Worklog 07w section 5 has the runs."""
+    (`mask_loop`) causal at 64; the ring slot freed before dQ's reduce-adds (`free_early`) at 64 without a mask.
+    Worklog 07w section 5 has the runs."""
     if seqlen_k is not None:
         if isinstance(seqlen_k, bool) or not isinstance(seqlen_k, int):
             raise TypeError(f"seqlen_k must be an int or None, got {type(seqlen_k).__name__}")
@@ -136,7 +142,7 @@ def pick_config(head_dim: int, causal: bool = False, seqlen_k: int | None = None
     group = group if causal and group > 1 else 0   # a group of one head is the launch head by head
     if head_dim == 64:
         return Config(128, 2, 240, True, bh_group=group, ds_first=True, scaled_p=True, dq_fragments=True,
-                      mask_loop=causal)
+                      mask_loop=causal, free_early=not causal)
     return Config(64, 2, 240, False, bh_group=group, ds_first=causal)
 
 
@@ -171,6 +177,11 @@ def check_config(config, head_dim: int) -> Config:
         raise TypeError(f"config.mask_loop must be a bool, got {type(config.mask_loop).__name__}")
     if not isinstance(config.dq_first, bool):
         raise TypeError(f"config.dq_first must be a bool, got {type(config.dq_first).__name__}")
+    if not isinstance(config.free_early, bool):
+        raise TypeError(f"config.free_early must be a bool, got {type(config.free_early).__name__}")
+    if config.free_early and (config.dq_writer or config.dq_first):
+        raise ValueError("config.free_early goes with neither dq_writer nor dq_first: with the writer the consumers "
+                         "do not issue the reduce-adds, and with dq_first dK's product still reads Q when dQ is staged")
     if config.dq_fragments and head_dim == 64 and config.block_m != 128:
         raise ValueError("config.dq_fragments needs a 64 × 64 dQ block per consumer: block_m 128 at head dim 64")
     if config.dq_fragments and config.dq_writer:
@@ -195,6 +206,14 @@ def _pair_barrier(x):
     `x` only gives the inline assembly a (scalar) operand."""
     gl.inline_asm_elementwise("bar.sync 15, 256; mov.b32 $0, 0;", "=r,r", [x], dtype=gl.int32, is_pure=False,
                               pack=1)
+
+
+@gluon.jit
+def _bulk_wait_read(x):
+    """cp.async.bulk.wait_group.read 0 in this thread alone: its bulk groups have read their shared memory
+    (tma.store_wait also syncs the warpgroup). `x` only gives the inline assembly a (scalar) operand."""
+    gl.inline_asm_elementwise("cp.async.bulk.wait_group.read 0; mov.b32 $0, 0;", "=r,r", [x], dtype=gl.int32,
+                              is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -246,7 +265,8 @@ def _consumer(dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, lse_sm
               seqlen_q, seqlen_k, qk_scale, sm_scale, W: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
               BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PREFETCH_S: gl.constexpr,
               DQ_WRITER: gl.constexpr, DS_FIRST: gl.constexpr, SCALED_P: gl.constexpr,
-              DQ_FRAGMENTS: gl.constexpr, MASK_LOOP: gl.constexpr, DQ_FIRST: gl.constexpr):
+              DQ_FRAGMENTS: gl.constexpr, MASK_LOOP: gl.constexpr, DQ_FIRST: gl.constexpr,
+              FREE_EARLY: gl.constexpr):
     SUB: gl.constexpr = dk_desc.block_type.shape[2]
     dtype: gl.constexpr = dk_desc.dtype
     # This consumer's half of the tile's dQ: a (DQR × COLS) block at rows r0, columns c0; it leaves in NB boxes
@@ -312,7 +332,7 @@ def _consumer(dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, lse_sm
                 hi = g * n_m + n_mask
             else:
                 lo = g * n_m + n_mask
-                hi = lo + (n_m - n_mask)
+                hi = (g + 1) * n_m
             for t in range(lo, hi):
                 slot = t % STAGES
                 if MASK_LOOP:
@@ -355,7 +375,9 @@ def _consumer(dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, lse_sm
                 buf = (t % 2) * 2       # dSᵀ double-buffered: the other consumer may still read the previous tile's
                 ds_smem.index(buf + W).store(dst)
                 fence_async_shared()
-                if not DQ_WRITER:
+                if FREE_EARLY:      # only the issuing thread has bulk groups; the pair barrier holds the rest
+                    _bulk_wait_read(t)
+                elif not DQ_WRITER:
                     tma.store_wait(0)   # the previous tile's reduces have read the staging buffers
                 _pair_barrier(t)        # both halves of dSᵀ are in place (and every thread of ours passed store_wait)
                 if not DQ_FIRST:
@@ -390,6 +412,8 @@ def _consumer(dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, lse_sm
                     mbarrier.arrive(dq_full.index(W))          # a warpgroup barrier, then one arrive: dQ is staged
                 else:
                     _barrier()                                 # every warp's part of dQ is staged
+                    if FREE_EARLY:   # dK, dV and dQ's products are done with Q, dO: the producer may refill the slot
+                        mbarrier.arrive(empty.index(slot))
                     row = (b * heads + h)
                     if DQ_FRAGMENTS:   # block (row, tile, W) of the accumulator: 16 of its [*, 256] rows
                         block = (row * gl.cdiv(seqlen_q, BLOCK_M) + start_m // BLOCK_M) * 2 + W
@@ -399,7 +423,8 @@ def _consumer(dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, lse_sm
                             _tma_reduce_add(dq_desc, [row, start_m + r0, c0 + c * DQC], stage_smem.index(W * NB + c))
                 if DQ_FIRST:   # dK has read Q (the next tile's Sᵀ, prefetched, may still run)
                     dk, _ = warpgroup_mma_wait(1 if PREFETCH_S else 0, deps=(dk, q))
-                mbarrier.arrive(empty.index(slot))             # done with Q, dO, lse2, D of this tile
+                if not FREE_EARLY:
+                    mbarrier.arrive(empty.index(slot))         # done with Q, dO, lse2, D of this tile
                 if PREFETCH_S:
                     st, _ = warpgroup_mma_wait(0, deps=(st, k))
     # dK and dV leave through this consumer's K and V buffers, once the other consumer's dQ products are done
@@ -447,7 +472,7 @@ def gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
                      CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, PREFETCH_S: gl.constexpr,
                      BH_GROUP: gl.constexpr, DQ_WRITER: gl.constexpr, DS_FIRST: gl.constexpr,
                      SCALED_P: gl.constexpr, DQ_FRAGMENTS: gl.constexpr, MASK_LOOP: gl.constexpr,
-                     DQ_FIRST: gl.constexpr):
+                     DQ_FIRST: gl.constexpr, FREE_EARLY: gl.constexpr):
     SUB: gl.constexpr = k_desc.block_type.shape[2]
     pid_n = gl.program_id(0)
     pid_bh = gl.program_id(1)
@@ -507,12 +532,12 @@ def gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
                          stage_smem, kv_bar, full, empty, dq_full, dq_empty, b, hk, heads, first_m, n_m, n_tiles,
                          start_n, seqlen_q, seqlen_k, qk_scale, sm_scale, 0, GROUP, HEAD_DIM, BLOCK_M, STAGES,
                          CAUSAL, PREFETCH_S, DQ_WRITER, DS_FIRST, SCALED_P, DQ_FRAGMENTS, MASK_LOOP,
-                         DQ_FIRST)),
+                         DQ_FIRST, FREE_EARLY)),
             (_consumer, (dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
                          stage_smem, kv_bar, full, empty, dq_full, dq_empty, b, hk, heads, first_m, n_m, n_tiles,
                          start_n, seqlen_q, seqlen_k, qk_scale, sm_scale, 1, GROUP, HEAD_DIM, BLOCK_M, STAGES,
                          CAUSAL, PREFETCH_S, DQ_WRITER, DS_FIRST, SCALED_P, DQ_FRAGMENTS, MASK_LOOP,
-                         DQ_FIRST)),
+                         DQ_FIRST, FREE_EARLY)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
                          lse_smem, delta_smem, kv_bar, full, empty, b, hk, heads, first_m, n_m, n_tiles, start_n,
                          GROUP, BLOCK_M, STAGES)),
@@ -525,12 +550,12 @@ def gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
                          stage_smem, kv_bar, full, empty, dq_full, dq_empty, b, hk, heads, first_m, n_m, n_tiles,
                          start_n, seqlen_q, seqlen_k, qk_scale, sm_scale, 0, GROUP, HEAD_DIM, BLOCK_M, STAGES,
                          CAUSAL, PREFETCH_S, DQ_WRITER, DS_FIRST, SCALED_P, DQ_FRAGMENTS, MASK_LOOP,
-                         DQ_FIRST)),
+                         DQ_FIRST, FREE_EARLY)),
             (_consumer, (dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
                          stage_smem, kv_bar, full, empty, dq_full, dq_empty, b, hk, heads, first_m, n_m, n_tiles,
                          start_n, seqlen_q, seqlen_k, qk_scale, sm_scale, 1, GROUP, HEAD_DIM, BLOCK_M, STAGES,
                          CAUSAL, PREFETCH_S, DQ_WRITER, DS_FIRST, SCALED_P, DQ_FRAGMENTS, MASK_LOOP,
-                         DQ_FIRST)),
+                         DQ_FIRST, FREE_EARLY)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
                          lse_smem, delta_smem, kv_bar, full, empty, b, hk, heads, first_m, n_m, n_tiles, start_n,
                          GROUP, BLOCK_M, STAGES))],
@@ -710,7 +735,7 @@ def _main(q, k, causal: bool, scale: float, config: Config) -> tuple:
                  CONSUMER_REGS=config.consumer_regs, PREFETCH_S=config.prefetch_s, BH_GROUP=config.bh_group,
                  DQ_WRITER=config.dq_writer, DS_FIRST=config.ds_first, SCALED_P=config.scaled_p,
                  DQ_FRAGMENTS=config.dq_fragments, MASK_LOOP=config.mask_loop, DQ_FIRST=config.dq_first,
-                 num_warps=4))
+                 FREE_EARLY=config.free_early, num_warps=4))
 
 
 def _launch(q, k, v, do, dk, dv, dq_acc, lse2, delta, causal: bool, scale: float, config: Config) -> None:
@@ -755,7 +780,8 @@ def flash_attention_gluon_ws3(q, k, v, *, causal=False, sm_scale=None):
 #   ("meet",)                      consumer: named barrier 15 with the other consumer
 #   ("dq", slot, buf)              consumer: dQ = dS K from both halves of dSᵀ buffer buf (dK's product still
 #                                  reads the slot's Q); dQ staged, its reduce-adds issued
-#   ("arrive empty", slot)         consumer: mbarrier.arrive on the slot's empty barrier
+#   ("arrive empty", slot)         consumer: mbarrier.arrive on the slot's empty barrier (Config.free_early
+#                                  arrives between dQ's staging and the reduce-adds' issue: the same order of steps)
 # With Config.dq_writer the consumer's "dq" only stages dQ, and a writer warp issues the reduce-adds:
 #   ("wait dq_empty", parity)      consumer: mbarrier.wait on its dq_empty barrier (the writer has read its dQ)
 #   ("arrive dq_full",)            consumer: its staged dQ handed to the writer
