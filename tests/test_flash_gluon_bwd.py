@@ -66,6 +66,9 @@ def test_a_bad_length_for_pick_config_is_named(seqlen_k, error, match):
     (gb.Config(64, 2, 240, mask_loop="yes"), 128, TypeError, "mask_loop must be a bool"),
     (gb.Config(64, 2, 240, dq_first=0), 128, TypeError, "dq_first must be a bool"),
     (gb.Config(64, 2, 240, free_early=1), 128, TypeError, "free_early must be a bool"),
+    (gb.Config(64, 2, 240, dq_buffers=2.0), 128, TypeError, "dq_buffers must be an int"),
+    (gb.Config(64, 2, 240, dq_buffers=3), 128, ValueError, "dq_buffers must be 1 or 2"),
+    (gb.Config(64, 2, 240, dq_writer=True, dq_buffers=2), 128, ValueError, "does not go with dq_writer"),
     (gb.Config(64, 2, 240, dq_writer=True, free_early=True), 128, ValueError, "free_early goes with neither"),
     (gb.Config(128, 2, 240, True, dq_first=True, free_early=True), 64, ValueError, "free_early goes with neither"),
 ])
@@ -99,11 +102,14 @@ def test_the_picked_configs_are_valid_and_use_wide_tiles_where_registers_allow()
         True, False, False, False]
 
 
-@pytest.mark.parametrize("dq_writer", [False, True], ids=["consumers reduce", "dq writer"])
+@pytest.mark.parametrize("dq_writer,dq_buffers", [(False, 1), (True, 1), (False, 2)],
+                         ids=["consumers reduce", "dq writer", "two dq buffers"])
 @pytest.mark.parametrize("stages,prefetch_s", [(1, False), (2, False), (3, False), (2, True), (3, True)])
-def test_the_kernels_protocol_never_hangs_reads_stale_tiles_or_overwrites_early(stages, prefetch_s, dq_writer):
-    for n_tiles, seed in itertools.product(range(0, 9), range(40)):
-        gb.replay_protocol(n_tiles, stages, seed, prefetch_s=prefetch_s, dq_writer=dq_writer)
+def test_the_kernels_protocol_never_hangs_reads_stale_tiles_or_overwrites_early(stages, prefetch_s, dq_writer,
+                                                                              dq_buffers):
+    for n_tiles, seed, p_event in itertools.product(range(0, 9), range(40), (0.4, 0.1)):
+        gb.replay_protocol(n_tiles, stages, seed, prefetch_s=prefetch_s, dq_writer=dq_writer, dq_buffers=dq_buffers,
+                           p_event=p_event)
 
 
 def test_prefetching_s_with_one_stage_hangs():
@@ -118,7 +124,11 @@ def test_prefetching_s_with_one_stage_hangs():
     (dict(wait_reduces=False), "overwritten before the TMA read it"),  # staging reused too early
     (dict(last_meeting=False), "already holds dK"),                    # dK over the K the other one reads
     (dict(dq_writer=True, writer_waits=False), "the writer"),          # staged over a dQ the writer has not read
-], ids=["one dS slot", "no store_wait", "no last meeting", "consumer ahead of the writer"])
+    (dict(pending=1), "overwritten before the TMA read it"),           # one buffer, waited for as if two
+    # the TMA engine lagging (events taken rarely), so that it falls two tiles behind
+    (dict(dq_buffers=2, wait_reduces=False, p_event=0.1), "overwritten before the TMA read it"),
+], ids=["one dS slot", "no store_wait", "no last meeting", "consumer ahead of the writer", "one buffer as two",
+        "two buffers, no wait"])
 def test_each_rule_of_the_protocol_is_needed(broken, match):
     with pytest.raises(AssertionError, match=match):
         for stages, n_tiles, seed in itertools.product(range(1, 4), range(1, 9), range(40)):
@@ -271,6 +281,28 @@ def test_free_early_frees_the_slot_before_the_reduce_adds_and_waits_in_one_threa
             assert after_wait == "bar×2" and arrive > reduce, events
 
 
+@pytest.mark.parametrize("free_early", [False, True], ids=["store_wait", "one thread waits"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_two_dq_buffers_leave_the_last_tiles_reduces_in_flight_and_fit(head_dim, free_early):
+    """Compiled for sm_90 here: with Config.dq_buffers = 2 the wait before the consumers meet leaves the last
+    tile's bulk groups unread (one a tile in register order at 64, two row boxes at 128) and waits for the
+    tile's before, and the kernel's shared memory still fits an H100/H200's 227 KB."""
+    from utils.course.cross_compile import script_in_fresh_process
+
+    printed = script_in_fresh_process(
+        "import re\n"
+        "from utils.course import cross_compile as cc\n"
+        f"compiled = cc.compile_launch(cc._gluon_bwd_launch({head_dim}, False, dq_buffers=2, "
+        f"free_early={free_early}), (9, 0))\n"
+        "print(compiled.metadata.shared)\n"
+        "print(sorted(set(re.findall(r'wait_group\\.read\\s+(\\d)', compiled.asm['ptx']))))\n")
+    shared, waits = printed.strip().splitlines()[-2:]
+    groups = 1 if gb.pick_config(head_dim).dq_fragments else 2
+    assert int(shared) <= 227 * 1024, printed
+    # the epilogue's store_wait(0) for dK, dV; in the loop, all but the last tile's groups
+    assert waits == str(sorted({"0", str(groups)})), printed
+
+
 @on_hopper
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -336,19 +368,24 @@ def test_gradients_match_float64_on_odd_shapes(dtype, causal):
     (gb.Config(128, 2, 240, True, ds_first=True, scaled_p=True, dq_fragments=True, mask_loop=True, dq_first=True), 64),
     (gb.Config(64, 2, 240, False, 4, dq_first=True), 128), (gb.Config(64, 2, 240, dq_writer=True, dq_first=True), 128),
     (gb.Config(128, 2, 240, True, ds_first=True, scaled_p=True, dq_fragments=True, free_early=True), 64),
-    (gb.Config(64, 2, 240, False, 4, free_early=True), 128), (gb.Config(128, 1, 232, free_early=True), 64)],
+    (gb.Config(64, 2, 240, False, 4, free_early=True), 128), (gb.Config(128, 1, 232, free_early=True), 64),
+    (gb.Config(64, 2, 240, False, 4, dq_buffers=2), 128),
+    (gb.Config(128, 2, 240, True, ds_first=True, scaled_p=True, dq_fragments=True, free_early=True, dq_buffers=2), 64),
+    (gb.Config(128, 2, 240, True, dq_buffers=2), 64), (gb.Config(64, 2, 240, free_early=True, dq_buffers=2), 128)],
     ids=["64x2 d64", "128x1 d64", "64x3 prefetch d64", "128x2 no prefetch d64", "64x3 prefetch d128",
          "groups of 3 d64", "groups of 3 d128", "one group of 4 d128", "dq writer d64", "dq writer d128",
          "dq writer 1 stage d64", "ds first d128", "dv first d64", "scaled p d128", "plain p d64",
          "dq writer scaled p d128", "dq fragments d64", "dq fragments d128", "mask loop d64",
          "mask loop no prefetch d64", "mask loop d128", "dq first d64", "dq first d128", "dq first writer d128",
-         "free early d64", "free early d128", "free early 1 stage d64"])
+         "free early d64", "free early d128", "free early 1 stage d64", "two dq buffers d128",
+         "two dq buffers free early d64", "two dq buffers rows d64", "two dq buffers free early d128"])
 def test_every_config_gives_the_same_gradients(config, head_dim):
     """The dQ block's split (rows of a 128-row tile, else columns), prefetch_s, the launch order (bh_group:
     4 (batch, K/V head)s in groups of 3, the last group short, or in one group larger than there are) and the
     order of dSᵀ and dV's product (ds_first), P scaled or not (scaled_p), dQ's staging order (dq_fragments) and
     the masked tiles in a loop of their own (mask_loop: with GQA, one per query head) and dK's product issued
-    after dQ's (dq_first) and the ring slot freed before the reduce-adds (free_early), beside the picked configs."""
+    after dQ's (dq_first), the ring slot freed before the reduce-adds (free_early) and dQ staged in two buffers
+    (dq_buffers), beside the picked configs."""
     from utils.tiled.fast.forward import flash_attention_forward
     from utils.course.testing import assert_gradients_close, random_qkv, reference_gradients
 

@@ -198,6 +198,10 @@ REFERENCES = {
     "backward_gluon_free_early": (1, ["utils.course.bench.backward", "--backends", "gluon_bwd_free_late",
                                       "gluon_bwd_free_early", "--seqlens", "2048", "4096", "8192", "16384",
                                       "--rounds", "3", "--out", "images/07w_gluon_bwd_free_early_h200.json"]),
+    # ... dQ staged in one buffer per consumer or two (Config.dq_buffers)
+    "backward_gluon_dq_buffers": (1, ["utils.course.bench.backward", "--backends", "gluon_bwd_one_dq_buffer",
+                                      "gluon_bwd_two_dq_buffers", "--seqlens", "2048", "4096", "8192", "16384",
+                                      "--rounds", "3", "--out", "images/07w_gluon_bwd_dq_buffers_h200.json"]),
     # one profiled launch of each pass of the Triton backward per load step (worklog 07w, sections 2 and 3;
     # needs ncu): d = 64 without a mask, d = 128 without and with one
     "backward_ncu_d64": (1, ["utils.course.bench.ncu", "--worklog", "triton_bwd", "--head-dim", "64", "--seqlen", "4096",

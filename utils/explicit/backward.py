@@ -121,6 +121,7 @@ class Config(NamedTuple):
     dq_first: bool = False     # dK's product issued after dQ's, so that dQ is staged while dK runs
     free_early: bool = False   # the ring slot freed once dQ is staged, before its reduce-adds are issued; the
                                # last tile's reduces waited for by the thread that issued them only
+    dq_buffers: int = 1        # dQ staging buffers per consumer: with 2, tile t waits for tile t-2's reduces
 
 
 def pick_config(head_dim: int, causal: bool = False, seqlen_k: int | None = None) -> Config:
@@ -179,6 +180,12 @@ def check_config(config, head_dim: int) -> Config:
         raise TypeError(f"config.dq_first must be a bool, got {type(config.dq_first).__name__}")
     if not isinstance(config.free_early, bool):
         raise TypeError(f"config.free_early must be a bool, got {type(config.free_early).__name__}")
+    if type(config.dq_buffers) is not int:
+        raise TypeError(f"config.dq_buffers must be an int, got {type(config.dq_buffers).__name__}")
+    if config.dq_buffers not in (1, 2):
+        raise ValueError(f"config.dq_buffers must be 1 or 2, got {config.dq_buffers}")
+    if config.dq_buffers == 2 and config.dq_writer:
+        raise ValueError("config.dq_buffers = 2 does not go with dq_writer: the writer waits for each block's reduces")
     if config.free_early and (config.dq_writer or config.dq_first):
         raise ValueError("config.free_early goes with neither dq_writer nor dq_first: with the writer the consumers "
                          "do not issue the reduce-adds, and with dq_first dK's product still reads Q when dQ is staged")
@@ -209,11 +216,20 @@ def _pair_barrier(x):
 
 
 @gluon.jit
-def _bulk_wait_read(x):
-    """cp.async.bulk.wait_group.read 0 in this thread alone: its bulk groups have read their shared memory
-    (tma.store_wait also syncs the warpgroup). `x` only gives the inline assembly a (scalar) operand."""
-    gl.inline_asm_elementwise("cp.async.bulk.wait_group.read 0; mov.b32 $0, 0;", "=r,r", [x], dtype=gl.int32,
-                              is_pure=False, pack=1)
+def _bulk_wait_read(x, PENDING: gl.constexpr):
+    """cp.async.bulk.wait_group.read PENDING (0, 1 or 2) in this thread alone: all but its last PENDING bulk
+    groups have read their shared memory (tma.store_wait also syncs the warpgroup). `x` only gives the inline
+    assembly a (scalar) operand."""
+    if PENDING == 0:
+        gl.inline_asm_elementwise("cp.async.bulk.wait_group.read 0; mov.b32 $0, 0;", "=r,r", [x], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+    elif PENDING == 1:
+        gl.inline_asm_elementwise("cp.async.bulk.wait_group.read 1; mov.b32 $0, 0;", "=r,r", [x], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+    else:
+        gl.static_assert(PENDING == 2, "PENDING is 0, 1 or 2")
+        gl.inline_asm_elementwise("cp.async.bulk.wait_group.read 2; mov.b32 $0, 0;", "=r,r", [x], dtype=gl.int32,
+                                  is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -266,7 +282,7 @@ def _consumer(dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, lse_sm
               BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, PREFETCH_S: gl.constexpr,
               DQ_WRITER: gl.constexpr, DS_FIRST: gl.constexpr, SCALED_P: gl.constexpr,
               DQ_FRAGMENTS: gl.constexpr, MASK_LOOP: gl.constexpr, DQ_FIRST: gl.constexpr,
-              FREE_EARLY: gl.constexpr):
+              FREE_EARLY: gl.constexpr, DQ_BUFFERS: gl.constexpr):
     SUB: gl.constexpr = dk_desc.block_type.shape[2]
     dtype: gl.constexpr = dk_desc.dtype
     # This consumer's half of the tile's dQ: a (DQR × COLS) block at rows r0, columns c0; it leaves in NB boxes
@@ -278,6 +294,7 @@ def _consumer(dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, lse_sm
     r0: gl.constexpr = W * DQR if SPLIT_ROWS else 0
     c0: gl.constexpr = 0 if SPLIT_ROWS else W * COLS
     NB: gl.constexpr = COLS // DQC
+    GROUPS: gl.constexpr = 1 if DQ_FRAGMENTS else NB   # bulk groups a consumer issues per tile
     # Sᵀ, dPᵀ: (keys × queries) accumulators; dK, dV: (keys × D); Pᵀ and dSᵀ enter the dV, dK products from
     # registers.
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -304,12 +321,9 @@ def _consumer(dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, lse_sm
         first_row = gl.where(offs_n < seqlen_k, 0, 1 << 30)
     st_zero = gl.zeros([SUB, BLOCK_M], gl.float32, st_layout)
     dq_zero = gl.zeros([DQR, COLS], gl.float32, dq_layout)
-    if DQ_FRAGMENTS:   # in register order (FRAGMENT_BASES)
-        dq_block = stage_smem.index(W)._reinterpret(gl.float32, [DQR, COLS], _FRAGMENT_SMEM)
-    else:   # the staging boxes, seen as one (DQR × COLS) block per consumer (the 128-byte swizzle lays a wider
-        # block out as its 32-column boxes one after the other)
+    if not DQ_FRAGMENTS:   # the staging boxes, seen as one (DQR × COLS) block per consumer and buffer (the
+        # 128-byte swizzle lays a wider block out as its 32-column boxes one after the other)
         block_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
-        dq_block = stage_smem._reinterpret(gl.float32, [2, DQR, COLS], block_layout).index(W)
     dk = gl.zeros([SUB, HEAD_DIM], gl.float32, kv_layout)
     dv = gl.zeros([SUB, HEAD_DIM], gl.float32, kv_layout)
     mbarrier.wait(kv_bar, 0)
@@ -376,9 +390,9 @@ def _consumer(dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, lse_sm
                 ds_smem.index(buf + W).store(dst)
                 fence_async_shared()
                 if FREE_EARLY:      # only the issuing thread has bulk groups; the pair barrier holds the rest
-                    _bulk_wait_read(t)
-                elif not DQ_WRITER:
-                    tma.store_wait(0)   # the previous tile's reduces have read the staging buffers
+                    _bulk_wait_read(t, (DQ_BUFFERS - 1) * GROUPS)
+                elif not DQ_WRITER:     # the reduces of the tile that staged in this tile's buffer have read it
+                    tma.store_wait((DQ_BUFFERS - 1) * GROUPS)
                 _pair_barrier(t)        # both halves of dSᵀ are in place (and every thread of ours passed store_wait)
                 if not DQ_FIRST:
                     dv, _ = warpgroup_mma_wait(1, deps=(dv, do))   # dV done, dK still running
@@ -398,6 +412,12 @@ def _consumer(dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, lse_sm
                     acc, dk, _, _, _ = warpgroup_mma_wait(0, deps=(acc, dk, q, ds0, ds1))
                 if DQ_WRITER:   # the writer has read the last tile's dQ (a fresh barrier passes at once)
                     mbarrier.wait(dq_empty.index(W), (t & 1) ^ 1)
+                box = (t % DQ_BUFFERS) * 2 + W   # this consumer's staging block of this tile
+                if DQ_FRAGMENTS:   # in register order (FRAGMENT_BASES)
+                    dq_block = stage_smem.index(box)._reinterpret(gl.float32, [DQR, COLS], _FRAGMENT_SMEM)
+                else:
+                    dq_block = stage_smem._reinterpret(gl.float32, [2 * DQ_BUFFERS, DQR, COLS],
+                                                       block_layout).index(box)
                 if SCALED_P:   # dSᵀ carries the scale
                     dq_block.store(acc)
                 else:
@@ -417,10 +437,10 @@ def _consumer(dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, lse_sm
                     row = (b * heads + h)
                     if DQ_FRAGMENTS:   # block (row, tile, W) of the accumulator: 16 of its [*, 256] rows
                         block = (row * gl.cdiv(seqlen_q, BLOCK_M) + start_m // BLOCK_M) * 2 + W
-                        _tma_reduce_add(dq_desc, [block * 16, 0], stage_smem.index(W))
+                        _tma_reduce_add(dq_desc, [block * 16, 0], stage_smem.index(box))
                     else:
                         for c in gl.static_range(NB):
-                            _tma_reduce_add(dq_desc, [row, start_m + r0, c0 + c * DQC], stage_smem.index(W * NB + c))
+                            _tma_reduce_add(dq_desc, [row, start_m + r0, c0 + c * DQC], stage_smem.index(box * NB + c))
                 if DQ_FIRST:   # dK has read Q (the next tile's Sᵀ, prefetched, may still run)
                     dk, _ = warpgroup_mma_wait(1 if PREFETCH_S else 0, deps=(dk, q))
                 if not FREE_EARLY:
@@ -472,7 +492,7 @@ def gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
                      CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, PREFETCH_S: gl.constexpr,
                      BH_GROUP: gl.constexpr, DQ_WRITER: gl.constexpr, DS_FIRST: gl.constexpr,
                      SCALED_P: gl.constexpr, DQ_FRAGMENTS: gl.constexpr, MASK_LOOP: gl.constexpr,
-                     DQ_FIRST: gl.constexpr, FREE_EARLY: gl.constexpr):
+                     DQ_FIRST: gl.constexpr, FREE_EARLY: gl.constexpr, DQ_BUFFERS: gl.constexpr):
     SUB: gl.constexpr = k_desc.block_type.shape[2]
     pid_n = gl.program_id(0)
     pid_bh = gl.program_id(1)
@@ -506,12 +526,13 @@ def gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
     v_smem = gl.allocate_shared_memory(dtype, [2] + v_desc.block_type.shape, v_desc.layout)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([SUB, BLOCK_M], dtype)
     ds_smem = gl.allocate_shared_memory(dtype, [4, SUB, BLOCK_M], ds_layout)      # [tile parity · 2 + consumer]
-    if DQ_FRAGMENTS:   # the tile's dQ: a box per consumer
-        stage_smem = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
-    else:              # the tile's dQ, in reduce boxes
-        DQ_BOX: gl.constexpr = dq_desc.block_type.shape[1] * dq_desc.block_type.shape[2]
-        stage_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M * HEAD_DIM // DQ_BOX] + dq_desc.block_type.shape,
+    if DQ_FRAGMENTS:   # the tile's dQ: a box per consumer (and buffer)
+        stage_smem = gl.allocate_shared_memory(gl.float32, [2 * DQ_BUFFERS] + dq_desc.block_type.shape,
                                                dq_desc.layout)
+    else:              # the tile's dQ, in reduce boxes (per buffer)
+        DQ_BOX: gl.constexpr = dq_desc.block_type.shape[1] * dq_desc.block_type.shape[2]
+        stage_smem = gl.allocate_shared_memory(gl.float32, [DQ_BUFFERS * BLOCK_M * HEAD_DIM // DQ_BOX]
+                                               + dq_desc.block_type.shape, dq_desc.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -532,12 +553,12 @@ def gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
                          stage_smem, kv_bar, full, empty, dq_full, dq_empty, b, hk, heads, first_m, n_m, n_tiles,
                          start_n, seqlen_q, seqlen_k, qk_scale, sm_scale, 0, GROUP, HEAD_DIM, BLOCK_M, STAGES,
                          CAUSAL, PREFETCH_S, DQ_WRITER, DS_FIRST, SCALED_P, DQ_FRAGMENTS, MASK_LOOP,
-                         DQ_FIRST, FREE_EARLY)),
+                         DQ_FIRST, FREE_EARLY, DQ_BUFFERS)),
             (_consumer, (dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
                          stage_smem, kv_bar, full, empty, dq_full, dq_empty, b, hk, heads, first_m, n_m, n_tiles,
                          start_n, seqlen_q, seqlen_k, qk_scale, sm_scale, 1, GROUP, HEAD_DIM, BLOCK_M, STAGES,
                          CAUSAL, PREFETCH_S, DQ_WRITER, DS_FIRST, SCALED_P, DQ_FRAGMENTS, MASK_LOOP,
-                         DQ_FIRST, FREE_EARLY)),
+                         DQ_FIRST, FREE_EARLY, DQ_BUFFERS)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
                          lse_smem, delta_smem, kv_bar, full, empty, b, hk, heads, first_m, n_m, n_tiles, start_n,
                          GROUP, BLOCK_M, STAGES)),
@@ -550,12 +571,12 @@ def gluon_bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc,
                          stage_smem, kv_bar, full, empty, dq_full, dq_empty, b, hk, heads, first_m, n_m, n_tiles,
                          start_n, seqlen_q, seqlen_k, qk_scale, sm_scale, 0, GROUP, HEAD_DIM, BLOCK_M, STAGES,
                          CAUSAL, PREFETCH_S, DQ_WRITER, DS_FIRST, SCALED_P, DQ_FRAGMENTS, MASK_LOOP,
-                         DQ_FIRST, FREE_EARLY)),
+                         DQ_FIRST, FREE_EARLY, DQ_BUFFERS)),
             (_consumer, (dk_desc, dv_desc, dq_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem,
                          stage_smem, kv_bar, full, empty, dq_full, dq_empty, b, hk, heads, first_m, n_m, n_tiles,
                          start_n, seqlen_q, seqlen_k, qk_scale, sm_scale, 1, GROUP, HEAD_DIM, BLOCK_M, STAGES,
                          CAUSAL, PREFETCH_S, DQ_WRITER, DS_FIRST, SCALED_P, DQ_FRAGMENTS, MASK_LOOP,
-                         DQ_FIRST, FREE_EARLY)),
+                         DQ_FIRST, FREE_EARLY, DQ_BUFFERS)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
                          lse_smem, delta_smem, kv_bar, full, empty, b, hk, heads, first_m, n_m, n_tiles, start_n,
                          GROUP, BLOCK_M, STAGES))],
@@ -735,7 +756,7 @@ def _main(q, k, causal: bool, scale: float, config: Config) -> tuple:
                  CONSUMER_REGS=config.consumer_regs, PREFETCH_S=config.prefetch_s, BH_GROUP=config.bh_group,
                  DQ_WRITER=config.dq_writer, DS_FIRST=config.ds_first, SCALED_P=config.scaled_p,
                  DQ_FRAGMENTS=config.dq_fragments, MASK_LOOP=config.mask_loop, DQ_FIRST=config.dq_first,
-                 FREE_EARLY=config.free_early, num_warps=4))
+                 FREE_EARLY=config.free_early, DQ_BUFFERS=config.dq_buffers, num_warps=4))
 
 
 def _launch(q, k, v, do, dk, dv, dq_acc, lse2, delta, causal: bool, scale: float, config: Config) -> None:
@@ -776,10 +797,12 @@ def flash_attention_gluon_ws3(q, k, v, *, causal=False, sm_scale=None):
 #                                  the slot's full barrier
 #   ("wait full", slot, parity)    consumer: mbarrier.wait on the slot's full barrier
 #   ("products", slot, buf)        consumer: Sᵀ, dPᵀ, dV, dK from the slot's tile; its dSᵀ into dSᵀ buffer buf
-#   ("store_wait",)                consumer: wait until the TMA engine has read its previous staged dQ
+#   ("store_wait"[, n])            consumer: wait until the TMA engine has read all but its last n staged dQs
+#                                  (n = 0 when left out)
 #   ("meet",)                      consumer: named barrier 15 with the other consumer
-#   ("dq", slot, buf)              consumer: dQ = dS K from both halves of dSᵀ buffer buf (dK's product still
-#                                  reads the slot's Q); dQ staged, its reduce-adds issued
+#   ("dq", slot, buf[, stage])     consumer: dQ = dS K from both halves of dSᵀ buffer buf (dK's product still
+#                                  reads the slot's Q); dQ staged in staging buffer `stage` (0 when left out),
+#                                  its reduce-adds issued
 #   ("arrive empty", slot)         consumer: mbarrier.arrive on the slot's empty barrier (Config.free_early
 #                                  arrives between dQ's staging and the reduce-adds' issue: the same order of steps)
 # With Config.dq_writer the consumer's "dq" only stages dQ, and a writer warp issues the reduce-adds:
@@ -796,13 +819,15 @@ STEPS = {"producer": ("wait empty", "copy"),
 
 
 def _kernel_tile(t: int, n_tiles: int, stages: int, prefetch_s: bool, ds_buffers: int, wait_reduces: bool,
-                 dq_writer: bool = False, writer_waits: bool = True):
+                 dq_writer: bool = False, writer_waits: bool = True, dq_buffers: int = 1, pending: int = 0):
     """(producer steps, consumer steps, writer steps) of tile t in the kernel's protocol (see kernel_protocol)."""
     slot, lap, buf = t % stages, t // stages, t % ds_buffers
     producer = [("wait empty", slot, (lap + 1) % 2), ("copy", slot)]
     consumer = [] if prefetch_s and t > 0 else [("wait full", slot, lap % 2)]   # prefetch: tile t-1 waited
-    consumer += [("products", slot, buf)] + [("store_wait",)] * (wait_reduces and not dq_writer) + [("meet",)]
-    consumer += [("wait dq_empty", (t + 1) % 2)] * (dq_writer and writer_waits) + [("dq", slot, buf)]
+    store_wait = ("store_wait", pending) if pending else ("store_wait",)
+    consumer += [("products", slot, buf)] + [store_wait] * (wait_reduces and not dq_writer)
+    consumer += [("meet",)] + [("wait dq_empty", (t + 1) % 2)] * (dq_writer and writer_waits)
+    consumer += [("dq", slot, buf, t % dq_buffers) if dq_buffers > 1 else ("dq", slot, buf)]
     if prefetch_s and t + 1 < n_tiles:        # the next tile's Sᵀ is issued before this slot is freed
         consumer.append(("wait full", (t + 1) % stages, (t + 1) // stages % 2))
     consumer += [("arrive dq_full",)] * dq_writer
@@ -811,13 +836,15 @@ def _kernel_tile(t: int, n_tiles: int, stages: int, prefetch_s: bool, ds_buffers
     return producer, consumer + [("arrive empty", slot)], writer
 
 
-def kernel_protocol(*, prefetch_s: bool = False, ds_buffers: int = 2, wait_reduces: bool = True,
-                    dq_writer: bool = False, writer_waits: bool = True):
+def kernel_protocol(*, prefetch_s: bool = False, dq_writer: bool = False, dq_buffers: int = 1,
+                    ds_buffers: int = 2, wait_reduces: bool = True, writer_waits: bool = True,
+                    pending: int | None = None):
     """The kernel's synchronisation as a description for `replay`: a function (t, n_tiles, stages) ->
-    (producer steps, consumer steps, writer steps) of tile t. The keyword arguments after `dq_writer` break its
+    (producer steps, consumer steps, writer steps) of tile t. The keyword arguments after `dq_buffers` break its
     rules on purpose (see replay_protocol)."""
     return functools.partial(_kernel_tile, prefetch_s=prefetch_s, ds_buffers=ds_buffers, wait_reduces=wait_reduces,
-                             dq_writer=dq_writer, writer_waits=writer_waits)
+                             dq_writer=dq_writer, writer_waits=writer_waits, dq_buffers=dq_buffers,
+                             pending=dq_buffers - 1 if pending is None else pending)
 
 
 def _validate_step(step, who: str, t: int, stages: int):
@@ -825,10 +852,13 @@ def _validate_step(step, who: str, t: int, stages: int):
     if not isinstance(step, tuple) or not step or step[0] not in STEPS[who]:
         raise AssertionError(f"{where}: {step!r} is not a {who} step (its steps start with one of "
                              f"{', '.join(repr(s) for s in STEPS[who])})")
-    arity = {"wait empty": 3, "wait full": 3, "copy": 2, "products": 3, "dq": 3, "arrive empty": 2,
-             "wait dq_empty": 2, "wait dq_full": 3, "reduce": 2, "arrive dq_empty": 2}.get(step[0], 1)
-    if len(step) != arity or not all(isinstance(x, int) for x in step[1:]):
-        raise AssertionError(f"{where}: {step!r} takes {arity - 1} int{'s' * (arity > 2)} after its name")
+    # ("dq", slot, buf) stages in buffer 0 and ("store_wait",) leaves nothing unread: the one-buffer forms
+    arity = {"wait empty": (3,), "wait full": (3,), "copy": (2,), "products": (3,), "dq": (3, 4),
+             "arrive empty": (2,), "wait dq_empty": (2,), "wait dq_full": (3,), "reduce": (2,),
+             "arrive dq_empty": (2,), "store_wait": (1, 2)}.get(step[0], (1,))
+    if len(step) not in arity or not all(isinstance(x, int) for x in step[1:]):
+        takes = " or ".join(f"{a - 1} int{'s' * (a > 2)}" for a in arity)
+        raise AssertionError(f"{where}: {step!r} takes {takes} after its name")
     if step[0] in ("wait empty", "wait full", "copy", "products", "dq", "arrive empty") and not 0 <= step[1] < stages:
         raise AssertionError(f"{where}: {step!r} names slot {step[1]}; the ring has slots 0 to {stages - 1}")
     if step[0] in ("wait empty", "wait full", "wait dq_full") and step[2] not in (0, 1):
@@ -839,14 +869,20 @@ def _validate_step(step, who: str, t: int, stages: int):
         raise AssertionError(f"{where}: {step!r}: the consumers are 0 and 1")
     if step[0] in ("products", "dq") and step[2] not in (0, 1):
         raise AssertionError(f"{where}: {step!r}: the kernel has dSᵀ buffers 0 and 1 per consumer")
+    if step[0] == "dq" and len(step) == 4 and step[3] not in (0, 1):
+        raise AssertionError(f"{where}: {step!r}: the kernel has dQ staging buffers 0 and 1 per consumer")
+    if step[0] == "store_wait" and len(step) == 2 and step[1] not in (0, 1):
+        raise AssertionError(f"{where}: {step!r}: at most one staged dQ is left unread (two buffers)")
 
 
-def replay(protocol, n_tiles: int, stages: int, seed: int = 0, *, last_meeting: bool = True) -> None:
+def replay(protocol, n_tiles: int, stages: int, seed: int = 0, *, last_meeting: bool = True,
+           p_event: float = 0.4) -> None:
     """Replay `protocol` (a function (t, n_tiles, stages) -> (producer steps, consumer steps[, writer steps]), the
     vocabulary of STEPS) in one random interleaving of the producer, the two consumers, the dQ writer (when it has
     steps), the TMA copies landing and the TMA engine reading the staged dQ tiles. Shared buffers hold the tile
     they were last written for; every read checks it sees its own tile. After the loop each consumer meets the
-    other (unless not `last_meeting`), then writes dK over its K half. Raises AssertionError naming the tile, the
+    other (unless not `last_meeting`), then writes dK over its K half. `p_event`: how often an asynchronous event
+    is taken while a partition can move (lower: the TMA engine lags further behind). Raises AssertionError naming the tile, the
     slot or buffer and the partition on a stale read, an early overwrite or a hang."""
     rng = random.Random(seed)
     steps = []
@@ -860,7 +896,7 @@ def replay(protocol, n_tiles: int, stages: int, seed: int = 0, *, last_meeting: 
     with_writer = any(part[2] for part in steps)
     full, released, holds = [0] * stages, [0] * stages, [None] * stages   # the Q/dO/lse2/D ring
     ds = {}                                                              # (buffer, consumer) -> tile of its dSᵀ
-    staged, reading = [None, None], [[], []]                            # staged dQ; tiles the TMA still reads
+    staged, reading = [{}, {}], [[], []]          # per consumer: staging buffer -> tile; (buffer, tile)s unread
     k_half = ["K", "K"]                                                  # K halves: "K", then "dK"
     met = [0, 0]                                                         # meetings reached per consumer
     dq_full, dq_empty = [0, 0], [0, 0]                                   # the writer's barriers' completions
@@ -905,12 +941,12 @@ def replay(protocol, n_tiles: int, stages: int, seed: int = 0, *, last_meeting: 
                     ds[step[2], w] = t
                     yield None
                 elif kind == "store_wait":
-                    while reading[w]:
+                    while len(reading[w]) > (step[1] if len(step) > 1 else 0):
                         yield f"consumer {w} waits for the TMA to read its staged dQ (tile {t})"
                 elif kind == "meet":
                     yield from meet(w, f"tile {t}")
                 elif kind == "dq":
-                    s, buf = step[1:]
+                    s, buf, stage = (*step[1:], 0)[:3]
                     for _ in range(2):                                   # two chained products: both K halves
                         read_slot(w, t, s)
                         for half in (0, 1):
@@ -919,11 +955,12 @@ def replay(protocol, n_tiles: int, stages: int, seed: int = 0, *, last_meeting: 
                                 f"{ds.get((buf, half), 'nothing yet')}")
                             assert k_half[half] == "K", f"consumer {w}, tile {t}: K half {half} already holds dK"
                         yield None
-                    assert staged[w] not in reading[w], (f"consumer {w}, tile {t}: staged dQ of tile {staged[w]} "
-                                                         "overwritten before the TMA read it")
-                    staged[w] = t
+                    old = staged[w].get(stage)
+                    assert (stage, old) not in reading[w], (f"consumer {w}, tile {t}: staged dQ of tile {old} "
+                                                            f"overwritten before the TMA read it (buffer {stage})")
+                    staged[w][stage] = t
                     if not with_writer:
-                        reading[w].append(t)                             # the reduce-adds, issued
+                        reading[w].append((stage, t))                    # the reduce-adds, issued
                 elif kind == "wait dq_empty":
                     while dq_empty[w] % 2 == step[1]:
                         yield f"consumer {w} waits for the writer to read its dQ, parity {step[1]} (tile {t})"
@@ -948,9 +985,9 @@ def replay(protocol, n_tiles: int, stages: int, seed: int = 0, *, last_meeting: 
                         yield f"the writer waits for consumer {w}'s dQ, parity {parity} (tile {t})"
                 elif kind == "reduce":
                     w = step[1]
-                    assert staged[w] == t, (f"the writer, tile {t}: consumer {w}'s staged dQ holds tile "
-                                            f"{staged[w]}")
-                    reading[w].append(t)
+                    assert staged[w].get(0) == t, (f"the writer, tile {t}: consumer {w}'s staged dQ holds tile "
+                                                   f"{staged[w].get(0)}")
+                    reading[w].append((0, t))
                     yield None
                 elif kind == "store_wait":
                     while reading[0] or reading[1]:
@@ -964,14 +1001,15 @@ def replay(protocol, n_tiles: int, stages: int, seed: int = 0, *, last_meeting: 
         holds[s], full[s] = t, full[s] + 1
 
     def read(w):   # the TMA engine reads consumer w's oldest staged dQ
-        t = reading[w].pop(0)
-        assert staged[w] == t, f"the TMA reads consumer {w}'s dQ of tile {t}, finds tile {staged[w]}"
+        stage, t = reading[w].pop(0)
+        assert staged[w][stage] == t, (f"the TMA reads consumer {w}'s dQ of tile {t} in buffer {stage}, finds tile "
+                                       f"{staged[w][stage]}")
 
     def events():
         return ([land] if landing else []) + [lambda w=w: read(w) for w in (0, 1) if reading[w]]
 
     fg.interleave([producer(), consumer(0), consumer(1)] + [writer()] * with_writer, events, rng,
-                  f"hang with {n_tiles} tiles and {stages} stages", p_event=0.4)
+                  f"hang with {n_tiles} tiles and {stages} stages", p_event=p_event)
     for s in range(stages):
         uses = len(range(s, n_tiles, stages))
         assert released[s] == 2 * uses, (f"slot {s} was released {released[s]} times for {uses} tile(s): each "
@@ -979,20 +1017,22 @@ def replay(protocol, n_tiles: int, stages: int, seed: int = 0, *, last_meeting: 
 
 
 def replay_protocol(n_tiles: int, stages: int, seed: int = 0, *, prefetch_s: bool = False, dq_writer: bool = False,
-                    ds_buffers: int = 2, wait_reduces: bool = True, writer_waits: bool = True,
-                    last_meeting: bool = True) -> None:
+                    dq_buffers: int = 1, ds_buffers: int = 2, wait_reduces: bool = True, writer_waits: bool = True,
+                    last_meeting: bool = True, pending: int | None = None, p_event: float = 0.4) -> None:
     """Replay the kernel's synchronisation (kernel_protocol) in one random interleaving (see `replay`). With
     `prefetch_s` the consumers wait for tile t+1 (whose Sᵀ they issue early) before they free tile t's slot, as
-    the kernel does with Config.prefetch_s: with one stage that waits forever, which check_config forbids.
+    the kernel does with Config.prefetch_s: with one stage that waits forever, which check_config forbids. With
+    `dq_buffers` = 2 each consumer stages dQ in two buffers by turns (Config.dq_buffers).
 
     The kernel's rules, which the keyword arguments break on purpose (the tests plant each bug):
     `ds_buffers` = 2: dSᵀ alternates between two slots per consumer, so a consumer writing tile t+1's dSᵀ
     never overwrites tile t's while the other consumer's dQ products still read it; `wait_reduces`: before the
-    consumers meet, each waits until the TMA engine has read its previous staged dQ (tma.store_wait(0));
+    consumers meet, each waits until the TMA engine has read its previous staged dQ (tma.store_wait(0)), or
+    with two buffers the one before (`pending`: how many staged dQs it leaves unread, dq_buffers − 1);
     `last_meeting`: after the loop the consumers meet once more before dK overwrites the K half that the
     other consumer's dQ products read; `writer_waits` (with `dq_writer`): a consumer stages its next dQ only
     once the writer has seen the TMA read the last one. Raises AssertionError naming the tile and the buffer on
     a stale read, an early overwrite or a hang."""
-    replay(kernel_protocol(prefetch_s=prefetch_s, ds_buffers=ds_buffers, wait_reduces=wait_reduces,
-                           dq_writer=dq_writer, writer_waits=writer_waits), n_tiles, stages, seed,
-           last_meeting=last_meeting)
+    replay(kernel_protocol(prefetch_s=prefetch_s, dq_writer=dq_writer, dq_buffers=dq_buffers, ds_buffers=ds_buffers,
+                           wait_reduces=wait_reduces, writer_waits=writer_waits, pending=pending),
+           n_tiles, stages, seed, last_meeting=last_meeting, p_event=p_event)

@@ -17,7 +17,8 @@ gluon_bwd_row_boxes: dQ staged in register order or by rows, on every shape; glu
 gluon_bwd_one_loop: the masked tiles in a loop of their own or tested in the one loop; gluon_bwd_dq_first,
 gluon_bwd_dk_first and gluon_bwd_dq_ds_first: dK's product issued after dQ's or before, and after dQ's with
 dSᵀ formed before dV's product; gluon_bwd_free_early and gluon_bwd_free_late: the ring slot freed before dQ's
-reduce-adds are issued or after, on every shape), cuda_hopper
+reduce-adds are issued or after, on every shape; gluon_bwd_one_dq_buffer and gluon_bwd_two_dq_buffers: dQ
+staged in one buffer per consumer or two, on every shape), cuda_hopper
 (notebook 06c's backward on wgmma and TMA, the Gluon backward's schedule in CUDA, sm_90 only; cuda_hopper_<step>
 pins one of its steps), and
 `--peers triton-tutorial` the Triton tutorial's backward (utils.course.bench.peers, read from its own
@@ -52,11 +53,11 @@ HOPPER_BACKENDS = tuple(f"cuda_hopper_{step}" for step in HOPPER_BWD_STEPS)
 # scale·P or as P (scaled_p), dQ staged in register order or by rows (dq_fragments), the masked tiles in a loop
 # of their own or not (mask_loop), dK's product issued after dQ's or before (dq_first; with ds_first too), the
 # ring slot freed before dQ's reduce-adds or after (free_early; off beside dq_writer and dq_first, which free
-# it themselves).
+# it themselves), dQ staged in one buffer per consumer or two (dq_buffers; one beside dq_writer).
 GLUON_PINNED = {"gluon_bwd_by_head": dict(bh_group=0), "gluon_bwd_grouped": dict(bh_group=4),
                 "gluon_bwd_group2": dict(bh_group=2), "gluon_bwd_group8": dict(bh_group=8),
                 "gluon_bwd_group16": dict(bh_group=16),
-                "gluon_bwd_dq_writer": dict(dq_writer=True, free_early=False),
+                "gluon_bwd_dq_writer": dict(dq_writer=True, free_early=False, dq_buffers=1),
                 "gluon_bwd_ds_first": dict(ds_first=True), "gluon_bwd_dv_first": dict(ds_first=False),
                 "gluon_bwd_scaled_p": dict(scaled_p=True), "gluon_bwd_plain_p": dict(scaled_p=False),
                 "gluon_bwd_fragments": dict(dq_fragments=True), "gluon_bwd_row_boxes": dict(dq_fragments=False),
@@ -64,7 +65,8 @@ GLUON_PINNED = {"gluon_bwd_by_head": dict(bh_group=0), "gluon_bwd_grouped": dict
                 "gluon_bwd_dk_first": dict(dq_first=False, free_early=False),
                 "gluon_bwd_dq_first": dict(dq_first=True, free_early=False),
                 "gluon_bwd_dq_ds_first": dict(dq_first=True, ds_first=True, free_early=False),
-                "gluon_bwd_free_early": dict(free_early=True), "gluon_bwd_free_late": dict(free_early=False)}
+                "gluon_bwd_free_early": dict(free_early=True), "gluon_bwd_free_late": dict(free_early=False),
+                "gluon_bwd_one_dq_buffer": dict(dq_buffers=1), "gluon_bwd_two_dq_buffers": dict(dq_buffers=2)}
 KNOWN = (BACKENDS + tuple(TRITON_LOADS) + ("triton_atomic_dq", "triton_reduce_dq", "gluon_bwd", *GLUON_PINNED,
                                           "sdpa_efficient", "triton_tutorial")
          + CUDA_BACKENDS
@@ -299,6 +301,7 @@ COLORS = {"triton": "C0", "sdpa_flash": "C1", "sdpa_cudnn": "C2", "sdpa_efficien
           "gluon_bwd_row_boxes": "rosybrown", "gluon_bwd_mask_loop": "slateblue", "gluon_bwd_one_loop": "khaki",
           "gluon_bwd_dq_first": "forestgreen", "gluon_bwd_dk_first": "sandybrown", "gluon_bwd_dq_ds_first": "indigo",
           "gluon_bwd_free_early": "deepskyblue", "gluon_bwd_free_late": "tan",
+          "gluon_bwd_one_dq_buffer": "gray", "gluon_bwd_two_dq_buffers": "darkviolet",
           "triton_pointer": "C5", "triton_tma": "C6", "triton_tma_stats": "C8",
           "triton_atomic_dq": "C7", "triton_reduce_dq": "k", "cuda_hopper": "tab:brown",
           "cuda_hopper_atomic_dq": "tab:gray", "cuda_hopper_reduce_dq": "tab:cyan", "cuda_hopper_prefetch_s": "navy",
