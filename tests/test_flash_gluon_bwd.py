@@ -306,31 +306,17 @@ def test_two_dq_buffers_leave_the_last_tiles_reduces_in_flight_and_fit(head_dim,
 @on_hopper
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_free_early_gives_the_picked_configs_gradients(head_dim, causal):
-    """Config.free_early on pick_config's config, with a ragged last tile and GQA."""
+@pytest.mark.parametrize("changes,seed", [(dict(free_early=True), 13), (dict(dq_first=True, free_early=False), 11)],
+                         ids=["free early", "dq first"])
+def test_a_switch_on_the_picked_configs_gives_their_gradients(changes, seed, head_dim, causal):
+    """Config.free_early, and Config.dq_first, on pick_config's config, with a ragged last tile and GQA."""
     from utils.tiled.fast.forward import flash_attention_forward
     from utils.course.testing import assert_gradients_close, random_qkv, reference_gradients
 
-    q, k, v = random_qkv(2, 4, 1000, 900, head_dim, kv_heads=2, dtype=torch.bfloat16, device="cuda", seed=13)
+    q, k, v = random_qkv(2, 4, 1000, 900, head_dim, kv_heads=2, dtype=torch.bfloat16, device="cuda", seed=seed)
     do = torch.randn_like(q)
     o, lse = flash_attention_forward(q, k, v, causal=causal)
-    config = gb.pick_config(head_dim, causal, 900)._replace(free_early=True)
-    grads = gb.flash_attention_backward(do, q, k, v, o, lse, causal=causal, config=config)
-    assert_gradients_close(grads, reference_gradients(q, k, v, do, causal=causal), torch.bfloat16)
-
-
-@on_hopper
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_dq_first_gives_the_picked_configs_gradients(head_dim, causal):
-    """Config.dq_first on pick_config's config, with a ragged last tile and GQA."""
-    from utils.tiled.fast.forward import flash_attention_forward
-    from utils.course.testing import assert_gradients_close, random_qkv, reference_gradients
-
-    q, k, v = random_qkv(2, 4, 1000, 900, head_dim, kv_heads=2, dtype=torch.bfloat16, device="cuda", seed=11)
-    do = torch.randn_like(q)
-    o, lse = flash_attention_forward(q, k, v, causal=causal)
-    config = gb.pick_config(head_dim, causal, 900)._replace(dq_first=True, free_early=False)
+    config = gb.pick_config(head_dim, causal, 900)._replace(**changes)
     grads = gb.flash_attention_backward(do, q, k, v, o, lse, causal=causal, config=config)
     assert_gradients_close(grads, reference_gradients(q, k, v, do, causal=causal), torch.bfloat16)
 
