@@ -25,6 +25,15 @@ IMAGES = ROOT / "images"
 README = ROOT / "README.md"
 BEGIN, END = "<!-- results: begin (python -m utils.course.references --readme) -->", "<!-- results: end -->"
 
+
+def _gluon_bwd_steps(name: str, *backends: str, masks: tuple[str, ...] = ()) -> tuple[int, list[str]]:
+    """The entry of a stored run of the Gluon backward's steps (worklog 07w, section 5): `backends` with both
+    masks (or `masks`), at 2k to 16k keys, 3 rounds, into images/<name>.json; one GPU."""
+    mask_args = ["--masks", *masks] if masks else []
+    return (1, ["utils.course.bench.backward", "--backends", *backends, *mask_args,
+                "--seqlens", "2048", "4096", "8192", "16384", "--rounds", "3", "--out", f"images/{name}.json"])
+
+
 # name -> (GPUs it needs, the command after `python -m`). Order: quick first.
 REFERENCES = {
     "ceilings": (1, ["utils.course.references", "--ceilings"]),
@@ -169,39 +178,28 @@ REFERENCES = {
                            "--seqlens", "1024", "2048", "4096", "8192", "16384", "--rounds", "3", "--out",
                            "images/07_gluon_bwd_h200.json"]),
     # ... with dSᵀ formed before dV's product is issued and after it, on every shape (section 5, Config.ds_first)
-    "backward_gluon_order": (1, ["utils.course.bench.backward", "--backends", "gluon_bwd_ds_first", "gluon_bwd_dv_first",
-                                 "--seqlens", "2048", "4096", "8192", "16384", "--rounds", "3", "--out",
-                                 "images/07w_gluon_bwd_order_h200.json"]),
+    "backward_gluon_order": _gluon_bwd_steps("07w_gluon_bwd_order_h200", "gluon_bwd_ds_first", "gluon_bwd_dv_first"),
     # ... with P computed as scale·P and as P, on every shape (section 5, Config.scaled_p)
-    "backward_gluon_scale": (1, ["utils.course.bench.backward", "--backends", "gluon_bwd_scaled_p", "gluon_bwd_plain_p",
-                                 "--seqlens", "2048", "4096", "8192", "16384", "--rounds", "3", "--out",
-                                 "images/07w_gluon_bwd_scale_h200.json"]),
+    "backward_gluon_scale": _gluon_bwd_steps("07w_gluon_bwd_scale_h200", "gluon_bwd_scaled_p", "gluon_bwd_plain_p"),
     # ... with dQ staged and accumulated in register order and by rows, on every shape (Config.dq_fragments)
-    "backward_gluon_fragments": (1, ["utils.course.bench.backward", "--backends", "gluon_bwd_fragments",
-                                     "gluon_bwd_row_boxes", "--seqlens", "2048", "4096", "8192", "16384",
-                                     "--rounds", "3", "--out", "images/07w_gluon_bwd_fragments_h200.json"]),
+    "backward_gluon_fragments": _gluon_bwd_steps("07w_gluon_bwd_fragments_h200", "gluon_bwd_fragments",
+                                                 "gluon_bwd_row_boxes"),
     # ... with the masked tiles in a loop of their own and tested in the one loop, on every shape (Config.mask_loop)
-    "backward_gluon_mask_loop": (1, ["utils.course.bench.backward", "--backends", "gluon_bwd_mask_loop",
-                                     "gluon_bwd_one_loop", "--seqlens", "2048", "4096", "8192", "16384",
-                                     "--rounds", "3", "--out", "images/07w_gluon_bwd_mask_loop_h200.json"]),
+    "backward_gluon_mask_loop": _gluon_bwd_steps("07w_gluon_bwd_mask_loop_h200", "gluon_bwd_mask_loop",
+                                                 "gluon_bwd_one_loop"),
     # ... causal, with the programs launched head by head and in groups of 2 to 16 heads (Config.bh_group)
-    "backward_gluon_groups": (1, ["utils.course.bench.backward", "--backends", "gluon_bwd", "gluon_bwd_by_head",
-                                  "gluon_bwd_group2", "gluon_bwd_grouped", "gluon_bwd_group8", "gluon_bwd_group16",
-                                  "--masks", "causal", "--seqlens", "2048", "4096", "8192", "16384", "--rounds", "3",
-                                  "--out", "images/07w_gluon_bwd_groups_h200.json"]),
+    "backward_gluon_groups": _gluon_bwd_steps("07w_gluon_bwd_groups_h200", "gluon_bwd", "gluon_bwd_by_head",
+                                              "gluon_bwd_group2", "gluon_bwd_grouped", "gluon_bwd_group8",
+                                              "gluon_bwd_group16", masks=("causal",)),
     # ... dK's product issued after dQ's or before, and after with dSᵀ formed first (Config.dq_first)
-    "backward_gluon_dq_first": (1, ["utils.course.bench.backward", "--backends", "gluon_bwd_dk_first",
-                                    "gluon_bwd_dq_first", "gluon_bwd_dq_ds_first", "--seqlens", "2048", "4096",
-                                    "8192", "16384", "--rounds", "3", "--out",
-                                    "images/07w_gluon_bwd_dq_first_h200.json"]),
+    "backward_gluon_dq_first": _gluon_bwd_steps("07w_gluon_bwd_dq_first_h200", "gluon_bwd_dk_first",
+                                                "gluon_bwd_dq_first", "gluon_bwd_dq_ds_first"),
     # ... the ring slot freed before dQ's reduce-adds are issued, or after them (Config.free_early)
-    "backward_gluon_free_early": (1, ["utils.course.bench.backward", "--backends", "gluon_bwd_free_late",
-                                      "gluon_bwd_free_early", "--seqlens", "2048", "4096", "8192", "16384",
-                                      "--rounds", "3", "--out", "images/07w_gluon_bwd_free_early_h200.json"]),
+    "backward_gluon_free_early": _gluon_bwd_steps("07w_gluon_bwd_free_early_h200", "gluon_bwd_free_late",
+                                                  "gluon_bwd_free_early"),
     # ... dQ staged in one buffer per consumer or two (Config.dq_buffers)
-    "backward_gluon_dq_buffers": (1, ["utils.course.bench.backward", "--backends", "gluon_bwd_one_dq_buffer",
-                                      "gluon_bwd_two_dq_buffers", "--seqlens", "2048", "4096", "8192", "16384",
-                                      "--rounds", "3", "--out", "images/07w_gluon_bwd_dq_buffers_h200.json"]),
+    "backward_gluon_dq_buffers": _gluon_bwd_steps("07w_gluon_bwd_dq_buffers_h200", "gluon_bwd_one_dq_buffer",
+                                                  "gluon_bwd_two_dq_buffers"),
     # one profiled launch of each pass of the Triton backward per load step (worklog 07w, sections 2 and 3;
     # needs ncu): d = 64 without a mask, d = 128 without and with one
     "backward_ncu_d64": (1, ["utils.course.bench.ncu", "--worklog", "triton_bwd", "--head-dim", "64", "--seqlen", "4096",

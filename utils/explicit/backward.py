@@ -124,6 +124,10 @@ class Config(NamedTuple):
     dq_buffers: int = 1        # dQ staging buffers per consumer: with 2, tile t waits for tile t-2's reduces
 
 
+# Config's switches (the fields whose default is a bool), which check_config holds to bool
+_BOOL_FIELDS = tuple(name for name, default in Config._field_defaults.items() if isinstance(default, bool))
+
+
 def pick_config(head_dim: int, causal: bool = False, seqlen_k: int | None = None) -> Config:
     """128-row tiles and Sᵀ prefetched at head dim 64; at 128 the registers of dK, dV (64 keys × 128 fp32
     each) leave room for 64-row tiles only, and none for a prefetched Sᵀ beside the dQ block. Causal, the
@@ -160,26 +164,14 @@ def check_config(config, head_dim: int) -> Config:
         raise ValueError(f"config.stages must be 1, 2 or 3, got {config.stages}")
     if config.consumer_regs not in range(160, 241, 8):
         raise ValueError(f"config.consumer_regs must be a multiple of 8 in [160, 240], got {config.consumer_regs}")
-    if not isinstance(config.prefetch_s, bool):
-        raise TypeError(f"config.prefetch_s must be a bool, got {type(config.prefetch_s).__name__}")
+    for field in _BOOL_FIELDS:
+        value = getattr(config, field)
+        if not isinstance(value, bool):
+            raise TypeError(f"config.{field} must be a bool, got {type(value).__name__}")
     if type(config.bh_group) is not int:
         raise TypeError(f"config.bh_group must be an int, got {type(config.bh_group).__name__}")
     if config.bh_group < 0:
         raise ValueError(f"config.bh_group must be >= 0, got {config.bh_group}")
-    if not isinstance(config.dq_writer, bool):
-        raise TypeError(f"config.dq_writer must be a bool, got {type(config.dq_writer).__name__}")
-    if not isinstance(config.ds_first, bool):
-        raise TypeError(f"config.ds_first must be a bool, got {type(config.ds_first).__name__}")
-    if not isinstance(config.scaled_p, bool):
-        raise TypeError(f"config.scaled_p must be a bool, got {type(config.scaled_p).__name__}")
-    if not isinstance(config.dq_fragments, bool):
-        raise TypeError(f"config.dq_fragments must be a bool, got {type(config.dq_fragments).__name__}")
-    if not isinstance(config.mask_loop, bool):
-        raise TypeError(f"config.mask_loop must be a bool, got {type(config.mask_loop).__name__}")
-    if not isinstance(config.dq_first, bool):
-        raise TypeError(f"config.dq_first must be a bool, got {type(config.dq_first).__name__}")
-    if not isinstance(config.free_early, bool):
-        raise TypeError(f"config.free_early must be a bool, got {type(config.free_early).__name__}")
     if type(config.dq_buffers) is not int:
         raise TypeError(f"config.dq_buffers must be an int, got {type(config.dq_buffers).__name__}")
     if config.dq_buffers not in (1, 2):
@@ -882,8 +874,8 @@ def replay(protocol, n_tiles: int, stages: int, seed: int = 0, *, last_meeting: 
     steps), the TMA copies landing and the TMA engine reading the staged dQ tiles. Shared buffers hold the tile
     they were last written for; every read checks it sees its own tile. After the loop each consumer meets the
     other (unless not `last_meeting`), then writes dK over its K half. `p_event`: how often an asynchronous event
-    is taken while a partition can move (lower: the TMA engine lags further behind). Raises AssertionError naming the tile, the
-    slot or buffer and the partition on a stale read, an early overwrite or a hang."""
+    is taken while a partition can move (lower: the TMA engine lags further behind). Raises AssertionError naming
+    the tile, the slot or buffer and the partition on a stale read, an early overwrite or a hang."""
     rng = random.Random(seed)
     steps = []
     for t in range(n_tiles):
