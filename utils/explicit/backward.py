@@ -207,21 +207,16 @@ def _pair_barrier(x):
                               pack=1)
 
 
-@gluon.jit
-def _bulk_wait_read(x, PENDING: gl.constexpr):
-    """cp.async.bulk.wait_group.read PENDING (0, 1 or 2) in this thread alone: all but its last PENDING bulk
-    groups have read their shared memory (tma.store_wait also syncs the warpgroup). `x` only gives the inline
-    assembly a (scalar) operand."""
-    if PENDING == 0:
-        gl.inline_asm_elementwise("cp.async.bulk.wait_group.read 0; mov.b32 $0, 0;", "=r,r", [x], dtype=gl.int32,
-                                  is_pure=False, pack=1)
-    elif PENDING == 1:
-        gl.inline_asm_elementwise("cp.async.bulk.wait_group.read 1; mov.b32 $0, 0;", "=r,r", [x], dtype=gl.int32,
-                                  is_pure=False, pack=1)
-    else:
-        gl.static_assert(PENDING == 2, "PENDING is 0, 1 or 2")
-        gl.inline_asm_elementwise("cp.async.bulk.wait_group.read 2; mov.b32 $0, 0;", "=r,r", [x], dtype=gl.int32,
-                                  is_pure=False, pack=1)
+@builtin
+def _bulk_wait_read(x, pending, _semantic=None):
+    """cp.async.bulk.wait_group.read `pending` (a constexpr count) in this thread alone: all but its last
+    `pending` bulk groups have read their shared memory (tma.store_wait also syncs the warpgroup). `x` only gives
+    the inline assembly a (scalar) operand."""
+    pending = tl.core._unwrap_if_constexpr(pending)
+    if isinstance(pending, bool) or not isinstance(pending, int) or not 0 <= pending <= 7:
+        raise ValueError(f"pending must be an int from 0 to 7, got {pending!r}")
+    return gl.inline_asm_elementwise(f"cp.async.bulk.wait_group.read {pending}; mov.b32 $0, 0;", "=r,r", [x],
+                                     dtype=gl.int32, is_pure=False, pack=1, _semantic=_semantic)
 
 
 @gluon.jit
