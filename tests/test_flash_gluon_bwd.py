@@ -230,22 +230,29 @@ def test_the_compiled_loop_does_five_products_and_waits_for_a_reduce_one_tile_la
             assert events[-1] == "wait(0)", events
 
 
+def _reduce_loops(head_dim: int, arrives: bool = False, **changes) -> list[list[str]]:
+    """The Gluon backward (no mask, pick_config's tiles with `changes`) compiled for sm_90 in a fresh process: the
+    events (cross_compile.DQ_EVENTS, and mbarrier arrives with `arrives`) of each loop that issues reduce-adds."""
+    from utils.course.cross_compile import script_in_fresh_process
+
+    kinds = "cc.DQ_EVENTS + (('mbarrier.arrive', 'arrive'),)" if arrives else "cc.DQ_EVENTS"
+    printed = script_in_fresh_process(
+        "from utils.course import cross_compile as cc\n"
+        f"launch = cc._gluon_bwd_launch({head_dim}, False, **{changes!r})\n"
+        f"for line in cc.schedule(cc.compile_launch(launch, (9, 0)).asm['ptx'], {kinds}):\n"
+        "    print(line)\n")
+    loops = [line.split() for line in printed.splitlines() if "reduce" in line.split() or "reduce×2" in line.split()]
+    assert loops, printed
+    return loops
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_dq_first_issues_dk_after_the_dq_chain_and_waits_for_it_after_the_reduce(head_dim):
     """Compiled for sm_90 here: with Config.dq_first, once the consumers meet, each issues its dQ chain (two
     products) and then dK's product, waits for all but the last group (dK runs on), stages and adds dQ, and only
     then waits for dK, before the ring slot is freed."""
-    from utils.course.cross_compile import script_in_fresh_process
-
-    printed = script_in_fresh_process(
-        "from utils.course import cross_compile as cc\n"
-        f"launch = cc._gluon_bwd_launch({head_dim}, False, dq_first=True, free_early=False)\n"
-        "for line in cc.schedule(cc.compile_launch(launch, (9, 0)).asm['ptx'], cc.DQ_EVENTS):\n"
-        "    print(line)\n")
     dk = f"wgmma×{gb.pick_config(head_dim).block_m // 16}"   # dK's K is the tile's rows, 16 a product
-    loops = [line.split() for line in printed.splitlines() if "reduce" in line.split() or "reduce×2" in line.split()]
-    assert loops, printed
-    for events in loops:
+    for events in _reduce_loops(head_dim, dq_first=True, free_early=False):
         meet = events.index("bar×2")
         assert events[meet + 1:meet + 8] == ["wgmma×4", "commit", "wgmma×4", "commit", dk, "commit", "wait(1)"], events
         reduce = next(i for i, e in enumerate(events) if e.startswith("reduce") and e != "reduce-wait")
@@ -261,17 +268,7 @@ def test_free_early_frees_the_slot_before_the_reduce_adds_and_waits_in_one_threa
     (cp.async.bulk.wait_group) is not followed by a warpgroup barrier: the pair barrier (bar) comes next.
     Without it the wait syncs the warpgroup (bar×2 with the pair barrier) and the slot is freed after the
     reduce-adds."""
-    from utils.course.cross_compile import script_in_fresh_process
-
-    printed = script_in_fresh_process(
-        "from utils.course import cross_compile as cc\n"
-        f"launch = cc._gluon_bwd_launch({head_dim}, False, free_early={free_early})\n"
-        "kinds = cc.DQ_EVENTS + (('mbarrier.arrive', 'arrive'),)\n"
-        "for line in cc.schedule(cc.compile_launch(launch, (9, 0)).asm['ptx'], kinds):\n"
-        "    print(line)\n")
-    loops = [line.split() for line in printed.splitlines() if "reduce" in line.split() or "reduce×2" in line.split()]
-    assert loops, printed
-    for events in loops:
+    for events in _reduce_loops(head_dim, arrives=True, free_early=free_early):
         after_wait = events[events.index("reduce-wait") + 1]
         reduce = next(i for i, e in enumerate(events) if e.startswith("reduce") and e != "reduce-wait")
         arrive = events.index("arrive")
