@@ -294,14 +294,14 @@ def test_the_one_line_steps_are_the_tables():
 
 @on_hopper
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("step", ["one_p", "one_p_lazy", "one_p_tree", "one_p_desc", "wide_stages", "wide_lazy",
-                                  "wide_tree", "wide_desc"])
+@pytest.mark.parametrize("step", ["one_p", "one_p_lazy", "one_p_tree", "one_p_desc", "desc_heavy_first", "wait_suspend",
+                                  "wide_stages", "wide_lazy", "wide_tree", "wide_desc"])
 @pytest.mark.parametrize("d", [64, 128])
 def test_a_maximum_that_keeps_growing_is_followed(step, d, causal):
     """Scores that rise along the keys, faster in some rows than others, slower than 2^8 a tile in a few, falling
     in others: the lazy steps (29-31, 33, 34) must rescale O whenever a row of the warp moved its maximum, and
     only then; steps 31 and 32 keep each row's maximum and sum in four partial chains, 33 and 34 step each wgmma
-    descriptor by an addition."""
+    descriptor by an addition, 36 stops each consumer at its own diagonal and 37 suspends its waits."""
     from functools import partial
 
     from utils.course.testing import assert_attention_matches_reference

@@ -46,17 +46,19 @@ GEMM_STEPS = ("threads", "tma")
 # then taking their work in step 13's order of head groups; and (steps 21 and 19 again) the warpgroup index read
 # from lane 0, so that ptxas keeps the causal main loop in the uniform datapath; then O rescaled only when a
 # row's maximum grew by more than 2^8; and (steps 29 and 28 again) a row's tile maximum and sum in four chains;
-# and (steps 29 and 30 again) each operand's wgmma descriptor built once a tile, a slice's by one addition.
+# and (steps 29 and 30 again) each operand's wgmma descriptor built once a tile, a slice's by one addition; and
+# (step 33 again, causal) each consumer stopping at its own diagonal, then the longest query blocks launched first;
+# then waits that let the hardware suspend a waiting thread.
 ATTENTION_STEPS = ("tma", "pipelined", "specialised", "softmax", "stages", "overlap", "pingpong", "heavy_first",
                    "wide_tiles", "v_direct", "three_consumers", "persistent", "head_groups", "own_diagonal",
                    "tma_store", "wide_v_direct", "split_full", "wide_tma_store",
                    "wide_stages", "tma_heavy_first", "one_p", "one_p_turns", "one_p_diagonal",
                    "one_p_heavy_first", "one_p_persistent",
                    "one_p_head_groups", "one_p_uniform", "wide_uniform", "one_p_lazy", "wide_lazy", "one_p_tree",
-                   "wide_tree", "one_p_desc", "wide_desc")
+                   "wide_tree", "one_p_desc", "wide_desc", "desc_diagonal", "desc_heavy_first", "wait_suspend")
 # Not every step paid, and not at both head dims: the default at each head dim (the registry's "cuda_hopper") is the
 # fastest step measured there on the H200 (images/06c_*_h200.json; tests/test_bench_cuda_mma.py checks them).
-DEFAULT_STEPS = {64: "one_p_desc", 128: "wide_desc"}
+DEFAULT_STEPS = {64: "desc_heavy_first", 128: "wide_desc"}
 # The steps whose blocks form one line (gridDim.x), and at which head dims: persistent blocks, or blocks started in
 # head-group order (the steps table's persistent<D>() or kHeadGroups; tests/test_hopper.py holds this to it). The
 # others launch a row of blocks per (batch, head), on gridDim.y.

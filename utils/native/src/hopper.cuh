@@ -136,7 +136,23 @@ __device__ inline bool mbarrier_try_wait(uint32_t bar, int phase) {
                : "=r"(done) : "r"(bar), "r"(phase) : "memory");
   return done;
 }
-__device__ inline void mbarrier_wait(uint32_t bar, int phase) { while (!mbarrier_try_wait(bar, phase)) {} }
+// The same test, but the thread may be suspended until the phase completes, for up to kWaitSuspendNs, instead of
+// the hardware's own, shorter limit: a waiting warp then polls (and takes issue slots) less often.
+constexpr uint32_t kWaitSuspendNs = 10000000;
+__device__ inline bool mbarrier_try_wait_suspend(uint32_t bar, int phase) {
+  uint32_t done;
+  asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2, %3;\nselp.u32 %0, 1, 0, p;\n}\n"
+               : "=r"(done) : "r"(bar), "r"(phase), "r"(kWaitSuspendNs) : "memory");
+  return done;
+}
+template <bool kSuspend = false>
+__device__ inline void mbarrier_wait(uint32_t bar, int phase) {
+  if constexpr (kSuspend) {
+    while (!mbarrier_try_wait_suspend(bar, phase)) {}
+  } else {
+    while (!mbarrier_try_wait(bar, phase)) {}
+  }
+}
 // A plain arrival: counts towards the barrier's expected arrivals (no bytes).
 __device__ inline void mbarrier_arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");

@@ -7,7 +7,7 @@
 
 namespace course_hopper {
 
-constexpr int kHopperSteps = 34;  // utils.native.hopper.ATTENTION_STEPS has as many
+constexpr int kHopperSteps = 37;  // utils.native.hopper.ATTENTION_STEPS has as many
 
 template <typename Step> struct StepTag { using type = Step; };
 
@@ -48,7 +48,10 @@ decltype(auto) with_step(int step, F&& f) {
     case 31: return f(StepTag<HopperStep31OnePTree>{});
     case 32: return f(StepTag<HopperStep32WideTree>{});
     case 33: return f(StepTag<HopperStep33OnePDesc>{});
-    default: return f(StepTag<HopperStep34WideDesc>{});
+    case 34: return f(StepTag<HopperStep34WideDesc>{});
+    case 35: return f(StepTag<HopperStep35DescDiagonal>{});
+    case 36: return f(StepTag<HopperStep36DescHeavyFirst>{});
+    default: return f(StepTag<HopperStep37WaitSuspend>{});
   }
 }
 

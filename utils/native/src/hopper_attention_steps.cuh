@@ -31,6 +31,7 @@ struct HopperStep1Tma {
   static constexpr bool kLazyRescale = false;  // step 29: O rescaled only when a row's maximum grew by 2^8
   static constexpr bool kTreeReduce = false;   // step 31: a row's tile maximum and sum in four partial chains
   static constexpr bool kDescAdd = false;      // step 33: each wgmma descriptor stepped by an addition
+  static constexpr bool kWaitSuspend = false;  // step 37: waits that let the hardware suspend the thread
 };
 
 // Step 2: two K/Vᵀ buffers; the next tile's copy is issued before this tile's multiplies.
@@ -214,5 +215,18 @@ struct HopperStep33OnePDesc : HopperStep29OnePLazy { static constexpr bool kDesc
 
 // Step 34 makes the same change to step 30, for D = 128.
 struct HopperStep34WideDesc : HopperStep30WideLazy { static constexpr bool kDescAdd = true; };
+
+// Step 35 keeps step 33 and, under a causal mask, lets each consumer stop at its own diagonal (step 23's change,
+// measured then on step 21, before steps 27 to 33).
+struct HopperStep35DescDiagonal : HopperStep33OnePDesc { static constexpr bool kOwnDiagonal = true; };
+
+// Step 36 keeps step 35 and, under a causal mask, launches each head's longest query blocks first (step 24's order).
+struct HopperStep36DescHeavyFirst : HopperStep35DescDiagonal { static constexpr bool kHeavyFirst = true; };
+
+// Step 37 keeps step 36 and changes how the warps wait on a barrier. mbarrier.try_wait returns false after a
+// limit the hardware sets; mbarrier_wait then tries again, a loop of test and branch that takes issue slots the
+// consumer warps of the same SM sub-partition could use. Here every wait passes a suspend-time hint
+// (kWaitSuspendNs), as CUTLASS's barriers do: ptxas then puts the thread to sleep (NANOSLEEP.SYNCS) between tests.
+struct HopperStep37WaitSuspend : HopperStep36DescHeavyFirst { static constexpr bool kWaitSuspend = true; };
 
 }  // namespace course_hopper
