@@ -219,10 +219,10 @@ def test_the_attention_kernel_compiles_without_spills_or_serialized_wgmma():
     # steps 28 and 30 (step 19's code) do not.
     wide64 = lambda r: ", 64, true, " in r.kernel and step_of(r.kernel) in (18, 19, 22, 25, 26)
     assert all(r.arch == "sm_90a" for r in results)
-    # Step 29's vote before the rescale (and that of steps 31 and 33, on it) leaves the ragged-edge tile's mask
-    # bits packed into registers at D = 64: a few dozen bytes spill in that path (a tile only at the end of a row
-    # that is not a multiple of 128 keys).
-    lazy64 = lambda r: ", 64, " in r.kernel and step_of(r.kernel) in (29, 31, 33)
+    # Step 29's vote before the rescale (and that of steps 31, 33 and 35-37, on it) leaves the ragged-edge tile's
+    # mask bits packed into registers at D = 64: a few dozen bytes spill in that path (a tile only at the end of a
+    # row that is not a multiple of 128 keys).
+    lazy64 = lambda r: ", 64, " in r.kernel and step_of(r.kernel) in (29, 31, 33, 35, 36, 37)
     assert [r.kernel for r in results if (r.spill_stores or r.spill_loads) and not (wide64(r) or lazy64(r))] == []
     assert all(r.spill_stores <= 16 and r.spill_loads <= 32 for r in results if wide64(r))
     assert all(r.spill_stores <= 48 and r.spill_loads <= 64 for r in results if lazy64(r))

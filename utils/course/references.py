@@ -387,8 +387,21 @@ COLUMNS = [(64, False, 4096), (64, False, 16384), (128, False, 4096), (128, Fals
 CUDA_BWD_RUN = "06b_bwd_steps1619_h200.json"  # the run of the CUDA backward's default step (06bw section 10)
 HOPPER_RUNS = ("06c_hopper_h200.json", "06c_vdirect_h200.json", "06c_three_h200.json", "06c_persistent_h200.json",
                "06c_diagonal_h200.json", "06c_tma_store_h200.json", "06c_wide_stages_h200.json",
-               "06c_one_p_h200.json", "06c_uniform_h200.json", "06c_tree_h200.json", "06c_desc_h200.json")
+               "06c_one_p_h200.json", "06c_uniform_h200.json", "06c_tree_h200.json", "06c_desc_h200.json",
+               "06c_desc_diagonal_h200.json")
 MMA_RUN = "06b_step15_h200.json"  # the run of the registry's step (utils.native.build.MMA_DEFAULT_STEP)
+
+
+def hopper_default_run(head_dim: int) -> str:
+    """The newest run of HOPPER_RUNS that timed the Hopper forward's default step at `head_dim` (64 or 128)."""
+    from utils.course.bench.cuda_mma import step_label
+    from utils.native.hopper import default_step
+
+    label = step_label(default_step(head_dim), "hopper")
+    for name in reversed(HOPPER_RUNS):
+        if any(r["impl"] == label and r["head_dim"] == head_dim for r in _load(name)["results"]):
+            return name
+    raise ValueError(f"no stored 06c run times the default step {label!r} at head_dim={head_dim}")
 
 
 def _finding(what, values, unit, shapes, source, notebook) -> dict:
@@ -495,12 +508,12 @@ def findings() -> list[dict]:
                          hopper_sources, "06c"))
     rows.append(_finding("Hopper forward, best step per shape / cuDNN", vs.values(), "×", "N ≥ 4k",
                          hopper_sources, "06c"))
-    last = _by(_load(HOPPER_RUNS[-1])["results"], "impl", "head_dim", "causal", "seqlen")
     for dim, step in DEFAULT_STEPS.items():
+        last = _by(_load(hopper_default_run(dim))["results"], "impl", "head_dim", "causal", "seqlen")
         rows.append(_finding(f"Hopper forward, default step {step} / cuDNN, d={dim}",
                              [v / last["sdpa-cudnn", d, c, n] for (i, d, c, n), v in last.items()
                               if i == step_label(step, "hopper") and d == dim and n >= 4096],
-                             "×", "N ≥ 4k", HOPPER_RUNS[-1], "06c"))
+                             "×", "N ≥ 4k", hopper_default_run(dim), "06c"))
 
     dec = stored_decoding()
     for key in dict.fromkeys(r["layout"] for r in dec):
@@ -538,7 +551,8 @@ def format_findings(rows: list[dict]) -> str:
 
 # ---- notebook 09: every registered kernel from its stored runs --------------------------------------------
 
-# registered kernel -> (stored forward run, its name there, notebook); None: the registered step (see below)
+# registered kernel -> (stored forward run, or a function of the head dim giving it; its name there, notebook);
+# None: the registered step (see below)
 FORWARD_RUNS = {
     **{kernel: ("summary_h200.json", kernel, notebook) for kernel, notebook in (
         ("sdpa", "01"), ("naive", "01"), ("flash1_pytorch", "03"), ("flash2_pytorch", "04"),
@@ -549,7 +563,7 @@ FORWARD_RUNS = {
     "gluon_ws": ("05b_gluon_ws_h200.json", "gluon_ws", "05b"),
     "gluon_ws3": ("05b_gluon_ws3_h200.json", "gluon_ws3 n128 s2 r160", "05b"),   # forward_ws3.pick_config(64)
     "cuda": (MMA_RUN, None, "06b"),
-    "cuda_hopper": (HOPPER_RUNS[-1], None, "06c"),
+    "cuda_hopper": (hopper_default_run, None, "06c"),
     "flex_triton": ("10_flex_h200.json", "course", "10"),
 }
 # registered kernel -> (stored backward run, its name there, notebook); gluon and gluon_ws share one backward
@@ -588,7 +602,8 @@ def stored_records(name: str, mode: str = "fwd") -> list[dict]:
 
 def stored_kernels(mode: str = "fwd", columns=COLUMNS) -> list[dict]:
     """One row per registered kernel with a stored run: TFLOP/s at each column's shape, and its ratio to each
-    baseline (cuDNN, FlashAttention-2, or SDPA's own pick) measured in the same run; None where not measured."""
+    baseline (cuDNN, FlashAttention-2, or SDPA's own pick) measured in the same run; None where not measured.
+    `runs` lists the stored runs a row reads (one per head dim at most), `run` joins them for display."""
     from utils.course.bench.cuda_mma import step_label
     from utils.native.backward import BWD_DEFAULT_STEP
     from utils.native.build import MMA_DEFAULT_STEP
@@ -602,12 +617,16 @@ def stored_kernels(mode: str = "fwd", columns=COLUMNS) -> list[dict]:
     out = []
     for kernel, (run, label, notebook) in (FORWARD_RUNS if mode == "fwd" else BACKWARD_RUNS).items():
         labels = {col: label or default[kernel, mode](col[0]) for col in columns}  # col = (head_dim, causal, N)
-        t = _by(stored_records(run, mode), "impl", "head_dim", "causal", "seqlen")
-        row = dict(kernel=kernel, notebook=notebook, run=run, label=" / ".join(dict.fromkeys(labels.values())),
-                   tflops={col: t.get((labels[col], *col)) for col in columns})
+        runs = {col: run if isinstance(run, str) else run(col[0]) for col in columns}
+        tables = {name: _by(stored_records(name, mode), "impl", "head_dim", "causal", "seqlen")
+                  for name in dict.fromkeys(runs.values())}
+        t = {col: tables[runs[col]] for col in columns}
+        row = dict(kernel=kernel, notebook=notebook, runs=list(tables), run=" + ".join(tables),
+                   label=" / ".join(dict.fromkeys(labels.values())),
+                   tflops={col: t[col].get((labels[col], *col)) for col in columns})
         for short, base in BASELINES.items():
-            row[short] = {col: t[labels[col], *col] / t[base, *col]
-                          if (labels[col], *col) in t and (base, *col) in t else None for col in columns}
+            row[short] = {col: t[col][labels[col], *col] / t[col][base, *col]
+                          if (labels[col], *col) in t[col] and (base, *col) in t[col] else None for col in columns}
         out.append(row)
     return out
 
