@@ -186,6 +186,16 @@ def test_simplify_folds_the_literals_that_decide(before, after):
     assert flatten.simplify(before) == after
 
 
+def test_a_template_argument_equal_to_its_default_reads_as_the_plain_call():
+    headers = ("template <bool kSuspend = false>\n__device__ inline void wait(uint32_t bar, int phase) {}\n"
+               "template <bool kFast = true> __device__ __forceinline__ int pick(int x) { return x; }\n")
+    src = "wait<false>(a, 0); wait<true>(a, 1); pick<true>(2); pick<false>(3); waits<false>(4);"
+    assert flatten.drop_default_template_args(src, headers) == (
+        "wait(a, 0); wait<true>(a, 1); pick(2); pick<false>(3); waits<false>(4);")
+    # the Hopper helpers declare the wait's suspend switch that way, so steps without it show mbarrier_wait(...)
+    assert "mbarrier_wait<false>" not in flatten.step_source("06c", 3)
+
+
 def test_fold_moves_a_kept_else_if_as_a_whole():
     src = "\n  if constexpr (false) {\n    a();\n  } else if (n > 0) {\n    b();\n  }\n"
     assert flatten.fold_ifs(src) == "\n  if (n > 0) {\n    b();\n  }\n"

@@ -321,6 +321,16 @@ def simplify(text: str) -> str:
     return text
 
 
+def drop_default_template_args(text: str, headers: str) -> str:
+    """Call `f(...)` where `text` calls `f<false>(...)` (or `<true>`) and `headers` declare
+    `template <bool k... = false>` (or true) before f: a folded switch that picks the default reads as the
+    plain call."""
+    for default, name in re.findall(r"template\s*<bool \w+ = (true|false)>\s*(?:__device__\s+)?(?:__forceinline__\s+|"
+                                    r"inline\s+)*[\w:]+\s+(\w+)\(", headers):
+        text = re.sub(r"\b" + name + "<" + default + r">\(", name + "(", text)
+    return text
+
+
 def _literal(cond: str):
     c = cond.strip()
     return {"true": True, "false": False}.get(c)
@@ -673,6 +683,8 @@ def flatten(lesson: str, n: int) -> str:
     body = substitute(body, step)
     body = propagate_literals(body)
     body = simplify(body)
+    headers = "\n".join((CUDA_DIR / h).read_text() for h in re.findall(r'#include "(\w+\.\w+)"', m.group(1)))
+    body = drop_default_template_args(body, headers)
     body = fold_ifs(body)
     body = simplify(body)
     body = drop_foreign_comments(body, set(lineage(lesson, n)))
