@@ -321,7 +321,8 @@ __global__ void __launch_bounds__(128 * (1 + (D == 64 ? 3 : 2)), 1)
       int w = blockIdx.x, it = 0;  // the work item (step 12: the first is the block's own); K/V tiles issued
       for (int n = 0;; ++n) {
         const int qb = n % kQBufs;
-        if (n >= kQBufs) mbarrier_wait(q_empty(qb), (n / kQBufs - 1) & 1);  // item n - 2 is done with buffer qb
+        // item n - 2 is done with buffer qb
+        if (n >= kQBufs) mbarrier_wait(q_empty(qb), (n / kQBufs - 1) & 1);
         const Work wk = work(w);
         const int next = 0;  // asked for early
         const uint32_t sq_b = sq + qb * D / 64 * kQPanel;
@@ -334,7 +335,8 @@ __global__ void __launch_bounds__(128 * (1 + (D == 64 ? 3 : 2)), 1)
         }
         for (int i = 0; i < wk.tiles; ++i, ++it) {  // `it` runs on across work items: the ring never restarts
           const int s = it % kStages;
-          if (it >= kStages) mbarrier_wait(empty(s), (it / kStages - 1) & 1);  // tile it - kStages released it
+          // tile it - kStages released it
+          if (it >= kStages) mbarrier_wait(empty(s), (it / kStages - 1) & 1);
           const uint32_t sk = stages + s * 2 * kTile, sv = sk + kTile;
           const uint32_t v_bar = v_full(s);  // step 17: V on a barrier of its own
           mbarrier_arrive_expect(full(s), kTile);
@@ -369,8 +371,9 @@ __global__ void __launch_bounds__(128 * (1 + (D == 64 ? 3 : 2)), 1)
     const int row[2] = {q_lo + 16 * (wtid / 32) + lane / 4, q_lo + 16 * (wtid / 32) + lane / 4 + 8};
     const uint32_t sq_wg = sq + qb * D / 64 * kQPanel + wg * kRows * 128;
     auto ring = [&](int i) { return (it + i) % kStages; };  // the stage holding this item's K/V tile i
-    auto wait_full = [&](int i) { mbarrier_wait(full(ring(i)), ((it + i) / kStages) & 1); };  // step 17: K only
-    auto wait_v = [&](int i) { mbarrier_wait(v_full(ring(i)), ((it + i) / kStages) & 1); };  // step 17
+    // step 17: K only on `full`, V on `v_full`
+    auto wait_full = [&](int i) { mbarrier_wait(full(ring(i)), ((it + i) / kStages) & 1); };
+    auto wait_v = [&](int i) { mbarrier_wait(v_full(ring(i)), ((it + i) / kStages) & 1); };
     auto key_tile = [&](int i) { return stages + ring(i) * 2 * kTile; };
     // Only a tile that reaches past Nk, or crosses this warpgroup's diagonal, has keys to mask (steps 1-3 mask all).
     auto needs_mask = [&](int i) {

@@ -326,7 +326,8 @@ __global__ void __launch_bounds__(128 * (1 + (D == 64 ? 3 : 2)), 1)
       int w = blockIdx.x, it = 0;  // the work item (step 12: the first is the block's own); K/V tiles issued
       for (int n = 0;; ++n) {
         const int qb = n % kQBufs;
-        if (n >= kQBufs) mbarrier_wait(q_empty(qb), (n / kQBufs - 1) & 1);  // item n - 2 is done with buffer qb
+        // item n - 2 is done with buffer qb
+        if (n >= kQBufs) mbarrier_wait(q_empty(qb), (n / kQBufs - 1) & 1);
         const Work wk = work(w);
         const int next = 0;  // asked for early
         const uint32_t sq_b = sq + qb * D / 64 * kQPanel;
@@ -339,7 +340,8 @@ __global__ void __launch_bounds__(128 * (1 + (D == 64 ? 3 : 2)), 1)
         }
         for (int i = 0; i < wk.tiles; ++i, ++it) {  // `it` runs on across work items: the ring never restarts
           const int s = it % kStages;
-          if (it >= kStages) mbarrier_wait(empty(s), (it / kStages - 1) & 1);  // tile it - kStages released it
+          // tile it - kStages released it
+          if (it >= kStages) mbarrier_wait(empty(s), (it / kStages - 1) & 1);
           const uint32_t sk = stages + s * 2 * kTile, sv = sk + kTile;
           const uint32_t v_bar = full(s);
           mbarrier_arrive_expect(full(s), 2 * kTile);
