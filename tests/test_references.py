@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from utils.course.references import (COLUMNS, FORWARD_RUNS, IMAGES, README, REFERENCES, findings, format_stored, main,
-                              results_markdown, stored_decoding, stored_kernels, stored_records, technique_gains,
+from utils.course.references import (COLUMNS, FORWARD_RUNS, HOPPER_RUNS, IMAGES, README, REFERENCES, findings,
+                              format_stored, hopper_default_run, main, results_markdown, stored_decoding, stored_kernels, stored_records, technique_gains,
                               update_readme)
 
 JSONS = sorted(IMAGES.glob("*.json"))
@@ -105,6 +105,19 @@ def test_findings_name_stored_runs_and_notebooks():
         assert set(row["notebook"].split(", ")) <= notebooks, row
         named = [s for s in row["source"].split(", ") if s.endswith(".json")]
         assert all((IMAGES / s).is_file() for s in named), row
+
+
+def test_the_hopper_default_run_is_the_newest_that_timed_the_default():
+    from utils.course.bench.cuda_mma import step_label
+    from utils.native.hopper import default_step
+
+    for d in (64, 128):
+        label = step_label(default_step(d), "hopper")
+        timed = [name for name in HOPPER_RUNS if any(r["impl"] == label and r["head_dim"] == d
+                                                     for r in json.loads((IMAGES / name).read_text())["results"])]
+        assert timed and hopper_default_run(d) == timed[-1], (d, timed)
+    with pytest.raises(ValueError, match="head_dim must be one of"):
+        hopper_default_run(96)
 
 
 def test_technique_gain_is_the_ratio_of_the_two_kernels_in_one_run():

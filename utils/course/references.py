@@ -393,7 +393,8 @@ MMA_RUN = "06b_step15_h200.json"  # the run of the registry's step (utils.native
 
 
 def hopper_default_run(head_dim: int) -> str:
-    """The newest run of HOPPER_RUNS that timed the Hopper forward's default step at `head_dim` (64 or 128)."""
+    """The newest run of HOPPER_RUNS (listed oldest first) that timed the Hopper forward's default step at
+    `head_dim` (64 or 128)."""
     from utils.course.bench.cuda_mma import step_label
     from utils.native.hopper import default_step
 
@@ -509,11 +510,12 @@ def findings() -> list[dict]:
     rows.append(_finding("Hopper forward, best step per shape / cuDNN", vs.values(), "×", "N ≥ 4k",
                          hopper_sources, "06c"))
     for dim, step in DEFAULT_STEPS.items():
-        last = _by(_load(hopper_default_run(dim))["results"], "impl", "head_dim", "causal", "seqlen")
+        run = hopper_default_run(dim)
+        last = _by(_load(run)["results"], "impl", "head_dim", "causal", "seqlen")
         rows.append(_finding(f"Hopper forward, default step {step} / cuDNN, d={dim}",
                              [v / last["sdpa-cudnn", d, c, n] for (i, d, c, n), v in last.items()
                               if i == step_label(step, "hopper") and d == dim and n >= 4096],
-                             "×", "N ≥ 4k", hopper_default_run(dim), "06c"))
+                             "×", "N ≥ 4k", run, "06c"))
 
     dec = stored_decoding()
     for key in dict.fromkeys(r["layout"] for r in dec):
