@@ -7,8 +7,8 @@ import re
 import pytest
 
 from utils.course.references import (COLUMNS, FORWARD_RUNS, HOPPER_RUNS, IMAGES, README, REFERENCES, findings,
-                              format_stored, hopper_default_run, main, results_markdown, stored_decoding, stored_kernels, stored_records, technique_gains,
-                              update_readme)
+                                     format_stored, hopper_default_run, main, results_markdown, stored_decoding,
+                                     stored_kernels, stored_records, technique_gains, update_readme)
 
 JSONS = sorted(IMAGES.glob("*.json"))
 ENV_KEYS = ("gpu", "capability", "torch", "triton", "cuda", "cudnn", "driver", "date", "command")
