@@ -63,7 +63,7 @@ def test_the_backward_compiles_for_sm_90a_with_wgmma_in_flight():
     """A kernel for each of fp16, bf16; D = 64, 128; causal or not; each step of BWD_STEPS, wgmma serialised in one
     step only, and 06bw's prepare and finish passes. At D = 64 the consumers hold Sᵀ, dPᵀ (64 registers each),
     Pᵀ's fragments, dV and dK at once: ptxas spills a few loop invariants; "dv_late", which packs Pᵀ after dSᵀ, does
-    not, nor "late_prefetch" on it."""
+    not, nor "late_prefetch" on it, nor "rows80" (at D = 128: Sᵀ, dPᵀ and dQᵀ of 80 queries, 40 registers each)."""
     results = native_build.compile_check("hopper_backward")
     types = ("__half", "__nv_bfloat16")
     assert {r.kernel for r in results} == (
@@ -80,8 +80,7 @@ def test_the_backward_compiles_for_sm_90a_with_wgmma_in_flight():
     assert all(max(r.spill_stores, r.spill_loads) == 0 for r in results if ", 128, " in r.kernel)
     # steps 1-4 stage dQ in shared memory with all three accumulators live: a few more at D = 64
     assert all(max(r.spill_stores, r.spill_loads) <= (48 if r.kernel.endswith(", 0>") else 72) for r in results)
-    late = (f", {BWD_STEPS.index('dv_late')}>", f", {BWD_STEPS.index('late_prefetch')}>",
-            f", {BWD_STEPS.index('late_group')}>")
+    late = tuple(f", {BWD_STEPS.index(s)}>" for s in ("dv_late", "late_prefetch", "late_group", "rows80"))
     assert [r.kernel for r in results if r.kernel.endswith(late) and (r.spill_stores or r.spill_loads)] == []
 
 
@@ -147,3 +146,23 @@ def test_reduce_dq_leaves_no_row_past_the_end():
         for h in range(3):
             torch.testing.assert_close(grads[0][b, h].float(), expected[0][b, h].float(), atol=2e-2, rtol=2e-2,
                                        msg=lambda m, b=b, h=h: f"dq of batch {b}, head {h}: {m}")
+
+
+@on_hopper
+@pytest.mark.parametrize("causal", [False, True])
+def test_rows80_tiles_end_inside_each_head(causal):
+    """Step rows80 takes 80 queries a tile at D = 128, and lse2 and delta are padded to 640 rows for it: Nq = 85
+    leaves a last tile of 5 rows, whose dQ boxes TMA clips at the head's end, and Nq = 700 one past a whole 640
+    (each head's dQ checked on its own)."""
+    for nq in (85, 700):
+        q, k, v = random_qkv(2, 3, nq, 130, 128, dtype=torch.bfloat16, device="cuda", seed=nq)
+        do = torch.randn_like(q)
+        o, lse = forward_with_lse(q, k, v, causal=causal)
+        grads = flash_hopper_backward(do, q, k, v, o, lse, causal=causal, step="rows80")
+        expected = reference_gradients(q, k, v, do, causal=causal)
+        for b in range(2):
+            for h in range(3):
+                try:
+                    assert_gradients_close([g[b, h] for g in grads], [e[b, h] for e in expected], torch.bfloat16)
+                except AssertionError as e:
+                    raise AssertionError(f"Nq = {nq}, batch {b}, head {h}: {e}") from None

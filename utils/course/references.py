@@ -274,6 +274,12 @@ REFERENCES = {
                             "cuda_hopper_edge_mask", "cuda_hopper_late_prefetch", "cuda_hopper_late_group",
                             "gluon_bwd", "sdpa_cudnn", "--seqlens", "4096", "16384", "--rounds", "5", "--out",
                             "images/06c_bwd_late_h200.json"]),
+    # worklog 06cw section 7: rows80 (80-query tiles at D = 128, dQ transposed) beside late_prefetch, late_group,
+    # the Gluon backward and cuDNN
+    "hopper_bwd_rows80": (1, ["utils.course.bench.backward", "--backends", "cuda_hopper_late_prefetch",
+                              "cuda_hopper_late_group", "cuda_hopper_rows80", "gluon_bwd", "sdpa_cudnn", "--seqlens",
+                              "2048", "4096", "8192", "16384", "--rounds", "3", "--out",
+                              "images/06c_bwd_rows80_h200.json"]),
     # 06c's backward table: the default step beside the Gluon backward, FA2 and cuDNN
     "hopper_bwd_default": (1, ["utils.course.bench.backward", "--backends", "cuda_hopper_late_prefetch",
                                "cuda_hopper_dv_late", "cuda_hopper_edge_mask", "gluon_bwd", "sdpa_flash",

@@ -10,19 +10,19 @@ cudaError_t launch_bwd_prepare(const BwdPrepareParams& pp, DType dtype, cudaStre
 cudaError_t launch_bwd_finish(const float* accum, void* dq, long long rows, int seqlen_q, int acc_rows, int head_dim,
                               float scale, DType dtype, cudaStream_t stream);
 
-// Rows of lse2 and delta a head: seqlen_q rounded up to kLsePad.
-inline int64_t padded_rows(int64_t seqlen_q) { return (seqlen_q + kLsePad - 1) / kLsePad * kLsePad; }
+// Rows of lse2 and delta a head: seqlen_q rounded up to `pad` (kLsePad unless a kernel reads tiles of another size).
+inline int64_t padded_rows(int64_t seqlen_q, int64_t pad = kLsePad) { return (seqlen_q + pad - 1) / pad * pad; }
 
-// (lse2, delta), fp32 (batch · heads, padded_rows(seqlen_q)), from dO and O (the caller has checked them: CUDA,
-// fp16/bf16, 4-d, head dim 64 or 128, rows on 16 bytes) and the forward's lse, checked here.
+// (lse2, delta), fp32 (batch · heads, padded_rows(seqlen_q, pad)), from dO and O (the caller has checked them:
+// CUDA, fp16/bf16, 4-d, head dim 64 or 128, rows on 16 bytes) and the forward's lse, checked here.
 inline std::vector<torch::Tensor> bwd_prepare(const char* name, const torch::Tensor& dout, const torch::Tensor& o,
-                                              const torch::Tensor& lse) {
+                                              const torch::Tensor& lse, int64_t pad = kLsePad) {
   TORCH_CHECK(lse.is_cuda() && lse.device() == o.device() && lse.scalar_type() == torch::kFloat32 &&
               lse.is_contiguous() && lse.dim() == 3 && lse.size(0) == o.size(0) && lse.size(1) == o.size(1) &&
               lse.size(2) == o.size(2), name, ": lse must be contiguous fp32 (batch, heads, seqlen_q) on o's device, "
               "got ", course::shape(lse.sizes()));
   const c10::cuda::CUDAGuard guard(o.device());
-  const int64_t bh = o.size(0) * o.size(1), padded = padded_rows(o.size(2));
+  const int64_t bh = o.size(0) * o.size(1), padded = padded_rows(o.size(2), pad);
   const auto fp32 = o.options().dtype(torch::kFloat32);
   torch::Tensor lse2 = torch::empty({bh, padded}, fp32), delta = torch::empty({bh, padded}, fp32);
   BwdPrepareParams pp{};

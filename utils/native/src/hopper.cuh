@@ -90,6 +90,26 @@ __device__ inline void wgmma_m64n128k16(float (&d)[64], uint64_t desc_a, uint64_
   }
 }
 
+// The same with N = 80 (40 registers of d a thread): the backward's Sᵀ and dPᵀ over 80 queries, and dQᵀ = Kᵀ dSᵀ
+// (kTransA: Kᵀ read M-major out of K) for them. FlashAttention-3 picks these 80-query tiles at D = 128.
+#define COURSE_D40 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
+                   "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, " \
+                   "%38, %39}"
+template <typename T, bool kTransA = false, bool kTransB = false>
+__device__ inline void wgmma_m64n80k16(float (&d)[40], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %42, 0;\nwgmma.mma_async.sync.aligned.m64n80k16.f32.bf16.bf16 "
+                 COURSE_D40 ", %40, %41, p, 1, 1, %43, %44;\n}\n"
+                 : COURSE_F32(d, 0), COURSE_F8(d, 32) : "l"(desc_a), "l"(desc_b), "r"(accumulate),
+                   "n"(kTransA ? 1 : 0), "n"(kTransB ? 1 : 0));
+  } else {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %42, 0;\nwgmma.mma_async.sync.aligned.m64n80k16.f32.f16.f16 "
+                 COURSE_D40 ", %40, %41, p, 1, 1, %43, %44;\n}\n"
+                 : COURSE_F32(d, 0), COURSE_F8(d, 32) : "l"(desc_a), "l"(desc_b), "r"(accumulate),
+                   "n"(kTransA ? 1 : 0), "n"(kTransB ? 1 : 0));
+  }
+}
+
 // The same multiply with A from registers ("RS"): a (four 32-bit registers of two 16-bit values each) holds
 // this thread's part of the 64 x 16 A tile in mma.sync's A-fragment layout, one 16-row slab per warp. This is
 // how P, computed in registers by the softmax, feeds the second product of attention. N = 64 or 128; always
@@ -118,6 +138,13 @@ __device__ inline void wgmma_m64k16_rs(float (&d)[N / 2], const uint32_t (&a)[4]
                  : COURSE_F32(d, 0), COURSE_F32(d, 32)
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1), "n"(kTransB ? 1 : 0));
   }
+}
+
+// stmatrix with .trans: lane l gives the address of row l % 8 of matrix l / 8, and that row receives column
+// l % 8 of the matrix register i of each lane holds in the C fragment layout: each 8 x 8 tile lands transposed.
+__device__ inline void stmatrix_x4_trans(uint32_t address, const uint32_t (&r)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n"
+               :: "r"(address), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
 }
 
 // ---- TMA: the tensor memory accelerator copies a box of a tensor into shared memory, and an mbarrier counts

@@ -63,8 +63,8 @@ cudaError_t hopper_backward_launch(bool bf16, int head_dim, bool causal, int ste
 // do, q, o (B, H, Nq, D); k, v (B, Hkv, Nk, D), Hkv dividing H; all contiguous fp16 or bf16 on an sm_90 GPU, D =
 // 64 or 128, starting on 16 bytes; lse fp32 (B, H, Nq), the forward's natural-log log-sum-exp; step 0
 // ("atomic_dq"), 1 ("reduce_dq"), 2 ("prefetch_s"), 3 ("bh_group"), 4 ("stsm_ds"), 5 ("stsm_uniform"), 6
-// ("dq_first"), 7 ("desc_add"), 8 ("edge_mask"), 9 ("dv_late"), 10 ("late_prefetch") or 11 ("late_group") ->
-// (dq, dk, dv).
+// ("dq_first"), 7 ("desc_add"), 8 ("edge_mask"), 9 ("dv_late"), 10 ("late_prefetch"), 11 ("late_group") or 12
+// ("rows80") -> (dq, dk, dv).
 std::vector<torch::Tensor> hopper_attention_backward(torch::Tensor dout, torch::Tensor q, torch::Tensor k,
                                                      torch::Tensor v, torch::Tensor o, torch::Tensor lse, bool causal,
                                                      double scale, int64_t step) {
@@ -85,20 +85,22 @@ std::vector<torch::Tensor> hopper_attention_backward(torch::Tensor dout, torch::
               " is more than the grid has rows (65535); split the batch");
   TORCH_CHECK(scale > 0 && std::isfinite(scale), name, ": scale must be finite and positive, got ",
               course::num(scale));
-  TORCH_CHECK(step >= 0 && step <= 11, name,
+  TORCH_CHECK(step >= 0 && step <= 12, name,
               ": step must be 0 (atomic_dq), 1 (reduce_dq), 2 (prefetch_s), 3 (bh_group), 4 (stsm_ds), 5 ",
-              "(stsm_uniform), 6 (dq_first), 7 (desc_add), 8 (edge_mask), 9 (dv_late), 10 (late_prefetch) or 11 ",
-              "(late_group), got ", course::num(step));
+              "(stsm_uniform), 6 (dq_first), 7 (desc_add), 8 (edge_mask), 9 (dv_late), 10 (late_prefetch), 11 ",
+              "(late_group) or 12 (rows80), got ", course::num(step));
   course_hopper::check_sm90(name, q);
   const c10::cuda::CUDAGuard guard(q.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  // lse2 and delta, (B · H, Nq padded to kLsePad), by the prepare pass (it checks lse)
-  const std::vector<torch::Tensor> stats = course_flash::bwd_prepare(name, dout, o, lse);
+  // BackwardTile<D, step == rows80>::kRows; lse2 and delta, (B · H, Nq padded to kLsePad, or to 640 for 80-row
+  // tiles), by the prepare pass (it checks lse)
+  const int rows = d == 64 ? 128 : step == 12 ? 80 : 64;
+  const int64_t pad = rows == 80 ? 640 : course_flash::kLsePad;
+  const std::vector<torch::Tensor> stats = course_flash::bwd_prepare(name, dout, o, lse, pad);
   const torch::Tensor &lse2 = stats[0], &delta = stats[1];
 
   auto dq_accum = torch::zeros(q.sizes(), q.options().dtype(torch::kFloat32));
   auto dk = torch::empty_like(k), dv = torch::empty_like(v);
-  const int rows = d == 64 ? 128 : 64;  // BackwardTile<D>::kRows
   const course_hopper::BackwardParams p{static_cast<int>(nq), static_cast<int>(nk), static_cast<int>(q.size(1)),
                                         static_cast<int>(k.size(1)), static_cast<int>(lse2.size(1)),
                                         static_cast<float>(scale * 1.4426950408889634), static_cast<float>(scale),
@@ -106,7 +108,7 @@ std::vector<torch::Tensor> hopper_attention_backward(torch::Tensor dout, torch::
                                         dk.data_ptr(), dv.data_ptr()};
   const CUtensorMap map_q = course_hopper::map_3d(name, q, rows), map_do = course_hopper::map_3d(name, dout, rows),
                     map_k = course_hopper::map_3d(name, k, 64), map_v = course_hopper::map_3d(name, v, 64),
-                    map_dq = course_hopper::map_3d(name, dq_accum, 64);  // 64 rows x 32 fp32 columns a box
+                    map_dq = course_hopper::map_3d(name, dq_accum, rows == 80 ? 80 : 64);  // x 32 fp32 columns
   const cudaError_t err = course_hopper::hopper_backward_launch(
       q.scalar_type() == torch::kBFloat16, static_cast<int>(d), causal, static_cast<int>(step), map_q, map_k, map_v,
       map_do, map_dq, p, static_cast<int>(k.size(0) * k.size(1)), stream);

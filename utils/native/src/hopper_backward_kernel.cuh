@@ -31,10 +31,14 @@
 //     but after the last tile too (on a stage no load refills), and waits for it before dPᵀ goes out: with
 //     neither a branch around that wgmma nor a wait that counts groups across the loop, ptxas keeps the wgmmas
 //     pipelined (it serialised "prefetch_s"). Step "late_group" keeps "late_prefetch" and, under a causal mask,
-//     launches the blocks as "bh_group" does (the Gluon backward's choice at D = 128).
+//     launches the blocks as "bh_group" does (the Gluon backward's choice at D = 128). Step "rows80" keeps
+//     "late_prefetch" and at D = 128 takes 80 queries a tile, as FlashAttention-3 does: Sᵀ and dPᵀ are m64n80
+//     wgmmas, dS goes to shared memory query-major (stmatrix .trans), and each consumer computes dQᵀ = Kᵀ dSᵀ for
+//     its 64 columns of D (M = 64 columns, N = 80 queries), staged transposed for TMA's add.
 // lse2 = lse · log2(e) (+inf for rows that see no key, and in the padding), delta = D, fp32 (batch · heads,
-// padded_q), padded_q a multiple of 128: the prepare pass of flash_bwd_passes.cuh writes them. Causal attention is
-// aligned bottom-right (key j visible to query i when j <= i + Nk − Nq); TMA's zero fill covers ragged tiles.
+// padded_q), padded_q a multiple of 128 (rows80: of 640, whole 80-row tiles): the prepare pass of
+// flash_bwd_passes.cuh writes them. Causal attention is aligned bottom-right (key j visible to query i when
+// j <= i + Nk − Nq); TMA's zero fill covers ragged tiles.
 #pragma once
 #include "flash_mma.cuh"                // stmatrix_x4 (notebook 06b's)
 #include "hopper_attention_kernel.cuh"  // pack2, fast_exp2, fence_fragments, issue_qk, desc_plus
@@ -53,42 +57,68 @@ struct BackwardParams {
 };
 
 // Tiles and shared memory. BM queries per step of the loop: 128 at D = 64, 64 at D = 128 (dK and dV take D / 2
-// registers each, and Sᵀ, dPᵀ BM / 2 each: at D = 128 both at 128 would not fit in 240).
-template <int D> struct BackwardTile {
-  static constexpr int kRows = D == 64 ? 128 : 64;  // BM
+// registers each, and Sᵀ, dPᵀ BM / 2 each: at D = 128 both at 128 would not fit in 240); kWide (rows80): 80 at
+// D = 128, with dQ transposed (kTransDq).
+template <int D, bool kWide = false> struct BackwardTile {
+  static constexpr bool kTransDq = kWide && D == 128;
+  static constexpr int kRows = D == 64 ? 128 : kTransDq ? 80 : 64;  // BM
   static constexpr int kKeys = 128;                 // keys per block, 64 per consumer
   static constexpr int kStages = 2;                 // Q, dO, lse2, delta ring
   static constexpr int kThreads = 384;
   static constexpr int kQTile = kRows * D * 2;      // Q or dO: D / 64 panels of kRows rows x 128 bytes
   static constexpr int kKHalf = 64 * D * 2;         // one consumer's K or V: D / 64 panels of 64 rows
-  static constexpr int kDsTile = 64 * kRows * 2;    // one consumer's dSᵀ: kRows / 64 panels of 64 key rows
-  // byte offsets from a 1024-byte boundary; swizzled tiles start on one
+  // One consumer's dSᵀ: kRows / 64 panels of 64 key rows; kTransDq: a tile's dS, both consumers', as two panels
+  // (one a consumer) of kRows query rows x 64 keys
+  static constexpr int kDsTile = kTransDq ? kRows * 256 : 64 * kRows * 2;
+  static constexpr int kDsBytes = kTransDq ? 2 * kDsTile : 4 * kDsTile;  // [tile parity] ([consumer])
+  // "reduce_dq": a consumer's dQ (64 x 64 fp32; kTransDq: kRows x 64) as two boxes of 32 columns, 128-byte swizzled
+  static constexpr int kDqBox = (kTransDq ? kRows : 64) * 128;
+  // byte offsets from a 1024-byte boundary; swizzled tiles start on one (kTransDq: the dQ boxes before lse2's
+  // 2 x 320 bytes)
   static constexpr int kQ = 0, kDO = kQ + kStages * kQTile, kK = kDO + kStages * kQTile, kV = kK + 2 * kKHalf;
-  static constexpr int kDS = kV + 2 * kKHalf;       // [tile parity][consumer]
-  static constexpr int kLse = kDS + 4 * kDsTile, kDelta = kLse + kStages * kRows * 4;
-  static constexpr int kDqStage = kDelta + kStages * kRows * 4;  // "reduce_dq": a consumer's 64 x 64 fp32 dQ, as
-  static constexpr int kDqBox = 64 * 128;                           // two boxes of 32 columns, 128-byte swizzled
-  static constexpr int kBytes = kDqStage + 2 * 2 * kDqBox;
+  static constexpr int kDS = kV + 2 * kKHalf;
+  static constexpr int kLse = kTransDq ? kDS + kDsBytes + 4 * kDqBox : kDS + kDsBytes;
+  static constexpr int kDelta = kLse + kStages * kRows * 4;
+  static constexpr int kDqStage = kTransDq ? kDS + kDsBytes : kDelta + kStages * kRows * 4;
+  static constexpr int kBytes = kTransDq ? kDelta + kStages * kRows * 4 : kDqStage + 4 * kDqBox;
   static constexpr int kSmemBytes = kBytes + 1024;  // room to align the base
+  static_assert(kSmemBytes + 64 <= 227 * 1024, "one block's shared memory, barriers included, within sm_90's 227 KB");
 };
 
 // The steps (utils.native.hopper_backward.BWD_STEPS, by index): reduce_dq on atomic_dq, prefetch_s, bh_group and
 // stsm_ds each on reduce_dq, stsm_uniform on stsm_ds, dq_first and desc_add each on stsm_uniform, edge_mask on
-// desc_add, dv_late on edge_mask, late_prefetch on dv_late, late_group on late_prefetch.
+// desc_add, dv_late on edge_mask, late_prefetch on dv_late, late_group and rows80 each on late_prefetch.
 constexpr int kBwdAtomicDq = 0, kBwdReduceDq = 1, kBwdPrefetchS = 2, kBwdBhGroup = 3, kBwdStsmDs = 4;
 constexpr int kBwdStsmUniform = 5, kBwdDqFirst = 6, kBwdDescAdd = 7, kBwdEdgeMask = 8, kBwdDvLate = 9;
-constexpr int kBwdLatePrefetch = 10, kBwdLateGroup = 11;
-constexpr int kBwdSteps = kBwdLateGroup + 1;
+constexpr int kBwdLatePrefetch = 10, kBwdLateGroup = 11, kBwdRows80 = 12;
+constexpr int kBwdSteps = kBwdRows80 + 1;
 // bh_group: (batch, K/V head)s per group, the Gluon backward's choice at D = 128 (utils.explicit.backward.pick_config)
 constexpr int kBhGroup = 4;
+
+// Sᵀ = K Qᵀ (or dPᵀ = V dOᵀ) for this consumer's 64 keys and BM queries: the forward's issue_qk, and for rows80's
+// 80 queries the same slices on m64n80 wgmmas. `sk`: the consumer's K (or V), panels of 64 rows; `sq`: Q (or dO).
+template <typename T, int D, int BM, bool kDescAdd>
+__device__ __forceinline__ void issue_kq(float (&st)[BM / 2], uint32_t sk, uint32_t sq) {
+  if constexpr (BM != 80) {
+    issue_qk<T, D, BM, kDescAdd>(st, sk, 64 * 128, sq);
+  } else {
+    static_assert(kDescAdd, "rows80 keeps desc_add's descriptors");
+    const uint64_t a0 = smem_desc(sk, 16, 1024, Swizzle::k128B), b0 = smem_desc(sq, 16, 1024, Swizzle::k128B);
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks)  // 4 slices of 16 columns a 64-column panel; the first overwrites Sᵀ
+      wgmma_m64n80k16<T>(st, desc_plus(a0, (ks / 4) * 64 * 128 + (ks % 4) * 32),
+                         desc_plus(b0, (ks / 4) * BM * 128 + (ks % 4) * 32), ks > 0);
+  }
+}
 
 template <typename T, int D, bool kCausal, int kStep>
 __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
     hopper_backward_kernel(const __grid_constant__ CUtensorMap map_q, const __grid_constant__ CUtensorMap map_k,
                            const __grid_constant__ CUtensorMap map_v, const __grid_constant__ CUtensorMap map_do,
                            const __grid_constant__ CUtensorMap map_dq, const BackwardParams p) {
-  using Tile = BackwardTile<D>;
+  using Tile = BackwardTile<D, kStep == kBwdRows80>;
   constexpr int BM = Tile::kRows, kStages = Tile::kStages;
+  constexpr bool kTransDq = Tile::kTransDq;
   constexpr int kPanel = 64 * 128;  // 64 rows of a 64-column panel
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
@@ -190,14 +220,14 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
       mbarrier_wait(full(0), 0);
       fence_registers(st);
       wgmma_fence();
-      issue_qk<T, D, BM>(st, sk, kPanel, base + Tile::kQ);
+      issue_kq<T, D, BM, false>(st, sk, base + Tile::kQ);
       wgmma_commit();
     }
   } else if constexpr (kLatePrefetch) {  // issued even without a tile: stage 0 is read, never used
     if (tiles > 0) mbarrier_wait(full(0), 0);
     fence_registers(st);
     wgmma_fence();
-    issue_qk<T, D, BM, true>(st, sk, kPanel, base + Tile::kQ);
+    issue_kq<T, D, BM, true>(st, sk, base + Tile::kQ);
     wgmma_commit();
   }
 
@@ -221,10 +251,10 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
     fence_registers(dpt);
     wgmma_fence();
     if constexpr (!kPrefetch) {
-      issue_qk<T, D, BM, kDescAdd>(st, sk, kPanel, sq);
+      issue_kq<T, D, BM, kDescAdd>(st, sk, sq);
       wgmma_commit();
     }
-    issue_qk<T, D, BM, kDescAdd>(dpt, sv, kPanel, sdo);
+    issue_kq<T, D, BM, kDescAdd>(dpt, sv, sdo);
     wgmma_commit();
     if constexpr (!kLatePrefetch) wgmma_wait<1>();  // Sᵀ is done (issued here or, prefetch_s, a tile ago)
     fence_registers(st);
@@ -300,7 +330,17 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
     // swizzled as TMA lays out a tile (the layout wgmma's descriptors read). Buffers alternate with the tile's
     // parity: the other consumer may still read the last tile's.
     const uint32_t sds = base + Tile::kDS + ((t % 2) * 2 + W) * Tile::kDsTile;
-    if constexpr (kStep >= kBwdStsmDs) {
+    if constexpr (kTransDq) {
+      // dS query-major: consumer W's panel of the tile's buffer holds its 64 keys for each of the BM query rows.
+      // stmatrix .trans stores each 8 x 8 tile of sa[kk] (queries 16kk + 8 (tile / 2).., keys 16 warp + 8 (tile
+      // % 2)..) transposed: lane l gives query row 8 (tile / 2) + l % 8 of the slice, whose 8 keys are chunk
+      // 2 warp + tile % 2 of the row, swizzled by the row's index mod 8, l % 8.
+      const int tile = lane / 8, m = lane % 8;
+      const uint32_t row_at = base + Tile::kDS + (t % 2) * Tile::kDsTile + W * BM * 128 +
+                              (8 * (tile / 2) + m) * 128 + ((2 * warp + tile % 2) ^ m) * 16;
+#pragma unroll
+      for (int kk = 0; kk < BM / 16; ++kk) stmatrix_x4_trans(row_at + kk * 2048, sa[kk]);
+    } else if constexpr (kStep >= kBwdStsmDs) {
       // sa[kk] holds four 8 x 8 tiles: queries 16kk.. and 16kk + 8.., each for key rows g and g + 8 of the warp's
       // 16 (register i: query half i / 2, key half i % 2). Lane l gives row l % 8 of tile l / 8, whose 8 queries
       // are chunk 2kk + (l / 8) / 2 of the row. The 128-byte swizzle moves chunk c of row r to c ^ (r % 8): folded
@@ -328,17 +368,27 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
     named_barrier_sync(1, 256);  // both consumers' dSᵀ are in
 
     // dQ (rows r0.., columns c0.., 64 x 64) = dS K over the block's 128 keys, 16 a slice: A = dS, M-major out of
-    // dSᵀ (consumer hh's panel of queries r0..); B = K of consumer hh, N-major (its panel of columns c0..)
-    float dq[32];
+    // dSᵀ (consumer hh's panel of queries r0..); B = K of consumer hh, N-major (its panel of columns c0..).
+    // kTransDq: dQᵀ (columns 64W.. of D x the BM queries) = Kᵀ dSᵀ: A = Kᵀ, M-major out of K (consumer hh's keys,
+    // panel W of columns); B = dSᵀ, K-major out of dS (panel hh, 16 keys a slice, 32 bytes on in the row).
+    float dq[kTransDq ? BM / 2 : 32];
     fence_registers(dq);
     wgmma_fence();
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
-      const uint32_t a = base + Tile::kDS + ((t % 2) * 2 + hh) * Tile::kDsTile + (r0 / 64) * kPanel;
-      const uint32_t bk = base + Tile::kK + hh * Tile::kKHalf + (c0 / 64) * kPanel;
+      if constexpr (kTransDq) {
+        const uint32_t ak = base + Tile::kK + hh * Tile::kKHalf + W * kPanel;
+        const uint32_t b = base + Tile::kDS + (t % 2) * Tile::kDsTile + hh * BM * 128;
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk)
-        wgmma_m64n64k16<T, true, true>(dq, desc(a, kPanel, kk * 2048), desc(bk, kPanel, kk * 2048), hh + kk > 0);
+        for (int kk = 0; kk < 4; ++kk)
+          wgmma_m64n80k16<T, true, false>(dq, desc(ak, kPanel, kk * 2048), desc(b, 16, kk * 32), hh + kk > 0);
+      } else {
+        const uint32_t a = base + Tile::kDS + ((t % 2) * 2 + hh) * Tile::kDsTile + (r0 / 64) * kPanel;
+        const uint32_t bk = base + Tile::kK + hh * Tile::kKHalf + (c0 / 64) * kPanel;
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+          wgmma_m64n64k16<T, true, true>(dq, desc(a, kPanel, kk * 2048), desc(bk, kPanel, kk * 2048), hh + kk > 0);
+      }
     }
     wgmma_commit();
     if constexpr (kDqFirst) {
@@ -368,14 +418,29 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
       // Staged as two boxes of 64 rows x 32 columns (128 bytes a row, swizzled as TMA reads them); one thread then
       // hands both to TMA, which adds them in L2. Rows past seqlen_q are not written (the map's edge).
       const uint32_t stage = base + Tile::kDqStage + W * 2 * Tile::kDqBox;
+      if constexpr (kTransDq) {
+        // dq[4j + r] is column 16 warp + g + 8 (r / 2) of this consumer's 64 (box warp / 2) and query 8j + 2 t4
+        // + r % 2: one 4-byte store each, at row query, column (that column mod 32) of the box. The swizzle
+        // depends on the row mod 8 only: four addresses, and 1 KB on for each j.
+        const uint32_t box = stage + (warp / 2) * Tile::kDqBox;
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
+        for (int r = 0; r < 4; ++r) {
+          const int col = 16 * (warp % 2) + g + 8 * (r / 2), row = 2 * t4 + r % 2;
+          const uint32_t at = box + swizzle(row * 128 + 4 * col, Swizzle::k128B);
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const uint32_t at = stage + (j / 4) * Tile::kDqBox +
-                              swizzle((16 * warp + g + 8 * half) * 128 + 32 * (j % 4) + 8 * t4, Swizzle::k128B);
-          asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(at), "f"(dq[4 * j + 2 * half]),
-                       "f"(dq[4 * j + 2 * half + 1]) : "memory");
+          for (int j = 0; j < BM / 8; ++j)
+            asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(at + 1024 * j), "f"(dq[4 * j + r]) : "memory");
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const uint32_t at = stage + (j / 4) * Tile::kDqBox +
+                                swizzle((16 * warp + g + 8 * half) * 128 + 32 * (j % 4) + 8 * t4, Swizzle::k128B);
+            asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(at), "f"(dq[4 * j + 2 * half]),
+                         "f"(dq[4 * j + 2 * half + 1]) : "memory");
+          }
         }
       }
       if constexpr (kStep == kBwdPrefetchS) {  // the next tile's Sᵀ, while dQ leaves: st is free (dSᵀ is in its
@@ -384,7 +449,7 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
           mbarrier_wait(full(ns), ((t + 1) / kStages) & 1);
           fence_registers(st);
           wgmma_fence();
-          issue_qk<T, D, BM>(st, sk, kPanel, base + Tile::kQ + ns * Tile::kQTile);
+          issue_kq<T, D, BM, false>(st, sk, base + Tile::kQ + ns * Tile::kQTile);
           wgmma_commit();
         }
       } else if constexpr (kLatePrefetch) {  // after the last tile too: its stage is not refilled
@@ -392,14 +457,16 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
         if (t + 1 < tiles) mbarrier_wait(full(ns), ((t + 1) / kStages) & 1);
         fence_registers(st);
         wgmma_fence();
-        issue_qk<T, D, BM, true>(st, sk, kPanel, base + Tile::kQ + ns * Tile::kQTile);
+        issue_kq<T, D, BM, true>(st, sk, base + Tile::kQ + ns * Tile::kQTile);
         wgmma_commit();
       }
       fence_proxy_async();              // the stores visible to TMA
       named_barrier_sync(2 + W, 128);   // this consumer's dQ is staged
       if (wtid == 0) {
-        for (int box = 0; box < 2; ++box)
-          tma_reduce_add_3d(&map_dq, c0 + 32 * box, q0 + r0, bh, stage + box * Tile::kDqBox);
+        for (int box = 0; box < 2; ++box) {
+          if constexpr (kTransDq) tma_reduce_add_3d(&map_dq, 64 * W + 32 * box, q0, bh, stage + box * Tile::kDqBox);
+          else tma_reduce_add_3d(&map_dq, c0 + 32 * box, q0 + r0, bh, stage + box * Tile::kDqBox);
+        }
         tma_store_commit();
       }
     }
@@ -433,7 +500,7 @@ template <typename T, int D, int kStep>
 cudaError_t launch_backward(bool causal, const CUtensorMap& q, const CUtensorMap& k, const CUtensorMap& v,
                             const CUtensorMap& dout, const CUtensorMap& dq, const BackwardParams& p,
                             int batch_kv_heads, cudaStream_t stream) {
-  using Tile = BackwardTile<D>;
+  using Tile = BackwardTile<D, kStep == kBwdRows80>;
   auto kernel = causal ? hopper_backward_kernel<T, D, true, kStep> : hopper_backward_kernel<T, D, false, kStep>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes);
   if (err != cudaSuccess) return err;
