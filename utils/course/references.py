@@ -579,7 +579,7 @@ BACKWARD_RUNS = {
     "triton": ("07_backward_benchmark.json", "triton", "07"),
     "gluon, gluon_ws, gluon_ws3": ("07_gluon_bwd_h200.json", "gluon_bwd", "07"),
     "cuda": (CUDA_BWD_RUN, None, "06b"),
-    "cuda_hopper": ("06c_bwd_default_h200.json", None, "06c"),
+    "cuda_hopper": ("peers_fa4_h200.json", "cuda_hopper", "06c"),  # its default step per head dim, beside FA4
     "flex_triton": ("10_flex_h200.json", "course", "10"),
 }
 BASELINES = {"cuDNN": "sdpa-cudnn", "FA2": "sdpa-flash", "SDPA's pick": "sdpa-default"}
@@ -588,7 +588,8 @@ BASELINES = {"cuDNN": "sdpa-cudnn", "FA2": "sdpa-flash", "SDPA's pick": "sdpa-de
 def stored_records(name: str, mode: str = "fwd") -> list[dict]:
     """The rows of a stored attention run in one form: impl, head_dim, causal, seqlen, tflops. SDPA's pinned
     backends are named sdpa-cudnn and sdpa-flash in every run; 10_flex_h200.json's causal rows (batch 2, d=128)
-    are converted from its times, and its unpinned SDPA is sdpa-default."""
+    are converted from its times, and its unpinned SDPA is sdpa-default. Runs of both passes (the peers sweeps)
+    give the rows of `mode` only."""
     if mode not in ("fwd", "bwd"):
         raise ValueError(f"mode must be 'fwd' or 'bwd', got {mode!r}")
     from utils.course.bench import attention_flops
@@ -605,7 +606,8 @@ def stored_records(name: str, mode: str = "fwd") -> list[dict]:
     if not isinstance(rows, list) or not rows or "head_dim" not in rows[0]:
         raise ValueError(f"{name} is not a run of attention kernels by shape")
     return [dict(impl=(r.get("impl") or r["backend"]).replace("sdpa_", "sdpa-"), head_dim=r["head_dim"],
-                 causal=r["causal"], seqlen=r["seqlen"], tflops=r["tflops"]) for r in rows if r.get("tflops")]
+                 causal=r["causal"], seqlen=r["seqlen"], tflops=r["tflops"])
+            for r in rows if r.get("tflops") and r.get("mode", mode) == mode]
 
 
 def stored_kernels(mode: str = "fwd", columns=COLUMNS) -> list[dict]:
