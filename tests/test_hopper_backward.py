@@ -80,7 +80,8 @@ def test_the_backward_compiles_for_sm_90a_with_wgmma_in_flight():
     assert all(max(r.spill_stores, r.spill_loads) == 0 for r in results if ", 128, " in r.kernel)
     # steps 1-4 stage dQ in shared memory with all three accumulators live: a few more at D = 64
     assert all(max(r.spill_stores, r.spill_loads) <= (48 if r.kernel.endswith(", 0>") else 72) for r in results)
-    late = tuple(f", {BWD_STEPS.index(s)}>" for s in ("dv_late", "late_prefetch", "late_group", "rows80"))
+    late = tuple(f", {BWD_STEPS.index(s)}>" for s in ("dv_late", "late_prefetch", "late_group", "rows80",
+                                                        "rows80_group"))
     assert [r.kernel for r in results if r.kernel.endswith(late) and (r.spill_stores or r.spill_loads)] == []
 
 
@@ -150,7 +151,8 @@ def test_reduce_dq_leaves_no_row_past_the_end():
 
 @on_hopper
 @pytest.mark.parametrize("causal", [False, True])
-def test_rows80_tiles_end_inside_each_head(causal):
+@pytest.mark.parametrize("step", ["rows80", "rows80_group"])
+def test_rows80_tiles_end_inside_each_head(causal, step):
     """Step rows80 takes 80 queries a tile at D = 128, and lse2 and delta are padded to 640 rows for it: Nq = 85
     leaves a last tile of 5 rows, whose dQ boxes TMA clips at the head's end, and Nq = 700 one past a whole 640
     (each head's dQ checked on its own)."""
@@ -158,7 +160,7 @@ def test_rows80_tiles_end_inside_each_head(causal):
         q, k, v = random_qkv(2, 3, nq, 130, 128, dtype=torch.bfloat16, device="cuda", seed=nq)
         do = torch.randn_like(q)
         o, lse = forward_with_lse(q, k, v, causal=causal)
-        grads = flash_hopper_backward(do, q, k, v, o, lse, causal=causal, step="rows80")
+        grads = flash_hopper_backward(do, q, k, v, o, lse, causal=causal, step=step)
         expected = reference_gradients(q, k, v, do, causal=causal)
         for b in range(2):
             for h in range(3):

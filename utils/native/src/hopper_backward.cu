@@ -63,8 +63,8 @@ cudaError_t hopper_backward_launch(bool bf16, int head_dim, bool causal, int ste
 // do, q, o (B, H, Nq, D); k, v (B, Hkv, Nk, D), Hkv dividing H; all contiguous fp16 or bf16 on an sm_90 GPU, D =
 // 64 or 128, starting on 16 bytes; lse fp32 (B, H, Nq), the forward's natural-log log-sum-exp; step 0
 // ("atomic_dq"), 1 ("reduce_dq"), 2 ("prefetch_s"), 3 ("bh_group"), 4 ("stsm_ds"), 5 ("stsm_uniform"), 6
-// ("dq_first"), 7 ("desc_add"), 8 ("edge_mask"), 9 ("dv_late"), 10 ("late_prefetch"), 11 ("late_group") or 12
-// ("rows80") -> (dq, dk, dv).
+// ("dq_first"), 7 ("desc_add"), 8 ("edge_mask"), 9 ("dv_late"), 10 ("late_prefetch"), 11 ("late_group"), 12
+// ("rows80") or 13 ("rows80_group") -> (dq, dk, dv).
 std::vector<torch::Tensor> hopper_attention_backward(torch::Tensor dout, torch::Tensor q, torch::Tensor k,
                                                      torch::Tensor v, torch::Tensor o, torch::Tensor lse, bool causal,
                                                      double scale, int64_t step) {
@@ -85,16 +85,16 @@ std::vector<torch::Tensor> hopper_attention_backward(torch::Tensor dout, torch::
               " is more than the grid has rows (65535); split the batch");
   TORCH_CHECK(scale > 0 && std::isfinite(scale), name, ": scale must be finite and positive, got ",
               course::num(scale));
-  TORCH_CHECK(step >= 0 && step <= 12, name,
+  TORCH_CHECK(step >= 0 && step <= 13, name,
               ": step must be 0 (atomic_dq), 1 (reduce_dq), 2 (prefetch_s), 3 (bh_group), 4 (stsm_ds), 5 ",
               "(stsm_uniform), 6 (dq_first), 7 (desc_add), 8 (edge_mask), 9 (dv_late), 10 (late_prefetch), 11 ",
-              "(late_group) or 12 (rows80), got ", course::num(step));
+              "(late_group), 12 (rows80) or 13 (rows80_group), got ", course::num(step));
   course_hopper::check_sm90(name, q);
   const c10::cuda::CUDAGuard guard(q.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  // BackwardTile<D, step == rows80>::kRows; lse2 and delta, (B · H, Nq padded to kLsePad, or to 640 for 80-row
+  // BackwardTile<D, step >= rows80>::kRows; lse2 and delta, (B · H, Nq padded to kLsePad, or to 640 for 80-row
   // tiles), by the prepare pass (it checks lse)
-  const int rows = d == 64 ? 128 : step == 12 ? 80 : 64;
+  const int rows = d == 64 ? 128 : step >= 12 ? 80 : 64;
   const int64_t pad = rows == 80 ? 640 : course_flash::kLsePad;
   const std::vector<torch::Tensor> stats = course_flash::bwd_prepare(name, dout, o, lse, pad);
   const torch::Tensor &lse2 = stats[0], &delta = stats[1];

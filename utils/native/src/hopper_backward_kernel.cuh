@@ -34,7 +34,8 @@
 //     launches the blocks as "bh_group" does (the Gluon backward's choice at D = 128). Step "rows80" keeps
 //     "late_prefetch" and at D = 128 takes 80 queries a tile, as FlashAttention-3 does: Sᵀ and dPᵀ are m64n80
 //     wgmmas, dS goes to shared memory query-major (stmatrix .trans), and each consumer computes dQᵀ = Kᵀ dSᵀ for
-//     its 64 columns of D (M = 64 columns, N = 80 queries), staged transposed for TMA's add.
+//     its 64 columns of D (M = 64 columns, N = 80 queries), staged transposed for TMA's add. Step
+//     "rows80_group" keeps "rows80" and, under a causal mask, launches the blocks as "bh_group" does.
 // lse2 = lse · log2(e) (+inf for rows that see no key, and in the padding), delta = D, fp32 (batch · heads,
 // padded_q), padded_q a multiple of 128 (rows80: of 640, whole 80-row tiles): the prepare pass of
 // flash_bwd_passes.cuh writes them. Causal attention is aligned bottom-right (key j visible to query i when
@@ -87,11 +88,12 @@ template <int D, bool kWide = false> struct BackwardTile {
 
 // The steps (utils.native.hopper_backward.BWD_STEPS, by index): reduce_dq on atomic_dq, prefetch_s, bh_group and
 // stsm_ds each on reduce_dq, stsm_uniform on stsm_ds, dq_first and desc_add each on stsm_uniform, edge_mask on
-// desc_add, dv_late on edge_mask, late_prefetch on dv_late, late_group and rows80 each on late_prefetch.
+// desc_add, dv_late on edge_mask, late_prefetch on dv_late, late_group and rows80 each on late_prefetch,
+// rows80_group on rows80.
 constexpr int kBwdAtomicDq = 0, kBwdReduceDq = 1, kBwdPrefetchS = 2, kBwdBhGroup = 3, kBwdStsmDs = 4;
 constexpr int kBwdStsmUniform = 5, kBwdDqFirst = 6, kBwdDescAdd = 7, kBwdEdgeMask = 8, kBwdDvLate = 9;
-constexpr int kBwdLatePrefetch = 10, kBwdLateGroup = 11, kBwdRows80 = 12;
-constexpr int kBwdSteps = kBwdRows80 + 1;
+constexpr int kBwdLatePrefetch = 10, kBwdLateGroup = 11, kBwdRows80 = 12, kBwdRows80Group = 13;
+constexpr int kBwdSteps = kBwdRows80Group + 1;
 // bh_group: (batch, K/V head)s per group, the Gluon backward's choice at D = 128 (utils.explicit.backward.pick_config)
 constexpr int kBhGroup = 4;
 
@@ -116,7 +118,7 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
     hopper_backward_kernel(const __grid_constant__ CUtensorMap map_q, const __grid_constant__ CUtensorMap map_k,
                            const __grid_constant__ CUtensorMap map_v, const __grid_constant__ CUtensorMap map_do,
                            const __grid_constant__ CUtensorMap map_dq, const BackwardParams p) {
-  using Tile = BackwardTile<D, kStep == kBwdRows80>;
+  using Tile = BackwardTile<D, kStep >= kBwdRows80>;
   constexpr int BM = Tile::kRows, kStages = Tile::kStages;
   constexpr bool kTransDq = Tile::kTransDq;
   constexpr int kPanel = 64 * 128;  // 64 rows of a 64-column panel
@@ -138,7 +140,7 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
   // long blocks run beside the next heads' short ones; step bh_group launches block i of the grid as key block
   // i / size of the i % size-th (batch, K/V head) of its group, so blocks of about one length run together.
   int key_block = blockIdx.x, bh_kv = blockIdx.y;
-  if constexpr ((kStep == kBwdBhGroup || kStep == kBwdLateGroup) && kCausal) {
+  if constexpr ((kStep == kBwdBhGroup || kStep == kBwdLateGroup || kStep == kBwdRows80Group) && kCausal) {
     const int pid = key_block + bh_kv * gridDim.x, first = pid / (kBhGroup * gridDim.x) * kBhGroup;
     const int size = min(static_cast<int>(gridDim.y) - first, kBhGroup), r = pid - first * gridDim.x;
     key_block = r / size, bh_kv = first + r % size;
@@ -500,7 +502,7 @@ template <typename T, int D, int kStep>
 cudaError_t launch_backward(bool causal, const CUtensorMap& q, const CUtensorMap& k, const CUtensorMap& v,
                             const CUtensorMap& dout, const CUtensorMap& dq, const BackwardParams& p,
                             int batch_kv_heads, cudaStream_t stream) {
-  using Tile = BackwardTile<D, kStep == kBwdRows80>;
+  using Tile = BackwardTile<D, kStep >= kBwdRows80>;
   auto kernel = causal ? hopper_backward_kernel<T, D, true, kStep> : hopper_backward_kernel<T, D, false, kStep>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes);
   if (err != cudaSuccess) return err;
