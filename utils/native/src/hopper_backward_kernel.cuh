@@ -417,8 +417,9 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
                     make_float2(dq[4 * j + 2 * half], dq[4 * j + 2 * half + 1]));
       }
     } else {
-      // Staged as two boxes of 64 rows x 32 columns (128 bytes a row, swizzled as TMA reads them); one thread then
-      // hands both to TMA, which adds them in L2. Rows past seqlen_q are not written (the map's edge).
+      // Staged as two boxes of 64 rows (kTransDq: BM queries) x 32 columns (128 bytes a row, swizzled as TMA reads
+      // them); one thread then hands both to TMA, which adds them in L2. Rows past seqlen_q are not written (the
+      // map's edge).
       const uint32_t stage = base + Tile::kDqStage + W * 2 * Tile::kDqBox;
       if constexpr (kTransDq) {
         // dq[4j + r] is column 16 warp + g + 8 (r / 2) of this consumer's 64 (box warp / 2) and query 8j + 2 t4
@@ -465,10 +466,8 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
       fence_proxy_async();              // the stores visible to TMA
       named_barrier_sync(2 + W, 128);   // this consumer's dQ is staged
       if (wtid == 0) {
-        for (int box = 0; box < 2; ++box) {
-          if constexpr (kTransDq) tma_reduce_add_3d(&map_dq, 64 * W + 32 * box, q0, bh, stage + box * Tile::kDqBox);
-          else tma_reduce_add_3d(&map_dq, c0 + 32 * box, q0 + r0, bh, stage + box * Tile::kDqBox);
-        }
+        for (int box = 0; box < 2; ++box)  // kTransDq: c0 = 64 W, r0 = 0 (D = 128)
+          tma_reduce_add_3d(&map_dq, c0 + 32 * box, q0 + r0, bh, stage + box * Tile::kDqBox);
         tma_store_commit();
       }
     }
