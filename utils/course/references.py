@@ -285,6 +285,12 @@ REFERENCES = {
                                     "cuda_hopper_rows80_group", "cuda_hopper_late_group", "gluon_bwd", "sdpa_cudnn",
                                     "--head-dims", "128", "--masks", "causal", "--seqlens", "2048", "4096", "8192",
                                     "16384", "--rounds", "5", "--out", "images/06c_bwd_rows80_group_h200.json"]),
+    # worklog 06cw section 7: late_dq_first (dQ staged while dK runs) beside rows80_group and late_prefetch, at
+    # both head dims
+    "hopper_bwd_late_dq_first": (1, ["utils.course.bench.backward", "--backends", "cuda_hopper_late_prefetch",
+                                     "cuda_hopper_rows80_group", "cuda_hopper_late_dq_first", "sdpa_cudnn",
+                                     "--seqlens", "2048", "4096", "8192", "16384", "--rounds", "3", "--out",
+                                     "images/06c_bwd_late_dq_first_h200.json"]),
     # 06c's backward table: the default step beside the Gluon backward, FA2 and cuDNN
     "hopper_bwd_default": (1, ["utils.course.bench.backward", "--backends", "cuda_hopper_late_prefetch",
                                "cuda_hopper_dv_late", "cuda_hopper_edge_mask", "gluon_bwd", "sdpa_flash",

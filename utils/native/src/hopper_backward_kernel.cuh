@@ -35,7 +35,9 @@
 //     "late_prefetch" and at D = 128 takes 80 queries a tile, as FlashAttention-3 does: Sᵀ and dPᵀ are m64n80
 //     wgmmas, dS goes to shared memory query-major (stmatrix .trans), and each consumer computes dQᵀ = Kᵀ dSᵀ for
 //     its 64 columns of D (M = 64 columns, N = 80 queries), staged transposed for TMA's add. Step
-//     "rows80_group" keeps "rows80" and, under a causal mask, launches the blocks as "bh_group" does.
+//     "rows80_group" keeps "rows80" and, under a causal mask, launches the blocks as "bh_group" does. Step
+//     "late_dq_first" keeps "rows80_group" and issues dQ before dK, as "dq_first" did: dQ is staged while dK runs,
+//     and dK is waited for before the next tile's Sᵀ goes out (its registers then free for Sᵀ).
 // lse2 = lse · log2(e) (+inf for rows that see no key, and in the padding), delta = D, fp32 (batch · heads,
 // padded_q), padded_q a multiple of 128 (rows80: of 640, whole 80-row tiles): the prepare pass of
 // flash_bwd_passes.cuh writes them. Causal attention is aligned bottom-right (key j visible to query i when
@@ -89,11 +91,12 @@ template <int D, bool kWide = false> struct BackwardTile {
 // The steps (utils.native.hopper_backward.BWD_STEPS, by index): reduce_dq on atomic_dq, prefetch_s, bh_group and
 // stsm_ds each on reduce_dq, stsm_uniform on stsm_ds, dq_first and desc_add each on stsm_uniform, edge_mask on
 // desc_add, dv_late on edge_mask, late_prefetch on dv_late, late_group and rows80 each on late_prefetch,
-// rows80_group on rows80.
+// rows80_group on rows80, late_dq_first on rows80_group.
 constexpr int kBwdAtomicDq = 0, kBwdReduceDq = 1, kBwdPrefetchS = 2, kBwdBhGroup = 3, kBwdStsmDs = 4;
 constexpr int kBwdStsmUniform = 5, kBwdDqFirst = 6, kBwdDescAdd = 7, kBwdEdgeMask = 8, kBwdDvLate = 9;
 constexpr int kBwdLatePrefetch = 10, kBwdLateGroup = 11, kBwdRows80 = 12, kBwdRows80Group = 13;
-constexpr int kBwdSteps = kBwdRows80Group + 1;
+constexpr int kBwdLateDqFirst = 14;
+constexpr int kBwdSteps = kBwdLateDqFirst + 1;
 // bh_group: (batch, K/V head)s per group, the Gluon backward's choice at D = 128 (utils.explicit.backward.pick_config)
 constexpr int kBhGroup = 4;
 
@@ -140,7 +143,7 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
   // long blocks run beside the next heads' short ones; step bh_group launches block i of the grid as key block
   // i / size of the i % size-th (batch, K/V head) of its group, so blocks of about one length run together.
   int key_block = blockIdx.x, bh_kv = blockIdx.y;
-  if constexpr ((kStep == kBwdBhGroup || kStep == kBwdLateGroup || kStep == kBwdRows80Group) && kCausal) {
+  if constexpr ((kStep == kBwdBhGroup || kStep == kBwdLateGroup || kStep >= kBwdRows80Group) && kCausal) {
     const int pid = key_block + bh_kv * gridDim.x, first = pid / (kBhGroup * gridDim.x) * kBhGroup;
     const int size = min(static_cast<int>(gridDim.y) - first, kBhGroup), r = pid - first * gridDim.x;
     key_block = r / size, bh_kv = first + r % size;
@@ -207,7 +210,7 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
   mbarrier_wait(kv_bar, 0);
-  constexpr bool kReduce = kStep >= kBwdReduceDq, kDqFirst = kStep == kBwdDqFirst;
+  constexpr bool kReduce = kStep >= kBwdReduceDq, kDqFirst = kStep == kBwdDqFirst || kStep >= kBwdLateDqFirst;
   constexpr bool kLatePrefetch = kStep >= kBwdLatePrefetch;  // late_prefetch and late_group
   constexpr bool kPrefetch = kStep == kBwdPrefetchS || kLatePrefetch;
   constexpr bool kDescAdd = kStep >= kBwdDescAdd, kEdgeMask = kStep >= kBwdEdgeMask, kDvLate = kStep >= kBwdDvLate;
@@ -446,6 +449,11 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
           }
         }
       }
+      if constexpr (kDqFirst && kLatePrefetch) {  // late_dq_first: dK done before the next Sᵀ takes registers
+        wgmma_wait<0>();                           // (dSᵀ's fragments are then free); stage s is free
+        fence_registers(dk);
+        mbarrier_arrive(empty(s));
+      }
       if constexpr (kStep == kBwdPrefetchS) {  // the next tile's Sᵀ, while dQ leaves: st is free (dSᵀ is in its
         if (t + 1 < tiles) {                   // fragments)
           const int ns = (t + 1) % kStages;
@@ -471,7 +479,7 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
         tma_store_commit();
       }
     }
-    if constexpr (kDqFirst) {
+    if constexpr (kDqFirst && !kLatePrefetch) {
       wgmma_wait<0>();  // dK done: Q, dO, lse2 and delta of stage s are free
       fence_registers(dk);
       mbarrier_arrive(empty(s));
