@@ -32,7 +32,7 @@ BWD_STEPS = ("atomic_dq", "reduce_dq", "prefetch_s", "bh_group", "stsm_ds", "sts
              "dq_first", "desc_add", "edge_mask", "dv_late", "late_prefetch",
              "late_group", "rows80", "rows80_group", "late_dq_first")  # the kernel's kBwd* steps, in order
 # the registry's step per head dim: the fastest measured there (06cw section 7)
-BWD_DEFAULT_STEPS = {64: "late_prefetch", 128: "rows80_group"}
+BWD_DEFAULT_STEPS = {64: "late_dq_first", 128: "late_dq_first"}
 
 
 def bwd_default_step(head_dim: int) -> str:
