@@ -104,3 +104,80 @@ def test_the_triton_backward_worklog_profiles_each_pass_on_its_own():
         ncu.profile_label("overlap", "triton_bwd", "dq")
     with pytest.raises(SystemExit):
         ncu.parse_args(["--worklog", "triton_bwd", "--steps", "overlap"])
+
+
+def test_the_hopper_backward_worklog_profiles_each_step_and_flash_attention_4():
+    args = ncu.parse_args(["--worklog", "hopper_bwd", "--seqlen", "4096"])
+    assert args.steps == list(ncu.HOPPER_BWD) and args.steps[-1] == "flash-attn-4" and not args.source
+    ours = ncu.ncu_command("/opt/ncu", "hopper_bwd", "late_dq_first", args)
+    peer = ncu.ncu_command("/opt/ncu", "hopper_bwd", "flash-attn-4", args)
+    assert ours[ours.index("-k") + 1] == "regex:hopper_backward_kernel"
+    assert peer[peer.index("-k") + 1] == "regex:BackwardSm90"  # its main kernel, not the passes around it
+    for cmd, step in ((ours, "late_dq_first"), (peer, "flash-attn-4")):
+        child = cmd[cmd.index("utils.course.bench.ncu") - 1:]
+        assert child[child.index("--steps") + 1] == step and child[child.index("--seqlen") + 1] == "4096"
+    n = ncu.BWD_STEPS.index("late_dq_first") + 1
+    assert ncu.profile_label("late_dq_first", "hopper_bwd") == f"hb{n}_late_dq_first"
+    assert ncu.profile_label("flash-attn-4", "hopper_bwd") == "flash-attn-4"
+    with pytest.raises(ValueError, match="step must be one of"):
+        ncu.profile_label("overlap", "hopper_bwd")
+    with pytest.raises(SystemExit):
+        ncu.parse_args(["--worklog", "hopper_bwd", "--steps", "overlap"])
+
+
+def test_with_source_the_profile_is_saved_and_read_back_twice():
+    args = ncu.parse_args(["--worklog", "hopper_bwd", "--steps", "late_dq_first", "--source"])
+    assert args.source
+    cmd = ncu.ncu_command("/opt/ncu", "hopper_bwd", "late_dq_first", args, report="/tmp/x/profile")
+    assert "--csv" not in cmd[:cmd.index("-k")] and cmd[cmd.index("-o") + 1] == "/tmp/x/profile"
+    assert [cmd[i + 1] for i, a in enumerate(cmd) if a == "--section"] == [*ncu.SECTIONS, "SourceCounters"]
+    details, sass = ncu.import_commands("/opt/ncu", "/tmp/x/profile")
+    assert details == ["/opt/ncu", "--import", "/tmp/x/profile.ncu-rep", "--csv", "--page", "details"]
+    assert sass[:4] == ["/opt/ncu", "--import", "/tmp/x/profile.ncu-rep", "--csv"]
+    assert sass[sass.index("--page") + 1] == "source" and sass[sass.index("--print-source") + 1] == "sass"
+
+
+SASS_HEADER = ('"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)",'
+               '"Instructions Executed","stall_barrier","stall_short_sb","stall_mio","stall_mio (Not Issued)"')
+
+
+def _sass(address, source, samples, executed, barrier, short_sb, mio):
+    return f'"{address}","{source}","{samples}","0","{executed}","{barrier}","{short_sb}","{mio}","0"'
+
+
+SASS = "\n".join([
+    '"Kernel Name","hopper_backward_kernel"',
+    SASS_HEADER,
+    _sass("0x10", "      STS [R5+0x400], R152", "30", "1,000", "0", "0", "30"),
+    _sass("0x20", "@!P0  BRA 0x70", "10", "500", "10", "0", "0"),
+    _sass("0x30", "      FFMA R1, R1, UR10, -R12", "60", "3,000", "0", "50", "10"),
+    _sass("0x40", "      STS.128 [R0], R152", "0", "500", "0", "0", "0"),
+    '"Kernel Name","hopper_backward_kernel"',  # a second listing of the same kernel is not read
+    SASS_HEADER,
+    _sass("0x10", "      STS [R5+0x400], R152", "999", "999", "999", "0", "0"),
+])
+
+
+def test_parse_source_reads_the_mix_the_stalls_and_the_top_instructions():
+    out = ncu.parse_source(SASS, top=2)
+    assert out["instructions"] == 5000.0
+    assert out["opcodes"] == {"FFMA": 0.6, "STS": 0.3, "BRA": 0.1}  # modifiers and predicates dropped
+    assert out["stalls"] == {"short_sb": 0.5, "mio": 0.4, "barrier": 0.1}  # "(Not Issued)" columns left out
+    assert out["stalled_at"] == {"FFMA": 0.6, "STS": 0.3, "BRA": 0.1}
+    assert [line[:2] for line in out["top"]] == [[0.6, "FFMA R1, R1, UR10, -R12"], [0.3, "STS [R5+0x400], R152"]]
+    assert out["top"][0][2] == pytest.approx({"short_sb": 50 / 60, "mio": 10 / 60})
+
+
+@pytest.mark.parametrize("text,message", [
+    ("no listing", "no SASS listing"),
+    ('"Address","Source","Instructions Executed"\n"0x1","NOP","1"', "no column"),
+    (SASS_HEADER, "no executed instruction"),
+])
+def test_parse_source_says_what_is_wrong(text, message):
+    with pytest.raises(ValueError, match=message):
+        ncu.parse_source(text)
+    with pytest.raises(TypeError):
+        ncu.parse_source(b"bytes")
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="top must be"):
+            ncu.parse_source(SASS, top=bad)

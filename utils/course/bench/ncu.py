@@ -3,17 +3,23 @@
     python -m utils.course.bench.ncu --worklog hopper --steps softmax overlap wide_tiles --name 06c_ncu_h200
     python -m utils.course.bench.ncu --worklog mma --steps tiles exp2 --head-dim 64 --seqlen 4096 --causal
     python -m utils.course.bench.ncu --worklog triton_bwd --seqlen 4096 --causal --name 07_ncu_d128_causal_h200
+    python -m utils.course.bench.ncu --worklog hopper_bwd --steps late_dq_first flash-attn-4 --source
 
 Worklog triton_bwd is notebook 07's Triton backward with its loads pinned per step, as the backward benchmark's
 pinned backends pin them (TRITON_BWD_STEPS: pointer loads, the tiles through TMA, the tiles and lse₂ and D through
 TMA); each of its two main kernels is profiled on its own (TRITON_BWD_KERNELS), so a step gives two rows,
-"b2_tma dkdv" and "b2_tma dq".
+"b2_tma dkdv" and "b2_tma dq". Worklog hopper_bwd is notebook 06c's backward (utils.native.hopper_backward), one
+kernel a step; its step "flash-attn-4" profiles FlashAttention-4's backward kernel beside them (the peer of
+utils.course.bench.peers, from its own installed package).
 
 Each step runs in its own process under `ncu --clock-control none` with the sections SECTIONS, filtered to the
 worklog's kernel (KERNEL_REGEX) and skipping its first launch (the one that builds and warms it up). ncu's
 details page comes back as CSV; `parse_details` keeps section -> metric -> (value, unit), and the JSON
-(images/<name>.json: environment, settings, steps) keeps all of it; the table shows HEADLINE. The CSV parsing,
-the command lines and the table run anywhere; the readings need ncu and an sm_90 (hopper) or CUDA GPU.
+(images/<name>.json: environment, settings, steps) keeps all of it; the table shows HEADLINE. With --source the
+profile also samples each instruction (SourceCounters), and `parse_source` keeps, from ncu's SASS page, the
+instruction mix, the stall reasons and the instructions the warps stalled at most (a step's "source" entry).
+The CSV parsing, the command lines and the table run anywhere; the readings need ncu and an sm_90 (hopper,
+hopper_bwd) or CUDA GPU.
 """
 from __future__ import annotations
 
@@ -24,18 +30,27 @@ import json
 import shutil
 import subprocess
 import sys
+import tempfile
+from collections import Counter
 from pathlib import Path
 
+from utils.course.bench.backward import HOPPER_BWD_STEPS as BWD_STEPS
 from utils.course.bench.backward import TRITON_LOADS
 from utils.course.bench.cuda_mma import WORKLOGS, check_steps, step_functions, step_label
+from utils.course.bench.peers import FA4
 
 SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "WarpStateStats", "Occupancy", "LaunchStats",
             "InstructionStats")
-KERNEL_REGEX = {"mma": "regex:flash_mma_kernel", "hopper": "regex:hopper_attention"}
+KERNEL_REGEX = {"mma": "regex:flash_mma_kernel", "hopper": "regex:hopper_attention",
+                "hopper_bwd": "regex:hopper_backward_kernel"}
+# worklog hopper_bwd: the Hopper backward's steps, then FlashAttention-4's backward (its main kernel, not the passes
+# before and after it)
+HOPPER_BWD = (*BWD_STEPS, FA4)
+FA4_BWD_REGEX = "regex:BackwardSm90"
 # step -> (tma, tma_stats): utils.course.bench.backward's pinned backends, "triton_tma" -> "tma"
 TRITON_BWD_STEPS = {name.removeprefix("triton_"): loads for name, loads in TRITON_LOADS.items()}
 TRITON_BWD_KERNELS = {"dkdv": "regex:_bwd_dkdv", "dq": "regex:_bwd_dq"}
-WORKLOG_NAMES = (*WORKLOGS, "triton_bwd")
+WORKLOG_NAMES = (*WORKLOGS, "triton_bwd", "hopper_bwd")
 # (section, metric as ncu names it, short label): the columns of the table
 HEADLINE = (("GPU Speed Of Light Throughput", "Duration", "time µs"),
             ("GPU Speed Of Light Throughput", "Compute (SM) Throughput", "SM %"),
@@ -44,6 +59,7 @@ HEADLINE = (("GPU Speed Of Light Throughput", "Duration", "time µs"),
             ("Warp State Statistics", "Warp Cycles Per Issued Instruction", "cyc/issue"),
             ("Launch Statistics", "Registers Per Thread", "regs"),
             ("Occupancy", "Achieved Occupancy", "occ %"))
+TOP_INSTRUCTIONS = 25  # parse_source: the instructions kept, by stall samples
 TO_MICROSECONDS = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}
 IMAGES = Path(__file__).resolve().parents[3] / "images"
 
@@ -77,8 +93,70 @@ def parse_details(text: str) -> dict:
     return out
 
 
+def _number(text: str) -> float:
+    try:
+        return float(text.replace(",", ""))
+    except ValueError:
+        return 0.0
+
+
+def parse_source(text: str, top: int = TOP_INSTRUCTIONS) -> dict:
+    """ncu's `--csv --page source --print-source sass` output for one kernel -> {"instructions": executed in all,
+    "opcodes": {opcode: share of those}, "stalls": {reason: share of the stall samples}, "stalled_at": {opcode:
+    share of the samples taken at its instructions}, "top": the `top`
+    instructions by samples, each [share of samples, SASS text, {reason: its share of that line's samples}]}.
+    Shares are fractions; an opcode is the SASS mnemonic without its modifiers (predicates dropped). ncu may print
+    the kernel's listing more than once: the first is read."""
+    if not isinstance(text, str):
+        raise TypeError(f"text must be a str, got {type(text).__name__}")
+    if not isinstance(top, int) or isinstance(top, bool) or top < 1:
+        raise ValueError(f"top must be a positive int, got {top!r}")
+    rows = list(csv.reader(io.StringIO(text)))
+    start = next((i for i, row in enumerate(rows) if row[:2] == ["Address", "Source"]), None)
+    if start is None:
+        raise ValueError("no SASS listing in the text (expected a header \"Address\",\"Source\"; was it made with "
+                         "--page source --print-source sass?)")
+    header = rows[start]
+    col = {name: i for i, name in enumerate(header)}
+    missing = {"Instructions Executed", "Warp Stall Sampling (All Samples)"} - set(col)
+    if missing:
+        raise ValueError(f"the SASS listing has no column {sorted(missing)}; was SourceCounters collected?")
+    reasons = [h for h in header if h.startswith("stall_") and not h.endswith("(Not Issued)")]
+    opcodes, stalls, stalled_at, lines = Counter(), Counter(), Counter(), []
+    for row in rows[start + 1:]:
+        if len(row) < len(header) or row[0] == "Kernel Name":
+            break  # the end of the first listing
+        words = [w for w in row[col["Source"]].split() if not w.startswith("@")]
+        if not words:
+            continue
+        opcode = words[0].split(".")[0]
+        opcodes[opcode] += _number(row[col["Instructions Executed"]])
+        samples = _number(row[col["Warp Stall Sampling (All Samples)"]])
+        stalled_at[opcode] += samples
+        by_reason = {r.removeprefix("stall_"): _number(row[col[r]]) for r in reasons}
+        stalls.update(by_reason)
+        lines.append((samples, " ".join(words), by_reason))
+    executed, sampled = sum(opcodes.values()), sum(stalls.values())
+    if not lines or executed == 0:
+        raise ValueError("the SASS listing has no executed instruction")
+    total = sum(samples for samples, _, _ in lines) or 1.0
+    lines.sort(key=lambda line: -line[0])
+    return dict(instructions=executed,
+                opcodes={op: n / executed for op, n in opcodes.most_common() if n},
+                stalls={r: n / (sampled or 1.0) for r, n in stalls.most_common() if n},
+                stalled_at={op: n / total for op, n in stalled_at.most_common() if n},
+                top=[[samples / total, sass, {r: n / samples for r, n in sorted(by_reason.items(), key=lambda x: -x[1])
+                                              if samples and n >= 0.1 * samples}]
+                     for samples, sass, by_reason in lines[:top]])
+
+
 def profile_label(step: str, worklog: str, kernel: str | None = None) -> str:
-    """The row label of one profile: step_label's ('h6_overlap'), or for triton_bwd 'b2_tma dq' (step, kernel)."""
+    """The row label of one profile: step_label's ('h6_overlap'), for triton_bwd 'b2_tma dq' (step, kernel), for
+    hopper_bwd 'hb15_late_dq_first' or 'flash-attn-4'."""
+    if worklog == "hopper_bwd":
+        if step not in HOPPER_BWD:
+            raise ValueError(f"step must be one of {HOPPER_BWD}, got {step!r}")
+        return step if step == FA4 else f"hb{BWD_STEPS.index(step) + 1}_{step}"
     if worklog != "triton_bwd":
         return step_label(step, worklog)
     if step not in TRITON_BWD_STEPS:
@@ -88,17 +166,31 @@ def profile_label(step: str, worklog: str, kernel: str | None = None) -> str:
     return f"b{list(TRITON_BWD_STEPS).index(step) + 1}_{step} {kernel}"
 
 
-def ncu_command(ncu: str, worklog: str, step: str, args: argparse.Namespace, kernel: str | None = None) -> list[str]:
+def ncu_command(ncu: str, worklog: str, step: str, args: argparse.Namespace, kernel: str | None = None,
+                report: str | None = None) -> list[str]:
     """The ncu command line that profiles the second launch of `step`'s kernel (for triton_bwd: of `kernel`,
-    "dkdv" or "dq") in a child process."""
+    "dkdv" or "dq") in a child process. It prints the details page as CSV, or with `report` (a path) it also
+    samples each instruction (SourceCounters) and saves the profile there for `import_commands`."""
     profile_label(step, worklog, kernel)  # validates all three
-    regex = TRITON_BWD_KERNELS[kernel] if worklog == "triton_bwd" else KERNEL_REGEX[worklog]
-    sections = [a for s in SECTIONS for a in ("--section", s)]
+    if worklog == "triton_bwd":
+        regex = TRITON_BWD_KERNELS[kernel]
+    else:
+        regex = FA4_BWD_REGEX if step == FA4 else KERNEL_REGEX[worklog]
+    sections = [a for s in (*SECTIONS, *(["SourceCounters"] if report else [])) for a in ("--section", s)]
     child = [sys.executable, "-m", "utils.course.bench.ncu", "--child", "--worklog", worklog, "--steps", step,
              "--head-dim", str(args.head_dim), "--seqlen", str(args.seqlen), "--batch", str(args.batch),
              "--heads", str(args.heads), "--dtype", args.dtype] + (["--causal"] if args.causal else [])
-    return [ncu, "--clock-control", "none", *sections, "--csv", "--page", "details", "-k", regex,
-            "--launch-skip", "1", "--launch-count", "1", *child]
+    output = ["--csv", "--page", "details"] if report is None else ["--import-source", "no", "-f", "-o", report]
+    return [ncu, "--clock-control", "none", *sections, *output, "-k", regex, "--launch-skip", "1",
+            "--launch-count", "1", *child]
+
+
+def import_commands(ncu: str, report: str) -> tuple[list[str], list[str]]:
+    """The two ncu command lines that print a saved profile (`report`, as given to ncu_command) as CSV: its
+    details page (for parse_details) and its SASS with the per-instruction counters (for parse_source)."""
+    path = report if report.endswith(".ncu-rep") else report + ".ncu-rep"
+    return ([ncu, "--import", path, "--csv", "--page", "details"],
+            [ncu, "--import", path, "--csv", "--page", "source", "--print-source", "sass"])
 
 
 def format_table(steps: dict) -> str:
@@ -126,6 +218,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     p.add_argument("--causal", action="store_true")
+    p.add_argument("--source", action="store_true",
+                   help="also sample each instruction: instruction mix, stall reasons, top instructions")
     p.add_argument("--name", default=None, help="images/<name>.json (default: <worklog>_ncu)")
     p.add_argument("--out-dir", type=Path, default=IMAGES)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # the profiled process
@@ -135,6 +229,11 @@ def parse_args(argv=None) -> argparse.Namespace:
             if step not in TRITON_BWD_STEPS:
                 p.error(f"--steps: {step!r} is not a step of the triton_bwd worklog {tuple(TRITON_BWD_STEPS)}")
         args.steps = list(args.steps or TRITON_BWD_STEPS)
+    elif args.worklog == "hopper_bwd":
+        for step in args.steps or ():
+            if step not in HOPPER_BWD:
+                p.error(f"--steps: {step!r} is not a step of the hopper_bwd worklog {HOPPER_BWD}")
+        args.steps = list(args.steps or HOPPER_BWD)
     else:
         args.steps = check_steps(p, args.worklog, args.steps)
     for name in ("seqlen", "batch", "heads"):
@@ -151,7 +250,22 @@ def _child(args) -> None:
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     q, k, v = (torch.randn(args.batch, args.heads, args.seqlen, args.head_dim, device="cuda", dtype=dtype)
                for _ in range(3))
-    if args.worklog == "triton_bwd":
+    if args.worklog == "hopper_bwd":
+        (step,) = args.steps
+        do = torch.randn_like(q)
+        if step == FA4:  # its backward through autograd; the forward's kernels do not match FA4_BWD_REGEX
+            from utils.course.bench.peers import load_flash_attention_4
+
+            peer = load_flash_attention_4()
+            q, k, v = (t.requires_grad_() for t in (q, k, v))
+            fn = lambda: peer(q, k, v, causal=args.causal).backward(do)  # noqa: E731
+        else:
+            from utils.native.hopper import flash_hopper_forward
+            from utils.native.hopper_backward import flash_hopper_backward
+
+            o, lse = flash_hopper_forward(q, k, v, causal=args.causal)
+            fn = lambda: flash_hopper_backward(do, q, k, v, o, lse, causal=args.causal, step=step)  # noqa: E731
+    elif args.worklog == "triton_bwd":
         from utils.course.worklogs.triton_backward import flash_attention_backward
         from utils.tiled.fast.forward import flash_attention_forward
 
@@ -179,17 +293,36 @@ def main(argv=None) -> dict:
         raise SystemExit("python -m utils.course.bench.ncu needs Nsight Compute's `ncu` on the PATH and a CUDA GPU")
     from utils import gpu
 
-    steps = {}
+    def run(cmd, step):
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"ncu failed on step {step!r} (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        return proc.stdout
+
+    steps, source = {}, {}
     kernels = list(TRITON_BWD_KERNELS) if args.worklog == "triton_bwd" else [None]
     for step in args.steps:
         for kernel in kernels:
-            proc = subprocess.run(ncu_command(ncu, args.worklog, step, args, kernel), capture_output=True, text=True)
-            if proc.returncode != 0:
-                raise SystemExit(f"ncu failed on step {step!r} (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-            steps[profile_label(step, args.worklog, kernel)] = parse_details(proc.stdout)
+            label = profile_label(step, args.worklog, kernel)
+            if not args.source:
+                steps[label] = parse_details(run(ncu_command(ncu, args.worklog, step, args, kernel), step))
+            else:
+                with tempfile.TemporaryDirectory() as tmp:
+                    report = str(Path(tmp) / "profile")
+                    run(ncu_command(ncu, args.worklog, step, args, kernel, report=report), step)
+                    details, sass = import_commands(ncu, report)
+                    steps[label] = parse_details(run(details, step))
+                    source[label] = parse_source(run(sass, step))
             print(format_table(steps).splitlines()[-1], flush=True)
     settings = {k: getattr(args, k) for k in ("worklog", "head_dim", "seqlen", "batch", "heads", "dtype", "causal")}
-    data = dict(environment=gpu.environment(), settings=settings, sections=list(SECTIONS), steps=steps)
+    sections = [*SECTIONS, *(["SourceCounters"] if args.source else [])]
+    data = dict(environment=gpu.environment(), settings=settings, sections=sections, steps=steps)
+    if source:
+        data["source"] = source
+    if FA4 in args.steps:
+        from utils.course.bench.peers import load_flash_attention_4
+
+        data["peers"] = {FA4: load_flash_attention_4().provenance()}
     args.out_dir.mkdir(parents=True, exist_ok=True)
     path = args.out_dir / f"{args.name}.json"
     path.write_text(json.dumps(data, indent=1) + "\n")
