@@ -219,6 +219,12 @@ __device__ inline void tma_reduce_add_3d(const void* map, int x, int y, int z, u
   asm volatile("cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [%0, {%1, %2, %3}], [%4];\n"
                ::"l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(z), "r"(src) : "memory");
 }
+// `bytes` (a multiple of 16) of fp32 from shared `src` added element by element into global `dst`, both 16-byte
+// aligned, without a tensor map (step "frag_dq": dQ in the accumulator's register order, one contiguous run)
+__device__ inline void bulk_reduce_add_f32(float* dst, uint32_t src, int bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+               ::"l"(reinterpret_cast<uint64_t>(dst)), "r"(src), "r"(bytes) : "memory");
+}
 __device__ inline void tma_store_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 __device__ inline void tma_store_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
 __device__ inline void tma_store_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
@@ -237,6 +243,13 @@ __device__ inline void named_barrier_sync(int id, int threads) {
 }
 __device__ inline void named_barrier_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+// The same with the barrier's id and count as immediates, so that no register holds them
+template <int kId, int kThreads>
+__device__ inline void named_barrier_sync_n() { asm volatile("bar.sync %0, %1;\n" ::"n"(kId), "n"(kThreads) : "memory"); }
+template <int kId, int kThreads>
+__device__ inline void named_barrier_arrive_n() {
+  asm volatile("bar.arrive %0, %1;\n" ::"n"(kId), "n"(kThreads) : "memory");
 }
 
 }  // namespace course_hopper

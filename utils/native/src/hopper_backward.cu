@@ -33,6 +33,30 @@ cudaError_t hopper_backward_launch(bool bf16, int head_dim, bool causal, int ste
               : launch_step<__half>(step, head_dim, causal, q, k, v, dout, dq, p, batch_kv_heads, stream);
 }
 
+template <typename T>
+cudaError_t launch_finish_fragments(const float* accum, void* dq, int bh, int seqlen_q, int padded_q, int head_dim,
+                                    float scale, cudaStream_t stream) {
+  T* out = static_cast<T*>(dq);
+  const int rows = head_dim == 64 ? 128 : 80;  // a tile's, one block each
+  const long long blocks = static_cast<long long>(bh) * ((seqlen_q + rows - 1) / rows);
+  if (head_dim == 64)
+    hopper_bwd_finish_fragments_kernel<T, 64><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(
+        accum, out, seqlen_q, padded_q, scale);
+  else
+    hopper_bwd_finish_fragments_kernel<T, 128><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(
+        accum, out, seqlen_q, padded_q, scale);
+  return cudaGetLastError();
+}
+
+// Step frag_dq's finish pass (hopper_bwd_finish_fragments_kernel): dQ in rows from its accumulator in register
+// order, (bh, padded_q, head_dim) fp32.
+cudaError_t hopper_backward_finish_fragments(bool bf16, const float* accum, void* dq, int bh, int seqlen_q,
+                                             int padded_q, int head_dim, float scale, cudaStream_t stream) {
+  if (bh == 0 || seqlen_q == 0) return cudaSuccess;
+  return bf16 ? launch_finish_fragments<__nv_bfloat16>(accum, dq, bh, seqlen_q, padded_q, head_dim, scale, stream)
+              : launch_finish_fragments<__half>(accum, dq, bh, seqlen_q, padded_q, head_dim, scale, stream);
+}
+
 }  // namespace course_hopper
 
 #else  // COURSE_TORCH_WRAPPER: host C++ only
@@ -57,6 +81,8 @@ cudaError_t hopper_backward_launch(bool bf16, int head_dim, bool causal, int ste
                                    const CUtensorMap& k, const CUtensorMap& v, const CUtensorMap& dout,
                                    const CUtensorMap& dq, const BackwardParams& p, int batch_kv_heads,
                                    cudaStream_t stream);
+cudaError_t hopper_backward_finish_fragments(bool bf16, const float* accum, void* dq, int bh, int seqlen_q,
+                                             int padded_q, int head_dim, float scale, cudaStream_t stream);
 
 }  // namespace course_hopper
 
@@ -64,7 +90,7 @@ cudaError_t hopper_backward_launch(bool bf16, int head_dim, bool causal, int ste
 // 64 or 128, starting on 16 bytes; lse fp32 (B, H, Nq), the forward's natural-log log-sum-exp; step 0
 // ("atomic_dq"), 1 ("reduce_dq"), 2 ("prefetch_s"), 3 ("bh_group"), 4 ("stsm_ds"), 5 ("stsm_uniform"), 6
 // ("dq_first"), 7 ("desc_add"), 8 ("edge_mask"), 9 ("dv_late"), 10 ("late_prefetch"), 11 ("late_group"), 12
-// ("rows80"), 13 ("rows80_group") or 14 ("late_dq_first") -> (dq, dk, dv).
+// ("rows80"), 13 ("rows80_group"), 14 ("late_dq_first") or 15 ("frag_dq") -> (dq, dk, dv).
 std::vector<torch::Tensor> hopper_attention_backward(torch::Tensor dout, torch::Tensor q, torch::Tensor k,
                                                      torch::Tensor v, torch::Tensor o, torch::Tensor lse, bool causal,
                                                      double scale, int64_t step) {
@@ -85,10 +111,11 @@ std::vector<torch::Tensor> hopper_attention_backward(torch::Tensor dout, torch::
               " is more than the grid has rows (65535); split the batch");
   TORCH_CHECK(scale > 0 && std::isfinite(scale), name, ": scale must be finite and positive, got ",
               course::num(scale));
-  TORCH_CHECK(step >= 0 && step <= 14, name,
+  TORCH_CHECK(step >= 0 && step <= 15, name,
               ": step must be 0 (atomic_dq), 1 (reduce_dq), 2 (prefetch_s), 3 (bh_group), 4 (stsm_ds), 5 ",
               "(stsm_uniform), 6 (dq_first), 7 (desc_add), 8 (edge_mask), 9 (dv_late), 10 (late_prefetch), 11 ",
-              "(late_group), 12 (rows80), 13 (rows80_group) or 14 (late_dq_first), got ", course::num(step));
+              "(late_group), 12 (rows80), 13 (rows80_group), 14 (late_dq_first) or 15 (frag_dq), got ",
+              course::num(step));
   course_hopper::check_sm90(name, q);
   const c10::cuda::CUDAGuard guard(q.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
@@ -99,7 +126,10 @@ std::vector<torch::Tensor> hopper_attention_backward(torch::Tensor dout, torch::
   const std::vector<torch::Tensor> stats = course_flash::bwd_prepare(name, dout, o, lse, pad);
   const torch::Tensor &lse2 = stats[0], &delta = stats[1];
 
-  auto dq_accum = torch::zeros(q.sizes(), q.options().dtype(torch::kFloat32));
+  // step 15 (frag_dq) keeps dQ in register order, whole tiles of each head's padded rows
+  const bool fragments = step >= 15;
+  auto dq_accum = fragments ? torch::zeros({q.size(0), q.size(1), lse2.size(1), d}, q.options().dtype(torch::kFloat32))
+                            : torch::zeros(q.sizes(), q.options().dtype(torch::kFloat32));
   auto dk = torch::empty_like(k), dv = torch::empty_like(v);
   const course_hopper::BackwardParams p{static_cast<int>(nq), static_cast<int>(nk), static_cast<int>(q.size(1)),
                                         static_cast<int>(k.size(1)), static_cast<int>(lse2.size(1)),
@@ -114,8 +144,14 @@ std::vector<torch::Tensor> hopper_attention_backward(torch::Tensor dout, torch::
       map_do, map_dq, p, static_cast<int>(k.size(0) * k.size(1)), stream);
   TORCH_CHECK(err == cudaSuccess, name, ": launch failed: ", cudaGetErrorString(err));
 
-  // dQ = scale · its accumulator, in q's dtype, by the finish pass
-  torch::Tensor dq = course_flash::bwd_finish(name, dq_accum, q, scale);
+  // dQ = scale · its accumulator, in q's dtype, by the finish pass (frag_dq: its own, back from register order)
+  if (!fragments) return {course_flash::bwd_finish(name, dq_accum, q, scale), dk, dv};
+  torch::Tensor dq = torch::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
+  const cudaError_t finish = course_hopper::hopper_backward_finish_fragments(
+      q.scalar_type() == torch::kBFloat16, dq_accum.data_ptr<float>(), dq.data_ptr(),
+      static_cast<int>(q.size(0) * q.size(1)), static_cast<int>(nq), static_cast<int>(lse2.size(1)),
+      static_cast<int>(d), static_cast<float>(scale), stream);
+  TORCH_CHECK(finish == cudaSuccess, name, ": the finish pass failed: ", cudaGetErrorString(finish));
   return {dq, dk, dv};
 }
 #endif

@@ -37,7 +37,12 @@
 //     its 64 columns of D (M = 64 columns, N = 80 queries), staged transposed for TMA's add. Step
 //     "rows80_group" keeps "rows80" and, under a causal mask, launches the blocks as "bh_group" does. Step
 //     "late_dq_first" keeps "rows80_group" and issues dQ before dK, as "dq_first" did: dQ is staged while dK runs,
-//     and dK is waited for before the next tile's Sᵀ goes out (its registers then free for Sᵀ).
+//     and dK is waited for before the next tile's Sᵀ goes out (its registers then free for Sᵀ). Step "frag_dq"
+//     keeps "rows80_group" and stages dQ in its accumulator's register order, as FlashAttention-3 and -4 do: a
+//     thread's four values of a row pair and column pair as one 16-byte store (10 a tile at D = 128, not 40 of 4
+//     bytes), a warp's 32 side by side. A dQ writer warp in the producer's warpgroup adds each consumer's run
+//     into an fp32 dQ kept in that order with one bulk reduce (the fragment finish pass below puts it back in
+//     rows). dV and dK are done before dQ goes out: with either still running, ptxas spilled or serialised.
 // lse2 = lse · log2(e) (+inf for rows that see no key, and in the padding), delta = D, fp32 (batch · heads,
 // padded_q), padded_q a multiple of 128 (rows80: of 640, whole 80-row tiles): the prepare pass of
 // flash_bwd_passes.cuh writes them. Causal attention is aligned bottom-right (key j visible to query i when
@@ -91,12 +96,22 @@ template <int D, bool kWide = false> struct BackwardTile {
 // The steps (utils.native.hopper_backward.BWD_STEPS, by index): reduce_dq on atomic_dq, prefetch_s, bh_group and
 // stsm_ds each on reduce_dq, stsm_uniform on stsm_ds, dq_first and desc_add each on stsm_uniform, edge_mask on
 // desc_add, dv_late on edge_mask, late_prefetch on dv_late, late_group and rows80 each on late_prefetch,
-// rows80_group on rows80, late_dq_first on rows80_group.
+// rows80_group on rows80, late_dq_first and frag_dq each on rows80_group.
 constexpr int kBwdAtomicDq = 0, kBwdReduceDq = 1, kBwdPrefetchS = 2, kBwdBhGroup = 3, kBwdStsmDs = 4;
 constexpr int kBwdStsmUniform = 5, kBwdDqFirst = 6, kBwdDescAdd = 7, kBwdEdgeMask = 8, kBwdDvLate = 9;
 constexpr int kBwdLatePrefetch = 10, kBwdLateGroup = 11, kBwdRows80 = 12, kBwdRows80Group = 13;
-constexpr int kBwdLateDqFirst = 14;
-constexpr int kBwdSteps = kBwdLateDqFirst + 1;
+constexpr int kBwdLateDqFirst = 14, kBwdFragDq = 15;
+constexpr int kBwdSteps = kBwdFragDq + 1;
+
+// frag_dq: where a consumer's dQ value goes in its run of the fp32 accumulator. Its dQ is a wgmma accumulator of
+// 64 rows (M) by N columns (D = 64: its 64 query rows x the 64 columns of D; D = 128, dQᵀ: its 64 columns of D x
+// the 80 queries); thread wtid holds (m, n) = (16 warp + g + 8h, 8j + 2 t4 + e) in register 4j + 2h + e. The run
+// keeps each thread's four registers of a j together, the 128 threads' side by side: float 4 (128 j + wtid) + 2h
+// + e. A tile's accumulator holds the two consumers' runs, consumer 0's first.
+__host__ __device__ constexpr int dq_frag_float(int j, int wtid, int h, int e) { return 4 * (128 * j + wtid) + 2 * h + e; }
+// frag_dq's named barriers (1: both consumers' dSᵀ in; 2 + W: consumer W's dQ staged, in the other steps):
+// consumer W's run staged, for the dQ writer (kDqFull + W); and read by it, free for the next (kDqFree + W)
+constexpr int kDqFull = 4, kDqFree = 6;
 // bh_group: (batch, K/V head)s per group, the Gluon backward's choice at D = 128 (utils.explicit.backward.pick_config)
 constexpr int kBhGroup = 4;
 
@@ -194,6 +209,25 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
         bulk_load(base + Tile::kLse + s * BM * 4, p.lse2 + row, BM * 4, full(s));
         bulk_load(base + Tile::kDelta + s * BM * 4, p.delta + row, BM * 4, full(s));
       }
+    } else if (kStep >= kBwdFragDq && tid / 32 == 1) {
+      // frag_dq: warp 1 writes dQ, as FlashAttention-3's and -4's dQ writer: once consumer W has staged a tile's
+      // run (named barrier kDqFull + W), lane 0 adds it into the accumulator by one bulk reduce; once that has
+      // read the run, the warp tells the consumer the staging is free (kDqFree + W) for its next tile's.
+      Walk w = start;
+      for (int t = 0; t < tiles; ++t, w.next(m_first, m_blocks)) {
+        float* dst = p.dq_accum + (static_cast<long long>(w.bh) * p.padded_q + w.m * BM) * D;
+        for (int W = 0; W < 2; ++W) {
+          named_barrier_sync(kDqFull + W, 160);
+          if (tid % 32 == 0) {
+            bulk_reduce_add_f32(dst + W * (BM * D / 2), base + Tile::kDqStage + W * 2 * Tile::kDqBox, BM * D / 2 * 4);
+            tma_store_commit();
+            tma_store_wait_read();
+          }
+          __syncwarp();
+          if (t + 1 < tiles) named_barrier_arrive(kDqFree + W, 160);
+        }
+      }
+      if (tid % 32 == 0) tma_store_wait_all();  // the staging stays until the adds are done
     }
     return;
   }
@@ -210,10 +244,12 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
   mbarrier_wait(kv_bar, 0);
-  constexpr bool kReduce = kStep >= kBwdReduceDq, kDqFirst = kStep == kBwdDqFirst || kStep >= kBwdLateDqFirst;
+  // frag_dq keeps rows80_group's order: dK before dQ
+  constexpr bool kReduce = kStep >= kBwdReduceDq, kDqFirst = kStep == kBwdDqFirst || kStep == kBwdLateDqFirst;
   constexpr bool kLatePrefetch = kStep >= kBwdLatePrefetch;  // late_prefetch and late_group
   constexpr bool kPrefetch = kStep == kBwdPrefetchS || kLatePrefetch;
   constexpr bool kDescAdd = kStep >= kBwdDescAdd, kEdgeMask = kStep >= kBwdEdgeMask, kDvLate = kStep >= kBwdDvLate;
+  constexpr bool kFragDq = kStep >= kBwdFragDq;
   // The descriptor of the operand at `at` + `offset`; desc_add: at's, plus the offset (the forward's desc_plus)
   auto desc = [](uint32_t at, uint32_t leading, uint32_t offset) {
     return kDescAdd ? desc_plus(smem_desc(at, leading, 1024, Swizzle::k128B), offset)
@@ -367,8 +403,16 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
       }
     }
     fence_proxy_async();         // the stores visible to wgmma
+    if constexpr (kFragDq) {
+      // frag_dq: dV and dK are done before dQ goes out, so that their operands' fragments and dQ's accumulators
+      // are never live at once (at D = 128 ptxas serialised every wgmma without this wait, and spilled with dK
+      // still running)
+      wgmma_wait<0>();
+      fence_registers(dv);
+      fence_registers(dk);
+    }
     // reduce_dq: the last tile's reduces have read the staging boxes before anyone passes the barrier below
-    if constexpr (kReduce)
+    if constexpr (kReduce && !kFragDq)
       if (wtid == 0) tma_store_wait_read();
     named_barrier_sync(1, 256);  // both consumers' dSᵀ are in
 
@@ -424,7 +468,19 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
       // them); one thread then hands both to TMA, which adds them in L2. Rows past seqlen_q are not written (the
       // map's edge).
       const uint32_t stage = base + Tile::kDqStage + W * 2 * Tile::kDqBox;
-      if constexpr (kTransDq) {
+      if constexpr (kFragDq) {
+        // frag_dq: registers 4j..4j+3 as one 16-byte store at the run's float dq_frag_float(j, wtid, 0, 0): a
+        // warp's store fills 512 contiguous bytes, four wavefronts with no bank conflict. The dQ writer (warp 1)
+        // has read the last tile's run before this one goes in, and adds it once all 128 threads have arrived.
+        if (t > 0) {  // barrier ids as immediates: no register holds one across the loop
+          if (W == 0) named_barrier_sync_n<kDqFree, 160>();
+          else named_barrier_sync_n<kDqFree + 1, 160>();
+        }
+#pragma unroll
+        for (int j = 0; j < static_cast<int>(sizeof(dq) / sizeof(float)) / 4; ++j)
+          asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(stage + 4 * dq_frag_float(j, wtid, 0, 0)),
+                       "f"(dq[4 * j]), "f"(dq[4 * j + 1]), "f"(dq[4 * j + 2]), "f"(dq[4 * j + 3]) : "memory");
+      } else if constexpr (kTransDq) {
         // dq[4j + r] is column 16 warp + g + 8 (r / 2) of this consumer's 64 (box warp / 2) and query 8j + 2 t4
         // + r % 2: one 4-byte store each, at row query, column (that column mod 32) of the box. The swizzle
         // depends on the row mod 8 only: four addresses, and 1 KB on for each j.
@@ -471,12 +527,18 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
         issue_kq<T, D, BM, true>(st, sk, base + Tile::kQ + ns * Tile::kQTile);
         wgmma_commit();
       }
-      fence_proxy_async();              // the stores visible to TMA
-      named_barrier_sync(2 + W, 128);   // this consumer's dQ is staged
-      if (wtid == 0) {
-        for (int box = 0; box < 2; ++box)  // kTransDq: c0 = 64 W, r0 = 0 (D = 128)
-          tma_reduce_add_3d(&map_dq, c0 + 32 * box, q0 + r0, bh, stage + box * Tile::kDqBox);
-        tma_store_commit();
+      if constexpr (kFragDq) {
+        fence_proxy_async();  // the stores visible to the bulk reduce
+        if (W == 0) named_barrier_arrive_n<kDqFull, 160>();
+        else named_barrier_arrive_n<kDqFull + 1, 160>();
+      } else {
+        fence_proxy_async();             // the stores visible to TMA
+        named_barrier_sync(2 + W, 128);  // this consumer's dQ is staged
+        if (wtid == 0) {
+          for (int box = 0; box < 2; ++box)  // kTransDq: c0 = 64 W, r0 = 0 (D = 128)
+            tma_reduce_add_3d(&map_dq, c0 + 32 * box, q0 + r0, bh, stage + box * Tile::kDqBox);
+          tma_store_commit();
+        }
       }
     }
     if constexpr (kDqFirst && !kLatePrefetch) {
@@ -486,7 +548,7 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
     }
   }
   if constexpr (kLatePrefetch) wgmma_wait<0>();  // the Sᵀ issued after the last tile
-  if constexpr (kReduce)
+  if constexpr (kReduce && !kFragDq)
     if (wtid == 0) tma_store_wait_all();  // the staging boxes stay until the adds are done
 
   // dK (scaled) and dV of this thread's two keys
@@ -502,6 +564,44 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
           pack2<T>(dk[4 * j + 2 * half] * p.scale, dk[4 * j + 2 * half + 1] * p.scale);
       *reinterpret_cast<uint32_t*>(dv_row + 8 * j) = pack2<T>(dv[4 * j + 2 * half], dv[4 * j + 2 * half + 1]);
     }
+  }
+}
+
+// frag_dq's finish pass: dQ = scale · its fp32 accumulator (batch · heads, padded_q rows, D), kept in register
+// order, in T and in rows (batch, heads, seqlen_q, D). One block a tile of BM rows: it reads the tile's two runs
+// in order (16 bytes a thread, coalesced), puts each value at its row and column in shared memory, then writes
+// the rows before seqlen_q, 8 elements a thread.
+template <typename T, int D>
+__global__ void __launch_bounds__(256) hopper_bwd_finish_fragments_kernel(const float* accum, T* dq, int seqlen_q,
+                                                                          int padded_q, float scale) {
+  constexpr int BM = BackwardTile<D, true>::kRows, kPitch = D + 4;  // kPitch: rows on 16 bytes, banks staggered
+  constexpr int kRun = BM * D / 2;                                   // floats of a consumer's run
+  __shared__ __align__(16) float tile[BM * kPitch];
+  const int tiles = (seqlen_q + BM - 1) / BM, q0 = static_cast<int>(blockIdx.x % tiles) * BM;
+  const long long bh = blockIdx.x / tiles;
+  const float4* src = reinterpret_cast<const float4*>(accum + (bh * padded_q + q0) * D);
+  for (int f4 = threadIdx.x; f4 < BM * D / 4; f4 += blockDim.x) {
+    const float4 x = src[f4];
+    const float vals[4] = {x.x, x.y, x.z, x.w};
+    const int W = f4 / (kRun / 4), rest = f4 % (kRun / 4), j = rest / 128, wtid = rest % 128;
+    const int warp = wtid / 32, g = wtid % 32 / 4, t4 = wtid % 4;
+#pragma unroll
+    for (int he = 0; he < 4; ++he) {
+      const int h = he / 2, e = he % 2;
+      const int m = 16 * warp + g + 8 * h, n = 8 * j + 2 * t4 + e;  // dq_frag_float(j, wtid, h, e) = 4 f4 + he
+      const int row = D == 64 ? 64 * W + m : n, col = D == 64 ? n : 64 * W + m;
+      tile[row * kPitch + col] = vals[he];
+    }
+  }
+  __syncthreads();
+  for (int v = threadIdx.x; v < BM * D / 8; v += blockDim.x) {
+    const int row = v / (D / 8), col = v % (D / 8) * 8;
+    if (q0 + row >= seqlen_q) continue;
+    const float4 a = *reinterpret_cast<const float4*>(&tile[row * kPitch + col]);
+    const float4 c = *reinterpret_cast<const float4*>(&tile[row * kPitch + col + 4]);
+    *reinterpret_cast<uint4*>(dq + (bh * seqlen_q + q0 + row) * D + col) = make_uint4(
+        pack2<T>(a.x * scale, a.y * scale), pack2<T>(a.z * scale, a.w * scale), pack2<T>(c.x * scale, c.y * scale),
+        pack2<T>(c.z * scale, c.w * scale));
   }
 }
 
