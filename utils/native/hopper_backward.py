@@ -17,7 +17,8 @@ wgmma and TMA (utils/native/src/hopper_backward.cu), and the registry's differen
   blocks launched as bh_group's ("rows80_group"), and on that dQ issued before dK, staged while dK runs, and dK
   waited for before the next tile's Sᵀ ("late_dq_first"); or, on "rows80_group", dQ staged in its accumulator's
   register order, 16 bytes a store, and added by a dQ writer warp with one bulk reduce a consumer and tile, dQ
-  kept in that order until the finish pass ("frag_dq").
+  kept in that order until the finish pass ("frag_dq"), and on that the tile's lse2 values loaded into registers
+  before the wait for Sᵀ ("early_lse").
 - `flash_hopper_attention(q, k, v)`: the forward, and this backward through autograd when an input requires grad.
 """
 from __future__ import annotations
@@ -32,7 +33,7 @@ from utils.native.hopper import _readable, flash_hopper, flash_hopper_forward, p
 
 BWD_STEPS = ("atomic_dq", "reduce_dq", "prefetch_s", "bh_group", "stsm_ds", "stsm_uniform",
              "dq_first", "desc_add", "edge_mask", "dv_late", "late_prefetch",
-             "late_group", "rows80", "rows80_group", "late_dq_first", "frag_dq")  # the kernel's kBwd* steps, in order
+             "late_group", "rows80", "rows80_group", "late_dq_first", "frag_dq", "early_lse")  # the kernel's kBwd* steps, in order
 # the registry's step per head dim: the fastest measured there (06cw section 7)
 BWD_DEFAULT_STEPS = {64: "late_dq_first", 128: "late_dq_first"}
 

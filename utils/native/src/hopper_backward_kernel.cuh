@@ -43,6 +43,8 @@
 //     bytes), a warp's 32 side by side. A dQ writer warp in the producer's warpgroup adds each consumer's run
 //     into an fp32 dQ kept in that order with one bulk reduce (the fragment finish pass below puts it back in
 //     rows). dV and dK are done before dQ goes out: with either still running, ptxas spilled or serialised.
+//     Step "early_lse" keeps "frag_dq" and loads the tile's lse2 values into registers before it waits for Sᵀ,
+//     so that the exponentials do not wait on shared memory (in "frag_dq" each waited on its own load).
 // lse2 = lse · log2(e) (+inf for rows that see no key, and in the padding), delta = D, fp32 (batch · heads,
 // padded_q), padded_q a multiple of 128 (rows80: of 640, whole 80-row tiles): the prepare pass of
 // flash_bwd_passes.cuh writes them. Causal attention is aligned bottom-right (key j visible to query i when
@@ -96,12 +98,12 @@ template <int D, bool kWide = false> struct BackwardTile {
 // The steps (utils.native.hopper_backward.BWD_STEPS, by index): reduce_dq on atomic_dq, prefetch_s, bh_group and
 // stsm_ds each on reduce_dq, stsm_uniform on stsm_ds, dq_first and desc_add each on stsm_uniform, edge_mask on
 // desc_add, dv_late on edge_mask, late_prefetch on dv_late, late_group and rows80 each on late_prefetch,
-// rows80_group on rows80, late_dq_first and frag_dq each on rows80_group.
+// rows80_group on rows80, late_dq_first and frag_dq each on rows80_group, early_lse on frag_dq.
 constexpr int kBwdAtomicDq = 0, kBwdReduceDq = 1, kBwdPrefetchS = 2, kBwdBhGroup = 3, kBwdStsmDs = 4;
 constexpr int kBwdStsmUniform = 5, kBwdDqFirst = 6, kBwdDescAdd = 7, kBwdEdgeMask = 8, kBwdDvLate = 9;
 constexpr int kBwdLatePrefetch = 10, kBwdLateGroup = 11, kBwdRows80 = 12, kBwdRows80Group = 13;
-constexpr int kBwdLateDqFirst = 14, kBwdFragDq = 15;
-constexpr int kBwdSteps = kBwdFragDq + 1;
+constexpr int kBwdLateDqFirst = 14, kBwdFragDq = 15, kBwdEarlyLse = 16;
+constexpr int kBwdSteps = kBwdEarlyLse + 1;
 
 // frag_dq: where a consumer's dQ value goes in its run of the fp32 accumulator. Its dQ is a wgmma accumulator of
 // 64 rows (M) by N columns (D = 64: its 64 query rows x the 64 columns of D; D = 128, dQᵀ: its 64 columns of D x
@@ -249,7 +251,7 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
   constexpr bool kLatePrefetch = kStep >= kBwdLatePrefetch;  // late_prefetch and late_group
   constexpr bool kPrefetch = kStep == kBwdPrefetchS || kLatePrefetch;
   constexpr bool kDescAdd = kStep >= kBwdDescAdd, kEdgeMask = kStep >= kBwdEdgeMask, kDvLate = kStep >= kBwdDvLate;
-  constexpr bool kFragDq = kStep >= kBwdFragDq;
+  constexpr bool kFragDq = kStep >= kBwdFragDq, kEarlyLse = kStep >= kBwdEarlyLse;
   // The descriptor of the operand at `at` + `offset`; desc_add: at's, plus the offset (the forward's desc_plus)
   auto desc = [](uint32_t at, uint32_t leading, uint32_t offset) {
     return kDescAdd ? desc_plus(smem_desc(at, leading, 1024, Swizzle::k128B), offset)
@@ -283,6 +285,15 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
     // Sᵀ = K Qᵀ and dPᵀ = V dOᵀ: 64 keys x BM queries each; A: this consumer's K or V (panels of 64 rows), B: Q or
     // dO (panels of BM rows). Thread: keys key[0], key[1]; queries q0 + 8j + 2t4 (+1) in st[4j..4j+3].
     float dpt[BM / 2];
+    // early_lse: this thread's lse2 values (queries 8j + 2t4, +1), loaded while Sᵀ may still run
+    float2 lse_early[kEarlyLse ? BM / 8 : 1];
+    if constexpr (kEarlyLse) {
+#pragma unroll
+      for (int j = 0; j < BM / 8; ++j) lse_early[j] = *reinterpret_cast<const float2*>(lse2 + 8 * j + 2 * t4);
+    }
+    auto lse_of = [&](int j) {
+      return kEarlyLse ? lse_early[kEarlyLse ? j : 0] : *reinterpret_cast<const float2*>(lse2 + 8 * j + 2 * t4);
+    };
     if constexpr (kLatePrefetch) {
       // Sᵀ, issued while the last tile's dQ left, is done before dPᵀ goes out: ptxas does not count wgmma groups
       // across the loop's back edge, and would serialise every wgmma had Sᵀ a wait of its own below
@@ -305,14 +316,14 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
     if (kEdgeMask && !masked) {  // edge_mask: no key to hide (`masked` is the same in the warp: no divergence)
 #pragma unroll
       for (int j = 0; j < BM / 8; ++j) {
-        const float2 l = *reinterpret_cast<const float2*>(lse2 + 8 * j + 2 * t4);
+        const float2 l = lse_of(j);
 #pragma unroll
         for (int r = 0; r < 4; ++r) st[4 * j + r] = fast_exp2(fmaf(st[4 * j + r], p.scale_log2, -(r % 2 ? l.y : l.x)));
       }
     } else {
 #pragma unroll
       for (int j = 0; j < BM / 8; ++j) {
-        const float2 l = *reinterpret_cast<const float2*>(lse2 + 8 * j + 2 * t4);
+        const float2 l = lse_of(j);
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
           const int q = q0 + 8 * j + 2 * t4 + r % 2, k = key[r / 2];
