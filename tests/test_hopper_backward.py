@@ -88,6 +88,51 @@ def test_the_backward_compiles_for_sm_90a_with_wgmma_in_flight():
     assert [r.kernel for r in results if r.kernel.endswith(late) and (r.spill_stores or r.spill_loads)] == []
 
 
+FRAGMENT_CHECK = r"""
+#include "hopper_backward_kernel.cuh"
+#include <cstdio>
+using namespace course_hopper;
+// Every register of both consumers' dQ accumulators, as wgmma lays them out, staged at dq_frag_float and read back
+// by dq_frag_place: the same row and column, and each of the tile's BM x D places exactly once.
+template <int D> int check() {
+  constexpr int BM = D == 64 ? 128 : 80, kRun = BM * D / 2, kRegs = D == 64 ? 32 : 40;
+  static int seen[128 * 128];
+  int bad = 0;
+  for (int W = 0; W < 2; ++W)
+    for (int wtid = 0; wtid < 128; ++wtid)
+      for (int r = 0; r < kRegs; ++r) {
+        const int j = r / 4, h = r % 4 / 2, e = r % 2;
+        const int m = 16 * (wtid / 32) + wtid % 32 / 4 + 8 * h, n = 8 * j + 2 * (wtid % 4) + e;
+        const int row = D == 64 ? 64 * W + m : n, col = D == 64 ? n : 64 * W + m;  // dQ (D 64) or dQT (D 128)
+        const int f = W * kRun + dq_frag_float(j, wtid, h, e);
+        const DqPlace at = dq_frag_place<D>(f);
+        if (f < 0 || f >= BM * D || at.row != row || at.col != col) ++bad;
+        else ++seen[row * D + col];
+      }
+  for (int i = 0; i < BM * D; ++i) bad += seen[i] != 1, seen[i] = 0;
+  std::printf("D = %d: %d misplaced\n", D, bad);
+  return bad;
+}
+int main() { return check<64>() + check<128>() ? 1 : 0; }
+"""
+
+
+@needs_nvcc
+def test_frag_dq_reads_back_each_dq_value_where_it_belongs(tmp_path):
+    """Step frag_dq stages dQ in register order (dq_frag_float) and its finish pass puts it back (dq_frag_place):
+    checked on the host for both head dims, as a program nvcc builds from the kernel's header."""
+    import subprocess
+
+    source = tmp_path / "frag_check.cu"
+    source.write_text(FRAGMENT_CHECK)
+    exe = tmp_path / "frag_check"
+    build = subprocess.run([find_nvcc(), "-std=c++17", f"-I{native_build.CUDA_DIR}", str(source), "-o", str(exe)],
+                           capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr[-3000:]
+    run = subprocess.run([str(exe)], capture_output=True, text=True)
+    assert run.returncode == 0 and run.stdout.split() == "D = 64: 0 misplaced D = 128: 0 misplaced".split(), run.stdout
+
+
 @on_hopper
 @pytest.mark.parametrize("step", BWD_STEPS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)

@@ -111,6 +111,18 @@ constexpr int kBwdSteps = kBwdEarlyLse + 1;
 // keeps each thread's four registers of a j together, the 128 threads' side by side: float 4 (128 j + wtid) + 2h
 // + e. A tile's accumulator holds the two consumers' runs, consumer 0's first.
 __host__ __device__ constexpr int dq_frag_float(int j, int wtid, int h, int e) { return 4 * (128 * j + wtid) + 2 * h + e; }
+// ... and back: the row (query) and column (of D) of a tile's dQ that float f of the tile's runs holds (BM rows of
+// 128 at D = 64, 80 at D = 128; consumer W's rows 64W.. at D = 64, its columns 64W.. at D = 128)
+struct DqPlace {
+  int row, col;
+};
+template <int D>
+__host__ __device__ constexpr DqPlace dq_frag_place(int f) {
+  constexpr int kRun = (D == 64 ? 128 : 80) * D / 2;  // floats of a consumer's run
+  const int W = f / kRun, rest = f % kRun, j = rest / 512, wtid = rest / 4 % 128, h = rest % 4 / 2, e = rest % 2;
+  const int m = 16 * (wtid / 32) + wtid % 32 / 4 + 8 * h, n = 8 * j + 2 * (wtid % 4) + e;
+  return D == 64 ? DqPlace{64 * W + m, n} : DqPlace{n, 64 * W + m};
+}
 // frag_dq's named barriers (1: both consumers' dSᵀ in; 2 + W: consumer W's dQ staged, in the other steps):
 // consumer W's run staged, for the dQ writer (kDqFull + W); and read by it, free for the next (kDqFree + W)
 constexpr int kDqFull = 4, kDqFree = 6;
@@ -586,7 +598,6 @@ template <typename T, int D>
 __global__ void __launch_bounds__(256) hopper_bwd_finish_fragments_kernel(const float* accum, T* dq, int seqlen_q,
                                                                           int padded_q, float scale) {
   constexpr int BM = BackwardTile<D, true>::kRows, kPitch = D + 4;  // kPitch: rows on 16 bytes, banks staggered
-  constexpr int kRun = BM * D / 2;                                   // floats of a consumer's run
   __shared__ __align__(16) float tile[BM * kPitch];
   const int tiles = (seqlen_q + BM - 1) / BM, q0 = static_cast<int>(blockIdx.x % tiles) * BM;
   const long long bh = blockIdx.x / tiles;
@@ -594,14 +605,10 @@ __global__ void __launch_bounds__(256) hopper_bwd_finish_fragments_kernel(const 
   for (int f4 = threadIdx.x; f4 < BM * D / 4; f4 += blockDim.x) {
     const float4 x = src[f4];
     const float vals[4] = {x.x, x.y, x.z, x.w};
-    const int W = f4 / (kRun / 4), rest = f4 % (kRun / 4), j = rest / 128, wtid = rest % 128;
-    const int warp = wtid / 32, g = wtid % 32 / 4, t4 = wtid % 4;
 #pragma unroll
-    for (int he = 0; he < 4; ++he) {
-      const int h = he / 2, e = he % 2;
-      const int m = 16 * warp + g + 8 * h, n = 8 * j + 2 * t4 + e;  // dq_frag_float(j, wtid, h, e) = 4 f4 + he
-      const int row = D == 64 ? 64 * W + m : n, col = D == 64 ? n : 64 * W + m;
-      tile[row * kPitch + col] = vals[he];
+    for (int i = 0; i < 4; ++i) {
+      const DqPlace at = dq_frag_place<D>(4 * f4 + i);
+      tile[at.row * kPitch + at.col] = vals[i];
     }
   }
   __syncthreads();
