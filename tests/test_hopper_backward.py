@@ -61,10 +61,10 @@ def test_each_head_dim_has_a_default_step_of_the_kernel():
 @needs_nvcc
 def test_the_backward_compiles_for_sm_90a_with_wgmma_in_flight():
     """A kernel for each of fp16, bf16; D = 64, 128; causal or not; each step of BWD_STEPS, wgmma serialised in one
-    step only, 06bw's prepare and finish passes and frag_dq's finish pass. At D = 64 the consumers hold Sᵀ, dPᵀ (64 registers each),
-    Pᵀ's fragments, dV and dK at once: ptxas spills a few loop invariants; "dv_late", which packs Pᵀ after dSᵀ, does
-    not, nor "late_prefetch" on it, nor "rows80" (at D = 128: Sᵀ, dPᵀ and dQᵀ of 80 queries, 40 registers each),
-    nor "late_dq_first", "frag_dq" or "early_lse"."""
+    step only, 06bw's prepare and finish passes and frag_dq's finish pass. At D = 64 the consumers hold Sᵀ, dPᵀ
+    (64 registers each), Pᵀ's fragments, dV and dK at once: ptxas spills a few loop invariants; "dv_late", which
+    packs Pᵀ after dSᵀ, does not, nor "late_prefetch" on it, nor "rows80" (at D = 128: Sᵀ, dPᵀ and dQᵀ of 80
+    queries, 40 registers each), nor "late_dq_first", "frag_dq" or "early_lse"."""
     results = native_build.compile_check("hopper_backward")
     types = ("__half", "__nv_bfloat16")
     assert {r.kernel for r in results} == (

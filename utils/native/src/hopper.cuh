@@ -246,7 +246,9 @@ __device__ inline void named_barrier_arrive(int id, int threads) {
 }
 // The same with the barrier's id and count as immediates, so that no register holds them
 template <int kId, int kThreads>
-__device__ inline void named_barrier_sync_n() { asm volatile("bar.sync %0, %1;\n" ::"n"(kId), "n"(kThreads) : "memory"); }
+__device__ inline void named_barrier_sync_n() {
+  asm volatile("bar.sync %0, %1;\n" ::"n"(kId), "n"(kThreads) : "memory");
+}
 template <int kId, int kThreads>
 __device__ inline void named_barrier_arrive_n() {
   asm volatile("bar.arrive %0, %1;\n" ::"n"(kId), "n"(kThreads) : "memory");

@@ -110,7 +110,9 @@ constexpr int kBwdSteps = kBwdEarlyLse + 1;
 // the 80 queries); thread wtid holds (m, n) = (16 warp + g + 8h, 8j + 2 t4 + e) in register 4j + 2h + e. The run
 // keeps each thread's four registers of a j together, the 128 threads' side by side: float 4 (128 j + wtid) + 2h
 // + e. A tile's accumulator holds the two consumers' runs, consumer 0's first.
-__host__ __device__ constexpr int dq_frag_float(int j, int wtid, int h, int e) { return 4 * (128 * j + wtid) + 2 * h + e; }
+__host__ __device__ constexpr int dq_frag_float(int j, int wtid, int h, int e) {
+  return 4 * (128 * j + wtid) + 2 * h + e;
+}
 // ... and back: the row (query) and column (of D) of a tile's dQ that float f of the tile's runs holds (BM rows of
 // 128 at D = 64, 80 at D = 128; consumer W's rows 64W.. at D = 64, its columns 64W.. at D = 128)
 struct DqPlace {
