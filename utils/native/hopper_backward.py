@@ -33,7 +33,8 @@ from utils.native.hopper import _readable, flash_hopper, flash_hopper_forward, p
 
 BWD_STEPS = ("atomic_dq", "reduce_dq", "prefetch_s", "bh_group", "stsm_ds", "stsm_uniform",
              "dq_first", "desc_add", "edge_mask", "dv_late", "late_prefetch",
-             "late_group", "rows80", "rows80_group", "late_dq_first", "frag_dq", "early_lse")  # the kernel's kBwd* steps, in order
+             "late_group", "rows80", "rows80_group", "late_dq_first", "frag_dq",
+             "early_lse")  # the kernel's kBwd* steps, in order
 # the registry's step per head dim: the fastest measured there (06cw section 7)
 BWD_DEFAULT_STEPS = {64: "late_dq_first", 128: "late_dq_first"}
 

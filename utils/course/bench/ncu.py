@@ -34,13 +34,14 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-from utils.course.bench.backward import HOPPER_BWD_STEPS as BWD_STEPS
 from utils.course.bench.backward import TRITON_LOADS
 from utils.course.bench.cuda_mma import WORKLOGS, check_steps, step_functions, step_label
 from utils.course.bench.peers import FA4
+from utils.native.hopper_backward import BWD_STEPS
 
 SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "WarpStateStats", "Occupancy", "LaunchStats",
             "InstructionStats")
+SOURCE_SECTIONS = (*SECTIONS, "SourceCounters")  # --source: each instruction sampled too
 KERNEL_REGEX = {"mma": "regex:flash_mma_kernel", "hopper": "regex:hopper_attention",
                 "hopper_bwd": "regex:hopper_backward_kernel"}
 # worklog hopper_bwd: the Hopper backward's steps, then FlashAttention-4's backward (its main kernel, not the passes
@@ -50,7 +51,9 @@ FA4_BWD_REGEX = "regex:BackwardSm90"
 # step -> (tma, tma_stats): utils.course.bench.backward's pinned backends, "triton_tma" -> "tma"
 TRITON_BWD_STEPS = {name.removeprefix("triton_"): loads for name, loads in TRITON_LOADS.items()}
 TRITON_BWD_KERNELS = {"dkdv": "regex:_bwd_dkdv", "dq": "regex:_bwd_dq"}
-WORKLOG_NAMES = (*WORKLOGS, "triton_bwd", "hopper_bwd")
+# the worklogs whose steps this module defines (the others' are utils.course.bench.cuda_mma's)
+OWN_STEPS = {"triton_bwd": tuple(TRITON_BWD_STEPS), "hopper_bwd": HOPPER_BWD}
+WORKLOG_NAMES = (*WORKLOGS, *OWN_STEPS)
 # (section, metric as ncu names it, short label): the columns of the table
 HEADLINE = (("GPU Speed Of Light Throughput", "Duration", "time µs"),
             ("GPU Speed Of Light Throughput", "Compute (SM) Throughput", "SM %"),
@@ -103,8 +106,8 @@ def _number(text: str) -> float:
 def parse_source(text: str, top: int = TOP_INSTRUCTIONS) -> dict:
     """ncu's `--csv --page source --print-source sass` output for one kernel -> {"instructions": executed in all,
     "opcodes": {opcode: share of those}, "stalls": {reason: share of the stall samples}, "stalled_at": {opcode:
-    share of the samples taken at its instructions}, "top": the `top`
-    instructions by samples, each [share of samples, SASS text, {reason: its share of that line's samples}]}.
+    share of the samples taken at its instructions}, "top": the `top` instructions by samples, each [share of
+    samples, SASS text, {reason: its share of that line's samples}]}.
     Shares are fractions; an opcode is the SASS mnemonic without its modifiers (predicates dropped). ncu may print
     the kernel's listing more than once: the first is read."""
     if not isinstance(text, str):
@@ -176,7 +179,7 @@ def ncu_command(ncu: str, worklog: str, step: str, args: argparse.Namespace, ker
         regex = TRITON_BWD_KERNELS[kernel]
     else:
         regex = FA4_BWD_REGEX if step == FA4 else KERNEL_REGEX[worklog]
-    sections = [a for s in (*SECTIONS, *(["SourceCounters"] if report else [])) for a in ("--section", s)]
+    sections = [a for s in (SOURCE_SECTIONS if report else SECTIONS) for a in ("--section", s)]
     child = [sys.executable, "-m", "utils.course.bench.ncu", "--child", "--worklog", worklog, "--steps", step,
              "--head-dim", str(args.head_dim), "--seqlen", str(args.seqlen), "--batch", str(args.batch),
              "--heads", str(args.heads), "--dtype", args.dtype] + (["--causal"] if args.causal else [])
@@ -224,16 +227,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out-dir", type=Path, default=IMAGES)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # the profiled process
     args = p.parse_args(argv)
-    if args.worklog == "triton_bwd":
+    if args.worklog in OWN_STEPS:
+        every = OWN_STEPS[args.worklog]
         for step in args.steps or ():
-            if step not in TRITON_BWD_STEPS:
-                p.error(f"--steps: {step!r} is not a step of the triton_bwd worklog {tuple(TRITON_BWD_STEPS)}")
-        args.steps = list(args.steps or TRITON_BWD_STEPS)
-    elif args.worklog == "hopper_bwd":
-        for step in args.steps or ():
-            if step not in HOPPER_BWD:
-                p.error(f"--steps: {step!r} is not a step of the hopper_bwd worklog {HOPPER_BWD}")
-        args.steps = list(args.steps or HOPPER_BWD)
+            if step not in every:
+                p.error(f"--steps: {step!r} is not a step of the {args.worklog} worklog {every}")
+        args.steps = list(args.steps or every)
     else:
         args.steps = check_steps(p, args.worklog, args.steps)
     for name in ("seqlen", "batch", "heads"):
@@ -315,8 +314,8 @@ def main(argv=None) -> dict:
                     source[label] = parse_source(run(sass, step))
             print(format_table(steps).splitlines()[-1], flush=True)
     settings = {k: getattr(args, k) for k in ("worklog", "head_dim", "seqlen", "batch", "heads", "dtype", "causal")}
-    sections = [*SECTIONS, *(["SourceCounters"] if args.source else [])]
-    data = dict(environment=gpu.environment(), settings=settings, sections=sections, steps=steps)
+    data = dict(environment=gpu.environment(), settings=settings,
+                sections=list(SOURCE_SECTIONS if args.source else SECTIONS), steps=steps)
     if source:
         data["source"] = source
     if FA4 in args.steps:

@@ -33,19 +33,21 @@ cudaError_t hopper_backward_launch(bool bf16, int head_dim, bool causal, int ste
               : launch_step<__half>(step, head_dim, causal, q, k, v, dout, dq, p, batch_kv_heads, stream);
 }
 
+template <typename T, int D>
+cudaError_t launch_finish_fragments(const float* accum, void* dq, int bh, int seqlen_q, int padded_q, float scale,
+                                    cudaStream_t stream) {
+  constexpr int kRows = BackwardTile<D, true>::kRows;  // a tile's, one block each
+  const long long blocks = static_cast<long long>(bh) * ((seqlen_q + kRows - 1) / kRows);
+  hopper_bwd_finish_fragments_kernel<T, D><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(
+      accum, static_cast<T*>(dq), seqlen_q, padded_q, scale);
+  return cudaGetLastError();
+}
+
 template <typename T>
 cudaError_t launch_finish_fragments(const float* accum, void* dq, int bh, int seqlen_q, int padded_q, int head_dim,
                                     float scale, cudaStream_t stream) {
-  T* out = static_cast<T*>(dq);
-  const int rows = head_dim == 64 ? 128 : 80;  // a tile's, one block each
-  const long long blocks = static_cast<long long>(bh) * ((seqlen_q + rows - 1) / rows);
-  if (head_dim == 64)
-    hopper_bwd_finish_fragments_kernel<T, 64><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(
-        accum, out, seqlen_q, padded_q, scale);
-  else
-    hopper_bwd_finish_fragments_kernel<T, 128><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(
-        accum, out, seqlen_q, padded_q, scale);
-  return cudaGetLastError();
+  return head_dim == 64 ? launch_finish_fragments<T, 64>(accum, dq, bh, seqlen_q, padded_q, scale, stream)
+                        : launch_finish_fragments<T, 128>(accum, dq, bh, seqlen_q, padded_q, scale, stream);
 }
 
 // Step frag_dq's finish pass (hopper_bwd_finish_fragments_kernel): dQ in rows from its accumulator in register
@@ -115,8 +117,7 @@ std::vector<torch::Tensor> hopper_attention_backward(torch::Tensor dout, torch::
               ": step must be 0 (atomic_dq), 1 (reduce_dq), 2 (prefetch_s), 3 (bh_group), 4 (stsm_ds), 5 ",
               "(stsm_uniform), 6 (dq_first), 7 (desc_add), 8 (edge_mask), 9 (dv_late), 10 (late_prefetch), 11 ",
               "(late_group), 12 (rows80), 13 (rows80_group), 14 (late_dq_first), 15 (frag_dq) or 16 (early_lse), ",
-              "got ",
-              course::num(step));
+              "got ", course::num(step));
   course_hopper::check_sm90(name, q);
   const c10::cuda::CUDAGuard guard(q.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();

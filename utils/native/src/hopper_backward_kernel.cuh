@@ -300,13 +300,15 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
     // dO (panels of BM rows). Thread: keys key[0], key[1]; queries q0 + 8j + 2t4 (+1) in st[4j..4j+3].
     float dpt[BM / 2];
     // early_lse: this thread's lse2 values (queries 8j + 2t4, +1), loaded while Sᵀ may still run
+    auto lse_at = [&](int j) { return *reinterpret_cast<const float2*>(lse2 + 8 * j + 2 * t4); };
     float2 lse_early[kEarlyLse ? BM / 8 : 1];
     if constexpr (kEarlyLse) {
 #pragma unroll
-      for (int j = 0; j < BM / 8; ++j) lse_early[j] = *reinterpret_cast<const float2*>(lse2 + 8 * j + 2 * t4);
+      for (int j = 0; j < BM / 8; ++j) lse_early[j] = lse_at(j);
     }
     auto lse_of = [&](int j) {
-      return kEarlyLse ? lse_early[kEarlyLse ? j : 0] : *reinterpret_cast<const float2*>(lse2 + 8 * j + 2 * t4);
+      if constexpr (kEarlyLse) return lse_early[j];
+      else return lse_at(j);
     };
     if constexpr (kLatePrefetch) {
       // Sᵀ, issued while the last tile's dQ left, is done before dPᵀ goes out: ptxas does not count wgmma groups
