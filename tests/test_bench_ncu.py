@@ -181,3 +181,17 @@ def test_parse_source_says_what_is_wrong(text, message):
     for bad in (0, -1, 2.5, True):
         with pytest.raises(ValueError, match="top must be"):
             ncu.parse_source(SASS, top=bad)
+
+
+def test_format_stalls_shows_the_instructions_and_the_samples_at_each_opcode():
+    source = {"hb15_late_dq_first": ncu.parse_source(SASS), "hb16_frag_dq": dict(instructions=2.5e9,
+                                                                                stalled_at={"STS": 0.02})}
+    lines = ncu.format_stalls(source, opcodes=("STS", "FFMA")).splitlines()
+    assert lines[0].split() == ["step", "instr", "G", "STS", "%", "FFMA", "%"]
+    assert lines[1].split() == ["hb15_late_dq_first", "0.000", "30.0", "60.0"]
+    assert lines[2].split() == ["hb16_frag_dq", "2.500", "2.0", "0.0"]  # an opcode never stalled at reads 0
+    with pytest.raises(TypeError, match="source must be"):
+        ncu.format_stalls([])
+    for bad in ("STS", (), ("STS", "")):
+        with pytest.raises(ValueError, match="opcodes must be"):
+            ncu.format_stalls(source, opcodes=bad)

@@ -291,6 +291,16 @@ REFERENCES = {
                                      "cuda_hopper_rows80_group", "cuda_hopper_late_dq_first", "sdpa_cudnn",
                                      "--seqlens", "2048", "4096", "8192", "16384", "--rounds", "3", "--out",
                                      "images/06c_bwd_late_dq_first_h200.json"]),
+    # worklog 06cw section 7: frag_dq (dQ in register order, a writer warp) and early_lse beside late_dq_first
+    # (the run named no outside peer: its --peers is empty)
+    "hopper_bwd_frag_dq": (1, ["utils.course.bench.backward", "--backends", "cuda_hopper_late_dq_first",
+                               "cuda_hopper_frag_dq", "cuda_hopper_early_lse", "sdpa_cudnn", "--peers", "--seqlens",
+                               "2048", "4096", "8192", "16384", "--rounds", "3", "--out",
+                               "images/06c_bwd_frag_dq_h200.json"]),
+    # and one profiled launch of each at D = 128, N = 8k, with each instruction sampled (needs ncu)
+    "hopper_bwd_ncu_frag_dq": (1, ["utils.course.bench.ncu", "--worklog", "hopper_bwd", "--steps", "late_dq_first",
+                                   "frag_dq", "early_lse", "--head-dim", "128", "--seqlen", "8192", "--source",
+                                   "--name", "06c_ncu_bwd_frag_dq_h200"]),
     # 06c's backward table: the default step beside the Gluon backward, FA2 and cuDNN
     "hopper_bwd_default": (1, ["utils.course.bench.backward", "--backends", "cuda_hopper_late_prefetch",
                                "cuda_hopper_dv_late", "cuda_hopper_edge_mask", "gluon_bwd", "sdpa_flash",

@@ -211,6 +211,22 @@ def format_table(steps: dict) -> str:
     return "\n".join(lines)
 
 
+def format_stalls(source: dict, opcodes=("WARPGROUP", "HGMMA", "FENCE", "STS", "FFMA")) -> str:
+    """One row per step of a --source reading (its "source" entry): the instructions it executed, in billions,
+    then the share of its stall samples taken at each of `opcodes` (SASS mnemonics, as parse_source keeps them),
+    in percent."""
+    if not isinstance(source, dict):
+        raise TypeError(f"source must be a dict (a reading's \"source\" entry), got {type(source).__name__}")
+    if isinstance(opcodes, str) or not opcodes or not all(isinstance(op, str) and op for op in opcodes):
+        raise ValueError(f"opcodes must be a non-empty sequence of SASS mnemonics, got {opcodes!r}")
+    lines = [f"{'step':<20s}{'instr G':>9s}" + "".join(f"{op + ' %':>12s}" for op in opcodes)]
+    for label, reading in source.items():
+        at = reading["stalled_at"]
+        lines.append(f"{label:<20s}{reading['instructions'] / 1e9:>9.3f}"
+                     + "".join(f"{100 * at.get(op, 0.0):>12.1f}" for op in opcodes))
+    return "\n".join(lines)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m utils.course.bench.ncu", description=__doc__.split("\n\n")[0])
     p.add_argument("--worklog", choices=list(WORKLOG_NAMES), default="hopper")
