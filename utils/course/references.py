@@ -301,6 +301,10 @@ REFERENCES = {
     "hopper_bwd_ncu_frag_dq": (1, ["utils.course.bench.ncu", "--worklog", "hopper_bwd", "--steps", "late_dq_first",
                                    "frag_dq", "early_lse", "--head-dim", "128", "--seqlen", "8192", "--source",
                                    "--name", "06c_ncu_bwd_frag_dq_h200"]),
+    # worklog 06cw section 7: dq_writer (late_dq_first with a dQ writer warp) beside late_dq_first
+    "hopper_bwd_dq_writer": (1, ["utils.course.bench.backward", "--backends", "cuda_hopper_late_dq_first",
+                                 "cuda_hopper_dq_writer", "sdpa_cudnn", "--seqlens", "2048", "4096", "8192", "16384",
+                                 "--rounds", "3", "--out", "images/06c_bwd_dq_writer_h200.json"]),
     # 06c's backward table: the default step beside the Gluon backward, FA2 and cuDNN
     "hopper_bwd_default": (1, ["utils.course.bench.backward", "--backends", "cuda_hopper_late_prefetch",
                                "cuda_hopper_dv_late", "cuda_hopper_edge_mask", "gluon_bwd", "sdpa_flash",

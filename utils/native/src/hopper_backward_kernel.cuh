@@ -98,12 +98,13 @@ template <int D, bool kWide = false> struct BackwardTile {
 // The steps (utils.native.hopper_backward.BWD_STEPS, by index): reduce_dq on atomic_dq, prefetch_s, bh_group and
 // stsm_ds each on reduce_dq, stsm_uniform on stsm_ds, dq_first and desc_add each on stsm_uniform, edge_mask on
 // desc_add, dv_late on edge_mask, late_prefetch on dv_late, late_group and rows80 each on late_prefetch,
-// rows80_group on rows80, late_dq_first and frag_dq each on rows80_group, early_lse on frag_dq.
+// rows80_group on rows80, late_dq_first and frag_dq each on rows80_group, early_lse on frag_dq, dq_writer on
+// late_dq_first.
 constexpr int kBwdAtomicDq = 0, kBwdReduceDq = 1, kBwdPrefetchS = 2, kBwdBhGroup = 3, kBwdStsmDs = 4;
 constexpr int kBwdStsmUniform = 5, kBwdDqFirst = 6, kBwdDescAdd = 7, kBwdEdgeMask = 8, kBwdDvLate = 9;
 constexpr int kBwdLatePrefetch = 10, kBwdLateGroup = 11, kBwdRows80 = 12, kBwdRows80Group = 13;
-constexpr int kBwdLateDqFirst = 14, kBwdFragDq = 15, kBwdEarlyLse = 16;
-constexpr int kBwdSteps = kBwdEarlyLse + 1;
+constexpr int kBwdLateDqFirst = 14, kBwdFragDq = 15, kBwdEarlyLse = 16, kBwdDqWriter = 17;
+constexpr int kBwdSteps = kBwdDqWriter + 1;
 
 // frag_dq: where a consumer's dQ value goes in its run of the fp32 accumulator. Its dQ is a wgmma accumulator of
 // 64 rows (M) by N columns (D = 64: its 64 query rows x the 64 columns of D; D = 128, dQᵀ: its 64 columns of D x
@@ -125,8 +126,9 @@ __host__ __device__ constexpr DqPlace dq_frag_place(int f) {
   const int m = 16 * (wtid / 32) + wtid % 32 / 4 + 8 * h, n = 8 * j + 2 * (wtid % 4) + e;
   return D == 64 ? DqPlace{64 * W + m, n} : DqPlace{n, 64 * W + m};
 }
-// frag_dq's named barriers (1: both consumers' dSᵀ in; 2 + W: consumer W's dQ staged, in the other steps):
-// consumer W's run staged, for the dQ writer (kDqFull + W); and read by it, free for the next (kDqFree + W)
+// The dQ writer's named barriers (frag_dq, early_lse, dq_writer; 1: both consumers' dSᵀ in; 2 + W: consumer W's
+// dQ staged, in the other steps): consumer W's dQ staged, for the writer (kDqFull + W); and read by it, free for
+// the next tile's (kDqFree + W)
 constexpr int kDqFull = 4, kDqFree = 6;
 // bh_group: (batch, K/V head)s per group, the Gluon backward's choice at D = 128 (utils.explicit.backward.pick_config)
 constexpr int kBhGroup = 4;
@@ -155,6 +157,9 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
   using Tile = BackwardTile<D, kStep >= kBwdRows80>;
   constexpr int BM = Tile::kRows, kStages = Tile::kStages;
   constexpr bool kTransDq = Tile::kTransDq;
+  // frag_dq, early_lse, dq_writer: warp 1 of the producer adds dQ. dq_writer only without the mask: under it the
+  // writer's loop, beside late_dq_first's consumers, left ptxas short of registers (C7512, every wgmma serialised)
+  constexpr bool kWriter = kStep >= kBwdFragDq && (kStep != kBwdDqWriter || !kCausal);
   constexpr int kPanel = 64 * 128;  // 64 rows of a 64-column panel
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
@@ -225,17 +230,25 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
         bulk_load(base + Tile::kLse + s * BM * 4, p.lse2 + row, BM * 4, full(s));
         bulk_load(base + Tile::kDelta + s * BM * 4, p.delta + row, BM * 4, full(s));
       }
-    } else if (kStep >= kBwdFragDq && tid / 32 == 1) {
-      // frag_dq: warp 1 writes dQ, as FlashAttention-3's and -4's dQ writer: once consumer W has staged a tile's
-      // run (named barrier kDqFull + W), lane 0 adds it into the accumulator by one bulk reduce; once that has
-      // read the run, the warp tells the consumer the staging is free (kDqFree + W) for its next tile's.
+    } else if (kWriter && tid / 32 == 1) {
+      // The dQ writer, as FlashAttention-3's and -4's: once consumer W has staged a tile's dQ (named barrier
+      // kDqFull + W), lane 0 adds it into the accumulator (frag_dq: its run, by one bulk reduce; dq_writer: its two
+      // boxes, by TMA); once that has read the staging, the warp tells the consumer it is free (kDqFree + W) for
+      // its next tile's.
       Walk w = start;
       for (int t = 0; t < tiles; ++t, w.next(m_first, m_blocks)) {
         float* dst = p.dq_accum + (static_cast<long long>(w.bh) * p.padded_q + w.m * BM) * D;
         for (int W = 0; W < 2; ++W) {
           named_barrier_sync(kDqFull + W, 160);
           if (tid % 32 == 0) {
-            bulk_reduce_add_f32(dst + W * (BM * D / 2), base + Tile::kDqStage + W * 2 * Tile::kDqBox, BM * D / 2 * 4);
+            const uint32_t stage = base + Tile::kDqStage + W * 2 * Tile::kDqBox;
+            if constexpr (kStep == kBwdDqWriter) {
+              const int r0 = BM == 128 ? 64 * W : 0, c0 = BM == 128 ? 0 : 64 * W;  // the consumer's, as below
+              for (int box = 0; box < 2; ++box)
+                tma_reduce_add_3d(&map_dq, c0 + 32 * box, w.m * BM + r0, w.bh, stage + box * Tile::kDqBox);
+            } else {
+              bulk_reduce_add_f32(dst + W * (BM * D / 2), stage, BM * D / 2 * 4);
+            }
             tma_store_commit();
             tma_store_wait_read();
           }
@@ -261,11 +274,12 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
   for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
   mbarrier_wait(kv_bar, 0);
   // frag_dq keeps rows80_group's order: dK before dQ
-  constexpr bool kReduce = kStep >= kBwdReduceDq, kDqFirst = kStep == kBwdDqFirst || kStep == kBwdLateDqFirst;
+  constexpr bool kReduce = kStep >= kBwdReduceDq;
+  constexpr bool kDqFirst = kStep == kBwdDqFirst || kStep == kBwdLateDqFirst || kStep == kBwdDqWriter;
   constexpr bool kLatePrefetch = kStep >= kBwdLatePrefetch;  // late_prefetch and late_group
   constexpr bool kPrefetch = kStep == kBwdPrefetchS || kLatePrefetch;
   constexpr bool kDescAdd = kStep >= kBwdDescAdd, kEdgeMask = kStep >= kBwdEdgeMask, kDvLate = kStep >= kBwdDvLate;
-  constexpr bool kFragDq = kStep >= kBwdFragDq, kEarlyLse = kStep >= kBwdEarlyLse;
+  constexpr bool kFragDq = kStep == kBwdFragDq || kStep == kBwdEarlyLse, kEarlyLse = kStep == kBwdEarlyLse;
   // The descriptor of the operand at `at` + `offset`; desc_add: at's, plus the offset (the forward's desc_plus)
   auto desc = [](uint32_t at, uint32_t leading, uint32_t offset) {
     return kDescAdd ? desc_plus(smem_desc(at, leading, 1024, Swizzle::k128B), offset)
@@ -438,7 +452,9 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
       fence_registers(dv);
       fence_registers(dk);
     }
-    // reduce_dq: the last tile's reduces have read the staging boxes before anyone passes the barrier below
+    // reduce_dq: the last tile's reduces have read the staging boxes before anyone passes the barrier below.
+    // dq_writer: this thread committed none, but without the branch ptxas runs short of registers at D = 128 and
+    // serialises every wgmma (C7512)
     if constexpr (kReduce && !kFragDq)
       if (wtid == 0) tma_store_wait_read();
     named_barrier_sync(1, 256);  // both consumers' dSᵀ are in
@@ -495,14 +511,17 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
       // them); one thread then hands both to TMA, which adds them in L2. Rows past seqlen_q are not written (the
       // map's edge).
       const uint32_t stage = base + Tile::kDqStage + W * 2 * Tile::kDqBox;
-      if constexpr (kFragDq) {
-        // frag_dq: registers 4j..4j+3 as one 16-byte store at the run's float dq_frag_float(j, wtid, 0, 0): a
-        // warp's store fills 512 contiguous bytes, four wavefronts with no bank conflict. The dQ writer (warp 1)
-        // has read the last tile's run before this one goes in, and adds it once all 128 threads have arrived.
+      if constexpr (kWriter) {
+        // The dQ writer (warp 1) has read the last tile's dQ before this one goes in, and adds it once all 128
+        // threads have arrived (below).
         if (t > 0) {  // barrier ids as immediates: no register holds one across the loop
           if (W == 0) named_barrier_sync_n<kDqFree, 160>();
           else named_barrier_sync_n<kDqFree + 1, 160>();
         }
+      }
+      if constexpr (kFragDq) {
+        // frag_dq: registers 4j..4j+3 as one 16-byte store at the run's float dq_frag_float(j, wtid, 0, 0): a
+        // warp's store fills 512 contiguous bytes, four wavefronts with no bank conflict.
 #pragma unroll
         for (int j = 0; j < static_cast<int>(sizeof(dq) / sizeof(float)) / 4; ++j)
           asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(stage + 4 * dq_frag_float(j, wtid, 0, 0)),
@@ -554,8 +573,8 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
         issue_kq<T, D, BM, true>(st, sk, base + Tile::kQ + ns * Tile::kQTile);
         wgmma_commit();
       }
-      if constexpr (kFragDq) {
-        fence_proxy_async();  // the stores visible to the bulk reduce
+      if constexpr (kWriter) {
+        fence_proxy_async();  // the stores visible to the writer's reduce
         if (W == 0) named_barrier_arrive_n<kDqFull, 160>();
         else named_barrier_arrive_n<kDqFull + 1, 160>();
       } else {
@@ -575,7 +594,7 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
     }
   }
   if constexpr (kLatePrefetch) wgmma_wait<0>();  // the Sᵀ issued after the last tile
-  if constexpr (kReduce && !kFragDq)
+  if constexpr (kReduce && !kWriter)
     if (wtid == 0) tma_store_wait_all();  // the staging boxes stay until the adds are done
 
   // dK (scaled) and dV of this thread's two keys
