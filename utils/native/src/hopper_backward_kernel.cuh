@@ -126,6 +126,14 @@ __host__ __device__ constexpr DqPlace dq_frag_place(int f) {
   const int m = 16 * (wtid / 32) + wtid % 32 / 4 + 8 * h, n = 8 * j + 2 * (wtid % 4) + e;
   return D == 64 ? DqPlace{64 * W + m, n} : DqPlace{n, 64 * W + m};
 }
+// The first query row (r0) and column of D (c0) of the tile's dQ that consumer W computes: at D = 64 (128-query
+// tiles) its 64 rows r0 = 64W.., every column; at D = 128 every row, its 64 columns c0 = 64W..
+struct DqCorner {
+  int r0, c0;
+};
+__host__ __device__ constexpr DqCorner dq_corner(int BM, int W) {
+  return BM == 128 ? DqCorner{64 * W, 0} : DqCorner{0, 64 * W};
+}
 // The dQ writer's named barriers (frag_dq, early_lse, dq_writer; 1: both consumers' dSᵀ in; 2 + W: consumer W's
 // dQ staged, in the other steps): consumer W's dQ staged, for the writer (kDqFull + W); and read by it, free for
 // the next tile's (kDqFree + W)
@@ -237,17 +245,17 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
       // its next tile's.
       Walk w = start;
       for (int t = 0; t < tiles; ++t, w.next(m_first, m_blocks)) {
-        float* dst = p.dq_accum + (static_cast<long long>(w.bh) * p.padded_q + w.m * BM) * D;
         for (int W = 0; W < 2; ++W) {
           named_barrier_sync(kDqFull + W, 160);
           if (tid % 32 == 0) {
             const uint32_t stage = base + Tile::kDqStage + W * 2 * Tile::kDqBox;
             if constexpr (kStep == kBwdDqWriter) {
-              const int r0 = BM == 128 ? 64 * W : 0, c0 = BM == 128 ? 0 : 64 * W;  // the consumer's, as below
+              const DqCorner at = dq_corner(BM, W);
               for (int box = 0; box < 2; ++box)
-                tma_reduce_add_3d(&map_dq, c0 + 32 * box, w.m * BM + r0, w.bh, stage + box * Tile::kDqBox);
+                tma_reduce_add_3d(&map_dq, at.c0 + 32 * box, w.m * BM + at.r0, w.bh, stage + box * Tile::kDqBox);
             } else {
-              bulk_reduce_add_f32(dst + W * (BM * D / 2), stage, BM * D / 2 * 4);
+              const long long run = (static_cast<long long>(w.bh) * p.padded_q + w.m * BM) * D + W * (BM * D / 2);
+              bulk_reduce_add_f32(p.dq_accum + run, stage, BM * D / 2 * 4);
             }
             tma_store_commit();
             tma_store_wait_read();
@@ -266,9 +274,8 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
   const uint32_t sk = base + Tile::kK + W * Tile::kKHalf, sv = base + Tile::kV + W * Tile::kKHalf;
   const int key_lo = n0 + 64 * W;                                  // this consumer's 64 keys
   const int key[2] = {key_lo + 16 * warp + g, key_lo + 16 * warp + g + 8};  // the rows this thread holds
-  // dQ: at D = 64 consumer W takes query rows 64W.. of the block's 128, all columns; at D = 128 all 64 rows and
-  // columns 64W..
-  const int r0 = BM == 128 ? 64 * W : 0, c0 = BM == 128 ? 0 : 64 * W;
+  const DqCorner corner = dq_corner(BM, W);  // this consumer's part of the tile's dQ
+  const int r0 = corner.r0, c0 = corner.c0;
   float dk[D / 2], dv[D / 2];
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
@@ -508,8 +515,8 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
       }
     } else {
       // Staged as two boxes of 64 rows (kTransDq: BM queries) x 32 columns (128 bytes a row, swizzled as TMA reads
-      // them); one thread then hands both to TMA, which adds them in L2. Rows past seqlen_q are not written (the
-      // map's edge).
+      // them); one thread (with a writer warp: the writer) then hands both to TMA, which adds them in L2. Rows past
+      // seqlen_q are not written (the map's edge).
       const uint32_t stage = base + Tile::kDqStage + W * 2 * Tile::kDqBox;
       if constexpr (kWriter) {
         // The dQ writer (warp 1) has read the last tile's dQ before this one goes in, and adds it once all 128
