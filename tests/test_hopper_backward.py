@@ -64,7 +64,7 @@ def test_the_backward_compiles_for_sm_90a_with_wgmma_in_flight():
     step only, 06bw's prepare and finish passes and frag_dq's finish pass. At D = 64 the consumers hold Sᵀ, dPᵀ
     (64 registers each), Pᵀ's fragments, dV and dK at once: ptxas spills a few loop invariants; "dv_late", which
     packs Pᵀ after dSᵀ, does not, nor "late_prefetch" on it, nor "rows80" (at D = 128: Sᵀ, dPᵀ and dQᵀ of 80
-    queries, 40 registers each), nor "late_dq_first", "frag_dq", "early_lse" or "dq_writer"."""
+    queries, 40 registers each), nor "late_dq_first", "frag_dq", "early_lse", "dq_writer" or "stagger"."""
     results = native_build.compile_check("hopper_backward")
     types = ("__half", "__nv_bfloat16")
     assert {r.kernel for r in results} == (
@@ -84,7 +84,7 @@ def test_the_backward_compiles_for_sm_90a_with_wgmma_in_flight():
     assert all(max(r.spill_stores, r.spill_loads) <= (48 if r.kernel.endswith(", 0>") else 72) for r in results)
     late = tuple(f", {BWD_STEPS.index(s)}>" for s in ("dv_late", "late_prefetch", "late_group", "rows80",
                                                         "rows80_group", "late_dq_first", "frag_dq",
-                                                        "early_lse", "dq_writer"))
+                                                        "early_lse", "dq_writer", "stagger"))
     assert [r.kernel for r in results if r.kernel.endswith(late) and (r.spill_stores or r.spill_loads)] == []
 
 
@@ -183,6 +183,26 @@ def test_the_registry_entry_differentiates_through_both_kernels(causal):
 
 
 @on_hopper
+@pytest.mark.parametrize("d", [64, 128])
+def test_staggered_walks_reach_every_query_block_of_every_head_of_the_group(d):
+    """Step stagger starts key block x's walk of each head at query block x mod their number, wraps past the last
+    and goes on to the group's next head: 7 key blocks over 4 (D = 64) or 7 (D = 128) query blocks, three query
+    heads a K/V head, each head's gradients checked on its own."""
+    q, k, v = random_qkv(2, 6, 500, 900, d, kv_heads=2, dtype=torch.bfloat16, device="cuda", seed=d)
+    do = torch.randn_like(q)
+    o, lse = forward_with_lse(q, k, v, causal=False)
+    grads = flash_hopper_backward(do, q, k, v, o, lse, step="stagger")
+    expected = reference_gradients(q, k, v, do, causal=False)
+    for b in range(2):
+        for h in range(6):  # dk and dv per K/V head: checked with head h's group
+            try:
+                assert_gradients_close([grads[0][b, h], *(g[b, h // 3] for g in grads[1:])],
+                                       [expected[0][b, h], *(e[b, h // 3] for e in expected[1:])], torch.bfloat16)
+            except AssertionError as e:
+                raise AssertionError(f"batch {b}, head {h}: {e}") from None
+
+
+@on_hopper
 def test_reduce_dq_leaves_no_row_past_the_end():
     """TMA clips the dQ boxes at the tensor's edge: with Nq = 65 the 64-row boxes of the last query block must not
     add into the next head's rows (each head's dQ checked on its own)."""
@@ -200,7 +220,7 @@ def test_reduce_dq_leaves_no_row_past_the_end():
 @on_hopper
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("step", ["rows80", "rows80_group", "late_dq_first", "frag_dq", "early_lse",
-                                  "dq_writer"])
+                                  "dq_writer", "stagger"])
 def test_rows80_tiles_end_inside_each_head(causal, step):
     """Step rows80 takes 80 queries a tile at D = 128, and lse2 and delta are padded to 640 rows for it: Nq = 85
     leaves a last tile of 5 rows, whose dQ boxes TMA clips at the head's end, and Nq = 700 one past a whole 640

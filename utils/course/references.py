@@ -305,6 +305,10 @@ REFERENCES = {
     "hopper_bwd_dq_writer": (1, ["utils.course.bench.backward", "--backends", "cuda_hopper_late_dq_first",
                                  "cuda_hopper_dq_writer", "sdpa_cudnn", "--seqlens", "2048", "4096", "8192", "16384",
                                  "--rounds", "3", "--out", "images/06c_bwd_dq_writer_h200.json"]),
+    # worklog 06cw section 7: stagger (late_dq_first with staggered walks) beside late_dq_first
+    "hopper_bwd_stagger": (1, ["utils.course.bench.backward", "--backends", "cuda_hopper_late_dq_first",
+                               "cuda_hopper_stagger", "sdpa_cudnn", "--seqlens", "2048", "4096", "8192", "16384",
+                               "--rounds", "3", "--out", "images/06c_bwd_stagger_h200.json"]),
     # 06c's backward table: the default step beside the Gluon backward, FA2 and cuDNN
     "hopper_bwd_default": (1, ["utils.course.bench.backward", "--backends", "cuda_hopper_late_prefetch",
                                "cuda_hopper_dv_late", "cuda_hopper_edge_mask", "gluon_bwd", "sdpa_flash",

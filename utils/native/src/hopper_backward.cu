@@ -92,8 +92,8 @@ cudaError_t hopper_backward_finish_fragments(bool bf16, const float* accum, void
 // 64 or 128, starting on 16 bytes; lse fp32 (B, H, Nq), the forward's natural-log log-sum-exp; step 0
 // ("atomic_dq"), 1 ("reduce_dq"), 2 ("prefetch_s"), 3 ("bh_group"), 4 ("stsm_ds"), 5 ("stsm_uniform"), 6
 // ("dq_first"), 7 ("desc_add"), 8 ("edge_mask"), 9 ("dv_late"), 10 ("late_prefetch"), 11 ("late_group"), 12
-// ("rows80"), 13 ("rows80_group"), 14 ("late_dq_first"), 15 ("frag_dq"), 16 ("early_lse") or 17 ("dq_writer")
-// -> (dq, dk, dv).
+// ("rows80"), 13 ("rows80_group"), 14 ("late_dq_first"), 15 ("frag_dq"), 16 ("early_lse"), 17 ("dq_writer") or
+// 18 ("stagger") -> (dq, dk, dv).
 std::vector<torch::Tensor> hopper_attention_backward(torch::Tensor dout, torch::Tensor q, torch::Tensor k,
                                                      torch::Tensor v, torch::Tensor o, torch::Tensor lse, bool causal,
                                                      double scale, int64_t step) {
@@ -114,12 +114,11 @@ std::vector<torch::Tensor> hopper_attention_backward(torch::Tensor dout, torch::
               " is more than the grid has rows (65535); split the batch");
   TORCH_CHECK(scale > 0 && std::isfinite(scale), name, ": scale must be finite and positive, got ",
               course::num(scale));
-  TORCH_CHECK(step >= 0 && step <= 17, name,
+  TORCH_CHECK(step >= 0 && step <= 18, name,
               ": step must be 0 (atomic_dq), 1 (reduce_dq), 2 (prefetch_s), 3 (bh_group), 4 (stsm_ds), 5 ",
               "(stsm_uniform), 6 (dq_first), 7 (desc_add), 8 (edge_mask), 9 (dv_late), 10 (late_prefetch), 11 ",
-              "(late_group), 12 (rows80), 13 (rows80_group), 14 (late_dq_first), 15 (frag_dq), 16 (early_lse) or 17 ",
-              "(dq_writer), ",
-              "got ", course::num(step));
+              "(late_group), 12 (rows80), 13 (rows80_group), 14 (late_dq_first), 15 (frag_dq), 16 (early_lse), 17 ",
+              "(dq_writer) or 18 (stagger), got ", course::num(step));
   course_hopper::check_sm90(name, q);
   const c10::cuda::CUDAGuard guard(q.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();

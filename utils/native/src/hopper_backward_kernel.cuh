@@ -45,6 +45,9 @@
 //     rows). dV and dK are done before dQ goes out: with either still running, ptxas spilled or serialised.
 //     Step "early_lse" keeps "frag_dq" and loads the tile's lse2 values into registers before it waits for Sᵀ,
 //     so that the exponentials do not wait on shared memory (in "frag_dq" each waited on its own load).
+//     Step "stagger" keeps "late_dq_first" and, without a mask, starts block x's walk of each head at query block
+//     x mod the head's number of them (06b's step 19): blocks that run together add dQ into different rows, not
+//     all into the same tile's at once. Under the mask each block starts at its diagonal already: unchanged.
 // lse2 = lse · log2(e) (+inf for rows that see no key, and in the padding), delta = D, fp32 (batch · heads,
 // padded_q), padded_q a multiple of 128 (rows80: of 640, whole 80-row tiles): the prepare pass of
 // flash_bwd_passes.cuh writes them. Causal attention is aligned bottom-right (key j visible to query i when
@@ -99,12 +102,12 @@ template <int D, bool kWide = false> struct BackwardTile {
 // stsm_ds each on reduce_dq, stsm_uniform on stsm_ds, dq_first and desc_add each on stsm_uniform, edge_mask on
 // desc_add, dv_late on edge_mask, late_prefetch on dv_late, late_group and rows80 each on late_prefetch,
 // rows80_group on rows80, late_dq_first and frag_dq each on rows80_group, early_lse on frag_dq, dq_writer on
-// late_dq_first.
+// late_dq_first, stagger on late_dq_first.
 constexpr int kBwdAtomicDq = 0, kBwdReduceDq = 1, kBwdPrefetchS = 2, kBwdBhGroup = 3, kBwdStsmDs = 4;
 constexpr int kBwdStsmUniform = 5, kBwdDqFirst = 6, kBwdDescAdd = 7, kBwdEdgeMask = 8, kBwdDvLate = 9;
 constexpr int kBwdLatePrefetch = 10, kBwdLateGroup = 11, kBwdRows80 = 12, kBwdRows80Group = 13;
-constexpr int kBwdLateDqFirst = 14, kBwdFragDq = 15, kBwdEarlyLse = 16, kBwdDqWriter = 17;
-constexpr int kBwdSteps = kBwdDqWriter + 1;
+constexpr int kBwdLateDqFirst = 14, kBwdFragDq = 15, kBwdEarlyLse = 16, kBwdDqWriter = 17, kBwdStagger = 18;
+constexpr int kBwdSteps = kBwdStagger + 1;
 
 // frag_dq: where a consumer's dQ value goes in its run of the fp32 accumulator. Its dQ is a wgmma accumulator of
 // 64 rows (M) by N columns (D = 64: its 64 query rows x the 64 columns of D; D = 128, dQᵀ: its 64 columns of D x
@@ -167,7 +170,7 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
   constexpr bool kTransDq = Tile::kTransDq;
   // frag_dq, early_lse, dq_writer: warp 1 of the producer adds dQ. dq_writer only without the mask: under it the
   // writer's loop, beside late_dq_first's consumers, left ptxas short of registers (C7512, every wgmma serialised)
-  constexpr bool kWriter = kStep >= kBwdFragDq && (kStep != kBwdDqWriter || !kCausal);
+  constexpr bool kWriter = (kStep == kBwdFragDq || kStep == kBwdEarlyLse) || (kStep == kBwdDqWriter && !kCausal);
   constexpr int kPanel = 64 * 128;  // 64 rows of a 64-column panel
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
@@ -198,14 +201,21 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
   const int m_first = kCausal ? max(0, n0 - offset) / BM : 0, m_blocks = (p.seqlen_q + BM - 1) / BM;
   const int per_head = max(0, m_blocks - m_first), tiles = group * per_head;
   // Tile t: (batch · heads + query head) bh and first query row q0. Walked by counters: query blocks m_first.. of
-  // head hk · group, then of the next head of the group.
+  // head hk · group, then of the next head of the group. stagger (no mask): query blocks m0.., then 0..m0 - 1.
+  constexpr bool kStagger = kStep == kBwdStagger && !kCausal;
   struct Walk {
-    int bh, m;
+    int bh, m, m0;
     __device__ __forceinline__ void next(int m_first, int m_blocks) {
-      if (++m == m_blocks) m = m_first, ++bh;
+      if constexpr (kStep == kBwdStagger && !kCausal) {
+        if (++m == m_blocks) m = 0;
+        if (m == m0) ++bh;  // the head's every block walked
+      } else {
+        if (++m == m_blocks) m = m_first, ++bh;
+      }
     }
   };
-  const Walk start{b * p.heads + hk * group, m_first};
+  const int m0 = kStagger && per_head > 0 ? key_block % per_head : m_first;
+  const Walk start{b * p.heads + hk * group, m0, m0};
 
   if (tid == 0) {
     mbarrier_init(kv_bar, 1);
@@ -282,7 +292,8 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
   mbarrier_wait(kv_bar, 0);
   // frag_dq keeps rows80_group's order: dK before dQ
   constexpr bool kReduce = kStep >= kBwdReduceDq;
-  constexpr bool kDqFirst = kStep == kBwdDqFirst || kStep == kBwdLateDqFirst || kStep == kBwdDqWriter;
+  constexpr bool kDqFirst =
+      kStep == kBwdDqFirst || kStep == kBwdLateDqFirst || kStep == kBwdDqWriter || kStep == kBwdStagger;
   constexpr bool kLatePrefetch = kStep >= kBwdLatePrefetch;  // late_prefetch and late_group
   constexpr bool kPrefetch = kStep == kBwdPrefetchS || kLatePrefetch;
   constexpr bool kDescAdd = kStep >= kBwdDescAdd, kEdgeMask = kStep >= kBwdEdgeMask, kDvLate = kStep >= kBwdDvLate;
@@ -588,8 +599,13 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
         fence_proxy_async();             // the stores visible to TMA
         named_barrier_sync(2 + W, 128);  // this consumer's dQ is staged
         if (wtid == 0) {
+          int at_bh = bh, at_q0 = q0;
+          if constexpr (kStagger) {  // the tile's place from t, here: a Walk kept beside dQ cost ptxas registers
+            at_bh = start.bh + t / per_head;
+            at_q0 = (t % per_head + m0) % per_head * BM;
+          }
           for (int box = 0; box < 2; ++box)  // kTransDq: c0 = 64 W, r0 = 0 (D = 128)
-            tma_reduce_add_3d(&map_dq, c0 + 32 * box, q0 + r0, bh, stage + box * Tile::kDqBox);
+            tma_reduce_add_3d(&map_dq, c0 + 32 * box, at_q0 + r0, at_bh, stage + box * Tile::kDqBox);
           tma_store_commit();
         }
       }
