@@ -935,3 +935,37 @@ def test_cuda_core_kernels_build_for_a_t4():
     """Colab's T4 is sm_75: the CUDA-core kernels (what the registry's "cuda" falls back to there) must build."""
     found = {r.file for r in compile_check(["softmax", "flash_naive", "flash_tiled"], "sm_75")}
     assert found == {"softmax.cu", "flash_naive.cu", "flash_tiled.cu"}
+
+
+HOST_CXX = shutil.which(os.environ.get("CXX", "c++"))
+needs_host_compiler = pytest.mark.skipif(find_nvcc() is None or HOST_CXX is None,
+                                         reason="the wrapper check needs nvcc (for CUDA's headers) and a C++ compiler")
+# Each check parses torch/extension.h (seconds): the wrappers that change most, and one 06b step for all of them
+# (they share flash_mma_torch.h's), run everywhere; the others in the full suite.
+SAMPLED_WRAPPERS = ("hopper_attention", "hopper_backward", "flash_mma_bwd",
+                    native_build.mma_kernel_name(native_build.MMA_DEFAULT_STEP))
+WRAPPER_NAMES = [name if name in SAMPLED_WRAPPERS else pytest.param(name, marks=pytest.mark.full) for name in KERNELS]
+
+
+@needs_host_compiler
+@pytest.mark.parametrize("name", WRAPPER_NAMES)
+def test_every_torch_wrapper_compiles_with_the_host_compiler(name):
+    """The torch-facing half of each .cu file (the extension's main.cpp) is compiled by the host compiler, which
+    sees none of the kernel headers: a name it uses from them fails there, on a GPU machine only, unless checked
+    here."""
+    native_build.check_wrapper(name)
+
+
+@needs_host_compiler
+def test_the_wrapper_check_names_what_the_host_compiler_rejects(monkeypatch):
+    monkeypatch.setattr(native_build, "kernel_source",
+                        lambda name: "#ifdef COURSE_TORCH_WRAPPER\nint f() { return kernel_only_constant; }\n#endif\n")
+    with pytest.raises(RuntimeError, match="softmax.cu's torch wrapper:\n.*kernel_only_constant"):
+        native_build.check_wrapper("softmax")
+
+
+def test_the_wrapper_check_refuses_a_bad_name():
+    with pytest.raises(TypeError, match="name must be a str"):
+        native_build.check_wrapper(3)
+    with pytest.raises(ValueError, match="unknown kernel file 'nope'"):
+        native_build.check_wrapper("nope")

@@ -22,6 +22,7 @@ import os
 import re
 import shutil
 import subprocess
+import sysconfig
 import tempfile
 import time
 import warnings
@@ -557,6 +558,47 @@ def compile_check(names=None, archs=None, *, nvcc: str | None = None) -> list[Ke
         results = list(pool.map(lambda job: _compile_one(nvcc, *job), jobs))
     return [r for result in results for r in result]
 
+
+
+def cuda_include_dir(nvcc: str | None = None) -> str:
+    """The CUDA toolkit's include folder, as nvcc itself passes it on (`nvcc --dryrun`): right where nvcc is a
+    wrapper script or a link outside the toolkit."""
+    nvcc = nvcc or find_nvcc()
+    if nvcc is None:
+        raise RuntimeError("nvcc not found (install the CUDA toolkit or set CUDA_HOME)")
+    with tempfile.TemporaryDirectory() as tmp:
+        empty = Path(tmp) / "empty.cu"
+        empty.write_text("")
+        dry = subprocess.run([nvcc, "--dryrun", "-c", str(empty)], capture_output=True, text=True)
+    found = re.search(r'INCLUDES="-I([^"]+?)\s*"', dry.stdout + dry.stderr)
+    if found is None:
+        raise RuntimeError(f"nvcc --dryrun named no include folder:\n{(dry.stdout + dry.stderr)[-2000:]}")
+    return found.group(1)
+
+
+def check_wrapper(name: str, *, cxx: str | None = None, nvcc: str | None = None) -> None:
+    """Compile the torch-facing wrapper of utils/native/src/<name>.cu (COURSE_TORCH_WRAPPER defined, as the
+    extension's main.cpp) with the host compiler `cxx` (default: $CXX or c++), syntax only. Needs no GPU and no CUDA
+    build of torch: the one header a CPU build of torch lacks (c10/cuda/impl/cuda_cmake_macros.h, generated at
+    torch's build) is stood in for by an empty one. Raises RuntimeError with the compiler's errors."""
+    _check_name(name)
+    from torch.utils import cpp_extension
+
+    cxx = cxx or shutil.which(os.environ.get("CXX", "c++"))
+    if cxx is None:
+        raise RuntimeError("no host C++ compiler found (set CXX)")
+    includes = [str(CUDA_DIR), cuda_include_dir(nvcc), sysconfig.get_paths()["include"],
+                *cpp_extension.include_paths()]
+    source = "#include <torch/extension.h>\n" + WRAPPER_DEFINE + kernel_source(name)
+    with tempfile.TemporaryDirectory() as tmp:
+        stub = Path(tmp) / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h"
+        stub.parent.mkdir(parents=True)
+        stub.write_text("// stands in for the header a CUDA build of torch generates (none in a CPU build)\n")
+        proc = subprocess.run([cxx, "-fsyntax-only", "-std=c++17", "-w", "-x", "c++", "-",
+                               *[f"-I{d}" for d in includes], f"-I{tmp}"], input=source, capture_output=True, text=True)
+    if proc.returncode != 0:
+        errors = [line for line in proc.stderr.splitlines() if "error" in line]
+        raise RuntimeError(f"the host compiler rejects {name}.cu's torch wrapper:\n" + "\n".join(errors[:20]))
 
 
 def main(argv=None):
