@@ -64,7 +64,7 @@ def test_the_backward_compiles_for_sm_90a_with_wgmma_in_flight():
     step only, 06bw's prepare and finish passes and frag_dq's finish pass. At D = 64 the consumers hold Sᵀ, dPᵀ
     (64 registers each), Pᵀ's fragments, dV and dK at once: ptxas spills a few loop invariants; "dv_late", which
     packs Pᵀ after dSᵀ, does not, nor "late_prefetch" on it, nor "rows80" (at D = 128: Sᵀ, dPᵀ and dQᵀ of 80
-    queries, 40 registers each), nor "late_dq_first", "frag_dq", "early_lse", "dq_writer" or "stagger"."""
+    queries, 40 registers each), nor "late_dq_first", "frag_dq", "early_lse", "dq_writer", "stagger" or "rows64"."""
     results = native_build.compile_check("hopper_backward")
     types = ("__half", "__nv_bfloat16")
     assert {r.kernel for r in results} == (
@@ -84,7 +84,7 @@ def test_the_backward_compiles_for_sm_90a_with_wgmma_in_flight():
     assert all(max(r.spill_stores, r.spill_loads) <= (48 if r.kernel.endswith(", 0>") else 72) for r in results)
     late = tuple(f", {BWD_STEPS.index(s)}>" for s in ("dv_late", "late_prefetch", "late_group", "rows80",
                                                         "rows80_group", "late_dq_first", "frag_dq",
-                                                        "early_lse", "dq_writer", "stagger"))
+                                                        "early_lse", "dq_writer", "stagger", "rows64"))
     assert [r.kernel for r in results if r.kernel.endswith(late) and (r.spill_stores or r.spill_loads)] == []
 
 

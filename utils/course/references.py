@@ -309,6 +309,10 @@ REFERENCES = {
     "hopper_bwd_stagger": (1, ["utils.course.bench.backward", "--backends", "cuda_hopper_late_dq_first",
                                "cuda_hopper_stagger", "sdpa_cudnn", "--seqlens", "2048", "4096", "8192", "16384",
                                "--rounds", "3", "--out", "images/06c_bwd_stagger_h200.json"]),
+    # worklog 06cw section 7: rows64 (late_dq_first on 64-query tiles at D = 128) beside late_dq_first
+    "hopper_bwd_rows64": (1, ["utils.course.bench.backward", "--backends", "cuda_hopper_late_dq_first",
+                              "cuda_hopper_rows64", "sdpa_cudnn", "--seqlens", "2048", "4096", "8192", "16384",
+                              "--head-dims", "128", "--rounds", "3", "--out", "images/06c_bwd_rows64_h200.json"]),
     # 06c's backward table: the default step beside the Gluon backward, FA2 and cuDNN
     "hopper_bwd_default": (1, ["utils.course.bench.backward", "--backends", "cuda_hopper_late_prefetch",
                                "cuda_hopper_dv_late", "cuda_hopper_edge_mask", "gluon_bwd", "sdpa_flash",

@@ -33,6 +33,13 @@ cudaError_t hopper_backward_launch(bool bf16, int head_dim, bool causal, int ste
               : launch_step<__half>(step, head_dim, causal, q, k, v, dout, dq, p, batch_kv_heads, stream);
 }
 
+// The query rows of step `step`'s tiles at `head_dim` (BackwardTile's kRows), for the wrapper: lse2 and delta are
+// padded, and the tensor maps' boxes shaped, to them.
+int hopper_backward_rows(int head_dim, int step) {
+  if (head_dim == 64) return BackwardTile<64>::kRows;
+  return bwd_wide(step) ? BackwardTile<128, true>::kRows : BackwardTile<128>::kRows;
+}
+
 template <typename T, int D>
 cudaError_t launch_finish_fragments(const float* accum, void* dq, int bh, int seqlen_q, int padded_q, float scale,
                                     cudaStream_t stream) {
@@ -85,6 +92,7 @@ cudaError_t hopper_backward_launch(bool bf16, int head_dim, bool causal, int ste
                                    cudaStream_t stream);
 cudaError_t hopper_backward_finish_fragments(bool bf16, const float* accum, void* dq, int bh, int seqlen_q,
                                              int padded_q, int head_dim, float scale, cudaStream_t stream);
+int hopper_backward_rows(int head_dim, int step);
 
 }  // namespace course_hopper
 
@@ -92,8 +100,8 @@ cudaError_t hopper_backward_finish_fragments(bool bf16, const float* accum, void
 // 64 or 128, starting on 16 bytes; lse fp32 (B, H, Nq), the forward's natural-log log-sum-exp; step 0
 // ("atomic_dq"), 1 ("reduce_dq"), 2 ("prefetch_s"), 3 ("bh_group"), 4 ("stsm_ds"), 5 ("stsm_uniform"), 6
 // ("dq_first"), 7 ("desc_add"), 8 ("edge_mask"), 9 ("dv_late"), 10 ("late_prefetch"), 11 ("late_group"), 12
-// ("rows80"), 13 ("rows80_group"), 14 ("late_dq_first"), 15 ("frag_dq"), 16 ("early_lse"), 17 ("dq_writer") or
-// 18 ("stagger") -> (dq, dk, dv).
+// ("rows80"), 13 ("rows80_group"), 14 ("late_dq_first"), 15 ("frag_dq"), 16 ("early_lse"), 17 ("dq_writer"),
+// 18 ("stagger") or 19 ("rows64") -> (dq, dk, dv).
 std::vector<torch::Tensor> hopper_attention_backward(torch::Tensor dout, torch::Tensor q, torch::Tensor k,
                                                      torch::Tensor v, torch::Tensor o, torch::Tensor lse, bool causal,
                                                      double scale, int64_t step) {
@@ -114,17 +122,16 @@ std::vector<torch::Tensor> hopper_attention_backward(torch::Tensor dout, torch::
               " is more than the grid has rows (65535); split the batch");
   TORCH_CHECK(scale > 0 && std::isfinite(scale), name, ": scale must be finite and positive, got ",
               course::num(scale));
-  TORCH_CHECK(step >= 0 && step <= 18, name,
+  TORCH_CHECK(step >= 0 && step <= 19, name,
               ": step must be 0 (atomic_dq), 1 (reduce_dq), 2 (prefetch_s), 3 (bh_group), 4 (stsm_ds), 5 ",
               "(stsm_uniform), 6 (dq_first), 7 (desc_add), 8 (edge_mask), 9 (dv_late), 10 (late_prefetch), 11 ",
               "(late_group), 12 (rows80), 13 (rows80_group), 14 (late_dq_first), 15 (frag_dq), 16 (early_lse), 17 ",
-              "(dq_writer) or 18 (stagger), got ", course::num(step));
+              "(dq_writer), 18 (stagger) or 19 (rows64), got ", course::num(step));
   course_hopper::check_sm90(name, q);
   const c10::cuda::CUDAGuard guard(q.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  // BackwardTile<D, step >= rows80>::kRows; lse2 and delta, (B · H, Nq padded to kLsePad, or to 640 for 80-row
-  // tiles), by the prepare pass (it checks lse)
-  const int rows = d == 64 ? 128 : step >= 12 ? 80 : 64;
+  // lse2 and delta, (B · H, Nq padded to kLsePad, or to 640 for 80-row tiles), by the prepare pass (it checks lse)
+  const int rows = course_hopper::hopper_backward_rows(static_cast<int>(d), static_cast<int>(step));
   const int64_t pad = rows == 80 ? 640 : course_flash::kLsePad;
   const std::vector<torch::Tensor> stats = course_flash::bwd_prepare(name, dout, o, lse, pad);
   const torch::Tensor &lse2 = stats[0], &delta = stats[1];

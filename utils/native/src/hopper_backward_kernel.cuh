@@ -48,6 +48,8 @@
 //     Step "stagger" keeps "late_dq_first" and, without a mask, starts block x's walk of each head at query block
 //     x mod the head's number of them (06b's step 19): blocks that run together add dQ into different rows, not
 //     all into the same tile's at once. Under the mask each block starts at its diagonal already: unchanged.
+//     Step "rows64" keeps "late_dq_first" on 64-query tiles at D = 128, as FlashAttention-3 and -4 take under a
+//     causal mask: dQ = dS K as in "late_group", 64 x 64 a consumer (at D = 64 it is "late_dq_first").
 // lse2 = lse · log2(e) (+inf for rows that see no key, and in the padding), delta = D, fp32 (batch · heads,
 // padded_q), padded_q a multiple of 128 (rows80: of 640, whole 80-row tiles): the prepare pass of
 // flash_bwd_passes.cuh writes them. Causal attention is aligned bottom-right (key j visible to query i when
@@ -102,12 +104,15 @@ template <int D, bool kWide = false> struct BackwardTile {
 // stsm_ds each on reduce_dq, stsm_uniform on stsm_ds, dq_first and desc_add each on stsm_uniform, edge_mask on
 // desc_add, dv_late on edge_mask, late_prefetch on dv_late, late_group and rows80 each on late_prefetch,
 // rows80_group on rows80, late_dq_first and frag_dq each on rows80_group, early_lse on frag_dq, dq_writer on
-// late_dq_first, stagger on late_dq_first.
+// late_dq_first, stagger and rows64 each on late_dq_first.
 constexpr int kBwdAtomicDq = 0, kBwdReduceDq = 1, kBwdPrefetchS = 2, kBwdBhGroup = 3, kBwdStsmDs = 4;
 constexpr int kBwdStsmUniform = 5, kBwdDqFirst = 6, kBwdDescAdd = 7, kBwdEdgeMask = 8, kBwdDvLate = 9;
 constexpr int kBwdLatePrefetch = 10, kBwdLateGroup = 11, kBwdRows80 = 12, kBwdRows80Group = 13;
 constexpr int kBwdLateDqFirst = 14, kBwdFragDq = 15, kBwdEarlyLse = 16, kBwdDqWriter = 17, kBwdStagger = 18;
-constexpr int kBwdSteps = kBwdStagger + 1;
+constexpr int kBwdRows64 = 19;
+constexpr int kBwdSteps = kBwdRows64 + 1;
+// The steps on 80-query tiles at D = 128 (BackwardTile's kWide): rows80 and those built on it, but rows64
+__host__ __device__ constexpr bool bwd_wide(int step) { return step >= kBwdRows80 && step != kBwdRows64; }
 
 // frag_dq: where a consumer's dQ value goes in its run of the fp32 accumulator. Its dQ is a wgmma accumulator of
 // 64 rows (M) by N columns (D = 64: its 64 query rows x the 64 columns of D; D = 128, dQᵀ: its 64 columns of D x
@@ -165,7 +170,7 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
     hopper_backward_kernel(const __grid_constant__ CUtensorMap map_q, const __grid_constant__ CUtensorMap map_k,
                            const __grid_constant__ CUtensorMap map_v, const __grid_constant__ CUtensorMap map_do,
                            const __grid_constant__ CUtensorMap map_dq, const BackwardParams p) {
-  using Tile = BackwardTile<D, kStep >= kBwdRows80>;
+  using Tile = BackwardTile<D, bwd_wide(kStep)>;
   constexpr int BM = Tile::kRows, kStages = Tile::kStages;
   constexpr bool kTransDq = Tile::kTransDq;
   // frag_dq, early_lse, dq_writer: warp 1 of the producer adds dQ. dq_writer only without the mask: under it the
@@ -293,7 +298,8 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
   // frag_dq keeps rows80_group's order: dK before dQ
   constexpr bool kReduce = kStep >= kBwdReduceDq;
   constexpr bool kDqFirst =
-      kStep == kBwdDqFirst || kStep == kBwdLateDqFirst || kStep == kBwdDqWriter || kStep == kBwdStagger;
+      kStep == kBwdDqFirst || kStep == kBwdLateDqFirst || kStep == kBwdDqWriter || kStep == kBwdStagger ||
+      kStep == kBwdRows64;
   constexpr bool kLatePrefetch = kStep >= kBwdLatePrefetch;  // late_prefetch and late_group
   constexpr bool kPrefetch = kStep == kBwdPrefetchS || kLatePrefetch;
   constexpr bool kDescAdd = kStep >= kBwdDescAdd, kEdgeMask = kStep >= kBwdEdgeMask, kDvLate = kStep >= kBwdDvLate;
@@ -673,7 +679,7 @@ template <typename T, int D, int kStep>
 cudaError_t launch_backward(bool causal, const CUtensorMap& q, const CUtensorMap& k, const CUtensorMap& v,
                             const CUtensorMap& dout, const CUtensorMap& dq, const BackwardParams& p,
                             int batch_kv_heads, cudaStream_t stream) {
-  using Tile = BackwardTile<D, kStep >= kBwdRows80>;
+  using Tile = BackwardTile<D, bwd_wide(kStep)>;
   auto kernel = causal ? hopper_backward_kernel<T, D, true, kStep> : hopper_backward_kernel<T, D, false, kStep>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes);
   if (err != cudaSuccess) return err;
