@@ -40,6 +40,10 @@ int hopper_backward_rows(int head_dim, int step) {
   return bwd_wide(step) ? BackwardTile<128, true>::kRows : BackwardTile<128>::kRows;
 }
 
+// Whether step `step` keeps dQ's accumulator in register order (bwd_fragments), for the wrapper: its accumulator
+// then holds whole tiles, and hopper_backward_finish_fragments puts it back in rows.
+bool hopper_backward_fragments(int step) { return bwd_fragments(step); }
+
 template <typename T, int D>
 cudaError_t launch_finish_fragments(const float* accum, void* dq, int bh, int seqlen_q, int padded_q, float scale,
                                     cudaStream_t stream) {
@@ -93,6 +97,7 @@ cudaError_t hopper_backward_launch(bool bf16, int head_dim, bool causal, int ste
 cudaError_t hopper_backward_finish_fragments(bool bf16, const float* accum, void* dq, int bh, int seqlen_q,
                                              int padded_q, int head_dim, float scale, cudaStream_t stream);
 int hopper_backward_rows(int head_dim, int step);
+bool hopper_backward_fragments(int step);
 
 }  // namespace course_hopper
 
@@ -136,8 +141,8 @@ std::vector<torch::Tensor> hopper_attention_backward(torch::Tensor dout, torch::
   const std::vector<torch::Tensor> stats = course_flash::bwd_prepare(name, dout, o, lse, pad);
   const torch::Tensor &lse2 = stats[0], &delta = stats[1];
 
-  // steps 15 (frag_dq) and 16 (early_lse) keep dQ in register order, whole tiles of each head's padded rows
-  const bool fragments = step == 15 || step == 16;
+  // frag_dq and early_lse keep dQ in register order, whole tiles of each head's padded rows
+  const bool fragments = course_hopper::hopper_backward_fragments(static_cast<int>(step));
   auto dq_accum = fragments ? torch::zeros({q.size(0), q.size(1), lse2.size(1), d}, q.options().dtype(torch::kFloat32))
                             : torch::zeros(q.sizes(), q.options().dtype(torch::kFloat32));
   auto dk = torch::empty_like(k), dv = torch::empty_like(v);

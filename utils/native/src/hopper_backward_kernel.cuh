@@ -103,8 +103,8 @@ template <int D, bool kWide = false> struct BackwardTile {
 // The steps (utils.native.hopper_backward.BWD_STEPS, by index): reduce_dq on atomic_dq, prefetch_s, bh_group and
 // stsm_ds each on reduce_dq, stsm_uniform on stsm_ds, dq_first and desc_add each on stsm_uniform, edge_mask on
 // desc_add, dv_late on edge_mask, late_prefetch on dv_late, late_group and rows80 each on late_prefetch,
-// rows80_group on rows80, late_dq_first and frag_dq each on rows80_group, early_lse on frag_dq, dq_writer on
-// late_dq_first, stagger and rows64 each on late_dq_first.
+// rows80_group on rows80, late_dq_first and frag_dq each on rows80_group, early_lse on frag_dq, dq_writer,
+// stagger and rows64 each on late_dq_first.
 constexpr int kBwdAtomicDq = 0, kBwdReduceDq = 1, kBwdPrefetchS = 2, kBwdBhGroup = 3, kBwdStsmDs = 4;
 constexpr int kBwdStsmUniform = 5, kBwdDqFirst = 6, kBwdDescAdd = 7, kBwdEdgeMask = 8, kBwdDvLate = 9;
 constexpr int kBwdLatePrefetch = 10, kBwdLateGroup = 11, kBwdRows80 = 12, kBwdRows80Group = 13;
@@ -113,6 +113,8 @@ constexpr int kBwdRows64 = 19;
 constexpr int kBwdSteps = kBwdRows64 + 1;
 // The steps on 80-query tiles at D = 128 (BackwardTile's kWide): rows80 and those built on it, but rows64
 __host__ __device__ constexpr bool bwd_wide(int step) { return step >= kBwdRows80 && step != kBwdRows64; }
+// The steps that keep dQ's accumulator in register order (dq_frag_float), for their own finish pass
+__host__ __device__ constexpr bool bwd_fragments(int step) { return step == kBwdFragDq || step == kBwdEarlyLse; }
 
 // frag_dq: where a consumer's dQ value goes in its run of the fp32 accumulator. Its dQ is a wgmma accumulator of
 // 64 rows (M) by N columns (D = 64: its 64 query rows x the 64 columns of D; D = 128, dQᵀ: its 64 columns of D x
@@ -175,7 +177,7 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
   constexpr bool kTransDq = Tile::kTransDq;
   // frag_dq, early_lse, dq_writer: warp 1 of the producer adds dQ. dq_writer only without the mask: under it the
   // writer's loop, beside late_dq_first's consumers, left ptxas short of registers (C7512, every wgmma serialised)
-  constexpr bool kWriter = (kStep == kBwdFragDq || kStep == kBwdEarlyLse) || (kStep == kBwdDqWriter && !kCausal);
+  constexpr bool kWriter = bwd_fragments(kStep) || (kStep == kBwdDqWriter && !kCausal);
   constexpr int kPanel = 64 * 128;  // 64 rows of a 64-column panel
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
@@ -211,7 +213,7 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
   struct Walk {
     int bh, m, m0;
     __device__ __forceinline__ void next(int m_first, int m_blocks) {
-      if constexpr (kStep == kBwdStagger && !kCausal) {
+      if constexpr (kStagger) {
         if (++m == m_blocks) m = 0;
         if (m == m0) ++bh;  // the head's every block walked
       } else {
@@ -303,7 +305,7 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
   constexpr bool kLatePrefetch = kStep >= kBwdLatePrefetch;  // late_prefetch and late_group
   constexpr bool kPrefetch = kStep == kBwdPrefetchS || kLatePrefetch;
   constexpr bool kDescAdd = kStep >= kBwdDescAdd, kEdgeMask = kStep >= kBwdEdgeMask, kDvLate = kStep >= kBwdDvLate;
-  constexpr bool kFragDq = kStep == kBwdFragDq || kStep == kBwdEarlyLse, kEarlyLse = kStep == kBwdEarlyLse;
+  constexpr bool kFragDq = bwd_fragments(kStep), kEarlyLse = kStep == kBwdEarlyLse;
   // The descriptor of the operand at `at` + `offset`; desc_add: at's, plus the offset (the forward's desc_plus)
   auto desc = [](uint32_t at, uint32_t leading, uint32_t offset) {
     return kDescAdd ? desc_plus(smem_desc(at, leading, 1024, Swizzle::k128B), offset)
