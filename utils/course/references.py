@@ -47,6 +47,10 @@ REFERENCES = {
     "host": (1, ["utils.course.bench.host", "--name", "host_h200", "--impls", "gluon", "gluon_ws", "--dtype", "fp16",
                  "--peers", "triton-tutorial", "--tutorial", ".peer/06-fused-attention.py", "--tutorial-ref",
                  "release/3.6.x"]),
+    # worklog 06cw section 7: the Hopper kernel's host and GPU time per call beside FlashAttention-4 (where
+    # flash-attn-4 is installed: ../shared/tools/fa4_pack.sh) and cuDNN, forward and backward
+    "host_fa4": (1, ["utils.course.bench.host", "--name", "host_fa4_h200", "--impls", "cuda_hopper", "--peers",
+                     "flash-attn-4", "--seqlens", "1024", "2048", "8192", "--calls", "20", "--reps", "3"]),
     "triton_sweep": (1, ["utils.course.bench.forward", "--sweep", "--sdpa", "cudnn", "--seqlens", "2048", "8192",
                          "--name", "triton_sweep_h200"]),
     # notebook 05b, section 5: each tuned tile with its loop in order and overlapped by one tile, 3 rounds

@@ -8,7 +8,8 @@ Per implementation, pass and shape, in µs per call:
   gpu    GPU time alone. Forward: the call replayed from a CUDA graph (triton.testing.do_bench_cudagraph), no
          Python. Backward (a graph cannot capture autograd's engine): the sum of the kernels a call runs, as
          torch.profiler records them over `--calls` calls
-  bench  what the course's benchmarks report (utils.course.bench.benchmark: do_bench, L2 flushed before each call)
+  bench  what the course's backward benchmarks report (utils.course.bench.benchmark of a closure: torch's Timer,
+         back-to-back calls with the GPU synchronised around each block of them, no L2 flush)
 When `host` exceeds what the GPU spends per call, the GPU waits for Python and `bench` rises above `gpu`.
 The course's Triton kernel is measured twice: launched directly (utils.tiled.fast.launch, the default) and inside
 `utils.tiled.fast.launch.dispatch_by_triton()` (every launch through `kernel[grid]`), beside SDPA's FlashAttention-2 and
@@ -133,7 +134,7 @@ def measure(args, fns: dict, device="cuda") -> list[dict]:
                         record = dict(impl=impl, mode=mode, head_dim=d, causal=causal, seqlen=n)
                         try:
                             record.update(measure_case(impl, attention, mode, q, k, v, causal, args))
-                        except (TypeError, ValueError, RuntimeError) as err:  # a dtype or shape refused, OOM
+                        except Exception as err:  # noqa: BLE001 - a dtype or shape refused, OOM, a peer's own error
                             record.update(host_us=None, bench_us=None, gpu_us=None, error=error_line(err))
                         records.append(record)
                         print(" ".join(f"{k_}={v_:.1f}" if isinstance(v_, float) else f"{k_}={v_}"
