@@ -31,6 +31,36 @@ def test_benchmark_on_cpu():
         benchmark("not callable")
 
 
+@pytest.mark.parametrize("kwargs,error", [(dict(warmup=-1), ValueError), (dict(rep=0), ValueError),
+                                          (dict(warmup="25"), TypeError), (dict(rep=True), TypeError)])
+def test_benchmark_rejects_bad_times(kwargs, error):
+    with pytest.raises(error, match=next(iter(kwargs))):
+        benchmark(lambda: None, **kwargs)
+
+
+def test_benchmark_warms_up_a_closure_for_warmup_ms_before_timing(monkeypatch):
+    """A closure (no tensor arguments) is timed by torch's Timer: `warmup` ms of calls must come first."""
+    import time
+
+    calls = []
+    timed_at = []
+
+    class FakeTimer:
+        def __init__(self, stmt, globals):
+            timed_at.append(time.perf_counter())
+
+        def blocked_autorange(self, min_run_time):
+            return type("M", (), {"median": 0.001})()
+
+    monkeypatch.setattr(torch.utils.benchmark, "Timer", FakeTimer)
+    fn = lambda: calls.append(time.perf_counter())  # noqa: E731
+    assert benchmark(fn, warmup=30, rep=5) == pytest.approx(1.0)
+    assert calls and timed_at[0] - calls[0] >= 0.029  # the loop ends 30 ms after it began
+    calls.clear()
+    benchmark(fn, warmup=0, rep=5)
+    assert calls == []
+
+
 @pytest.mark.gpu
 def test_benchmark_on_gpu():
     x = torch.randn(256, 256, device="cuda")

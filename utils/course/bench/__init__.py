@@ -3,6 +3,7 @@ from __future__ import annotations
 
 
 import statistics
+import time
 
 import torch
 import torch.utils.benchmark
@@ -24,22 +25,46 @@ def attention_flops(batch, heads, seqlen_q, seqlen_k, head_dim, *, causal=False,
 
 
 def benchmark(fn, *args, warmup=25, rep=100, **kwargs) -> float:
-    """Median time of `fn(*args, **kwargs)` in milliseconds.
+    """Median time of `fn(*args, **kwargs)` in milliseconds, after `warmup` ms of calls.
 
     On a GPU (any CUDA tensor among args) this is `triton.testing.do_bench` (warmup/rep in ms, L2 flushed);
-    otherwise `torch.utils.benchmark.Timer`, which has no GPU or driver needs.
+    otherwise `torch.utils.benchmark.Timer` over at least `rep` ms, which has no GPU or driver needs. A closure
+    without arguments takes the second path on a GPU too: calls back to back, the GPU synchronised around each
+    block of them, no L2 flush.
     """
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+    for name, value in (("warmup", warmup), ("rep", rep)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{name} must be a number of milliseconds, got {type(value).__name__}")
+    if not warmup >= 0:
+        raise ValueError(f"warmup must be >= 0 ms, got {warmup}")
+    if not rep > 0:
+        raise ValueError(f"rep must be > 0 ms, got {rep}")
     on_gpu = any(isinstance(a, torch.Tensor) and a.is_cuda for a in (*args, *kwargs.values()))
     if on_gpu:
         import triton.testing
 
         return float(triton.testing.do_bench(lambda: fn(*args, **kwargs), warmup=warmup, rep=rep,
                                              return_mode="median"))
+    _warm_up(fn, args, kwargs, warmup)
     timer = torch.utils.benchmark.Timer(stmt="fn(*args, **kwargs)",
                                         globals=dict(fn=fn, args=args, kwargs=kwargs))
     return timer.blocked_autorange(min_run_time=rep / 1000).median * 1e3
+
+
+def _warm_up(fn, args, kwargs, warmup_ms: float) -> None:
+    """Call fn for `warmup_ms` of wall time, the GPU drained at the end, so that timing starts from the clocks
+    (and caches) that sustained calls run at, not from an idle GPU's."""
+    if warmup_ms <= 0:
+        return
+    sync = torch.cuda.synchronize if torch.cuda.is_available() and torch.cuda.is_initialized() else (lambda: None)
+    end = time.perf_counter() + warmup_ms / 1000
+    while True:
+        fn(*args, **kwargs)
+        sync()
+        if time.perf_counter() >= end:
+            return
 
 
 def tflops(flops: float, ms: float) -> float:

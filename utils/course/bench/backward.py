@@ -24,8 +24,8 @@ pins one of its steps), and
 `--peers triton-tutorial` the Triton tutorial's backward (utils.course.bench.peers, read from its own
 file; shapes it cannot run are "not supported"). `--rounds 3` times each shape three times in rotated order and
 keeps the medians (the stored run's setting). Each backend is timed as a closure without arguments, so
-utils.course.bench.benchmark takes torch's Timer: back-to-back calls with the GPU synchronised around each block of
-them, no L2 flush; the same for every backend.
+utils.course.bench.benchmark takes torch's Timer after 25 ms of calls: back-to-back calls with the GPU synchronised
+around each block of them, no L2 flush; the same for every backend.
 """
 from __future__ import annotations
 

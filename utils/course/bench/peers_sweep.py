@@ -11,12 +11,12 @@ Why a module of its own: utils.course.bench.forward times one dtype's forward an
 grid, each with a stored format that notebooks read; this comparison needs both passes and both dtypes as one set
 of records {impl, mode, dtype, head_dim, causal, seqlen, ms, tflops, max_err, error}. It reuses their parts: the
 candidates (utils.course.bench.forward.candidates: registry names, pinned SDPA, peers from utils.course.bench.peers), the FLOP
-counts and utils.course.bench.benchmark (given closures without arguments, that is torch's Timer: back-to-back calls with
-the GPU synchronised around each block of them, no L2 flush). Every implementation is timed the same way, through
-its autograd function, `--rounds` times per shape (each round starting one further along the list), and the
-median kept, with the timings in the record (at N = 1k the backward is bound by the host's Python, whose time
-per call drifts by tens of percent from one timing to the next: rounds spread that drift over every
-implementation alike):
+counts and utils.course.bench.benchmark (given closures without arguments, that is torch's Timer after `--warmup` ms
+of calls: back-to-back calls with the GPU synchronised around each block of them, no L2 flush). Every
+implementation is timed the same way, through its autograd function, `--rounds` times per shape (each round
+starting one further along the list), and the median kept, with the timings in the record (at N = 1k the
+backward is bound by the host's Python, whose time per call drifts by tens of percent from one timing to the
+next: rounds spread that drift over every implementation alike):
 
     fwd      fn(q, k, v, causal=...) on inputs that need no gradient
     bwd      torch.autograd.grad of one stored forward output: the backward alone, as the tutorial times it
