@@ -222,6 +222,7 @@ def test_short_kernel_name():
 # ---- names and flags ---------------------------------------------------------------------------------------
 
 def test_extension_name_is_stable_and_follows_the_sources(tmp_path, monkeypatch):
+    monkeypatch.setattr(native_build, "RECHECK_SECONDS", 0.0)  # look at the files at every call
     name = extension_name("flash_tiled")
     assert name == extension_name("flash_tiled") and name.startswith("course_flash_tiled_")
     assert extension_name("flash_tiled", flags=("-O2",)) != name  # flags are part of the build
@@ -234,6 +235,26 @@ def test_extension_name_is_stable_and_follows_the_sources(tmp_path, monkeypatch)
     assert extension_name("flash_tiled") != name  # an edited header is a new build, not a stale cache hit
     with pytest.raises(ValueError, match="unknown kernel file"):
         extension_name("flash")
+
+
+def test_an_edit_is_seen_once_recheck_seconds_have_passed(tmp_path, monkeypatch):
+    """Between looks at the files a name is reused without a stat; the first call after RECHECK_SECONDS sees an
+    edit."""
+    copy = tmp_path / "cuda"
+    shutil.copytree(native_build.CUDA_DIR, copy)
+    monkeypatch.setattr(native_build, "CUDA_DIR", copy)
+    now = [1000.0]
+    monkeypatch.setattr(native_build, "_clock", lambda: now[0])
+    name = extension_name("flash_tiled")
+    (copy / "flash_common.cuh").write_text((copy / "flash_common.cuh").read_text() + "\n// edited\n")
+    stats = []
+    real_stat = os.stat
+    monkeypatch.setattr(native_build.os, "stat", lambda f, *a, **k: stats.append(str(f)) or real_stat(f, *a, **k))
+    now[0] += native_build.RECHECK_SECONDS / 2
+    ours = lambda: [f for f in stats if f.startswith(str(copy))]  # noqa: E731 - others may stat files too
+    assert extension_name("flash_tiled") == name and ours() == []   # within the window: no stat, the old name
+    now[0] += native_build.RECHECK_SECONDS
+    assert extension_name("flash_tiled") != name and ours()          # after it: the edit is a new build
 
 
 def test_gencode_flags():
@@ -366,6 +387,7 @@ def test_a_step_builds_its_flattened_kernel_through_the_one_template():
 
 
 def test_an_edited_flattened_step_is_a_new_build(tmp_path, monkeypatch):
+    monkeypatch.setattr(native_build, "RECHECK_SECONDS", 0.0)
     name = native_build.mma_kernel_name("exp2")
     before = extension_name(name)
     copy = tmp_path / "cuda"
