@@ -144,7 +144,7 @@ def source_hash(name: str, flags=CUDA_FLAGS) -> str:
 
 _NAMES: dict = {}
 _FILES: dict = {}
-_CHECKED: dict = {}  # (name, flags, CUDA_DIR) -> (_clock() at the last look at the files, the name then)
+_LOOKED: dict = {}  # (name, flags, CUDA_DIR) -> (_clock() at the last look at the files, the name then)
 # Every kernel call asks for its extension's name. A stat of each source file costs about 1.5 µs (14 files for
 # hopper_backward), so the files are looked at again only once this many seconds have passed for a name: an edit
 # saved by hand is seen at the next call after that.
@@ -166,14 +166,14 @@ def extension_name(name: str, flags=CUDA_FLAGS) -> str:
     is noticed within RECHECK_SECONDS)."""
     _check_name(name)
     flags = tuple(flags)
-    now, seen = _clock(), _CHECKED.get((name, flags, CUDA_DIR))
+    now, seen = _clock(), _LOOKED.get((name, flags, CUDA_DIR))
     if seen is not None and now - seen[0] < RECHECK_SECONDS:
         return seen[1]
     # Hashing reads the files; their modification times are enough to notice an edit (the hash is then recomputed)
     key = (name, flags, tuple(os.stat(f).st_mtime_ns for f in _source_files(name)))
     if key not in _NAMES:
         _NAMES[key] = f"course_{name}_{source_hash(name, flags)}"
-    _CHECKED[name, flags, CUDA_DIR] = (now, _NAMES[key])
+    _LOOKED[name, flags, CUDA_DIR] = (now, _NAMES[key])
     return _NAMES[key]
 
 
