@@ -317,6 +317,11 @@ REFERENCES = {
     "hopper_bwd_rows64": (1, ["utils.course.bench.backward", "--backends", "cuda_hopper_late_dq_first",
                               "cuda_hopper_rows64", "sdpa_cudnn", "--seqlens", "2048", "4096", "8192", "16384",
                               "--head-dims", "128", "--rounds", "3", "--out", "images/06c_bwd_rows64_h200.json"]),
+    # worklog 06cw section 7: frag_dq_first (FlashAttention-4's loop at D = 64) beside late_dq_first and frag_dq
+    "hopper_bwd_frag_dq_first": (1, ["utils.course.bench.backward", "--backends", "cuda_hopper_late_dq_first",
+                                     "cuda_hopper_frag_dq", "cuda_hopper_frag_dq_first", "sdpa_cudnn", "--seqlens",
+                                     "2048", "4096", "8192", "16384", "--head-dims", "64", "--rounds", "3", "--out",
+                                     "images/06c_bwd_frag_dq_first_h200.json"]),
     # 06c's backward table: the default step beside the Gluon backward, FA2 and cuDNN
     "hopper_bwd_default": (1, ["utils.course.bench.backward", "--backends", "cuda_hopper_late_prefetch",
                                "cuda_hopper_dv_late", "cuda_hopper_edge_mask", "gluon_bwd", "sdpa_flash",

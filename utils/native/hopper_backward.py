@@ -23,7 +23,8 @@ wgmma and TMA (utils/native/src/hopper_backward.cu), and the registry's differen
   ("dq_writer"); or, on "late_dq_first", each block's walk of a head's query blocks started at its own (key
   block index mod their number) without a mask, so that blocks running together add dQ into different rows
   ("stagger"); or "late_dq_first" on 64-query tiles at D = 128, as FlashAttention-3 and -4 take under a causal
-  mask ("rows64").
+  mask ("rows64"); or, at D = 64, "late_dq_first"'s order with dQ staged in register order for the dQ writer, as
+  "frag_dq" stages it: FlashAttention-4's loop there (at D = 128 it is "late_dq_first") ("frag_dq_first").
 - `flash_hopper_attention(q, k, v)`: the forward, and this backward through autograd when an input requires grad.
 """
 from __future__ import annotations
@@ -39,7 +40,7 @@ from utils.native.hopper import _readable, flash_hopper, flash_hopper_forward, p
 BWD_STEPS = ("atomic_dq", "reduce_dq", "prefetch_s", "bh_group", "stsm_ds", "stsm_uniform",
              "dq_first", "desc_add", "edge_mask", "dv_late", "late_prefetch",
              "late_group", "rows80", "rows80_group", "late_dq_first", "frag_dq",
-             "early_lse", "dq_writer", "stagger", "rows64")  # the kernel's kBwd* steps, in order
+             "early_lse", "dq_writer", "stagger", "rows64", "frag_dq_first")  # the kernel's kBwd* steps, in order
 # the registry's step per head dim: the fastest measured there (06cw section 7)
 BWD_DEFAULT_STEPS = {64: "late_dq_first", 128: "late_dq_first"}
 

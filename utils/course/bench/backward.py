@@ -313,7 +313,7 @@ COLORS = {"triton": "C0", "sdpa_flash": "C1", "sdpa_cudnn": "C2", "sdpa_efficien
           "cuda_hopper_rows80_group": "mediumseagreen", "cuda_hopper_late_dq_first": "crimson",
           "cuda_hopper_frag_dq": "dodgerblue", "cuda_hopper_early_lse": "darkmagenta",
           "cuda_hopper_dq_writer": "black", "cuda_hopper_stagger": "darkcyan",
-          "cuda_hopper_rows64": "peru",
+          "cuda_hopper_rows64": "peru", "cuda_hopper_frag_dq_first": "teal",
           **{b: f"C{9 + i}" for i, b in enumerate(CUDA_BACKENDS)}}
 
 

@@ -40,9 +40,9 @@ int hopper_backward_rows(int head_dim, int step) {
   return bwd_wide(step) ? BackwardTile<128, true>::kRows : BackwardTile<128>::kRows;
 }
 
-// Whether step `step` keeps dQ's accumulator in register order (bwd_fragments), for the wrapper: its accumulator
-// then holds whole tiles, and hopper_backward_finish_fragments puts it back in rows.
-bool hopper_backward_fragments(int step) { return bwd_fragments(step); }
+// Whether step `step` keeps dQ's accumulator in register order at `head_dim` (bwd_fragments), for the wrapper: its
+// accumulator then holds whole tiles, and hopper_backward_finish_fragments puts it back in rows.
+bool hopper_backward_fragments(int head_dim, int step) { return bwd_fragments(step, head_dim); }
 
 template <typename T, int D>
 cudaError_t launch_finish_fragments(const float* accum, void* dq, int bh, int seqlen_q, int padded_q, float scale,
@@ -97,7 +97,7 @@ cudaError_t hopper_backward_launch(bool bf16, int head_dim, bool causal, int ste
 cudaError_t hopper_backward_finish_fragments(bool bf16, const float* accum, void* dq, int bh, int seqlen_q,
                                              int padded_q, int head_dim, float scale, cudaStream_t stream);
 int hopper_backward_rows(int head_dim, int step);
-bool hopper_backward_fragments(int step);
+bool hopper_backward_fragments(int head_dim, int step);
 
 }  // namespace course_hopper
 
@@ -127,11 +127,11 @@ std::vector<torch::Tensor> hopper_attention_backward(torch::Tensor dout, torch::
               " is more than the grid has rows (65535); split the batch");
   TORCH_CHECK(scale > 0 && std::isfinite(scale), name, ": scale must be finite and positive, got ",
               course::num(scale));
-  TORCH_CHECK(step >= 0 && step <= 19, name,
+  TORCH_CHECK(step >= 0 && step <= 20, name,
               ": step must be 0 (atomic_dq), 1 (reduce_dq), 2 (prefetch_s), 3 (bh_group), 4 (stsm_ds), 5 ",
               "(stsm_uniform), 6 (dq_first), 7 (desc_add), 8 (edge_mask), 9 (dv_late), 10 (late_prefetch), 11 ",
               "(late_group), 12 (rows80), 13 (rows80_group), 14 (late_dq_first), 15 (frag_dq), 16 (early_lse), 17 ",
-              "(dq_writer), 18 (stagger) or 19 (rows64), got ", course::num(step));
+              "(dq_writer), 18 (stagger), 19 (rows64) or 20 (frag_dq_first), got ", course::num(step));
   course_hopper::check_sm90(name, q);
   const c10::cuda::CUDAGuard guard(q.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
@@ -142,7 +142,7 @@ std::vector<torch::Tensor> hopper_attention_backward(torch::Tensor dout, torch::
   const torch::Tensor &lse2 = stats[0], &delta = stats[1];
 
   // frag_dq and early_lse keep dQ in register order, whole tiles of each head's padded rows
-  const bool fragments = course_hopper::hopper_backward_fragments(static_cast<int>(step));
+  const bool fragments = course_hopper::hopper_backward_fragments(static_cast<int>(d), static_cast<int>(step));
   auto dq_accum = fragments ? torch::zeros({q.size(0), q.size(1), lse2.size(1), d}, q.options().dtype(torch::kFloat32))
                             : torch::zeros(q.sizes(), q.options().dtype(torch::kFloat32));
   auto dk = torch::empty_like(k), dv = torch::empty_like(v);

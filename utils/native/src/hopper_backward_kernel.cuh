@@ -50,6 +50,9 @@
 //     all into the same tile's at once. Under the mask each block starts at its diagonal already: unchanged.
 //     Step "rows64" keeps "late_dq_first" on 64-query tiles at D = 128, as FlashAttention-3 and -4 take under a
 //     causal mask: dQ = dS K as in "late_group", 64 x 64 a consumer (at D = 64 it is "late_dq_first").
+//     Step "frag_dq_first" keeps "late_dq_first"'s order at D = 64, dQ staged while dK runs, and stages dQ in
+//     register order for the dQ writer, as "frag_dq" does: FlashAttention-4's loop at D = 64 (at D = 128, where
+//     that order left ptxas short of registers, it is "late_dq_first").
 // lse2 = lse · log2(e) (+inf for rows that see no key, and in the padding), delta = D, fp32 (batch · heads,
 // padded_q), padded_q a multiple of 128 (rows80: of 640, whole 80-row tiles): the prepare pass of
 // flash_bwd_passes.cuh writes them. Causal attention is aligned bottom-right (key j visible to query i when
@@ -104,17 +107,19 @@ template <int D, bool kWide = false> struct BackwardTile {
 // stsm_ds each on reduce_dq, stsm_uniform on stsm_ds, dq_first and desc_add each on stsm_uniform, edge_mask on
 // desc_add, dv_late on edge_mask, late_prefetch on dv_late, late_group and rows80 each on late_prefetch,
 // rows80_group on rows80, late_dq_first and frag_dq each on rows80_group, early_lse on frag_dq, dq_writer,
-// stagger and rows64 each on late_dq_first.
+// stagger, rows64 and frag_dq_first each on late_dq_first.
 constexpr int kBwdAtomicDq = 0, kBwdReduceDq = 1, kBwdPrefetchS = 2, kBwdBhGroup = 3, kBwdStsmDs = 4;
 constexpr int kBwdStsmUniform = 5, kBwdDqFirst = 6, kBwdDescAdd = 7, kBwdEdgeMask = 8, kBwdDvLate = 9;
 constexpr int kBwdLatePrefetch = 10, kBwdLateGroup = 11, kBwdRows80 = 12, kBwdRows80Group = 13;
 constexpr int kBwdLateDqFirst = 14, kBwdFragDq = 15, kBwdEarlyLse = 16, kBwdDqWriter = 17, kBwdStagger = 18;
-constexpr int kBwdRows64 = 19;
-constexpr int kBwdSteps = kBwdRows64 + 1;
+constexpr int kBwdRows64 = 19, kBwdFragDqFirst = 20;
+constexpr int kBwdSteps = kBwdFragDqFirst + 1;
 // The steps on 80-query tiles at D = 128 (BackwardTile's kWide): rows80 and those built on it, but rows64
 __host__ __device__ constexpr bool bwd_wide(int step) { return step >= kBwdRows80 && step != kBwdRows64; }
-// The steps that keep dQ's accumulator in register order (dq_frag_float), for their own finish pass
-__host__ __device__ constexpr bool bwd_fragments(int step) { return step == kBwdFragDq || step == kBwdEarlyLse; }
+// The steps that keep dQ's accumulator in register order (dq_frag_float) at head dim D, for their own finish pass
+__host__ __device__ constexpr bool bwd_fragments(int step, int D) {
+  return step == kBwdFragDq || step == kBwdEarlyLse || (step == kBwdFragDqFirst && D == 64);
+}
 
 // frag_dq: where a consumer's dQ value goes in its run of the fp32 accumulator. Its dQ is a wgmma accumulator of
 // 64 rows (M) by N columns (D = 64: its 64 query rows x the 64 columns of D; D = 128, dQᵀ: its 64 columns of D x
@@ -177,7 +182,7 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
   constexpr bool kTransDq = Tile::kTransDq;
   // frag_dq, early_lse, dq_writer: warp 1 of the producer adds dQ. dq_writer only without the mask: under it the
   // writer's loop, beside late_dq_first's consumers, left ptxas short of registers (C7512, every wgmma serialised)
-  constexpr bool kWriter = bwd_fragments(kStep) || (kStep == kBwdDqWriter && !kCausal);
+  constexpr bool kWriter = bwd_fragments(kStep, D) || (kStep == kBwdDqWriter && !kCausal);
   constexpr int kPanel = 64 * 128;  // 64 rows of a 64-column panel
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
@@ -301,11 +306,11 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
   constexpr bool kReduce = kStep >= kBwdReduceDq;
   constexpr bool kDqFirst =
       kStep == kBwdDqFirst || kStep == kBwdLateDqFirst || kStep == kBwdDqWriter || kStep == kBwdStagger ||
-      kStep == kBwdRows64;
+      kStep == kBwdRows64 || kStep == kBwdFragDqFirst;
   constexpr bool kLatePrefetch = kStep >= kBwdLatePrefetch;  // late_prefetch and late_group
   constexpr bool kPrefetch = kStep == kBwdPrefetchS || kLatePrefetch;
   constexpr bool kDescAdd = kStep >= kBwdDescAdd, kEdgeMask = kStep >= kBwdEdgeMask, kDvLate = kStep >= kBwdDvLate;
-  constexpr bool kFragDq = bwd_fragments(kStep), kEarlyLse = kStep == kBwdEarlyLse;
+  constexpr bool kFragDq = bwd_fragments(kStep, D), kEarlyLse = kStep == kBwdEarlyLse;
   // The descriptor of the operand at `at` + `offset`; desc_add: at's, plus the offset (the forward's desc_plus)
   auto desc = [](uint32_t at, uint32_t leading, uint32_t offset) {
     return kDescAdd ? desc_plus(smem_desc(at, leading, 1024, Swizzle::k128B), offset)
@@ -470,7 +475,7 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
       }
     }
     fence_proxy_async();         // the stores visible to wgmma
-    if constexpr (kFragDq) {
+    if constexpr (kFragDq && !kDqFirst) {
       // frag_dq: dV and dK are done before dQ goes out, so that their operands' fragments and dQ's accumulators
       // are never live at once (at D = 128 ptxas serialised every wgmma without this wait, and spilled with dK
       // still running)
