@@ -322,6 +322,10 @@ REFERENCES = {
                                      "cuda_hopper_frag_dq", "cuda_hopper_frag_dq_first", "sdpa_cudnn", "--seqlens",
                                      "2048", "4096", "8192", "16384", "--head-dims", "64", "--rounds", "3", "--out",
                                      "images/06c_bwd_frag_dq_first_h200.json"]),
+    # and one profiled launch of each at D = 64, N = 8k beside FlashAttention-4's (needs ncu and flash-attn-4)
+    "hopper_bwd_ncu_d64_fa4": (1, ["utils.course.bench.ncu", "--worklog", "hopper_bwd", "--steps", "late_dq_first",
+                                   "frag_dq_first", "flash-attn-4", "--head-dim", "64", "--seqlen", "8192",
+                                   "--source", "--name", "06c_ncu_bwd_d64_fa4_h200"]),
     # 06c's backward table: the default step beside the Gluon backward, FA2 and cuDNN
     "hopper_bwd_default": (1, ["utils.course.bench.backward", "--backends", "cuda_hopper_late_prefetch",
                                "cuda_hopper_dv_late", "cuda_hopper_edge_mask", "gluon_bwd", "sdpa_flash",
