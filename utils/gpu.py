@@ -63,7 +63,7 @@ def capability(device=None) -> tuple[int, int] | None:
     index, profile = _index(device), emulated()
     if profile:
         return profile.capability
-    return _capability(torch.cuda.current_device() if index is None else index)
+    return tuple(torch.cuda.get_device_capability()) if index is None else _capability(index)
 
 
 def shared_memory_per_block(device=None) -> int | None:
