@@ -106,7 +106,7 @@ bool hopper_backward_fragments(int head_dim, int step);
 // ("atomic_dq"), 1 ("reduce_dq"), 2 ("prefetch_s"), 3 ("bh_group"), 4 ("stsm_ds"), 5 ("stsm_uniform"), 6
 // ("dq_first"), 7 ("desc_add"), 8 ("edge_mask"), 9 ("dv_late"), 10 ("late_prefetch"), 11 ("late_group"), 12
 // ("rows80"), 13 ("rows80_group"), 14 ("late_dq_first"), 15 ("frag_dq"), 16 ("early_lse"), 17 ("dq_writer"),
-// 18 ("stagger") or 19 ("rows64") -> (dq, dk, dv).
+// 18 ("stagger"), 19 ("rows64") or 20 ("frag_dq_first") -> (dq, dk, dv).
 std::vector<torch::Tensor> hopper_attention_backward(torch::Tensor dout, torch::Tensor q, torch::Tensor k,
                                                      torch::Tensor v, torch::Tensor o, torch::Tensor lse, bool causal,
                                                      double scale, int64_t step) {
@@ -141,7 +141,7 @@ std::vector<torch::Tensor> hopper_attention_backward(torch::Tensor dout, torch::
   const std::vector<torch::Tensor> stats = course_flash::bwd_prepare(name, dout, o, lse, pad);
   const torch::Tensor &lse2 = stats[0], &delta = stats[1];
 
-  // frag_dq and early_lse keep dQ in register order, whole tiles of each head's padded rows
+  // frag_dq, early_lse and (at D = 64) frag_dq_first keep dQ in register order, whole tiles of each head's rows
   const bool fragments = course_hopper::hopper_backward_fragments(static_cast<int>(d), static_cast<int>(step));
   auto dq_accum = fragments ? torch::zeros({q.size(0), q.size(1), lse2.size(1), d}, q.options().dtype(torch::kFloat32))
                             : torch::zeros(q.sizes(), q.options().dtype(torch::kFloat32));

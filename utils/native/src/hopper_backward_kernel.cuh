@@ -180,8 +180,9 @@ __global__ void __launch_bounds__(BackwardTile<D>::kThreads, 1)
   using Tile = BackwardTile<D, bwd_wide(kStep)>;
   constexpr int BM = Tile::kRows, kStages = Tile::kStages;
   constexpr bool kTransDq = Tile::kTransDq;
-  // frag_dq, early_lse, dq_writer: warp 1 of the producer adds dQ. dq_writer only without the mask: under it the
-  // writer's loop, beside late_dq_first's consumers, left ptxas short of registers (C7512, every wgmma serialised)
+  // frag_dq, early_lse, frag_dq_first (D = 64), dq_writer: warp 1 of the producer adds dQ. dq_writer only without
+  // the mask: under it the writer's loop, beside late_dq_first's consumers, left ptxas short of registers (C7512,
+  // every wgmma serialised)
   constexpr bool kWriter = bwd_fragments(kStep, D) || (kStep == kBwdDqWriter && !kCausal);
   constexpr int kPanel = 64 * 128;  // 64 rows of a 64-column panel
   extern __shared__ __align__(16) unsigned char smem_raw[];
