@@ -408,6 +408,58 @@ def test_sweep_rounds_take_turns_and_keep_the_median(fake):
     assert all(r["error"].startswith("not supported") for r in records)
 
 
+def test_kernel_steps_name_each_pass_that_a_mode_runs():
+    from utils.native.backward import BWD_DEFAULT_STEP
+    from utils.native.build import MMA_DEFAULT_STEP
+    from utils.native.hopper import DEFAULT_STEPS
+    from utils.native.hopper_backward import BWD_DEFAULT_STEPS
+
+    for d in (64, 128):
+        assert peers_sweep.kernel_steps("cuda_hopper", "fwd", d) == {"fwd": DEFAULT_STEPS[d]}
+        assert peers_sweep.kernel_steps("cuda_hopper", "bwd", d) == {"bwd": BWD_DEFAULT_STEPS[d]}
+        assert peers_sweep.kernel_steps("cuda_hopper", "fwd_bwd", d) == {"fwd": DEFAULT_STEPS[d],
+                                                                         "bwd": BWD_DEFAULT_STEPS[d]}
+    assert peers_sweep.kernel_steps("cuda", "fwd_bwd", 64) == {"fwd": MMA_DEFAULT_STEP, "bwd": BWD_DEFAULT_STEP}
+    assert peers_sweep.kernel_steps("triton", "bwd", 64) == {} == peers_sweep.kernel_steps("flash-attn-4", "fwd", 64)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        peers_sweep.kernel_steps("cuda_hopper", "train", 64)
+    with pytest.raises(ValueError, match="head_dim must be one of"):
+        peers_sweep.kernel_steps("cuda_hopper", "bwd", 96)
+
+
+def test_sweep_rows_record_the_steps_they_measured(fake):
+    """A kernel built in steps keeps, in each measured row, the step each pass ran; a failed row keeps none."""
+    args = small_sweep(fake, "--dtypes", "fp16", "--causal", "no", "--modes", "fwd", "bwd", "fwd_bwd")
+
+    def broken(q, k, v, *, causal=False, sm_scale=None):
+        raise RuntimeError("no kernel")
+
+    records = peers_sweep.run(args, {"cuda_hopper": naive_attention, "cuda": broken, "triton": naive_attention},
+                              time_ms=lambda c: 1.0, device="cpu", progress=False)
+    by = {(r["impl"], r["mode"]): r for r in records}
+    for mode in ("fwd", "bwd", "fwd_bwd"):
+        assert by["cuda_hopper", mode]["steps"] == peers_sweep.kernel_steps("cuda_hopper", mode, 64)
+        assert "steps" not in by["triton", mode] and "steps" not in by["cuda", mode]
+    assert set(by["cuda_hopper", "fwd_bwd"]["steps"]) == {"fwd", "bwd"}
+
+
+def test_stale_steps_names_rows_measured_with_another_default(tmp_path):
+    row = dict(impl="cuda_hopper", mode="bwd", dtype="bf16", head_dim=64, causal=True, seqlen=2048)
+    today = peers_sweep.kernel_steps("cuda_hopper", "bwd", 64)
+    path = tmp_path / "peers_x.json"
+    path.write_text(json.dumps({"results": [dict(row, steps=today), dict(row, impl="triton"),
+                                            dict(row, seqlen=4096, steps={"bwd": "atomic_dq"})]}))
+    assert peers_sweep.stale_steps(path) == [
+        "peers_x.json: cuda_hopper bwd bf16 D=64 N=4096 causal measured {'bwd': 'atomic_dq'}"]
+
+
+def test_stored_sweeps_measured_todays_default_steps():
+    """Every stored sweep's recorded steps are today's defaults (a changed default needs a new measurement)."""
+    images = Path(__file__).resolve().parents[1] / "images"
+    stale = [line for path in sorted(images.glob("peers*.json")) for line in peers_sweep.stale_steps(path)]
+    assert not stale, "measure these again (or restore the default):\n" + "\n".join(stale)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU error")
 def test_sweep_needs_a_gpu():
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):

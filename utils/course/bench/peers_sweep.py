@@ -9,7 +9,8 @@ flash-attn-4 package is installed, FlashAttention-4 (issue 78).
 
 Why a module of its own: utils.course.bench.forward times one dtype's forward and utils.course.bench.backward a fixed backward
 grid, each with a stored format that notebooks read; this comparison needs both passes and both dtypes as one set
-of records {impl, mode, dtype, head_dim, causal, seqlen, ms, tflops, max_err, error}. It reuses their parts: the
+of records {impl, mode, dtype, head_dim, causal, seqlen, ms, tflops, max_err, error}, and for the kernels built
+in named steps the steps measured (`kernel_steps`). It reuses their parts: the
 candidates (utils.course.bench.forward.candidates: registry names, pinned SDPA, peers from utils.course.bench.peers), the FLOP
 counts and utils.course.bench.benchmark (given closures without arguments, that is torch's Timer after `--warmup` ms
 of calls: back-to-back calls with the GPU synchronised around each block of them, no L2 flush). Every
@@ -86,6 +87,36 @@ def prepare(fn, mode, q, k, v, do, causal):
         return backward.autograd_backward(fn)(q, k, v, do, causal)
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     return lambda: torch.autograd.grad(fn(q, k, v, causal=causal), (q, k, v), do)
+
+
+def kernel_steps(impl: str, mode: str, head_dim: int) -> dict:
+    """{pass: step} for the passes `mode` runs of a registry kernel built in named steps (06b's "cuda", 06c's
+    "cuda_hopper"): the step each pass takes at `head_dim` when given none. Stored with each measured row, so that
+    a later change of default cannot relabel a stored run; {} for the other implementations."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if impl == "cuda":
+        from utils.native.backward import BWD_DEFAULT_STEP
+        from utils.native.build import MMA_DEFAULT_STEP
+
+        table = {"fwd": MMA_DEFAULT_STEP, "bwd": BWD_DEFAULT_STEP}
+    elif impl == "cuda_hopper":
+        from utils.native.hopper import DEFAULT_STEPS, pick_by_head_dim
+        from utils.native.hopper_backward import bwd_default_step
+
+        table = {"fwd": pick_by_head_dim(DEFAULT_STEPS, head_dim), "bwd": bwd_default_step(head_dim)}
+    else:
+        return {}
+    return {p: table[p] for p in ("fwd", "bwd") if p in mode.split("_")}
+
+
+def stale_steps(path: Path) -> list[str]:
+    """The rows of a stored sweep whose recorded steps are no longer the defaults (`kernel_steps`), one line each:
+    a default changed without a new measurement would credit one step with another's speed."""
+    return [f"{Path(path).name}: {r['impl']} {r['mode']} {r['dtype']} D={r['head_dim']} N={r['seqlen']}"
+            f"{' causal' if r['causal'] else ''} measured {r['steps']}"
+            for r in json.loads(Path(path).read_text())["results"]
+            if "steps" in r and r["steps"] != kernel_steps(r["impl"], r["mode"], r["head_dim"])]
 
 
 def max_error(fn, q, k, v, causal) -> float:
@@ -168,6 +199,9 @@ def run(args, fns: dict, *, time_ms=None, device="cuda", progress=True, done=(),
                 flops = attention_flops(args.batch, args.heads, n, n, d, causal=causal, mode=mode)
                 record.update(ms=ms, tflops=tflops(flops, ms), max_err=errors[label],
                               accurate=errors[label] <= TOLERANCE[dtype_name], rounds=times)
+                steps = kernel_steps(label, mode, d)
+                if steps:
+                    record["steps"] = steps
         bar.update(len(todo))
         del q, k, v, do
         if torch.device(device).type == "cuda":
