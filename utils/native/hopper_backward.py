@@ -2,30 +2,39 @@
 wgmma and TMA (utils/native/src/hopper_backward.cu), and the registry's differentiable "cuda_hopper".
 
 - `flash_hopper_backward(do, q, k, v, o, lse)` -> (dq, dk, dv), from the forward's o and lse
-  (utils.native.hopper.flash_hopper_forward). Its steps (`BWD_STEPS`) differ in how dQ leaves a consumer: by
-  8-byte atomics from every thread ("atomic_dq"), or staged in shared memory and added by TMA ("reduce_dq"); on
-  that, the next tile's Sᵀ issued while dQ leaves ("prefetch_s"), or under a causal mask the blocks launched key
-  block by key block over groups of four (batch, K/V head)s ("bh_group"), or dSᵀ stored with stmatrix
-  ("stsm_ds"), and on that the warpgroup index read from lane 0 so that ptxas keeps addresses uniform
-  ("stsm_uniform"), and on that dQ issued before dK, so that dQ is staged while dK runs ("dq_first"), or each
-  operand's wgmma descriptor built once and stepped by an addition ("desc_add"), and on that the mask in a branch
-  that only the tiles on the diagonal or past Nk take ("edge_mask"), and on that dV issued after dS, so that P's
-  16-bit fragments are not live beside Sᵀ and dPᵀ ("dv_late"), and on that the next tile's Sᵀ issued while dQ
-  leaves, after the last tile too, so that no branch keeps ptxas from pipelining it ("late_prefetch"), and on that
-  the causal blocks launched as bh_group's ("late_group"); or, on "late_prefetch", 80-query tiles at D = 128,
-  with dQ computed transposed (dQᵀ = Kᵀ dSᵀ), as FlashAttention-3 does ("rows80"), and on that the causal
-  blocks launched as bh_group's ("rows80_group"), and on that dQ issued before dK, staged while dK runs, and dK
-  waited for before the next tile's Sᵀ ("late_dq_first"); or, on "rows80_group", dQ staged in its accumulator's
-  register order, 16 bytes a store, and added by a dQ writer warp with one bulk reduce a consumer and tile, dQ
-  kept in that order until the finish pass ("frag_dq"), and on that the tile's lse2 values loaded into registers
-  before the wait for Sᵀ ("early_lse"); or, on "late_dq_first", its dQ handed to the same writer warp, which adds
-  the consumer's two staged boxes by TMA, so that no consumer thread waits for the others or issues the add
-  ("dq_writer"); or, on "late_dq_first", each block's walk of a head's query blocks started at its own (key
-  block index mod their number) without a mask, so that blocks running together add dQ into different rows
-  ("stagger"); or "late_dq_first" on 64-query tiles at D = 128, as FlashAttention-3 and -4 take under a causal
-  mask ("rows64"); or, at D = 64, "late_dq_first"'s order with dQ staged in register order for the dQ writer, as
-  "frag_dq" stages it: FlashAttention-4's loop there (at D = 128 it is "late_dq_first") ("frag_dq_first").
+  (utils.native.hopper.flash_hopper_forward), in one of the steps below (`BWD_STEPS`; by default the head dim's
+  `BWD_DEFAULT_STEPS`).
 - `flash_hopper_attention(q, k, v)`: the forward, and this backward through autograd when an input requires grad.
+
+The steps, each built on the one it names:
+
+    atomic_dq      dQ added to global memory by 8-byte atomics from every thread
+    reduce_dq      on atomic_dq: dQ staged in shared memory, added by a TMA reduce-add
+    prefetch_s     on reduce_dq: the next tile's Sᵀ issued while dQ leaves
+    bh_group       on reduce_dq: causal blocks launched key block by key block over groups of four
+                   (batch, K/V head)s
+    stsm_ds        on reduce_dq: dSᵀ stored with stmatrix
+    stsm_uniform   on stsm_ds: the warpgroup index read from lane 0, so that ptxas keeps addresses uniform
+    dq_first       on stsm_uniform: dQ issued before dK, and staged while dK runs
+    desc_add       on stsm_uniform: each operand's wgmma descriptor built once and stepped by an addition
+    edge_mask      on desc_add: the mask in a branch that only the tiles on the diagonal or past Nk take
+    dv_late        on edge_mask: dV issued after dS, so that P's 16-bit fragments are not live beside Sᵀ and dPᵀ
+    late_prefetch  on dv_late: the next Sᵀ issued while dQ leaves, after the last tile too (no branch that keeps
+                   ptxas from pipelining it)
+    late_group     on late_prefetch: the causal blocks launched as bh_group's
+    rows80         on late_prefetch: 80-query tiles at D = 128, dQ computed transposed (dQᵀ = Kᵀ dSᵀ), as
+                   FlashAttention-3 does
+    rows80_group   on rows80: the causal blocks launched as bh_group's
+    late_dq_first  on rows80_group: dQ issued before dK and staged while dK runs; dK waited for before the next Sᵀ
+    frag_dq        on rows80_group: dQ staged in its accumulator's register order, 16 bytes a store, and added by
+                   a dQ writer warp, one bulk reduce a consumer and tile; a last pass puts dQ back in rows
+    early_lse      on frag_dq: the tile's lse2 values loaded into registers before the wait for Sᵀ
+    dq_writer      on late_dq_first: dQ staged in rows, added by the writer warp (the consumer's two boxes by TMA)
+    stagger        on late_dq_first: without a mask, each block's walk of a head's query blocks started at its
+                   own (key block index mod their number), so that blocks running together add into other rows
+    rows64         on late_dq_first: 64-query tiles at D = 128, as FlashAttention-3 and -4 take under a mask
+    frag_dq_first  on late_dq_first: at D = 64, dQ staged in register order for the writer warp as frag_dq
+                   stages it (FlashAttention-4's loop); at D = 128 it is late_dq_first
 """
 from __future__ import annotations
 
