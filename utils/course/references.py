@@ -661,18 +661,15 @@ def stored_kernels(mode: str = "fwd", columns=COLUMNS) -> list[dict]:
     baseline (cuDNN, FlashAttention-2, or SDPA's own pick) measured in the same run; None where not measured.
     `runs` lists the stored runs a row reads (one per head dim at most), `run` joins them for display."""
     from utils.course.bench.cuda_mma import step_label
-    from utils.native.backward import BWD_DEFAULT_STEP
-    from utils.native.build import MMA_DEFAULT_STEP
-    from utils.native.hopper import DEFAULT_STEPS
-    from utils.native.hopper_backward import BWD_DEFAULT_STEPS as HOPPER_BWD_DEFAULT_STEPS
+    from utils.course.bench.peers_sweep import kernel_steps
 
-    default = {("cuda", "fwd"): lambda d: step_label(MMA_DEFAULT_STEP),
-               ("cuda_hopper", "fwd"): lambda d: step_label(DEFAULT_STEPS[d], "hopper"),
-               ("cuda", "bwd"): lambda d: f"cuda_{BWD_DEFAULT_STEP}",
-               ("cuda_hopper", "bwd"): lambda d: f"cuda_hopper_{HOPPER_BWD_DEFAULT_STEPS[d]}"}
+    def default(kernel, d):  # the label of the step a kernel built in steps runs by default, as its runs store it
+        step = kernel_steps(kernel, mode, d)[mode]
+        return step_label(step, "hopper" if kernel == "cuda_hopper" else "mma") if mode == "fwd" else f"{kernel}_{step}"
+
     out = []
     for kernel, (run, label, notebook) in (FORWARD_RUNS if mode == "fwd" else BACKWARD_RUNS).items():
-        labels = {col: label or default[kernel, mode](col[0]) for col in columns}  # col = (head_dim, causal, N)
+        labels = {col: label or default(kernel, col[0]) for col in columns}  # col = (head_dim, causal, N)
         runs = {col: run if isinstance(run, str) else run(col[0]) for col in columns}
         tables = {name: _by(stored_records(name, mode), "impl", "head_dim", "causal", "seqlen")
                   for name in dict.fromkeys(runs.values())}

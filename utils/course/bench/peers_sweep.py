@@ -101,10 +101,10 @@ def kernel_steps(impl: str, mode: str, head_dim: int) -> dict:
 
         table = {"fwd": MMA_DEFAULT_STEP, "bwd": BWD_DEFAULT_STEP}
     elif impl == "cuda_hopper":
-        from utils.native.hopper import DEFAULT_STEPS, pick_by_head_dim
+        from utils.native.hopper import default_step
         from utils.native.hopper_backward import bwd_default_step
 
-        table = {"fwd": pick_by_head_dim(DEFAULT_STEPS, head_dim), "bwd": bwd_default_step(head_dim)}
+        table = {"fwd": default_step(head_dim), "bwd": bwd_default_step(head_dim)}
     else:
         return {}
     return {p: table[p] for p in ("fwd", "bwd") if p in mode.split("_")}
