@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import sys
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -523,6 +524,14 @@ def fake_fa4(monkeypatch):
     package.cute = cute
     monkeypatch.setitem(sys.modules, "flash_attn", package)
     monkeypatch.setitem(sys.modules, "flash_attn.cute", cute)
+    real_version = metadata.version
+
+    def version(name):  # the fake has no distribution, even where the real package is installed (the GPU machine)
+        if name in peers.FA4_PACKAGES:
+            raise metadata.PackageNotFoundError(name)
+        return real_version(name)
+
+    monkeypatch.setattr(metadata, "version", version)
     return fake
 
 
@@ -540,7 +549,7 @@ def test_flash_attention_4_missing_is_named_with_how_to_get_it(monkeypatch, caps
 def test_flash_attention_4_gets_views_in_its_layout_and_matches_attention(fake_fa4):
     peer = peers.load_flash_attention_4()
     assert peer.label == peer.__name__ == "flash-attn-4"
-    assert peer.provenance()["versions"] == {"flash-attn-4": None, "nvidia-cutlass-dsl": None}   # not installed here
+    assert peer.provenance()["versions"] == {"flash-attn-4": None, "nvidia-cutlass-dsl": None}   # the fake's
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(2, 4, 37, 64, generator=gen, dtype=torch.float64).to(torch.bfloat16).requires_grad_()
     k, v = (torch.randn(2, 2, 53, 64, generator=gen).to(torch.bfloat16).requires_grad_() for _ in range(2))
