@@ -51,7 +51,7 @@ BWD_STEPS = ("atomic_dq", "reduce_dq", "prefetch_s", "bh_group", "stsm_ds", "sts
              "late_group", "rows80", "rows80_group", "late_dq_first", "frag_dq",
              "early_lse", "dq_writer", "stagger", "rows64", "frag_dq_first")  # the kernel's kBwd* steps, in order
 # the registry's step per head dim: the fastest measured there (06cw section 7)
-BWD_DEFAULT_STEPS = {64: "late_dq_first", 128: "late_dq_first"}
+BWD_DEFAULT_STEPS = {64: "frag_dq_first", 128: "late_dq_first"}
 
 
 def bwd_default_step(head_dim: int) -> str:
