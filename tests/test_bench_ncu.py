@@ -195,3 +195,21 @@ def test_format_stalls_shows_the_instructions_and_the_samples_at_each_opcode():
     for bad in ("STS", (), ("STS", "")):
         with pytest.raises(ValueError, match="opcodes must be"):
             ncu.format_stalls(source, opcodes=bad)
+
+
+def test_format_shares_shows_one_entry_of_each_reading_in_percent():
+    source = {"ours": dict(opcodes={"MUFU": 0.125, "LDS": 0.05}, stalls={"wait": 0.2}),
+              "flash-attn-4": dict(opcodes={"SHFL": 0.096}, stalls={"wait": 0.1, "mio": 0.09})}
+    lines = ncu.format_shares(source, "opcodes", ("MUFU", "SHFL", "LDS")).splitlines()
+    assert lines[0].split() == ["opcodes,", "%", "MUFU", "SHFL", "LDS"]
+    assert lines[1].split() == ["ours", "12.5", "0.0", "5.0"]  # a name the reading lacks reads 0
+    assert lines[2].split() == ["flash-attn-4", "0.0", "9.6", "0.0"]
+    assert ncu.format_shares(source, "stalls", ("mio",)).splitlines()[1:] == [f"{'ours':<20s}{'0.0':>10s}",
+                                                                             f"{'flash-attn-4':<20s}{'9.0':>10s}"]
+    with pytest.raises(ValueError, match="entry must be one of"):
+        ncu.format_shares(source, "reasons", ("wait",))
+    with pytest.raises(TypeError, match="source must be"):
+        ncu.format_shares([], "stalls", ("wait",))
+    for bad in ("wait", (), ("wait", None)):
+        with pytest.raises(ValueError, match="names must be"):
+            ncu.format_shares(source, "stalls", bad)

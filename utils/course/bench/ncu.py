@@ -211,14 +211,34 @@ def format_table(steps: dict) -> str:
     return "\n".join(lines)
 
 
+SHARES = ("stalled_at", "opcodes", "stalls")  # a --source reading's shares: see parse_source
+
+
+def _check_shares(source, names, what: str) -> None:
+    if not isinstance(source, dict):
+        raise TypeError(f"source must be a dict (a reading's \"source\" entry), got {type(source).__name__}")
+    if isinstance(names, str) or not names or not all(isinstance(n, str) and n for n in names):
+        raise ValueError(f"{what} must be a non-empty sequence of names, got {names!r}")
+
+
+def format_shares(source: dict, entry: str, names) -> str:
+    """One row per step of a --source reading (its "source" entry): in percent, the share of each of `names` in
+    its `entry`: "opcodes" (instructions executed, by SASS mnemonic), "stalls" (stall samples, by reason) or
+    "stalled_at" (stall samples, by the mnemonic they were taken at)."""
+    if entry not in SHARES:
+        raise ValueError(f"entry must be one of {SHARES}, got {entry!r}")
+    _check_shares(source, names, "names")
+    lines = [f"{entry + ', %':<20s}" + "".join(f"{n:>10s}" for n in names)]
+    for label, reading in source.items():
+        lines.append(f"{label:<20s}" + "".join(f"{100 * reading[entry].get(n, 0.0):>10.1f}" for n in names))
+    return "\n".join(lines)
+
+
 def format_stalls(source: dict, opcodes=("WARPGROUP", "HGMMA", "FENCE", "STS", "FFMA")) -> str:
     """One row per step of a --source reading (its "source" entry): the instructions it executed, in billions,
     then the share of its stall samples taken at each of `opcodes` (SASS mnemonics, as parse_source keeps them),
     in percent."""
-    if not isinstance(source, dict):
-        raise TypeError(f"source must be a dict (a reading's \"source\" entry), got {type(source).__name__}")
-    if isinstance(opcodes, str) or not opcodes or not all(isinstance(op, str) and op for op in opcodes):
-        raise ValueError(f"opcodes must be a non-empty sequence of SASS mnemonics, got {opcodes!r}")
+    _check_shares(source, opcodes, "opcodes")
     lines = [f"{'step':<20s}{'instr G':>9s}" + "".join(f"{op + ' %':>12s}" for op in opcodes)]
     for label, reading in source.items():
         at = reading["stalled_at"]
