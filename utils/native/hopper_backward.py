@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import torch
 
-from utils import gpu
 from utils.checks import CUDA_GRID_Y, check_device
 from utils.eager.backward import KernelPair, check_backward_inputs, wants_grad
 from utils.native import build as native_build
@@ -77,7 +76,6 @@ def flash_hopper_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     if shape.batch * shape.kv_heads > CUDA_GRID_Y:
         raise ValueError(f"batch x kv_heads = {shape.batch * shape.kv_heads} is more than the backward's grid has rows "
                          f"(gridDim.y, at most {CUDA_GRID_Y}); split the batch")
-    native_build.check_hopper_capability(gpu.capability(q.device))
     do, q, k, v, o = (_readable(t) for t in (do, q, k, v, o))
     extension = native_build.load("hopper_backward")
     return tuple(extension.hopper_attention_backward(do, q, k, v, o, lse.float().contiguous(), causal, scale,

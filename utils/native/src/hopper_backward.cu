@@ -141,10 +141,13 @@ std::vector<torch::Tensor> hopper_attention_backward(torch::Tensor dout, torch::
   const std::vector<torch::Tensor> stats = course_flash::bwd_prepare(name, dout, o, lse, pad);
   const torch::Tensor &lse2 = stats[0], &delta = stats[1];
 
-  // frag_dq, early_lse and (at D = 64) frag_dq_first keep dQ in register order, whole tiles of each head's rows
+  // frag_dq, early_lse and (at D = 64) frag_dq_first keep dQ in register order, whole tiles of each head's rows.
+  // Zeroed by a memset: torch::zeros would launch a fill kernel through TensorIterator, with more host time a call.
   const bool fragments = course_hopper::hopper_backward_fragments(static_cast<int>(d), static_cast<int>(step));
-  auto dq_accum = fragments ? torch::zeros({q.size(0), q.size(1), lse2.size(1), d}, q.options().dtype(torch::kFloat32))
-                            : torch::zeros(q.sizes(), q.options().dtype(torch::kFloat32));
+  auto dq_accum = fragments ? torch::empty({q.size(0), q.size(1), lse2.size(1), d}, q.options().dtype(torch::kFloat32))
+                            : torch::empty(q.sizes(), q.options().dtype(torch::kFloat32));
+  const cudaError_t zeroed = cudaMemsetAsync(dq_accum.data_ptr(), 0, dq_accum.nbytes(), stream);
+  TORCH_CHECK(zeroed == cudaSuccess, name, ": zeroing dQ's accumulator failed: ", cudaGetErrorString(zeroed));
   auto dk = torch::empty_like(k), dv = torch::empty_like(v);
   const course_hopper::BackwardParams p{static_cast<int>(nq), static_cast<int>(nk), static_cast<int>(q.size(1)),
                                         static_cast<int>(k.size(1)), static_cast<int>(lse2.size(1)),
