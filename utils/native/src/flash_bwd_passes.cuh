@@ -11,15 +11,16 @@ namespace course_flash {
 // lse · log2 e (+inf where lse = -inf: the row sees no key) and delta = rowsum(dO ∘ O) in fp32; +inf and 0 in the
 // padding. One pass over dO and O, instead of torch's casts, product and sum. kLanes threads share a row, each
 // reading 8 elements (16 bytes) at a time, and add up their sums by shuffles.
+// A block's rows lie in one head (padded_q is a multiple of them), so the head and row come from the block index by
+// 32-bit divisions: 64-bit ones, a subroutine of many instructions, set the pass's time before memory did.
 template <typename T, int D>
 __global__ void __launch_bounds__(256) flash_bwd_prepare_kernel(BwdPrepareParams pp) {
-  constexpr int kLanes = D / 8;  // 8 (D = 64) or 16 (D = 128): one 16-byte chunk each
-  const long long row = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) / kLanes;
-  const int lane = threadIdx.x % kLanes;
-  if (row >= pp.rows) return;  // whole groups of kLanes leave together: the shuffles below see only live lanes
-  const long long bh = row / pp.padded_q;
-  const int n = static_cast<int>(row % pp.padded_q), b = static_cast<int>(bh / pp.heads);
-  const int h = static_cast<int>(bh % pp.heads);
+  constexpr int kLanes = D / 8, kRows = 256 / kLanes;  // kLanes: 8 (D = 64) or 16 (D = 128), one 16-byte chunk each
+  const unsigned blocks_a_head = static_cast<unsigned>(pp.padded_q / kRows);
+  const int bh = static_cast<int>(blockIdx.x / blocks_a_head), lane = threadIdx.x % kLanes;
+  const int n = static_cast<int>(blockIdx.x % blocks_a_head) * kRows + threadIdx.x / kLanes;
+  const int b = bh / pp.heads, h = bh % pp.heads;
+  const long long row = static_cast<long long>(bh) * pp.padded_q + n;
   float sum = 0.f;
   if (n < pp.seqlen_q) {
     const uint4 x = *reinterpret_cast<const uint4*>(static_cast<const T*>(pp.dout) + b * pp.do_stride[0] +
@@ -31,11 +32,10 @@ __global__ void __launch_bounds__(256) flash_bwd_prepare_kernel(BwdPrepareParams
 #pragma unroll
     for (int i = 0; i < 8; ++i) sum = fmaf(to_float(xs[i]), to_float(ys[i]), sum);
   }
-  const unsigned group = ((1u << kLanes) - 1) << (threadIdx.x % 32 / kLanes * kLanes);  // this row's kLanes lanes
 #pragma unroll
-  for (int offset = kLanes / 2; offset > 0; offset /= 2) sum += __shfl_xor_sync(group, sum, offset);
+  for (int offset = kLanes / 2; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
   if (lane == 0) {
-    const float lse = n < pp.seqlen_q ? pp.lse[bh * pp.seqlen_q + n] : -INFINITY;
+    const float lse = n < pp.seqlen_q ? pp.lse[static_cast<long long>(bh) * pp.seqlen_q + n] : -INFINITY;
     pp.lse2[row] = lse == -INFINITY ? INFINITY : lse * 1.4426950408889634f;
     pp.delta[row] = sum;
   }
@@ -58,8 +58,7 @@ __global__ void __launch_bounds__(256) flash_bwd_finish_kernel(const float* accu
 
 template <typename T>
 cudaError_t launch_prepare_t(const BwdPrepareParams& pp, cudaStream_t stream) {
-  const int lanes = pp.head_dim / 8;
-  const long long blocks = (pp.rows * lanes + 255) / 256;
+  const long long blocks = pp.rows / (256 / (pp.head_dim / 8));  // whole blocks: padded_q is a multiple of kLsePad
   if (pp.head_dim == 64) flash_bwd_prepare_kernel<T, 64><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(pp);
   else flash_bwd_prepare_kernel<T, 128><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(pp);
   return cudaGetLastError();
@@ -69,6 +68,7 @@ cudaError_t launch_prepare_t(const BwdPrepareParams& pp, cudaStream_t stream) {
 // emit them. Include this header once per extension.
 cudaError_t launch_bwd_prepare(const BwdPrepareParams& pp, DType dtype, cudaStream_t stream) {
   if (pp.head_dim != 64 && pp.head_dim != 128) return cudaErrorInvalidValue;
+  if (pp.padded_q % kLsePad != 0 || pp.rows / kLsePad > INT32_MAX / 8) return cudaErrorInvalidValue;
   if (pp.rows == 0) return cudaSuccess;
   return dtype == DType::kFloat16 ? launch_prepare_t<__half>(pp, stream) : launch_prepare_t<__nv_bfloat16>(pp, stream);
 }
