@@ -13,9 +13,10 @@ namespace course_flash {
 // reading 8 elements (16 bytes) at a time, and add up their sums by shuffles.
 // A block's rows lie in one head (padded_q is a multiple of them), so the head and row come from the block index by
 // 32-bit divisions: 64-bit ones, a subroutine of many instructions, set the pass's time before memory did.
+__host__ __device__ constexpr int prepare_rows(int head_dim) { return 256 / (head_dim / 8); }  // a block's rows
 template <typename T, int D>
 __global__ void __launch_bounds__(256) flash_bwd_prepare_kernel(BwdPrepareParams pp) {
-  constexpr int kLanes = D / 8, kRows = 256 / kLanes;  // kLanes: 8 (D = 64) or 16 (D = 128), one 16-byte chunk each
+  constexpr int kLanes = D / 8, kRows = prepare_rows(D);  // kLanes: 8 (D = 64) or 16 (D = 128), 16 bytes each
   const unsigned blocks_a_head = static_cast<unsigned>(pp.padded_q / kRows);
   const int bh = static_cast<int>(blockIdx.x / blocks_a_head), lane = threadIdx.x % kLanes;
   const int n = static_cast<int>(blockIdx.x % blocks_a_head) * kRows + threadIdx.x / kLanes;
@@ -58,7 +59,7 @@ __global__ void __launch_bounds__(256) flash_bwd_finish_kernel(const float* accu
 
 template <typename T>
 cudaError_t launch_prepare_t(const BwdPrepareParams& pp, cudaStream_t stream) {
-  const long long blocks = pp.rows / (256 / (pp.head_dim / 8));  // whole blocks: padded_q is a multiple of kLsePad
+  const long long blocks = pp.rows / prepare_rows(pp.head_dim);  // whole: launch_bwd_prepare checked padded_q
   if (pp.head_dim == 64) flash_bwd_prepare_kernel<T, 64><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(pp);
   else flash_bwd_prepare_kernel<T, 128><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(pp);
   return cudaGetLastError();
@@ -68,7 +69,8 @@ cudaError_t launch_prepare_t(const BwdPrepareParams& pp, cudaStream_t stream) {
 // emit them. Include this header once per extension.
 cudaError_t launch_bwd_prepare(const BwdPrepareParams& pp, DType dtype, cudaStream_t stream) {
   if (pp.head_dim != 64 && pp.head_dim != 128) return cudaErrorInvalidValue;
-  if (pp.padded_q % kLsePad != 0 || pp.rows / kLsePad > INT32_MAX / 8) return cudaErrorInvalidValue;
+  if (pp.padded_q % prepare_rows(pp.head_dim) != 0 || pp.rows / prepare_rows(pp.head_dim) > INT32_MAX)
+    return cudaErrorInvalidValue;  // blocks of one head's rows, and a grid that blockIdx.x can count
   if (pp.rows == 0) return cudaSuccess;
   return dtype == DType::kFloat16 ? launch_prepare_t<__half>(pp, stream) : launch_prepare_t<__nv_bfloat16>(pp, stream);
 }
